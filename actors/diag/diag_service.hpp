@@ -1,0 +1,22 @@
+#pragma once
+// Diagnostics service hosted by any node: answers ping (Pong), diag.echo (the same tensors
+// back plus their CRC-32s) and diag.sleep (waits, then Pong: a deliberately slow actor for
+// timeout and peer-loss tests). Plain class; the actor is messaging::spawn_service.
+#include <string>
+
+#include "messaging/envelope.hpp"
+#include "messaging/error.hpp"
+
+namespace kiln::actors {
+
+class DiagService {
+ public:
+  DiagService(std::string node, std::string actor) : node_(std::move(node)), actor_(std::move(actor)) {}
+  /// Reply for `request`; unknown_type for message types it does not handle.
+  messaging::Expected<messaging::Envelope> handle(const messaging::Envelope& request);
+
+ private:
+  std::string node_, actor_;
+};
+
+}  // namespace kiln::actors

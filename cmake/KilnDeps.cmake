@@ -1,0 +1,51 @@
+# Every third-party dependency of kiln, found (never vendored).
+find_package(Threads REQUIRED)
+find_package(CAF 0.17 REQUIRED)
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(ZMQ REQUIRED IMPORTED_TARGET libzmq>=4.3)
+find_package(cppzmq REQUIRED)
+find_package(msgpack REQUIRED)  # Debian: msgpackc-cxx target
+find_package(spdlog REQUIRED)
+find_package(doctest REQUIRED)
+find_package(tomlplusplus REQUIRED)
+find_package(CLI11 REQUIRED)
+find_package(nlohmann_json 3.10 REQUIRED)
+find_package(ZLIB REQUIRED)
+
+include(CheckLanguage)
+check_language(CUDA)
+set(KILN_CUDA OFF)
+if(CMAKE_CUDA_COMPILER)
+  set(KILN_CUDA ON)
+  # CMake 3.25 knows no C++20 flag for nvcc 13; CUDA sources use C++17.
+  set(CMAKE_CUDA_STANDARD 17)
+  set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+  if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+    set(CMAKE_CUDA_ARCHITECTURES 90)  # Hopper (H100/H200)
+  endif()
+  enable_language(CUDA)
+endif()
+
+if(KILN_WITH_TORCH)
+  # The torch wheel's CMake package: -DCMAKE_PREFIX_PATH=$(python -c 'import torch.utils;
+  # print(torch.utils.cmake_prefix_path)'); scripts/build.sh passes it.
+  # Name the target GPUs, or Caffe2's CMake tries to run a CUDA program to detect them.
+  if(NOT DEFINED TORCH_CUDA_ARCH_LIST AND NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST})
+    set(TORCH_CUDA_ARCH_LIST "9.0")
+  endif()
+  find_package(Torch REQUIRED)
+  # TorchConfig appends its flags to CMAKE_CXX_FLAGS globally; keep them on torch targets.
+  string(REPLACE "${TORCH_CXX_FLAGS}" "" CMAKE_CXX_FLAGS "${CMAKE_CXX_FLAGS}")
+  # One precompiled torch header shared (REUSE_FROM) by every torch-using target.
+  add_library(kiln_torch_pch OBJECT "${CMAKE_CURRENT_LIST_DIR}/torch_pch.cpp")
+  target_link_libraries(kiln_torch_pch PUBLIC torch)
+  target_compile_options(kiln_torch_pch PRIVATE ${TORCH_CXX_FLAGS})
+  target_precompile_headers(kiln_torch_pch PUBLIC <torch/torch.h>)
+endif()
+
+# kiln_use_torch(target): link LibTorch and reuse the shared precompiled header.
+function(kiln_use_torch target)
+  target_link_libraries(${target} PUBLIC torch)
+  target_compile_options(${target} PRIVATE ${TORCH_CXX_FLAGS})
+  target_precompile_headers(${target} REUSE_FROM kiln_torch_pch)
+endfunction()

@@ -1,0 +1,1 @@
+// Anchor translation unit of the precompiled torch header (see KilnDeps.cmake).

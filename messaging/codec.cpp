@@ -1,0 +1,327 @@
+// Envelope codec: encode_header / decode / validate, and payload helpers.
+#include <cstring>
+#include <string_view>
+
+#include "messaging/envelope.hpp"
+#include "messaging/schema.hpp"
+
+namespace kiln::messaging {
+
+namespace {
+
+constexpr const char* kKindNames[] = {"request", "reply", "error", "tell"};
+
+std::optional<Kind> kind_from_name(std::string_view s) {
+  for (int i = 0; i < 4; ++i)
+    if (s == kKindNames[i]) return static_cast<Kind>(i);
+  return std::nullopt;
+}
+
+Error bad(std::string what) { return make_error(ErrorCode::bad_message, std::move(what)); }
+
+const char* type_name(const msgpack::object& o) {
+  switch (o.type) {
+    case msgpack::type::NIL: return "nil";
+    case msgpack::type::BOOLEAN: return "bool";
+    case msgpack::type::POSITIVE_INTEGER: return "uint";
+    case msgpack::type::NEGATIVE_INTEGER: return "int";
+    case msgpack::type::FLOAT32: case msgpack::type::FLOAT64: return "float";
+    case msgpack::type::STR: return "str";
+    case msgpack::type::BIN: return "bin";
+    case msgpack::type::ARRAY: return "array";
+    case msgpack::type::MAP: return "map";
+    case msgpack::type::EXT: return "ext";
+  }
+  return "?";
+}
+
+// Field lookup in a msgpack map; keys that are not strings are ignored.
+const msgpack::object* field(const msgpack::object& map, std::string_view key) {
+  for (uint32_t i = 0; i < map.via.map.size; ++i) {
+    const auto& kv = map.via.map.ptr[i];
+    if (kv.key.type == msgpack::type::STR &&
+        std::string_view(kv.key.via.str.ptr, kv.key.via.str.size) == key)
+      return &kv.val;
+  }
+  return nullptr;
+}
+
+Expected<uint64_t> get_uint(const msgpack::object& map, const std::string& where, bool required,
+                            uint64_t fallback = 0) {
+  const auto* o = field(map, where.substr(where.rfind('.') + 1));
+  if (!o) {
+    if (required) return bad("envelope field '" + where + "' is missing");
+    return fallback;
+  }
+  if (o->type != msgpack::type::POSITIVE_INTEGER)
+    return bad("envelope field '" + where + "' must be an unsigned integer, got " + type_name(*o));
+  return o->via.u64;
+}
+
+Expected<std::string> get_str(const msgpack::object& map, std::string_view key,
+                              const std::string& where, bool required) {
+  const auto* o = field(map, key);
+  if (!o) {
+    if (required) return bad("envelope field '" + where + "' is missing");
+    return std::string();
+  }
+  if (o->type != msgpack::type::STR)
+    return bad("envelope field '" + where + "' must be a string, got " + type_name(*o));
+  return std::string(o->via.str.ptr, o->via.str.size);
+}
+
+// Bytes of a tensor of this dtype and shape, or an error naming the fault.
+Expected<std::size_t> tensor_bytes(DType dtype, const std::vector<int64_t>& shape,
+                                   const std::string& where) {
+  std::size_t n = item_size(dtype);
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] < 0)
+      return bad(where + ".shape[" + std::to_string(i) + "] is negative (" +
+                 std::to_string(shape[i]) + ")");
+    if (__builtin_mul_overflow(n, static_cast<std::size_t>(shape[i]), &n))
+      return bad(where + ".shape overflows: numel * item size exceeds 2^64 bytes");
+  }
+  return n;
+}
+
+Expected<bool> check_type(const std::string& type, uint32_t tv) {
+  auto declared = message_type_version(type);
+  if (!declared) return make_error(ErrorCode::unknown_type, "unknown message type '" + type + "'");
+  if (*declared != tv)
+    return make_error(ErrorCode::schema_mismatch,
+                      "message type '" + type + "' has schema version " + std::to_string(tv) +
+                          ", this build speaks " + std::to_string(*declared));
+  return true;
+}
+
+template <class Tuple, std::size_t... I>
+std::optional<uint32_t> find_version(std::string_view type, std::index_sequence<I...>) {
+  std::optional<uint32_t> out;
+  ((std::tuple_element_t<I, Tuple>::kType == type ? (out = std::tuple_element_t<I, Tuple>::kVersion, 0) : 0), ...);
+  return out;
+}
+
+}  // namespace
+
+const char* to_string(Kind kind) { return kKindNames[static_cast<int>(kind)]; }
+
+std::optional<uint32_t> message_type_version(std::string_view type) {
+  return find_version<MessageTypes>(type, std::make_index_sequence<std::tuple_size_v<MessageTypes>>{});
+}
+
+std::string encode_header(const Envelope& env) {
+  msgpack::sbuffer buf(256 + env.payload.size() + 64 * env.tensors.size());
+  msgpack::packer<msgpack::sbuffer> pk(buf);
+  pk.pack_map(9);
+  pk.pack("v"); pk.pack(env.schema_version);
+  pk.pack("type"); pk.pack(env.type);
+  pk.pack("tv"); pk.pack(env.type_version);
+  pk.pack("kind"); pk.pack(std::string_view(to_string(env.kind)));
+  pk.pack("from"); pk.pack(env.sender);
+  pk.pack("to"); pk.pack(env.receiver);
+  pk.pack("id"); pk.pack(env.correlation_id);
+  pk.pack("payload");
+  if (env.payload.empty()) pk.pack_map(0);
+  else buf.write(env.payload.data(), env.payload.size());  // already msgpack: no re-encode
+  pk.pack("tensors");
+  pk.pack_array(static_cast<uint32_t>(env.tensors.size()));
+  for (const auto& t : env.tensors) {
+    pk.pack_map(4);
+    pk.pack("name"); pk.pack(t.name);
+    pk.pack("dtype"); pk.pack(dtype_name(t.dtype));
+    pk.pack("shape"); pk.pack(t.shape);
+    pk.pack("nbytes"); pk.pack(static_cast<uint64_t>(t.nbytes));
+  }
+  return std::string(buf.data(), buf.size());
+}
+
+Expected<msgpack::object_handle> unpack_payload(const Envelope& env) {
+  const std::size_t n = env.payload.size();
+  if (n == 0) {  // an empty payload is an empty map
+    static const char kEmptyMap = '\x80';
+    return msgpack::unpack(&kEmptyMap, 1);
+  }
+  try {
+    std::size_t off = 0;
+    // Limits scale with the bytes at hand, so a tiny frame cannot claim a huge container.
+    msgpack::unpack_limit limit(n, n / 2 + 1, n, n, n, 32);
+    auto h = msgpack::unpack(env.payload.data(), n, off, nullptr, nullptr, limit);
+    if (off != n) return bad("payload of '" + env.type + "' has trailing bytes");
+    if (h.get().type != msgpack::type::MAP)
+      return bad("payload of '" + env.type + "' must be a map, got " + type_name(h.get()));
+    return h;
+  } catch (const std::exception& e) {
+    return bad("payload of '" + env.type + "' is not valid msgpack: " + e.what());
+  }
+}
+
+Expected<Envelope> decode(std::span<const Frame> frames, const DecodeLimits& limits) {
+  if (frames.empty()) return bad("no frames (expected an envelope frame)");
+  const Frame& head = frames[0];
+  const std::size_t n = head.size;
+  if (n == 0) return bad("frame 0 (envelope) is empty");
+  if (n > limits.max_envelope_bytes)
+    return bad("frame 0 (envelope) is " + std::to_string(n) + " bytes, limit " +
+               std::to_string(limits.max_envelope_bytes));
+  msgpack::object_handle h;
+  try {
+    std::size_t off = 0;
+    msgpack::unpack_limit limit(n, n / 2 + 1, n, n, n, limits.max_depth);
+    h = msgpack::unpack(reinterpret_cast<const char*>(head.data), n, off, nullptr, nullptr, limit);
+    if (off != n) return bad("frame 0 (envelope) has " + std::to_string(n - off) + " trailing bytes");
+  } catch (const std::exception& e) {
+    return bad(std::string("frame 0 (envelope) is not valid msgpack: ") + e.what());
+  }
+  const msgpack::object& root = h.get();
+  if (root.type != msgpack::type::MAP)
+    return bad(std::string("envelope must be a msgpack map, got ") + type_name(root));
+
+  Envelope env;
+  // The version comes first: another version may lay out other fields.
+  auto v = get_uint(root, "v", true);
+  if (!v) return v.error();
+  if (*v != kEnvelopeSchemaVersion)
+    return make_error(ErrorCode::schema_mismatch,
+                      "envelope schema version " + std::to_string(*v) + ", this build speaks " +
+                          std::to_string(kEnvelopeSchemaVersion));
+  env.schema_version = static_cast<uint32_t>(*v);
+
+  auto type = get_str(root, "type", "type", true);
+  if (!type) return type.error();
+  env.type = std::move(*type);
+  auto tv = get_uint(root, "tv", true);
+  if (!tv) return tv.error();
+  if (*tv > UINT32_MAX) return bad("envelope field 'tv' out of range");
+  if (auto ok = check_type(env.type, static_cast<uint32_t>(*tv)); !ok) return ok.error();
+  env.type_version = static_cast<uint32_t>(*tv);
+
+  auto kind = get_str(root, "kind", "kind", true);
+  if (!kind) return kind.error();
+  auto k = kind_from_name(*kind);
+  if (!k) return bad("envelope field 'kind' is '" + *kind + "', expected request|reply|error|tell");
+  env.kind = *k;
+  auto from = get_str(root, "from", "from", false);
+  if (!from) return from.error();
+  env.sender = std::move(*from);
+  auto to = get_str(root, "to", "to", true);
+  if (!to) return to.error();
+  env.receiver = std::move(*to);
+  auto id = get_uint(root, "id", true);
+  if (!id) return id.error();
+  env.correlation_id = *id;
+
+  if (const auto* p = field(root, "payload")) {
+    if (p->type != msgpack::type::MAP)
+      return bad(std::string("envelope field 'payload' must be a map, got ") + type_name(*p));
+    msgpack::sbuffer pb;
+    msgpack::pack(pb, *p);
+    env.payload.assign(pb.data(), pb.size());
+  }
+
+  std::size_t ntensors = 0;
+  const msgpack::object* tensors = field(root, "tensors");
+  if (tensors) {
+    if (tensors->type != msgpack::type::ARRAY)
+      return bad(std::string("envelope field 'tensors' must be an array, got ") + type_name(*tensors));
+    ntensors = tensors->via.array.size;
+  }
+  if (ntensors > limits.max_tensors)
+    return bad("envelope lists " + std::to_string(ntensors) + " tensors, limit " +
+               std::to_string(limits.max_tensors));
+  if (frames.size() != ntensors + 1)
+    return bad("envelope lists " + std::to_string(ntensors) + " tensors but " +
+               std::to_string(frames.size() - 1) + " tensor frames followed");
+
+  env.tensors.reserve(ntensors);
+  for (std::size_t i = 0; i < ntensors; ++i) {
+    const std::string where = "tensors[" + std::to_string(i) + "]";
+    const msgpack::object& d = tensors->via.array.ptr[i];
+    if (d.type != msgpack::type::MAP) return bad(where + " must be a map, got " + type_name(d));
+    Tensor t;
+    auto name = get_str(d, "name", where + ".name", false);
+    if (!name) return name.error();
+    t.name = std::move(*name);
+    auto dt = get_str(d, "dtype", where + ".dtype", true);
+    if (!dt) return dt.error();
+    auto dtype = dtype_from_name(*dt);
+    if (!dtype) return bad(where + ".dtype '" + *dt + "' is not a known dtype");
+    t.dtype = *dtype;
+    const auto* shape = field(d, "shape");
+    if (!shape) return bad(where + ".shape is missing");
+    if (shape->type != msgpack::type::ARRAY)
+      return bad(where + ".shape must be an array, got " + type_name(*shape));
+    if (shape->via.array.size > limits.max_ndim)
+      return bad(where + ".shape has " + std::to_string(shape->via.array.size) + " dims, limit " +
+                 std::to_string(limits.max_ndim));
+    for (uint32_t j = 0; j < shape->via.array.size; ++j) {
+      const auto& dim = shape->via.array.ptr[j];
+      if (dim.type == msgpack::type::NEGATIVE_INTEGER)
+        return bad(where + ".shape[" + std::to_string(j) + "] is negative (" +
+                   std::to_string(dim.via.i64) + ")");
+      if (dim.type != msgpack::type::POSITIVE_INTEGER)
+        return bad(where + ".shape[" + std::to_string(j) + "] must be an integer, got " + type_name(dim));
+      if (dim.via.u64 > static_cast<uint64_t>(INT64_MAX))
+        return bad(where + ".shape[" + std::to_string(j) + "] overflows int64");
+      t.shape.push_back(static_cast<int64_t>(dim.via.u64));
+    }
+    auto expect = tensor_bytes(t.dtype, t.shape, where);
+    if (!expect) return expect.error();
+    auto nbytes = get_uint(d, where + ".nbytes", true);
+    if (!nbytes) return nbytes.error();
+    if (*nbytes != *expect)
+      return bad(where + ".nbytes is " + std::to_string(*nbytes) + " but shape and dtype " +
+                 std::string(dtype_name(t.dtype)) + " need " + std::to_string(*expect));
+    const Frame& f = frames[i + 1];
+    if (f.size != *expect)
+      return bad("frame " + std::to_string(i + 1) + " (" + where + ") holds " + std::to_string(f.size) +
+                 " bytes, expected " + std::to_string(*expect));
+    t.nbytes = f.size;
+    auto addr = reinterpret_cast<std::uintptr_t>(f.data);
+    if (f.size > 0 && addr % item_size(t.dtype) != 0) {
+      // Misaligned for the dtype (possible on tcp/ipc): one copy into an aligned buffer.
+      t = Tensor::copy_of(std::move(t.name), t.dtype, std::move(t.shape), f.data, f.size);
+    } else {
+      t.data = f.data;
+      t.owner = f.owner;
+    }
+    env.tensors.push_back(std::move(t));
+  }
+  return env;
+}
+
+Expected<bool> validate(const Envelope& env, const DecodeLimits& limits) {
+  if (env.schema_version != kEnvelopeSchemaVersion)
+    return make_error(ErrorCode::schema_mismatch, "envelope schema version " +
+                                                      std::to_string(env.schema_version));
+  if (auto ok = check_type(env.type, env.type_version); !ok) return ok;
+  if (env.tensors.size() > limits.max_tensors) return bad("too many tensors");
+  for (std::size_t i = 0; i < env.tensors.size(); ++i) {
+    const auto& t = env.tensors[i];
+    const std::string where = "tensors[" + std::to_string(i) + "] '" + t.name + "'";
+    if (t.shape.size() > limits.max_ndim) return bad(where + " has too many dims");
+    auto expect = tensor_bytes(t.dtype, t.shape, where);
+    if (!expect) return expect.error();
+    if (*expect != t.nbytes)
+      return bad(where + " holds " + std::to_string(t.nbytes) + " bytes, shape and dtype need " +
+                 std::to_string(*expect));
+    if (t.nbytes > 0 && !t.data) return bad(where + " has no data");
+  }
+  return true;
+}
+
+Envelope make_error_reply(const Envelope& request, const Error& error, std::string sender) {
+  Envelope e = make_envelope(ErrorReply{to_string(error.code), error.message}, Kind::error,
+                             std::move(sender), request.sender);
+  e.correlation_id = request.correlation_id;
+  e.return_path = request.return_path;
+  return e;
+}
+
+Error error_from_reply(const Envelope& reply) {
+  auto r = payload_as<ErrorReply>(reply);
+  if (!r) return r.error();
+  ErrorCode code = error_code_from_string(r->code);
+  return make_error(code, r->message);
+}
+
+}  // namespace kiln::messaging

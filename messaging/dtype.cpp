@@ -1,0 +1,28 @@
+#include "messaging/dtype.hpp"
+
+namespace kiln::messaging {
+
+namespace {
+struct DTypeInfo {
+  DType dtype;
+  std::string_view name;
+  std::size_t size;
+};
+constexpr DTypeInfo kTable[] = {
+    {DType::bool_, "BOOL", 1},    {DType::uint8, "U8", 1},       {DType::int8, "I8", 1},
+    {DType::int32, "I32", 4},     {DType::int64, "I64", 8},      {DType::float16, "F16", 2},
+    {DType::bfloat16, "BF16", 2}, {DType::float32, "F32", 4},    {DType::float64, "F64", 8},
+    {DType::float8_e4m3fn, "F8_E4M3", 1}, {DType::float8_e5m2, "F8_E5M2", 1},
+};
+}  // namespace
+
+std::size_t item_size(DType dtype) { return kTable[static_cast<int>(dtype)].size; }
+std::string_view dtype_name(DType dtype) { return kTable[static_cast<int>(dtype)].name; }
+
+std::optional<DType> dtype_from_name(std::string_view name) {
+  for (const auto& e : kTable)
+    if (e.name == name) return e.dtype;
+  return std::nullopt;
+}
+
+}  // namespace kiln::messaging

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Configures and builds kiln into ${KILN_BUILD_DIR:-build} (Release), after scripts/setup.sh.
+# Extra arguments go to cmake's configure step (e.g. -DKILN_SANITIZE=ON).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BUILD="${KILN_BUILD_DIR:-$ROOT/build}"
+TORCH_PREFIX="$("$ROOT/scripts/setup.sh" | tail -n1)"
+export CCACHE_DIR="${CCACHE_DIR:-${KILN_CACHE:-$HOME/.cache/kiln}/ccache}"
+export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-5G}"
+# Precompiled headers and ccache: hash the PCH contents, not its timestamp.
+export CCACHE_SLOPPINESS="${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_file_mtime,include_file_ctime}"
+cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE="${KILN_BUILD_TYPE:-Release}" \
+  -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" \
+  -DKILN_PYTHON="${KILN_CACHE:-$HOME/.cache/kiln}/venv/bin/python" "$@" >&2
+cmake --build "$BUILD" -j"$(nproc)" >&2
+echo "$BUILD"

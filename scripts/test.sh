@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The test command: installs what is missing, builds, runs every doctest suite and the
+# interop test with ctest, then builds the torch-free suites with AddressSanitizer +
+# UndefinedBehaviorSanitizer and runs them too (skip that part with KILN_SKIP_SANITIZE=1).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BUILD="$("$ROOT/scripts/build.sh" | tail -n1)"
+echo "== tests ($BUILD)"
+ctest --test-dir "$BUILD" --output-on-failure -j2
+if [ "${KILN_SKIP_SANITIZE:-0}" != "1" ]; then
+  echo "== tests under ASan + UBSan (torch-free suites)"
+  SAN="$(KILN_BUILD_DIR="$ROOT/build-asan" KILN_BUILD_TYPE=RelWithDebInfo "$ROOT/scripts/build.sh" \
+         -DKILN_WITH_TORCH=OFF -DKILN_SANITIZE=ON | tail -n1)"
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    ctest --test-dir "$SAN" --output-on-failure -j2
+fi

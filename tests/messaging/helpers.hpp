@@ -1,0 +1,29 @@
+#pragma once
+// Test helpers: frames of an envelope as a sender would put them on the wire.
+#include <random>
+#include <string>
+#include <vector>
+
+#include "messaging/envelope.hpp"
+#include "messaging/schema.hpp"
+
+namespace kiln::test {
+
+/// Frames of `env` (header + one frame per tensor, pointing at the tensors' bytes).
+inline std::vector<messaging::Frame> frames_of(const messaging::Envelope& env, std::string& header_storage) {
+  header_storage = messaging::encode_header(env);
+  std::vector<messaging::Frame> f;
+  f.push_back({reinterpret_cast<const std::byte*>(header_storage.data()), header_storage.size(), nullptr});
+  for (const auto& t : env.tensors) f.push_back({t.data, t.nbytes, t.owner});
+  return f;
+}
+
+/// A tensor of random bytes.
+inline messaging::Tensor random_tensor(std::string name, messaging::DType dtype, std::vector<int64_t> shape,
+                                       std::mt19937_64& rng) {
+  auto t = messaging::Tensor::zeros(std::move(name), dtype, std::move(shape));
+  for (std::size_t i = 0; i < t.nbytes; ++i) t.mutable_data()[i] = std::byte(rng() & 0xff);
+  return t;
+}
+
+}  // namespace kiln::test
