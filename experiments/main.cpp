@@ -4,6 +4,9 @@
 
 #include "experiments/bench_messaging.hpp"
 #include "experiments/node.hpp"
+#ifdef KILN_WITH_TORCH
+#include "experiments/model_cmd.hpp"
+#endif
 
 int main(int argc, char** argv) {
   CLI::App app{"kiln: asynchronous RL post-training for GLM-family MoE models"};
@@ -25,6 +28,20 @@ int main(int argc, char** argv) {
   bench_msg->add_option("--bytes-per-cell", mb.bytes_per_cell, "Bytes sent per measurement");
   bench_msg->add_option("--repeats", mb.repeats, "Measurements per cell (best is shown)");
 
+#ifdef KILN_WITH_TORCH
+  auto* model_cmd = app.add_subcommand("model", "Model packages and checkpoints");
+  model_cmd->require_subcommand(1);
+  std::string plugin_dir, package = "glm4_moe_lite", from, to;
+  int shard_mib = 5120;
+  model_cmd->add_option("--plugins", plugin_dir, "Directory of model package plugins (default: $KILN_MODEL_PLUGINS)");
+  auto* model_list = model_cmd->add_subcommand("list", "List model packages and flavors");
+  auto* model_resave = model_cmd->add_subcommand("resave", "Load an HF checkpoint and write it back through kiln");
+  model_resave->add_option("--package", package, "Model package")->default_val("glm4_moe_lite");
+  model_resave->add_option("--from", from, "HF checkpoint directory")->required();
+  model_resave->add_option("--to", to, "Output directory")->required();
+  model_resave->add_option("--shard-mib", shard_mib, "Largest shard, MiB")->default_val(5120);
+#endif
+
   auto* run_cmd = app.add_subcommand("run", "Run an experiment (the RL loop)");
   std::string experiment;
   run_cmd->add_option("experiment", experiment, "Experiment file (TOML); none: the built-in default");
@@ -32,6 +49,10 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   if (node_cmd->parsed()) return kiln::experiments::run_node(node);
   if (bench_msg->parsed()) return kiln::experiments::run_messaging_bench(mb);
+#ifdef KILN_WITH_TORCH
+  if (model_list->parsed()) return kiln::experiments::run_model_list(plugin_dir);
+  if (model_resave->parsed()) return kiln::experiments::run_model_resave(package, from, to, shard_mib, plugin_dir);
+#endif
   if (run_cmd->parsed()) {
     std::fprintf(stderr,
                  "kiln run: the RL loop (controller, trainer, rollout, weight-sync actors) is not built yet; "

@@ -1,0 +1,49 @@
+#include "experiments/model_cmd.hpp"
+
+#include <cstdio>
+#include <exception>
+
+#include "model/registry.hpp"
+
+namespace kiln::experiments {
+
+namespace {
+model::Registry registry(const std::string& plugin_dir) {
+  auto r = model::Registry::with_builtins();
+  r.load_plugins(plugin_dir.empty() ? model::Registry::plugin_dir_from_env() : plugin_dir);
+  return r;
+}
+}  // namespace
+
+int run_model_list(const std::string& plugin_dir) {
+  try {
+    auto r = registry(plugin_dir);
+    for (const auto& name : r.names()) {
+      const auto& p = r.find(name);
+      std::string flavors;
+      for (const auto& f : p.flavors) flavors += (flavors.empty() ? "" : ", ") + f;
+      std::printf("%s  [%s]\n  %s\n  flavors: %s\n", name.c_str(), r.origin(name).c_str(), p.description.c_str(),
+                  flavors.c_str());
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kiln model list: %s\n", e.what());
+    return 2;
+  }
+}
+
+int run_model_resave(const std::string& package, const std::string& from, const std::string& to, int shard_mib,
+                     const std::string& plugin_dir) {
+  try {
+    auto r = registry(plugin_dir);
+    auto model = r.find(package).from_hf_dir(from);
+    model->save_hf_checkpoint(to, uint64_t(shard_mib) << 20);
+    std::printf("kiln model resave: %s -> %s (%s)\n", from.c_str(), to.c_str(), package.c_str());
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kiln model resave: %s\n", e.what());
+    return 2;
+  }
+}
+
+}  // namespace kiln::experiments

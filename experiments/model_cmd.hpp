@@ -1,0 +1,14 @@
+#pragma once
+// `kiln model`: inspect the model registry and convert checkpoints through kiln.
+#include <string>
+
+namespace kiln::experiments {
+
+/// Prints every model package (user plugins first, then built-ins) with its flavors.
+int run_model_list(const std::string& plugin_dir);
+/// Loads the HF checkpoint `from` with package `package` and writes it back to `to` through
+/// kiln's adapter (config.json + safetensors shards of at most shard_mib MiB).
+int run_model_resave(const std::string& package, const std::string& from, const std::string& to, int shard_mib,
+                     const std::string& plugin_dir);
+
+}  // namespace kiln::experiments

@@ -1,0 +1,71 @@
+#include "model/blocks/basic.hpp"
+
+namespace kiln::model {
+
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
+  weight = register_parameter("weight", torch::ones({dim}));
+}
+
+torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
+  auto xf = x.to(torch::kFloat32);
+  auto normed = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps_);
+  return weight * normed.to(x.scalar_type());
+}
+
+torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& positions, double theta, bool interleaved) {
+  const int64_t R = x.size(-1);
+  auto fopts = torch::TensorOptions().dtype(torch::kFloat32).device(x.device());
+  auto inv_freq = 1.0 / torch::pow(theta, torch::arange(0, R, 2, fopts) / double(R));  // [R/2]
+  auto angles = positions.to(torch::kFloat32).unsqueeze(-1) * inv_freq;                  // [T, R/2]
+  auto cos = angles.cos().unsqueeze(1).to(x.scalar_type());                              // [T, 1, R/2]
+  auto sin = angles.sin().unsqueeze(1).to(x.scalar_type());
+  if (interleaved) {
+    auto pairs = x.unflatten(-1, {R / 2, 2});  // [T, H, R/2, 2]
+    auto x0 = pairs.select(-1, 0), x1 = pairs.select(-1, 1);
+    return torch::stack({x0 * cos - x1 * sin, x1 * cos + x0 * sin}, -1).flatten(-2);  // [T, H, R]
+  }
+  auto x0 = x.narrow(-1, 0, R / 2), x1 = x.narrow(-1, R / 2, R / 2);
+  return torch::cat({x0 * cos - x1 * sin, x1 * cos + x0 * sin}, -1);
+}
+
+SwiGLUImpl::SwiGLUImpl(int64_t dim, int64_t intermediate) {
+  auto lin = [](int64_t i, int64_t o) { return torch::nn::Linear(torch::nn::LinearOptions(i, o).bias(false)); };
+  gate = register_module("gate", lin(dim, intermediate));
+  up = register_module("up", lin(dim, intermediate));
+  down = register_module("down", lin(intermediate, dim));
+}
+
+torch::Tensor SwiGLUImpl::forward(const torch::Tensor& x) { return down(torch::silu(gate(x)) * up(x)); }
+
+PackedBatch PackedBatch::from_documents(const std::vector<std::vector<int64_t>>& docs) {
+  if (docs.empty()) throw std::invalid_argument("PackedBatch: no documents");
+  std::vector<int64_t> ids, pos, cu{0};
+  for (std::size_t d = 0; d < docs.size(); ++d) {
+    if (docs[d].empty()) throw std::invalid_argument("PackedBatch: document " + std::to_string(d) + " is empty");
+    for (std::size_t i = 0; i < docs[d].size(); ++i) {
+      ids.push_back(docs[d][i]);
+      pos.push_back(int64_t(i));
+    }
+    cu.push_back(int64_t(ids.size()));
+  }
+  return PackedBatch{torch::tensor(ids, torch::kInt64), torch::tensor(pos, torch::kInt64), torch::tensor(cu, torch::kInt64)};
+}
+
+void PackedBatch::validate() const {
+  auto bad = [](const std::string& s) { throw std::invalid_argument("PackedBatch: " + s); };
+  if (input_ids.dim() != 1 || input_ids.scalar_type() != torch::kInt64) bad("input_ids must be [T] int64");
+  if (position_ids.sizes() != input_ids.sizes() || position_ids.scalar_type() != torch::kInt64)
+    bad("position_ids must be [T] int64 like input_ids");
+  if (cu_seqlens.dim() != 1 || cu_seqlens.size(0) < 2 || cu_seqlens.scalar_type() != torch::kInt64)
+    bad("cu_seqlens must be [B+1] int64 with B >= 1");
+  auto cu = cu_seqlens.to(torch::kCPU);
+  auto* c = cu.data_ptr<int64_t>();
+  if (c[0] != 0) bad("cu_seqlens[0] must be 0");
+  for (int64_t i = 1; i < cu.size(0); ++i)
+    if (c[i] <= c[i - 1]) bad("cu_seqlens must be strictly increasing (empty document at " + std::to_string(i - 1) + ")");
+  if (c[cu.size(0) - 1] != input_ids.size(0))
+    bad("cu_seqlens ends at " + std::to_string(c[cu.size(0) - 1]) + " but there are " +
+        std::to_string(input_ids.size(0)) + " tokens");
+}
+
+}  // namespace kiln::model

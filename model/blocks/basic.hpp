@@ -1,0 +1,52 @@
+#pragma once
+// Small blocks shared by model packages: RMSNorm, rotary embedding, SwiGLU MLP.
+// Shape legend: T tokens (packed), H heads, D hidden, R rope dims, F intermediate.
+#include <torch/torch.h>
+
+namespace kiln::model {
+
+/// RMSNorm (Zhang & Sennrich 2019), as transformers' Glm4MoeLiteRMSNorm / T5LayerNorm:
+/// y = weight * (x_fp32 * rsqrt(mean(x_fp32^2, -1) + eps)).to(x.dtype). x: [..., D].
+class RMSNormImpl : public torch::nn::Module {
+ public:
+  RMSNormImpl(int64_t dim, double eps);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor weight;  ///< [D]
+
+ private:
+  double eps_;
+};
+TORCH_MODULE(RMSNorm);
+
+/// Rotary position embedding (Su et al. 2021) with inv_freq_i = theta^(-2i/R).
+/// interleaved = true rotates adjacent pairs (x0, x1), (x2, x3), ... in place: the layout of
+/// DeepSeek/GLM checkpoints (transformers' apply_rotary_pos_emb_interleave; kiln keeps each
+/// pair adjacent in the output, which changes no dot product between q and k).
+/// interleaved = false rotates (x_i, x_{i+R/2}) (transformers' rotate_half).
+/// Angles are computed in fp32; the result has x's dtype.
+/// x: [T, H, R], positions: [T] int64 -> [T, H, R].
+torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& positions, double theta, bool interleaved);
+
+/// SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x)). x: [T, D] -> [T, D].
+class SwiGLUImpl : public torch::nn::Module {
+ public:
+  SwiGLUImpl(int64_t dim, int64_t intermediate);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::nn::Linear gate{nullptr}, up{nullptr}, down{nullptr};  ///< [F, D], [F, D], [D, F]
+};
+TORCH_MODULE(SwiGLU);
+
+/// Packed documents: T tokens of B documents back to back.
+struct PackedBatch {
+  torch::Tensor input_ids;     ///< [T] int64
+  torch::Tensor position_ids;  ///< [T] int64, restarting at 0 in each document
+  torch::Tensor cu_seqlens;    ///< [B+1] int64 on CPU, 0 = cu[0] < ... < cu[B] = T
+  /// Builds a batch from documents (positions 0..len-1 each). Throws std::invalid_argument
+  /// for an empty document list or an empty document.
+  static PackedBatch from_documents(const std::vector<std::vector<int64_t>>& docs);
+  /// Checks shapes and that cu_seqlens is increasing from 0 to T; throws
+  /// std::invalid_argument naming the fault.
+  void validate() const;
+};
+
+}  // namespace kiln::model

@@ -1,0 +1,81 @@
+#include "model/blocks/logprobs.hpp"
+
+namespace kiln::model {
+
+namespace {
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Chunk [s, s+n): fp32 logits [n, V].
+torch::Tensor chunk_logits(const torch::Tensor& h, const torch::Tensor& w, int64_t s, int64_t n) {
+  return torch::nn::functional::linear(h.narrow(0, s, n), w).to(torch::kFloat32);
+}
+
+struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden, const torch::Tensor& weight,
+                               const torch::Tensor& targets, int64_t chunk) {
+    const int64_t T = hidden.size(0);
+    auto out = torch::zeros({T}, hidden.options().dtype(torch::kFloat32));
+    auto lse = torch::zeros({T}, hidden.options().dtype(torch::kFloat32));
+    auto valid = targets >= 0;
+    auto safe = targets.clamp_min(0);
+    for (int64_t s = 0; s < T; s += chunk) {
+      const int64_t n = std::min(chunk, T - s);
+      auto logits = chunk_logits(hidden, weight, s, n);                       // [n, V] fp32
+      auto l = logits.logsumexp(-1);                                          // [n]
+      auto picked = logits.gather(1, safe.narrow(0, s, n).unsqueeze(1)).squeeze(1);
+      lse.narrow(0, s, n).copy_(l);
+      out.narrow(0, s, n).copy_(torch::where(valid.narrow(0, s, n), picked - l, torch::zeros_like(l)));
+    }
+    ctx->save_for_backward({hidden, weight, targets, lse});
+    ctx->saved_data["chunk"] = chunk;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const auto &hidden = saved[0], &weight = saved[1], &targets = saved[2], &lse = saved[3];
+    const int64_t chunk = ctx->saved_data["chunk"].toInt();
+    const int64_t T = hidden.size(0);
+    auto g = grads[0].to(torch::kFloat32) * (targets >= 0).to(torch::kFloat32);  // [T]
+    auto safe = targets.clamp_min(0);
+    auto grad_h = torch::zeros_like(hidden);
+    auto grad_w = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32));
+    for (int64_t s = 0; s < T; s += chunk) {
+      const int64_t n = std::min(chunk, T - s);
+      auto logits = chunk_logits(hidden, weight, s, n);                          // recomputed [n, V]
+      auto gs = g.narrow(0, s, n).unsqueeze(1);                                  // [n, 1]
+      // d/dlogits of (logit_y - lse) = onehot(y) - softmax
+      auto dlogits = -(logits - lse.narrow(0, s, n).unsqueeze(1)).exp() * gs;     // [n, V]
+      dlogits.scatter_add_(1, safe.narrow(0, s, n).unsqueeze(1), gs);
+      grad_h.narrow(0, s, n).copy_(dlogits.to(hidden.scalar_type()).mm(weight));  // [n, D]
+      grad_w.addmm_(dlogits.t(), hidden.narrow(0, s, n).to(torch::kFloat32));   // [V, D]
+    }
+    return {grad_h, grad_w.to(weight.scalar_type()), torch::Tensor(), torch::Tensor()};
+  }
+};
+}  // namespace
+
+torch::Tensor token_logprobs(const torch::Tensor& hidden_TD, const torch::Tensor& weight_VD,
+                             const torch::Tensor& targets_T, int64_t chunk) {
+  TORCH_CHECK(hidden_TD.dim() == 2 && weight_VD.dim() == 2 && hidden_TD.size(1) == weight_VD.size(1),
+              "token_logprobs: hidden [T, D] and weight [V, D] expected, got ", hidden_TD.sizes(), " and ",
+              weight_VD.sizes());
+  TORCH_CHECK(targets_T.dim() == 1 && targets_T.size(0) == hidden_TD.size(0), "token_logprobs: targets must be [T]");
+  TORCH_CHECK(chunk > 0, "token_logprobs: chunk must be > 0");
+  return ChunkedLogProbs::apply(hidden_TD, weight_VD, targets_T.to(torch::kInt64), chunk);
+}
+
+torch::Tensor next_token_targets(const torch::Tensor& input_ids, const torch::Tensor& cu_seqlens) {
+  const int64_t T = input_ids.size(0);
+  auto targets = torch::full({T}, -1, input_ids.options().dtype(torch::kInt64));
+  auto cu = cu_seqlens.to(torch::kCPU);
+  const auto* c = cu.data_ptr<int64_t>();
+  for (int64_t b = 0; b + 1 < cu.size(0); ++b) {
+    const int64_t s = c[b], n = c[b + 1] - c[b];
+    if (n > 1) targets.narrow(0, s, n - 1).copy_(input_ids.narrow(0, s + 1, n - 1));
+  }
+  return targets;
+}
+
+}  // namespace kiln::model

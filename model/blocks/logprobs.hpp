@@ -1,0 +1,23 @@
+#pragma once
+// Per-token log-probabilities of given targets straight from the final hidden states, in
+// chunks of tokens: forward and backward hold at most [chunk, V] fp32 logits, never [T, V]
+// (with V = 154880 the full fp32 logits would be the memory peak of a training step).
+// Legend: T tokens, D hidden, V vocabulary.
+#include <torch/torch.h>
+
+namespace kiln::model {
+
+/// log softmax(hidden_TD @ weight_VD^T)[t, targets_T[t]], computed in fp32 per chunk of
+/// `chunk` tokens; backward recomputes each chunk's logits. Targets < 0 mark positions with
+/// no target: their log-prob is 0 and they get no gradient.
+/// hidden_TD: [T, D], weight_VD: [V, D] (same dtype), targets_T: [T] int64 -> [T] fp32.
+/// Reference: equals torch.log_softmax(hidden @ weight.T, -1).gather(...) (tested).
+torch::Tensor token_logprobs(const torch::Tensor& hidden_TD, const torch::Tensor& weight_VD,
+                             const torch::Tensor& targets_T, int64_t chunk = 1024);
+
+/// Next-token targets of a packed batch: targets[t] = input_ids[t+1] when t+1 is in the same
+/// document, else -1 (the last token of each document predicts nothing, never the next
+/// document's first token). input_ids: [T], cu_seqlens: [B+1] -> [T] int64.
+torch::Tensor next_token_targets(const torch::Tensor& input_ids, const torch::Tensor& cu_seqlens);
+
+}  // namespace kiln::model

@@ -1,0 +1,55 @@
+#include "model/blocks/mla.hpp"
+
+namespace kiln::model {
+
+namespace {
+torch::nn::Linear linear(int64_t in, int64_t out) { return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false)); }
+}  // namespace
+
+MLAImpl::MLAImpl(const MLAOptions& opt) : o_(opt) {
+  const auto& c = opt;
+  const int64_t qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
+  if (c.q_lora_rank) {
+    q_a = register_module("q_a", linear(c.hidden, *c.q_lora_rank));
+    // transformers builds Glm4MoeLiteRMSNorm(q_lora_rank) and kv_a_layernorm with eps 1e-6.
+    q_a_norm = register_module("q_a_norm", RMSNorm(*c.q_lora_rank, 1e-6));
+    q_b = register_module("q_b", linear(*c.q_lora_rank, c.num_heads * qk));
+  } else {
+    q = register_module("q", linear(c.hidden, c.num_heads * qk));
+  }
+  kv_a = register_module("kv_a", linear(c.hidden, c.kv_lora_rank + c.qk_rope_head_dim));
+  kv_a_norm = register_module("kv_a_norm", RMSNorm(c.kv_lora_rank, 1e-6));
+  kv_b = register_module("kv_b", linear(c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim)));
+  o = register_module("o", linear(c.num_heads * c.v_head_dim, c.hidden));
+}
+
+torch::Tensor MLAImpl::forward(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cu_seqlens) {
+  const int64_t T = x.size(0), H = o_.num_heads, N = o_.qk_nope_head_dim, R = o_.qk_rope_head_dim,
+                V = o_.v_head_dim, C = o_.kv_lora_rank;
+  auto qs = (q_a ? q_b(q_a_norm(q_a(x))) : q(x)).view({T, H, N + R});  // [T, H, N+R]
+  auto q_nope = qs.narrow(-1, 0, N);
+  auto q_rope = apply_rope(qs.narrow(-1, N, R), positions, o_.rope_theta, o_.rope_interleave);
+  auto ckv = kv_a(x);                                                   // [T, C+R]
+  auto latent = kv_a_norm(ckv.narrow(-1, 0, C));                        // [T, C]
+  auto k_rope = apply_rope(ckv.narrow(-1, C, R).unsqueeze(1), positions, o_.rope_theta, o_.rope_interleave);  // [T, 1, R]
+  auto kv = kv_b(latent).view({T, H, N + V});                           // [T, H, N+V]
+  auto k = torch::cat({kv.narrow(-1, 0, N), k_rope.expand({T, H, R})}, -1);  // [T, H, N+R]
+  auto v = kv.narrow(-1, N, V);                                         // [T, H, V]
+  auto qf = torch::cat({q_nope, q_rope}, -1).transpose(0, 1);           // [H, T, N+R]
+  auto kf = k.transpose(0, 1), vf = v.transpose(0, 1);                  // [H, T, *]
+
+  auto cu = cu_seqlens.to(torch::kCPU);
+  const auto* c = cu.data_ptr<int64_t>();
+  std::vector<torch::Tensor> outs;
+  outs.reserve(cu.size(0) - 1);
+  for (int64_t b = 0; b + 1 < cu.size(0); ++b) {  // each document attends only to itself
+    const int64_t s = c[b], n = c[b + 1] - c[b];
+    outs.push_back(at::scaled_dot_product_attention(qf.narrow(1, s, n), kf.narrow(1, s, n), vf.narrow(1, s, n),
+                                                    /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true,
+                                                    /*scale=*/o_.softmax_scale));  // [H, n, V]
+  }
+  auto attn = torch::cat(outs, 1).transpose(0, 1).reshape({T, H * V});  // [T, H*V]
+  return o(attn);
+}
+
+}  // namespace kiln::model

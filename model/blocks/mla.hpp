@@ -1,0 +1,42 @@
+#pragma once
+// Multi-head Latent Attention (DeepSeek-V2, arXiv:2405.04434 §2.1), matching transformers'
+// Glm4MoeLiteAttention: queries through a low-rank q_a -> norm -> q_b (or q directly), keys and
+// values from a shared compressed latent kv_a -> norm -> kv_b plus one shared rotary key.
+// Attention is causal within each packed document and never across documents.
+// Legend: T tokens, H heads, D hidden, C kv_lora_rank, N qk_nope, R qk_rope, V v_head.
+#include <optional>
+
+#include "model/blocks/basic.hpp"
+
+namespace kiln::model {
+
+struct MLAOptions {
+  int64_t hidden = 0, num_heads = 0;
+  std::optional<int64_t> q_lora_rank;
+  int64_t kv_lora_rank = 0, qk_nope_head_dim = 0, qk_rope_head_dim = 0, v_head_dim = 0;
+  double rope_theta = 10000.0;
+  bool rope_interleave = true;
+  double softmax_scale = 0;  ///< 1/sqrt(N+R) for rope_type default
+};
+
+class MLAImpl : public torch::nn::Module {
+ public:
+  explicit MLAImpl(const MLAOptions& opt);
+  /// x: [T, D], positions: [T] int64, cu_seqlens: [B+1] int64 (CPU) -> [T, D].
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cu_seqlens);
+
+  torch::nn::Linear q{nullptr};     ///< [H*(N+R), D], when q_lora_rank is null
+  torch::nn::Linear q_a{nullptr};   ///< [Q, D]
+  RMSNorm q_a_norm{nullptr};        ///< [Q]
+  torch::nn::Linear q_b{nullptr};   ///< [H*(N+R), Q]
+  torch::nn::Linear kv_a{nullptr};  ///< [C+R, D]  (HF kv_a_proj_with_mqa)
+  RMSNorm kv_a_norm{nullptr};       ///< [C]
+  torch::nn::Linear kv_b{nullptr};  ///< [H*(N+V), C]
+  torch::nn::Linear o{nullptr};     ///< [D, H*V]
+
+ private:
+  MLAOptions o_;
+};
+TORCH_MODULE(MLA);
+
+}  // namespace kiln::model

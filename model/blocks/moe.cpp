@@ -1,0 +1,98 @@
+#include "model/blocks/moe.hpp"
+
+namespace kiln::model {
+
+RouteResult route_from_scores(const torch::Tensor& scores_TE, const torch::Tensor& bias_E, const RouterOptions& o,
+                              const std::optional<torch::Tensor>& given_ids_TK) {
+  const int64_t T = scores_TE.size(0), E = o.num_experts, K = o.top_k;
+  torch::Tensor ids;
+  if (given_ids_TK) {
+    ids = given_ids_TK->to(torch::kInt64);
+    TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T && ids.size(1) == K, "replayed expert ids must be [T, K] = [", T,
+                ", ", K, "], got ", ids.sizes());
+    TORCH_CHECK(ids.numel() == 0 || (ids.min().item<int64_t>() >= 0 && ids.max().item<int64_t>() < E),
+                "replayed expert ids must lie in [0, ", E, ")");
+  } else {
+    torch::NoGradGuard no_grad;
+    auto choice = scores_TE.detach() + bias_E.to(torch::kFloat32);  // [T, E], fp32: bias never rounded
+    if (o.n_group > 1) {
+      auto grouped = choice.view({T, o.n_group, E / o.n_group});                           // [T, G, E/G]
+      auto group_scores = std::get<0>(grouped.topk(2, -1)).sum(-1);                        // [T, G]
+      auto keep = std::get<1>(group_scores.topk(o.topk_group, -1, true, false));            // [T, topk_group]
+      auto mask = torch::zeros_like(group_scores, torch::kBool).scatter_(1, keep, true);    // [T, G]
+      mask = mask.unsqueeze(-1).expand({T, o.n_group, E / o.n_group}).reshape({T, E});
+      choice = choice.masked_fill(~mask, -std::numeric_limits<float>::infinity());
+    }
+    ids = std::get<1>(choice.topk(K, -1, /*largest=*/true, /*sorted=*/true));  // [T, K]
+  }
+  auto w = scores_TE.gather(1, ids);  // [T, K] unbiased scores: gradients reach the router
+  if (o.norm_topk_prob) w = w / (w.sum(-1, true) + 1e-20);
+  return RouteResult{ids, w * o.routed_scaling_factor};
+}
+
+TopKRouterImpl::TopKRouterImpl(const RouterOptions& o) : o_(o) {
+  weight = register_parameter("weight", torch::zeros({o.num_experts, o.hidden}));
+  e_score_correction_bias = register_buffer("e_score_correction_bias", torch::zeros({o.num_experts}));
+}
+
+RouteResult TopKRouterImpl::forward(const torch::Tensor& x, const std::optional<torch::Tensor>& given_ids_TK) {
+  auto logits = torch::nn::functional::linear(x.to(torch::kFloat32), weight.to(torch::kFloat32));  // [T, E] fp32
+  return route_from_scores(logits.sigmoid(), e_score_correction_bias, o_, given_ids_TK);
+}
+
+Dispatched dispatch(const torch::Tensor& x_TD, const RouteResult& r, int64_t num_experts) {
+  const int64_t K = r.expert_ids.size(1);
+  auto flat = r.expert_ids.reshape({-1});                                        // [T*K]
+  auto order = std::get<1>(flat.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false));  // [T*K]
+  Dispatched d;
+  d.token_index = torch::div(order, K, "floor");                                 // [T*K]
+  d.x = x_TD.index_select(0, d.token_index);                                     // [T*K, D]
+  d.weight = r.weights.reshape({-1}).index_select(0, order);                     // [T*K]
+  auto counts = torch::bincount(flat, {}, num_experts).to(torch::kCPU);
+  d.counts.assign(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + num_experts);
+  return d;
+}
+
+GroupedExpertsImpl::GroupedExpertsImpl(int64_t num_experts, int64_t hidden, int64_t intermediate) {
+  w_gate_up_EFD = register_parameter("w_gate_up_EFD", torch::zeros({num_experts, 2 * intermediate, hidden}));
+  w_down_EDF = register_parameter("w_down_EDF", torch::zeros({num_experts, hidden, intermediate}));
+}
+
+torch::Tensor GroupedExpertsImpl::forward(const torch::Tensor& x, const std::vector<int64_t>& counts) {
+  // LibTorch reference: one GEMM pair per expert with rows (the CUDA path uses grouped GEMM).
+  std::vector<torch::Tensor> outs;
+  int64_t start = 0;
+  for (std::size_t e = 0; e < counts.size(); ++e) {
+    if (counts[e] == 0) continue;
+    auto rows = x.narrow(0, start, counts[e]);                                  // [n, D]
+    auto gu = torch::nn::functional::linear(rows, w_gate_up_EFD[e]);            // [n, 2F]
+    auto act = torch::silu(gu.narrow(-1, 0, gu.size(-1) / 2)) * gu.narrow(-1, gu.size(-1) / 2, gu.size(-1) / 2);
+    outs.push_back(torch::nn::functional::linear(act, w_down_EDF[e]));         // [n, D]
+    start += counts[e];
+  }
+  if (outs.empty()) return torch::zeros_like(x);
+  return torch::cat(outs, 0);
+}
+
+torch::Tensor combine(const torch::Tensor& rows, const Dispatched& d, int64_t num_tokens) {
+  auto weighted = (rows * d.weight.unsqueeze(-1)).to(rows.scalar_type());  // [T*K, D]
+  return torch::zeros({num_tokens, rows.size(1)}, rows.options()).index_add(0, d.token_index, weighted);
+}
+
+MoEImpl::MoEImpl(const RouterOptions& o, int64_t expert_intermediate, int64_t n_shared_experts) {
+  router = register_module("router", TopKRouter(o));
+  experts = register_module("experts", GroupedExperts(o.num_experts, o.hidden, expert_intermediate));
+  if (n_shared_experts > 0) shared = register_module("shared", SwiGLU(o.hidden, expert_intermediate * n_shared_experts));
+}
+
+torch::Tensor MoEImpl::forward(const torch::Tensor& x, const std::optional<torch::Tensor>& replay_ids_TK,
+                               torch::Tensor* expert_ids_out) {
+  auto r = router(x, replay_ids_TK);
+  if (expert_ids_out) *expert_ids_out = r.expert_ids;
+  auto d = dispatch(x, r, router->options().num_experts);
+  auto y = combine(experts(d.x, d.counts), d, x.size(0));
+  if (shared) y = y + shared(x);
+  return y;
+}
+
+}  // namespace kiln::model

@@ -1,0 +1,87 @@
+#pragma once
+// Mixture of experts in four steps with four names (Megatron-Core / torchtitan):
+//   route (TopKRouter) -> dispatch (tokens to expert order) -> experts (GroupedExperts,
+//   plus the shared expert) -> combine (back to token order, weighted sum over top-k).
+// Semantics match transformers' Glm4MoeLiteTopkRouter / Glm4MoeLiteExperts (DeepSeek-V3,
+// arXiv:2412.19437 §2.1.2: sigmoid scores, score-correction bias for choosing only,
+// group-limited selection, normalised weights times routed_scaling_factor).
+// Legend: T tokens, D hidden, E experts, K top-k, F expert intermediate, G groups.
+#include <optional>
+
+#include "model/blocks/basic.hpp"
+
+namespace kiln::model {
+
+struct RouterOptions {
+  int64_t hidden = 0, num_experts = 0, top_k = 0, n_group = 1, topk_group = 1;
+  bool norm_topk_prob = true;
+  double routed_scaling_factor = 1.0;
+};
+
+struct RouteResult {
+  torch::Tensor expert_ids;  ///< [T, K] int64, by descending biased score
+  torch::Tensor weights;     ///< [T, K] fp32, from the unbiased scores (differentiable)
+};
+
+/// Expert choice from sigmoid scores. scores_TE: [T, E] fp32 (sigmoid of the router logits),
+/// bias_E: [E] fp32 score-correction bias. The bias is added (in fp32) only to choose experts,
+/// group-limited (group score = sum of its top-2 biased scores; keep topk_group groups);
+/// weights are the unbiased scores of the chosen experts, normalised to sum 1 if
+/// norm_topk_prob (denominator + 1e-20), times routed_scaling_factor.
+/// given_ids_TK: routing replay: use these experts instead of choosing; weights as above.
+RouteResult route_from_scores(const torch::Tensor& scores_TE, const torch::Tensor& bias_E, const RouterOptions& o,
+                              const std::optional<torch::Tensor>& given_ids_TK = std::nullopt);
+
+/// Step 1, route. Parameters: weight [E, D] (model dtype), e_score_correction_bias [E], kept
+/// fp32 whatever the model dtype (see Glm4MoeLiteModelImpl::to_dtype).
+class TopKRouterImpl : public torch::nn::Module {
+ public:
+  explicit TopKRouterImpl(const RouterOptions& o);
+  /// x: [T, D]; logits are computed in fp32 as transformers does.
+  RouteResult forward(const torch::Tensor& x, const std::optional<torch::Tensor>& given_ids_TK = std::nullopt);
+  torch::Tensor weight, e_score_correction_bias;
+  const RouterOptions& options() const { return o_; }
+
+ private:
+  RouterOptions o_;
+};
+TORCH_MODULE(TopKRouter);
+
+/// Step 2, dispatch: the T*K (token, slot) pairs sorted by expert (stable).
+struct Dispatched {
+  torch::Tensor x;             ///< [T*K, D] token rows in expert order
+  torch::Tensor token_index;   ///< [T*K] int64, source token of each row
+  torch::Tensor weight;        ///< [T*K] fp32 combine weight of each row
+  std::vector<int64_t> counts;  ///< [E] rows per expert (host)
+};
+Dispatched dispatch(const torch::Tensor& x_TD, const RouteResult& r, int64_t num_experts);
+
+/// Step 3, experts stored grouped: w_gate_up_EFD [E, 2F, D] (gate rows then up rows, as
+/// transformers' gate_up_proj), w_down_EDF [E, D, F]. SwiGLU per expert on its rows.
+class GroupedExpertsImpl : public torch::nn::Module {
+ public:
+  GroupedExpertsImpl(int64_t num_experts, int64_t hidden, int64_t intermediate);
+  /// x: [T*K, D] in expert order, counts: rows per expert -> [T*K, D].
+  torch::Tensor forward(const torch::Tensor& x, const std::vector<int64_t>& counts);
+  torch::Tensor w_gate_up_EFD, w_down_EDF;
+};
+TORCH_MODULE(GroupedExperts);
+
+/// Step 4, combine: y[t] = sum over rows r of token t of weight[r] * rows[r]. -> [T, D].
+torch::Tensor combine(const torch::Tensor& rows, const Dispatched& d, int64_t num_tokens);
+
+/// The MoE feed-forward: routed experts plus shared experts (one SwiGLU of width
+/// n_shared * F), as Glm4MoeLiteMoE.
+class MoEImpl : public torch::nn::Module {
+ public:
+  MoEImpl(const RouterOptions& o, int64_t expert_intermediate, int64_t n_shared_experts);
+  /// x: [T, D] -> [T, D]; *expert_ids_out gets the [T, K] choice (or the replayed ids).
+  torch::Tensor forward(const torch::Tensor& x, const std::optional<torch::Tensor>& replay_ids_TK,
+                        torch::Tensor* expert_ids_out);
+  TopKRouter router{nullptr};
+  GroupedExperts experts{nullptr};
+  SwiGLU shared{nullptr};  ///< null when n_shared_experts == 0
+};
+TORCH_MODULE(MoE);
+
+}  // namespace kiln::model

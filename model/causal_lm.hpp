@@ -1,0 +1,47 @@
+#pragma once
+// The interface every model package implements: what the trainer and the rollout engine see.
+// Legend: T tokens, D hidden, V vocabulary, L MoE layers, K experts per token.
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "model/blocks/basic.hpp"
+
+namespace kiln::model {
+
+struct ForwardOptions {
+  bool return_routed_experts = false;  ///< fill ForwardOutput::routed_experts
+  /// Routing replay ("R3"): [T, L, K] int64 expert ids to use instead of the router's
+  /// choice; weights still come from this model's router scores, so gradients flow.
+  std::optional<torch::Tensor> replay_routed_experts;
+};
+
+struct ForwardOutput {
+  torch::Tensor hidden;          ///< [T, D] after the final norm
+  torch::Tensor routed_experts;  ///< [T, L, K] int64 (descending biased score), if asked or replayed
+};
+
+class CausalLM : public torch::nn::Module {
+ public:
+  /// Packed forward: no token attends across a document boundary. Throws
+  /// std::invalid_argument for a malformed batch or replay tensor.
+  virtual ForwardOutput forward(const PackedBatch& batch, const ForwardOptions& options = {}) = 0;
+  virtual torch::Tensor lm_head_weight() = 0;  ///< [V, D]
+  virtual int64_t num_moe_layers() const = 0;
+  virtual int64_t experts_per_token() const = 0;
+  /// Loads weights from an HF checkpoint directory (safetensors, sharded or not). Throws
+  /// checkpoint::CheckpointError listing missing and unexpected keys, or naming the tensor
+  /// whose shape or dtype does not fit.
+  virtual void load_hf_checkpoint(const std::string& dir) = 0;
+  /// Writes config.json and HF-named safetensors shards of at most max_shard_bytes.
+  virtual void save_hf_checkpoint(const std::string& dir, uint64_t max_shard_bytes) = 0;
+  /// Casts parameters to `dtype`, keeping what must stay fp32 (router bias) in fp32.
+  virtual void to_dtype(torch::Dtype dtype) = 0;
+
+  /// [T, V] logits in the model's dtype.
+  torch::Tensor logits(const ForwardOutput& out);
+  /// [T] fp32 log-probs of targets (see blocks/logprobs.hpp), never [T, V] in fp32.
+  torch::Tensor token_logprobs(const ForwardOutput& out, const torch::Tensor& targets, int64_t chunk = 1024);
+};
+
+}  // namespace kiln::model

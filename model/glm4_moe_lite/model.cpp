@@ -1,0 +1,125 @@
+#include "model/glm4_moe_lite/model.hpp"
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "model/checkpoint/safetensors.hpp"
+#include "model/glm4_moe_lite/state_dict_adapter.hpp"
+
+namespace kiln::model::glm4_moe_lite {
+
+DecoderLayerImpl::DecoderLayerImpl(const Glm4MoeLiteConfig& c, int64_t index) {
+  const auto& a = c.attention;
+  attn_norm = register_module("attn_norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+  attn = register_module("attn", MLA(MLAOptions{c.hidden_size, a.num_heads, a.q_lora_rank, a.kv_lora_rank,
+                                                a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.rope_theta,
+                                                a.rope_interleave, a.softmax_scale()}));
+  mlp_norm = register_module("mlp_norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+  if (c.moe_layers.at(index)) {
+    const auto& m = c.moe;
+    moe = register_module("moe", MoE(RouterOptions{c.hidden_size, m.num_experts, m.top_k, m.n_group, m.topk_group,
+                                                    m.norm_topk_prob, m.routed_scaling_factor},
+                                     m.expert_intermediate_size, m.n_shared_experts));
+  } else {
+    mlp = register_module("mlp", SwiGLU(c.hidden_size, c.intermediate_size));
+  }
+}
+
+torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& positions,
+                                        const torch::Tensor& cu_seqlens, const std::optional<torch::Tensor>& replay,
+                                        torch::Tensor* expert_ids_out) {
+  auto h = x + attn(attn_norm(x), positions, cu_seqlens);
+  auto y = mlp_norm(h);
+  return h + (moe ? moe(y, replay, expert_ids_out) : mlp(y));
+}
+
+Glm4MoeLiteModel::Glm4MoeLiteModel(Glm4MoeLiteConfig config) : config_(std::move(config)) {
+  config_.validate();
+  embed = register_module("embed", torch::nn::Embedding(config_.vocab_size, config_.hidden_size));
+  torch::nn::ModuleList list;
+  for (int64_t i = 0; i < config_.num_hidden_layers; ++i) {
+    layers.push_back(DecoderLayer(config_, i));
+    list->push_back(layers.back());
+  }
+  register_module("layers", list);
+  norm = register_module("norm", RMSNorm(config_.hidden_size, config_.rms_norm_eps));
+  lm_head = register_module("lm_head",
+                            torch::nn::Linear(torch::nn::LinearOptions(config_.hidden_size, config_.vocab_size).bias(false)));
+  torch::NoGradGuard no_grad;
+  for (auto& p : named_parameters()) {
+    const auto& name = p.key();
+    if (name.size() >= 11 && name.compare(name.size() - 11, 11, "norm.weight") == 0) p.value().fill_(1.0);
+    else p.value().normal_(0.0, 0.02);
+  }
+}
+
+ForwardOutput Glm4MoeLiteModel::forward(const PackedBatch& batch, const ForwardOptions& options) {
+  batch.validate();
+  const int64_t T = batch.input_ids.size(0), L = num_moe_layers(), K = config_.moe.top_k;
+  if (options.replay_routed_experts) {
+    const auto& r = *options.replay_routed_experts;
+    if (r.dim() != 3 || r.size(0) != T || r.size(1) != L || r.size(2) != K)
+      throw std::invalid_argument("replay_routed_experts must be [T, L, K] = [" + std::to_string(T) + ", " +
+                                  std::to_string(L) + ", " + std::to_string(K) + "]");
+  }
+  const bool want_ids = options.return_routed_experts || options.replay_routed_experts.has_value();
+  std::vector<torch::Tensor> ids;
+  auto x = embed(batch.input_ids);  // [T, D]
+  int64_t moe_index = 0;
+  for (auto& layer : layers) {
+    std::optional<torch::Tensor> replay;
+    torch::Tensor chosen;
+    if (layer->is_moe() && options.replay_routed_experts)
+      replay = options.replay_routed_experts->select(1, moe_index);  // [T, K]
+    x = layer(x, batch.position_ids, batch.cu_seqlens, replay, layer->is_moe() && want_ids ? &chosen : nullptr);
+    if (layer->is_moe()) {
+      if (want_ids) ids.push_back(chosen);
+      ++moe_index;
+    }
+  }
+  ForwardOutput out;
+  out.hidden = norm(x);
+  if (want_ids) out.routed_experts = L ? torch::stack(ids, 1) : torch::empty({T, 0, K}, torch::kInt64);
+  return out;
+}
+
+void Glm4MoeLiteModel::to_dtype(torch::Dtype dtype) {
+  this->to(dtype);
+  // The score-correction bias decides expert choice by differences of ~1e-3: keep it fp32
+  // (transformers: _keep_in_fp32_modules_strict = ["e_score_correction_bias"]).
+  for (auto& layer : layers)
+    if (layer->is_moe()) {
+      auto& b = layer->moe->router->e_score_correction_bias;
+      b.set_data(b.to(torch::kFloat32));
+    }
+}
+
+void Glm4MoeLiteModel::load_hf_checkpoint(const std::string& dir) {
+  auto ckpt = checkpoint::Checkpoint::open(dir);
+  load_hf_state_dict(*this, ckpt);
+}
+
+void Glm4MoeLiteModel::save_hf_checkpoint(const std::string& dir, uint64_t max_shard_bytes) {
+  checkpoint::write_checkpoint(dir, to_hf_state_dict(*this), max_shard_bytes);
+  std::ofstream out(std::filesystem::path(dir) / "config.json");
+  out << config_.to_hf_json().dump(2) << "\n";
+  if (!out) throw checkpoint::CheckpointError("writing config.json in '" + dir + "' failed");
+}
+
+std::shared_ptr<Glm4MoeLiteModel> from_hf_dir(const std::string& dir) {
+  auto path = std::filesystem::path(dir) / "config.json";
+  std::ifstream in(path);
+  if (!in) throw std::invalid_argument("no config.json in '" + dir + "'");
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const std::exception& e) {
+    throw std::invalid_argument("config.json (" + path.string() + ") is not valid JSON: " + e.what());
+  }
+  auto model = std::make_shared<Glm4MoeLiteModel>(Glm4MoeLiteConfig::from_hf_json(j, path.string()));
+  model->load_hf_checkpoint(dir);
+  return model;
+}
+
+}  // namespace kiln::model::glm4_moe_lite

@@ -1,0 +1,59 @@
+#pragma once
+// GLM-4.7-Flash (transformers Glm4MoeLiteForCausalLM): embedding, decoder layers (MLA +
+// dense SwiGLU or MoE, pre-norm residuals), final RMSNorm, untied lm_head.
+// Internal parameter names (the state-dict adapter maps HF names onto them):
+//   embed.weight, norm.weight, lm_head.weight,
+//   layers.{i}.attn_norm.weight, layers.{i}.attn.{q_a,q_a_norm,q_b,q,kv_a,kv_a_norm,kv_b,o}.weight,
+//   layers.{i}.mlp_norm.weight, layers.{i}.mlp.{gate,up,down}.weight (dense layers),
+//   layers.{i}.moe.router.{weight,e_score_correction_bias}, layers.{i}.moe.experts.{w_gate_up_EFD,
+//   w_down_EDF}, layers.{i}.moe.shared.{gate,up,down}.weight (MoE layers).
+#include "model/blocks/mla.hpp"
+#include "model/blocks/moe.hpp"
+#include "model/causal_lm.hpp"
+#include "model/glm4_moe_lite/config.hpp"
+
+namespace kiln::model::glm4_moe_lite {
+
+class DecoderLayerImpl : public torch::nn::Module {
+ public:
+  DecoderLayerImpl(const Glm4MoeLiteConfig& c, int64_t index);
+  /// x: [T, D] -> [T, D]. For MoE layers, replay/expert_ids_out as in MoEImpl::forward.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cu_seqlens,
+                        const std::optional<torch::Tensor>& replay_ids_TK, torch::Tensor* expert_ids_out);
+  bool is_moe() const { return !moe.is_empty(); }
+  RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
+  MLA attn{nullptr};
+  SwiGLU mlp{nullptr};
+  MoE moe{nullptr};
+};
+TORCH_MODULE(DecoderLayer);
+
+class Glm4MoeLiteModel : public CausalLM {
+ public:
+  /// Builds the model with weights drawn as transformers' _init_weights does (normal, std
+  /// 0.02; norms 1; router bias 0) from torch's current RNG. fp32 on CPU.
+  explicit Glm4MoeLiteModel(Glm4MoeLiteConfig config);
+  const Glm4MoeLiteConfig& config() const { return config_; }
+
+  ForwardOutput forward(const PackedBatch& batch, const ForwardOptions& options = {}) override;
+  torch::Tensor lm_head_weight() override { return lm_head->weight; }
+  int64_t num_moe_layers() const override { return config_.num_moe_layers(); }
+  int64_t experts_per_token() const override { return config_.moe.top_k; }
+  void load_hf_checkpoint(const std::string& dir) override;
+  void save_hf_checkpoint(const std::string& dir, uint64_t max_shard_bytes) override;
+  void to_dtype(torch::Dtype dtype) override;
+
+  torch::nn::Embedding embed{nullptr};
+  std::vector<DecoderLayer> layers;
+  RMSNorm norm{nullptr};
+  torch::nn::Linear lm_head{nullptr};
+
+ private:
+  Glm4MoeLiteConfig config_;
+};
+
+/// Reads DIR/config.json, builds the model and loads DIR's weights. Throws
+/// std::invalid_argument (config) or checkpoint::CheckpointError (weights).
+std::shared_ptr<Glm4MoeLiteModel> from_hf_dir(const std::string& dir);
+
+}  // namespace kiln::model::glm4_moe_lite

@@ -1,0 +1,219 @@
+#include "model/glm4_moe_lite/state_dict_adapter.hpp"
+
+#include <regex>
+#include <set>
+
+#include "messaging/torch_tensor.hpp"
+#include "model/glm4_moe_lite/model.hpp"
+
+namespace kiln::model::glm4_moe_lite {
+
+using checkpoint::CheckpointError;
+
+const std::vector<KeyRule> kKeyTable = {
+    {"model.embed_tokens.weight", "embed.weight"},
+    {"model.norm.weight", "norm.weight"},
+    {"lm_head.weight", "lm_head.weight"},
+    {"model.layers.{}.input_layernorm.weight", "layers.{}.attn_norm.weight"},
+    {"model.layers.{}.post_attention_layernorm.weight", "layers.{}.mlp_norm.weight"},
+    {"model.layers.{}.self_attn.q_proj.weight", "layers.{}.attn.q.weight"},
+    {"model.layers.{}.self_attn.q_a_proj.weight", "layers.{}.attn.q_a.weight"},
+    {"model.layers.{}.self_attn.q_a_layernorm.weight", "layers.{}.attn.q_a_norm.weight"},
+    {"model.layers.{}.self_attn.q_b_proj.weight", "layers.{}.attn.q_b.weight"},
+    {"model.layers.{}.self_attn.kv_a_proj_with_mqa.weight", "layers.{}.attn.kv_a.weight"},
+    {"model.layers.{}.self_attn.kv_a_layernorm.weight", "layers.{}.attn.kv_a_norm.weight"},
+    {"model.layers.{}.self_attn.kv_b_proj.weight", "layers.{}.attn.kv_b.weight"},
+    {"model.layers.{}.self_attn.o_proj.weight", "layers.{}.attn.o.weight"},
+    {"model.layers.{}.mlp.gate_proj.weight", "layers.{}.mlp.gate.weight"},
+    {"model.layers.{}.mlp.up_proj.weight", "layers.{}.mlp.up.weight"},
+    {"model.layers.{}.mlp.down_proj.weight", "layers.{}.mlp.down.weight"},
+    {"model.layers.{}.mlp.gate.weight", "layers.{}.moe.router.weight"},
+    {"model.layers.{}.mlp.gate.e_score_correction_bias", "layers.{}.moe.router.e_score_correction_bias"},
+    {"model.layers.{}.mlp.shared_experts.gate_proj.weight", "layers.{}.moe.shared.gate.weight"},
+    {"model.layers.{}.mlp.shared_experts.up_proj.weight", "layers.{}.moe.shared.up.weight"},
+    {"model.layers.{}.mlp.shared_experts.down_proj.weight", "layers.{}.moe.shared.down.weight"},
+};
+
+namespace {
+// One kiln tensor and where its bytes live in an HF checkpoint.
+struct Source {
+  enum class Kind { direct, gate_up, down } kind = Kind::direct;
+  std::string hf;      // direct: the HF key
+  int64_t layer = -1;  // experts: the layer index
+};
+
+std::string fill(const std::string& pattern, const std::string& layer) {
+  auto p = pattern.find("{}");
+  return p == std::string::npos ? pattern : pattern.substr(0, p) + layer + pattern.substr(p + 2);
+}
+
+std::regex pattern_regex(const std::string& pattern) {
+  std::string r;
+  for (std::size_t i = 0; i < pattern.size(); ++i) {
+    if (pattern.compare(i, 2, "{}") == 0) {
+      r += "(\\d+)";
+      ++i;
+    } else if (pattern[i] == '.') {
+      r += "\\.";
+    } else {
+      r += pattern[i];
+    }
+  }
+  return std::regex(r);
+}
+
+Source source_of(const std::string& internal) {
+  static const std::regex gate_up("layers\\.(\\d+)\\.moe\\.experts\\.w_gate_up_EFD");
+  static const std::regex down("layers\\.(\\d+)\\.moe\\.experts\\.w_down_EDF");
+  static const std::vector<std::pair<std::regex, const KeyRule*>> rules = [] {
+    std::vector<std::pair<std::regex, const KeyRule*>> v;
+    for (const auto& r : kKeyTable) v.emplace_back(pattern_regex(r.internal), &r);
+    return v;
+  }();
+  std::smatch m;
+  if (std::regex_match(internal, m, gate_up)) return {Source::Kind::gate_up, "", std::stoll(m[1])};
+  if (std::regex_match(internal, m, down)) return {Source::Kind::down, "", std::stoll(m[1])};
+  for (const auto& [re, rule] : rules)
+    if (std::regex_match(internal, m, re)) return {Source::Kind::direct, fill(rule->hf, m.size() > 1 ? m[1].str() : ""), -1};
+  // Every parameter the model registers has a rule: a miss is a kiln bug, not bad input.
+  throw std::logic_error("glm4_moe_lite adapter: no HF name for kiln tensor '" + internal + "'");
+}
+
+std::string expert_key(int64_t layer, int64_t e, const char* proj) {
+  return "model.layers." + std::to_string(layer) + ".mlp.experts." + std::to_string(e) + "." + proj + ".weight";
+}
+std::string grouped_key(int64_t layer, const char* proj) {
+  return "model.layers." + std::to_string(layer) + ".mlp.experts." + proj;
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> kiln_tensors(Glm4MoeLiteModel& model) {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (auto& p : model.named_parameters()) out.emplace_back(p.key(), p.value());
+  for (auto& b : model.named_buffers()) out.emplace_back(b.key(), b.value());
+  return out;
+}
+
+// Layer index of an HF key "model.layers.{i}....", or -1.
+int64_t hf_layer(const std::string& key) {
+  static const std::string prefix = "model.layers.";
+  if (key.compare(0, prefix.size(), prefix) != 0) return -1;
+  auto end = key.find('.', prefix.size());
+  try {
+    return std::stoll(key.substr(prefix.size(), end - prefix.size()));
+  } catch (...) {
+    return -1;
+  }
+}
+
+torch::Tensor read(checkpoint::Checkpoint& ckpt, const std::string& key, at::IntArrayRef shape) {
+  auto t = messaging::to_torch(ckpt.get(key));
+  if (t.sizes() != shape) {
+    std::ostringstream s;
+    s << "checkpoint '" << ckpt.dir() << "': tensor '" << key << "' has shape " << t.sizes() << ", the model needs "
+      << shape;
+    throw CheckpointError(s.str());
+  }
+  if (!t.is_floating_point())
+    throw CheckpointError("checkpoint '" + ckpt.dir() + "': tensor '" + key + "' has integer dtype " +
+                          std::string(c10::toString(t.scalar_type())) + ", expected a floating-point weight");
+  return t;
+}
+}  // namespace
+
+std::vector<std::string> required_hf_keys(Glm4MoeLiteModel& model) {
+  std::vector<std::string> keys;
+  const int64_t E = model.config().moe.num_experts;
+  for (const auto& [name, t] : kiln_tensors(model)) {
+    auto s = source_of(name);
+    if (s.kind == Source::Kind::direct) keys.push_back(s.hf);
+    for (int64_t e = 0; s.kind == Source::Kind::gate_up && e < E; ++e) {
+      keys.push_back(expert_key(s.layer, e, "gate_proj"));
+      keys.push_back(expert_key(s.layer, e, "up_proj"));
+    }
+    for (int64_t e = 0; s.kind == Source::Kind::down && e < E; ++e) keys.push_back(expert_key(s.layer, e, "down_proj"));
+  }
+  return keys;
+}
+
+void load_hf_state_dict(Glm4MoeLiteModel& model, checkpoint::Checkpoint& ckpt) {
+  const auto& cfg = model.config();
+  const int64_t E = cfg.moe.num_experts, F = cfg.moe.expert_intermediate_size, D = cfg.hidden_size;
+  // Plan first: which HF keys each kiln tensor needs, and which are missing.
+  std::set<std::string> consumed;
+  std::vector<std::string> missing;
+  auto need = [&](const std::string& k) {
+    consumed.insert(k);
+    if (!ckpt.contains(k)) missing.push_back(k);
+  };
+  auto grouped = [&](int64_t layer, const char* proj) { return ckpt.contains(grouped_key(layer, proj)); };
+  for (const auto& [name, t] : kiln_tensors(model)) {
+    auto s = source_of(name);
+    if (s.kind == Source::Kind::direct) need(s.hf);
+    else if (s.kind == Source::Kind::gate_up && grouped(s.layer, "gate_up_proj")) need(grouped_key(s.layer, "gate_up_proj"));
+    else if (s.kind == Source::Kind::down && grouped(s.layer, "down_proj")) need(grouped_key(s.layer, "down_proj"));
+    else
+      for (int64_t e = 0; e < E; ++e) {
+        if (s.kind == Source::Kind::gate_up) {
+          need(expert_key(s.layer, e, "gate_proj"));
+          need(expert_key(s.layer, e, "up_proj"));
+        } else {
+          need(expert_key(s.layer, e, "down_proj"));
+        }
+      }
+  }
+  std::vector<std::string> unexpected;
+  for (const auto& k : ckpt.names())
+    if (!consumed.count(k) && hf_layer(k) < cfg.num_hidden_layers) unexpected.push_back(k);
+  if (!missing.empty() || !unexpected.empty()) {
+    std::string msg = "checkpoint '" + ckpt.dir() + "' does not fit glm4_moe_lite (" +
+                      std::to_string(cfg.num_hidden_layers) + " layers):";
+    if (!missing.empty()) {
+      msg += " missing " + std::to_string(missing.size()) + " key(s):";
+      for (const auto& k : missing) msg += " " + k;
+      msg += ";";
+    }
+    if (!unexpected.empty()) {
+      msg += " unexpected " + std::to_string(unexpected.size()) + " key(s):";
+      for (const auto& k : unexpected) msg += " " + k;
+    }
+    throw CheckpointError(msg);
+  }
+  torch::NoGradGuard no_grad;
+  for (auto& [name, param] : kiln_tensors(model)) {
+    auto s = source_of(name);
+    if (s.kind == Source::Kind::direct) {
+      param.copy_(read(ckpt, s.hf, param.sizes()));
+    } else if (s.kind == Source::Kind::gate_up) {
+      if (grouped(s.layer, "gate_up_proj")) param.copy_(read(ckpt, grouped_key(s.layer, "gate_up_proj"), param.sizes()));
+      else
+        for (int64_t e = 0; e < E; ++e) {  // fuse: [2F, D] = cat(gate [F, D], up [F, D])
+          param[e].narrow(0, 0, F).copy_(read(ckpt, expert_key(s.layer, e, "gate_proj"), {F, D}));
+          param[e].narrow(0, F, F).copy_(read(ckpt, expert_key(s.layer, e, "up_proj"), {F, D}));
+        }
+    } else {
+      if (grouped(s.layer, "down_proj")) param.copy_(read(ckpt, grouped_key(s.layer, "down_proj"), param.sizes()));
+      else
+        for (int64_t e = 0; e < E; ++e) param[e].copy_(read(ckpt, expert_key(s.layer, e, "down_proj"), {D, F}));
+    }
+  }
+}
+
+std::vector<messaging::Tensor> to_hf_state_dict(Glm4MoeLiteModel& model) {
+  const int64_t E = model.config().moe.num_experts, F = model.config().moe.expert_intermediate_size;
+  std::vector<messaging::Tensor> out;
+  auto add = [&](const std::string& key, const torch::Tensor& t) {
+    out.push_back(messaging::from_torch(key, t.detach().to(torch::kCPU).contiguous()));
+  };
+  for (const auto& [name, t] : kiln_tensors(model)) {
+    auto s = source_of(name);
+    if (s.kind == Source::Kind::direct) add(s.hf, t);
+    for (int64_t e = 0; s.kind == Source::Kind::gate_up && e < E; ++e) {  // split
+      add(expert_key(s.layer, e, "gate_proj"), t[e].narrow(0, 0, F));
+      add(expert_key(s.layer, e, "up_proj"), t[e].narrow(0, F, F));
+    }
+    for (int64_t e = 0; s.kind == Source::Kind::down && e < E; ++e) add(expert_key(s.layer, e, "down_proj"), t[e]);
+  }
+  return out;
+}
+
+}  // namespace kiln::model::glm4_moe_lite

@@ -1,0 +1,40 @@
+#pragma once
+// HF names <-> kiln names for glm4_moe_lite. A table of patterns with {} for the layer index
+// (kKeyTable), plus two named transforms for the grouped experts:
+//   fuse:  model.layers.{l}.mlp.experts.{e}.gate_proj.weight [F, D] and .up_proj.weight [F, D]
+//          -> layers.{l}.moe.experts.w_gate_up_EFD[e] = cat(gate, up) [2F, D]
+//          model.layers.{l}.mlp.experts.{e}.down_proj.weight [D, F] -> w_down_EDF[e]
+//   split: the reverse, when saving.
+// Checkpoints that already hold transformers' grouped tensors (mlp.experts.gate_up_proj
+// [E, 2F, D], mlp.experts.down_proj [E, D, F]) load too. The MTP layer (index
+// num_hidden_layers) is never read. Only the keys the model needs are read.
+#include <string>
+#include <vector>
+
+#include "messaging/tensor.hpp"
+#include "model/checkpoint/safetensors.hpp"
+
+namespace kiln::model::glm4_moe_lite {
+
+class Glm4MoeLiteModel;
+
+struct KeyRule {
+  const char* hf;        ///< HF name pattern, {} = layer index
+  const char* internal;  ///< kiln name pattern
+};
+/// Every one-to-one rule.
+extern const std::vector<KeyRule> kKeyTable;
+
+/// The HF keys the model reads, in load order (per-expert names for experts).
+std::vector<std::string> required_hf_keys(Glm4MoeLiteModel& model);
+
+/// Copies every tensor the model needs from `ckpt` (shape checked on every copy, cast to the
+/// parameter's dtype). Throws checkpoint::CheckpointError listing all missing keys and all
+/// unexpected ones (keys of layers >= num_hidden_layers, the MTP layer, are neither read nor
+/// reported), or naming a tensor whose shape does not fit.
+void load_hf_state_dict(Glm4MoeLiteModel& model, checkpoint::Checkpoint& ckpt);
+
+/// The model's weights under HF names (experts split per expert), on CPU, contiguous.
+std::vector<messaging::Tensor> to_hf_state_dict(Glm4MoeLiteModel& model);
+
+}  // namespace kiln::model::glm4_moe_lite

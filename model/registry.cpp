@@ -1,0 +1,97 @@
+#include "model/registry.hpp"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <stdexcept>
+
+#include "model/glm4_moe_lite/model.hpp"
+
+namespace kiln::model {
+
+namespace fs = std::filesystem;
+
+Registry Registry::with_builtins() {
+  Registry r;
+  ModelPackage glm;
+  glm.name = "glm4_moe_lite";
+  glm.hf_model_type = "glm4_moe_lite";
+  glm.description = "GLM-4.7-Flash: MLA + sigmoid top-k MoE (DeepSeek-V3 layer), transformers Glm4MoeLiteForCausalLM";
+  glm.flavors = glm4_moe_lite::flavors::names();
+  glm.build_flavor = [](const std::string& flavor) -> std::shared_ptr<CausalLM> {
+    return std::make_shared<glm4_moe_lite::Glm4MoeLiteModel>(glm4_moe_lite::flavors::by_name(flavor));
+  };
+  glm.from_hf_dir = [](const std::string& dir) -> std::shared_ptr<CausalLM> { return glm4_moe_lite::from_hf_dir(dir); };
+  r.add_builtin(std::move(glm));
+  return r;
+}
+
+void Registry::add_builtin(ModelPackage package) {
+  auto name = package.name;
+  builtin_[name] = Entry{std::move(package), "built-in"};
+}
+
+void Registry::add(ModelPackage package) {
+  auto name = package.name;
+  user_[name] = Entry{std::move(package), loading_origin_.empty() ? "user (added in process)" : loading_origin_};
+}
+
+std::string Registry::plugin_dir_from_env() {
+  const char* d = std::getenv("KILN_MODEL_PLUGINS");
+  return d ? std::string(d) : std::string();
+}
+
+int Registry::load_plugins(const std::string& dir) {
+  plugin_dir_ = dir;
+  if (dir.empty() || !fs::is_directory(dir)) return 0;
+  std::vector<fs::path> libs;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.is_regular_file() && e.path().extension() == ".so") libs.push_back(e.path());
+  std::sort(libs.begin(), libs.end());
+  using RegisterFn = void (*)(Registry&);
+  for (const auto& lib : libs) {
+    // Never dlclose'd: the packages' functions live in the library.
+    void* h = ::dlopen(lib.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (!h) throw std::runtime_error("model plugin '" + lib.string() + "' does not load: " + ::dlerror());
+    auto fn = reinterpret_cast<RegisterFn>(::dlsym(h, "kiln_register_model_packages"));
+    if (!fn)
+      throw std::runtime_error("model plugin '" + lib.string() +
+                               "' has no extern \"C\" kiln_register_model_packages(kiln::model::Registry&)");
+    loading_origin_ = lib.string();
+    fn(*this);
+    loading_origin_.clear();
+  }
+  return int(libs.size());
+}
+
+const ModelPackage& Registry::find(const std::string& name) const {
+  if (auto it = user_.find(name); it != user_.end()) return it->second.package;
+  if (auto it = builtin_.find(name); it != builtin_.end()) return it->second.package;
+  auto list = [](const std::map<std::string, Entry>& m) {
+    std::string s;
+    for (const auto& [n, e] : m) s += (s.empty() ? "" : ", ") + n;
+    return s.empty() ? std::string("none") : s;
+  };
+  throw std::invalid_argument("no model package '" + name + "': looked in user packages (plugin directory " +
+                              (plugin_dir_.empty() ? std::string("not set; KILN_MODEL_PLUGINS") : "'" + plugin_dir_ + "'") +
+                              ": " + list(user_) + ") and in built-in packages (" + list(builtin_) + ")");
+}
+
+std::string Registry::origin(const std::string& name) const {
+  if (auto it = user_.find(name); it != user_.end()) return it->second.origin;
+  if (auto it = builtin_.find(name); it != builtin_.end()) return it->second.origin;
+  find(name);  // throws the full message
+  return {};
+}
+
+std::vector<std::string> Registry::names() const {
+  std::vector<std::string> n;
+  for (const auto& [k, e] : user_) n.push_back(k);
+  for (const auto& [k, e] : builtin_)
+    if (!user_.count(k)) n.push_back(k);
+  return n;
+}
+
+}  // namespace kiln::model

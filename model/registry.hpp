@@ -1,0 +1,63 @@
+#pragma once
+// Model packages by name. Lookup order: user packages (shared libraries loaded from a plugin
+// directory) before built-in ones; a miss names every place it looked.
+//
+// A plugin is a shared library exporting
+//     extern "C" void kiln_register_model_packages(kiln::model::Registry& registry);
+// which calls registry.add(...) for each package it brings (added as user packages).
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/causal_lm.hpp"
+
+namespace kiln::model {
+
+struct ModelPackage {
+  std::string name;           ///< registry name, e.g. "glm4_moe_lite"
+  std::string hf_model_type;  ///< config.json "model_type" it reads
+  std::string description;
+  std::vector<std::string> flavors;
+  /// Builds a randomly initialised model of a named flavor; throws std::invalid_argument
+  /// naming the flavors for an unknown one.
+  std::function<std::shared_ptr<CausalLM>(const std::string& flavor)> build_flavor;
+  /// Builds a model from an HF checkpoint directory (config.json + safetensors).
+  std::function<std::shared_ptr<CausalLM>(const std::string& dir)> from_hf_dir;
+};
+
+class Registry {
+ public:
+  /// A registry holding the built-in packages (glm4_moe_lite).
+  static Registry with_builtins();
+  /// Adds a built-in package (replaces one of the same name).
+  void add_builtin(ModelPackage package);
+  /// Adds a user package; during load_plugins, `origin` is the plugin's path.
+  void add(ModelPackage package);
+  /// dlopens every *.so in `dir` (sorted by name) and calls its
+  /// kiln_register_model_packages. Returns how many plugins were loaded. Throws
+  /// std::runtime_error naming the file for a library that does not load or lacks the entry
+  /// point. An empty or missing `dir` loads nothing.
+  int load_plugins(const std::string& dir);
+  /// The plugin directory named by KILN_MODEL_PLUGINS, if set and non-empty, else "".
+  static std::string plugin_dir_from_env();
+
+  /// The package called `name`: user packages first, then built-ins. Throws
+  /// std::invalid_argument naming both places it looked and what each holds.
+  const ModelPackage& find(const std::string& name) const;
+  /// Where `name` came from: "built-in" or the plugin path. Throws like find().
+  std::string origin(const std::string& name) const;
+  std::vector<std::string> names() const;
+
+ private:
+  struct Entry {
+    ModelPackage package;
+    std::string origin;
+  };
+  std::map<std::string, Entry> user_, builtin_;
+  std::string plugin_dir_;      // last directory searched for plugins
+  std::string loading_origin_;  // plugin being loaded, for add()
+};
+
+}  // namespace kiln::model

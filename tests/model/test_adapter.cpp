@@ -1,0 +1,136 @@
+// The glm4_moe_lite state-dict adapter on the transformers fixture checkpoint: coverage of
+// every key, MTP layer never read, missing/unexpected keys listed, wrong dtype or shape named,
+// and save -> load round trips.
+#include <doctest/doctest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "fixture.hpp"
+#include "model/glm4_moe_lite/model.hpp"
+#include "model/glm4_moe_lite/state_dict_adapter.hpp"
+
+using namespace kiln;
+using namespace kiln::model;
+namespace fs = std::filesystem;
+
+namespace {
+nlohmann::json read_json(const std::string& path) {
+  std::ifstream in(path);
+  return nlohmann::json::parse(in);
+}
+void write_json(const std::string& path, const nlohmann::json& j) { std::ofstream(path) << j.dump(2); }
+
+std::string load_error(const std::string& dir) {
+  try {
+    glm4_moe_lite::from_hf_dir(dir);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST_CASE("the adapter covers every key of the transformers checkpoint, and nothing else") {
+  auto index = read_json(test::fixture_dir() + "/model.safetensors.index.json");
+  std::set<std::string> in_checkpoint;
+  for (auto it = index["weight_map"].begin(); it != index["weight_map"].end(); ++it) in_checkpoint.insert(it.key());
+  auto model = glm4_moe_lite::from_hf_dir(test::fixture_dir());
+  auto required = glm4_moe_lite::required_hf_keys(*model);
+  std::set<std::string> needed(required.begin(), required.end());
+  CHECK(needed.size() == required.size());  // no key read twice
+  CHECK(needed == in_checkpoint);
+  // Every table rule is used by some layer of the fixture except the q_lora = null one.
+  for (const auto& rule : glm4_moe_lite::kKeyTable) {
+    std::string pattern = rule.hf;
+    if (pattern == "model.layers.{}.self_attn.q_proj.weight") continue;
+    bool used = false;
+    for (const auto& k : needed) {
+      auto p = pattern.find("{}");
+      if (p == std::string::npos ? k == pattern
+                                 : k.compare(0, p, pattern, 0, p) == 0 &&
+                                       k.size() > pattern.size() - 2 &&
+                                       k.compare(k.size() - (pattern.size() - p - 2), std::string::npos, pattern, p + 2) == 0)
+        used = true;
+    }
+    CHECK_MESSAGE(used, "rule not exercised by the fixture: " << pattern);
+  }
+}
+
+TEST_CASE("an MTP layer in the checkpoint is skipped unread") {
+  auto dir = test::fixture_copy("mtp");
+  auto index = read_json(dir + "/model.safetensors.index.json");
+  // Layer 3 (= num_hidden_layers) is the MTP layer; its shard does not even exist, so any
+  // attempt to read it would fail.
+  for (const char* k : {"model.layers.3.eh_proj.weight", "model.layers.3.self_attn.q_a_proj.weight",
+                        "model.layers.3.mlp.experts.0.gate_proj.weight", "model.layers.3.shared_head.head.weight"})
+    index["weight_map"][k] = "model-mtp.safetensors";
+  write_json(dir + "/model.safetensors.index.json", index);
+  auto model = std::make_shared<glm4_moe_lite::Glm4MoeLiteModel>(glm4_moe_lite::flavors::debug());
+  auto ckpt = checkpoint::Checkpoint::open(dir);
+  CHECK_NOTHROW(glm4_moe_lite::load_hf_state_dict(*model, ckpt));
+  for (const auto& f : ckpt.opened_files()) CHECK(f != "model-mtp.safetensors");
+}
+
+TEST_CASE("missing and unexpected keys are all listed in one error") {
+  auto dir = test::fixture_copy("keys");
+  auto index = read_json(dir + "/model.safetensors.index.json");
+  index["weight_map"].erase("model.layers.1.self_attn.kv_b_proj.weight");
+  index["weight_map"].erase("model.layers.2.mlp.experts.5.up_proj.weight");
+  index["weight_map"]["model.layers.0.self_attn.rotary_emb.inv_freq"] = "model-00001-of-00004.safetensors";
+  write_json(dir + "/model.safetensors.index.json", index);
+  auto err = load_error(dir);
+  CHECK(err.find("missing 2 key(s)") != std::string::npos);
+  CHECK(err.find("model.layers.1.self_attn.kv_b_proj.weight") != std::string::npos);
+  CHECK(err.find("model.layers.2.mlp.experts.5.up_proj.weight") != std::string::npos);
+  CHECK(err.find("unexpected 1 key(s): model.layers.0.self_attn.rotary_emb.inv_freq") != std::string::npos);
+}
+
+TEST_CASE("a tensor of the wrong dtype or shape for its key is named") {
+  auto dir = test::fixture_copy("dtype");
+  auto index = read_json(dir + "/model.safetensors.index.json");
+  // Replace the final norm with an int64 tensor and lm_head with a wrong shape, in a new shard.
+  auto bad_norm = messaging::Tensor::zeros("model.norm.weight", messaging::DType::int64, {64});
+  auto bad_head = messaging::Tensor::zeros("lm_head.weight", messaging::DType::float32, {96, 63});
+  checkpoint::write_safetensors(dir + "/bad.safetensors", {bad_norm});
+  index["weight_map"]["model.norm.weight"] = "bad.safetensors";
+  write_json(dir + "/model.safetensors.index.json", index);
+  CHECK(load_error(dir).find("'model.norm.weight' has integer dtype") != std::string::npos);
+  checkpoint::write_safetensors(dir + "/bad.safetensors", {bad_head});
+  index["weight_map"].erase("model.norm.weight");
+  index["weight_map"]["model.norm.weight"] = read_json(test::fixture_dir() + "/model.safetensors.index.json")["weight_map"]["model.norm.weight"];
+  index["weight_map"]["lm_head.weight"] = "bad.safetensors";
+  write_json(dir + "/model.safetensors.index.json", index);
+  auto err = load_error(dir);
+  CHECK(err.find("'lm_head.weight' has shape [96, 63], the model needs [96, 64]") != std::string::npos);
+}
+
+TEST_CASE("a missing shard is an error naming the file") {
+  auto dir = test::fixture_copy("shard");
+  fs::remove(dir + "/model-00002-of-00004.safetensors");
+  auto err = load_error(dir);
+  CHECK(err.find("model-00002-of-00004.safetensors") != std::string::npos);
+  CHECK(err.find("missing") != std::string::npos);
+}
+
+TEST_CASE("kiln saves the fixture in HF layout and loads it back bit for bit") {
+  auto model = glm4_moe_lite::from_hf_dir(test::fixture_dir());
+  auto dir = test::scratch_dir("resave");
+  model->save_hf_checkpoint(dir, 100 * 1024);
+  auto saved = read_json(dir + "/model.safetensors.index.json");
+  auto original = read_json(test::fixture_dir() + "/model.safetensors.index.json");
+  std::set<std::string> a, b;
+  for (auto it = saved["weight_map"].begin(); it != saved["weight_map"].end(); ++it) a.insert(it.key());
+  for (auto it = original["weight_map"].begin(); it != original["weight_map"].end(); ++it) b.insert(it.key());
+  CHECK(a == b);
+  int shards = 0;
+  for (const auto& e : fs::directory_iterator(dir)) shards += e.path().extension() == ".safetensors";
+  CHECK(shards >= 2);  // really sharded
+  auto again = glm4_moe_lite::from_hf_dir(dir);
+  auto p1 = model->named_parameters(), p2 = again->named_parameters();
+  for (const auto& p : p1) CHECK_MESSAGE(torch::equal(p.value(), p2[p.key()]), p.key());
+  // The config survives too.
+  auto c1 = model->config().to_hf_json(), c2 = again->config().to_hf_json();
+  CHECK(c1 == c2);
+}

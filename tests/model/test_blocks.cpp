@@ -1,0 +1,181 @@
+// Hand-checked cases for the blocks, the config and the flavors.
+#include <doctest/doctest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "model/blocks/logprobs.hpp"
+#include "model/blocks/moe.hpp"
+#include "model/glm4_moe_lite/model.hpp"
+
+using namespace kiln::model;
+using glm4_moe_lite::Glm4MoeLiteConfig;
+
+TEST_CASE("router: the correction bias chooses in fp32, the unbiased scores weigh") {
+  auto scores = torch::tensor({{0.50f, 0.49f, 0.48f, 0.47f}});
+  auto bias = torch::tensor({7.000f, 7.015f, 7.030f, 7.045f});
+  RouterOptions top1{0, 4, 1, 1, 1, true, 1.8};
+  CHECK(route_from_scores(scores, bias, top1).expert_ids.item<int64_t>() == 3);
+  RouterOptions top2{0, 4, 2, 1, 1, true, 1.8};
+  auto r = route_from_scores(scores, bias, top2);
+  CHECK(r.expert_ids[0][0].item<int64_t>() == 3);
+  CHECK(r.expert_ids[0][1].item<int64_t>() == 2);
+  CHECK(r.weights[0][0].item<float>() == doctest::Approx(0.8905).epsilon(1e-4));  // 0.47 / 0.95 * 1.8
+  CHECK(r.weights[0][1].item<float>() == doctest::Approx(0.9095).epsilon(1e-4));  // 0.48 / 0.95 * 1.8
+  // The hazard: the same bias rounded to bf16 picks expert 2.
+  auto bf16_bias = bias.to(torch::kBFloat16).to(torch::kFloat32);
+  CHECK(route_from_scores(scores, bf16_bias, top1).expert_ids.item<int64_t>() == 2);
+  // A bf16 model keeps its correction bias in fp32.
+  {
+    glm4_moe_lite::Glm4MoeLiteModel m(glm4_moe_lite::flavors::debug());
+    m.to_dtype(torch::kBFloat16);
+    auto& router = m.layers[1]->moe->router;
+    CHECK((router->weight.scalar_type() == torch::kBFloat16));
+    CHECK((router->e_score_correction_bias.scalar_type() == torch::kFloat32));
+  }
+}
+
+TEST_CASE("router: group-limited selection keeps experts of the best group only") {
+  // 4 experts in 2 groups, keep 1 group: group {0,1} scores 0.9+0.1, group {2,3} 0.6+0.6.
+  auto scores = torch::tensor({{0.9f, 0.1f, 0.6f, 0.6f}});
+  RouterOptions o{0, 4, 2, 2, 1, false, 1.0};
+  auto r = route_from_scores(scores, torch::zeros({4}), o);
+  auto ids = std::get<0>(r.expert_ids.sort(-1));
+  CHECK(ids[0][0].item<int64_t>() == 2);  // 1.2 > 1.0: the second group wins although expert 0 scores highest
+  CHECK(ids[0][1].item<int64_t>() == 3);
+}
+
+TEST_CASE("interleaved RoPE rotates adjacent pairs") {
+  auto x = torch::tensor({1.0f, 0.0f, 0.0f, 0.0f}).view({1, 1, 4});  // [T, H, R]
+  auto y = apply_rope(x, torch::tensor({int64_t(1)}), 10000.0, /*interleaved=*/true);
+  // pair 0 has inv_freq theta^0 = 1: angle 1 at position 1
+  CHECK(y[0][0][0].item<float>() == doctest::Approx(0.5403).epsilon(1e-4));
+  CHECK(y[0][0][1].item<float>() == doctest::Approx(0.8415).epsilon(1e-4));
+  CHECK(y[0][0][2].item<float>() == 0.0f);
+  CHECK(y[0][0][3].item<float>() == 0.0f);
+  // Non-interleaved pairs (x0, x2) instead.
+  auto z = apply_rope(x, torch::tensor({int64_t(1)}), 10000.0, /*interleaved=*/false);
+  CHECK(z[0][0][2].item<float>() == doctest::Approx(0.8415).epsilon(1e-4));
+}
+
+TEST_CASE("with rope_type default the attention scale is exactly 1/sqrt(qk_head_dim)") {
+  auto c = glm4_moe_lite::flavors::glm47_flash();
+  CHECK(c.attention.softmax_scale() == 1.0 / 16.0);  // qk_head_dim 192 + 64 = 256
+  auto d = glm4_moe_lite::flavors::debug();
+  CHECK(d.attention.softmax_scale() == 1.0 / std::sqrt(24.0));
+  auto j = c.to_hf_json();
+  j["rope_parameters"] = {{"rope_type", "yarn"}, {"rope_theta", 1e6}, {"factor", 4.0}};
+  CHECK_THROWS_WITH_AS(Glm4MoeLiteConfig::from_hf_json(j, "test"), doctest::Contains("'yarn' is not supported"),
+                       std::invalid_argument);
+}
+
+TEST_CASE("log-prob of token t+1 is read from the logits at t, never across a document boundary") {
+  // docs [10 11 12 | 20 21]
+  auto ids = torch::tensor(std::vector<int64_t>{10, 11, 12, 20, 21});
+  auto cu = torch::tensor(std::vector<int64_t>{0, 3, 5});
+  auto targets = next_token_targets(ids, cu);
+  CHECK(targets.equal(torch::tensor(std::vector<int64_t>{11, 12, -1, 21, -1})));
+  torch::manual_seed(0);
+  auto hidden = torch::randn({5, 8});
+  auto weight = torch::randn({32, 8});
+  auto lp = token_logprobs(hidden, weight, targets, 2);
+  auto ref = torch::log_softmax(hidden.mm(weight.t()), -1);
+  CHECK(lp[0].item<float>() == doctest::Approx(ref[0][11].item<float>()).epsilon(1e-6));
+  CHECK(lp[3].item<float>() == doctest::Approx(ref[3][21].item<float>()).epsilon(1e-6));
+  CHECK(lp[2].item<float>() == 0.0f);  // last token of document 0 predicts nothing
+  CHECK(lp[4].item<float>() == 0.0f);
+}
+
+TEST_CASE("chunked log-probs equal the full log-softmax, values and gradients, for any chunk size") {
+  torch::manual_seed(1);
+  auto hidden = torch::randn({13, 16}, torch::requires_grad());
+  auto weight = torch::randn({50, 16}, torch::requires_grad());
+  auto targets = torch::randint(0, 50, {13}, torch::kInt64);
+  targets[4] = -1;
+  auto g = torch::randn({13});
+  auto ref = torch::log_softmax(hidden.mm(weight.t()), -1).gather(1, targets.clamp_min(0).unsqueeze(1)).squeeze(1) *
+             (targets >= 0);
+  auto ref_grads = torch::autograd::grad({(ref * g).sum()}, {hidden, weight});
+  for (int64_t chunk : {1, 4, 13, 1000}) {
+    CAPTURE(chunk);
+    auto lp = token_logprobs(hidden, weight, targets, chunk);
+    CHECK((lp - ref).abs().max().item<double>() <= 1e-5);
+    auto grads = torch::autograd::grad({(lp * g).sum()}, {hidden, weight});
+    CHECK((grads[0] - ref_grads[0]).abs().max().item<double>() <= 1e-5);
+    CHECK((grads[1] - ref_grads[1]).abs().max().item<double>() <= 1e-5);
+  }
+}
+
+TEST_CASE("the glm47_flash flavor has GLM-4.7-Flash's published dimensions") {
+  auto c = glm4_moe_lite::flavors::glm47_flash();
+  CHECK(c.attention.q_lora_rank.value() == 768);
+  CHECK(c.attention.kv_lora_rank == 512);
+  CHECK(c.attention.qk_nope_head_dim == 192);
+  CHECK(c.attention.qk_rope_head_dim == 64);
+  CHECK(c.attention.v_head_dim == 256);
+  CHECK(c.attention.num_heads == 20);
+  CHECK(c.hidden_size == 2048);
+  CHECK(c.moe.num_experts == 64);
+  CHECK(c.moe.top_k == 4);
+  CHECK(c.moe.routed_scaling_factor == 1.8);
+  CHECK(c.moe.n_shared_experts == 1);
+  CHECK(c.moe.n_group == 1);
+  CHECK(c.moe.norm_topk_prob);
+  CHECK(c.intermediate_size == 10240);
+  CHECK(c.moe.expert_intermediate_size == 1536);
+  CHECK(c.attention.rope_theta == 1e6);
+  CHECK(c.attention.rope_interleave);
+  CHECK(c.num_hidden_layers == 47);
+  CHECK(c.moe_layers[0] == false);
+  CHECK(c.num_moe_layers() == 46);
+  CHECK(c.vocab_size == 154880);
+  CHECK(c.rms_norm_eps == 1e-5);
+  CHECK_FALSE(c.tie_word_embeddings);
+  CHECK(c.max_position_embeddings == 202752);
+  // And the config.json it writes parses back to the same thing.
+  auto back = Glm4MoeLiteConfig::from_hf_json(c.to_hf_json(), "round trip");
+  CHECK(back.to_hf_json() == c.to_hf_json());
+}
+
+TEST_CASE("config.json: unknown fields and contradictory values are rejected by name") {
+  auto j = glm4_moe_lite::flavors::debug().to_hf_json();
+  SUBCASE("unknown field") {
+    j["hidden_sise"] = 64;
+    CHECK_THROWS_WITH_AS(Glm4MoeLiteConfig::from_hf_json(j, "c.json"), doctest::Contains("'hidden_sise'"),
+                         std::invalid_argument);
+  }
+  SUBCASE("qk_head_dim that is not nope + rope") {
+    j["qk_head_dim"] = 99;
+    CHECK_THROWS_WITH_AS(Glm4MoeLiteConfig::from_hf_json(j, "c.json"), doctest::Contains("'qk_head_dim'"),
+                         std::invalid_argument);
+  }
+  SUBCASE("key-value heads differ from attention heads") {
+    j["num_key_value_heads"] = 2;
+    CHECK_THROWS_WITH_AS(Glm4MoeLiteConfig::from_hf_json(j, "c.json"), doctest::Contains("'num_key_value_heads'"),
+                         std::invalid_argument);
+  }
+  SUBCASE("mlp_layer_types of the wrong length") {
+    j["mlp_layer_types"] = {"dense", "sparse"};
+    CHECK_THROWS_WITH_AS(Glm4MoeLiteConfig::from_hf_json(j, "c.json"), doctest::Contains("'mlp_layer_types'"),
+                         std::invalid_argument);
+  }
+  SUBCASE("a wrong type") {
+    j["hidden_size"] = "sixty-four";
+    CHECK_THROWS_WITH_AS(Glm4MoeLiteConfig::from_hf_json(j, "c.json"), doctest::Contains("'hidden_size': must be an integer"),
+                         std::invalid_argument);
+  }
+  SUBCASE("topk_group larger than n_group") {
+    j["topk_group"] = 3;
+    CHECK_THROWS_WITH_AS(Glm4MoeLiteConfig::from_hf_json(j, "c.json"), doctest::Contains("'topk_group'"),
+                         std::invalid_argument);
+  }
+  SUBCASE("q_lora_rank null builds the direct q projection") {
+    j["q_lora_rank"] = nullptr;
+    auto c = Glm4MoeLiteConfig::from_hf_json(j, "c.json");
+    CHECK_FALSE(c.attention.q_lora_rank.has_value());
+    glm4_moe_lite::Glm4MoeLiteModel m(c);
+    CHECK(m.named_parameters().contains("layers.0.attn.q.weight"));
+    CHECK_FALSE(m.named_parameters().contains("layers.0.attn.q_a.weight"));
+    auto out = m.forward(PackedBatch::from_documents({{1, 2, 3}}));
+    CHECK((out.hidden.sizes() == torch::IntArrayRef({3, 64})));
+  }
+}
