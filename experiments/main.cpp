@@ -5,6 +5,7 @@
 #include "experiments/bench_messaging.hpp"
 #include "experiments/node.hpp"
 #ifdef KILN_WITH_TORCH
+#include "experiments/bench_model.hpp"
 #include "experiments/model_cmd.hpp"
 #endif
 
@@ -29,6 +30,11 @@ int main(int argc, char** argv) {
   bench_msg->add_option("--repeats", mb.repeats, "Measurements per cell (best is shown)");
 
 #ifdef KILN_WITH_TORCH
+  kiln::experiments::ModelBenchOptions mo;
+  auto* bench_model = bench_cmd->add_subcommand("model", "Log-probs and forward+backward speed vs peers/limits");
+  bench_model->add_option("--logprob-tokens", mo.logprob_tokens, "Tokens for the log-prob comparison");
+  bench_model->add_option("--train-tokens", mo.train_tokens, "Packed tokens for the training step");
+  bench_model->add_option("--repeats", mo.repeats, "Measurements (best is shown)");
   auto* model_cmd = app.add_subcommand("model", "Model packages and checkpoints");
   model_cmd->require_subcommand(1);
   std::string plugin_dir, package = "glm4_moe_lite", from, to;
@@ -50,6 +56,7 @@ int main(int argc, char** argv) {
   if (node_cmd->parsed()) return kiln::experiments::run_node(node);
   if (bench_msg->parsed()) return kiln::experiments::run_messaging_bench(mb);
 #ifdef KILN_WITH_TORCH
+  if (bench_model->parsed()) return kiln::experiments::run_model_bench(mo);
   if (model_list->parsed()) return kiln::experiments::run_model_list(plugin_dir);
   if (model_resave->parsed()) return kiln::experiments::run_model_resave(package, from, to, shard_mib, plugin_dir);
 #endif

@@ -1,0 +1,21 @@
+#pragma once
+// `kiln bench model`: on this machine, in one run:
+//  1. per-token log-probs at GLM-4.7-Flash's vocabulary (154880): kiln's chunked function vs
+//     the full fp32 log-softmax path (what transformers does), forward+backward time and the
+//     largest fp32 [rows, V] buffer each holds;
+//  2. packed forward+backward of a CPU-sized glm4_moe_lite: tokens/s and achieved GFLOP/s
+//     against the measured fp32 GEMM rate of the same machine (the hardware limit).
+#include <cstdint>
+
+namespace kiln::experiments {
+
+struct ModelBenchOptions {
+  int64_t logprob_tokens = 256;   ///< T for part 1
+  int64_t logprob_chunk = 64;     ///< chunk of the kiln path
+  int64_t train_tokens = 2048;    ///< packed tokens for part 2 (4 documents)
+  int repeats = 3;                ///< best of
+};
+
+int run_model_bench(const ModelBenchOptions& options);
+
+}  // namespace kiln::experiments
