@@ -5,7 +5,9 @@
 #include <optional>
 #include <string>
 
+#include "messaging/tensor.hpp"
 #include "model/blocks/basic.hpp"
+#include "model/blocks/mla.hpp"
 
 namespace kiln::model {
 
@@ -35,6 +37,21 @@ class CausalLM : public torch::nn::Module {
   virtual void load_hf_checkpoint(const std::string& dir) = 0;
   /// Writes config.json and HF-named safetensors shards of at most max_shard_bytes.
   virtual void save_hf_checkpoint(const std::string& dir, uint64_t max_shard_bytes) = 0;
+  /// Loads HF-named tensors (the full set the model needs, e.g. from weight sync). Throws
+  /// checkpoint::CheckpointError like load_hf_checkpoint.
+  virtual void load_hf_tensors(const std::vector<messaging::Tensor>& tensors) = 0;
+
+  /// Incremental decoding against paged per-layer caches (see MLAImpl::forward_cached).
+  /// ids/positions: [N] new tokens of all slices; caches: one [blocks, block_size,
+  /// cache_width()] tensor per layer. Returns hidden [N, D] and, if want_experts,
+  /// routed_experts [N, L, K]. Inference only.
+  virtual ForwardOutput forward_cached(const torch::Tensor& ids, const torch::Tensor& positions,
+                                       const std::vector<CachedSlice>& slices, std::vector<torch::Tensor>& caches,
+                                       bool want_experts) = 0;
+  virtual int64_t num_layers() const = 0;
+  virtual int64_t cache_width() const = 0;
+  virtual int64_t vocab_size() const = 0;
+
   /// Casts parameters to `dtype`, keeping what must stay fp32 (router bias) in fp32.
   virtual void to_dtype(torch::Dtype dtype) = 0;
 

@@ -52,4 +52,51 @@ torch::Tensor MLAImpl::forward(const torch::Tensor& x, const torch::Tensor& posi
   return o(attn);
 }
 
+torch::Tensor MLAImpl::forward_cached(const torch::Tensor& x, const torch::Tensor& positions,
+                                     const std::vector<CachedSlice>& slices, torch::Tensor& cache) {
+  const int64_t N = x.size(0), H = o_.num_heads, Nd = o_.qk_nope_head_dim, R = o_.qk_rope_head_dim,
+                V = o_.v_head_dim, C = o_.kv_lora_rank, BS = cache.size(1);
+  auto qs = (q_a ? q_b(q_a_norm(q_a(x))) : q(x)).view({N, H, Nd + R});                        // [N, H, Nd+R]
+  auto q_nope = qs.narrow(-1, 0, Nd);
+  auto q_rope = apply_rope(qs.narrow(-1, Nd, R), positions, o_.rope_theta, o_.rope_interleave);  // [N, H, R]
+  auto ckv = kv_a(x);                                                                          // [N, C+R]
+  auto latent = kv_a_norm(ckv.narrow(-1, 0, C));                                               // [N, C]
+  auto k_rope = apply_rope(ckv.narrow(-1, C, R).unsqueeze(1), positions, o_.rope_theta, o_.rope_interleave).squeeze(1);
+  // Write the new entries into their pages.
+  auto flat = cache.view({-1, C + R});                                                         // [blocks*BS, C+R]
+  std::vector<int64_t> new_slots;
+  new_slots.reserve(N);
+  for (const auto& s : slices)
+    for (int64_t j = 0; j < s.count; ++j) {
+      int64_t pos = s.cached + j;
+      new_slots.push_back((*s.blocks)[pos / BS] * BS + pos % BS);
+    }
+  auto slot_t = torch::tensor(new_slots, torch::kInt64).to(x.device());
+  flat.index_copy_(0, slot_t, torch::cat({latent, k_rope}, -1).to(cache.scalar_type()));
+  // Absorb kv_b: W [H, Nd+V, C] -> key part W_uk [H, Nd, C], value part W_uv [H, V, C].
+  auto w = kv_b->weight.view({H, Nd + V, C});
+  auto w_uk = w.narrow(1, 0, Nd), w_uv = w.narrow(1, Nd, V);
+  auto q_lat = torch::einsum("nhd,hdc->nhc", {q_nope, w_uk});                                 // [N, H, C]
+  std::vector<torch::Tensor> outs;
+  outs.reserve(slices.size());
+  for (const auto& s : slices) {
+    const int64_t S = s.cached + s.count;
+    std::vector<int64_t> slots(S);
+    for (int64_t p = 0; p < S; ++p) slots[p] = (*s.blocks)[p / BS] * BS + p % BS;
+    auto kv = flat.index_select(0, torch::tensor(slots, torch::kInt64).to(x.device())).to(x.scalar_type());  // [S, C+R]
+    auto lat = kv.narrow(-1, 0, C), kr = kv.narrow(-1, C, R);
+    auto scores = (torch::einsum("nhc,sc->hns", {q_lat.narrow(0, s.start, s.count), lat}) +
+                   torch::einsum("nhr,sr->hns", {q_rope.narrow(0, s.start, s.count), kr})) *
+                  o_.softmax_scale;                                                            // [H, n, S]
+    // query j sits at position cached + j and sees keys 0..cached + j
+    auto qpos = torch::arange(s.count, torch::kInt64).to(x.device()).unsqueeze(1) + s.cached;   // [n, 1]
+    auto kpos = torch::arange(S, torch::kInt64).to(x.device()).unsqueeze(0);                   // [1, S]
+    scores = scores.masked_fill((kpos > qpos).unsqueeze(0), -std::numeric_limits<float>::infinity());
+    auto p = torch::softmax(scores.to(torch::kFloat32), -1).to(x.scalar_type());              // [H, n, S]
+    auto o_lat = torch::einsum("hns,sc->nhc", {p, lat});                                       // [n, H, C]
+    outs.push_back(torch::einsum("nhc,hvc->nhv", {o_lat, w_uv}).reshape({s.count, H * V}));   // [n, H*V]
+  }
+  return o(torch::cat(outs, 0));
+}
+
 }  // namespace kiln::model

@@ -19,11 +19,31 @@ struct MLAOptions {
   double softmax_scale = 0;  ///< 1/sqrt(N+R) for rope_type default
 };
 
+/// One sequence's share of an incremental (cached) step: rows [start, start + count) of the
+/// step's tokens are its new tokens; `cached` of its tokens are already in the cache;
+/// `blocks` is its page table (block ids in order).
+struct CachedSlice {
+  int64_t start = 0, count = 0, cached = 0;
+  const std::vector<int64_t>* blocks = nullptr;
+};
+
 class MLAImpl : public torch::nn::Module {
  public:
   explicit MLAImpl(const MLAOptions& opt);
   /// x: [T, D], positions: [T] int64, cu_seqlens: [B+1] int64 (CPU) -> [T, D].
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cu_seqlens);
+
+  /// Incremental step against a paged latent cache, attention in latent space (DeepSeek-V2
+  /// §2.1.2 weight absorption): kv_b's key half is absorbed into the query, its value half into
+  /// the output, so cached latents are never expanded to per-head keys and values.
+  /// x: [N, D] new tokens of all slices; positions: [N]; cache: [blocks, block_size, C+R]
+  /// holding per token the normed latent [C] then the roped shared key [R]; the new tokens'
+  /// entries are written into it. Each slice attends causally to its cached and new tokens.
+  /// -> [N, D]. Inference only (no autograd through the cache).
+  torch::Tensor forward_cached(const torch::Tensor& x, const torch::Tensor& positions,
+                               const std::vector<CachedSlice>& slices, torch::Tensor& cache);
+  /// Width of one cache entry: kv_lora_rank + qk_rope_head_dim.
+  int64_t cache_width() const { return o_.kv_lora_rank + o_.qk_rope_head_dim; }
 
   torch::nn::Linear q{nullptr};     ///< [H*(N+R), D], when q_lora_rank is null
   torch::nn::Linear q_a{nullptr};   ///< [Q, D]

@@ -34,6 +34,14 @@ torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const torch::Ten
   return h + (moe ? moe(y, replay, expert_ids_out) : mlp(y));
 }
 
+torch::Tensor DecoderLayerImpl::forward_cached(const torch::Tensor& x, const torch::Tensor& positions,
+                                               const std::vector<CachedSlice>& slices, torch::Tensor& cache,
+                                               torch::Tensor* expert_ids_out) {
+  auto h = x + attn->forward_cached(attn_norm(x), positions, slices, cache);
+  auto y = mlp_norm(h);
+  return h + (moe ? moe(y, std::nullopt, expert_ids_out) : mlp(y));
+}
+
 Glm4MoeLiteModel::Glm4MoeLiteModel(Glm4MoeLiteConfig config) : config_(std::move(config)) {
   config_.validate();
   embed = register_module("embed", torch::nn::Embedding(config_.vocab_size, config_.hidden_size));
@@ -82,6 +90,32 @@ ForwardOutput Glm4MoeLiteModel::forward(const PackedBatch& batch, const ForwardO
   out.hidden = norm(x);
   if (want_ids) out.routed_experts = L ? torch::stack(ids, 1) : torch::empty({T, 0, K}, torch::kInt64);
   return out;
+}
+
+ForwardOutput Glm4MoeLiteModel::forward_cached(const torch::Tensor& ids, const torch::Tensor& positions,
+                                               const std::vector<CachedSlice>& slices, std::vector<torch::Tensor>& caches,
+                                               bool want_experts) {
+  if (int64_t(caches.size()) != config_.num_hidden_layers)
+    throw std::invalid_argument("forward_cached: " + std::to_string(caches.size()) + " caches for " +
+                                std::to_string(config_.num_hidden_layers) + " layers");
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> ids_per_layer;
+  auto x = embed(ids);
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    torch::Tensor chosen;
+    x = layers[l]->forward_cached(x, positions, slices, caches[l], layers[l]->is_moe() && want_experts ? &chosen : nullptr);
+    if (layers[l]->is_moe() && want_experts) ids_per_layer.push_back(chosen);
+  }
+  ForwardOutput out;
+  out.hidden = norm(x);
+  if (want_experts)
+    out.routed_experts = ids_per_layer.empty() ? torch::empty({ids.size(0), 0, config_.moe.top_k}, torch::kInt64)
+                                               : torch::stack(ids_per_layer, 1);
+  return out;
+}
+
+void Glm4MoeLiteModel::load_hf_tensors(const std::vector<messaging::Tensor>& tensors) {
+  load_hf_state_dict(*this, tensors);
 }
 
 void Glm4MoeLiteModel::to_dtype(torch::Dtype dtype) {

@@ -20,6 +20,10 @@ class DecoderLayerImpl : public torch::nn::Module {
   /// x: [T, D] -> [T, D]. For MoE layers, replay/expert_ids_out as in MoEImpl::forward.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cu_seqlens,
                         const std::optional<torch::Tensor>& replay_ids_TK, torch::Tensor* expert_ids_out);
+  /// Incremental step (MLAImpl::forward_cached); expert ids as in forward().
+  torch::Tensor forward_cached(const torch::Tensor& x, const torch::Tensor& positions,
+                               const std::vector<CachedSlice>& slices, torch::Tensor& cache,
+                               torch::Tensor* expert_ids_out);
   bool is_moe() const { return !moe.is_empty(); }
   RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
   MLA attn{nullptr};
@@ -42,6 +46,13 @@ class Glm4MoeLiteModel : public CausalLM {
   void load_hf_checkpoint(const std::string& dir) override;
   void save_hf_checkpoint(const std::string& dir, uint64_t max_shard_bytes) override;
   void to_dtype(torch::Dtype dtype) override;
+  void load_hf_tensors(const std::vector<messaging::Tensor>& tensors) override;
+  ForwardOutput forward_cached(const torch::Tensor& ids, const torch::Tensor& positions,
+                               const std::vector<CachedSlice>& slices, std::vector<torch::Tensor>& caches,
+                               bool want_experts) override;
+  int64_t num_layers() const override { return config_.num_hidden_layers; }
+  int64_t cache_width() const override { return config_.attention.kv_lora_rank + config_.attention.qk_rope_head_dim; }
+  int64_t vocab_size() const override { return config_.vocab_size; }
 
   torch::nn::Embedding embed{nullptr};
   std::vector<DecoderLayer> layers;

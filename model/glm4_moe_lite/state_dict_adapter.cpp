@@ -1,5 +1,6 @@
 #include "model/glm4_moe_lite/state_dict_adapter.hpp"
 
+#include <map>
 #include <regex>
 #include <set>
 
@@ -105,16 +106,16 @@ int64_t hf_layer(const std::string& key) {
   }
 }
 
-torch::Tensor read(checkpoint::Checkpoint& ckpt, const std::string& key, at::IntArrayRef shape) {
-  auto t = messaging::to_torch(ckpt.get(key));
+torch::Tensor read(const HfTensorSource& src, const std::string& key, at::IntArrayRef shape) {
+  auto t = messaging::to_torch(src.get(key));
   if (t.sizes() != shape) {
     std::ostringstream s;
-    s << "checkpoint '" << ckpt.dir() << "': tensor '" << key << "' has shape " << t.sizes() << ", the model needs "
+    s << src.where << ": tensor '" << key << "' has shape " << t.sizes() << ", the model needs "
       << shape;
     throw CheckpointError(s.str());
   }
   if (!t.is_floating_point())
-    throw CheckpointError("checkpoint '" + ckpt.dir() + "': tensor '" + key + "' has integer dtype " +
+    throw CheckpointError(src.where + ": tensor '" + key + "' has integer dtype " +
                           std::string(c10::toString(t.scalar_type())) + ", expected a floating-point weight");
   return t;
 }
@@ -136,6 +137,27 @@ std::vector<std::string> required_hf_keys(Glm4MoeLiteModel& model) {
 }
 
 void load_hf_state_dict(Glm4MoeLiteModel& model, checkpoint::Checkpoint& ckpt) {
+  HfTensorSource src{"checkpoint '" + ckpt.dir() + "'", [&] { return ckpt.names(); },
+                     [&](const std::string& k) { return ckpt.contains(k); },
+                     [&](const std::string& k) { return ckpt.get(k); }};
+  load_hf_state_dict(model, src);
+}
+
+void load_hf_state_dict(Glm4MoeLiteModel& model, const std::vector<messaging::Tensor>& tensors) {
+  std::map<std::string, const messaging::Tensor*> by_name;
+  for (const auto& t : tensors) by_name[t.name] = &t;
+  HfTensorSource src{"weight update",
+                     [&] {
+                       std::vector<std::string> n;
+                       for (const auto& [k, t] : by_name) n.push_back(k);
+                       return n;
+                     },
+                     [&](const std::string& k) { return by_name.count(k) > 0; },
+                     [&](const std::string& k) { return *by_name.at(k); }};
+  load_hf_state_dict(model, src);
+}
+
+void load_hf_state_dict(Glm4MoeLiteModel& model, const HfTensorSource& ckpt) {
   const auto& cfg = model.config();
   const int64_t E = cfg.moe.num_experts, F = cfg.moe.expert_intermediate_size, D = cfg.hidden_size;
   // Plan first: which HF keys each kiln tensor needs, and which are missing.
@@ -165,7 +187,7 @@ void load_hf_state_dict(Glm4MoeLiteModel& model, checkpoint::Checkpoint& ckpt) {
   for (const auto& k : ckpt.names())
     if (!consumed.count(k) && hf_layer(k) < cfg.num_hidden_layers) unexpected.push_back(k);
   if (!missing.empty() || !unexpected.empty()) {
-    std::string msg = "checkpoint '" + ckpt.dir() + "' does not fit glm4_moe_lite (" +
+    std::string msg = ckpt.where + " does not fit glm4_moe_lite (" +
                       std::to_string(cfg.num_hidden_layers) + " layers):";
     if (!missing.empty()) {
       msg += " missing " + std::to_string(missing.size()) + " key(s):";

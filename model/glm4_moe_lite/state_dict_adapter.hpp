@@ -8,6 +8,7 @@
 // Checkpoints that already hold transformers' grouped tensors (mlp.experts.gate_up_proj
 // [E, 2F, D], mlp.experts.down_proj [E, D, F]) load too. The MTP layer (index
 // num_hidden_layers) is never read. Only the keys the model needs are read.
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -28,11 +29,21 @@ extern const std::vector<KeyRule> kKeyTable;
 /// The HF keys the model reads, in load order (per-expert names for experts).
 std::vector<std::string> required_hf_keys(Glm4MoeLiteModel& model);
 
-/// Copies every tensor the model needs from `ckpt` (shape checked on every copy, cast to the
+/// Where HF-named tensors come from: a checkpoint directory, or tensors in memory (weight sync).
+struct HfTensorSource {
+  std::string where;  ///< for error messages ("checkpoint '/x'", "weight update v3")
+  std::function<std::vector<std::string>()> names;
+  std::function<bool(const std::string&)> contains;
+  std::function<messaging::Tensor(const std::string&)> get;
+};
+
+/// Copies every tensor the model needs from `src` (shape checked on every copy, cast to the
 /// parameter's dtype). Throws checkpoint::CheckpointError listing all missing keys and all
 /// unexpected ones (keys of layers >= num_hidden_layers, the MTP layer, are neither read nor
-/// reported), or naming a tensor whose shape does not fit.
+/// reported), or naming a tensor whose shape or dtype does not fit.
+void load_hf_state_dict(Glm4MoeLiteModel& model, const HfTensorSource& src);
 void load_hf_state_dict(Glm4MoeLiteModel& model, checkpoint::Checkpoint& ckpt);
+void load_hf_state_dict(Glm4MoeLiteModel& model, const std::vector<messaging::Tensor>& tensors);
 
 /// The model's weights under HF names (experts split per expert), on CPU, contiguous.
 std::vector<messaging::Tensor> to_hf_state_dict(Glm4MoeLiteModel& model);

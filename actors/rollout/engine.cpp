@@ -1,0 +1,214 @@
+#include "actors/rollout/engine.hpp"
+
+#include <algorithm>
+#include <optional>
+#include <stdexcept>
+
+namespace kiln::rollout {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+
+std::optional<FinishReason> finish_reason(const std::vector<int64_t>& tokens, const SamplingParams& p) {
+  if (tokens.empty()) return std::nullopt;
+  if (std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), tokens.back()) != p.stop_token_ids.end())
+    return FinishReason::stop;
+  for (const auto& seq : p.stop_sequences)
+    if (seq.size() <= tokens.size() && std::equal(seq.rbegin(), seq.rend(), tokens.rbegin())) return FinishReason::stop;
+  if (int64_t(tokens.size()) >= p.max_new_tokens) return FinishReason::length;
+  return std::nullopt;
+}
+
+void record(Completion& c, const SampledToken& t, int64_t version) {
+  c.tokens.push_back(t.token);
+  c.logprobs.push_back(t.logprob);
+  c.entropies.push_back(t.entropy);
+  c.policy_versions.push_back(version);
+}
+
+void check_request(const GenerationRequest& r, int64_t vocab) {
+  if (r.prompt.empty()) throw std::invalid_argument("request " + std::to_string(r.id) + ": empty prompt");
+  for (auto t : r.prompt)
+    if (t < 0 || t >= vocab)
+      throw std::invalid_argument("request " + std::to_string(r.id) + ": prompt token " + std::to_string(t) +
+                                  " outside the vocabulary [0, " + std::to_string(vocab) + ")");
+  r.sampling.validate();
+}
+}  // namespace
+
+const char* to_string(FinishReason r) { return r == FinishReason::stop ? "stop" : "length"; }
+
+int64_t EngineOptions::cache_bytes(const model::CausalLM& m, torch::Dtype dtype) const {
+  return cache_blocks * block_size * m.num_layers() * m.cache_width() * int64_t(c10::elementSize(dtype));
+}
+
+Engine::Engine(std::shared_ptr<model::CausalLM> model, EngineOptions options) : model_(std::move(model)), o_(options) {
+  if (o_.cache_blocks < 1 || o_.block_size < 1 || o_.max_batch < 1 || o_.max_prefill_tokens < 1)
+    throw std::invalid_argument("engine: cache_blocks, block_size, max_batch and max_prefill_tokens must be >= 1");
+  auto w = model_->lm_head_weight();
+  for (int64_t l = 0; l < model_->num_layers(); ++l)
+    caches_.push_back(torch::zeros({o_.cache_blocks, o_.block_size, model_->cache_width()}, w.options()));
+  for (int64_t b = o_.cache_blocks - 1; b >= 0; --b) free_.push_back(b);
+}
+
+void Engine::submit(GenerationRequest request) {
+  check_request(request, model_->vocab_size());
+  const int64_t need = (int64_t(request.prompt.size()) + request.sampling.max_new_tokens + o_.block_size - 1) / o_.block_size;
+  if (need > o_.cache_blocks)
+    throw std::invalid_argument("request " + std::to_string(request.id) + " needs " + std::to_string(need) +
+                                " cache pages (prompt " + std::to_string(request.prompt.size()) + " + max_new_tokens " +
+                                std::to_string(request.sampling.max_new_tokens) + " tokens), the whole cache has " +
+                                std::to_string(o_.cache_blocks));
+  auto s = std::make_unique<Sequence>(Sequence{std::move(request), {}, make_generator(0), {}, {}, 0, Clock::now()});
+  s->generator = make_generator(s->request.sampling.seed);
+  s->out.id = s->request.id;
+  s->out.prompt = s->request.prompt;
+  waiting_.push_back(std::move(s));
+}
+
+bool Engine::finished(Sequence& s) const {
+  auto r = finish_reason(s.out.tokens, s.request.sampling);
+  if (r) s.out.finish_reason = *r;
+  return r.has_value();
+}
+
+std::vector<Completion> Engine::step() {
+  if (paused_) return {};
+  // Admit waiting requests (FIFO) while pages, batch slots and the prefill budget allow.
+  std::vector<std::unique_ptr<Sequence>> admitted;
+  int64_t prefill_budget = o_.max_prefill_tokens;
+  while (!waiting_.empty() && int64_t(running_.size() + admitted.size()) < o_.max_batch) {
+    auto& s = *waiting_.front();
+    const int64_t P = int64_t(s.request.prompt.size());
+    const int64_t need = (P + s.request.sampling.max_new_tokens + o_.block_size - 1) / o_.block_size;
+    if (need > int64_t(free_.size())) break;                  // waits for pages
+    if (P > prefill_budget && !admitted.empty()) break;        // next step
+    for (int64_t i = 0; i < need; ++i) {
+      s.blocks.push_back(free_.back());
+      free_.pop_back();
+    }
+    prefill_budget -= P;
+    admitted.push_back(std::move(waiting_.front()));
+    waiting_.pop_front();
+  }
+  std::vector<Sequence*> batch;
+  for (auto& s : running_) batch.push_back(s.get());
+  for (auto& s : admitted) batch.push_back(s.get());
+  if (batch.empty()) return {};
+
+  // One forward for all: running sequences feed their last token, admitted ones their prompt.
+  std::vector<int64_t> ids, pos;
+  std::vector<model::CachedSlice> slices;
+  for (auto* s : batch) {
+    const int64_t start = int64_t(ids.size());
+    if (s->cached == 0) {
+      for (std::size_t i = 0; i < s->request.prompt.size(); ++i) {
+        ids.push_back(s->request.prompt[i]);
+        pos.push_back(int64_t(i));
+      }
+    } else {
+      ids.push_back(s->out.tokens.back());
+      pos.push_back(s->cached);
+    }
+    slices.push_back({start, int64_t(ids.size()) - start, s->cached, &s->blocks});
+  }
+  auto device = model_->lm_head_weight().device();
+  auto out = model_->forward_cached(torch::tensor(ids, torch::kInt64).to(device), torch::tensor(pos, torch::kInt64).to(device),
+                                    slices, caches_, /*want_experts=*/true);
+  std::vector<int64_t> last;
+  for (const auto& sl : slices) last.push_back(sl.start + sl.count - 1);
+  torch::Tensor logits;
+  {
+    torch::NoGradGuard no_grad;
+    auto h = out.hidden.index_select(0, torch::tensor(last, torch::kInt64).to(device));
+    logits = torch::nn::functional::linear(h, model_->lm_head_weight()).to(torch::kFloat32).to(torch::kCPU);  // [B, V]
+  }
+  auto experts = out.routed_experts.to(torch::kCPU);
+
+  std::vector<Completion> done;
+  for (std::size_t i = 0; i < batch.size(); ++i) {
+    auto* s = batch[i];
+    s->expert_rows.push_back(experts.narrow(0, slices[i].start, slices[i].count));
+    s->cached += slices[i].count;
+    record(s->out, sample_token(logits[int64_t(i)], s->request.sampling, s->generator), version_);
+    if (s->out.tokens.size() == 1)
+      s->out.time_to_first_token_s = std::chrono::duration<double>(Clock::now() - s->submitted).count();
+  }
+  for (auto& s : admitted) running_.push_back(std::move(s));
+  for (auto it = running_.begin(); it != running_.end();) {
+    auto& s = **it;
+    if (!finished(s)) {
+      ++it;
+      continue;
+    }
+    s.out.routed_experts = torch::cat(s.expert_rows, 0);  // [P + n - 1, L, K]
+    for (auto b : s.blocks) free_.push_back(b);
+    done.push_back(std::move(s.out));
+    it = running_.erase(it);
+  }
+  return done;
+}
+
+std::vector<Completion> Engine::generate(std::vector<GenerationRequest> requests) {
+  if (paused_) throw std::logic_error("engine: generate() on a paused engine would never finish; resume() first");
+  for (auto& r : requests) submit(std::move(r));
+  std::vector<Completion> all;
+  while (has_work())
+    for (auto& c : step()) all.push_back(std::move(c));
+  return all;
+}
+
+void Engine::update_weights(const std::vector<messaging::Tensor>& hf_tensors, int64_t version) {
+  if (!paused_) throw std::logic_error("engine: update_weights() between decode steps only: pause() first");
+  model_->load_hf_tensors(hf_tensors);
+  version_ = version;
+}
+
+std::vector<Completion> generate_without_cache(model::CausalLM& model, const std::vector<GenerationRequest>& requests,
+                                               int64_t version) {
+  torch::NoGradGuard no_grad;
+  auto t0 = Clock::now();
+  std::vector<Completion> out(requests.size());
+  std::vector<at::Generator> gens;
+  std::vector<std::vector<int64_t>> seqs;
+  std::vector<bool> done(requests.size(), false);
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    check_request(requests[i], model.vocab_size());
+    gens.push_back(make_generator(requests[i].sampling.seed));
+    seqs.push_back(requests[i].prompt);
+    out[i].id = requests[i].id;
+    out[i].prompt = requests[i].prompt;
+  }
+  model::ForwardOptions opts;
+  opts.return_routed_experts = true;
+  auto device = model.lm_head_weight().device();
+  for (;;) {
+    std::vector<std::size_t> live;
+    std::vector<std::vector<int64_t>> docs;
+    for (std::size_t i = 0; i < requests.size(); ++i)
+      if (!done[i]) {
+        live.push_back(i);
+        docs.push_back(seqs[i]);
+      }
+    if (live.empty()) return out;
+    auto b = model::PackedBatch::from_documents(docs);
+    b = model::PackedBatch{b.input_ids.to(device), b.position_ids.to(device), b.cu_seqlens};
+    auto fwd = model.forward(b, opts);
+    auto cu = b.cu_seqlens;
+    for (std::size_t j = 0; j < live.size(); ++j) {
+      const std::size_t i = live[j];
+      const int64_t s = cu[int64_t(j)].item<int64_t>(), e = cu[int64_t(j) + 1].item<int64_t>();
+      auto logits = torch::nn::functional::linear(fwd.hidden[e - 1], model.lm_head_weight());
+      record(out[i], sample_token(logits, requests[i].sampling, gens[i]), version);
+      if (out[i].tokens.size() == 1) out[i].time_to_first_token_s = std::chrono::duration<double>(Clock::now() - t0).count();
+      seqs[i].push_back(out[i].tokens.back());
+      if (auto r = finish_reason(out[i].tokens, requests[i].sampling)) {
+        out[i].finish_reason = *r;
+        out[i].routed_experts = fwd.routed_experts.narrow(0, s, e - s).to(torch::kCPU);  // P + n - 1 rows
+        done[i] = true;
+      }
+    }
+  }
+}
+
+}  // namespace kiln::rollout

@@ -1,0 +1,72 @@
+#pragma once
+// The in-process LibTorch rollout engine: prefill of packed prompts and incremental decoding
+// against a paged cache of MLA's compressed latents (kv_lora_rank + qk_rope_head_dim values
+// per token and layer), continuous batching (requests join while others decode; finished ones
+// free their pages), and a hard bound on cache memory: a request is admitted only when pages
+// for its prompt plus max_new_tokens are free, otherwise it waits in FIFO order.
+#include <chrono>
+#include <deque>
+#include <memory>
+
+#include "actors/rollout/backend.hpp"
+#include "model/causal_lm.hpp"
+
+namespace kiln::rollout {
+
+struct EngineOptions {
+  int64_t cache_blocks = 512;   ///< pages in the cache (the memory bound)
+  int64_t block_size = 16;      ///< tokens per page
+  int64_t max_batch = 64;       ///< sequences decoding at once
+  int64_t max_prefill_tokens = 8192;  ///< prompt tokens admitted per step
+  /// Bytes of the cache: cache_blocks * block_size * layers * cache_width * dtype size.
+  int64_t cache_bytes(const model::CausalLM& m, torch::Dtype dtype) const;
+};
+
+class Engine : public RolloutBackend {
+ public:
+  /// The cache is allocated here, on the model's device, in the model's dtype.
+  Engine(std::shared_ptr<model::CausalLM> model, EngineOptions options);
+  void submit(GenerationRequest request) override;
+  std::vector<Completion> step() override;
+  std::vector<Completion> generate(std::vector<GenerationRequest> requests) override;
+  bool has_work() const override { return !waiting_.empty() || !running_.empty(); }
+  void pause() override { paused_ = true; }
+  void resume() override { paused_ = false; }
+  bool paused() const override { return paused_; }
+  void update_weights(const std::vector<messaging::Tensor>& hf_tensors, int64_t version) override;
+  int64_t policy_version() const override { return version_; }
+
+  int64_t free_blocks() const { return int64_t(free_.size()); }
+  std::size_t waiting() const { return waiting_.size(); }
+  std::size_t running() const { return running_.size(); }
+
+ private:
+  struct Sequence {
+    GenerationRequest request;
+    std::vector<int64_t> blocks;
+    at::Generator generator;
+    Completion out;
+    std::vector<torch::Tensor> expert_rows;  // [rows, L, K] pieces
+    int64_t cached = 0;                      // tokens whose latents are in the cache
+    std::chrono::steady_clock::time_point submitted;
+  };
+  bool finished(Sequence& s) const;
+
+  std::shared_ptr<model::CausalLM> model_;
+  EngineOptions o_;
+  std::vector<torch::Tensor> caches_;  // per layer [blocks, block_size, width]
+  std::vector<int64_t> free_;
+  std::deque<std::unique_ptr<Sequence>> waiting_;
+  std::vector<std::unique_ptr<Sequence>> running_;
+  bool paused_ = false;
+  int64_t version_ = 0;
+};
+
+/// Reference generation without a cache: every step packs all unfinished sequences (prompt +
+/// tokens so far) into one batch and runs the full packed forward. Same sampling and seeds as
+/// Engine; used for equivalence tests and as the benchmark baseline. Completions in request
+/// order.
+std::vector<Completion> generate_without_cache(model::CausalLM& model, const std::vector<GenerationRequest>& requests,
+                                               int64_t version = 0);
+
+}  // namespace kiln::rollout
