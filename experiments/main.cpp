@@ -6,6 +6,7 @@
 #include "experiments/node.hpp"
 #ifdef KILN_WITH_TORCH
 #include "experiments/bench_model.hpp"
+#include "experiments/bench_rollout.hpp"
 #include "experiments/model_cmd.hpp"
 #endif
 
@@ -35,6 +36,12 @@ int main(int argc, char** argv) {
   bench_model->add_option("--logprob-tokens", mo.logprob_tokens, "Tokens for the log-prob comparison");
   bench_model->add_option("--train-tokens", mo.train_tokens, "Packed tokens for the training step");
   bench_model->add_option("--repeats", mo.repeats, "Measurements (best is shown)");
+  kiln::experiments::RolloutBenchOptions ro;
+  auto* bench_rollout = bench_cmd->add_subcommand("rollout", "Engine decode tokens/s and TTFT vs no-cache recompute");
+  bench_rollout->add_option("--batch-sizes", ro.batch_sizes, "Batch sizes")->default_str("1 8 32 64");
+  bench_rollout->add_option("--prompt-tokens", ro.prompt_tokens, "Prompt length");
+  bench_rollout->add_option("--new-tokens", ro.new_tokens, "Tokens generated per request");
+  bench_rollout->add_option("--flavor", ro.flavor, "glm4_moe_lite flavor");
   auto* model_cmd = app.add_subcommand("model", "Model packages and checkpoints");
   model_cmd->require_subcommand(1);
   std::string plugin_dir, package = "glm4_moe_lite", from, to;
@@ -56,6 +63,7 @@ int main(int argc, char** argv) {
   if (node_cmd->parsed()) return kiln::experiments::run_node(node);
   if (bench_msg->parsed()) return kiln::experiments::run_messaging_bench(mb);
 #ifdef KILN_WITH_TORCH
+  if (bench_rollout->parsed()) return kiln::experiments::run_rollout_bench(ro);
   if (bench_model->parsed()) return kiln::experiments::run_model_bench(mo);
   if (model_list->parsed()) return kiln::experiments::run_model_list(plugin_dir);
   if (model_resave->parsed()) return kiln::experiments::run_model_resave(package, from, to, shard_mib, plugin_dir);

@@ -77,26 +77,48 @@ torch::Tensor MLAImpl::forward_cached(const torch::Tensor& x, const torch::Tenso
   auto w = kv_b->weight.view({H, Nd + V, C});
   auto w_uk = w.narrow(1, 0, Nd), w_uv = w.narrow(1, Nd, V);
   auto q_lat = torch::einsum("nhd,hdc->nhc", {q_nope, w_uk});                                 // [N, H, C]
-  std::vector<torch::Tensor> outs;
-  outs.reserve(slices.size());
+  // All slices in one padded batch: B slices, up to n_max new tokens and S_max keys each.
+  const int64_t B = int64_t(slices.size());
+  int64_t n_max = 0, s_max = 0;
   for (const auto& s : slices) {
-    const int64_t S = s.cached + s.count;
-    std::vector<int64_t> slots(S);
-    for (int64_t p = 0; p < S; ++p) slots[p] = (*s.blocks)[p / BS] * BS + p % BS;
-    auto kv = flat.index_select(0, torch::tensor(slots, torch::kInt64).to(x.device())).to(x.scalar_type());  // [S, C+R]
-    auto lat = kv.narrow(-1, 0, C), kr = kv.narrow(-1, C, R);
-    auto scores = (torch::einsum("nhc,sc->hns", {q_lat.narrow(0, s.start, s.count), lat}) +
-                   torch::einsum("nhr,sr->hns", {q_rope.narrow(0, s.start, s.count), kr})) *
-                  o_.softmax_scale;                                                            // [H, n, S]
-    // query j sits at position cached + j and sees keys 0..cached + j
-    auto qpos = torch::arange(s.count, torch::kInt64).to(x.device()).unsqueeze(1) + s.cached;   // [n, 1]
-    auto kpos = torch::arange(S, torch::kInt64).to(x.device()).unsqueeze(0);                   // [1, S]
-    scores = scores.masked_fill((kpos > qpos).unsqueeze(0), -std::numeric_limits<float>::infinity());
-    auto p = torch::softmax(scores.to(torch::kFloat32), -1).to(x.scalar_type());              // [H, n, S]
-    auto o_lat = torch::einsum("hns,sc->nhc", {p, lat});                                       // [n, H, C]
-    outs.push_back(torch::einsum("nhc,hvc->nhv", {o_lat, w_uv}).reshape({s.count, H * V}));   // [n, H*V]
+    n_max = std::max(n_max, s.count);
+    s_max = std::max(s_max, s.cached + s.count);
   }
-  return o(torch::cat(outs, 0));
+  std::vector<int64_t> key_slots(B * s_max, 0), query_rows(B * n_max, 0), cached(B), counts(B), lengths(B);
+  for (int64_t b = 0; b < B; ++b) {
+    const auto& s = slices[b];
+    cached[b] = s.cached;
+    counts[b] = s.count;
+    lengths[b] = s.cached + s.count;
+    for (int64_t p = 0; p < lengths[b]; ++p) key_slots[b * s_max + p] = (*s.blocks)[p / BS] * BS + p % BS;
+    for (int64_t j = 0; j < s.count; ++j) query_rows[b * n_max + j] = s.start + j;
+  }
+  auto dev = x.device();
+  auto i64 = [&](const std::vector<int64_t>& v) { return torch::tensor(v, torch::kInt64).to(dev); };
+  auto kv = flat.index_select(0, i64(key_slots)).view({B, s_max, C + R}).to(x.scalar_type());  // [B, S, C+R]
+  auto lat = kv.narrow(-1, 0, C), kr = kv.narrow(-1, C, R);
+  auto rows = i64(query_rows);
+  auto ql = q_lat.index_select(0, rows).view({B, n_max, H, C});                                  // [B, n, H, C]
+  auto qr = q_rope.index_select(0, rows).view({B, n_max, H, R});                                 // [B, n, H, R]
+  auto scores = (torch::einsum("bnhc,bsc->bhns", {ql, lat}) + torch::einsum("bnhr,bsr->bhns", {qr, kr})) *
+                o_.softmax_scale;                                                                // [B, H, n, S]
+  // Query j of slice b sits at position cached_b + j and sees keys 0..cached_b + j; padded
+  // queries see key 0 only (their rows are dropped below).
+  auto jpos = torch::arange(n_max, torch::kInt64).to(dev).view({1, n_max, 1});
+  auto kpos = torch::arange(s_max, torch::kInt64).to(dev).view({1, 1, s_max});
+  auto qpos = i64(cached).view({B, 1, 1}) + jpos;                                                 // [B, n, 1]
+  auto padded_q = jpos >= i64(counts).view({B, 1, 1});                                            // [B, n, 1]
+  auto visible = (kpos <= qpos) | (padded_q & (kpos == 0));                                       // [B, n, S]
+  scores = scores.masked_fill(~visible.unsqueeze(1), -std::numeric_limits<float>::infinity());
+  auto p = torch::softmax(scores.to(torch::kFloat32), -1).to(x.scalar_type());                  // [B, H, n, S]
+  auto o_lat = torch::einsum("bhns,bsc->bnhc", {p, lat});                                        // [B, n, H, C]
+  auto out = torch::einsum("bnhc,hvc->bnhv", {o_lat, w_uv}).reshape({B * n_max, H * V});        // [B*n, H*V]
+  std::vector<int64_t> keep;
+  keep.reserve(N);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < counts[b]; ++j) keep.push_back(b * n_max + j);
+  // Slices cover the step's rows in order, so the kept rows are rows 0..N-1.
+  return o(out.index_select(0, i64(keep)));
 }
 
 }  // namespace kiln::model
