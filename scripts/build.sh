@@ -7,6 +7,9 @@ BUILD="${KILN_BUILD_DIR:-$ROOT/build}"
 TORCH_PREFIX="$("$ROOT/scripts/setup.sh" | tail -n1)"
 export CCACHE_DIR="${CCACHE_DIR:-${KILN_CACHE:-$HOME/.cache/kiln}/ccache}"
 export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-5G}"
+# Relative paths in the cache key, so that every clone (CI clones elsewhere) hits the same cache.
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$ROOT}"
+export CCACHE_NOHASHDIR="${CCACHE_NOHASHDIR:-1}"
 # Precompiled headers and ccache: hash the PCH contents, not its timestamp.
 export CCACHE_SLOPPINESS="${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_file_mtime,include_file_ctime}"
 cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE="${KILN_BUILD_TYPE:-Release}" \

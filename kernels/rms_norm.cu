@@ -1,0 +1,121 @@
+// Fused RMSNorm kernels: one block per row, fp32 accumulation, warp-shuffle reductions.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "kernels/rms_norm_cuda.hpp"
+
+namespace kiln::kernels::cuda {
+
+namespace {
+constexpr int kThreads = 256;
+
+struct RmsNormParams {  // passed by value
+  const void* x;
+  const void* w;
+  const void* dy;
+  void* y;      // forward output / backward dx
+  float* rstd;
+  float* dw;    // backward: fp32 accumulator [D]
+  int64_t rows, dim;
+  float eps;
+};
+
+template <class T> __device__ __forceinline__ float to_f(T v) { return static_cast<float>(v); }
+template <> __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <> __device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+template <class T> __device__ __forceinline__ T from_f(float v) { return static_cast<T>(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f(float v) { return __float2bfloat16(v); }
+template <> __device__ __forceinline__ __half from_f(float v) { return __float2half(v); }
+
+__device__ float block_sum(float v) {
+  __shared__ float warp_sums[kThreads / 32];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  v = threadIdx.x < kThreads / 32 ? warp_sums[threadIdx.x] : 0.f;
+  if (warp == 0)
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __shared__ float total;
+  if (threadIdx.x == 0) total = v;
+  __syncthreads();
+  return total;
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) rms_norm_fwd(RmsNormParams p) {
+  const int64_t row = blockIdx.x;
+  const T* x = static_cast<const T*>(p.x) + row * p.dim;
+  const T* w = static_cast<const T*>(p.w);
+  T* y = static_cast<T*>(p.y) + row * p.dim;
+  float ss = 0.f;
+  for (int64_t i = threadIdx.x; i < p.dim; i += kThreads) {
+    float v = to_f(x[i]);
+    ss += v * v;
+  }
+  const float rstd = rsqrtf(block_sum(ss) / float(p.dim) + p.eps);
+  if (threadIdx.x == 0) p.rstd[row] = rstd;
+  for (int64_t i = threadIdx.x; i < p.dim; i += kThreads) {
+    T normed = from_f<T>(to_f(x[i]) * rstd);  // rounded to x's dtype before the weight, as transformers
+    y[i] = from_f<T>(to_f(w[i]) * to_f(normed));
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) rms_norm_bwd(RmsNormParams p) {
+  const int64_t row = blockIdx.x;
+  const T* x = static_cast<const T*>(p.x) + row * p.dim;
+  const T* w = static_cast<const T*>(p.w);
+  const T* dy = static_cast<const T*>(p.dy) + row * p.dim;
+  T* dx = static_cast<T*>(p.y) + row * p.dim;
+  const float rstd = p.rstd[row];
+  float dot = 0.f;  // sum(dn * n)
+  for (int64_t i = threadIdx.x; i < p.dim; i += kThreads) {
+    const float n = to_f(x[i]) * rstd, g = to_f(dy[i]);
+    dot += g * to_f(w[i]) * n;
+    atomicAdd(&p.dw[i], g * n);
+  }
+  const float mean_dot = block_sum(dot) / float(p.dim);
+  for (int64_t i = threadIdx.x; i < p.dim; i += kThreads) {
+    const float n = to_f(x[i]) * rstd;
+    dx[i] = from_f<T>(rstd * (to_f(dy[i]) * to_f(w[i]) - n * mean_dot));
+  }
+}
+
+template <class F>
+void dispatch(at::ScalarType t, F f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(__nv_bfloat16{}); break;
+    case at::kHalf: f(__half{}); break;
+    default: TORCH_CHECK(false, "rms_norm: dtype ", t, " not supported (fp32, bf16, fp16)");
+  }
+}
+}  // namespace
+
+void rms_norm_forward(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& y, at::Tensor& rstd) {
+  RmsNormParams p{x.data_ptr(), w.data_ptr(), nullptr, y.data_ptr(), rstd.data_ptr<float>(), nullptr,
+                  x.size(0), x.size(1), float(eps)};
+  if (p.rows == 0) return;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  dispatch(x.scalar_type(), [&](auto tag) {
+    rms_norm_fwd<decltype(tag)><<<unsigned(p.rows), kThreads, 0, stream>>>(p);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, const at::Tensor& rstd,
+                       at::Tensor& dx, at::Tensor& dw_fp32) {
+  RmsNormParams p{x.data_ptr(), w.data_ptr(), dy.data_ptr(), dx.data_ptr(), rstd.data_ptr<float>(),
+                  dw_fp32.data_ptr<float>(), x.size(0), x.size(1), 0.f};
+  if (p.rows == 0) return;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  dispatch(x.scalar_type(), [&](auto tag) {
+    rms_norm_bwd<decltype(tag)><<<unsigned(p.rows), kThreads, 0, stream>>>(p);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace kiln::kernels::cuda
