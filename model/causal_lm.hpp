@@ -40,6 +40,8 @@ class CausalLM : public torch::nn::Module {
   /// Loads HF-named tensors (the full set the model needs, e.g. from weight sync). Throws
   /// checkpoint::CheckpointError like load_hf_checkpoint.
   virtual void load_hf_tensors(const std::vector<messaging::Tensor>& tensors) = 0;
+  /// The weights under HF names (CPU, contiguous; grouped tensors split as HF lays them out).
+  virtual std::vector<messaging::Tensor> hf_state_dict() = 0;
 
   /// Incremental decoding against paged per-layer caches (see MLAImpl::forward_cached).
   /// ids/positions: [N] new tokens of all slices; caches: one [blocks, block_size,

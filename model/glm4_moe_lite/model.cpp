@@ -118,6 +118,8 @@ void Glm4MoeLiteModel::load_hf_tensors(const std::vector<messaging::Tensor>& ten
   load_hf_state_dict(*this, tensors);
 }
 
+std::vector<messaging::Tensor> Glm4MoeLiteModel::hf_state_dict() { return to_hf_state_dict(*this); }
+
 void Glm4MoeLiteModel::to_dtype(torch::Dtype dtype) {
   this->to(dtype);
   // The score-correction bias decides expert choice by differences of ~1e-3: keep it fp32

@@ -47,6 +47,7 @@ class Glm4MoeLiteModel : public CausalLM {
   void save_hf_checkpoint(const std::string& dir, uint64_t max_shard_bytes) override;
   void to_dtype(torch::Dtype dtype) override;
   void load_hf_tensors(const std::vector<messaging::Tensor>& tensors) override;
+  std::vector<messaging::Tensor> hf_state_dict() override;
   ForwardOutput forward_cached(const torch::Tensor& ids, const torch::Tensor& positions,
                                const std::vector<CachedSlice>& slices, std::vector<torch::Tensor>& caches,
                                bool want_experts) override;

@@ -1,0 +1,78 @@
+#include "actors/trainer/losses.hpp"
+
+#include <stdexcept>
+
+namespace kiln::trainer {
+
+torch::Tensor grpo_advantages(const torch::Tensor& rewards, int64_t group_size, bool normalize_std, double eps) {
+  TORCH_CHECK(group_size > 0 && rewards.dim() == 1 && rewards.size(0) % group_size == 0,
+              "grpo_advantages: rewards [S] with S a multiple of group_size ", group_size, ", got ", rewards.sizes());
+  auto g = rewards.to(torch::kFloat32).view({-1, group_size});  // [groups, n]
+  auto a = g - g.mean(1, true);
+  if (normalize_std) a = a / (g.std(1, /*unbiased=*/false, true) + eps);
+  return a.reshape({-1});
+}
+
+KLEstimator kl_estimator_from_string(const std::string& name) {
+  if (name == "k1") return KLEstimator::k1;
+  if (name == "k2") return KLEstimator::k2;
+  if (name == "k3") return KLEstimator::k3;
+  throw std::invalid_argument("unknown KL estimator '" + name + "' (k1, k2, k3)");
+}
+
+Aggregation aggregation_from_string(const std::string& name) {
+  if (name == "token_mean") return Aggregation::token_mean;
+  if (name == "sequence_mean") return Aggregation::sequence_mean;
+  throw std::invalid_argument("unknown loss aggregation '" + name + "' (token_mean, sequence_mean)");
+}
+
+torch::Tensor kl_estimate(const torch::Tensor& logprob, const torch::Tensor& ref_logprob, KLEstimator e) {
+  auto r = ref_logprob - logprob;
+  switch (e) {
+    case KLEstimator::k1: return -r;
+    case KLEstimator::k2: return 0.5 * r * r;
+    case KLEstimator::k3: return torch::exp(r) - 1 - r;
+  }
+  return {};
+}
+
+PolicyLossResult policy_loss(const PolicyTokens& t, const PolicyLossConfig& c, double normalizer,
+                             const torch::Tensor& sample_tokens) {
+  TORCH_CHECK(normalizer > 0, "policy_loss: normalizer must be > 0");
+  auto mask = t.loss_mask.to(torch::kFloat32);
+  auto ratio = torch::exp(t.logprob - t.old_logprob);
+  auto adv = t.advantage.to(torch::kFloat32);
+  auto unclipped = ratio * adv;
+  auto clipped = torch::clamp(ratio, 1.0 - c.clip_low, 1.0 + c.clip_high) * adv;
+  auto per_token = -torch::min(unclipped, clipped);  // [T]
+  if (c.tis_cap > 0) {
+    auto w = torch::exp(t.old_logprob - t.behavior_logprob).clamp_max(c.tis_cap).detach();
+    per_token = per_token * w;
+  }
+  PolicyLossResult out;
+  {
+    torch::NoGradGuard g;
+    out.pg_sum = (per_token * mask).sum().item<double>();
+    out.clipped_tokens = ((clipped < unclipped).to(torch::kFloat32) * mask).sum().item<double>();
+    out.tokens = mask.sum().item<double>();
+  }
+  if (c.kl_coef != 0) {
+    auto kl = kl_estimate(t.logprob, t.ref_logprob, c.kl_estimator);
+    per_token = per_token + c.kl_coef * kl;
+    out.kl_sum = (kl.detach() * mask).sum().item<double>();
+  }
+  if (c.entropy_coef != 0 && t.entropy.defined()) {
+    per_token = per_token - c.entropy_coef * t.entropy;
+    out.entropy_sum = (t.entropy.detach() * mask).sum().item<double>();
+  }
+  if (c.aggregation == Aggregation::token_mean) {
+    out.loss = (per_token * mask).sum() / normalizer;
+  } else {
+    TORCH_CHECK(sample_tokens.defined(), "policy_loss: sequence_mean needs sample_tokens");
+    auto per_sample_tokens = sample_tokens.to(torch::kFloat32).index_select(0, t.sample_index).clamp_min(1.0);
+    out.loss = (per_token * mask / per_sample_tokens).sum() / normalizer;
+  }
+  return out;
+}
+
+}  // namespace kiln::trainer

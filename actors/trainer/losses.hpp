@@ -1,0 +1,68 @@
+#pragma once
+// RL losses on packed tokens. Legend: T tokens of a micro-batch, S samples.
+//
+// Normalisation never depends on how samples fall into micro-batches: every micro-batch's
+// loss is divided by a *global* normaliser (all loss tokens of the step for token-mean, all
+// samples of the step for sequence-mean), so summing the micro-batches' gradients gives the
+// gradient of the step's loss.
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <string>
+
+namespace kiln::trainer {
+
+/// GRPO group-relative advantages (DeepSeekMath, arXiv:2402.03300 §4.1.2): rewards [S] laid
+/// out as consecutive groups of `group_size` samples of one prompt; A = r - mean(group),
+/// divided by (std(group) + eps) if normalize_std (population std, as verl's grpo estimator).
+torch::Tensor grpo_advantages(const torch::Tensor& rewards, int64_t group_size, bool normalize_std, double eps = 1e-6);
+
+/// KL(pi || ref) estimators per token from log-probs (Schulman, "Approximating KL
+/// divergence", 2020), with r = ref_logprob - logprob:
+///   k1 = -r,  k2 = r^2 / 2,  k3 = exp(r) - 1 - r.
+enum class KLEstimator { k1, k2, k3 };
+KLEstimator kl_estimator_from_string(const std::string& name);  ///< "k1"|"k2"|"k3", else throws
+torch::Tensor kl_estimate(const torch::Tensor& logprob, const torch::Tensor& ref_logprob, KLEstimator estimator);
+
+enum class Aggregation { token_mean, sequence_mean };
+Aggregation aggregation_from_string(const std::string& name);  ///< "token_mean"|"sequence_mean"
+
+struct PolicyLossConfig {
+  double clip_low = 0.2;    ///< ratio floor 1 - clip_low
+  double clip_high = 0.28;  ///< ratio ceiling 1 + clip_high (clip-higher, DAPO arXiv:2503.14476)
+  Aggregation aggregation = Aggregation::token_mean;
+  double kl_coef = 0.0;
+  KLEstimator kl_estimator = KLEstimator::k3;
+  double entropy_coef = 0.0;
+  /// Truncated importance sampling for stale tokens: each token's loss is weighted by
+  /// min(exp(old_logprob - behavior_logprob), tis_cap) (detached); <= 0 turns it off.
+  double tis_cap = 2.0;
+};
+
+/// One micro-batch's per-token inputs, all [T].
+struct PolicyTokens {
+  torch::Tensor logprob;           ///< current policy, requires grad
+  torch::Tensor old_logprob;       ///< policy before this step's updates (recomputed), no grad
+  torch::Tensor behavior_logprob;  ///< what the rollout sampled with
+  torch::Tensor ref_logprob;       ///< reference policy (used when kl_coef > 0)
+  torch::Tensor advantage;         ///< per token (the sample's advantage broadcast)
+  torch::Tensor loss_mask;         ///< 1 on trained (completion) tokens, 0 elsewhere
+  torch::Tensor sample_index;      ///< int64, which sample (0..S-1 of the step) a token belongs to
+  torch::Tensor entropy;           ///< optional, per-token entropy (differentiable) for the bonus
+};
+
+struct PolicyLossResult {
+  torch::Tensor loss;  ///< scalar: this micro-batch's share of the step loss (backward it)
+  // Sums over this micro-batch's loss tokens (divide by the step's token count to report):
+  double pg_sum = 0, kl_sum = 0, entropy_sum = 0, clipped_tokens = 0, tokens = 0;
+};
+
+/// PPO clipped surrogate against the old policy (ratio = exp(logprob - old_logprob)), times
+/// the TIS weight, + kl_coef * KL(pi || ref) - entropy_coef * entropy, aggregated per
+/// config.aggregation and divided by `normalizer` (token_mean: the step's loss-token count;
+/// sequence_mean: the step's sample count; each sample's token losses are first averaged
+/// over its own tokens, which needs `sample_tokens` [S]: loss tokens per sample of the step).
+PolicyLossResult policy_loss(const PolicyTokens& t, const PolicyLossConfig& config, double normalizer,
+                             const torch::Tensor& sample_tokens = {});
+
+}  // namespace kiln::trainer

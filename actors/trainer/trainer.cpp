@@ -1,0 +1,183 @@
+#include "actors/trainer/trainer.hpp"
+
+#include <chrono>
+#include <cmath>
+#include <stdexcept>
+
+#include "model/blocks/logprobs.hpp"
+
+namespace kiln::trainer {
+
+namespace {
+// A packed micro-batch and where each sample's completion tokens sit in it.
+struct Packed {
+  model::PackedBatch batch;
+  std::optional<torch::Tensor> replay;   // [T, L, K]
+  torch::Tensor targets;                 // [T]
+  torch::Tensor completion_positions;    // [Tc] rows whose target is a completion token
+  torch::Tensor completion_sample;       // [Tc] index into the micro-batch's samples
+};
+
+Packed pack(const std::vector<Sample>& samples, const std::vector<std::size_t>& idx, bool replay) {
+  std::vector<std::vector<int64_t>> docs;
+  std::vector<int64_t> positions, owner;
+  std::vector<torch::Tensor> experts;
+  bool can_replay = replay;
+  int64_t offset = 0;
+  for (std::size_t k = 0; k < idx.size(); ++k) {
+    const auto& s = samples[idx[k]];
+    std::vector<int64_t> doc = s.prompt;
+    doc.insert(doc.end(), s.completion.begin(), s.completion.end());
+    const int64_t P = int64_t(s.prompt.size()), n = int64_t(s.completion.size());
+    for (int64_t j = 0; j < n; ++j) {  // row P - 1 + j predicts completion[j]
+      positions.push_back(offset + P - 1 + j);
+      owner.push_back(int64_t(k));
+    }
+    if (!s.routed_experts.defined() || s.routed_experts.size(0) != P + n - 1) can_replay = false;
+    else  // the last token is never fed by the rollout; its routing affects no trained output
+      experts.push_back(torch::cat({s.routed_experts, s.routed_experts.narrow(0, P + n - 2, 1)}, 0));
+    offset += P + n;
+    docs.push_back(std::move(doc));
+  }
+  Packed p;
+  p.batch = model::PackedBatch::from_documents(docs);
+  p.targets = model::next_token_targets(p.batch.input_ids, p.batch.cu_seqlens);
+  p.completion_positions = torch::tensor(positions, torch::kInt64);
+  p.completion_sample = torch::tensor(owner, torch::kInt64);
+  if (can_replay && !experts.empty()) p.replay = torch::cat(experts, 0);
+  return p;
+}
+
+torch::Tensor per_token(const std::vector<Sample>& samples, const std::vector<std::size_t>& idx,
+                        const std::vector<float> Sample::*field) {
+  std::vector<float> v;
+  for (auto i : idx) v.insert(v.end(), (samples[i].*field).begin(), (samples[i].*field).end());
+  return torch::tensor(v, torch::kFloat32);
+}
+}  // namespace
+
+void TrainerConfig::validate() const {
+  auto bad = [](const std::string& s) { throw std::invalid_argument("trainer config: " + s); };
+  if (max_tokens_per_microbatch < 1) bad("max_tokens_per_microbatch must be >= 1");
+  if (!(lr > 0)) bad("lr must be > 0");
+  if (lr_schedule != "constant" && lr_schedule != "cosine") bad("lr_schedule must be 'constant' or 'cosine', got '" + lr_schedule + "'");
+  if (lr_schedule == "cosine" && total_steps < 1) bad("lr_schedule 'cosine' needs total_steps >= 1");
+  if (loss.clip_low < 0 || loss.clip_low >= 1 || loss.clip_high < 0) bad("clip_low must be in [0, 1) and clip_high >= 0");
+  if (loss.entropy_coef != 0)
+    bad("entropy_coef must be 0: the entropy bonus needs full-vocabulary entropy from the chunked log-prob function, "
+        "which kiln does not compute yet");
+}
+
+std::vector<std::vector<std::size_t>> plan_micro_batches(const std::vector<Sample>& samples, int64_t max_tokens) {
+  std::vector<std::vector<std::size_t>> out;
+  int64_t in_batch = 0;
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    const int64_t t = samples[i].tokens();
+    if (out.empty() || (in_batch + t > max_tokens && !out.back().empty())) {
+      out.emplace_back();
+      in_batch = 0;
+    }
+    out.back().push_back(i);
+    in_batch += t;
+  }
+  return out;
+}
+
+Trainer::Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config) : policy_(std::move(policy)), c_(config) {
+  c_.validate();
+  optimizer_ = std::make_unique<torch::optim::AdamW>(
+      policy_->parameters(),
+      torch::optim::AdamWOptions(c_.lr).betas({c_.beta1, c_.beta2}).weight_decay(c_.weight_decay));
+}
+
+double Trainer::current_lr() const {
+  const int64_t s = version_;  // lr of the next step
+  if (c_.warmup_steps > 0 && s < c_.warmup_steps) return c_.lr * double(s + 1) / double(c_.warmup_steps);
+  if (c_.lr_schedule == "constant") return c_.lr;
+  double progress = std::min(1.0, double(s - c_.warmup_steps) / double(std::max<int64_t>(1, c_.total_steps - c_.warmup_steps)));
+  double cosine = 0.5 * (1 + std::cos(M_PI * progress));
+  return c_.lr * (c_.min_lr_ratio + (1 - c_.min_lr_ratio) * cosine);
+}
+
+StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
+  auto t0 = std::chrono::steady_clock::now();
+  StepMetrics m;
+  std::vector<float> sample_tokens;
+  for (const auto& s : samples) {
+    m.loss_tokens += int64_t(s.completion.size());
+    m.tokens += s.tokens();
+    sample_tokens.push_back(float(s.completion.size()));
+    if (s.behavior_logprobs.size() != s.completion.size())
+      throw std::invalid_argument("train_step: a sample has " + std::to_string(s.behavior_logprobs.size()) +
+                                  " behaviour log-probs for " + std::to_string(s.completion.size()) + " tokens");
+  }
+  if (m.loss_tokens == 0) throw std::invalid_argument("train_step: no completion tokens to train on");
+  const double normalizer =
+      c_.loss.aggregation == Aggregation::token_mean ? double(m.loss_tokens) : double(samples.size());
+  auto sample_tokens_t = torch::tensor(sample_tokens, torch::kFloat32);
+  const double lr = current_lr();
+  for (auto& g : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
+  optimizer_->zero_grad();
+  double abs_diff = 0;
+  const bool want_ref = c_.loss.kl_coef != 0;
+  for (const auto& idx : plan_micro_batches(samples, c_.max_tokens_per_microbatch)) {
+    auto p = pack(samples, idx, c_.routing_replay);
+    model::ForwardOptions opts;
+    opts.replay_routed_experts = p.replay;
+    auto out = policy_->forward(p.batch, opts);
+    auto lp_all = policy_->token_logprobs(out, p.targets, c_.logprob_chunk);  // [T]
+    PolicyTokens t;
+    t.logprob = lp_all.index_select(0, p.completion_positions);               // [Tc]
+    t.old_logprob = t.logprob.detach();
+    t.behavior_logprob = per_token(samples, idx, &Sample::behavior_logprobs);
+    if (want_ref) {
+      t.ref_logprob = per_token(samples, idx, &Sample::ref_logprobs);
+      TORCH_CHECK(t.ref_logprob.size(0) == t.logprob.size(0), "train_step: kl_coef > 0 needs ref_logprobs on every sample");
+    }
+    std::vector<float> adv;
+    std::vector<int64_t> global_index;
+    for (int64_t k = 0; k < p.completion_sample.size(0); ++k) {
+      auto i = idx[std::size_t(p.completion_sample[k].item<int64_t>())];
+      adv.push_back(samples[i].advantage);
+      global_index.push_back(int64_t(i));
+    }
+    t.advantage = torch::tensor(adv, torch::kFloat32);
+    t.loss_mask = torch::ones_like(t.advantage);
+    t.sample_index = torch::tensor(global_index, torch::kInt64);
+    auto r = policy_loss(t, c_.loss, normalizer, sample_tokens_t);
+    r.loss.backward();
+    m.loss += r.loss.item<double>();
+    m.pg_loss += r.pg_sum / double(m.loss_tokens);
+    m.kl += r.kl_sum / double(m.loss_tokens);
+    m.clip_fraction += r.clipped_tokens / double(m.loss_tokens);
+    abs_diff += (t.old_logprob - t.behavior_logprob).abs().sum().item<double>();
+    ++m.micro_batches;
+  }
+  auto params = policy_->parameters();
+  m.grad_norm = c_.grad_clip > 0 ? torch::nn::utils::clip_grad_norm_(params, c_.grad_clip)
+                                 : torch::nn::utils::clip_grad_norm_(params, 1e30);
+  optimizer_->step();
+  ++version_;
+  m.lr = lr;
+  m.train_rollout_logprob_abs_diff = abs_diff / double(m.loss_tokens);
+  m.actor_train_time = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return m;
+}
+
+std::vector<std::vector<float>> completion_logprobs(model::CausalLM& model, const std::vector<Sample>& samples,
+                                                    int64_t max_tokens_per_microbatch, bool routing_replay) {
+  torch::NoGradGuard no_grad;
+  std::vector<std::vector<float>> out(samples.size());
+  for (const auto& idx : plan_micro_batches(samples, max_tokens_per_microbatch)) {
+    auto p = pack(samples, idx, routing_replay);
+    model::ForwardOptions opts;
+    opts.replay_routed_experts = p.replay;
+    auto fwd = model.forward(p.batch, opts);
+    auto lp = model.token_logprobs(fwd, p.targets).index_select(0, p.completion_positions);
+    for (int64_t k = 0; k < lp.size(0); ++k)
+      out[idx[std::size_t(p.completion_sample[k].item<int64_t>())]].push_back(lp[k].item<float>());
+  }
+  return out;
+}
+
+}  // namespace kiln::trainer

@@ -1,0 +1,78 @@
+#pragma once
+// The trainer core: dynamic micro-batching, per-token log-probs of the policy, the RL loss
+// (losses.hpp), AdamW with gradient-norm clipping and a learning-rate schedule, routing replay.
+// Plain class: the trainer actor drives it. Legend: P prompt tokens, n completion tokens,
+// L MoE layers, K experts per token.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "actors/trainer/losses.hpp"
+#include "model/causal_lm.hpp"
+
+namespace kiln::trainer {
+
+/// One trained sample: a prompt and the completion the rollout produced for it.
+struct Sample {
+  std::vector<int64_t> prompt, completion;
+  std::vector<float> behavior_logprobs;  ///< [n] as the rollout returned them
+  std::vector<float> ref_logprobs;       ///< [n] reference policy (empty when KL is off)
+  torch::Tensor routed_experts;          ///< [P + n - 1, L, K] or undefined (no replay)
+  float advantage = 0;
+  int64_t policy_version = 0;            ///< oldest version among its tokens
+  int64_t tokens() const { return int64_t(prompt.size() + completion.size()); }
+};
+
+struct TrainerConfig {
+  int64_t max_tokens_per_microbatch = 4096;
+  double lr = 1e-3;
+  double weight_decay = 0.0;
+  double beta1 = 0.9, beta2 = 0.999;
+  double grad_clip = 1.0;            ///< max global gradient norm; <= 0 turns clipping off
+  std::string lr_schedule = "constant";  ///< "constant" | "cosine" (after linear warmup)
+  int64_t warmup_steps = 0;
+  int64_t total_steps = 0;           ///< for "cosine"
+  double min_lr_ratio = 0.1;         ///< cosine floor, fraction of lr
+  bool routing_replay = true;        ///< use the rollout's expert ids in the training forward
+  int64_t logprob_chunk = 1024;
+  PolicyLossConfig loss;
+  void validate() const;             ///< throws std::invalid_argument naming the field
+};
+
+struct StepMetrics {
+  double loss = 0, pg_loss = 0, kl = 0, clip_fraction = 0, grad_norm = 0, lr = 0;
+  double train_rollout_logprob_abs_diff = 0;  ///< mean |policy - behaviour| log-prob over trained tokens
+  int64_t micro_batches = 0, tokens = 0, loss_tokens = 0;
+  double actor_train_time = 0;  ///< seconds
+};
+
+/// Splits samples (by index, in order) into micro-batches of at most `max_tokens` tokens; a
+/// sample longer than max_tokens gets a micro-batch of its own.
+std::vector<std::vector<std::size_t>> plan_micro_batches(const std::vector<Sample>& samples, int64_t max_tokens);
+
+class Trainer {
+ public:
+  Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config);
+  /// One optimizer step on `samples` (one PPO epoch: the old policy is the current one, so
+  /// the ratio starts at 1 and TIS weighs stale samples by exp(old - behaviour)).
+  StepMetrics train_step(const std::vector<Sample>& samples);
+  int64_t version() const { return version_; }   ///< optimizer steps taken
+  model::CausalLM& policy() { return *policy_; }
+  double current_lr() const;
+  /// Optimizer state for checkpoints.
+  torch::optim::AdamW& optimizer() { return *optimizer_; }
+  void set_version(int64_t v) { version_ = v; }
+
+ private:
+  std::shared_ptr<model::CausalLM> policy_;
+  TrainerConfig c_;
+  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  int64_t version_ = 0;
+};
+
+/// Per-completion-token log-probs of `samples` under `model` (no grad), e.g. the reference
+/// policy: result[i] has samples[i].completion.size() values.
+std::vector<std::vector<float>> completion_logprobs(model::CausalLM& model, const std::vector<Sample>& samples,
+                                                    int64_t max_tokens_per_microbatch, bool routing_replay);
+
+}  // namespace kiln::trainer

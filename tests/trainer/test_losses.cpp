@@ -1,0 +1,128 @@
+// RL losses against hand-computed values and gradients.
+#include <doctest/doctest.h>
+
+#include "actors/trainer/losses.hpp"
+
+using namespace kiln::trainer;
+
+namespace {
+// Tokens with logprob == old == behavior (ratio 1, TIS weight 1): per-token loss is -A.
+PolicyTokens tokens_with_advantages(const torch::Tensor& logprob, const torch::Tensor& adv) {
+  PolicyTokens t;
+  t.logprob = logprob;
+  t.old_logprob = logprob.detach();
+  t.behavior_logprob = logprob.detach();
+  t.ref_logprob = logprob.detach();
+  t.advantage = adv;
+  t.loss_mask = torch::ones_like(adv);
+  t.sample_index = torch::arange(adv.size(0), torch::kInt64);
+  return t;
+}
+}  // namespace
+
+TEST_CASE("a token's weight does not depend on how samples fall into micro-batches") {
+  // Token losses [4, 0, 0, 0]: micro-batch A holds the first, B the other three.
+  auto adv = torch::tensor({-4.0f, 0.0f, 0.0f, 0.0f});
+  auto lp = torch::full({4}, -1.0f, torch::requires_grad());
+  PolicyLossConfig c;
+  c.tis_cap = 0;
+  const double step_tokens = 4;  // global normaliser
+  auto a = policy_loss(tokens_with_advantages(lp.narrow(0, 0, 1), adv.narrow(0, 0, 1)), c, step_tokens);
+  auto b = policy_loss(tokens_with_advantages(lp.narrow(0, 1, 3), adv.narrow(0, 1, 3)), c, step_tokens);
+  CHECK((a.loss + b.loss).item<double>() == doctest::Approx(1.0));  // not (4 + 0) / 2 = 2.0
+  // 1, 2 and 4 micro-batches: same loss and same gradients.
+  auto adv2 = torch::tensor({-4.0f, 1.0f, 0.5f, -2.0f});
+  std::vector<torch::Tensor> grads;
+  std::vector<double> losses;
+  for (int64_t parts : {1, 2, 4}) {
+    auto x = torch::tensor({-1.0f, -0.5f, -2.0f, -0.1f}, torch::requires_grad());
+    double total = 0;
+    for (int64_t p = 0; p < parts; ++p) {
+      int64_t n = 4 / parts;
+      auto r = policy_loss(tokens_with_advantages(x.narrow(0, p * n, n), adv2.narrow(0, p * n, n)), c, step_tokens);
+      r.loss.backward();
+      total += r.loss.item<double>();
+    }
+    losses.push_back(total);
+    grads.push_back(x.grad().clone());
+  }
+  CHECK(losses[1] == doctest::Approx(losses[0]));
+  CHECK(losses[2] == doctest::Approx(losses[0]));
+  CHECK(torch::allclose(grads[1], grads[0]));
+  CHECK(torch::allclose(grads[2], grads[0]));
+  // d loss / d logprob_i = -A_i / 4 at ratio 1
+  CHECK(grads[0][0].item<float>() == doctest::Approx(1.0));
+}
+
+TEST_CASE("sequence-mean aggregation averages each sample over its own tokens first") {
+  // Sample 0: 1 token of loss 4; sample 1: 3 tokens of loss 0 -> (4 + 0) / 2 samples = 2.0.
+  auto lp = torch::full({4}, -1.0f, torch::requires_grad());
+  auto t = tokens_with_advantages(lp, torch::tensor({-4.0f, 0.0f, 0.0f, 0.0f}));
+  t.sample_index = torch::tensor(std::vector<int64_t>{0, 1, 1, 1});
+  PolicyLossConfig c;
+  c.tis_cap = 0;
+  c.aggregation = Aggregation::sequence_mean;
+  auto r = policy_loss(t, c, /*samples=*/2, torch::tensor({1.0f, 3.0f}));
+  CHECK(r.loss.item<double>() == doctest::Approx(2.0));
+}
+
+TEST_CASE("the KL term pulls toward the reference: k1, k2, k3 values and derivatives") {
+  struct Case {
+    KLEstimator e;
+    double value, derivative;
+  };
+  for (auto [e, value, derivative] : {Case{KLEstimator::k3, 0.3679, 0.6321}, Case{KLEstimator::k1, 1.0, 1.0},
+                                      Case{KLEstimator::k2, 0.5, 1.0}}) {
+    auto lp = torch::tensor({-1.0f}, torch::requires_grad());
+    auto ref = torch::tensor({-2.0f});
+    auto kl = kl_estimate(lp, ref, e);
+    CHECK(kl.item<double>() == doctest::Approx(value).epsilon(1e-3));
+    kl.sum().backward();
+    CHECK(lp.grad().item<double>() == doctest::Approx(derivative).epsilon(1e-3));
+    // One SGD step on the KL lowers it.
+    auto stepped = (lp.detach() - 0.1 * lp.grad()).requires_grad_();
+    CHECK(kl_estimate(stepped, ref, e).item<double>() < kl.item<double>());
+  }
+  CHECK_THROWS_AS(kl_estimator_from_string("k4"), std::invalid_argument);
+}
+
+TEST_CASE("GRPO advantages are group-relative, optionally std-normalised") {
+  auto r = torch::tensor({1.0f, 0.0f, 0.0f, 0.0f, 1.0f, 1.0f, 0.0f, 0.0f});
+  auto a = grpo_advantages(r, 4, false);
+  CHECK(a[0].item<float>() == doctest::Approx(0.75));
+  CHECK(a[1].item<float>() == doctest::Approx(-0.25));
+  CHECK(a[4].item<float>() == doctest::Approx(0.5));
+  auto n = grpo_advantages(r, 4, true);
+  CHECK(n[0].item<float>() == doctest::Approx(0.75 / std::sqrt(0.1875)).epsilon(1e-4));
+  CHECK(n[6].item<float>() == doctest::Approx(-1.0).epsilon(1e-4));
+  CHECK(grpo_advantages(torch::ones({4}), 4, true).abs().sum().item<float>() == 0.0f);  // no variance, no signal
+}
+
+TEST_CASE("PPO clipping with separate low and high bounds, and truncated importance weights") {
+  PolicyLossConfig c;  // clip 0.8 .. 1.28
+  c.tis_cap = 0;
+  auto old = torch::zeros({3});
+  // ratios 1.5 (A>0: clipped to 1.28), 0.5 (A>0: unclipped), 0.5 (A<0: clipped to 0.8)
+  auto lp = torch::log(torch::tensor({1.5f, 0.5f, 0.5f})).requires_grad_();
+  PolicyTokens t;
+  t.logprob = lp;
+  t.old_logprob = old;
+  t.behavior_logprob = old;
+  t.ref_logprob = old;
+  t.advantage = torch::tensor({1.0f, 1.0f, -1.0f});
+  t.loss_mask = torch::ones({3});
+  t.sample_index = torch::arange(3, torch::kInt64);
+  auto r = policy_loss(t, c, 1.0);
+  CHECK(r.loss.item<double>() == doctest::Approx(-1.28 - 0.5 + 0.8).epsilon(1e-5));
+  CHECK(r.clipped_tokens == 2);
+  r.loss.backward();
+  CHECK(lp.grad()[0].item<float>() == 0.0f);  // clipped: no gradient
+  CHECK(lp.grad()[2].item<float>() == 0.0f);
+  CHECK(lp.grad()[1].item<float>() == doctest::Approx(-0.5));  // -A * ratio
+  // TIS: old - behavior = log 3 -> weight min(3, 2) = 2
+  c.tis_cap = 2.0;
+  auto lp2 = torch::zeros({1}, torch::requires_grad());
+  PolicyTokens s = tokens_with_advantages(lp2, torch::tensor({1.0f}));
+  s.behavior_logprob = torch::full({1}, -std::log(3.0f));
+  CHECK(policy_loss(s, c, 1.0).loss.item<double>() == doctest::Approx(-2.0));
+}
