@@ -7,6 +7,7 @@
 #ifdef KILN_WITH_TORCH
 #include "experiments/bench_model.hpp"
 #include "experiments/bench_rollout.hpp"
+#include "experiments/rl_run.hpp"
 #include "experiments/model_cmd.hpp"
 #endif
 
@@ -57,7 +58,9 @@ int main(int argc, char** argv) {
 
   auto* run_cmd = app.add_subcommand("run", "Run an experiment (the RL loop)");
   std::string experiment;
+  std::vector<std::string> overrides;
   run_cmd->add_option("experiment", experiment, "Experiment file (TOML); none: the built-in default");
+  run_cmd->add_option("--set", overrides, "Override a key: section.key=value (repeatable)");
 
   CLI11_PARSE(app, argc, argv);
   if (node_cmd->parsed()) return kiln::experiments::run_node(node);
@@ -69,10 +72,20 @@ int main(int argc, char** argv) {
   if (model_resave->parsed()) return kiln::experiments::run_model_resave(package, from, to, shard_mib, plugin_dir);
 #endif
   if (run_cmd->parsed()) {
-    std::fprintf(stderr,
-                 "kiln run: the RL loop (controller, trainer, rollout, weight-sync actors) is not built yet; "
-                 "it arrives with the RL-loop issue. Available now: kiln node, kiln bench messaging.\n");
+#ifdef KILN_WITH_TORCH
+    try {
+      auto config = experiment.empty() ? kiln::experiments::ExperimentConfig{}
+                                       : kiln::experiments::ExperimentConfig::from_file(experiment);
+      for (const auto& o : overrides) config.set(o);
+      return kiln::experiments::run_experiment(config);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "kiln run: %s\n", e.what());
+      return 2;
+    }
+#else
+    std::fprintf(stderr, "kiln run: this build has no LibTorch (KILN_WITH_TORCH=OFF)\n");
     return 2;
+#endif
   }
   return 0;
 }

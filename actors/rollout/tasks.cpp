@@ -223,10 +223,20 @@ double CountdownTask::reward(const Problem& problem, std::string_view completion
   return (c.den == 1 && c.num == problem.target) ? 1.0 : 0.1;
 }
 
+Problem NextDigitTask::sample(std::mt19937_64& rng) const {
+  int64_t d = int64_t(rng() % 10);
+  return Problem{std::to_string(d) + "=", std::to_string((d + 1) % 10), {}, (d + 1) % 10};
+}
+
+double NextDigitTask::reward(const Problem& problem, std::string_view completion) const {
+  return trim(completion) == problem.answer ? 1.0 : 0.0;
+}
+
 std::unique_ptr<Task> make_task(const std::string& name) {
+  if (name == "next_digit") return std::make_unique<NextDigitTask>();
   if (name == "arithmetic") return std::make_unique<ArithmeticTask>();
   if (name == "countdown") return std::make_unique<CountdownTask>();
-  throw std::invalid_argument("unknown task '" + name + "' (tasks: arithmetic, countdown)");
+  throw std::invalid_argument("unknown task '" + name + "' (tasks: next_digit, arithmetic, countdown)");
 }
 
 }  // namespace kiln::rollout

@@ -63,6 +63,17 @@ class CountdownTask : public Task {
   CountdownOptions o_;
 };
 
+/// "d=" for a random digit d; the answer is the next digit, (d + 1) mod 10. Reward 1 for
+/// exactly that digit, else 0; a constant output scores 0.1 on average. The default
+/// experiment's task: small enough to learn from random weights on a CPU in minutes, while the
+/// answer still depends on the prompt.
+class NextDigitTask : public Task {
+ public:
+  std::string name() const override { return "next_digit"; }
+  Problem sample(std::mt19937_64& rng) const override;
+  double reward(const Problem& problem, std::string_view completion) const override;
+};
+
 /// Result of checking a countdown expression (exposed for tests).
 struct ExpressionCheck {
   bool well_formed = false;   ///< parsed, numbers allowed, no division by zero, no overflow
@@ -71,7 +82,7 @@ struct ExpressionCheck {
 };
 ExpressionCheck check_countdown_expression(std::string_view text, const std::vector<int64_t>& numbers);
 
-/// Builds a task by name ("arithmetic", "countdown"); throws std::invalid_argument listing
+/// Builds a task by name ("next_digit", "arithmetic", "countdown"); throws std::invalid_argument listing
 /// the names.
 std::unique_ptr<Task> make_task(const std::string& name);
 

@@ -1,0 +1,187 @@
+#include "experiments/experiment.hpp"
+
+#include <functional>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+#include <toml++/toml.h>
+
+namespace kiln::experiments {
+
+namespace {
+struct Field {
+  std::function<void(const toml::node&, const std::string& where)> set;
+  std::function<std::string()> show;
+};
+
+[[noreturn]] void bad(const std::string& where, const std::string& key, const std::string& why) {
+  throw std::invalid_argument(where + ": key '" + key + "' " + why);
+}
+
+std::map<std::string, Field> fields(ExperimentConfig& c) {
+  std::map<std::string, Field> f;
+  auto integer = [&](const std::string& key, int64_t& ref) {
+    f[key] = {[&ref, key](const toml::node& n, const std::string& w) {
+                if (!n.is_integer()) bad(w, key, "must be an integer");
+                ref = n.as_integer()->get();
+              },
+              [&ref] { return std::to_string(ref); }};
+  };
+  auto real = [&](const std::string& key, double& ref) {
+    f[key] = {[&ref, key](const toml::node& n, const std::string& w) {
+                if (n.is_integer()) ref = double(n.as_integer()->get());
+                else if (n.is_floating_point()) ref = n.as_floating_point()->get();
+                else bad(w, key, "must be a number");
+              },
+              [&ref] {
+                std::ostringstream s;
+                s << ref;
+                auto t = s.str();
+                return t.find_first_of(".e") == std::string::npos ? t + ".0" : t;
+              }};
+  };
+  auto boolean = [&](const std::string& key, bool& ref) {
+    f[key] = {[&ref, key](const toml::node& n, const std::string& w) {
+                if (!n.is_boolean()) bad(w, key, "must be true or false");
+                ref = n.as_boolean()->get();
+              },
+              [&ref] { return std::string(ref ? "true" : "false"); }};
+  };
+  auto text = [&](const std::string& key, std::string& ref) {
+    f[key] = {[&ref, key](const toml::node& n, const std::string& w) {
+                if (!n.is_string()) bad(w, key, "must be a string");
+                ref = n.as_string()->get();
+              },
+              [&ref] { return "\"" + ref + "\""; }};
+  };
+  text("run.name", c.run.name);
+  text("run.output_dir", c.run.output_dir);
+  integer("run.seed", c.run.seed);
+  integer("run.steps", c.run.steps);
+  text("model.package", c.model.package);
+  text("model.flavor", c.model.flavor);
+  text("model.checkpoint", c.model.checkpoint);
+  text("task.name", c.task.name);
+  integer("task.min_digits", c.task.min_digits);
+  integer("task.max_digits", c.task.max_digits);
+  text("task.operators", c.task.operators);
+  auto& a = c.algorithm;
+  integer("algorithm.prompts_per_step", a.prompts_per_step);
+  integer("algorithm.samples_per_prompt", a.samples_per_prompt);
+  real("algorithm.temperature", a.temperature);
+  real("algorithm.top_p", a.top_p);
+  integer("algorithm.top_k", a.top_k);
+  integer("algorithm.max_new_tokens", a.max_new_tokens);
+  boolean("algorithm.normalize_std", a.normalize_std);
+  boolean("algorithm.filter_zero_variance", a.filter_zero_variance);
+  integer("algorithm.staleness", a.staleness);
+  real("algorithm.lr", a.lr);
+  real("algorithm.weight_decay", a.weight_decay);
+  real("algorithm.grad_clip", a.grad_clip);
+  text("algorithm.lr_schedule", a.lr_schedule);
+  integer("algorithm.warmup_steps", a.warmup_steps);
+  real("algorithm.clip_low", a.clip_low);
+  real("algorithm.clip_high", a.clip_high);
+  real("algorithm.kl_coef", a.kl_coef);
+  text("algorithm.kl_estimator", a.kl_estimator);
+  text("algorithm.aggregation", a.aggregation);
+  real("algorithm.tis_cap", a.tis_cap);
+  integer("algorithm.max_tokens_per_microbatch", a.max_tokens_per_microbatch);
+  boolean("algorithm.routing_replay", a.routing_replay);
+  text("rollout.backend", c.rollout.backend);
+  integer("rollout.cache_blocks", c.rollout.cache_blocks);
+  integer("rollout.block_size", c.rollout.block_size);
+  integer("rollout.max_batch", c.rollout.max_batch);
+  real("weight_sync.bucket_mib", c.weight_sync.bucket_mib);
+  text("placement.mode", c.placement.mode);
+  boolean("logging.progress", c.logging.progress);
+  boolean("logging.plot", c.logging.plot);
+  return f;
+}
+
+void apply_table(ExperimentConfig& c, const toml::table& root, const std::string& where) {
+  auto f = fields(c);
+  for (auto&& [section, node] : root) {
+    std::string s(section.str());
+    if (!node.is_table()) bad(where, s, "must be a [section] (keys live in run, model, task, algorithm, rollout, weight_sync, placement, logging)");
+    for (auto&& [key, value] : *node.as_table()) {
+      std::string full = s + "." + std::string(key.str());
+      auto it = f.find(full);
+      if (it == f.end()) bad(where, full, "is not an experiment key (see docs/experiments.md)");
+      it->second.set(value, where);
+    }
+  }
+}
+}  // namespace
+
+ExperimentConfig ExperimentConfig::from_file(const std::string& path) {
+  ExperimentConfig c;
+  toml::table t;
+  try {
+    t = toml::parse_file(path);
+  } catch (const toml::parse_error& e) {
+    throw std::invalid_argument("experiment file '" + path + "' line " + std::to_string(e.source().begin.line) + ": " +
+                                std::string(e.description()));
+  }
+  apply_table(c, t, "experiment file '" + path + "'");
+  return c;
+}
+
+void ExperimentConfig::set(const std::string& assignment) {
+  auto eq = assignment.find('=');
+  if (eq == std::string::npos || eq == 0) throw std::invalid_argument("--set '" + assignment + "': expected section.key=value");
+  std::string key = assignment.substr(0, eq), value = assignment.substr(eq + 1);
+  auto dot = key.find('.');
+  if (dot == std::string::npos) throw std::invalid_argument("--set '" + assignment + "': key must be section.key");
+  toml::table v;
+  try {
+    v = toml::parse("v = " + value);
+  } catch (const toml::parse_error&) {
+    v = toml::table{{"v", value}};  // bare text
+  }
+  toml::table root{{key.substr(0, dot), toml::table{{key.substr(dot + 1), *v["v"].node()}}}};
+  apply_table(*this, root, "--set " + key);
+}
+
+void ExperimentConfig::validate() const {
+  auto need = [](bool ok, const std::string& key, const std::string& why) {
+    if (!ok) throw std::invalid_argument("experiment: key '" + key + "' " + why);
+  };
+  need(run.steps >= 1, "run.steps", "must be >= 1");
+  need(!run.output_dir.empty(), "run.output_dir", "must not be empty");
+  need(algorithm.prompts_per_step >= 1, "algorithm.prompts_per_step", "must be >= 1");
+  need(algorithm.samples_per_prompt >= 2, "algorithm.samples_per_prompt", "must be >= 2 (GRPO compares samples of one prompt)");
+  need(algorithm.max_new_tokens >= 1, "algorithm.max_new_tokens", "must be >= 1");
+  need(algorithm.temperature > 0, "algorithm.temperature", "must be > 0 for RL sampling");
+  need(algorithm.staleness == 0, "algorithm.staleness",
+       "must be 0: the asynchronous loop (rollouts ahead of the trainer) is not built yet; only synchronous runs work");
+  need(algorithm.lr > 0, "algorithm.lr", "must be > 0");
+  need(algorithm.kl_estimator == "k1" || algorithm.kl_estimator == "k2" || algorithm.kl_estimator == "k3",
+       "algorithm.kl_estimator", "must be \"k1\", \"k2\" or \"k3\"");
+  need(algorithm.aggregation == "token_mean" || algorithm.aggregation == "sequence_mean", "algorithm.aggregation",
+       "must be \"token_mean\" or \"sequence_mean\"");
+  need(rollout.backend == "engine", "rollout.backend", "must be \"engine\" (the in-process engine is the only backend so far)");
+  need(placement.mode == "single_process", "placement.mode",
+       "must be \"single_process\": spreading actors over kiln node processes is not built yet");
+  need(weight_sync.bucket_mib > 0, "weight_sync.bucket_mib", "must be > 0");
+  need(task.name == "next_digit" || task.name == "arithmetic" || task.name == "countdown", "task.name",
+       "must be \"next_digit\", \"arithmetic\" or \"countdown\"");
+}
+
+std::string ExperimentConfig::to_toml() const {
+  auto copy = *this;
+  auto f = fields(copy);
+  std::string out, section;
+  for (const auto& [key, field] : f) {
+    auto dot = key.find('.');
+    auto s = key.substr(0, dot);
+    if (s != section) {
+      out += (out.empty() ? "" : "\n") + std::string("[") + s + "]\n";
+      section = s;
+    }
+    out += key.substr(dot + 1) + " = " + field.show() + "\n";
+  }
+  return out;
+}
+
+}  // namespace kiln::experiments

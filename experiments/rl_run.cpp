@@ -1,0 +1,253 @@
+#include "experiments/rl_run.hpp"
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "actors/rollout/engine.hpp"
+#include "actors/rollout/tasks.hpp"
+#include "actors/rollout/tokenizer.hpp"
+#include "actors/trainer/trainer.hpp"
+#include "actors/weight_sync/buckets.hpp"
+#include "model/registry.hpp"
+
+namespace kiln::experiments {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+std::unique_ptr<rollout::Task> build_task(const ExperimentConfig::Task& t) {
+  if (t.name == "arithmetic")
+    return std::make_unique<rollout::ArithmeticTask>(
+        rollout::ArithmeticOptions{int(t.min_digits), int(t.max_digits), t.operators});
+  return rollout::make_task(t.name);
+}
+
+std::shared_ptr<model::CausalLM> build_model(const model::Registry& registry, const ExperimentConfig::Model& m) {
+  const auto& package = registry.find(m.package);
+  return m.checkpoint.empty() ? package.build_flavor(m.flavor) : package.from_hf_dir(m.checkpoint);
+}
+
+// One step's weight sync: buckets, receiver, check, apply between decode steps.
+double sync_weights(model::CausalLM& policy, rollout::Engine& engine, int64_t version, double bucket_mib) {
+  auto t0 = Clock::now();
+  auto tensors = policy.hf_state_dict();
+  auto expected = weight_sync::manifest(tensors);
+  weight_sync::Receiver receiver;
+  for (auto& b : weight_sync::plan_buckets(std::move(tensors), uint64_t(bucket_mib * (1 << 20)), version))
+    receiver.accept(std::move(b));
+  auto verified = receiver.verified(expected);
+  engine.pause();
+  engine.update_weights(verified, version);
+  engine.resume();
+  return since(t0);
+}
+
+void plot(const std::filesystem::path& dir) {
+  auto tsv = dir / "metrics.tsv";
+  auto png = dir / "reward_kl.png";
+  std::string cmd = "gnuplot -e \"set terminal png size 900,500; set output '" + png.string() +
+                    "'; set xlabel 'step'; set ylabel 'reward'; set y2label 'KL'; set y2tics; set ytics nomirror; "
+                    "set key left top; plot '" + tsv.string() + "' using 1:2 with lines lw 2 title 'reward mean', '" +
+                    tsv.string() + "' using 1:3 axes x1y2 with lines title 'KL'\" 2>&1";
+  if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "kiln run: plotting with gnuplot failed (is gnuplot installed?)\n");
+}
+}  // namespace
+
+int run_experiment(const ExperimentConfig& c) {
+  try {
+    c.validate();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kiln run: %s\n", e.what());
+    return 2;
+  }
+  namespace fs = std::filesystem;
+  fs::path dir(c.run.output_dir);
+  std::shared_ptr<model::CausalLM> policy, engine_model, ref_model;
+  std::unique_ptr<rollout::Task> task;
+  rollout::CharTokenizer tokenizer;
+  trainer::TrainerConfig tc;
+  try {
+    fs::create_directories(dir);
+    std::ofstream(dir / "config.toml") << c.to_toml();
+    auto registry = model::Registry::with_builtins();
+    registry.load_plugins(model::Registry::plugin_dir_from_env());
+    torch::manual_seed(uint64_t(c.run.seed));
+    policy = build_model(registry, c.model);
+    engine_model = build_model(registry, c.model);
+    engine_model->load_hf_tensors(policy->hf_state_dict());
+    // The frozen reference: the KL term of the loss (kl_coef > 0) and the KL metric.
+    ref_model = build_model(registry, c.model);
+    ref_model->load_hf_tensors(policy->hf_state_dict());
+    if (tokenizer.vocab_size() > engine_model->vocab_size())
+      throw std::invalid_argument("model vocabulary " + std::to_string(engine_model->vocab_size()) +
+                                  " is smaller than the task tokenizer's " + std::to_string(tokenizer.vocab_size()));
+    task = build_task(c.task);
+    const auto& a = c.algorithm;
+    tc.max_tokens_per_microbatch = a.max_tokens_per_microbatch;
+    tc.lr = a.lr;
+    tc.weight_decay = a.weight_decay;
+    tc.grad_clip = a.grad_clip;
+    tc.lr_schedule = a.lr_schedule;
+    tc.warmup_steps = a.warmup_steps;
+    tc.total_steps = c.run.steps;
+    tc.routing_replay = a.routing_replay;
+    tc.loss.clip_low = a.clip_low;
+    tc.loss.clip_high = a.clip_high;
+    tc.loss.kl_coef = a.kl_coef;
+    tc.loss.kl_estimator = trainer::kl_estimator_from_string(a.kl_estimator);
+    tc.loss.aggregation = trainer::aggregation_from_string(a.aggregation);
+    tc.loss.tis_cap = a.tis_cap;
+    tc.validate();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kiln run: %s\n", e.what());
+    return 2;
+  }
+  const auto& a = c.algorithm;
+  trainer::Trainer trainer(policy, tc);
+  rollout::EngineOptions eo;
+  eo.cache_blocks = c.rollout.cache_blocks;
+  eo.block_size = c.rollout.block_size;
+  eo.max_batch = c.rollout.max_batch;
+  rollout::Engine engine(engine_model, eo);
+  std::mt19937_64 rng(uint64_t(c.run.seed));
+  std::ofstream metrics(dir / "metrics.jsonl", std::ios::trunc), tsv(dir / "metrics.tsv", std::ios::trunc);
+  auto run_start = Clock::now();
+  for (int64_t step = 1; step <= c.run.steps; ++step) {
+    // Rollout.
+    auto t0 = Clock::now();
+    std::vector<rollout::Problem> problems;
+    std::vector<rollout::GenerationRequest> requests;
+    for (int64_t p = 0; p < a.prompts_per_step; ++p) {
+      problems.push_back(task->sample(rng));
+      auto prompt = tokenizer.encode(problems.back().prompt);
+      prompt.insert(prompt.begin(), tokenizer.bos_id());
+      for (int64_t j = 0; j < a.samples_per_prompt; ++j) {
+        rollout::GenerationRequest r;
+        r.id = uint64_t(p * a.samples_per_prompt + j);
+        r.prompt = prompt;
+        r.sampling.temperature = a.temperature;
+        r.sampling.top_p = a.top_p;
+        r.sampling.top_k = a.top_k;
+        r.sampling.max_new_tokens = a.max_new_tokens;
+        r.sampling.stop_token_ids = tokenizer.eos_ids();
+        r.sampling.seed = uint64_t(c.run.seed) * 1000003u + uint64_t(step) * 7919u + r.id;
+        requests.push_back(std::move(r));
+      }
+    }
+    auto completions = engine.generate(requests);
+    std::sort(completions.begin(), completions.end(), [](const auto& x, const auto& y) { return x.id < y.id; });
+    const double rollout_time = since(t0);
+    // Rewards, groups, advantages.
+    std::vector<float> rewards;
+    double entropy = 0;
+    int64_t gen_tokens = 0;
+    std::map<int64_t, int64_t> staleness;
+    for (const auto& comp : completions) {
+      std::vector<int64_t> text_ids = comp.tokens;
+      if (comp.finish_reason == rollout::FinishReason::stop) text_ids.pop_back();
+      rewards.push_back(float(task->reward(problems[comp.id / uint64_t(a.samples_per_prompt)], tokenizer.decode(text_ids))));
+      for (std::size_t i = 0; i < comp.tokens.size(); ++i) {
+        entropy += comp.entropies[i];
+        ++staleness[trainer.version() - comp.policy_versions[i]];
+      }
+      gen_tokens += int64_t(comp.tokens.size());
+    }
+    // Reference log-probs of every completion: the KL loss term and the KL metric.
+    double ref_time = 0, update_time = 0, kl_metric = 0;
+    std::vector<std::vector<float>> ref;
+    {
+      auto tr = Clock::now();
+      std::vector<trainer::Sample> all(completions.size());
+      for (std::size_t i = 0; i < completions.size(); ++i) {
+        all[i].prompt = completions[i].prompt;
+        all[i].completion = completions[i].tokens;
+        all[i].routed_experts = completions[i].routed_experts;
+      }
+      ref = trainer::completion_logprobs(*ref_model, all, a.max_tokens_per_microbatch, a.routing_replay);
+      ref_time = since(tr);
+      int64_t n = 0;
+      for (std::size_t i = 0; i < completions.size(); ++i)
+        for (std::size_t t = 0; t < ref[i].size(); ++t, ++n)
+          kl_metric += trainer::kl_estimate(torch::tensor(completions[i].logprobs[t]), torch::tensor(ref[i][t]),
+                                            tc.loss.kl_estimator).item<double>();
+      kl_metric = n ? kl_metric / double(n) : 0.0;
+    }
+    trainer::StepMetrics m;
+    auto r = torch::tensor(rewards);
+    auto adv = trainer::grpo_advantages(r, a.samples_per_prompt, a.normalize_std);
+    std::vector<trainer::Sample> samples;
+    int64_t filtered = 0;
+    for (int64_t p = 0; p < a.prompts_per_step; ++p) {
+      auto group = r.narrow(0, p * a.samples_per_prompt, a.samples_per_prompt);
+      if (a.filter_zero_variance && (group.max() - group.min()).item<float>() == 0) {
+        ++filtered;
+        continue;
+      }
+      for (int64_t j = 0; j < a.samples_per_prompt; ++j) {
+        const auto& comp = completions[std::size_t(p * a.samples_per_prompt + j)];
+        trainer::Sample s;
+        s.prompt = comp.prompt;
+        s.completion = comp.tokens;
+        s.behavior_logprobs = comp.logprobs;
+        s.routed_experts = comp.routed_experts;
+        s.ref_logprobs = ref[std::size_t(p * a.samples_per_prompt + j)];
+        s.advantage = adv[p * a.samples_per_prompt + j].item<float>();
+        s.policy_version = comp.policy_versions.empty() ? 0 : comp.policy_versions.front();
+        samples.push_back(std::move(s));
+      }
+    }
+    if (!samples.empty()) {
+      m = trainer.train_step(samples);
+      try {
+        update_time = sync_weights(*policy, engine, trainer.version(), c.weight_sync.bucket_mib);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "kiln run: step %lld: %s\n", (long long)step, e.what());
+        return 1;
+      }
+    }
+    m.kl = kl_metric;
+    const double reward_mean = r.mean().item<double>(), reward_std = r.std(false).item<double>();
+    nlohmann::json j;
+    j["step"] = step;
+    j["reward_mean"] = reward_mean;
+    j["reward_std"] = reward_std;
+    j["kl"] = m.kl;
+    j["entropy"] = gen_tokens ? entropy / double(gen_tokens) : 0.0;
+    j["clip_fraction"] = m.clip_fraction;
+    j["train/rollout logprob abs diff"] = m.train_rollout_logprob_abs_diff;
+    j["loss"] = m.loss;
+    j["grad_norm"] = m.grad_norm;
+    j["lr"] = m.lr;
+    j["filtered_groups"] = filtered;
+    j["trained_samples"] = samples.size();
+    nlohmann::json hist = nlohmann::json::object();
+    for (const auto& [k, n] : staleness) hist[std::to_string(k)] = n;
+    j["staleness_histogram"] = hist;
+    j["rollout_time"] = rollout_time;
+    j["ref_logprob_time"] = ref_time;
+    j["actor_train_time"] = m.actor_train_time;
+    j["update_weights_time"] = update_time;
+    j["train_tokens_per_s"] = m.actor_train_time > 0 ? double(m.tokens) / m.actor_train_time : 0.0;
+    j["policy_version"] = trainer.version();
+    j["elapsed_s"] = since(run_start);
+    metrics << j.dump() << "\n" << std::flush;
+    tsv << step << "\t" << reward_mean << "\t" << m.kl << "\n" << std::flush;
+    if (c.logging.progress)
+      std::fprintf(stderr, "step %3lld/%lld  reward %.3f ±%.3f  kl %.4f  clip %.3f  filtered %lld/%lld  rollout %.2fs  train %.2fs  sync %.3fs\n",
+                   (long long)step, (long long)c.run.steps, reward_mean, reward_std, m.kl, m.clip_fraction,
+                   (long long)filtered, (long long)a.prompts_per_step, rollout_time, m.actor_train_time, update_time);
+  }
+  if (c.logging.plot) plot(dir);
+  std::fprintf(stderr, "kiln run: done in %.1fs; metrics in %s\n", since(run_start), (dir / "metrics.jsonl").c_str());
+  return 0;
+}
+
+}  // namespace kiln::experiments
