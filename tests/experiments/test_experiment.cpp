@@ -1,0 +1,64 @@
+// Experiment files: defaults, TOML overrides, --set, and bad input rejected by name.
+#include <doctest/doctest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "experiments/experiment.hpp"
+
+using kiln::experiments::ExperimentConfig;
+
+namespace {
+std::string write(const std::string& text) {
+  auto p = std::filesystem::temp_directory_path() / ("kiln-exp-" + std::to_string(getpid()) + ".toml");
+  std::ofstream(p) << text;
+  return p.string();
+}
+}  // namespace
+
+TEST_CASE("the built-in default is valid and round-trips through TOML") {
+  ExperimentConfig c;
+  CHECK_NOTHROW(c.validate());
+  CHECK(c.task.name == "next_digit");
+  auto back = ExperimentConfig::from_file(write(c.to_toml()));
+  CHECK(back.to_toml() == c.to_toml());
+}
+
+TEST_CASE("a file overrides some keys and --set any") {
+  auto c = ExperimentConfig::from_file(write("[run]\nsteps = 7\n[algorithm]\nlr = 1e-4\nkl_coef = 0.1\n"));
+  CHECK(c.run.steps == 7);
+  CHECK(c.algorithm.lr == 1e-4);
+  CHECK(c.algorithm.kl_coef == 0.1);
+  CHECK(c.algorithm.samples_per_prompt == 16);  // untouched default
+  c.set("algorithm.temperature=0.7");
+  c.set("task.name=arithmetic");  // bare text
+  c.set("logging.plot=false");
+  c.set("algorithm.lr=3");  // an integer where a number is expected is fine
+  CHECK(c.algorithm.temperature == 0.7);
+  CHECK(c.task.name == "arithmetic");
+  CHECK_FALSE(c.logging.plot);
+  CHECK(c.algorithm.lr == 3.0);
+}
+
+TEST_CASE("unknown keys, wrong types and bad values are rejected by name") {
+  CHECK_THROWS_WITH_AS(ExperimentConfig::from_file(write("[algorithm]\nlearning_rate = 0.1\n")),
+                       doctest::Contains("'algorithm.learning_rate' is not an experiment key"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(ExperimentConfig::from_file(write("[run]\nsteps = \"many\"\n")),
+                       doctest::Contains("'run.steps' must be an integer"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(ExperimentConfig::from_file(write("[run\nsteps = 3\n")), doctest::Contains("line 1"),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(ExperimentConfig::from_file(write("steps = 3\n")), doctest::Contains("'steps' must be a [section]"),
+                       std::invalid_argument);
+  ExperimentConfig c;
+  CHECK_THROWS_WITH_AS(c.set("algorithm.nope=1"), doctest::Contains("'algorithm.nope'"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(c.set("steps=1"), doctest::Contains("section.key"), std::invalid_argument);
+  c.set("algorithm.samples_per_prompt=1");
+  CHECK_THROWS_WITH_AS(c.validate(), doctest::Contains("'algorithm.samples_per_prompt'"), std::invalid_argument);
+  ExperimentConfig d;
+  d.set("algorithm.staleness=2");
+  CHECK_THROWS_WITH_AS(d.validate(), doctest::Contains("'algorithm.staleness'"), std::invalid_argument);
+  ExperimentConfig e;
+  e.set("algorithm.kl_estimator=k9");
+  CHECK_THROWS_WITH_AS(e.validate(), doctest::Contains("'algorithm.kl_estimator'"), std::invalid_argument);
+}
