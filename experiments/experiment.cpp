@@ -58,6 +58,8 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   text("run.output_dir", c.run.output_dir);
   integer("run.seed", c.run.seed);
   integer("run.steps", c.run.steps);
+  integer("run.checkpoint_every", c.run.checkpoint_every);
+  text("run.resume_from", c.run.resume_from);
   text("model.package", c.model.package);
   text("model.flavor", c.model.flavor);
   text("model.checkpoint", c.model.checkpoint);
@@ -149,6 +151,7 @@ void ExperimentConfig::validate() const {
   };
   need(run.steps >= 1, "run.steps", "must be >= 1");
   need(!run.output_dir.empty(), "run.output_dir", "must not be empty");
+  need(run.checkpoint_every >= 0, "run.checkpoint_every", "must be >= 0");
   need(algorithm.prompts_per_step >= 1, "algorithm.prompts_per_step", "must be >= 1");
   need(algorithm.samples_per_prompt >= 2, "algorithm.samples_per_prompt", "must be >= 2 (GRPO compares samples of one prompt)");
   need(algorithm.max_new_tokens >= 1, "algorithm.max_new_tokens", "must be >= 1");

@@ -14,6 +14,8 @@ struct ExperimentConfig {
     std::string output_dir = "runs/default";
     int64_t seed = 1;
     int64_t steps = 100;
+    int64_t checkpoint_every = 0;  ///< 0: no checkpoints
+    std::string resume_from;       ///< a checkpoint directory written by a run (RUN/checkpoints/step_N)
   } run;
   struct Model {
     std::string package = "glm4_moe_lite";

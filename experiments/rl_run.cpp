@@ -9,6 +9,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <sstream>
 
 #include "actors/rollout/engine.hpp"
 #include "actors/rollout/tasks.hpp"
@@ -48,6 +49,19 @@ double sync_weights(model::CausalLM& policy, rollout::Engine& engine, int64_t ve
   engine.update_weights(verified, version);
   engine.resume();
   return since(t0);
+}
+
+// A checkpoint: the policy in HF layout (loads in transformers), the optimizer state and the
+// loop state (step, policy version, the prompt RNG) in state.json.
+void save_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, trainer::Trainer& trainer,
+                     int64_t step, const std::mt19937_64& rng) {
+  std::filesystem::create_directories(dir);
+  policy.save_hf_checkpoint(dir.string(), uint64_t(5) << 30);
+  torch::save(trainer.optimizer(), (dir / "optimizer.pt").string());
+  std::ostringstream r;
+  r << rng;
+  nlohmann::json state{{"step", step}, {"policy_version", trainer.version()}, {"prompt_rng", r.str()}};
+  std::ofstream(dir / "state.json") << state.dump(2) << "\n";
 }
 
 void plot(const std::filesystem::path& dir) {
@@ -118,9 +132,30 @@ int run_experiment(const ExperimentConfig& c) {
   eo.max_batch = c.rollout.max_batch;
   rollout::Engine engine(engine_model, eo);
   std::mt19937_64 rng(uint64_t(c.run.seed));
-  std::ofstream metrics(dir / "metrics.jsonl", std::ios::trunc), tsv(dir / "metrics.tsv", std::ios::trunc);
+  int64_t first_step = 1;
+  if (!c.run.resume_from.empty()) {
+    try {
+      fs::path ck(c.run.resume_from);
+      std::ifstream in(ck / "state.json");
+      if (!in) throw std::invalid_argument("no state.json in '" + ck.string() + "'");
+      auto state = nlohmann::json::parse(in);
+      policy->load_hf_checkpoint(ck.string());
+      torch::load(trainer.optimizer(), (ck / "optimizer.pt").string());
+      trainer.set_version(state.at("policy_version").get<int64_t>());
+      std::istringstream r(state.at("prompt_rng").get<std::string>());
+      r >> rng;
+      first_step = state.at("step").get<int64_t>() + 1;
+      sync_weights(*policy, engine, trainer.version(), c.weight_sync.bucket_mib);
+      std::fprintf(stderr, "kiln run: resumed from %s at step %lld\n", ck.c_str(), (long long)first_step);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "kiln run: cannot resume from '%s': %s\n", c.run.resume_from.c_str(), e.what());
+      return 2;
+    }
+  }
+  const auto mode = first_step > 1 ? std::ios::app : std::ios::trunc;
+  std::ofstream metrics(dir / "metrics.jsonl", mode), tsv(dir / "metrics.tsv", mode);
   auto run_start = Clock::now();
-  for (int64_t step = 1; step <= c.run.steps; ++step) {
+  for (int64_t step = first_step; step <= c.run.steps; ++step) {
     // Rollout.
     auto t0 = Clock::now();
     std::vector<rollout::Problem> problems;
@@ -240,6 +275,11 @@ int run_experiment(const ExperimentConfig& c) {
     j["elapsed_s"] = since(run_start);
     metrics << j.dump() << "\n" << std::flush;
     tsv << step << "\t" << reward_mean << "\t" << m.kl << "\n" << std::flush;
+    if (c.run.checkpoint_every > 0 && step % c.run.checkpoint_every == 0) {
+      char name[32];
+      std::snprintf(name, sizeof name, "step_%06lld", (long long)step);
+      save_checkpoint(dir / "checkpoints" / name, *policy, trainer, step, rng);
+    }
     if (c.logging.progress)
       std::fprintf(stderr, "step %3lld/%lld  reward %.3f ±%.3f  kl %.4f  clip %.3f  filtered %lld/%lld  rollout %.2fs  train %.2fs  sync %.3fs\n",
                    (long long)step, (long long)c.run.steps, reward_mean, reward_std, m.kl, m.clip_fraction,
