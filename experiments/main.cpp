@@ -54,6 +54,12 @@ int main(int argc, char** argv) {
   model_resave->add_option("--from", from, "HF checkpoint directory")->required();
   model_resave->add_option("--to", to, "Output directory")->required();
   model_resave->add_option("--shard-mib", shard_mib, "Largest shard, MiB")->default_val(5120);
+  std::string docs_spec, logits_out;
+  auto* model_logits = model_cmd->add_subcommand("logits", "Packed forward of an HF checkpoint; logits to safetensors");
+  model_logits->add_option("--package", package, "Model package")->default_val("glm4_moe_lite");
+  model_logits->add_option("--from", from, "HF checkpoint directory")->required();
+  model_logits->add_option("--docs", docs_spec, "Documents: ids separated by ',' and documents by ';'")->required();
+  model_logits->add_option("--out", logits_out, "Output .safetensors")->required();
 #endif
 
   auto* run_cmd = app.add_subcommand("run", "Run an experiment (the RL loop)");
@@ -69,6 +75,26 @@ int main(int argc, char** argv) {
   if (bench_rollout->parsed()) return kiln::experiments::run_rollout_bench(ro);
   if (bench_model->parsed()) return kiln::experiments::run_model_bench(mo);
   if (model_list->parsed()) return kiln::experiments::run_model_list(plugin_dir);
+  if (model_logits->parsed()) {
+    std::vector<std::vector<int64_t>> docs(1);
+    try {
+      std::string num;
+      for (char ch : docs_spec + ";") {
+        if (ch == ',' || ch == ';') {
+          if (!num.empty()) docs.back().push_back(std::stoll(num));
+          num.clear();
+          if (ch == ';' && !docs.back().empty()) docs.emplace_back();
+        } else if (ch != ' ') {
+          num += ch;
+        }
+      }
+      if (docs.back().empty()) docs.pop_back();
+    } catch (const std::exception&) {
+      std::fprintf(stderr, "kiln model logits: --docs '%s' is not a list like '1,2,3;4,5'\n", docs_spec.c_str());
+      return 2;
+    }
+    return kiln::experiments::run_model_logits(package, from, docs, logits_out, plugin_dir);
+  }
   if (model_resave->parsed()) return kiln::experiments::run_model_resave(package, from, to, shard_mib, plugin_dir);
 #endif
   if (run_cmd->parsed()) {

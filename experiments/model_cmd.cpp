@@ -2,7 +2,10 @@
 
 #include <cstdio>
 #include <exception>
+#include <torch/torch.h>
 
+#include "messaging/torch_tensor.hpp"
+#include "model/checkpoint/safetensors.hpp"
 #include "model/registry.hpp"
 
 namespace kiln::experiments {
@@ -42,6 +45,26 @@ int run_model_resave(const std::string& package, const std::string& from, const 
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kiln model resave: %s\n", e.what());
+    return 2;
+  }
+}
+
+int run_model_logits(const std::string& package, const std::string& from, const std::vector<std::vector<int64_t>>& docs,
+                     const std::string& out, const std::string& plugin_dir) {
+  try {
+    auto r = registry(plugin_dir);
+    auto model = r.find(package).from_hf_dir(from);
+    torch::NoGradGuard no_grad;
+    model::ForwardOptions opts;
+    opts.return_routed_experts = true;
+    auto fwd = model->forward(model::PackedBatch::from_documents(docs), opts);
+    auto logits = model->logits(fwd).to(torch::kFloat32).contiguous();
+    checkpoint::write_safetensors(out, {messaging::from_torch("logits", logits),
+                                        messaging::from_torch("routed_experts", fwd.routed_experts.contiguous())});
+    std::printf("kiln model logits: %s -> %s (%lld tokens)\n", from.c_str(), out.c_str(), (long long)logits.size(0));
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kiln model logits: %s\n", e.what());
     return 2;
   }
 }
