@@ -94,6 +94,7 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   integer("rollout.cache_blocks", c.rollout.cache_blocks);
   integer("rollout.block_size", c.rollout.block_size);
   integer("rollout.max_batch", c.rollout.max_batch);
+  integer("rollout.step_delay_ms", c.rollout.step_delay_ms);
   real("weight_sync.bucket_mib", c.weight_sync.bucket_mib);
   text("placement.mode", c.placement.mode);
   boolean("logging.progress", c.logging.progress);
@@ -156,8 +157,8 @@ void ExperimentConfig::validate() const {
   need(algorithm.samples_per_prompt >= 2, "algorithm.samples_per_prompt", "must be >= 2 (GRPO compares samples of one prompt)");
   need(algorithm.max_new_tokens >= 1, "algorithm.max_new_tokens", "must be >= 1");
   need(algorithm.temperature > 0, "algorithm.temperature", "must be > 0 for RL sampling");
-  need(algorithm.staleness == 0, "algorithm.staleness",
-       "must be 0: the asynchronous loop (rollouts ahead of the trainer) is not built yet; only synchronous runs work");
+  need(algorithm.staleness >= 0, "algorithm.staleness", "must be >= 0");
+  need(rollout.step_delay_ms >= 0, "rollout.step_delay_ms", "must be >= 0");
   need(algorithm.lr > 0, "algorithm.lr", "must be > 0");
   need(algorithm.kl_estimator == "k1" || algorithm.kl_estimator == "k2" || algorithm.kl_estimator == "k3",
        "algorithm.kl_estimator", "must be \"k1\", \"k2\" or \"k3\"");

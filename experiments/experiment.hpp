@@ -50,6 +50,7 @@ struct ExperimentConfig {
   struct Rollout {
     std::string backend = "engine";
     int64_t cache_blocks = 1024, block_size = 16, max_batch = 512;
+    int64_t step_delay_ms = 0;  ///< testing: sleep per engine step, to emulate slow rollouts
   } rollout;
   struct WeightSync {
     double bucket_mib = 64;

@@ -9,6 +9,12 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <thread>
 #include <sstream>
 
 #include "actors/rollout/engine.hpp"
@@ -51,16 +57,123 @@ double sync_weights(model::CausalLM& policy, rollout::Engine& engine, int64_t ve
   return since(t0);
 }
 
+// One step's rollouts.
+struct Batch {
+  int64_t step = 0;
+  std::vector<rollout::Problem> problems;
+  std::vector<rollout::Completion> completions;  // sorted by id (= prompt * n + sample)
+  double rollout_time = 0;
+  std::string rng_after;  // prompt RNG state after drawing this batch (for checkpoints)
+};
+
+// Asynchronous rollouts: a thread generates the batches of steps first..last in order,
+// running ahead of the trainer by at most `staleness` steps: it starts step s only once the
+// trainer has consumed step s - 1 - k, whose weights it applies first (weights are posted
+// before a step counts as consumed, and applied between decode steps). Tokens are therefore
+// at most k policy versions older than the trainer that learns from them.
+class AsyncRollout {
+ public:
+  using Generate = std::function<Batch(int64_t step, const std::function<void()>& between_steps)>;
+  AsyncRollout(rollout::Engine& engine, Generate generate, int64_t first, int64_t last, int64_t staleness)
+      : engine_(engine), generate_(std::move(generate)), consumed_(first - 1), k_(staleness) {
+    thread_ = std::thread([this, first, last] { run(first, last); });
+  }
+  ~AsyncRollout() {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  /// The batch of `step` (blocks until generated); rethrows a failure of the rollout thread.
+  Batch take(int64_t step) {
+    std::unique_lock<std::mutex> l(mu_);
+    cv_.wait(l, [&] { return !ready_.empty() || !error_.empty(); });
+    if (!error_.empty()) throw std::runtime_error("rollout thread: " + error_);
+    Batch b = std::move(ready_.front());
+    ready_.pop_front();
+    if (b.step != step) throw std::logic_error("rollout batches out of order");  // FIFO by construction
+    return b;
+  }
+  /// New weights for the engine (applied between decode steps), then `step` counts as consumed.
+  void consumed(int64_t step, std::vector<messaging::Tensor> weights, int64_t version) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (!weights.empty()) pending_ = std::make_pair(std::move(weights), version);
+      consumed_ = step;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  void apply_pending() {
+    std::optional<std::pair<std::vector<messaging::Tensor>, int64_t>> w;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      w.swap(pending_);
+    }
+    if (!w) return;
+    engine_.pause();
+    engine_.update_weights(w->first, w->second);
+    engine_.resume();
+  }
+  void run(int64_t first, int64_t last) {
+    try {
+      for (int64_t s = first; s <= last; ++s) {
+        {
+          std::unique_lock<std::mutex> l(mu_);
+          cv_.wait(l, [&] { return stop_ || consumed_ >= s - 1 - k_; });
+          if (stop_) return;
+        }
+        apply_pending();
+        Batch b = generate_(s, [this] { apply_pending(); });
+        {
+          std::lock_guard<std::mutex> l(mu_);
+          ready_.push_back(std::move(b));
+        }
+        cv_.notify_all();
+      }
+    } catch (const std::exception& e) {
+      std::lock_guard<std::mutex> l(mu_);
+      error_ = e.what();
+      cv_.notify_all();
+    }
+  }
+  rollout::Engine& engine_;
+  Generate generate_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Batch> ready_;
+  std::optional<std::pair<std::vector<messaging::Tensor>, int64_t>> pending_;
+  int64_t consumed_;
+  const int64_t k_;
+  bool stop_ = false;
+  std::string error_;
+  std::thread thread_;
+};
+
+// HF tensors of the policy, bucketed, checksummed and verified as a receiver would; copies
+// (the trainer keeps updating its parameters while an engine thread loads these).
+std::vector<messaging::Tensor> verified_weights(model::CausalLM& policy, int64_t version, double bucket_mib) {
+  std::vector<messaging::Tensor> tensors;
+  for (auto& t : policy.hf_state_dict())
+    tensors.push_back(messaging::Tensor::copy_of(t.name, t.dtype, t.shape, t.data, t.nbytes));
+  auto expected = weight_sync::manifest(tensors);
+  weight_sync::Receiver receiver;
+  for (auto& b : weight_sync::plan_buckets(std::move(tensors), uint64_t(bucket_mib * (1 << 20)), version))
+    receiver.accept(std::move(b));
+  return receiver.verified(expected);
+}
+
 // A checkpoint: the policy in HF layout (loads in transformers), the optimizer state and the
 // loop state (step, policy version, the prompt RNG) in state.json.
 void save_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, trainer::Trainer& trainer,
-                     int64_t step, const std::mt19937_64& rng) {
+                     int64_t step, const std::string& prompt_rng) {
   std::filesystem::create_directories(dir);
   policy.save_hf_checkpoint(dir.string(), uint64_t(5) << 30);
   torch::save(trainer.optimizer(), (dir / "optimizer.pt").string());
-  std::ostringstream r;
-  r << rng;
-  nlohmann::json state{{"step", step}, {"policy_version", trainer.version()}, {"prompt_rng", r.str()}};
+  nlohmann::json state{{"step", step}, {"policy_version", trainer.version()}, {"prompt_rng", prompt_rng}};
   std::ofstream(dir / "state.json") << state.dump(2) << "\n";
 }
 
@@ -155,14 +268,16 @@ int run_experiment(const ExperimentConfig& c) {
   const auto mode = first_step > 1 ? std::ios::app : std::ios::trunc;
   std::ofstream metrics(dir / "metrics.jsonl", mode), tsv(dir / "metrics.tsv", mode);
   auto run_start = Clock::now();
-  for (int64_t step = first_step; step <= c.run.steps; ++step) {
-    // Rollout.
+  // Draws the step's prompts and generates n samples each; `between_steps` runs between
+  // decode steps (async mode applies pending weights there).
+  auto generate_batch = [&](int64_t step, const std::function<void()>& between_steps) {
     auto t0 = Clock::now();
-    std::vector<rollout::Problem> problems;
+    Batch b;
+    b.step = step;
     std::vector<rollout::GenerationRequest> requests;
     for (int64_t p = 0; p < a.prompts_per_step; ++p) {
-      problems.push_back(task->sample(rng));
-      auto prompt = tokenizer.encode(problems.back().prompt);
+      b.problems.push_back(task->sample(rng));
+      auto prompt = tokenizer.encode(b.problems.back().prompt);
       prompt.insert(prompt.begin(), tokenizer.bos_id());
       for (int64_t j = 0; j < a.samples_per_prompt; ++j) {
         rollout::GenerationRequest r;
@@ -177,9 +292,32 @@ int run_experiment(const ExperimentConfig& c) {
         requests.push_back(std::move(r));
       }
     }
-    auto completions = engine.generate(requests);
-    std::sort(completions.begin(), completions.end(), [](const auto& x, const auto& y) { return x.id < y.id; });
-    const double rollout_time = since(t0);
+    std::ostringstream rs;
+    rs << rng;
+    b.rng_after = rs.str();
+    for (auto& r : requests) engine.submit(std::move(r));
+    while (engine.has_work()) {
+      for (auto& comp : engine.step()) b.completions.push_back(std::move(comp));
+      if (c.rollout.step_delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(c.rollout.step_delay_ms));
+      between_steps();
+    }
+    std::sort(b.completions.begin(), b.completions.end(), [](const auto& x, const auto& y) { return x.id < y.id; });
+    b.rollout_time = since(t0);
+    return b;
+  };
+  std::unique_ptr<AsyncRollout> async;
+  if (a.staleness > 0) async = std::make_unique<AsyncRollout>(engine, generate_batch, first_step, c.run.steps, a.staleness);
+  for (int64_t step = first_step; step <= c.run.steps; ++step) {
+    Batch batch;
+    try {
+      batch = async ? async->take(step) : generate_batch(step, [] {});
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "kiln run: step %lld: %s\n", (long long)step, e.what());
+      return 1;
+    }
+    const auto& problems = batch.problems;
+    const auto& completions = batch.completions;
+    const double rollout_time = batch.rollout_time;
     // Rewards, groups, advantages.
     std::vector<float> rewards;
     double entropy = 0;
@@ -219,11 +357,19 @@ int run_experiment(const ExperimentConfig& c) {
     auto r = torch::tensor(rewards);
     auto adv = trainer::grpo_advantages(r, a.samples_per_prompt, a.normalize_std);
     std::vector<trainer::Sample> samples;
-    int64_t filtered = 0;
+    int64_t filtered = 0, stale_dropped = 0;
     for (int64_t p = 0; p < a.prompts_per_step; ++p) {
       auto group = r.narrow(0, p * a.samples_per_prompt, a.samples_per_prompt);
       if (a.filter_zero_variance && (group.max() - group.min()).item<float>() == 0) {
         ++filtered;
+        continue;
+      }
+      bool too_stale = false;  // never train version t on tokens of version p < t - k
+      for (int64_t j = 0; j < a.samples_per_prompt; ++j)
+        for (auto v : completions[std::size_t(p * a.samples_per_prompt + j)].policy_versions)
+          too_stale |= trainer.version() - v > a.staleness;
+      if (too_stale) {
+        ++stale_dropped;
         continue;
       }
       for (int64_t j = 0; j < a.samples_per_prompt; ++j) {
@@ -239,15 +385,23 @@ int run_experiment(const ExperimentConfig& c) {
         samples.push_back(std::move(s));
       }
     }
+    std::vector<messaging::Tensor> new_weights;
     if (!samples.empty()) {
       m = trainer.train_step(samples);
       try {
-        update_time = sync_weights(*policy, engine, trainer.version(), c.weight_sync.bucket_mib);
+        if (async) {
+          auto tu = Clock::now();
+          new_weights = verified_weights(*policy, trainer.version(), c.weight_sync.bucket_mib);
+          update_time = since(tu);
+        } else {
+          update_time = sync_weights(*policy, engine, trainer.version(), c.weight_sync.bucket_mib);
+        }
       } catch (const std::exception& e) {
         std::fprintf(stderr, "kiln run: step %lld: %s\n", (long long)step, e.what());
         return 1;
       }
     }
+    if (async) async->consumed(step, std::move(new_weights), trainer.version());
     m.kl = kl_metric;
     const double reward_mean = r.mean().item<double>(), reward_std = r.std(false).item<double>();
     nlohmann::json j;
@@ -262,6 +416,7 @@ int run_experiment(const ExperimentConfig& c) {
     j["grad_norm"] = m.grad_norm;
     j["lr"] = m.lr;
     j["filtered_groups"] = filtered;
+    j["stale_dropped_groups"] = stale_dropped;
     j["trained_samples"] = samples.size();
     nlohmann::json hist = nlohmann::json::object();
     for (const auto& [k, n] : staleness) hist[std::to_string(k)] = n;
@@ -278,7 +433,7 @@ int run_experiment(const ExperimentConfig& c) {
     if (c.run.checkpoint_every > 0 && step % c.run.checkpoint_every == 0) {
       char name[32];
       std::snprintf(name, sizeof name, "step_%06lld", (long long)step);
-      save_checkpoint(dir / "checkpoints" / name, *policy, trainer, step, rng);
+      save_checkpoint(dir / "checkpoints" / name, *policy, trainer, step, batch.rng_after);
     }
     if (c.logging.progress)
       std::fprintf(stderr, "step %3lld/%lld  reward %.3f ±%.3f  kl %.4f  clip %.3f  filtered %lld/%lld  rollout %.2fs  train %.2fs  sync %.3fs\n",
