@@ -9,8 +9,6 @@ if(KILN_KERNELS_ONLY)
   endif()
 else()
 find_package(CAF 0.17 REQUIRED)
-find_package(PkgConfig REQUIRED)
-pkg_check_modules(ZMQ REQUIRED IMPORTED_TARGET libzmq>=4.3)
 find_package(cppzmq REQUIRED)
 find_package(msgpack REQUIRED)  # Debian: msgpackc-cxx target
 find_package(spdlog REQUIRED)

@@ -21,27 +21,29 @@ int main(int argc, char** argv) {
   node_cmd->add_option("--bind", node.bind, "Endpoint to bind (inproc://, ipc://, tcp://host:port)")->required();
   node_cmd->add_option("--join", node.join, "Endpoint of the graph's root gateway (empty: be the root)");
   node_cmd->add_option("--actor", node.actors, "Actor to host, <kind>/<index> (repeatable), e.g. diag/0");
-  node_cmd->add_option("--join-timeout-ms", node.join_timeout_ms, "How long to wait for the root")->default_val(10000);
+  node_cmd->add_option("--join-timeout-ms", node.join_timeout_ms, "How long to wait for the root")
+      ->default_val(10000)
+      ->check(CLI::Range(1, 3600000));
 
   auto* bench_cmd = app.add_subcommand("bench", "Benchmarks");
   bench_cmd->require_subcommand(1);
   kiln::experiments::MessagingBenchOptions mb;
   auto* bench_msg = bench_cmd->add_subcommand("messaging", "Gateway throughput vs raw ZeroMQ and memcpy");
-  bench_msg->add_option("--sizes-mib", mb.sizes_mib, "Tensor sizes in MiB")->default_str("1 16 64 256");
-  bench_msg->add_option("--bytes-per-cell", mb.bytes_per_cell, "Bytes sent per measurement");
-  bench_msg->add_option("--repeats", mb.repeats, "Measurements per cell (best is shown)");
+  bench_msg->add_option("--sizes-mib", mb.sizes_mib, "Tensor sizes in MiB")->default_str("1 16 64 256")->check(CLI::Range(1, 4096));
+  bench_msg->add_option("--bytes-per-cell", mb.bytes_per_cell, "Bytes sent per measurement")->check(CLI::Range(std::size_t(1) << 20, std::size_t(1) << 40));
+  bench_msg->add_option("--repeats", mb.repeats, "Measurements per cell (best is shown)")->check(CLI::Range(1, 100));
 
 #ifdef KILN_WITH_TORCH
   kiln::experiments::ModelBenchOptions mo;
   auto* bench_model = bench_cmd->add_subcommand("model", "Log-probs and forward+backward speed vs peers/limits");
-  bench_model->add_option("--logprob-tokens", mo.logprob_tokens, "Tokens for the log-prob comparison");
-  bench_model->add_option("--train-tokens", mo.train_tokens, "Packed tokens for the training step");
-  bench_model->add_option("--repeats", mo.repeats, "Measurements (best is shown)");
+  bench_model->add_option("--logprob-tokens", mo.logprob_tokens, "Tokens for the log-prob comparison")->check(CLI::Range(int64_t(1), int64_t(65536)));
+  bench_model->add_option("--train-tokens", mo.train_tokens, "Packed tokens for the training step (4 documents)")->check(CLI::Range(int64_t(8), int64_t(1) << 20));
+  bench_model->add_option("--repeats", mo.repeats, "Measurements (best is shown)")->check(CLI::Range(1, 100));
   kiln::experiments::RolloutBenchOptions ro;
   auto* bench_rollout = bench_cmd->add_subcommand("rollout", "Engine decode tokens/s and TTFT vs no-cache recompute");
-  bench_rollout->add_option("--batch-sizes", ro.batch_sizes, "Batch sizes")->default_str("1 8 32 64");
-  bench_rollout->add_option("--prompt-tokens", ro.prompt_tokens, "Prompt length");
-  bench_rollout->add_option("--new-tokens", ro.new_tokens, "Tokens generated per request");
+  bench_rollout->add_option("--batch-sizes", ro.batch_sizes, "Batch sizes")->default_str("1 8 32 64")->check(CLI::Range(int64_t(1), int64_t(4096)));
+  bench_rollout->add_option("--prompt-tokens", ro.prompt_tokens, "Prompt length")->check(CLI::Range(int64_t(1), int64_t(65536)));
+  bench_rollout->add_option("--new-tokens", ro.new_tokens, "Tokens generated per request")->check(CLI::Range(int64_t(1), int64_t(65536)));
   bench_rollout->add_option("--flavor", ro.flavor, "glm4_moe_lite flavor");
   auto* model_cmd = app.add_subcommand("model", "Model packages and checkpoints");
   model_cmd->require_subcommand(1);
@@ -53,7 +55,7 @@ int main(int argc, char** argv) {
   model_resave->add_option("--package", package, "Model package")->default_val("glm4_moe_lite");
   model_resave->add_option("--from", from, "HF checkpoint directory")->required();
   model_resave->add_option("--to", to, "Output directory")->required();
-  model_resave->add_option("--shard-mib", shard_mib, "Largest shard, MiB")->default_val(5120);
+  model_resave->add_option("--shard-mib", shard_mib, "Largest shard, MiB")->default_val(5120)->check(CLI::Range(1, 1 << 20));
   std::string docs_spec, logits_out;
   auto* model_logits = model_cmd->add_subcommand("logits", "Packed forward of an HF checkpoint; logits to safetensors");
   model_logits->add_option("--package", package, "Model package")->default_val("glm4_moe_lite");

@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <exception>
+#include <filesystem>
 #include <torch/torch.h>
 
 #include "messaging/torch_tensor.hpp"
@@ -12,6 +13,8 @@ namespace kiln::experiments {
 
 namespace {
 model::Registry registry(const std::string& plugin_dir) {
+  if (!plugin_dir.empty() && !std::filesystem::is_directory(plugin_dir))
+    throw std::invalid_argument("plugin directory '" + plugin_dir + "' does not exist");
   auto r = model::Registry::with_builtins();
   r.load_plugins(plugin_dir.empty() ? model::Registry::plugin_dir_from_env() : plugin_dir);
   return r;
@@ -38,6 +41,9 @@ int run_model_list(const std::string& plugin_dir) {
 int run_model_resave(const std::string& package, const std::string& from, const std::string& to, int shard_mib,
                      const std::string& plugin_dir) {
   try {
+    std::error_code ec;
+    if (std::filesystem::exists(to) && std::filesystem::equivalent(from, to, ec))
+      throw std::invalid_argument("--to '" + to + "' is the --from checkpoint itself; write to another directory");
     auto r = registry(plugin_dir);
     auto model = r.find(package).from_hf_dir(from);
     model->save_hf_checkpoint(to, uint64_t(shard_mib) << 20);

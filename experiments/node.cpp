@@ -7,6 +7,9 @@
 #include <cstdio>
 #include <functional>
 #include <map>
+#include <regex>
+#include <set>
+#include <thread>
 
 #include "actors/diag/diag_service.hpp"
 #include "messaging/caf_bridge.hpp"
@@ -37,6 +40,22 @@ std::vector<std::string> hostable_actor_kinds() {
 }
 
 int run_node(const NodeOptions& options) {
+  if (options.bind.empty()) {
+    std::fprintf(stderr, "kiln node: --bind must name an endpoint (inproc://, ipc://, tcp://host:port)\n");
+    return 2;
+  }
+  std::set<std::string> seen;
+  static const std::regex name_re("[a-z_][a-z0-9_]*/[0-9]+");
+  for (const auto& a : options.actors) {
+    if (!std::regex_match(a, name_re)) {
+      std::fprintf(stderr, "kiln node: actor name '%s' is not <kind>/<index> (e.g. diag/0)\n", a.c_str());
+      return 2;
+    }
+    if (!seen.insert(a).second) {
+      std::fprintf(stderr, "kiln node: actor '%s' given twice\n", a.c_str());
+      return 2;
+    }
+  }
   for (const auto& a : options.actors) {
     auto kind = a.substr(0, a.find('/'));
     if (!actor_factories().count(kind)) {
@@ -84,6 +103,12 @@ int run_node(const NodeOptions& options) {
   spdlog::info("kiln node {}: signal {}, stopping", options.name, sig);
   for (auto& h : hosted) caf::anon_send_exit(h, caf::exit_reason::user_shutdown);
   hosted.clear();
+  // An actor busy in a long request cannot see the exit message: do not wait for it forever.
+  std::thread([] {
+    std::this_thread::sleep_for(std::chrono::seconds(5));
+    std::fprintf(stderr, "kiln node: actors did not stop within 5 s of the signal; exiting anyway\n");
+    std::_Exit(0);
+  }).detach();
   system.await_all_actors_done();  // no actor may still be replying through the gateway
   gateway.reset();                 // drops the gateway's handles on the actors
   return 0;

@@ -9,6 +9,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <unistd.h>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -22,6 +23,9 @@
 #include "actors/rollout/tokenizer.hpp"
 #include "actors/trainer/trainer.hpp"
 #include "actors/weight_sync/buckets.hpp"
+#include "actors/weight_sync/service.hpp"
+#include "messaging/gateway.hpp"
+#include "messaging/schema.hpp"
 #include "model/registry.hpp"
 
 namespace kiln::experiments {
@@ -40,21 +44,6 @@ std::unique_ptr<rollout::Task> build_task(const ExperimentConfig::Task& t) {
 std::shared_ptr<model::CausalLM> build_model(const model::Registry& registry, const ExperimentConfig::Model& m) {
   const auto& package = registry.find(m.package);
   return m.checkpoint.empty() ? package.build_flavor(m.flavor) : package.from_hf_dir(m.checkpoint);
-}
-
-// One step's weight sync: buckets, receiver, check, apply between decode steps.
-double sync_weights(model::CausalLM& policy, rollout::Engine& engine, int64_t version, double bucket_mib) {
-  auto t0 = Clock::now();
-  auto tensors = policy.hf_state_dict();
-  auto expected = weight_sync::manifest(tensors);
-  weight_sync::Receiver receiver;
-  for (auto& b : weight_sync::plan_buckets(std::move(tensors), uint64_t(bucket_mib * (1 << 20)), version))
-    receiver.accept(std::move(b));
-  auto verified = receiver.verified(expected);
-  engine.pause();
-  engine.update_weights(verified, version);
-  engine.resume();
-  return since(t0);
 }
 
 // One step's rollouts.
@@ -153,19 +142,6 @@ class AsyncRollout {
   std::thread thread_;
 };
 
-// HF tensors of the policy, bucketed, checksummed and verified as a receiver would; copies
-// (the trainer keeps updating its parameters while an engine thread loads these).
-std::vector<messaging::Tensor> verified_weights(model::CausalLM& policy, int64_t version, double bucket_mib) {
-  std::vector<messaging::Tensor> tensors;
-  for (auto& t : policy.hf_state_dict())
-    tensors.push_back(messaging::Tensor::copy_of(t.name, t.dtype, t.shape, t.data, t.nbytes));
-  auto expected = weight_sync::manifest(tensors);
-  weight_sync::Receiver receiver;
-  for (auto& b : weight_sync::plan_buckets(std::move(tensors), uint64_t(bucket_mib * (1 << 20)), version))
-    receiver.accept(std::move(b));
-  return receiver.verified(expected);
-}
-
 // A checkpoint: the policy in HF layout (loads in transformers), the optimizer state and the
 // loop state (step, policy version, the prompt RNG) in state.json.
 void save_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, trainer::Trainer& trainer,
@@ -245,6 +221,41 @@ int run_experiment(const ExperimentConfig& c) {
   eo.max_batch = c.rollout.max_batch;
   rollout::Engine engine(engine_model, eo);
   std::mt19937_64 rng(uint64_t(c.run.seed));
+  // Weight sync over the messaging layer: the trainer side sends each new version to the
+  // rollout side's receiver service (inproc in one process: tensor frames are zero-copy).
+  messaging::Gateway rollout_gw({"rollout", "inproc://kiln-run-" + std::to_string(::getpid())});
+  messaging::Gateway trainer_gw({"trainer", ""});
+  std::mutex received_mu;
+  std::optional<std::pair<std::vector<messaging::Tensor>, int64_t>> received;
+  auto receiver = std::make_shared<weight_sync::ReceiverService>([&](std::vector<messaging::Tensor> t, int64_t v) {
+    std::lock_guard<std::mutex> l(received_mu);
+    received = std::make_pair(std::move(t), v);
+  });
+  rollout_gw.serve("weight_sync/0", [&rollout_gw, receiver](messaging::Envelope env) {
+    auto r = receiver->handle(env);
+    if (r) rollout_gw.reply(env, std::move(*r));
+    else rollout_gw.reply_error(env, r.error());
+  });
+  trainer_gw.add_route("weight_sync/0", rollout_gw.endpoint());
+  // Sends the policy as `version`; returns the tensors the receiver verified. `copy`: send
+  // copies (async mode: the trainer keeps writing its parameters while the engine loads).
+  auto push_weights = [&](int64_t version, bool copy) {
+    std::vector<messaging::Tensor> tensors;
+    for (auto& t : policy->hf_state_dict())
+      tensors.push_back(copy ? messaging::Tensor::copy_of(t.name, t.dtype, t.shape, t.data, t.nbytes) : t);
+    auto r = weight_sync::send_weights(trainer_gw, "weight_sync/0", std::move(tensors), version,
+                                       uint64_t(c.weight_sync.bucket_mib * (1 << 20)), std::chrono::seconds(120));
+    if (!r) throw std::runtime_error("weight sync of version " + std::to_string(version) + ": " + r.error().what());
+    std::lock_guard<std::mutex> l(received_mu);
+    auto out = std::move(received->first);
+    received.reset();
+    return out;
+  };
+  auto apply_to_engine = [&](std::vector<messaging::Tensor> tensors, int64_t version) {
+    engine.pause();  // between decode steps
+    engine.update_weights(tensors, version);
+    engine.resume();
+  };
   int64_t first_step = 1;
   if (!c.run.resume_from.empty()) {
     try {
@@ -258,7 +269,7 @@ int run_experiment(const ExperimentConfig& c) {
       std::istringstream r(state.at("prompt_rng").get<std::string>());
       r >> rng;
       first_step = state.at("step").get<int64_t>() + 1;
-      sync_weights(*policy, engine, trainer.version(), c.weight_sync.bucket_mib);
+      apply_to_engine(push_weights(trainer.version(), false), trainer.version());
       std::fprintf(stderr, "kiln run: resumed from %s at step %lld\n", ck.c_str(), (long long)first_step);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "kiln run: cannot resume from '%s': %s\n", c.run.resume_from.c_str(), e.what());
@@ -389,13 +400,10 @@ int run_experiment(const ExperimentConfig& c) {
     if (!samples.empty()) {
       m = trainer.train_step(samples);
       try {
-        if (async) {
-          auto tu = Clock::now();
-          new_weights = verified_weights(*policy, trainer.version(), c.weight_sync.bucket_mib);
-          update_time = since(tu);
-        } else {
-          update_time = sync_weights(*policy, engine, trainer.version(), c.weight_sync.bucket_mib);
-        }
+        auto tu = Clock::now();
+        if (async) new_weights = push_weights(trainer.version(), /*copy=*/true);  // applied by the rollout thread
+        else apply_to_engine(push_weights(trainer.version(), /*copy=*/false), trainer.version());
+        update_time = since(tu);
       } catch (const std::exception& e) {
         std::fprintf(stderr, "kiln run: step %lld: %s\n", (long long)step, e.what());
         return 1;

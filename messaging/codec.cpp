@@ -135,6 +135,20 @@ std::string encode_header(const Envelope& env) {
   return std::string(buf.data(), buf.size());
 }
 
+std::string describe_payload(const msgpack::object& map) {
+  std::string s = "{";
+  if (map.type == msgpack::type::MAP)
+    for (uint32_t i = 0; i < map.via.map.size; ++i) {
+      const auto& kv = map.via.map.ptr[i];
+      std::string key = kv.key.type == msgpack::type::STR ? std::string(kv.key.via.str.ptr, kv.key.via.str.size) : "?";
+      std::string type = type_name(kv.val);
+      if (kv.val.type == msgpack::type::NEGATIVE_INTEGER) type += " " + std::to_string(kv.val.via.i64);
+      if (kv.val.type == msgpack::type::POSITIVE_INTEGER) type += " " + std::to_string(kv.val.via.u64);
+      s += (i ? ", " : "") + key + ": " + type;
+    }
+  return s + "}";
+}
+
 Expected<msgpack::object_handle> unpack_payload(const Envelope& env) {
   const std::size_t n = env.payload.size();
   if (n == 0) {  // an empty payload is an empty map

@@ -61,7 +61,7 @@ bool recv_multipart(zmq::socket_t& s, std::vector<zmq::message_t>& parts) {
 std::optional<std::pair<uint64_t, std::string>> peek_request(const zmq::message_t& head) {
   try {
     std::size_t n = head.size(), off = 0;
-    msgpack::unpack_limit limit(n, n / 2 + 1, n, n, n, 8);
+    msgpack::unpack_limit limit(n, n / 2 + 1, n, n, n, 4096);  // deep enough for any bad request
     auto h = msgpack::unpack(static_cast<const char*>(head.data()), n, off, nullptr, nullptr, limit);
     const auto& m = h.get();
     if (m.type != msgpack::type::MAP) return std::nullopt;
@@ -207,7 +207,15 @@ struct Gateway::Impl {
       p->dealer.close();
     }
     peers.clear();
-    if (router) router->close();
+    if (router) {
+      // Release the endpoint now (close releases inproc names asynchronously), so that a
+      // new gateway can bind the same endpoint right away.
+      try {
+        router->unbind(self_endpoint);
+      } catch (const zmq::error_t&) {
+      }
+      router->close();
+    }
   }
 
   std::chrono::milliseconds poll_timeout() const {
@@ -242,9 +250,11 @@ struct Gateway::Impl {
     }
   }
 
-  Peer& peer(const std::string& endpoint) {
+  // The DEALER for `endpoint`, connected on first use; nullptr (and `err`) when the endpoint
+  // cannot be connected (unsupported transport, malformed address).
+  Peer* peer(const std::string& endpoint, std::string& err) {
     auto it = peers.find(endpoint);
-    if (it != peers.end()) return *it->second;
+    if (it != peers.end()) return it->second.get();
     auto p = std::make_unique<Peer>();
     p->endpoint = endpoint;
     p->dealer = zmq::socket_t(process_context(), zmq::socket_type::dealer);
@@ -258,8 +268,14 @@ struct Gateway::Impl {
                        ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_DISCONNECTED);
     p->monitor = zmq::socket_t(process_context(), zmq::socket_type::pair);
     p->monitor.connect(mon);
-    p->dealer.connect(endpoint);
-    auto& ref = *p;
+    try {
+      p->dealer.connect(endpoint);
+    } catch (const zmq::error_t& e) {
+      zmq_socket_monitor(static_cast<void*>(p->dealer), nullptr, 0);
+      err = "cannot connect to '" + endpoint + "': " + e.what();
+      return nullptr;
+    }
+    auto* ref = p.get();
     peers.emplace(endpoint, std::move(p));
     return ref;
   }
@@ -302,13 +318,15 @@ struct Gateway::Impl {
                                     (root.empty() ? " (not joined to a graph)" : " or to the graph root at " + root)),
                   env);
     }
-    Peer& peer_ref = peer(ep);
+    std::string err;
+    Peer* peer_ptr = peer(ep, err);
+    if (!peer_ptr) return fail(p, make_error(ErrorCode::transport, err), env);
+    Peer& peer_ref = *peer_ptr;
     uint64_t id = env.correlation_id;
     if (p) {
       p->peer = ep;
       pending.emplace(id, std::move(*p));
     }
-    std::string err;
     if (!send(peer_ref.dealer, nullptr, false, env, err)) {
       auto node = pending.extract(id);
       std::optional<Pending> back;
@@ -373,6 +391,15 @@ struct Gateway::Impl {
     if (env.type == GraphJoin::kType) {
       auto j = payload_as<GraphJoin>(env);
       if (!j) return send_reply(make_error_reply(env, j.error(), kGraphActor));
+      std::string conflicts;
+      auto dir = directory();
+      for (const auto& a : j->actors)
+        if (auto it = dir.find(a); it != dir.end() && it->second != j->endpoint)
+          conflicts += " '" + a + "' (at " + it->second + ")";
+      if (!conflicts.empty())
+        return send_reply(make_error_reply(
+            env, make_error(ErrorCode::bad_message, "node '" + j->node + "' cannot join: actors already in the graph:" + conflicts),
+            kGraphActor));
       for (const auto& a : j->actors) routes[a] = j->endpoint;
       spdlog::info("gateway '{}': node '{}' joined at {} with {} actor(s)", opt.node, j->node, j->endpoint,
                    j->actors.size());

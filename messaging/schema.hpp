@@ -98,8 +98,37 @@ struct BenchChunk {
   MSGPACK_DEFINE_MAP(seq);
 };
 
+/// Weight sync: one bucket of a new policy version; the tensors travel as tensor frames under
+/// their HF names. Answered with WeightSyncAck.
+struct WeightSyncBucket {
+  static constexpr std::string_view kType = "weight_sync.bucket";
+  static constexpr uint32_t kVersion = 1;
+  int64_t version = 0;
+  int64_t index = 0, count = 0;  ///< this bucket's place among the version's buckets
+  MSGPACK_DEFINE_MAP(version, index, count);
+};
+/// Weight sync: after the last bucket, the sender's manifest (every tensor's name and CRC-32).
+/// The receiver checks every received tensor against it and applies the version only if all
+/// match; otherwise it answers with an error naming each tensor that differs.
+struct WeightSyncCommit {
+  static constexpr std::string_view kType = "weight_sync.commit";
+  static constexpr uint32_t kVersion = 1;
+  int64_t version = 0;
+  std::vector<std::string> names;
+  std::vector<uint32_t> crc32;
+  MSGPACK_DEFINE_MAP(version, names, crc32);
+};
+struct WeightSyncAck {
+  static constexpr std::string_view kType = "weight_sync.ack";
+  static constexpr uint32_t kVersion = 1;
+  int64_t version = 0;
+  int64_t tensors = 0;  ///< received so far in this version
+  MSGPACK_DEFINE_MAP(version, tensors);
+};
+
 using MessageTypes = std::tuple<ErrorReply, Ping, Pong, GraphJoin, GraphLookup, GraphDirectory,
-                                DiagEcho, DiagEchoResult, DiagSleep, BenchChunk>;
+                                DiagEcho, DiagEchoResult, DiagSleep, BenchChunk, WeightSyncBucket,
+                                WeightSyncCommit, WeightSyncAck>;
 
 /// Schema version of a declared type, or nullopt if `type` is not declared.
 std::optional<uint32_t> message_type_version(std::string_view type);
@@ -122,6 +151,8 @@ Envelope make_envelope(const T& value, Kind kind, std::string sender, std::strin
 /// Decodes the payload of `env` as T. Errors: unknown_type if env.type is not T's,
 /// bad_message naming the type when the payload does not decode as T's fields.
 Expected<msgpack::object_handle> unpack_payload(const Envelope& env);
+/// "{key: type, ...}" of a payload map, for error messages.
+std::string describe_payload(const msgpack::object& map);
 template <class T>
 Expected<T> payload_as(const Envelope& env) {
   if (env.type != T::kType)
@@ -134,8 +165,9 @@ Expected<T> payload_as(const Envelope& env) {
     handle->get().convert(value);
     return value;
   } catch (const std::exception& e) {
-    return make_error(ErrorCode::bad_message,
-                      "payload of '" + env.type + "' does not match its schema: " + e.what());
+    return make_error(ErrorCode::bad_message, "payload of '" + env.type +
+                                                  "' does not match its schema (a field has the wrong type or range; "
+                                                  "got " + describe_payload(handle->get()) + "): " + e.what());
   }
 }
 

@@ -29,6 +29,9 @@ Expected<Envelope> DiagService::handle(const Envelope& request) {
   if (request.type == DiagSleep::kType) {
     auto s = payload_as<DiagSleep>(request);
     if (!s) return s.error();
+    if (s->milliseconds > kMaxSleepMs)
+      return make_error(ErrorCode::bad_message, "diag.sleep: field 'milliseconds' is " + std::to_string(s->milliseconds) +
+                                                    ", at most " + std::to_string(kMaxSleepMs));
     std::this_thread::sleep_for(std::chrono::milliseconds(s->milliseconds));
     return make_envelope(Pong{node_, actor_, "slept"}, Kind::reply, actor_, request.sender);
   }

@@ -11,6 +11,8 @@ namespace kiln::actors {
 
 class DiagService {
  public:
+  /// Longest diag.sleep accepted, milliseconds (longer requests get bad_message).
+  static constexpr uint32_t kMaxSleepMs = 60000;
   DiagService(std::string node, std::string actor) : node_(std::move(node)), actor_(std::move(actor)) {}
   /// Reply for `request`; unknown_type for message types it does not handle.
   messaging::Expected<messaging::Envelope> handle(const messaging::Envelope& request);

@@ -179,12 +179,19 @@ Checkpoint Checkpoint::open(const std::string& dir) {
     for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
       if (!it.value().is_string())
         throw CheckpointError("checkpoint index '" + index.string() + "': weight_map['" + it.key() + "'] is not a file name");
-      c.weight_map_[it.key()] = it.value().get<std::string>();
+      auto file = it.value().get<std::string>();
+      // Shards live in the checkpoint directory: a path elsewhere is refused, never opened.
+      if (file.empty() || file.find('/') != std::string::npos || file == "." || file == "..")
+        throw CheckpointError("checkpoint index '" + index.string() + "': weight_map['" + it.key() + "'] names '" + file +
+                              "', not a file in the checkpoint directory");
+      c.weight_map_[it.key()] = file;
     }
   } else if (fs::exists(single)) {
     auto f = std::make_shared<SafetensorsFile>(SafetensorsFile::open(single.string()));
     for (const auto& [name, info] : f->tensors()) c.weight_map_[name] = "model.safetensors";
     c.shards_["model.safetensors"] = f;
+  } else if (!fs::is_directory(dir)) {
+    throw CheckpointError("checkpoint directory '" + dir + "' does not exist");
   } else {
     throw CheckpointError("no checkpoint in '" + dir + "': neither model.safetensors.index.json nor model.safetensors");
   }
@@ -228,6 +235,13 @@ std::vector<std::string> Checkpoint::opened_files() const {
 
 void write_checkpoint(const std::string& dir, const std::vector<Tensor>& tensors, uint64_t max_shard_bytes) {
   fs::create_directories(dir);
+  // Shards of an earlier save would sit beside the new ones under other names: remove them.
+  for (const auto& e : fs::directory_iterator(dir)) {
+    auto name = e.path().filename().string();
+    if (name == "model.safetensors" || name == "model.safetensors.index.json" ||
+        (name.rfind("model-", 0) == 0 && e.path().extension() == ".safetensors"))
+      fs::remove(e.path());
+  }
   std::vector<std::vector<Tensor>> shards(1);
   uint64_t in_shard = 0, total = 0;
   for (const auto& t : tensors) {

@@ -97,7 +97,9 @@ class Checkpoint {
 
 /// Writes `tensors` into `dir` as model-0000i-of-0000n.safetensors shards of at most
 /// `max_shard_bytes` each (a larger tensor gets a shard of its own) plus
-/// model.safetensors.index.json, as transformers' save_pretrained lays them out.
+/// model.safetensors.index.json, as transformers' save_pretrained lays them out. Shards and
+/// index of an earlier save in `dir` are removed first. Do not write into the checkpoint the
+/// tensors are read from (their memory maps would be overwritten).
 void write_checkpoint(const std::string& dir, const std::vector<Tensor>& tensors, uint64_t max_shard_bytes);
 
 }  // namespace kiln::checkpoint

@@ -117,6 +117,12 @@ Glm4MoeLiteConfig Glm4MoeLiteConfig::from_hf_json(const json& j, const std::stri
       "mlp_layer_types"};
   for (auto it = j.begin(); it != j.end(); ++it)
     if (!kUsed.count(it.key()) && !kIgnored.count(it.key())) r.bad(it.key(), "is not a glm4_moe_lite config field");
+  if (r.has("architectures")) {
+    const auto& arch = j["architectures"];
+    bool ok = arch.is_array();
+    for (const auto& x : arch) ok = ok && x.is_string() && x == "Glm4MoeLiteForCausalLM";
+    if (!ok) r.bad("architectures", "is " + arch.dump() + ", expected [\"Glm4MoeLiteForCausalLM\"]");
+  }
   if (r.has("model_type") && r.string("model_type", "") != "glm4_moe_lite")
     r.bad("model_type", "is '" + r.string("model_type", "") + "', expected 'glm4_moe_lite'");
 

@@ -194,3 +194,24 @@ TEST_CASE("the reader survives 5000 mutated headers without a crash") {
   CHECK(opened + rejected == 5000);
   CHECK(rejected > 1000);
 }
+
+TEST_CASE("an index naming a file outside the checkpoint is refused, never opened") {
+  auto dir = scratch("escape");
+  write_safetensors(dir + "/model-00001-of-00001.safetensors", {filled("w", DType::float32, {4}, 1)});
+  std::ofstream(dir + "/model.safetensors.index.json")
+      << R"({"weight_map": {"w": "../../../../etc/passwd"}})";
+  CHECK_THROWS_WITH_AS(Checkpoint::open(dir), doctest::Contains("not a file in the checkpoint directory"), CheckpointError);
+  CHECK_THROWS_WITH_AS(Checkpoint::open(dir + "/nope"), doctest::Contains("does not exist"), CheckpointError);
+}
+
+TEST_CASE("writing a checkpoint replaces the shards of an earlier save") {
+  auto dir = scratch("rewrite");
+  std::vector<Tensor> ts;
+  for (int i = 0; i < 4; ++i) ts.push_back(filled("w" + std::to_string(i), DType::float32, {256}, uint8_t(i)));
+  write_checkpoint(dir, ts, 1024);  // 4 shards
+  write_checkpoint(dir, ts, 1 << 20);  // 1 shard
+  int shards = 0;
+  for (const auto& e : fs::directory_iterator(dir)) shards += e.path().extension() == ".safetensors";
+  CHECK(shards == 1);
+  CHECK(Checkpoint::open(dir).names().size() == 4);
+}

@@ -192,3 +192,74 @@ TEST_CASE("an envelope built wrong is refused before it is sent") {
   REQUIRE_FALSE(r.has_value());
   CHECK(r.error().code == ErrorCode::bad_message);
 }
+
+TEST_CASE("an endpoint with an unsupported transport is an error value, not a crash") {
+  Gateway a({"a", ""});
+  a.add_route("far/0", "bogus://x");
+  auto r = a.request(make_envelope(Ping{}, Kind::request, "t", "far/0"), 1s).get();
+  REQUIRE_FALSE(r.has_value());
+  CHECK(r.error().code == ErrorCode::transport);
+  CHECK(r.error().message.find("cannot connect to 'bogus://x'") != std::string::npos);
+  auto j = a.join("bogus://root", 1s);
+  REQUIRE_FALSE(j.has_value());
+  CHECK(j.error().code == ErrorCode::transport);
+}
+
+TEST_CASE("a node cannot join with an actor name the graph already has") {
+  Gateway root({"root", endpoint("inproc", "conflict-root")});
+  serve_diag(root, "diag/0");
+  Gateway b({"b", endpoint("inproc", "conflict-b")});
+  serve_diag(b, "diag/0");
+  auto j = b.join(root.endpoint(), 2s);
+  REQUIRE_FALSE(j.has_value());
+  CHECK(j.error().message.find("already in the graph: 'diag/0'") != std::string::npos);
+}
+
+TEST_CASE("bad payload fields are reported with what arrived, and over-long sleeps are refused") {
+  Gateway a({"a", ""});
+  serve_diag(a, "diag/0");
+  auto r = a.request(make_envelope(DiagSleep{100000}, Kind::request, "t", "diag/0"), 2s).get();
+  REQUIRE_FALSE(r.has_value());
+  CHECK(r.error().message.find("'milliseconds' is 100000, at most 60000") != std::string::npos);
+  auto env = make_envelope(Ping{}, Kind::request, "t", "diag/0");
+  env.type = "diag.echo";
+  msgpack::sbuffer b;
+  msgpack::packer<msgpack::sbuffer> pk(b);
+  pk.pack_map(1);
+  pk.pack("note");
+  pk.pack(5);
+  env.payload.assign(b.data(), b.size());
+  auto e = a.request(env, 2s).get();
+  REQUIRE_FALSE(e.has_value());
+  CHECK(e.error().message.find("got {note: uint 5}") != std::string::npos);
+}
+
+TEST_CASE("a request nested too deep still gets an error reply") {
+  Gateway b({"b", endpoint("tcp", "")});
+  zmq::context_t ctx;
+  zmq::socket_t s(ctx, zmq::socket_type::dealer);
+  s.set(zmq::sockopt::rcvtimeo, 3000);
+  s.set(zmq::sockopt::linger, 0);
+  s.connect(b.endpoint());
+  msgpack::sbuffer buf;
+  msgpack::packer<msgpack::sbuffer> pk(buf);
+  pk.pack_map(8);
+  pk.pack("v"); pk.pack(1);
+  pk.pack("type"); pk.pack("ping");
+  pk.pack("tv"); pk.pack(1);
+  pk.pack("kind"); pk.pack("request");
+  pk.pack("to"); pk.pack("x");
+  pk.pack("id"); pk.pack(99);
+  pk.pack("tensors"); pk.pack_array(0);
+  pk.pack("payload");
+  for (int i = 0; i < 200; ++i) pk.pack_array(1);
+  pk.pack(0);
+  s.send(zmq::buffer(std::string(buf.data(), buf.size())));
+  zmq::message_t reply;
+  REQUIRE(s.recv(reply));
+  std::vector<Frame> frames{{static_cast<const std::byte*>(reply.data()), reply.size(), nullptr}};
+  auto r = decode(frames);
+  REQUIRE(r.has_value());
+  CHECK(r->kind == Kind::error);
+  CHECK(r->correlation_id == 99);
+}

@@ -2,6 +2,7 @@
 #include <doctest/doctest.h>
 
 #include <cstring>
+#include <thread>
 
 #include "child_process.hpp"
 #include "helpers.hpp"
@@ -105,4 +106,28 @@ TEST_CASE("a node asked to host an unknown actor kind refuses by name") {
   int status = node.wait();
   CHECK(WIFEXITED(status));
   CHECK(WEXITSTATUS(status) == 2);
+}
+
+TEST_CASE("a node with a busy actor still stops soon after SIGTERM") {
+  Gateway root({"root", ipc("busy-root")});
+  auto node = start_node("busy", ipc("busy-node"), root.endpoint());
+  REQUIRE(root.wait_for_actor("diag/0", 20s).has_value());
+  auto pending = root.request(make_envelope(DiagSleep{60000}, Kind::request, "t", "diag/0"), 30s);
+  std::this_thread::sleep_for(300ms);
+  auto t0 = std::chrono::steady_clock::now();
+  node.signal(SIGTERM);
+  int status = node.wait();
+  CHECK(std::chrono::steady_clock::now() - t0 < 10s);
+  CHECK(WIFEXITED(status));
+}
+
+TEST_CASE("malformed actor names are refused") {
+  for (const char* bad : {"diag", "diag/x", "diag/0/1"}) {
+    CAPTURE(bad);
+    ChildProcess node({KILN_EXE, "node", "--bind", ipc("bad-name"), "--actor", bad});
+    int status = node.wait();
+    CHECK(WEXITSTATUS(status) == 2);
+  }
+  ChildProcess twice({KILN_EXE, "node", "--bind", ipc("twice"), "--actor", "diag/0", "--actor", "diag/0"});
+  CHECK(WEXITSTATUS(twice.wait()) == 2);
 }

@@ -163,6 +163,11 @@ TEST_CASE("config.json: unknown fields and contradictory values are rejected by 
     CHECK_THROWS_WITH_AS(Glm4MoeLiteConfig::from_hf_json(j, "c.json"), doctest::Contains("'hidden_size': must be an integer"),
                          std::invalid_argument);
   }
+  SUBCASE("another architecture") {
+    j["architectures"] = {"LlamaForCausalLM"};
+    CHECK_THROWS_WITH_AS(Glm4MoeLiteConfig::from_hf_json(j, "c.json"), doctest::Contains("'architectures'"),
+                         std::invalid_argument);
+  }
   SUBCASE("topk_group larger than n_group") {
     j["topk_group"] = 3;
     CHECK_THROWS_WITH_AS(Glm4MoeLiteConfig::from_hf_json(j, "c.json"), doctest::Contains("'topk_group'"),
