@@ -56,7 +56,7 @@ TEST_CASE("unknown keys, wrong types and bad values are rejected by name") {
   c.set("algorithm.samples_per_prompt=1");
   CHECK_THROWS_WITH_AS(c.validate(), doctest::Contains("'algorithm.samples_per_prompt'"), std::invalid_argument);
   ExperimentConfig d;
-  d.set("algorithm.staleness=2");
+  d.set("algorithm.staleness=-1");
   CHECK_THROWS_WITH_AS(d.validate(), doctest::Contains("'algorithm.staleness'"), std::invalid_argument);
   ExperimentConfig e;
   e.set("algorithm.kl_estimator=k9");
