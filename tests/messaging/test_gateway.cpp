@@ -20,6 +20,21 @@ std::string endpoint(const std::string& transport, const std::string& tag) {
   return "tcp://127.0.0.1:0";
 }
 
+// A raw ZeroMQ DEALER (an outside client) connected to `endpoint`, 3 s receive timeout.
+zmq::socket_t raw_dealer(zmq::context_t& ctx, const std::string& endpoint) {
+  zmq::socket_t s(ctx, zmq::socket_type::dealer);
+  s.set(zmq::sockopt::rcvtimeo, 3000);
+  s.set(zmq::sockopt::linger, 0);
+  s.connect(endpoint);
+  return s;
+}
+
+// The single frame of a reply, decoded.
+Expected<Envelope> decode_reply(const zmq::message_t& reply) {
+  std::vector<Frame> frames{{static_cast<const std::byte*>(reply.data()), reply.size(), nullptr}};
+  return decode(frames);
+}
+
 // Hosts a DiagService directly on the gateway thread (the tests need no CAF here).
 void serve_diag(Gateway& gw, const std::string& name) {
   auto svc = std::make_shared<kiln::actors::DiagService>(gw.node(), name);
@@ -150,10 +165,7 @@ TEST_CASE("a malformed message from a raw socket gets an error reply naming the 
   Gateway b({"b", endpoint("tcp", "")});
   serve_diag(b, "diag/0");
   zmq::context_t ctx;
-  zmq::socket_t s(ctx, zmq::socket_type::dealer);
-  s.set(zmq::sockopt::rcvtimeo, 3000);
-  s.set(zmq::sockopt::linger, 0);
-  s.connect(b.endpoint());
+  auto s = raw_dealer(ctx, b.endpoint());
   // A request that lists one tensor but sends none.
   auto env = make_envelope(DiagEcho{}, Kind::request, "raw", "diag/0");
   env.correlation_id = 77;
@@ -162,8 +174,7 @@ TEST_CASE("a malformed message from a raw socket gets an error reply naming the 
   s.send(zmq::buffer(header));
   zmq::message_t reply;
   REQUIRE(s.recv(reply));
-  std::vector<Frame> frames{{static_cast<const std::byte*>(reply.data()), reply.size(), nullptr}};
-  auto r = decode(frames);
+  auto r = decode_reply(reply);
   REQUIRE(r.has_value());
   CHECK(r->kind == Kind::error);
   CHECK(r->correlation_id == 77);
@@ -237,10 +248,7 @@ TEST_CASE("bad payload fields are reported with what arrived, and over-long slee
 TEST_CASE("a request nested too deep still gets an error reply") {
   Gateway b({"b", endpoint("tcp", "")});
   zmq::context_t ctx;
-  zmq::socket_t s(ctx, zmq::socket_type::dealer);
-  s.set(zmq::sockopt::rcvtimeo, 3000);
-  s.set(zmq::sockopt::linger, 0);
-  s.connect(b.endpoint());
+  auto s = raw_dealer(ctx, b.endpoint());
   msgpack::sbuffer buf;
   msgpack::packer<msgpack::sbuffer> pk(buf);
   pk.pack_map(8);
@@ -257,8 +265,7 @@ TEST_CASE("a request nested too deep still gets an error reply") {
   s.send(zmq::buffer(std::string(buf.data(), buf.size())));
   zmq::message_t reply;
   REQUIRE(s.recv(reply));
-  std::vector<Frame> frames{{static_cast<const std::byte*>(reply.data()), reply.size(), nullptr}};
-  auto r = decode(frames);
+  auto r = decode_reply(reply);
   REQUIRE(r.has_value());
   CHECK(r->kind == Kind::error);
   CHECK(r->correlation_id == 99);
