@@ -165,8 +165,10 @@ void ExperimentConfig::validate() const {
   need(algorithm.aggregation == "token_mean" || algorithm.aggregation == "sequence_mean", "algorithm.aggregation",
        "must be \"token_mean\" or \"sequence_mean\"");
   need(rollout.backend == "engine", "rollout.backend", "must be \"engine\" (the in-process engine is the only backend so far)");
-  need(placement.mode == "single_process", "placement.mode",
-       "must be \"single_process\": spreading actors over kiln node processes is not built yet");
+  need(placement.mode == "single_process" || placement.mode == "multi_process", "placement.mode",
+       "must be \"single_process\" or \"multi_process\" (rollout engine in a kiln node child process)");
+  need(placement.mode == "single_process" || algorithm.staleness == 0, "algorithm.staleness",
+       "must be 0 with placement.mode \"multi_process\" (asynchronous remote rollouts are not built yet)");
   need(weight_sync.bucket_mib > 0, "weight_sync.bucket_mib", "must be > 0");
   need(task.name == "next_digit" || task.name == "arithmetic" || task.name == "countdown", "task.name",
        "must be \"next_digit\", \"arithmetic\" or \"countdown\"");

@@ -8,10 +8,14 @@
 #include "experiments/bench_model.hpp"
 #include "experiments/bench_rollout.hpp"
 #include "experiments/rl_run.hpp"
+#include "actors/rollout/rollout_service.hpp"
 #include "experiments/model_cmd.hpp"
 #endif
 
 int main(int argc, char** argv) {
+#ifdef KILN_WITH_TORCH
+  kiln::rollout::register_rollout_actor_kind();  // kiln node --actor rollout/N
+#endif
   CLI::App app{"kiln: asynchronous RL post-training for GLM-family MoE models"};
   app.require_subcommand(1);
 

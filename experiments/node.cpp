@@ -20,8 +20,8 @@ namespace {
 using SpawnFn = std::function<caf::actor(caf::actor_system&, messaging::Gateway&, const std::string& node,
                                          const std::string& name)>;
 
-const std::map<std::string, SpawnFn>& actor_factories() {
-  static const std::map<std::string, SpawnFn> f = {
+std::map<std::string, SpawnFn>& actor_factories() {
+  static std::map<std::string, SpawnFn> f = {
       {"diag",
        [](caf::actor_system& sys, messaging::Gateway& gw, const std::string& node, const std::string& name) {
          // Detached: diag.sleep blocks its thread on purpose.
@@ -31,7 +31,20 @@ const std::map<std::string, SpawnFn>& actor_factories() {
   };
   return f;
 }
+// A plain handler as a service for spawn_service.
+struct HandlerService {
+  ServiceHandler fn;
+  messaging::Expected<messaging::Envelope> handle(const messaging::Envelope& e) { return fn(e); }
+};
 }  // namespace
+
+void register_actor_kind(const std::string& kind, ServiceFactory factory) {
+  actor_factories()[kind] = [factory](caf::actor_system& sys, messaging::Gateway& gw, const std::string& node,
+                                      const std::string& name) {
+    return messaging::spawn_service(sys, gw, name, std::make_shared<HandlerService>(HandlerService{factory(node, name)}),
+                                    /*detached=*/true);
+  };
+}
 
 std::vector<std::string> hostable_actor_kinds() {
   std::vector<std::string> kinds;

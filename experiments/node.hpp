@@ -1,6 +1,9 @@
 #pragma once
 // `kiln node`: a process that joins an actor graph and hosts the actors it is given.
+#include <functional>
 #include <string>
+
+#include "messaging/envelope.hpp"
 #include <vector>
 
 namespace kiln::experiments {
@@ -15,6 +18,14 @@ struct NodeOptions {
 
 /// Kinds of actor a node can host (the part of a logical name before '/').
 std::vector<std::string> hostable_actor_kinds();
+
+/// A service's request handler (see messaging/caf_bridge.hpp: one request at a time, in its
+/// own detached CAF actor).
+using ServiceHandler = std::function<messaging::Expected<messaging::Envelope>(const messaging::Envelope&)>;
+/// Makes the handler of a new actor (node name, actor name).
+using ServiceFactory = std::function<ServiceHandler(const std::string& node, const std::string& name)>;
+/// Adds a kind of actor nodes can host (e.g. "rollout", registered by the LibTorch build).
+void register_actor_kind(const std::string& kind, ServiceFactory factory);
 
 /// Runs the node until SIGINT or SIGTERM. Prints "kiln node NAME ready at ENDPOINT" on
 /// stdout once it hosts its actors and has joined. Returns the process exit code; a bad

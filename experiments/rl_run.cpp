@@ -9,7 +9,14 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include "messaging/torch_tensor.hpp"
+
+extern char** environ;
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -142,6 +149,82 @@ class AsyncRollout {
   std::thread thread_;
 };
 
+// The rollout engine in a `kiln node` child process (placement.mode = "multi_process").
+class RolloutNode {
+ public:
+  ~RolloutNode() { stop(); }
+  /// Starts the node, waits until it joined `gw` (the graph root) and built its engine.
+  /// Returns an error message, or "" on success.
+  std::string start(messaging::Gateway& gw, const std::string& tag, const ExperimentConfig& c,
+                    const std::filesystem::path& dir) {
+    std::vector<std::string> argv = {"/proc/self/exe", "node", "--name", "rollout-node", "--bind", "ipc://" + tag + "-rollout",
+                                     "--join", gw.endpoint(), "--actor", "rollout/0"};
+    std::vector<char*> args;
+    for (auto& a : argv) args.push_back(a.data());
+    args.push_back(nullptr);
+    if (posix_spawn(&pid_, "/proc/self/exe", nullptr, nullptr, args.data(), environ) != 0)
+      return "cannot start the rollout node process";
+    std::ofstream(dir / "rollout_node.pid") << pid_ << "\n";
+    auto up = gw.wait_for_actor("rollout/0", std::chrono::seconds(60));
+    if (!up) return "the rollout node did not join: " + up.error().what();
+    messaging::RolloutInit init{c.model.package, c.model.flavor, c.model.checkpoint, c.rollout.cache_blocks,
+                                c.rollout.block_size, c.rollout.max_batch, c.rollout.step_delay_ms};
+    auto r = gw.request(messaging::make_envelope(init, messaging::Kind::request, "controller", "rollout/0"),
+                        std::chrono::seconds(300))
+                 .get();
+    if (!r) return "the rollout node could not build its engine: " + r.error().what();
+    return "";
+  }
+  /// Generates `requests` on the node; throws std::runtime_error if the node is lost.
+  std::vector<rollout::Completion> generate(messaging::Gateway& gw, const std::vector<rollout::GenerationRequest>& requests) {
+    messaging::RolloutGenerate g;
+    std::map<uint64_t, const rollout::GenerationRequest*> by_id;
+    for (const auto& q : requests) {
+      by_id[q.id] = &q;
+      const auto& sp = q.sampling;
+      g.requests.push_back({q.id, q.prompt, sp.temperature, sp.top_p, sp.top_k, sp.max_new_tokens, sp.seed, sp.stop_token_ids});
+    }
+    auto r = gw.request(messaging::make_envelope(g, messaging::Kind::request, "controller", "rollout/0"),
+                        std::chrono::seconds(900))
+                 .get();
+    if (!r) throw std::runtime_error("rollout node: " + r.error().what());
+    auto res = messaging::payload_as<messaging::RolloutResult>(*r);
+    if (!res) throw std::runtime_error("rollout node: " + res.error().what());
+    if (res->completions.size() != r->tensors.size() || res->completions.size() != requests.size())
+      throw std::runtime_error("rollout node answered " + std::to_string(res->completions.size()) + " completions for " +
+                               std::to_string(requests.size()) + " requests");
+    std::vector<rollout::Completion> out;
+    for (std::size_t i = 0; i < res->completions.size(); ++i) {
+      const auto& sp = res->completions[i];
+      auto it = by_id.find(sp.id);
+      if (it == by_id.end()) throw std::runtime_error("rollout node answered an unknown request id " + std::to_string(sp.id));
+      rollout::Completion c;
+      c.id = sp.id;
+      c.prompt = it->second->prompt;
+      c.tokens = sp.tokens;
+      c.logprobs = sp.logprobs;
+      c.entropies = sp.entropies;
+      c.policy_versions = sp.policy_versions;
+      c.finish_reason = sp.finish_reason == "stop" ? rollout::FinishReason::stop : rollout::FinishReason::length;
+      c.time_to_first_token_s = sp.time_to_first_token_s;
+      c.routed_experts = messaging::to_torch(r->tensors[i]).clone();
+      out.push_back(std::move(c));
+    }
+    std::sort(out.begin(), out.end(), [](const auto& x, const auto& y) { return x.id < y.id; });
+    return out;
+  }
+  void stop() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGTERM);
+    int status = 0;
+    ::waitpid(pid_, &status, 0);
+    pid_ = -1;
+  }
+
+ private:
+  pid_t pid_ = -1;
+};
+
 // A checkpoint: the policy in HF layout (loads in transformers), the optimizer state and the
 // loop state (step, policy version, the prompt RNG) in state.json.
 void save_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, trainer::Trainer& trainer,
@@ -224,7 +307,9 @@ int run_experiment(const ExperimentConfig& c) {
   // Weight sync over the messaging layer: the trainer side sends each new version to the
   // rollout side's receiver service (inproc in one process: tensor frames are zero-copy).
   messaging::Gateway rollout_gw({"rollout", "inproc://kiln-run-" + std::to_string(::getpid())});
-  messaging::Gateway trainer_gw({"trainer", ""});
+  const bool remote = c.placement.mode == "multi_process";
+  const std::string run_tag = "/tmp/kiln-run-" + std::to_string(::getpid());
+  messaging::Gateway trainer_gw({"trainer", remote ? "ipc://" + run_tag + "-trainer" : ""});
   std::mutex received_mu;
   std::optional<std::pair<std::vector<messaging::Tensor>, int64_t>> received;
   auto receiver = std::make_shared<weight_sync::ReceiverService>([&](std::vector<messaging::Tensor> t, int64_t v) {
@@ -239,23 +324,44 @@ int run_experiment(const ExperimentConfig& c) {
   trainer_gw.add_route("weight_sync/0", rollout_gw.endpoint());
   // Sends the policy as `version`; returns the tensors the receiver verified. `copy`: send
   // copies (async mode: the trainer keeps writing its parameters while the engine loads).
+  // Multi-process placement: the rollout engine lives in a `kiln node` child process that
+  // joins this process's gateway as graph root and hosts rollout/0.
+  const std::string weights_to = remote ? "rollout/0" : "weight_sync/0";
+  RolloutNode node;
+  if (remote) {
+    auto err = node.start(trainer_gw, run_tag, c, dir);
+    if (!err.empty()) {
+      std::fprintf(stderr, "kiln run: %s\n", err.c_str());
+      return 2;
+    }
+  }
   auto push_weights = [&](int64_t version, bool copy) {
     std::vector<messaging::Tensor> tensors;
     for (auto& t : policy->hf_state_dict())
       tensors.push_back(copy ? messaging::Tensor::copy_of(t.name, t.dtype, t.shape, t.data, t.nbytes) : t);
-    auto r = weight_sync::send_weights(trainer_gw, "weight_sync/0", std::move(tensors), version,
+    auto r = weight_sync::send_weights(trainer_gw, weights_to, std::move(tensors), version,
                                        uint64_t(c.weight_sync.bucket_mib * (1 << 20)), std::chrono::seconds(120));
     if (!r) throw std::runtime_error("weight sync of version " + std::to_string(version) + ": " + r.error().what());
+    if (remote) return std::vector<messaging::Tensor>{};  // the node verified and applied them
     std::lock_guard<std::mutex> l(received_mu);
     auto out = std::move(received->first);
     received.reset();
     return out;
   };
   auto apply_to_engine = [&](std::vector<messaging::Tensor> tensors, int64_t version) {
+    if (remote) return;
     engine.pause();  // between decode steps
     engine.update_weights(tensors, version);
     engine.resume();
   };
+  if (remote) {
+    try {
+      push_weights(trainer.version(), false);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "kiln run: %s\n", e.what());
+      return 1;
+    }
+  }
   int64_t first_step = 1;
   if (!c.run.resume_from.empty()) {
     try {
@@ -279,12 +385,18 @@ int run_experiment(const ExperimentConfig& c) {
   const auto mode = first_step > 1 ? std::ios::app : std::ios::trunc;
   std::ofstream metrics(dir / "metrics.jsonl", mode), tsv(dir / "metrics.tsv", mode);
   auto run_start = Clock::now();
+  std::string rng_before_batch;  // prompt RNG state at the start of the step being generated
   // Draws the step's prompts and generates n samples each; `between_steps` runs between
   // decode steps (async mode applies pending weights there).
   auto generate_batch = [&](int64_t step, const std::function<void()>& between_steps) {
     auto t0 = Clock::now();
     Batch b;
     b.step = step;
+    {
+      std::ostringstream before;
+      before << rng;
+      rng_before_batch = before.str();
+    }
     std::vector<rollout::GenerationRequest> requests;
     for (int64_t p = 0; p < a.prompts_per_step; ++p) {
       b.problems.push_back(task->sample(rng));
@@ -306,6 +418,11 @@ int run_experiment(const ExperimentConfig& c) {
     std::ostringstream rs;
     rs << rng;
     b.rng_after = rs.str();
+    if (remote) {
+      b.completions = node.generate(trainer_gw, requests);  // throws on a lost node
+      b.rollout_time = since(t0);
+      return b;
+    }
     for (auto& r : requests) engine.submit(std::move(r));
     while (engine.has_work()) {
       for (auto& comp : engine.step()) b.completions.push_back(std::move(comp));
@@ -324,6 +441,14 @@ int run_experiment(const ExperimentConfig& c) {
       batch = async ? async->take(step) : generate_batch(step, [] {});
     } catch (const std::exception& e) {
       std::fprintf(stderr, "kiln run: step %lld: %s\n", (long long)step, e.what());
+      if (remote) {  // keep everything trained so far: checkpoint the state before this step
+        char name[32];
+        std::snprintf(name, sizeof name, "step_%06lld", (long long)(step - 1));
+        auto ck = dir / "checkpoints" / name;
+        save_checkpoint(ck, *policy, trainer, step - 1, rng_before_batch);
+        std::fprintf(stderr, "kiln run: saved %s (steps 1..%lld trained); continue with --set run.resume_from=%s\n",
+                     ck.c_str(), (long long)(step - 1), ck.c_str());
+      }
       return 1;
     }
     const auto& problems = batch.problems;
@@ -397,6 +522,7 @@ int run_experiment(const ExperimentConfig& c) {
       }
     }
     std::vector<messaging::Tensor> new_weights;
+    std::string sync_error;
     if (!samples.empty()) {
       m = trainer.train_step(samples);
       try {
@@ -405,11 +531,12 @@ int run_experiment(const ExperimentConfig& c) {
         else apply_to_engine(push_weights(trainer.version(), /*copy=*/false), trainer.version());
         update_time = since(tu);
       } catch (const std::exception& e) {
-        std::fprintf(stderr, "kiln run: step %lld: %s\n", (long long)step, e.what());
-        return 1;
+        // The step is trained: record it, checkpoint it, then stop (nothing trained is lost).
+        sync_error = e.what();
+        update_time = -1;
       }
     }
-    if (async) async->consumed(step, std::move(new_weights), trainer.version());
+    if (async && sync_error.empty()) async->consumed(step, std::move(new_weights), trainer.version());
     m.kl = kl_metric;
     const double reward_mean = r.mean().item<double>(), reward_std = r.std(false).item<double>();
     nlohmann::json j;
@@ -438,6 +565,15 @@ int run_experiment(const ExperimentConfig& c) {
     j["elapsed_s"] = since(run_start);
     metrics << j.dump() << "\n" << std::flush;
     tsv << step << "\t" << reward_mean << "\t" << m.kl << "\n" << std::flush;
+    if (!sync_error.empty()) {
+      char name[32];
+      std::snprintf(name, sizeof name, "step_%06lld", (long long)step);
+      auto ck = dir / "checkpoints" / name;
+      save_checkpoint(ck, *policy, trainer, step, batch.rng_after);
+      std::fprintf(stderr, "kiln run: step %lld: %s\nkiln run: saved %s (steps 1..%lld trained); continue with --set run.resume_from=%s\n",
+                   (long long)step, sync_error.c_str(), ck.c_str(), (long long)step, ck.c_str());
+      return 1;
+    }
     if (c.run.checkpoint_every > 0 && step % c.run.checkpoint_every == 0) {
       char name[32];
       std::snprintf(name, sizeof name, "step_%06lld", (long long)step);

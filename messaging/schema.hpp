@@ -126,9 +126,58 @@ struct WeightSyncAck {
   MSGPACK_DEFINE_MAP(version, tensors);
 };
 
+/// Rollout in another process: what the remote engine builds (answered with RolloutReady).
+struct RolloutInit {
+  static constexpr std::string_view kType = "rollout.init";
+  static constexpr uint32_t kVersion = 1;
+  std::string package, flavor, checkpoint;  ///< model registry name + flavor, or HF checkpoint dir
+  int64_t cache_blocks = 0, block_size = 0, max_batch = 0;
+  int64_t step_delay_ms = 0;                ///< testing: sleep per engine step
+  MSGPACK_DEFINE_MAP(package, flavor, checkpoint, cache_blocks, block_size, max_batch, step_delay_ms);
+};
+struct RolloutReady {
+  static constexpr std::string_view kType = "rollout.ready";
+  static constexpr uint32_t kVersion = 1;
+  int64_t policy_version = 0;
+  MSGPACK_DEFINE_MAP(policy_version);
+};
+/// One generation request inside RolloutGenerate (not a message type by itself).
+struct RolloutRequestSpec {
+  uint64_t id = 0;
+  std::vector<int64_t> prompt;
+  double temperature = 1.0, top_p = 1.0;
+  int64_t top_k = 0, max_new_tokens = 1;
+  uint64_t seed = 0;
+  std::vector<int64_t> stop_token_ids;
+  MSGPACK_DEFINE_MAP(id, prompt, temperature, top_p, top_k, max_new_tokens, seed, stop_token_ids);
+};
+/// Generate these requests to completion (answered with RolloutResult).
+struct RolloutGenerate {
+  static constexpr std::string_view kType = "rollout.generate";
+  static constexpr uint32_t kVersion = 1;
+  std::vector<RolloutRequestSpec> requests;
+  MSGPACK_DEFINE_MAP(requests);
+};
+struct RolloutCompletionSpec {
+  uint64_t id = 0;
+  std::vector<int64_t> tokens, policy_versions;
+  std::vector<float> logprobs, entropies;
+  std::string finish_reason;  ///< "stop" | "length"
+  double time_to_first_token_s = 0;
+  MSGPACK_DEFINE_MAP(id, tokens, policy_versions, logprobs, entropies, finish_reason, time_to_first_token_s);
+};
+/// The completions, in finish order; tensor i is completion i's routed experts [P + n - 1, L, K] I64.
+struct RolloutResult {
+  static constexpr std::string_view kType = "rollout.result";
+  static constexpr uint32_t kVersion = 1;
+  std::vector<RolloutCompletionSpec> completions;
+  MSGPACK_DEFINE_MAP(completions);
+};
+
 using MessageTypes = std::tuple<ErrorReply, Ping, Pong, GraphJoin, GraphLookup, GraphDirectory,
                                 DiagEcho, DiagEchoResult, DiagSleep, BenchChunk, WeightSyncBucket,
-                                WeightSyncCommit, WeightSyncAck>;
+                                WeightSyncCommit, WeightSyncAck, RolloutInit, RolloutReady, RolloutGenerate,
+                                RolloutResult>;
 
 /// Schema version of a declared type, or nullopt if `type` is not declared.
 std::optional<uint32_t> message_type_version(std::string_view type);

@@ -1,0 +1,95 @@
+#include "actors/rollout/rollout_service.hpp"
+
+#include <thread>
+
+#include "actors/rollout/engine.hpp"
+#include "actors/weight_sync/service.hpp"
+#include "experiments/node.hpp"
+#include "messaging/schema.hpp"
+#include "messaging/torch_tensor.hpp"
+#include "model/registry.hpp"
+
+namespace kiln::rollout {
+
+using namespace kiln::messaging;
+
+struct RolloutService::State {
+  std::shared_ptr<model::CausalLM> model;
+  std::unique_ptr<Engine> engine;
+  int64_t step_delay_ms = 0;
+  std::unique_ptr<weight_sync::ReceiverService> weights;
+};
+
+RolloutService::RolloutService() : s_(std::make_unique<State>()) {
+  s_->weights = std::make_unique<weight_sync::ReceiverService>([this](std::vector<Tensor> t, int64_t version) {
+    if (!s_->engine) throw std::logic_error("weights before rollout.init");
+    s_->engine->pause();  // requests are handled one at a time: we are between generations
+    s_->engine->update_weights(t, version);
+    s_->engine->resume();
+  });
+}
+RolloutService::~RolloutService() = default;
+
+Expected<Envelope> RolloutService::handle(const Envelope& request) {
+  try {
+    if (request.type == RolloutInit::kType) {
+      auto init = payload_as<RolloutInit>(request);
+      if (!init) return init.error();
+      auto registry = model::Registry::with_builtins();
+      registry.load_plugins(model::Registry::plugin_dir_from_env());
+      const auto& package = registry.find(init->package);
+      s_->model = init->checkpoint.empty() ? package.build_flavor(init->flavor) : package.from_hf_dir(init->checkpoint);
+      EngineOptions o;
+      o.cache_blocks = init->cache_blocks;
+      o.block_size = init->block_size;
+      o.max_batch = init->max_batch;
+      s_->engine = std::make_unique<Engine>(s_->model, o);
+      s_->step_delay_ms = init->step_delay_ms;
+      return make_envelope(RolloutReady{0}, Kind::reply, request.receiver, request.sender);
+    }
+    if (request.type == WeightSyncBucket::kType || request.type == WeightSyncCommit::kType)
+      return s_->weights->handle(request);
+    if (request.type == RolloutGenerate::kType) {
+      if (!s_->engine) return make_error(ErrorCode::remote_error, "rollout.generate before rollout.init");
+      auto g = payload_as<RolloutGenerate>(request);
+      if (!g) return g.error();
+      for (const auto& r : g->requests) {
+        GenerationRequest q;
+        q.id = r.id;
+        q.prompt = r.prompt;
+        q.sampling.temperature = r.temperature;
+        q.sampling.top_p = r.top_p;
+        q.sampling.top_k = r.top_k;
+        q.sampling.max_new_tokens = r.max_new_tokens;
+        q.sampling.seed = r.seed;
+        q.sampling.stop_token_ids = r.stop_token_ids;
+        s_->engine->submit(std::move(q));  // throws std::invalid_argument naming the fault
+      }
+      RolloutResult result;
+      std::vector<Tensor> experts;
+      while (s_->engine->has_work()) {
+        for (auto& c : s_->engine->step()) {
+          result.completions.push_back({c.id, c.tokens, c.policy_versions, c.logprobs, c.entropies,
+                                        to_string(c.finish_reason), c.time_to_first_token_s});
+          experts.push_back(from_torch("routed_experts." + std::to_string(c.id), c.routed_experts.contiguous()));
+        }
+        if (s_->step_delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(s_->step_delay_ms));
+      }
+      auto reply = make_envelope(result, Kind::reply, request.receiver, request.sender);
+      reply.tensors = std::move(experts);
+      return reply;
+    }
+  } catch (const std::exception& e) {
+    return make_error(ErrorCode::remote_error, std::string(request.type) + ": " + e.what());
+  }
+  return make_error(ErrorCode::unknown_type, "actor '" + request.receiver + "' does not handle '" + request.type + "'");
+}
+
+void register_rollout_actor_kind() {
+  experiments::register_actor_kind("rollout", [](const std::string&, const std::string&) {
+    auto svc = std::make_shared<RolloutService>();
+    return [svc](const Envelope& e) { return svc->handle(e); };
+  });
+}
+
+}  // namespace kiln::rollout
