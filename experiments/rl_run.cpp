@@ -285,6 +285,7 @@ int run_experiment(const ExperimentConfig& c) {
     tc.warmup_steps = a.warmup_steps;
     tc.total_steps = c.run.steps;
     tc.routing_replay = a.routing_replay;
+    tc.temperature = a.temperature;
     tc.loss.clip_low = a.clip_low;
     tc.loss.clip_high = a.clip_high;
     tc.loss.kl_coef = a.kl_coef;
@@ -480,7 +481,7 @@ int run_experiment(const ExperimentConfig& c) {
         all[i].completion = completions[i].tokens;
         all[i].routed_experts = completions[i].routed_experts;
       }
-      ref = trainer::completion_logprobs(*ref_model, all, a.max_tokens_per_microbatch, a.routing_replay);
+      ref = trainer::completion_logprobs(*ref_model, all, a.max_tokens_per_microbatch, a.routing_replay, a.temperature);
       ref_time = since(tr);
       int64_t n = 0;
       for (std::size_t i = 0; i < completions.size(); ++i)

@@ -63,6 +63,7 @@ void TrainerConfig::validate() const {
   if (lr_schedule != "constant" && lr_schedule != "cosine") bad("lr_schedule must be 'constant' or 'cosine', got '" + lr_schedule + "'");
   if (lr_schedule == "cosine" && total_steps < 1) bad("lr_schedule 'cosine' needs total_steps >= 1");
   if (loss.clip_low < 0 || loss.clip_low >= 1 || loss.clip_high < 0) bad("clip_low must be in [0, 1) and clip_high >= 0");
+  if (!(temperature > 0)) bad("temperature must be > 0");
   if (loss.entropy_coef != 0)
     bad("entropy_coef must be 0: the entropy bonus needs full-vocabulary entropy from the chunked log-prob function, "
         "which kiln does not compute yet");
@@ -125,6 +126,7 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
     model::ForwardOptions opts;
     opts.replay_routed_experts = p.replay;
     auto out = policy_->forward(p.batch, opts);
+    if (c_.temperature != 1.0) out.hidden = out.hidden / c_.temperature;  // logits / T
     auto lp_all = policy_->token_logprobs(out, p.targets, c_.logprob_chunk);  // [T]
     PolicyTokens t;
     t.logprob = lp_all.index_select(0, p.completion_positions);               // [Tc]
@@ -165,7 +167,8 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
 }
 
 std::vector<std::vector<float>> completion_logprobs(model::CausalLM& model, const std::vector<Sample>& samples,
-                                                    int64_t max_tokens_per_microbatch, bool routing_replay) {
+                                                    int64_t max_tokens_per_microbatch, bool routing_replay,
+                                                    double temperature) {
   torch::NoGradGuard no_grad;
   std::vector<std::vector<float>> out(samples.size());
   for (const auto& idx : plan_micro_batches(samples, max_tokens_per_microbatch)) {
@@ -173,6 +176,7 @@ std::vector<std::vector<float>> completion_logprobs(model::CausalLM& model, cons
     model::ForwardOptions opts;
     opts.replay_routed_experts = p.replay;
     auto fwd = model.forward(p.batch, opts);
+    if (temperature != 1.0) fwd.hidden = fwd.hidden / temperature;
     auto lp = model.token_logprobs(fwd, p.targets).index_select(0, p.completion_positions);
     for (int64_t k = 0; k < lp.size(0); ++k)
       out[idx[std::size_t(p.completion_sample[k].item<int64_t>())]].push_back(lp[k].item<float>());

@@ -34,6 +34,9 @@ struct TrainerConfig {
   int64_t total_steps = 0;           ///< for "cosine"
   double min_lr_ratio = 0.1;         ///< cosine floor, fraction of lr
   bool routing_replay = true;        ///< use the rollout's expert ids in the training forward
+  /// Sampling temperature of the rollouts: log-probs are log_softmax(logits / temperature),
+  /// the convention of actors/rollout/sampling.hpp, so that ratios compare like with like.
+  double temperature = 1.0;
   int64_t logprob_chunk = 1024;
   PolicyLossConfig loss;
   void validate() const;             ///< throws std::invalid_argument naming the field
@@ -73,6 +76,7 @@ class Trainer {
 /// Per-completion-token log-probs of `samples` under `model` (no grad), e.g. the reference
 /// policy: result[i] has samples[i].completion.size() values.
 std::vector<std::vector<float>> completion_logprobs(model::CausalLM& model, const std::vector<Sample>& samples,
-                                                    int64_t max_tokens_per_microbatch, bool routing_replay);
+                                                    int64_t max_tokens_per_microbatch, bool routing_replay,
+                                                    double temperature = 1.0);
 
 }  // namespace kiln::trainer

@@ -16,7 +16,7 @@ std::shared_ptr<model::glm4_moe_lite::Glm4MoeLiteModel> debug_model(uint64_t see
   return std::make_shared<model::glm4_moe_lite::Glm4MoeLiteModel>(model::glm4_moe_lite::flavors::debug());
 }
 
-std::vector<Sample> rollout_samples(std::shared_ptr<model::CausalLM> m, int count) {
+std::vector<Sample> rollout_samples(std::shared_ptr<model::CausalLM> m, int count, double temperature = 1.0) {
   rollout::Engine engine(m, rollout::EngineOptions{});
   std::vector<rollout::GenerationRequest> reqs;
   for (int i = 0; i < count; ++i) {
@@ -25,6 +25,7 @@ std::vector<Sample> rollout_samples(std::shared_ptr<model::CausalLM> m, int coun
     r.prompt = {3 + i, 4 + i, 5, 6 + 2 * i};
     r.sampling.max_new_tokens = 3 + i % 4;
     r.sampling.seed = uint64_t(100 + i);
+    r.sampling.temperature = temperature;
     reqs.push_back(r);
   }
   std::vector<Sample> out;
@@ -64,6 +65,26 @@ TEST_CASE("the trainer's log-probs of rollout samples equal the rollout's behavi
       worst = std::max(worst, std::abs(double(lp[i][j]) - samples[i].behavior_logprobs[j]));
   MESSAGE("max |trainer - rollout| log-prob: " << worst);
   CHECK(worst <= 1e-5);
+}
+
+TEST_CASE("at temperature 0.7 the trainer uses the same tempered log-probs as the rollout") {
+  auto m = debug_model(6);
+  auto samples = rollout_samples(m, 5, 0.7);
+  auto tempered = completion_logprobs(*m, samples, 64, true, 0.7);
+  auto plain = completion_logprobs(*m, samples, 64, true, 1.0);
+  double worst = 0, plain_gap = 0;
+  for (std::size_t i = 0; i < samples.size(); ++i)
+    for (std::size_t j = 0; j < tempered[i].size(); ++j) {
+      worst = std::max(worst, std::abs(double(tempered[i][j]) - samples[i].behavior_logprobs[j]));
+      plain_gap = std::max(plain_gap, std::abs(double(plain[i][j]) - samples[i].behavior_logprobs[j]));
+    }
+  CHECK(worst <= 1e-5);
+  CHECK(plain_gap > 1e-3);  // T = 1 log-probs would be the wrong convention
+  TrainerConfig c;
+  c.temperature = 0.7;
+  Trainer t(m, c);
+  auto metrics = t.train_step(samples);
+  CHECK(metrics.train_rollout_logprob_abs_diff <= 1e-5);
 }
 
 TEST_CASE("1, 2 and many micro-batches give the same update") {
