@@ -88,6 +88,7 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   text("algorithm.kl_estimator", a.kl_estimator);
   text("algorithm.aggregation", a.aggregation);
   real("algorithm.tis_cap", a.tis_cap);
+  real("algorithm.entropy_coef", a.entropy_coef);
   integer("algorithm.max_tokens_per_microbatch", a.max_tokens_per_microbatch);
   boolean("algorithm.routing_replay", a.routing_replay);
   text("rollout.backend", c.rollout.backend);

@@ -44,6 +44,7 @@ struct ExperimentConfig {
     std::string kl_estimator = "k3";
     std::string aggregation = "token_mean";
     double tis_cap = 2.0;
+    double entropy_coef = 0.0;
     int64_t max_tokens_per_microbatch = 4096;
     bool routing_replay = true;
   } algorithm;

@@ -292,6 +292,7 @@ int run_experiment(const ExperimentConfig& c) {
     tc.loss.kl_estimator = trainer::kl_estimator_from_string(a.kl_estimator);
     tc.loss.aggregation = trainer::aggregation_from_string(a.aggregation);
     tc.loss.tis_cap = a.tis_cap;
+    tc.loss.entropy_coef = a.entropy_coef;
     tc.validate();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kiln run: %s\n", e.what());
@@ -545,7 +546,7 @@ int run_experiment(const ExperimentConfig& c) {
     j["reward_mean"] = reward_mean;
     j["reward_std"] = reward_std;
     j["kl"] = m.kl;
-    j["entropy"] = gen_tokens ? entropy / double(gen_tokens) : 0.0;
+    j["entropy"] = gen_tokens ? entropy / double(gen_tokens) : 0.0;  // of the sampling distribution
     j["clip_fraction"] = m.clip_fraction;
     j["train/rollout logprob abs diff"] = m.train_rollout_logprob_abs_diff;
     j["loss"] = m.loss;

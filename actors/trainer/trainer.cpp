@@ -64,9 +64,7 @@ void TrainerConfig::validate() const {
   if (lr_schedule == "cosine" && total_steps < 1) bad("lr_schedule 'cosine' needs total_steps >= 1");
   if (loss.clip_low < 0 || loss.clip_low >= 1 || loss.clip_high < 0) bad("clip_low must be in [0, 1) and clip_high >= 0");
   if (!(temperature > 0)) bad("temperature must be > 0");
-  if (loss.entropy_coef != 0)
-    bad("entropy_coef must be 0: the entropy bonus needs full-vocabulary entropy from the chunked log-prob function, "
-        "which kiln does not compute yet");
+  if (loss.entropy_coef < 0) bad("entropy_coef must be >= 0");
 }
 
 std::vector<std::vector<std::size_t>> plan_micro_batches(const std::vector<Sample>& samples, int64_t max_tokens) {
@@ -127,9 +125,15 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
     opts.replay_routed_experts = p.replay;
     auto out = policy_->forward(p.batch, opts);
     if (c_.temperature != 1.0) out.hidden = out.hidden / c_.temperature;  // logits / T
-    auto lp_all = policy_->token_logprobs(out, p.targets, c_.logprob_chunk);  // [T]
     PolicyTokens t;
-    t.logprob = lp_all.index_select(0, p.completion_positions);               // [Tc]
+    if (c_.loss.entropy_coef != 0) {
+      auto [lp_all, ent_all] =
+          model::token_logprobs_and_entropy(out.hidden, policy_->lm_head_weight(), p.targets, c_.logprob_chunk);
+      t.logprob = lp_all.index_select(0, p.completion_positions);             // [Tc]
+      t.entropy = ent_all.index_select(0, p.completion_positions);
+    } else {
+      t.logprob = policy_->token_logprobs(out, p.targets, c_.logprob_chunk).index_select(0, p.completion_positions);
+    }
     t.old_logprob = t.logprob.detach();
     t.behavior_logprob = per_token(samples, idx, &Sample::behavior_logprobs);
     if (want_ref) {
@@ -152,6 +156,7 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
     m.pg_loss += r.pg_sum / double(m.loss_tokens);
     m.kl += r.kl_sum / double(m.loss_tokens);
     m.clip_fraction += r.clipped_tokens / double(m.loss_tokens);
+    m.entropy += r.entropy_sum / double(m.loss_tokens);
     abs_diff += (t.old_logprob - t.behavior_logprob).abs().sum().item<double>();
     ++m.micro_batches;
   }

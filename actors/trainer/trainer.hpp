@@ -44,6 +44,7 @@ struct TrainerConfig {
 
 struct StepMetrics {
   double loss = 0, pg_loss = 0, kl = 0, clip_fraction = 0, grad_norm = 0, lr = 0;
+  double entropy = 0;  ///< mean policy entropy over trained tokens (computed when entropy_coef > 0)
   double train_rollout_logprob_abs_diff = 0;  ///< mean |policy - behaviour| log-prob over trained tokens
   int64_t micro_batches = 0, tokens = 0, loss_tokens = 0;
   double actor_train_time = 0;  ///< seconds

@@ -54,7 +54,68 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
     return {grad_h, grad_w.to(weight.scalar_type()), torch::Tensor(), torch::Tensor()};
   }
 };
+// Log-probs and entropies: two outputs, one recomputing backward.
+struct ChunkedLogProbsEntropy : public torch::autograd::Function<ChunkedLogProbsEntropy> {
+  static variable_list forward(AutogradContext* ctx, const torch::Tensor& hidden, const torch::Tensor& weight,
+                               const torch::Tensor& targets, int64_t chunk) {
+    const int64_t T = hidden.size(0);
+    auto fopt = hidden.options().dtype(torch::kFloat32);
+    auto out = torch::zeros({T}, fopt), ent = torch::zeros({T}, fopt), lse = torch::zeros({T}, fopt),
+         mean_z = torch::zeros({T}, fopt);
+    auto valid = targets >= 0;
+    auto safe = targets.clamp_min(0);
+    for (int64_t s = 0; s < T; s += chunk) {
+      const int64_t n = std::min(chunk, T - s);
+      auto z = chunk_logits(hidden, weight, s, n);                  // [n, V] fp32
+      auto l = z.logsumexp(-1);                                     // [n]
+      auto p = (z - l.unsqueeze(1)).exp();
+      auto ez = (p * z).sum(-1);                                    // E_p[z]
+      auto picked = z.gather(1, safe.narrow(0, s, n).unsqueeze(1)).squeeze(1);
+      lse.narrow(0, s, n).copy_(l);
+      mean_z.narrow(0, s, n).copy_(ez);
+      ent.narrow(0, s, n).copy_(l - ez);                            // H = lse - E_p[z]
+      out.narrow(0, s, n).copy_(torch::where(valid.narrow(0, s, n), picked - l, torch::zeros_like(l)));
+    }
+    ctx->save_for_backward({hidden, weight, targets, lse, mean_z});
+    ctx->saved_data["chunk"] = chunk;
+    return {out, ent};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const auto &hidden = saved[0], &weight = saved[1], &targets = saved[2], &lse = saved[3], &mean_z = saved[4];
+    const int64_t chunk = ctx->saved_data["chunk"].toInt(), T = hidden.size(0);
+    auto g_lp = grads[0].defined() ? grads[0].to(torch::kFloat32) * (targets >= 0).to(torch::kFloat32)
+                                   : torch::zeros({T}, hidden.options().dtype(torch::kFloat32));
+    auto g_h = grads[1].defined() ? grads[1].to(torch::kFloat32) : torch::zeros_like(g_lp);
+    auto safe = targets.clamp_min(0);
+    auto grad_h = torch::zeros_like(hidden);
+    auto grad_w = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32));
+    for (int64_t s = 0; s < T; s += chunk) {
+      const int64_t n = std::min(chunk, T - s);
+      auto z = chunk_logits(hidden, weight, s, n);
+      auto p = (z - lse.narrow(0, s, n).unsqueeze(1)).exp();
+      auto glp = g_lp.narrow(0, s, n).unsqueeze(1), gh = g_h.narrow(0, s, n).unsqueeze(1);
+      auto dz = -p * glp - gh * p * (z - mean_z.narrow(0, s, n).unsqueeze(1));  // [n, V]
+      dz.scatter_add_(1, safe.narrow(0, s, n).unsqueeze(1), glp);
+      grad_h.narrow(0, s, n).copy_(dz.to(hidden.scalar_type()).mm(weight));
+      grad_w.addmm_(dz.t(), hidden.narrow(0, s, n).to(torch::kFloat32));
+    }
+    return {grad_h, grad_w.to(weight.scalar_type()), torch::Tensor(), torch::Tensor()};
+  }
+};
 }  // namespace
+
+std::pair<torch::Tensor, torch::Tensor> token_logprobs_and_entropy(const torch::Tensor& hidden_TD,
+                                                                   const torch::Tensor& weight_VD,
+                                                                   const torch::Tensor& targets_T, int64_t chunk) {
+  TORCH_CHECK(hidden_TD.dim() == 2 && weight_VD.dim() == 2 && hidden_TD.size(1) == weight_VD.size(1),
+              "token_logprobs_and_entropy: hidden [T, D] and weight [V, D] expected");
+  TORCH_CHECK(targets_T.dim() == 1 && targets_T.size(0) == hidden_TD.size(0), "token_logprobs_and_entropy: targets [T]");
+  TORCH_CHECK(chunk > 0, "token_logprobs_and_entropy: chunk must be > 0");
+  auto r = ChunkedLogProbsEntropy::apply(hidden_TD, weight_VD, targets_T.to(torch::kInt64), chunk);
+  return {r[0], r[1]};
+}
 
 torch::Tensor token_logprobs(const torch::Tensor& hidden_TD, const torch::Tensor& weight_VD,
                              const torch::Tensor& targets_T, int64_t chunk) {

@@ -15,6 +15,12 @@ namespace kiln::model {
 torch::Tensor token_logprobs(const torch::Tensor& hidden_TD, const torch::Tensor& weight_VD,
                              const torch::Tensor& targets_T, int64_t chunk = 1024);
 
+/// As token_logprobs, plus the per-token entropy -sum_v p_v log p_v of the same distribution,
+/// also differentiable (dH/dz_v = -p_v (z_v - E_p[z]), z the fp32 logits). -> ([T], [T]) fp32.
+std::pair<torch::Tensor, torch::Tensor> token_logprobs_and_entropy(const torch::Tensor& hidden_TD,
+                                                                   const torch::Tensor& weight_VD,
+                                                                   const torch::Tensor& targets_T, int64_t chunk = 1024);
+
 /// Next-token targets of a packed batch: targets[t] = input_ids[t+1] when t+1 is in the same
 /// document, else -1 (the last token of each document predicts nothing, never the next
 /// document's first token). input_ids: [T], cu_seqlens: [B+1] -> [T] int64.

@@ -139,3 +139,18 @@ TEST_CASE("positive advantages raise a completion's log-prob, negative ones lowe
   bad.lr_schedule = "zigzag";
   CHECK_THROWS_WITH_AS(Trainer(m, bad), doctest::Contains("lr_schedule"), std::invalid_argument);
 }
+
+TEST_CASE("the entropy bonus raises the policy's entropy") {
+  auto m = debug_model(8);
+  auto samples = rollout_samples(m, 4);
+  for (auto& s : samples) s.advantage = 0;  // entropy term alone
+  TrainerConfig c;
+  c.lr = 5e-3;
+  c.loss.entropy_coef = 1.0;
+  Trainer t(m, c);
+  auto first = t.train_step(samples);
+  for (int i = 0; i < 3; ++i) t.train_step(samples);
+  auto last = t.train_step(samples);
+  CHECK(first.entropy > 0);
+  CHECK(last.entropy > first.entropy);
+}
