@@ -1,0 +1,157 @@
+#include "experiments/rollout_drivers.hpp"
+
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <fstream>
+#include <map>
+
+#include "messaging/schema.hpp"
+#include "messaging/torch_tensor.hpp"
+
+extern char** environ;
+
+namespace kiln::experiments {
+
+// Asynchronous rollouts (see the header): a thread generates the batches of steps first..last in order,
+// running ahead of the trainer by at most `staleness` steps: it starts step s only once the
+// trainer has consumed step s - 1 - k, whose weights it applies first (weights are posted
+// before a step counts as consumed, and applied between decode steps). Tokens are therefore
+// at most k policy versions older than the trainer that learns from them.
+AsyncRollout::AsyncRollout(rollout::Engine& engine, Generate generate, int64_t first, int64_t last, int64_t staleness)
+    : engine_(engine), generate_(std::move(generate)), consumed_(first - 1), k_(staleness) {
+  thread_ = std::thread([this, first, last] { run(first, last); });
+}
+AsyncRollout::~AsyncRollout() {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+Batch AsyncRollout::take(int64_t step) {
+  std::unique_lock<std::mutex> l(mu_);
+  cv_.wait(l, [&] { return !ready_.empty() || !error_.empty(); });
+  if (!error_.empty()) throw std::runtime_error("rollout thread: " + error_);
+  Batch b = std::move(ready_.front());
+  ready_.pop_front();
+  if (b.step != step) throw std::logic_error("rollout batches out of order");  // FIFO by construction
+  return b;
+}
+void AsyncRollout::consumed(int64_t step, std::vector<messaging::Tensor> weights, int64_t version) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (!weights.empty()) pending_ = std::make_pair(std::move(weights), version);
+    consumed_ = step;
+  }
+  cv_.notify_all();
+}
+
+void AsyncRollout::apply_pending() {
+  std::optional<std::pair<std::vector<messaging::Tensor>, int64_t>> w;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    w.swap(pending_);
+  }
+  if (!w) return;
+  engine_.pause();
+  engine_.update_weights(w->first, w->second);
+  engine_.resume();
+}
+void AsyncRollout::run(int64_t first, int64_t last) {
+  try {
+    for (int64_t s = first; s <= last; ++s) {
+      {
+        std::unique_lock<std::mutex> l(mu_);
+        cv_.wait(l, [&] { return stop_ || consumed_ >= s - 1 - k_; });
+        if (stop_) return;
+      }
+      apply_pending();
+      Batch b = generate_(s, [this] { apply_pending(); });
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        ready_.push_back(std::move(b));
+      }
+      cv_.notify_all();
+    }
+  } catch (const std::exception& e) {
+    std::lock_guard<std::mutex> l(mu_);
+    error_ = e.what();
+    cv_.notify_all();
+  }
+}
+
+std::string RolloutNode::start(messaging::Gateway& gw, const std::string& tag, const ExperimentConfig& c,
+                               const std::filesystem::path& dir) {
+  std::vector<std::string> argv = {
+      "/proc/self/exe", "node",        "--name",  "rollout-node", "--bind", "ipc://" + tag + "-rollout",
+      "--join",         gw.endpoint(), "--actor", "rollout/0"};
+  std::vector<char*> args;
+  for (auto& a : argv) args.push_back(a.data());
+  args.push_back(nullptr);
+  if (posix_spawn(&pid_, "/proc/self/exe", nullptr, nullptr, args.data(), environ) != 0)
+    return "cannot start the rollout node process";
+  std::ofstream(dir / "rollout_node.pid") << pid_ << "\n";
+  auto up = gw.wait_for_actor("rollout/0", std::chrono::seconds(60));
+  if (!up) return "the rollout node did not join: " + up.error().what();
+  messaging::RolloutInit init{c.model.package,      c.model.flavor,      c.model.checkpoint,     c.rollout.cache_blocks,
+                              c.rollout.block_size, c.rollout.max_batch, c.rollout.step_delay_ms};
+  auto r = gw.request(messaging::make_envelope(init, messaging::Kind::request, "controller", "rollout/0"),
+                      std::chrono::seconds(300))
+               .get();
+  if (!r) return "the rollout node could not build its engine: " + r.error().what();
+  return "";
+}
+std::vector<rollout::Completion> RolloutNode::generate(messaging::Gateway& gw,
+                                                       const std::vector<rollout::GenerationRequest>& requests) {
+  messaging::RolloutGenerate g;
+  std::map<uint64_t, const rollout::GenerationRequest*> by_id;
+  for (const auto& q : requests) {
+    by_id[q.id] = &q;
+    const auto& sp = q.sampling;
+    g.requests.push_back(
+        {q.id, q.prompt, sp.temperature, sp.top_p, sp.top_k, sp.max_new_tokens, sp.seed, sp.stop_token_ids});
+  }
+  auto r = gw.request(messaging::make_envelope(g, messaging::Kind::request, "controller", "rollout/0"),
+                      std::chrono::seconds(900))
+               .get();
+  if (!r) throw std::runtime_error("rollout node: " + r.error().what());
+  auto res = messaging::payload_as<messaging::RolloutResult>(*r);
+  if (!res) throw std::runtime_error("rollout node: " + res.error().what());
+  if (res->completions.size() != r->tensors.size() || res->completions.size() != requests.size())
+    throw std::runtime_error("rollout node answered " + std::to_string(res->completions.size()) + " completions for " +
+                             std::to_string(requests.size()) + " requests");
+  std::vector<rollout::Completion> out;
+  for (std::size_t i = 0; i < res->completions.size(); ++i) {
+    const auto& sp = res->completions[i];
+    auto it = by_id.find(sp.id);
+    if (it == by_id.end())
+      throw std::runtime_error("rollout node answered an unknown request id " + std::to_string(sp.id));
+    rollout::Completion c;
+    c.id = sp.id;
+    c.prompt = it->second->prompt;
+    c.tokens = sp.tokens;
+    c.logprobs = sp.logprobs;
+    c.entropies = sp.entropies;
+    c.policy_versions = sp.policy_versions;
+    c.finish_reason = sp.finish_reason == "stop" ? rollout::FinishReason::stop : rollout::FinishReason::length;
+    c.time_to_first_token_s = sp.time_to_first_token_s;
+    c.routed_experts = messaging::to_torch(r->tensors[i]).clone();
+    out.push_back(std::move(c));
+  }
+  std::sort(out.begin(), out.end(), [](const auto& x, const auto& y) { return x.id < y.id; });
+  return out;
+}
+void RolloutNode::stop() {
+  if (pid_ <= 0) return;
+  ::kill(pid_, SIGTERM);
+  int status = 0;
+  ::waitpid(pid_, &status, 0);
+  pid_ = -1;
+}
+
+}  // namespace kiln::experiments

@@ -1,0 +1,82 @@
+#pragma once
+// How `kiln run` gets its rollouts beyond the plain in-process engine: a rollout thread that
+// runs ahead of the trainer within a staleness bound (AsyncRollout), and an engine in a
+// `kiln node` child process (RolloutNode). Used by experiments/rl_run.cpp.
+#include <sys/types.h>
+
+#include <condition_variable>
+#include <deque>
+#include <filesystem>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "actors/rollout/engine.hpp"
+#include "actors/rollout/tasks.hpp"
+#include "experiments/experiment.hpp"
+#include "messaging/gateway.hpp"
+
+namespace kiln::experiments {
+
+/// One step's rollouts.
+struct Batch {
+  int64_t step = 0;
+  std::vector<rollout::Problem> problems;
+  std::vector<rollout::Completion> completions;  ///< sorted by id (= prompt * n + sample)
+  double rollout_time = 0;                       ///< seconds
+  std::string rng_after;  ///< prompt RNG state after drawing this batch (for checkpoints)
+};
+
+/// Asynchronous rollouts: a thread generates the batches of steps first..last in order,
+/// running ahead of the trainer by at most `staleness` steps: it starts step s only once the
+/// trainer has consumed step s - 1 - k, whose weights it applies first (weights are posted
+/// before a step counts as consumed, and applied between decode steps). Tokens are therefore
+/// at most k policy versions older than the trainer that learns from them.
+class AsyncRollout {
+ public:
+  using Generate = std::function<Batch(int64_t step, const std::function<void()>& between_steps)>;
+  AsyncRollout(rollout::Engine& engine, Generate generate, int64_t first, int64_t last, int64_t staleness);
+  ~AsyncRollout();
+  /// The batch of `step` (blocks until generated); rethrows a failure of the rollout thread.
+  Batch take(int64_t step);
+  /// New weights for the engine (applied between decode steps), then `step` counts as consumed.
+  void consumed(int64_t step, std::vector<messaging::Tensor> weights, int64_t version);
+
+ private:
+  void apply_pending();
+  void run(int64_t first, int64_t last);
+  rollout::Engine& engine_;
+  Generate generate_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Batch> ready_;
+  std::optional<std::pair<std::vector<messaging::Tensor>, int64_t>> pending_;
+  int64_t consumed_;
+  const int64_t k_;
+  bool stop_ = false;
+  std::string error_;
+  std::thread thread_;
+};
+
+/// The rollout engine in a `kiln node` child process (placement.mode = "multi_process").
+class RolloutNode {
+ public:
+  ~RolloutNode() { stop(); }
+  /// Starts the node, waits until it joined `gw` (the graph root) and built its engine; writes
+  /// its pid to DIR/rollout_node.pid. Returns an error message, or "" on success.
+  std::string start(messaging::Gateway& gw, const std::string& tag, const ExperimentConfig& c,
+                    const std::filesystem::path& dir);
+  /// Generates `requests` on the node; throws std::runtime_error if the node is lost or answers
+  /// something that does not fit the requests.
+  std::vector<rollout::Completion> generate(messaging::Gateway& gw, const std::vector<rollout::GenerationRequest>& requests);
+  /// SIGTERM and wait (idempotent).
+  void stop();
+
+ private:
+  pid_t pid_ = -1;
+};
+
+}  // namespace kiln::experiments
