@@ -172,7 +172,9 @@ int run_experiment(const ExperimentConfig& c) {
       tensors.push_back(copy ? messaging::Tensor::copy_of(t.name, t.dtype, t.shape, t.data, t.nbytes) : t);
     auto r = weight_sync::send_weights(trainer_gw, weights_to, std::move(tensors), version,
                                        uint64_t(c.weight_sync.bucket_mib * (1 << 20)), std::chrono::seconds(120));
-    if (!r) throw std::runtime_error("weight sync of version " + std::to_string(version) + ": " + r.error().what());
+    if (!r)
+      throw std::runtime_error(std::string(remote ? "rollout node: " : "") + "weight sync of version " +
+                               std::to_string(version) + ": " + r.error().what());
     if (remote) return std::vector<messaging::Tensor>{};  // the node verified and applied them
     std::lock_guard<std::mutex> l(received_mu);
     auto out = std::move(received->first);
