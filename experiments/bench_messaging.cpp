@@ -38,9 +38,11 @@ struct Counter {
   }
 };
 
+std::string ipc_path(int cell) { return "/tmp/kiln-bench-" + std::to_string(::getpid()) + "-" + std::to_string(cell); }
+
 std::string endpoint_for(const std::string& transport, int cell) {
   if (transport == "inproc") return "inproc://kiln-bench-" + std::to_string(cell);
-  if (transport == "ipc") return "ipc:///tmp/kiln-bench-" + std::to_string(::getpid()) + "-" + std::to_string(cell);
+  if (transport == "ipc") return "ipc://" + ipc_path(cell);
   return "tcp://127.0.0.1:0";
 }
 
@@ -123,8 +125,11 @@ int run_messaging_bench(const MessagingBenchOptions& options) {
       std::size_t count = std::clamp<std::size_t>(options.bytes_per_cell / bytes, 4, 256);
       double kiln = 0, raw = 0, mem = 0;
       for (int r = 0; r < options.repeats; ++r) {
-        kiln = std::max(kiln, bench_kiln(transport, cell++, t, count));
-        raw = std::max(raw, bench_raw(transport, cell++, t, count));
+        kiln = std::max(kiln, bench_kiln(transport, cell, t, count));
+        raw = std::max(raw, bench_raw(transport, cell, t, count));
+        if (transport == "ipc")  // socket files of this cell's two endpoints
+          for (int c2 : {cell, 1000 + cell}) std::remove(ipc_path(c2).c_str());
+        ++cell;
         mem = std::max(mem, bench_memcpy(t, count));
       }
       std::printf("%-9s %9zu %12.2f %14.2f %8.0f%% %13.2f\n", transport.c_str(), mib, kiln, raw, 100 * kiln / raw, mem);

@@ -140,6 +140,13 @@ int run_experiment(const ExperimentConfig& c) {
   messaging::Gateway rollout_gw({"rollout", "inproc://kiln-run-" + std::to_string(::getpid())});
   const bool remote = c.placement.mode == "multi_process";
   const std::string run_tag = "/tmp/kiln-run-" + std::to_string(::getpid());
+  struct RemoveSockets {  // the ipc:// socket files of this run, on every way out
+    std::string tag;
+    ~RemoveSockets() {
+      std::remove((tag + "-trainer").c_str());
+      std::remove((tag + "-rollout").c_str());
+    }
+  } remove_sockets{run_tag};
   messaging::Gateway trainer_gw({"trainer", remote ? "ipc://" + run_tag + "-trainer" : ""});
   std::mutex received_mu;
   std::optional<std::pair<std::vector<messaging::Tensor>, int64_t>> received;

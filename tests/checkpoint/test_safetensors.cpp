@@ -7,6 +7,7 @@
 #include <fstream>
 #include <random>
 
+#include "../scratch.hpp"
 #include "model/checkpoint/safetensors.hpp"
 
 using namespace kiln::checkpoint;
@@ -14,7 +15,7 @@ namespace fs = std::filesystem;
 
 namespace {
 std::string scratch(const std::string& name) {
-  auto p = fs::temp_directory_path() / ("kiln-ckpt-" + std::to_string(::getpid()) + "-" + name);
+  fs::path p = kiln::test::scratch_path("ckpt-" + name);
   fs::remove_all(p);
   fs::create_directories(p);
   return p.string();

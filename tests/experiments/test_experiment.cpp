@@ -5,15 +5,16 @@
 #include <filesystem>
 #include <fstream>
 
+#include "../scratch.hpp"
 #include "experiments/experiment.hpp"
 
 using kiln::experiments::ExperimentConfig;
 
 namespace {
 std::string write(const std::string& text) {
-  auto p = std::filesystem::temp_directory_path() / ("kiln-exp-" + std::to_string(getpid()) + ".toml");
+  auto p = kiln::test::scratch_path("experiment.toml");
   std::ofstream(p) << text;
-  return p.string();
+  return p;
 }
 }  // namespace
 

@@ -7,6 +7,7 @@
 #include <zmq.hpp>
 
 #include "actors/diag/diag_service.hpp"
+#include "../scratch.hpp"
 #include "helpers.hpp"
 #include "messaging/gateway.hpp"
 
@@ -16,7 +17,7 @@ using namespace std::chrono_literals;
 namespace {
 std::string endpoint(const std::string& transport, const std::string& tag) {
   if (transport == "inproc") return "inproc://gw-test-" + tag;
-  if (transport == "ipc") return "ipc:///tmp/kiln-gw-test-" + std::to_string(getpid()) + "-" + tag;
+  if (transport == "ipc") return kiln::test::scratch_ipc("gw-" + tag);
   return "tcp://127.0.0.1:0";
 }
 

@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "child_process.hpp"
+#include "../scratch.hpp"
 #include "helpers.hpp"
 #include "messaging/gateway.hpp"
 
@@ -13,7 +14,7 @@ using namespace std::chrono_literals;
 using kiln::test::ChildProcess;
 
 namespace {
-std::string ipc(const std::string& tag) { return "ipc:///tmp/kiln-2p-" + std::to_string(getpid()) + "-" + tag; }
+std::string ipc(const std::string& tag) { return kiln::test::scratch_ipc("2p-" + tag); }
 
 ChildProcess start_node(const std::string& name, const std::string& bind, const std::string& root) {
   return ChildProcess({KILN_EXE, "node", "--name", name, "--bind", bind, "--join", root, "--actor", "diag/0"});

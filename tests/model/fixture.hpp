@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <string>
 
+#include "../scratch.hpp"
 #include "messaging/torch_tensor.hpp"
 #include "model/blocks/basic.hpp"
 #include "model/checkpoint/safetensors.hpp"
@@ -25,7 +26,7 @@ inline model::PackedBatch fixture_batch() {
 
 /// A scratch directory under the build tree, emptied first.
 inline std::string scratch_dir(const std::string& name) {
-  auto p = std::filesystem::temp_directory_path() / ("kiln-test-" + std::to_string(::getpid()) + "-" + name);
+  std::filesystem::path p = scratch_path("model-" + name);
   std::filesystem::remove_all(p);
   std::filesystem::create_directories(p);
   return p.string();

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <set>
 
+#include "../scratch.hpp"
 #include "actors/rollout/dataset.hpp"
 #include "actors/rollout/tasks.hpp"
 #include "actors/rollout/tokenizer.hpp"
@@ -79,7 +80,7 @@ TEST_CASE("character tokenizer round-trips and refuses characters it does not kn
 }
 
 TEST_CASE("JSONL prompt datasets load, and bad lines are named") {
-  auto path = std::filesystem::temp_directory_path() / ("kiln-ds-" + std::to_string(getpid()) + ".jsonl");
+  std::filesystem::path path = kiln::test::scratch_path("dataset.jsonl");
   {
     std::ofstream(path) << R"({"prompt_ids": [3, 4, 5], "answer": "9", "source": "x"})" << "\n\n"
                         << R"({"prompt_ids": [7]})" << "\n";
