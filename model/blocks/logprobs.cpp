@@ -11,73 +11,33 @@ torch::Tensor chunk_logits(const torch::Tensor& h, const torch::Tensor& w, int64
   return torch::nn::functional::linear(h.narrow(0, s, n), w).to(torch::kFloat32);
 }
 
+// Log-probs of targets and, when `with_entropy`, the entropy of each row; the backward
+// recomputes each chunk's logits. dH/dz_v = -p_v (z_v - E_p[z]).
 struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden, const torch::Tensor& weight,
-                               const torch::Tensor& targets, int64_t chunk) {
-    const int64_t T = hidden.size(0);
-    auto out = torch::zeros({T}, hidden.options().dtype(torch::kFloat32));
-    auto lse = torch::zeros({T}, hidden.options().dtype(torch::kFloat32));
-    auto valid = targets >= 0;
-    auto safe = targets.clamp_min(0);
-    for (int64_t s = 0; s < T; s += chunk) {
-      const int64_t n = std::min(chunk, T - s);
-      auto logits = chunk_logits(hidden, weight, s, n);                       // [n, V] fp32
-      auto l = logits.logsumexp(-1);                                          // [n]
-      auto picked = logits.gather(1, safe.narrow(0, s, n).unsqueeze(1)).squeeze(1);
-      lse.narrow(0, s, n).copy_(l);
-      out.narrow(0, s, n).copy_(torch::where(valid.narrow(0, s, n), picked - l, torch::zeros_like(l)));
-    }
-    ctx->save_for_backward({hidden, weight, targets, lse});
-    ctx->saved_data["chunk"] = chunk;
-    return out;
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto saved = ctx->get_saved_variables();
-    const auto &hidden = saved[0], &weight = saved[1], &targets = saved[2], &lse = saved[3];
-    const int64_t chunk = ctx->saved_data["chunk"].toInt();
-    const int64_t T = hidden.size(0);
-    auto g = grads[0].to(torch::kFloat32) * (targets >= 0).to(torch::kFloat32);  // [T]
-    auto safe = targets.clamp_min(0);
-    auto grad_h = torch::zeros_like(hidden);
-    auto grad_w = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32));
-    for (int64_t s = 0; s < T; s += chunk) {
-      const int64_t n = std::min(chunk, T - s);
-      auto logits = chunk_logits(hidden, weight, s, n);                          // recomputed [n, V]
-      auto gs = g.narrow(0, s, n).unsqueeze(1);                                  // [n, 1]
-      // d/dlogits of (logit_y - lse) = onehot(y) - softmax
-      auto dlogits = -(logits - lse.narrow(0, s, n).unsqueeze(1)).exp() * gs;     // [n, V]
-      dlogits.scatter_add_(1, safe.narrow(0, s, n).unsqueeze(1), gs);
-      grad_h.narrow(0, s, n).copy_(dlogits.to(hidden.scalar_type()).mm(weight));  // [n, D]
-      grad_w.addmm_(dlogits.t(), hidden.narrow(0, s, n).to(torch::kFloat32));   // [V, D]
-    }
-    return {grad_h, grad_w.to(weight.scalar_type()), torch::Tensor(), torch::Tensor()};
-  }
-};
-// Log-probs and entropies: two outputs, one recomputing backward.
-struct ChunkedLogProbsEntropy : public torch::autograd::Function<ChunkedLogProbsEntropy> {
   static variable_list forward(AutogradContext* ctx, const torch::Tensor& hidden, const torch::Tensor& weight,
-                               const torch::Tensor& targets, int64_t chunk) {
+                               const torch::Tensor& targets, int64_t chunk, bool with_entropy) {
     const int64_t T = hidden.size(0);
     auto fopt = hidden.options().dtype(torch::kFloat32);
-    auto out = torch::zeros({T}, fopt), ent = torch::zeros({T}, fopt), lse = torch::zeros({T}, fopt),
-         mean_z = torch::zeros({T}, fopt);
+    auto out = torch::zeros({T}, fopt), lse = torch::zeros({T}, fopt);
+    auto ent = torch::zeros({with_entropy ? T : 0}, fopt), mean_z = torch::zeros({with_entropy ? T : 0}, fopt);
     auto valid = targets >= 0;
     auto safe = targets.clamp_min(0);
     for (int64_t s = 0; s < T; s += chunk) {
       const int64_t n = std::min(chunk, T - s);
-      auto z = chunk_logits(hidden, weight, s, n);                  // [n, V] fp32
-      auto l = z.logsumexp(-1);                                     // [n]
-      auto p = (z - l.unsqueeze(1)).exp();
-      auto ez = (p * z).sum(-1);                                    // E_p[z]
+      auto z = chunk_logits(hidden, weight, s, n);  // [n, V] fp32
+      auto l = z.logsumexp(-1);                     // [n]
       auto picked = z.gather(1, safe.narrow(0, s, n).unsqueeze(1)).squeeze(1);
       lse.narrow(0, s, n).copy_(l);
-      mean_z.narrow(0, s, n).copy_(ez);
-      ent.narrow(0, s, n).copy_(l - ez);                            // H = lse - E_p[z]
       out.narrow(0, s, n).copy_(torch::where(valid.narrow(0, s, n), picked - l, torch::zeros_like(l)));
+      if (with_entropy) {
+        auto ez = ((z - l.unsqueeze(1)).exp() * z).sum(-1);  // E_p[z]
+        mean_z.narrow(0, s, n).copy_(ez);
+        ent.narrow(0, s, n).copy_(l - ez);                   // H = lse - E_p[z]
+      }
     }
     ctx->save_for_backward({hidden, weight, targets, lse, mean_z});
     ctx->saved_data["chunk"] = chunk;
+    ctx->saved_data["with_entropy"] = with_entropy;
     return {out, ent};
   }
 
@@ -85,23 +45,25 @@ struct ChunkedLogProbsEntropy : public torch::autograd::Function<ChunkedLogProbs
     auto saved = ctx->get_saved_variables();
     const auto &hidden = saved[0], &weight = saved[1], &targets = saved[2], &lse = saved[3], &mean_z = saved[4];
     const int64_t chunk = ctx->saved_data["chunk"].toInt(), T = hidden.size(0);
+    const bool entropy_grad = ctx->saved_data["with_entropy"].toBool() && grads[1].defined();
     auto g_lp = grads[0].defined() ? grads[0].to(torch::kFloat32) * (targets >= 0).to(torch::kFloat32)
                                    : torch::zeros({T}, hidden.options().dtype(torch::kFloat32));
-    auto g_h = grads[1].defined() ? grads[1].to(torch::kFloat32) : torch::zeros_like(g_lp);
     auto safe = targets.clamp_min(0);
     auto grad_h = torch::zeros_like(hidden);
     auto grad_w = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32));
     for (int64_t s = 0; s < T; s += chunk) {
       const int64_t n = std::min(chunk, T - s);
-      auto z = chunk_logits(hidden, weight, s, n);
+      auto z = chunk_logits(hidden, weight, s, n);                       // recomputed [n, V]
       auto p = (z - lse.narrow(0, s, n).unsqueeze(1)).exp();
-      auto glp = g_lp.narrow(0, s, n).unsqueeze(1), gh = g_h.narrow(0, s, n).unsqueeze(1);
-      auto dz = -p * glp - gh * p * (z - mean_z.narrow(0, s, n).unsqueeze(1));  // [n, V]
+      auto glp = g_lp.narrow(0, s, n).unsqueeze(1);                      // [n, 1]
+      auto dz = -p * glp;                                                // d(logit_y - lse) = onehot(y) - p
       dz.scatter_add_(1, safe.narrow(0, s, n).unsqueeze(1), glp);
-      grad_h.narrow(0, s, n).copy_(dz.to(hidden.scalar_type()).mm(weight));
-      grad_w.addmm_(dz.t(), hidden.narrow(0, s, n).to(torch::kFloat32));
+      if (entropy_grad)
+        dz -= grads[1].to(torch::kFloat32).narrow(0, s, n).unsqueeze(1) * p * (z - mean_z.narrow(0, s, n).unsqueeze(1));
+      grad_h.narrow(0, s, n).copy_(dz.to(hidden.scalar_type()).mm(weight));   // [n, D]
+      grad_w.addmm_(dz.t(), hidden.narrow(0, s, n).to(torch::kFloat32));      // [V, D]
     }
-    return {grad_h, grad_w.to(weight.scalar_type()), torch::Tensor(), torch::Tensor()};
+    return {grad_h, grad_w.to(weight.scalar_type()), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 }  // namespace
@@ -113,7 +75,7 @@ std::pair<torch::Tensor, torch::Tensor> token_logprobs_and_entropy(const torch::
               "token_logprobs_and_entropy: hidden [T, D] and weight [V, D] expected");
   TORCH_CHECK(targets_T.dim() == 1 && targets_T.size(0) == hidden_TD.size(0), "token_logprobs_and_entropy: targets [T]");
   TORCH_CHECK(chunk > 0, "token_logprobs_and_entropy: chunk must be > 0");
-  auto r = ChunkedLogProbsEntropy::apply(hidden_TD, weight_VD, targets_T.to(torch::kInt64), chunk);
+  auto r = ChunkedLogProbs::apply(hidden_TD, weight_VD, targets_T.to(torch::kInt64), chunk, true);
   return {r[0], r[1]};
 }
 
@@ -124,7 +86,7 @@ torch::Tensor token_logprobs(const torch::Tensor& hidden_TD, const torch::Tensor
               weight_VD.sizes());
   TORCH_CHECK(targets_T.dim() == 1 && targets_T.size(0) == hidden_TD.size(0), "token_logprobs: targets must be [T]");
   TORCH_CHECK(chunk > 0, "token_logprobs: chunk must be > 0");
-  return ChunkedLogProbs::apply(hidden_TD, weight_VD, targets_T.to(torch::kInt64), chunk);
+  return ChunkedLogProbs::apply(hidden_TD, weight_VD, targets_T.to(torch::kInt64), chunk, false)[0];
 }
 
 torch::Tensor next_token_targets(const torch::Tensor& input_ids, const torch::Tensor& cu_seqlens) {
