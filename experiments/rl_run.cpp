@@ -322,16 +322,20 @@ int run_experiment(const ExperimentConfig& c) {
       }
       ref = trainer::completion_logprobs(*ref_model, all, a.max_tokens_per_microbatch, a.routing_replay, a.temperature);
       ref_time = since(tr);
-      int64_t n = 0;
-      for (std::size_t i = 0; i < completions.size(); ++i)
-        for (std::size_t t = 0; t < ref[i].size(); ++t, ++n)
-          kl_metric += trainer::kl_estimate(torch::tensor(completions[i].logprobs[t]), torch::tensor(ref[i][t]),
-                                            tc.loss.kl_estimator).item<double>();
-      kl_metric = n ? kl_metric / double(n) : 0.0;
+      std::vector<float> sampled, reference;  // every generated token, one KL estimate call
+      for (std::size_t i = 0; i < completions.size(); ++i) {
+        sampled.insert(sampled.end(), completions[i].logprobs.begin(), completions[i].logprobs.end());
+        reference.insert(reference.end(), ref[i].begin(), ref[i].end());
+      }
+      if (!sampled.empty())
+        kl_metric = trainer::kl_estimate(torch::tensor(sampled), torch::tensor(reference), tc.loss.kl_estimator)
+                        .mean()
+                        .item<double>();
     }
     trainer::StepMetrics m;
     auto r = torch::tensor(rewards);
-    auto adv = trainer::grpo_advantages(r, a.samples_per_prompt, a.normalize_std);
+    auto adv_t = trainer::grpo_advantages(r, a.samples_per_prompt, a.normalize_std).contiguous();
+    std::vector<float> adv(adv_t.data_ptr<float>(), adv_t.data_ptr<float>() + adv_t.numel());
     std::vector<trainer::Sample> samples;
     int64_t filtered = 0, stale_dropped = 0;
     for (int64_t p = 0; p < a.prompts_per_step; ++p) {
@@ -356,7 +360,7 @@ int run_experiment(const ExperimentConfig& c) {
         s.behavior_logprobs = comp.logprobs;
         s.routed_experts = comp.routed_experts;
         s.ref_logprobs = ref[std::size_t(p * a.samples_per_prompt + j)];
-        s.advantage = adv[p * a.samples_per_prompt + j].item<float>();
+        s.advantage = adv[std::size_t(p * a.samples_per_prompt + j)];
         s.policy_version = comp.policy_versions.empty() ? 0 : comp.policy_versions.front();
         samples.push_back(std::move(s));
       }

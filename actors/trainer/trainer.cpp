@@ -15,7 +15,7 @@ struct Packed {
   std::optional<torch::Tensor> replay;   // [T, L, K]
   torch::Tensor targets;                 // [T]
   torch::Tensor completion_positions;    // [Tc] rows whose target is a completion token
-  torch::Tensor completion_sample;       // [Tc] index into the micro-batch's samples
+  std::vector<int64_t> completion_sample;  // [Tc] index into the micro-batch's samples (host)
 };
 
 Packed pack(const std::vector<Sample>& samples, const std::vector<std::size_t>& idx, bool replay) {
@@ -43,7 +43,7 @@ Packed pack(const std::vector<Sample>& samples, const std::vector<std::size_t>& 
   p.batch = model::PackedBatch::from_documents(docs);
   p.targets = model::next_token_targets(p.batch.input_ids, p.batch.cu_seqlens);
   p.completion_positions = torch::tensor(positions, torch::kInt64);
-  p.completion_sample = torch::tensor(owner, torch::kInt64);
+  p.completion_sample = std::move(owner);
   if (can_replay && !experts.empty()) p.replay = torch::cat(experts, 0);
   return p;
 }
@@ -142,8 +142,8 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
     }
     std::vector<float> adv;
     std::vector<int64_t> global_index;
-    for (int64_t k = 0; k < p.completion_sample.size(0); ++k) {
-      auto i = idx[std::size_t(p.completion_sample[k].item<int64_t>())];
+    for (auto k : p.completion_sample) {
+      auto i = idx[std::size_t(k)];
       adv.push_back(samples[i].advantage);
       global_index.push_back(int64_t(i));
     }
@@ -182,9 +182,9 @@ std::vector<std::vector<float>> completion_logprobs(model::CausalLM& model, cons
     opts.replay_routed_experts = p.replay;
     auto fwd = model.forward(p.batch, opts);
     if (temperature != 1.0) fwd.hidden = fwd.hidden / temperature;
-    auto lp = model.token_logprobs(fwd, p.targets).index_select(0, p.completion_positions);
-    for (int64_t k = 0; k < lp.size(0); ++k)
-      out[idx[std::size_t(p.completion_sample[k].item<int64_t>())]].push_back(lp[k].item<float>());
+    auto lp = model.token_logprobs(fwd, p.targets).index_select(0, p.completion_positions).to(torch::kCPU).contiguous();
+    const float* v = lp.data_ptr<float>();
+    for (std::size_t k = 0; k < p.completion_sample.size(); ++k) out[idx[std::size_t(p.completion_sample[k])]].push_back(v[k]);
   }
   return out;
 }
