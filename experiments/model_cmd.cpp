@@ -13,11 +13,7 @@ namespace kiln::experiments {
 
 namespace {
 model::Registry registry(const std::string& plugin_dir) {
-  if (!plugin_dir.empty() && !std::filesystem::is_directory(plugin_dir))
-    throw std::invalid_argument("plugin directory '" + plugin_dir + "' does not exist");
-  auto r = model::Registry::with_builtins();
-  r.load_plugins(plugin_dir.empty() ? model::Registry::plugin_dir_from_env() : plugin_dir);
-  return r;
+  return model::Registry::with_plugins(plugin_dir.empty() ? model::Registry::plugin_dir_from_env() : plugin_dir);
 }
 }  // namespace
 
@@ -45,7 +41,7 @@ int run_model_resave(const std::string& package, const std::string& from, const 
     if (std::filesystem::exists(to) && std::filesystem::equivalent(from, to, ec))
       throw std::invalid_argument("--to '" + to + "' is the --from checkpoint itself; write to another directory");
     auto r = registry(plugin_dir);
-    auto model = r.find(package).from_hf_dir(from);
+    auto model = r.build(package, "", from);
     model->save_hf_checkpoint(to, uint64_t(shard_mib) << 20);
     std::printf("kiln model resave: %s -> %s (%s)\n", from.c_str(), to.c_str(), package.c_str());
     return 0;
@@ -58,8 +54,7 @@ int run_model_resave(const std::string& package, const std::string& from, const 
 int run_model_logits(const std::string& package, const std::string& from, const std::vector<std::vector<int64_t>>& docs,
                      const std::string& out, const std::string& plugin_dir) {
   try {
-    auto r = registry(plugin_dir);
-    auto model = r.find(package).from_hf_dir(from);
+    auto model = registry(plugin_dir).build(package, "", from);
     torch::NoGradGuard no_grad;
     model::ForwardOptions opts;
     opts.return_routed_experts = true;

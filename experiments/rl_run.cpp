@@ -49,10 +49,6 @@ std::unique_ptr<rollout::Task> build_task(const ExperimentConfig::Task& t) {
   return rollout::make_task(t.name);
 }
 
-std::shared_ptr<model::CausalLM> build_model(const model::Registry& registry, const ExperimentConfig::Model& m) {
-  const auto& package = registry.find(m.package);
-  return m.checkpoint.empty() ? package.build_flavor(m.flavor) : package.from_hf_dir(m.checkpoint);
-}
 
 // A checkpoint: the policy in HF layout (loads in transformers), the optimizer state and the
 // loop state (step, policy version, the prompt RNG) in state.json.
@@ -92,14 +88,13 @@ int run_experiment(const ExperimentConfig& c) {
   try {
     fs::create_directories(dir);
     std::ofstream(dir / "config.toml") << c.to_toml();
-    auto registry = model::Registry::with_builtins();
-    registry.load_plugins(model::Registry::plugin_dir_from_env());
+    auto registry = model::Registry::with_plugins();
     torch::manual_seed(uint64_t(c.run.seed));
-    policy = build_model(registry, c.model);
-    engine_model = build_model(registry, c.model);
+    policy = registry.build(c.model.package, c.model.flavor, c.model.checkpoint);
+    engine_model = registry.build(c.model.package, c.model.flavor, c.model.checkpoint);
     engine_model->load_hf_tensors(policy->hf_state_dict());
     // The frozen reference: the KL term of the loss (kl_coef > 0) and the KL metric.
-    ref_model = build_model(registry, c.model);
+    ref_model = registry.build(c.model.package, c.model.flavor, c.model.checkpoint);
     ref_model->load_hf_tensors(policy->hf_state_dict());
     if (tokenizer.vocab_size() > engine_model->vocab_size())
       throw std::invalid_argument("model vocabulary " + std::to_string(engine_model->vocab_size()) +

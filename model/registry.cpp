@@ -43,6 +43,20 @@ std::string Registry::plugin_dir_from_env() {
   return d ? std::string(d) : std::string();
 }
 
+Registry Registry::with_plugins(const std::string& plugin_dir) {
+  if (!plugin_dir.empty() && !fs::is_directory(plugin_dir))
+    throw std::invalid_argument("plugin directory '" + plugin_dir + "' does not exist");
+  auto r = with_builtins();
+  r.load_plugins(plugin_dir);
+  return r;
+}
+
+std::shared_ptr<CausalLM> Registry::build(const std::string& package, const std::string& flavor,
+                                          const std::string& checkpoint_dir) const {
+  const auto& p = find(package);
+  return checkpoint_dir.empty() ? p.build_flavor(flavor) : p.from_hf_dir(checkpoint_dir);
+}
+
 int Registry::load_plugins(const std::string& dir) {
   plugin_dir_ = dir;
   if (dir.empty() || !fs::is_directory(dir)) return 0;

@@ -42,6 +42,14 @@ class Registry {
   int load_plugins(const std::string& dir);
   /// The plugin directory named by KILN_MODEL_PLUGINS, if set and non-empty, else "".
   static std::string plugin_dir_from_env();
+  /// Built-ins plus the plugins of `plugin_dir` (default: KILN_MODEL_PLUGINS). Throws
+  /// std::invalid_argument if an explicitly given directory does not exist, and what
+  /// load_plugins throws.
+  static Registry with_plugins(const std::string& plugin_dir = plugin_dir_from_env());
+  /// Package `package` built from the HF checkpoint `checkpoint_dir` if non-empty, else from
+  /// its flavor `flavor`. Throws as find(), build_flavor and from_hf_dir do.
+  std::shared_ptr<CausalLM> build(const std::string& package, const std::string& flavor,
+                                  const std::string& checkpoint_dir) const;
 
   /// The package called `name`: user packages first, then built-ins. Throws
   /// std::invalid_argument naming both places it looked and what each holds.

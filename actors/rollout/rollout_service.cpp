@@ -35,10 +35,7 @@ Expected<Envelope> RolloutService::handle(const Envelope& request) {
     if (request.type == RolloutInit::kType) {
       auto init = payload_as<RolloutInit>(request);
       if (!init) return init.error();
-      auto registry = model::Registry::with_builtins();
-      registry.load_plugins(model::Registry::plugin_dir_from_env());
-      const auto& package = registry.find(init->package);
-      s_->model = init->checkpoint.empty() ? package.build_flavor(init->flavor) : package.from_hf_dir(init->checkpoint);
+      s_->model = model::Registry::with_plugins().build(init->package, init->flavor, init->checkpoint);
       EngineOptions o;
       o.cache_blocks = init->cache_blocks;
       o.block_size = init->block_size;
