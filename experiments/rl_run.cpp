@@ -356,7 +356,6 @@ int run_experiment(const ExperimentConfig& c) {
         s.routed_experts = comp.routed_experts;
         s.ref_logprobs = ref[std::size_t(p * a.samples_per_prompt + j)];
         s.advantage = adv[std::size_t(p * a.samples_per_prompt + j)];
-        s.policy_version = comp.policy_versions.empty() ? 0 : comp.policy_versions.front();
         samples.push_back(std::move(s));
       }
     }

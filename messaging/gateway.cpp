@@ -94,7 +94,6 @@ struct Peer {
   std::string endpoint;
   zmq::socket_t dealer;
   zmq::socket_t monitor;
-  bool connected = false;
 };
 }  // namespace
 
@@ -265,7 +264,7 @@ struct Gateway::Impl {
     p->dealer.set(zmq::sockopt::heartbeat_timeout, static_cast<int>(opt.heartbeat_timeout.count()));
     std::string mon = "inproc://kiln-monitor-" + std::to_string(g_monitor_seq++);
     zmq_socket_monitor(static_cast<void*>(p->dealer), mon.c_str(),
-                       ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_DISCONNECTED);
+                       ZMQ_EVENT_DISCONNECTED);
     p->monitor = zmq::socket_t(process_context(), zmq::socket_type::pair);
     p->monitor.connect(mon);
     try {
@@ -524,12 +523,7 @@ struct Gateway::Impl {
       if (ev.more()) (void)p.monitor.recv(addr);
       uint16_t event = 0;
       if (ev.size() >= 2) std::memcpy(&event, ev.data(), 2);
-      if (event == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
-        p.connected = true;
-      } else if (event == ZMQ_EVENT_DISCONNECTED) {
-        p.connected = false;
-        fail_peer(p.endpoint);
-      }
+      if (event == ZMQ_EVENT_DISCONNECTED) fail_peer(p.endpoint);
     }
   }
 

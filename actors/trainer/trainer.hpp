@@ -19,7 +19,6 @@ struct Sample {
   std::vector<float> ref_logprobs;       ///< [n] reference policy (empty when KL is off)
   torch::Tensor routed_experts;          ///< [P + n - 1, L, K] or undefined (no replay)
   float advantage = 0;
-  int64_t policy_version = 0;            ///< oldest version among its tokens
   int64_t tokens() const { return int64_t(prompt.size() + completion.size()); }
 };
 
