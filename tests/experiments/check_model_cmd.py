@@ -1,0 +1,42 @@
+#!/usr/bin/env python3
+"""`kiln model` commands: resave gives a checkpoint whose logits (kiln model logits) are the
+original's bit for bit; bad input is refused with exit code 2.
+Usage: check_model_cmd.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
+import json, os, shutil, struct, subprocess, sys
+
+kiln, work = sys.argv[1], sys.argv[2]
+shutil.rmtree(work, ignore_errors=True)
+os.makedirs(work)
+fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "glm4_moe_lite_tiny")
+docs = "5,17,42,8,91,3,64;11,2,77,30,29"
+checks = []
+
+def run(*args):
+    return subprocess.run([kiln, "model", *args], capture_output=True, text=True, timeout=300)
+
+def tensor_bytes(path, name):  # safetensors: u64 header length, JSON header, data
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    b, e = json.loads(raw[8:8 + n])[name]["data_offsets"]
+    return raw[8 + n + b:8 + n + e]
+
+r = run("resave", "--from", fixture, "--to", f"{work}/resaved", "--shard-mib", "1")
+checks.append((r.returncode == 0, f"resave exits 0 ({r.stderr[-200:]})"))
+a = run("logits", "--from", fixture, "--docs", docs, "--out", f"{work}/a.safetensors")
+b = run("logits", "--from", f"{work}/resaved", "--docs", docs, "--out", f"{work}/b.safetensors")
+checks.append((a.returncode == 0 and b.returncode == 0, "logits exits 0 on both checkpoints"))
+if a.returncode == 0 and b.returncode == 0:
+    for name in ("logits", "routed_experts"):
+        checks.append((tensor_bytes(f"{work}/a.safetensors", name) == tensor_bytes(f"{work}/b.safetensors", name),
+                       f"{name} of the resaved checkpoint equal the original's bit for bit"))
+for args, needle in [(("resave", "--from", f"{work}/nowhere", "--to", f"{work}/x"), "no config.json in"),
+                     (("resave", "--from", f"{work}/resaved", "--to", f"{work}/resaved"), "is the --from checkpoint"),
+                     (("logits", "--from", fixture, "--docs", "1,x", "--out", f"{work}/c"), "is not a list"),
+                     (("--plugins", f"{work}/none", "list"), "does not exist")]:
+    r = run(*args)
+    checks.append((r.returncode == 2 and needle in r.stderr, f"{' '.join(args[:1])}: refused with '{needle}' ({r.stderr.strip()[-160:]})"))
+for ok, what in checks:
+    print(("ok   " if ok else "FAIL ") + what)
+failed = sum(not ok for ok, _ in checks)
+print(f"{len(checks) - failed} passed, {failed} failed")
+sys.exit(1 if failed else 0)
