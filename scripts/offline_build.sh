@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Builds kiln on a machine without package access, from a bundle made by scripts/bundle_deps.sh:
+#   scripts/offline_build.sh BUNDLE.tar [PREFIX] [-- extra cmake args]
+# 1. unpacks every .deb of the bundle into PREFIX (default ~/.cache/kiln/deps; dpkg -x, no root,
+#    nothing written outside PREFIX) and writes PREFIX/env.sh (LD_LIBRARY_PATH for the bundled
+#    shared libraries: source it before running kiln);
+# 2. configures and builds kiln into ${KILN_BUILD_DIR:-build} with the node's own compiler,
+#    CUDA toolkit and LibTorch (the torch of ${KILN_PYTHON:-python3}), Ninja when present;
+#    KILN_BUILD_TARGETS="kiln kiln_tests_kernels" builds only those targets.
+# Prints the build directory on the last line. Fails naming the step that failed.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+[ $# -ge 1 ] || { echo "usage: $0 BUNDLE.tar [PREFIX] [-- cmake args]" >&2; exit 2; }
+BUNDLE="$(realpath "$1")"; shift
+PREFIX="${KILN_DEPS_PREFIX:-$HOME/.cache/kiln/deps}"
+if [ $# -ge 1 ] && [ "$1" != "--" ]; then PREFIX="$1"; shift; fi
+[ $# -ge 1 ] && [ "$1" = "--" ] && shift
+PREFIX="$(realpath -m "$PREFIX")"
+BUILD="${KILN_BUILD_DIR:-$ROOT/build}"
+PY="${KILN_PYTHON:-python3}"
+[ -f "$BUNDLE" ] || { echo "[offline] bundle not found: $BUNDLE" >&2; exit 1; }
+
+stamp="$PREFIX/.bundle-$(sha256sum "$BUNDLE" | cut -c1-16)"
+if [ ! -f "$stamp" ]; then
+  echo "[offline] unpacking $BUNDLE into $PREFIX" >&2
+  tmp="$(mktemp -d)"; trap 'rm -rf "$tmp"' EXIT
+  tar -C "$tmp" -xf "$BUNDLE" || { echo "[offline] $BUNDLE is not a readable tar archive" >&2; exit 1; }
+  [ -f "$tmp/MANIFEST" ] || { echo "[offline] $BUNDLE has no MANIFEST: not made by bundle_deps.sh" >&2; exit 1; }
+  mkdir -p "$PREFIX"
+  n=0
+  for deb in "$tmp"/*.deb; do
+    dpkg-deb -x "$deb" "$PREFIX" || { echo "[offline] cannot unpack $(basename "$deb")" >&2; exit 1; }
+    n=$((n + 1))
+  done
+  touch "$stamp"
+  echo "[offline] unpacked $n packages" >&2
+fi
+LIBDIR="$PREFIX/usr/lib/$(gcc -dumpmachine 2>/dev/null || echo x86_64-linux-gnu)"
+cat >"$PREFIX/env.sh" <<ENV
+# Source before running kiln built by scripts/offline_build.sh: the bundled shared libraries.
+export LD_LIBRARY_PATH="$LIBDIR\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
+ENV
+
+TORCH_PREFIX="$("$PY" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')" ||
+  { echo "[offline] $PY cannot import torch: set KILN_PYTHON to the python that has LibTorch" >&2; exit 1; }
+GEN=(); command -v ninja >/dev/null && GEN=(-G Ninja)
+echo "[offline] configuring $BUILD (torch: $TORCH_PREFIX)" >&2
+# CMAKE_FIND_ROOT_PATH is left alone: the prefix is searched like /usr through CMAKE_PREFIX_PATH.
+cmake -S "$ROOT" -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE="${KILN_BUILD_TYPE:-Release}" \
+  -DCMAKE_PREFIX_PATH="$PREFIX/usr;$TORCH_PREFIX" -DCMAKE_INCLUDE_PATH="$PREFIX/usr/include" \
+  -DCMAKE_LIBRARY_PATH="$LIBDIR" -DKILN_PYTHON="$PY" "$@" >&2
+# KILN_BUILD_TARGETS="a b": build only these targets (default: everything).
+targets=(); for t in ${KILN_BUILD_TARGETS:-}; do targets+=(--target "$t"); done
+cmake --build "$BUILD" -j"$(nproc)" "${targets[@]}" >&2
+echo "$BUILD"
