@@ -75,7 +75,7 @@ std::pair<torch::Tensor, torch::Tensor> token_logprobs_and_entropy(const torch::
               "token_logprobs_and_entropy: hidden [T, D] and weight [V, D] expected");
   TORCH_CHECK(targets_T.dim() == 1 && targets_T.size(0) == hidden_TD.size(0), "token_logprobs_and_entropy: targets [T]");
   TORCH_CHECK(chunk > 0, "token_logprobs_and_entropy: chunk must be > 0");
-  auto r = ChunkedLogProbs::apply(hidden_TD, weight_VD, targets_T.to(torch::kInt64), chunk, true);
+  auto r = ChunkedLogProbs::apply(hidden_TD, weight_VD, targets_T.to(hidden_TD.device(), torch::kInt64), chunk, true);
   return {r[0], r[1]};
 }
 
@@ -86,7 +86,7 @@ torch::Tensor token_logprobs(const torch::Tensor& hidden_TD, const torch::Tensor
               weight_VD.sizes());
   TORCH_CHECK(targets_T.dim() == 1 && targets_T.size(0) == hidden_TD.size(0), "token_logprobs: targets must be [T]");
   TORCH_CHECK(chunk > 0, "token_logprobs: chunk must be > 0");
-  return ChunkedLogProbs::apply(hidden_TD, weight_VD, targets_T.to(torch::kInt64), chunk, false)[0];
+  return ChunkedLogProbs::apply(hidden_TD, weight_VD, targets_T.to(hidden_TD.device(), torch::kInt64), chunk, false)[0];
 }
 
 torch::Tensor next_token_targets(const torch::Tensor& input_ids, const torch::Tensor& cu_seqlens) {

@@ -1,5 +1,7 @@
 #include "model/blocks/mla.hpp"
 
+#include "kernels/attention.hpp"
+
 namespace kiln::model {
 
 namespace {
@@ -23,7 +25,8 @@ MLAImpl::MLAImpl(const MLAOptions& opt) : o_(opt) {
   o = register_module("o", linear(c.num_heads * c.v_head_dim, c.hidden));
 }
 
-torch::Tensor MLAImpl::forward(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cu_seqlens) {
+torch::Tensor MLAImpl::forward(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cu_seqlens,
+                               int64_t max_seqlen) {
   const int64_t T = x.size(0), H = o_.num_heads, N = o_.qk_nope_head_dim, R = o_.qk_rope_head_dim,
                 V = o_.v_head_dim, C = o_.kv_lora_rank;
   auto qs = (q_a ? q_b(q_a_norm(q_a(x))) : q(x)).view({T, H, N + R});  // [T, H, N+R]
@@ -35,21 +38,11 @@ torch::Tensor MLAImpl::forward(const torch::Tensor& x, const torch::Tensor& posi
   auto kv = kv_b(latent).view({T, H, N + V});                           // [T, H, N+V]
   auto k = torch::cat({kv.narrow(-1, 0, N), k_rope.expand({T, H, R})}, -1);  // [T, H, N+R]
   auto v = kv.narrow(-1, N, V);                                         // [T, H, V]
-  auto qf = torch::cat({q_nope, q_rope}, -1).transpose(0, 1);           // [H, T, N+R]
-  auto kf = k.transpose(0, 1), vf = v.transpose(0, 1);                  // [H, T, *]
-
-  auto cu = cu_seqlens.to(torch::kCPU);
-  const auto* c = cu.data_ptr<int64_t>();
-  std::vector<torch::Tensor> outs;
-  outs.reserve(cu.size(0) - 1);
-  for (int64_t b = 0; b + 1 < cu.size(0); ++b) {  // each document attends only to itself
-    const int64_t s = c[b], n = c[b + 1] - c[b];
-    outs.push_back(at::scaled_dot_product_attention(qf.narrow(1, s, n), kf.narrow(1, s, n), vf.narrow(1, s, n),
-                                                    /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true,
-                                                    /*scale=*/o_.softmax_scale));  // [H, n, V]
-  }
-  auto attn = torch::cat(outs, 1).transpose(0, 1).reshape({T, H * V});  // [T, H*V]
-  return o(attn);
+  auto qf = torch::cat({q_nope, q_rope}, -1);                          // [T, H, N+R]
+  // Each document attends only to itself: FlashAttention varlen on CUDA, per-document SDPA
+  // elsewhere (kernels/attention.hpp).
+  auto attn = kernels::varlen_attention(qf, k, v, cu_seqlens, o_.softmax_scale, max_seqlen);  // [T, H, V]
+  return o(attn.reshape({T, H * V}));
 }
 
 torch::Tensor MLAImpl::forward_cached(const torch::Tensor& x, const torch::Tensor& positions,

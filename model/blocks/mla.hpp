@@ -30,8 +30,10 @@ struct CachedSlice {
 class MLAImpl : public torch::nn::Module {
  public:
   explicit MLAImpl(const MLAOptions& opt);
-  /// x: [T, D], positions: [T] int64, cu_seqlens: [B+1] int64 (CPU) -> [T, D].
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cu_seqlens);
+  /// x: [T, D], positions: [T] int64, cu_seqlens: [B+1] int64 -> [T, D]. max_seqlen: the
+  /// longest document, or 0 to read it off cu_seqlens.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cu_seqlens,
+                        int64_t max_seqlen = 0);
 
   /// Incremental step against a paged latent cache, attention in latent space (DeepSeek-V2
   /// §2.1.2 weight absorption): kv_b's key half is absorbed into the query, its value half into

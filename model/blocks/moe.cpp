@@ -1,16 +1,18 @@
 #include "model/blocks/moe.hpp"
 
+#include "kernels/moe.hpp"
+
 namespace kiln::model {
 
 RouteResult route_from_scores(const torch::Tensor& scores_TE, const torch::Tensor& bias_E, const RouterOptions& o,
-                              const std::optional<torch::Tensor>& given_ids_TK) {
+                              const std::optional<torch::Tensor>& given_ids_TK, bool validate) {
   const int64_t T = scores_TE.size(0), E = o.num_experts, K = o.top_k;
   torch::Tensor ids;
   if (given_ids_TK) {
     ids = given_ids_TK->to(torch::kInt64);
     TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T && ids.size(1) == K, "replayed expert ids must be [T, K] = [", T,
                 ", ", K, "], got ", ids.sizes());
-    TORCH_CHECK(ids.numel() == 0 || (ids.min().item<int64_t>() >= 0 && ids.max().item<int64_t>() < E),
+    TORCH_CHECK(!validate || ids.numel() == 0 || (ids.min().item<int64_t>() >= 0 && ids.max().item<int64_t>() < E),
                 "replayed expert ids must lie in [0, ", E, ")");
   } else {
     torch::NoGradGuard no_grad;
@@ -37,6 +39,12 @@ TopKRouterImpl::TopKRouterImpl(const RouterOptions& o) : o_(o) {
 
 RouteResult TopKRouterImpl::forward(const torch::Tensor& x, const std::optional<torch::Tensor>& given_ids_TK) {
   auto logits = torch::nn::functional::linear(x.to(torch::kFloat32), weight.to(torch::kFloat32));  // [T, E] fp32
+  if (!given_ids_TK && o_.n_group == 1 && logits.is_cuda()) {
+    // Fused sigmoid + bias + top-k (kernels/moe.hpp) picks the experts; the weights still come
+    // from the differentiable scores below.
+    auto ids = kernels::router_topk(logits.detach(), e_score_correction_bias.to(torch::kFloat32), o_.top_k);
+    return route_from_scores(logits.sigmoid(), e_score_correction_bias, o_, ids, /*validate=*/false);
+  }
   return route_from_scores(logits.sigmoid(), e_score_correction_bias, o_, given_ids_TK);
 }
 
@@ -48,8 +56,7 @@ Dispatched dispatch(const torch::Tensor& x_TD, const RouteResult& r, int64_t num
   d.token_index = torch::div(order, K, "floor");                                 // [T*K]
   d.x = x_TD.index_select(0, d.token_index);                                     // [T*K, D]
   d.weight = r.weights.reshape({-1}).index_select(0, order);                     // [T*K]
-  auto counts = torch::bincount(flat, {}, num_experts).to(torch::kCPU);
-  d.counts.assign(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + num_experts);
+  d.counts = torch::bincount(flat, {}, num_experts);  // stays on the device: no host sync
   return d;
 }
 
@@ -58,20 +65,9 @@ GroupedExpertsImpl::GroupedExpertsImpl(int64_t num_experts, int64_t hidden, int6
   w_down_EDF = register_parameter("w_down_EDF", torch::zeros({num_experts, hidden, intermediate}));
 }
 
-torch::Tensor GroupedExpertsImpl::forward(const torch::Tensor& x, const std::vector<int64_t>& counts) {
-  // LibTorch reference: one GEMM pair per expert with rows (the CUDA path uses grouped GEMM).
-  std::vector<torch::Tensor> outs;
-  int64_t start = 0;
-  for (std::size_t e = 0; e < counts.size(); ++e) {
-    if (counts[e] == 0) continue;
-    auto rows = x.narrow(0, start, counts[e]);                                  // [n, D]
-    auto gu = torch::nn::functional::linear(rows, w_gate_up_EFD[e]);            // [n, 2F]
-    auto act = torch::silu(gu.narrow(-1, 0, gu.size(-1) / 2)) * gu.narrow(-1, gu.size(-1) / 2, gu.size(-1) / 2);
-    outs.push_back(torch::nn::functional::linear(act, w_down_EDF[e]));         // [n, D]
-    start += counts[e];
-  }
-  if (outs.empty()) return torch::zeros_like(x);
-  return torch::cat(outs, 0);
+torch::Tensor GroupedExpertsImpl::forward(const torch::Tensor& x, const torch::Tensor& counts) {
+  // Grouped GEMM on CUDA bf16, one GEMM pair per expert elsewhere (kernels/moe.hpp).
+  return kernels::grouped_swiglu(x, counts, w_gate_up_EFD, w_down_EDF);
 }
 
 torch::Tensor combine(const torch::Tensor& rows, const Dispatched& d, int64_t num_tokens) {

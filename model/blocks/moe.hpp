@@ -29,8 +29,9 @@ struct RouteResult {
 /// weights are the unbiased scores of the chosen experts, normalised to sum 1 if
 /// norm_topk_prob (denominator + 1e-20), times routed_scaling_factor.
 /// given_ids_TK: routing replay: use these experts instead of choosing; weights as above.
+/// validate: check given ids lie in [0, E) (a host read; skipped for kernel-made ids).
 RouteResult route_from_scores(const torch::Tensor& scores_TE, const torch::Tensor& bias_E, const RouterOptions& o,
-                              const std::optional<torch::Tensor>& given_ids_TK = std::nullopt);
+                              const std::optional<torch::Tensor>& given_ids_TK = std::nullopt, bool validate = true);
 
 /// Step 1, route. Parameters: weight [E, D] (model dtype), e_score_correction_bias [E], kept
 /// fp32 whatever the model dtype (see Glm4MoeLiteModelImpl::to_dtype).
@@ -52,7 +53,7 @@ struct Dispatched {
   torch::Tensor x;             ///< [T*K, D] token rows in expert order
   torch::Tensor token_index;   ///< [T*K] int64, source token of each row
   torch::Tensor weight;        ///< [T*K] fp32 combine weight of each row
-  std::vector<int64_t> counts;  ///< [E] rows per expert (host)
+  torch::Tensor counts;        ///< [E] int64 rows per expert, on x's device
 };
 Dispatched dispatch(const torch::Tensor& x_TD, const RouteResult& r, int64_t num_experts);
 
@@ -61,8 +62,8 @@ Dispatched dispatch(const torch::Tensor& x_TD, const RouteResult& r, int64_t num
 class GroupedExpertsImpl : public torch::nn::Module {
  public:
   GroupedExpertsImpl(int64_t num_experts, int64_t hidden, int64_t intermediate);
-  /// x: [T*K, D] in expert order, counts: rows per expert -> [T*K, D].
-  torch::Tensor forward(const torch::Tensor& x, const std::vector<int64_t>& counts);
+  /// x: [T*K, D] in expert order, counts: [E] int64 rows per expert -> [T*K, D].
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& counts);
   torch::Tensor w_gate_up_EFD, w_down_EDF;
 };
 TORCH_MODULE(GroupedExperts);

@@ -1,0 +1,88 @@
+#include "kernels/moe.hpp"
+
+#include <torch/torch.h>
+
+#ifdef KILN_CUDA
+#include "kernels/moe_cuda.hpp"
+#endif
+
+namespace kiln::kernels {
+
+namespace {
+void check_experts(const at::Tensor& x, const at::Tensor& counts, const at::Tensor& w1, const at::Tensor& w2) {
+  TORCH_CHECK(x.dim() == 2 && w1.dim() == 3 && w2.dim() == 3, "grouped_swiglu: x must be [M, D], weights [E, 2F, D] ",
+              "and [E, D, F]; got ", x.sizes(), ", ", w1.sizes(), ", ", w2.sizes());
+  const int64_t E = w1.size(0), D = x.size(1), F = w2.size(2);
+  TORCH_CHECK(w1.size(1) == 2 * F && w1.size(2) == D && w2.size(0) == E && w2.size(1) == D,
+              "grouped_swiglu: weights ", w1.sizes(), " and ", w2.sizes(), " do not fit D = ", D);
+  TORCH_CHECK(counts.dim() == 1 && counts.size(0) == E, "grouped_swiglu: counts must be [E = ", E, "], got ",
+              counts.sizes());
+}
+}  // namespace
+
+bool grouped_swiglu_uses_grouped_mm(const at::Tensor& x, const at::Tensor& w1) {
+#ifdef KILN_CUDA
+  return x.is_cuda() && x.scalar_type() == at::kBFloat16 && w1.scalar_type() == at::kBFloat16 && x.size(1) % 8 == 0 &&
+         w1.size(1) % 16 == 0;
+#else
+  return false;
+#endif
+}
+
+at::Tensor grouped_swiglu_ref(const at::Tensor& x, const at::Tensor& counts, const at::Tensor& w1,
+                              const at::Tensor& w2) {
+  check_experts(x, counts, w1, w2);
+  auto c = counts.to(torch::kCPU).to(torch::kInt64);
+  const auto* n = c.data_ptr<int64_t>();
+  TORCH_CHECK(c.sum().item<int64_t>() == x.size(0), "grouped_swiglu: counts sum to ", c.sum().item<int64_t>(),
+              ", not M = ", x.size(0));
+  std::vector<at::Tensor> outs;
+  int64_t start = 0;
+  for (int64_t e = 0; e < c.size(0); ++e) {
+    if (n[e] == 0) continue;
+    auto rows = x.narrow(0, start, n[e]);                                  // [n, D]
+    auto gu = torch::nn::functional::linear(rows, w1[e]);                  // [n, 2F]
+    const int64_t F = gu.size(-1) / 2;
+    outs.push_back(torch::nn::functional::linear(torch::silu(gu.narrow(-1, 0, F)) * gu.narrow(-1, F, F), w2[e]));
+    start += n[e];
+  }
+  if (outs.empty()) return torch::zeros({0, x.size(1)}, x.options());
+  return torch::cat(outs, 0);
+}
+
+at::Tensor grouped_swiglu(const at::Tensor& x, const at::Tensor& counts, const at::Tensor& w1, const at::Tensor& w2) {
+  check_experts(x, counts, w1, w2);
+  if (!grouped_swiglu_uses_grouped_mm(x, w1)) return grouped_swiglu_ref(x, counts, w1, w2);
+  // offs[e] = end row of expert e (int32, on the device). Weights go in as [E, D, 2F] and
+  // [E, F, D] views with the reduction dim contiguous, the layout the Hopper kernel takes.
+  auto offs = counts.to(x.device()).cumsum(0).to(torch::kInt32);
+  auto gu = at::_grouped_mm(x.contiguous(), w1.transpose(-2, -1), offs);  // [M, 2F]
+  const int64_t F = gu.size(-1) / 2;
+  auto act = torch::silu(gu.narrow(-1, 0, F)) * gu.narrow(-1, F, F);     // [M, F]
+  return at::_grouped_mm(act.contiguous(), w2.transpose(-2, -1), offs);    // [M, D]
+}
+
+at::Tensor router_topk_ref(const at::Tensor& logits, const at::Tensor& bias, int64_t k) {
+  TORCH_CHECK(logits.dim() == 2 && bias.dim() == 1 && bias.size(0) == logits.size(1), "router_topk: logits must be ",
+              "[T, E] and bias [E], got ", logits.sizes(), " and ", bias.sizes());
+  TORCH_CHECK(k >= 1 && k <= logits.size(1), "router_topk: k = ", k, " outside [1, E]");
+  auto choice = logits.to(torch::kFloat32).sigmoid() + bias.to(torch::kFloat32);
+  return std::get<1>(choice.topk(k, -1, /*largest=*/true, /*sorted=*/true));
+}
+
+at::Tensor router_topk(const at::Tensor& logits, const at::Tensor& bias, int64_t k) {
+#ifdef KILN_CUDA
+  if (logits.is_cuda() && logits.scalar_type() == at::kFloat && bias.scalar_type() == at::kFloat &&
+      logits.size(1) <= 512 && k <= 16) {
+    TORCH_CHECK(logits.dim() == 2 && bias.dim() == 1 && bias.size(0) == logits.size(1), "router_topk: logits must ",
+                "be [T, E] and bias [E], got ", logits.sizes(), " and ", bias.sizes());
+    TORCH_CHECK(k >= 1 && k <= logits.size(1), "router_topk: k = ", k, " outside [1, E]");
+    auto ids = torch::empty({logits.size(0), k}, logits.options().dtype(torch::kInt64));
+    cuda::router_topk(logits.contiguous(), bias.contiguous(), ids);
+    return ids;
+  }
+#endif
+  return router_topk_ref(logits, bias, k);
+}
+
+}  // namespace kiln::kernels

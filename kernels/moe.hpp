@@ -1,0 +1,34 @@
+#pragma once
+// MoE kernels. Legend: T tokens, E experts, K experts per token, M = T*K rows in expert
+// order, D hidden, F expert intermediate.
+//
+// grouped_swiglu: the routed experts' SwiGLU on rows already sorted by expert,
+//   y[r] = W_down[e] (silu(W_gate[e] x[r]) * W_up[e] x[r])   for the rows r of expert e,
+// matching transformers' Glm4MoeLiteExperts. x [M, D]; counts [E] int64 (rows per expert, any
+// device); w_gate_up_EFD [E, 2F, D] (gate rows then up rows); w_down_EDF [E, D, F] -> [M, D].
+// CUDA bf16 tensors with D and F multiples of 8 run two grouped GEMMs (at::_grouped_mm, CUTLASS
+// on Hopper; offsets computed on the device, no host sync) for all experts at once; anything
+// else runs the LibTorch reference, one GEMM pair per expert with rows (counts read on host).
+// Differentiable in x and both weights either way (_grouped_mm has an autograd formula).
+//
+// router_topk: the expert choice of DeepSeek-V3's router (arXiv:2412.19437 §2.1.2) with one
+// group: scores = sigmoid(logits), ids = top-K of (scores + bias), by descending biased score.
+// logits [T, E] fp32, bias [E] fp32 -> ids [T, K] int64. CUDA: one warp per token fusing the
+// sigmoid, the bias and K rounds of warp arg-max (E <= 512, K <= 16); otherwise LibTorch topk.
+// Ties break toward the lower expert id in the kernel; torch::topk leaves tie order unspecified.
+// Throws c10::Error on shape or dtype mismatch.
+#include <ATen/core/Tensor.h>
+
+namespace kiln::kernels {
+
+at::Tensor grouped_swiglu(const at::Tensor& x, const at::Tensor& counts, const at::Tensor& w_gate_up_EFD,
+                          const at::Tensor& w_down_EDF);
+at::Tensor grouped_swiglu_ref(const at::Tensor& x, const at::Tensor& counts, const at::Tensor& w_gate_up_EFD,
+                              const at::Tensor& w_down_EDF);
+/// True when grouped_swiglu takes the grouped-GEMM path for these inputs.
+bool grouped_swiglu_uses_grouped_mm(const at::Tensor& x, const at::Tensor& w_gate_up_EFD);
+
+at::Tensor router_topk(const at::Tensor& logits_TE, const at::Tensor& bias_E, int64_t k);
+at::Tensor router_topk_ref(const at::Tensor& logits_TE, const at::Tensor& bias_E, int64_t k);
+
+}  // namespace kiln::kernels
