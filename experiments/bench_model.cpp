@@ -24,8 +24,9 @@ double best_seconds(int repeats, F fn) {
   return best;
 }
 
-// Matmul FLOPs of one forward over a packed batch of `docs` documents of `n` tokens.
-double forward_flops(const model::glm4_moe_lite::Glm4MoeLiteConfig& c, int64_t docs, int64_t n) {
+}  // namespace
+
+double glm4_forward_flops(const model::glm4_moe_lite::Glm4MoeLiteConfig& c, int64_t docs, int64_t n) {
   const auto& a = c.attention;
   const double T = double(docs * n), D = double(c.hidden_size);
   double per_token = 0;
@@ -44,7 +45,6 @@ double forward_flops(const model::glm4_moe_lite::Glm4MoeLiteConfig& c, int64_t d
   double attn_pairs = double(docs) * n * n / 2.0 * c.num_hidden_layers * a.num_heads * (a.qk_head_dim() + a.v_head_dim);
   return 2.0 * (per_token * T + attn_pairs);
 }
-}  // namespace
 
 int run_model_bench(const ModelBenchOptions& o) {
   torch::manual_seed(0);
@@ -95,7 +95,7 @@ int run_model_bench(const ModelBenchOptions& o) {
       auto out = m.forward(batch);
       (-m.token_logprobs(out, targets, 512).sum()).backward();
     });
-    double flops = 3.0 * forward_flops(c, docs, n);  // backward ~ 2x forward
+    double flops = 3.0 * glm4_forward_flops(c, docs, n);  // backward ~ 2x forward
     auto a = torch::randn({2048, 2048}), b = torch::randn({2048, 2048});
     double gemm = best_seconds(o.repeats, [&] { auto r = torch::mm(a, b); (void)r.data_ptr(); });
     double peak = 2.0 * 2048 * 2048 * 2048 / gemm;

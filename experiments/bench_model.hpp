@@ -7,6 +7,8 @@
 //     against the measured fp32 GEMM rate of the same machine (the hardware limit).
 #include <cstdint>
 
+#include "model/glm4_moe_lite/config.hpp"
+
 namespace kiln::experiments {
 
 struct ModelBenchOptions {
@@ -17,5 +19,10 @@ struct ModelBenchOptions {
 };
 
 int run_model_bench(const ModelBenchOptions& options);
+
+/// Matmul FLOPs of one forward over `docs` packed documents of `n` tokens each: every
+/// projection (routed experts at top_k, the shared expert, the router, lm_head) plus causal
+/// attention (n^2/2 query-key pairs per document, head). Backward counts as 2x forward.
+double glm4_forward_flops(const model::glm4_moe_lite::Glm4MoeLiteConfig& c, int64_t docs, int64_t n);
 
 }  // namespace kiln::experiments

@@ -63,6 +63,8 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   text("model.package", c.model.package);
   text("model.flavor", c.model.flavor);
   text("model.checkpoint", c.model.checkpoint);
+  text("model.device", c.model.device);
+  text("model.dtype", c.model.dtype);
   text("task.name", c.task.name);
   integer("task.min_digits", c.task.min_digits);
   integer("task.max_digits", c.task.max_digits);
@@ -170,6 +172,12 @@ void ExperimentConfig::validate() const {
        "must be \"single_process\" or \"multi_process\" (rollout engine in a kiln node child process)");
   need(placement.mode == "single_process" || algorithm.staleness == 0, "algorithm.staleness",
        "must be 0 with placement.mode \"multi_process\" (asynchronous remote rollouts are not built yet)");
+  need(model.device == "cpu" || model.device == "cuda" || (model.device.rfind("cuda:", 0) == 0 && model.device.size() > 5 &&
+       model.device.find_first_not_of("0123456789", 5) == std::string::npos),
+       "model.device", "must be \"cpu\", \"cuda\" or \"cuda:N\"");
+  need(model.dtype == "fp32" || model.dtype == "bf16", "model.dtype", "must be \"fp32\" or \"bf16\"");
+  need(placement.mode == "single_process" || model.device == "cpu", "model.device",
+       "must be \"cpu\" with placement.mode \"multi_process\" (remote engines run on the CPU so far)");
   need(weight_sync.bucket_mib > 0, "weight_sync.bucket_mib", "must be > 0");
   need(task.name == "next_digit" || task.name == "arithmetic" || task.name == "countdown", "task.name",
        "must be \"next_digit\", \"arithmetic\" or \"countdown\"");

@@ -21,6 +21,8 @@ struct ExperimentConfig {
     std::string package = "glm4_moe_lite";
     std::string flavor = "debug";
     std::string checkpoint;  ///< HF checkpoint directory; overrides flavor when set
+    std::string device = "cpu";  ///< "cpu", "cuda" or "cuda:N": policy, reference and engine
+    std::string dtype = "fp32";  ///< "fp32" | "bf16" (bf16: fp32 master weights + AdamW state)
   } model;
   struct Task {
     std::string name = "next_digit";

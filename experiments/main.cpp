@@ -5,6 +5,7 @@
 #include "experiments/bench_messaging.hpp"
 #include "experiments/node.hpp"
 #ifdef KILN_WITH_TORCH
+#include "experiments/bench_gpu.hpp"
 #include "experiments/bench_model.hpp"
 #include "experiments/bench_rollout.hpp"
 #include "experiments/rl_run.hpp"
@@ -49,6 +50,18 @@ int main(int argc, char** argv) {
   bench_rollout->add_option("--prompt-tokens", ro.prompt_tokens, "Prompt length")->check(CLI::Range(int64_t(1), int64_t(65536)));
   bench_rollout->add_option("--new-tokens", ro.new_tokens, "Tokens generated per request")->check(CLI::Range(int64_t(1), int64_t(65536)));
   bench_rollout->add_option("--flavor", ro.flavor, "glm4_moe_lite flavor");
+  kiln::experiments::GpuBenchOptions go;
+  auto* bench_gpu = bench_cmd->add_subcommand("gpu", "bf16 training, log-probs, rollout and weight sync on one CUDA GPU vs its limits");
+  bench_gpu->add_option("--layers", go.layers, "Decoder layers at GLM-4.7-Flash dimensions (first dense)")->check(CLI::Range(int64_t(2), int64_t(47)));
+  bench_gpu->add_option("--tokens", go.tokens, "Tokens of the packed micro-batch")->check(CLI::Range(int64_t(16), int64_t(1) << 20));
+  bench_gpu->add_option("--docs", go.docs, "Documents in the micro-batch")->check(CLI::Range(int64_t(1), int64_t(4096)));
+  bench_gpu->add_option("--steps", go.steps, "Timed repetitions (median shown)")->check(CLI::Range(1, 100));
+  bench_gpu->add_option("--bucket-mib", go.bucket_mib, "Weight-sync bucket size")->check(CLI::Range(1.0, 65536.0));
+  bench_gpu->add_option("--rollout-prompts", go.rollout_prompts, "Rollout requests")->check(CLI::Range(int64_t(1), int64_t(4096)));
+  bench_gpu->add_option("--rollout-prompt-tokens", go.rollout_prompt_tokens, "Prompt length")->check(CLI::Range(int64_t(1), int64_t(65536)));
+  bench_gpu->add_option("--rollout-new-tokens", go.rollout_new_tokens, "Tokens generated per request")->check(CLI::Range(int64_t(1), int64_t(65536)));
+  bench_gpu->add_option("--json", go.json_path, "Write every number as JSON here");
+  bench_gpu->add_option("--config-dir", go.config_dir, "Write the benchmarked model's HF config.json here");
   auto* model_cmd = app.add_subcommand("model", "Model packages and checkpoints");
   model_cmd->require_subcommand(1);
   std::string plugin_dir, package = "glm4_moe_lite", from, to;
@@ -80,6 +93,7 @@ int main(int argc, char** argv) {
 #ifdef KILN_WITH_TORCH
   if (bench_rollout->parsed()) return kiln::experiments::run_rollout_bench(ro);
   if (bench_model->parsed()) return kiln::experiments::run_model_bench(mo);
+  if (bench_gpu->parsed()) return kiln::experiments::run_gpu_bench(go);
   if (model_list->parsed()) return kiln::experiments::run_model_list(plugin_dir);
   if (model_logits->parsed()) {
     std::vector<std::vector<int64_t>> docs(1);

@@ -57,6 +57,8 @@ void save_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, 
   std::filesystem::create_directories(dir);
   policy.save_hf_checkpoint(dir.string(), uint64_t(5) << 30);
   torch::save(trainer.optimizer(), (dir / "optimizer.pt").string());
+  // bf16 policies: the fp32 master weights too, or a resumed run would restart from rounded ones.
+  if (trainer.uses_master_weights()) torch::save(trainer.master_parameters(), (dir / "master_weights.pt").string());
   nlohmann::json state{{"step", step}, {"policy_version", trainer.version()}, {"prompt_rng", prompt_rng}};
   std::ofstream(dir / "state.json") << state.dump(2) << "\n";
 }
@@ -96,6 +98,15 @@ int run_experiment(const ExperimentConfig& c) {
     // The frozen reference: the KL term of the loss (kl_coef > 0) and the KL metric.
     ref_model = registry.build(c.model.package, c.model.flavor, c.model.checkpoint);
     ref_model->load_hf_tensors(policy->hf_state_dict());
+    if (c.model.device != "cpu" && !torch::cuda::is_available())
+      throw std::invalid_argument("model.device is \"" + c.model.device + "\" but no CUDA device is visible" +
+                                  " (is this a CUDA build of LibTorch on a GPU machine?)");
+    const torch::Device device(c.model.device);
+    const auto dtype = c.model.dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32;
+    for (auto* m : {&policy, &engine_model, &ref_model}) {
+      (*m)->to(device);
+      (*m)->to_dtype(dtype);
+    }
     if (tokenizer.vocab_size() > engine_model->vocab_size())
       throw std::invalid_argument("model vocabulary " + std::to_string(engine_model->vocab_size()) +
                                   " is smaller than the task tokenizer's " + std::to_string(tokenizer.vocab_size()));
@@ -206,6 +217,18 @@ int run_experiment(const ExperimentConfig& c) {
       auto state = nlohmann::json::parse(in);
       policy->load_hf_checkpoint(ck.string());
       torch::load(trainer.optimizer(), (ck / "optimizer.pt").string());
+      trainer.reload_master_weights();
+      if (trainer.uses_master_weights() && fs::exists(ck / "master_weights.pt")) {
+        std::vector<torch::Tensor> saved;
+        torch::load(saved, (ck / "master_weights.pt").string());
+        const auto& masters = trainer.master_parameters();
+        if (saved.size() != masters.size())
+          throw std::invalid_argument("master_weights.pt in '" + ck.string() + "' holds " +
+                                      std::to_string(saved.size()) + " tensors, the policy " +
+                                      std::to_string(masters.size()));
+        torch::NoGradGuard no_grad;
+        for (std::size_t i = 0; i < saved.size(); ++i) masters[i].copy_(saved[i]);
+      }
       trainer.set_version(state.at("policy_version").get<int64_t>());
       std::istringstream r(state.at("prompt_rng").get<std::string>());
       r >> rng;

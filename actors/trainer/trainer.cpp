@@ -84,9 +84,23 @@ std::vector<std::vector<std::size_t>> plan_micro_batches(const std::vector<Sampl
 
 Trainer::Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config) : policy_(std::move(policy)), c_(config) {
   c_.validate();
+  params_ = policy_->parameters();
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].scalar_type() == torch::kFloat32) {
+      masters_.push_back(params_[i]);
+    } else {
+      masters_.push_back(params_[i].detach().to(torch::kFloat32).clone().requires_grad_(true));
+      low_precision_.push_back(i);
+    }
+  }
   optimizer_ = std::make_unique<torch::optim::AdamW>(
-      policy_->parameters(),
+      masters_,
       torch::optim::AdamWOptions(c_.lr).betas({c_.beta1, c_.beta2}).weight_decay(c_.weight_decay));
+}
+
+void Trainer::reload_master_weights() {
+  torch::NoGradGuard no_grad;
+  for (auto i : low_precision_) masters_[i].copy_(params_[i]);
 }
 
 double Trainer::current_lr() const {
@@ -117,6 +131,7 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
   const double lr = current_lr();
   for (auto& g : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
   optimizer_->zero_grad();
+  if (uses_master_weights()) policy_->zero_grad();
   double abs_diff = 0;
   const bool want_ref = c_.loss.kl_coef != 0;
   for (const auto& idx : plan_micro_batches(samples, c_.max_tokens_per_microbatch)) {
@@ -124,6 +139,8 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
     model::ForwardOptions opts;
     opts.replay_routed_experts = p.replay;
     auto out = policy_->forward(p.batch, opts);
+    const auto dev = out.hidden.device();
+    p.completion_positions = p.completion_positions.to(dev);
     if (c_.temperature != 1.0) out.hidden = out.hidden / c_.temperature;  // logits / T
     PolicyTokens t;
     if (c_.loss.entropy_coef != 0) {
@@ -135,9 +152,9 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
       t.logprob = policy_->token_logprobs(out, p.targets, c_.logprob_chunk).index_select(0, p.completion_positions);
     }
     t.old_logprob = t.logprob.detach();
-    t.behavior_logprob = per_token(samples, idx, &Sample::behavior_logprobs);
+    t.behavior_logprob = per_token(samples, idx, &Sample::behavior_logprobs).to(dev);
     if (want_ref) {
-      t.ref_logprob = per_token(samples, idx, &Sample::ref_logprobs);
+      t.ref_logprob = per_token(samples, idx, &Sample::ref_logprobs).to(dev);
       TORCH_CHECK(t.ref_logprob.size(0) == t.logprob.size(0), "train_step: kl_coef > 0 needs ref_logprobs on every sample");
     }
     std::vector<float> adv;
@@ -147,10 +164,10 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
       adv.push_back(samples[i].advantage);
       global_index.push_back(int64_t(i));
     }
-    t.advantage = torch::tensor(adv, torch::kFloat32);
+    t.advantage = torch::tensor(adv, torch::kFloat32).to(dev);
     t.loss_mask = torch::ones_like(t.advantage);
-    t.sample_index = torch::tensor(global_index, torch::kInt64);
-    auto r = policy_loss(t, c_.loss, normalizer, sample_tokens_t);
+    t.sample_index = torch::tensor(global_index, torch::kInt64).to(dev);
+    auto r = policy_loss(t, c_.loss, normalizer, sample_tokens_t.to(dev));
     r.loss.backward();
     m.loss += r.loss.item<double>();
     m.pg_loss += r.pg_sum / double(m.loss_tokens);
@@ -160,10 +177,15 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
     abs_diff += (t.old_logprob - t.behavior_logprob).abs().sum().item<double>();
     ++m.micro_batches;
   }
-  auto params = policy_->parameters();
-  m.grad_norm = c_.grad_clip > 0 ? torch::nn::utils::clip_grad_norm_(params, c_.grad_clip)
-                                 : torch::nn::utils::clip_grad_norm_(params, 1e30);
+  for (auto i : low_precision_)  // bf16 gradients -> fp32 master gradients
+    if (params_[i].grad().defined()) masters_[i].mutable_grad() = params_[i].grad().to(torch::kFloat32);
+  m.grad_norm = c_.grad_clip > 0 ? torch::nn::utils::clip_grad_norm_(masters_, c_.grad_clip)
+                                 : torch::nn::utils::clip_grad_norm_(masters_, 1e30);
   optimizer_->step();
+  {
+    torch::NoGradGuard no_grad;
+    for (auto i : low_precision_) params_[i].copy_(masters_[i]);  // round to the policy's dtype
+  }
   ++version_;
   m.lr = lr;
   m.train_rollout_logprob_abs_diff = abs_diff / double(m.loss_tokens);
@@ -182,7 +204,10 @@ std::vector<std::vector<float>> completion_logprobs(model::CausalLM& model, cons
     opts.replay_routed_experts = p.replay;
     auto fwd = model.forward(p.batch, opts);
     if (temperature != 1.0) fwd.hidden = fwd.hidden / temperature;
-    auto lp = model.token_logprobs(fwd, p.targets).index_select(0, p.completion_positions).to(torch::kCPU).contiguous();
+    auto lp = model.token_logprobs(fwd, p.targets)
+                  .index_select(0, p.completion_positions.to(fwd.hidden.device()))
+                  .to(torch::kCPU)
+                  .contiguous();
     const float* v = lp.data_ptr<float>();
     for (std::size_t k = 0; k < p.completion_sample.size(); ++k) out[idx[std::size_t(p.completion_sample[k])]].push_back(v[k]);
   }

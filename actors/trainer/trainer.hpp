@@ -62,14 +62,24 @@ class Trainer {
   int64_t version() const { return version_; }   ///< optimizer steps taken
   model::CausalLM& policy() { return *policy_; }
   double current_lr() const;
-  /// Optimizer state for checkpoints.
+  /// Optimizer state for checkpoints (over master_parameters()).
   torch::optim::AdamW& optimizer() { return *optimizer_; }
+  /// The tensors AdamW updates: the policy's parameters when they are fp32; fp32 copies of
+  /// them (master weights, Micikevicius et al. 2018, arXiv:1710.03740) when the policy holds
+  /// bf16/fp16 parameters. Gradients are accumulated in the policy's dtype, copied to the
+  /// masters in fp32, clipped and applied there; the policy then gets the rounded masters.
+  const std::vector<torch::Tensor>& master_parameters() const { return masters_; }
+  bool uses_master_weights() const { return !low_precision_.empty(); }
+  /// Re-reads the masters from the policy (after its weights were loaded from a checkpoint).
+  void reload_master_weights();
   void set_version(int64_t v) { version_ = v; }
 
  private:
   std::shared_ptr<model::CausalLM> policy_;
   TrainerConfig c_;
   std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::vector<torch::Tensor> params_, masters_;  ///< same order; masters_[i] is params_[i] when fp32
+  std::vector<std::size_t> low_precision_;       ///< indices with a separate fp32 master
   int64_t version_ = 0;
 };
 

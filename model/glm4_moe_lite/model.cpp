@@ -73,14 +73,18 @@ ForwardOutput Glm4MoeLiteModel::forward(const PackedBatch& batch, const ForwardO
   }
   const bool want_ids = options.return_routed_experts || options.replay_routed_experts.has_value();
   std::vector<torch::Tensor> ids;
-  auto x = embed(batch.input_ids);  // [T, D]
+  // Inputs may live on the host; the model's device decides (cu_seqlens stays on the host).
+  const auto dev = embed->weight.device();
+  auto positions = batch.position_ids.to(dev);
+  std::optional<torch::Tensor> replay_all;
+  if (options.replay_routed_experts) replay_all = options.replay_routed_experts->to(dev);
+  auto x = embed(batch.input_ids.to(dev));  // [T, D]
   int64_t moe_index = 0;
   for (auto& layer : layers) {
     std::optional<torch::Tensor> replay;
     torch::Tensor chosen;
-    if (layer->is_moe() && options.replay_routed_experts)
-      replay = options.replay_routed_experts->select(1, moe_index);  // [T, K]
-    x = layer(x, batch.position_ids, batch.cu_seqlens, replay, layer->is_moe() && want_ids ? &chosen : nullptr);
+    if (layer->is_moe() && replay_all) replay = replay_all->select(1, moe_index);  // [T, K]
+    x = layer(x, positions, batch.cu_seqlens, replay, layer->is_moe() && want_ids ? &chosen : nullptr);
     if (layer->is_moe()) {
       if (want_ids) ids.push_back(chosen);
       ++moe_index;

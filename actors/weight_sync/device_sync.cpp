@@ -1,0 +1,95 @@
+#include "actors/weight_sync/device_sync.hpp"
+
+#include <chrono>
+#include <map>
+#include <stdexcept>
+
+namespace kiln::weight_sync {
+
+namespace {
+std::map<std::string, torch::Tensor> named_tensors(torch::nn::Module& m) {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& p : m.named_parameters()) out[p.key()] = p.value();
+  for (const auto& b : m.named_buffers()) out[b.key()] = b.value();
+  return out;
+}
+
+// kiln's names of tensors an engine may fuse: a layer's q_a and kv_a projections.
+std::string partner(const std::string& name) {
+  auto swap = [&](const std::string& a, const std::string& b) -> std::string {
+    auto i = name.find(a);
+    return i == std::string::npos ? "" : name.substr(0, i) + b + name.substr(i + a.size());
+  };
+  if (auto p = swap(".attn.q_a.", ".attn.kv_a."); !p.empty()) return p;
+  return swap(".attn.kv_a.", ".attn.q_a.");
+}
+
+void sync_device(const torch::Tensor& t) {
+  if (t.is_cuda()) torch::cuda::synchronize(t.device().index());
+}
+}  // namespace
+
+DeviceSyncStats copy_weights_device(torch::nn::Module& src, torch::nn::Module& dst, uint64_t bucket_bytes,
+                                    bool verify) {
+  auto s = named_tensors(src), d = named_tensors(dst);
+  for (const auto& [name, t] : s) {
+    auto it = d.find(name);
+    if (it == d.end()) throw std::invalid_argument("copy_weights_device: engine has no tensor '" + name + "'");
+    if (it->second.sizes() != t.sizes())
+      throw std::invalid_argument("copy_weights_device: '" + name + "' is " + c10::str(t.sizes()) + " in the trainer, " +
+                                  c10::str(it->second.sizes()) + " in the engine");
+    if (it->second.device() != t.device())
+      throw std::invalid_argument("copy_weights_device: '" + name + "' lives on " + t.device().str() + " and " +
+                                  it->second.device().str());
+  }
+  for (const auto& [name, t] : d)
+    if (!s.count(name)) throw std::invalid_argument("copy_weights_device: trainer has no tensor '" + name + "'");
+  // Buckets in name order; a q_a/kv_a pair moves together.
+  std::vector<std::vector<std::string>> buckets(1);
+  uint64_t in_bucket = 0;
+  std::map<std::string, bool> placed;
+  for (const auto& [name, t] : s) {
+    if (placed[name]) continue;
+    std::vector<std::string> group{name};
+    if (auto p = partner(name); !p.empty() && s.count(p) && !placed[p]) group.push_back(p);
+    uint64_t bytes = 0;
+    for (const auto& g : group) bytes += uint64_t(d[g].numel()) * d[g].element_size();
+    if (!buckets.back().empty() && in_bucket + bytes > bucket_bytes) {
+      buckets.emplace_back();
+      in_bucket = 0;
+    }
+    for (const auto& g : group) {
+      buckets.back().push_back(g);
+      placed[g] = true;
+    }
+    in_bucket += bytes;
+  }
+  DeviceSyncStats st;
+  torch::NoGradGuard no_grad;
+  sync_device(s.begin()->second);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (const auto& b : buckets) {
+    for (const auto& name : b) {
+      d[name].copy_(s[name], /*non_blocking=*/true);
+      st.bytes += uint64_t(d[name].numel()) * d[name].element_size();
+      ++st.tensors;
+    }
+    ++st.buckets;
+    if (verify) {
+      // Bit-exact check on the device: one flag per tensor, one host read per bucket.
+      std::vector<torch::Tensor> bad;
+      for (const auto& name : b) bad.push_back(torch::ne(d[name], s[name].to(d[name].scalar_type())).any());
+      auto flags = torch::stack(bad).to(torch::kCPU);
+      std::string names;
+      for (std::size_t i = 0; i < b.size(); ++i)
+        if (flags[int64_t(i)].item<bool>()) names += (names.empty() ? "" : ", ") + b[i];
+      if (!names.empty()) throw std::runtime_error("weight sync: engine copy differs from the trainer's for " + names);
+    }
+  }
+  sync_device(s.begin()->second);
+  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  st.verified = verify;
+  return st;
+}
+
+}  // namespace kiln::weight_sync

@@ -1,0 +1,30 @@
+#pragma once
+// Weight sync on one device, without host round trips: the trainer's parameters are copied
+// device-to-device straight into the rollout engine's parameter storage (the engine model is
+// the same package, so names and layouts match one to one: grouped expert tensors travel as
+// they are, no gather or split). Tensors go in buckets of at most `bucket_bytes` in name
+// order, a layer's q_a and kv_a projections in one bucket (fused_partner's rule, in kiln's
+// names); after each bucket the engine's copy is compared with the source on the device
+// (bit-exact, one host read per bucket) and the sync fails naming every tensor that differs.
+// Both modules must be on the same device; dtypes may differ (the copy converts).
+#include <cstdint>
+#include <string>
+
+#include <torch/torch.h>
+
+namespace kiln::weight_sync {
+
+struct DeviceSyncStats {
+  double seconds = 0;      ///< wall time of the whole update, device work included
+  uint64_t bytes = 0;      ///< bytes written into the engine's storage
+  int64_t tensors = 0, buckets = 0;
+  bool verified = false;
+};
+
+/// Copies every parameter and buffer of `src` into the same-named one of `dst`. Throws
+/// std::invalid_argument when names or shapes differ (naming the tensor), std::runtime_error
+/// naming the tensors whose post-copy check failed. `verify` = false skips the check.
+DeviceSyncStats copy_weights_device(torch::nn::Module& src, torch::nn::Module& dst, uint64_t bucket_bytes,
+                                    bool verify = true);
+
+}  // namespace kiln::weight_sync

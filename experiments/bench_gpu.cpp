@@ -1,0 +1,244 @@
+#include "experiments/bench_gpu.hpp"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#ifdef KILN_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+#include "actors/rollout/engine.hpp"
+#include "actors/trainer/trainer.hpp"
+#include "actors/weight_sync/device_sync.hpp"
+#include "experiments/bench_model.hpp"
+#include "model/blocks/logprobs.hpp"
+#include "model/glm4_moe_lite/model.hpp"
+
+namespace kiln::experiments {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+
+// Median seconds of `steps` runs after `warmup` runs, the device synchronised around each.
+template <class F>
+double median_seconds(int warmup, int steps, F fn) {
+  for (int i = 0; i < warmup; ++i) fn();
+  torch::cuda::synchronize();
+  std::vector<double> t;
+  for (int i = 0; i < steps; ++i) {
+    auto t0 = Clock::now();
+    fn();
+    torch::cuda::synchronize();
+    t.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+#ifdef KILN_CUDA
+void reset_peak() { c10::cuda::CUDACachingAllocator::resetPeakStats(0); }
+double peak_gib() {
+  auto s = c10::cuda::CUDACachingAllocator::getDeviceStats(0);
+  return double(s.allocated_bytes[0].peak) / double(1ull << 30);
+}
+#else
+void reset_peak() {}
+double peak_gib() { return 0; }
+#endif
+}  // namespace
+
+int run_gpu_bench(const GpuBenchOptions& o) {
+  if (!torch::cuda::is_available()) {
+    std::fprintf(stderr, "kiln bench gpu: no CUDA device visible\n");
+    return 2;
+  }
+  if (o.docs < 1 || o.tokens % o.docs != 0 || o.tokens / o.docs < 2) {
+    std::fprintf(stderr, "kiln bench gpu: --tokens must be a multiple of --docs with >= 2 tokens per document\n");
+    return 2;
+  }
+  const torch::Device dev(torch::kCUDA, 0);
+  const auto bf16 = torch::TensorOptions().device(dev).dtype(torch::kBFloat16);
+  nlohmann::json J;
+  torch::manual_seed(0);
+
+  // 1. The machine's limits.
+  double gemm_tflops, copy_gbs;
+  {
+    auto a = torch::randn({8192, 8192}, bf16), b = torch::randn({8192, 8192}, bf16);
+    double s = median_seconds(3, 10, [&] { (void)torch::mm(a, b); });
+    gemm_tflops = 2.0 * 8192.0 * 8192.0 * 8192.0 / s / 1e12;
+    auto src = torch::randn({int64_t(1) << 30}, bf16), dst = torch::empty_like(src);  // 2 GiB
+    s = median_seconds(3, 10, [&] { dst.copy_(src); });
+    copy_gbs = 2.0 * double(src.numel()) * 2 / s / 1e9;  // read + write
+  }
+  J["gemm_bf16_tflops"] = gemm_tflops;
+  J["copy_read_write_gbs"] = copy_gbs;
+
+  // 2. The model, on the GPU in bf16.
+  auto cfg = model::glm4_moe_lite::flavors::glm47_flash_layers(o.layers);
+  if (!o.config_dir.empty()) {
+    std::filesystem::create_directories(o.config_dir);
+    std::ofstream(std::filesystem::path(o.config_dir) / "config.json") << cfg.to_hf_json().dump(2) << "\n";
+  }
+  auto build = [&] {
+    auto m = std::make_shared<model::glm4_moe_lite::Glm4MoeLiteModel>(cfg);
+    m->to(dev);
+    m->to_dtype(torch::kBFloat16);
+    return m;
+  };
+  auto policy = build();
+  const int64_t n = o.tokens / o.docs;
+  std::vector<std::vector<int64_t>> docs(std::size_t(o.docs));
+  auto ids = torch::randint(0, cfg.vocab_size, {o.tokens}, torch::kInt64);
+  for (int64_t d = 0; d < o.docs; ++d) {
+    auto row = ids.narrow(0, d * n, n);
+    docs[std::size_t(d)].assign(row.data_ptr<int64_t>(), row.data_ptr<int64_t>() + n);
+  }
+  auto batch = model::PackedBatch::from_documents(docs);
+  auto targets = model::next_token_targets(batch.input_ids, batch.cu_seqlens).to(dev);
+  const double flops = 3.0 * glm4_forward_flops(cfg, o.docs, n);
+
+  // forward + backward (the comparison with transformers: same tokens, same loss)
+  reset_peak();
+  double fb = median_seconds(o.warmup, o.steps, [&] {
+    policy->zero_grad();
+    auto out = policy->forward(batch);
+    auto lp = policy->token_logprobs(out, targets, 4096);
+    (-lp.sum() / double(o.tokens - o.docs)).backward();
+  });
+  const double fb_peak = peak_gib();
+  J["train_tokens_per_s"] = double(o.tokens) / fb;
+  J["train_step_s"] = fb;
+  J["mfu"] = flops / fb / (gemm_tflops * 1e12);
+  J["peak_memory_gib"] = fb_peak;
+  J["model_tflop_per_step"] = flops / 1e12;
+  policy->zero_grad();
+
+  // log_probs_time: no-grad forward + log-probs of the same micro-batch
+  double lpt = median_seconds(o.warmup, o.steps, [&] {
+    torch::NoGradGuard ng;
+    auto out = policy->forward(batch);
+    (void)policy->token_logprobs(out, targets, 4096);
+  });
+  J["log_probs_time_s"] = lpt;
+
+  // 3. Rollout on the GPU, then a full trainer step on its completions' shape.
+  auto engine_model = build();
+  {
+    auto st = weight_sync::copy_weights_device(*policy, *engine_model, uint64_t(o.bucket_mib * (1 << 20)), true);
+    (void)st;
+  }
+  rollout::EngineOptions eo;
+  eo.max_batch = o.rollout_prompts;
+  eo.block_size = 16;
+  eo.cache_blocks = o.rollout_prompts * ((o.rollout_prompt_tokens + o.rollout_new_tokens) / 16 + 2);
+  rollout::Engine engine(engine_model, eo);
+  std::vector<rollout::GenerationRequest> reqs;
+  for (int64_t i = 0; i < o.rollout_prompts; ++i) {
+    rollout::GenerationRequest r;
+    r.id = uint64_t(i);
+    auto p = torch::randint(0, cfg.vocab_size, {o.rollout_prompt_tokens}, torch::kInt64);
+    r.prompt.assign(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + p.numel());
+    r.sampling.temperature = 1.0;
+    r.sampling.max_new_tokens = o.rollout_new_tokens;
+    r.sampling.seed = uint64_t(100 + i);
+    reqs.push_back(std::move(r));
+  }
+  torch::cuda::synchronize();
+  auto tr0 = Clock::now();
+  auto completions = engine.generate(reqs);
+  torch::cuda::synchronize();
+  const double rollout_s = std::chrono::duration<double>(Clock::now() - tr0).count();
+  std::vector<trainer::Sample> samples;
+  int64_t gen_tokens = 0;
+  for (auto& c : completions) {
+    trainer::Sample s;
+    s.prompt = c.prompt;
+    s.completion = c.tokens;
+    s.behavior_logprobs = c.logprobs;
+    s.routed_experts = c.routed_experts;
+    s.advantage = float(samples.size() % 2 ? 1 : -1);
+    gen_tokens += int64_t(c.tokens.size());
+    samples.push_back(std::move(s));
+  }
+  J["rollout_time_s"] = rollout_s;
+  J["rollout_tokens_per_s"] = double(gen_tokens) / rollout_s;
+  auto train_lp = trainer::completion_logprobs(*policy, samples, o.tokens, /*routing_replay=*/true);
+  double diff_sum = 0, diff_max = 0;
+  int64_t diff_n = 0;
+  for (std::size_t i = 0; i < samples.size(); ++i)
+    for (std::size_t j = 0; j < train_lp[i].size(); ++j) {
+      const double d = std::abs(double(train_lp[i][j]) - double(samples[i].behavior_logprobs[j]));
+      diff_sum += d;
+      diff_max = std::max(diff_max, d);
+      ++diff_n;
+    }
+  J["train_rollout_logprob_abs_diff_mean"] = diff_sum / double(std::max<int64_t>(1, diff_n));
+  J["train_rollout_logprob_abs_diff_max"] = diff_max;
+  J["train_rollout_tokens"] = diff_n;
+
+  // full trainer step: bf16 policy, fp32 masters + AdamW, on the rollout's samples
+  {
+    trainer::TrainerConfig tc;
+    tc.max_tokens_per_microbatch = o.tokens;
+    tc.lr = 1e-6;
+    trainer::Trainer tr(policy, tc);
+    std::vector<trainer::Sample> big;  // repeat the samples up to ~tokens
+    int64_t tok = 0;
+    while (tok + samples[big.size() % samples.size()].tokens() <= o.tokens) {
+      big.push_back(samples[big.size() % samples.size()]);
+      tok += big.back().tokens();
+    }
+    reset_peak();
+    double ts = median_seconds(1, std::max(2, o.steps / 2), [&] { (void)tr.train_step(big); });
+    J["trainer_step_s"] = ts;
+    J["trainer_step_tokens"] = tok;
+    J["trainer_step_tokens_per_s"] = double(tok) / ts;
+    J["trainer_step_peak_memory_gib"] = peak_gib();
+  }
+
+  // 4. update_weights: device-to-device into the engine's storage vs a plain copy
+  {
+    const uint64_t bucket = uint64_t(o.bucket_mib * (1 << 20));
+    weight_sync::DeviceSyncStats st;
+    double with_check = median_seconds(1, 3, [&] { st = weight_sync::copy_weights_device(*policy, *engine_model, bucket, true); });
+    double no_check = median_seconds(1, 3, [&] { st = weight_sync::copy_weights_device(*policy, *engine_model, bucket, false); });
+    auto src = torch::empty({int64_t(st.bytes / 2)}, bf16).normal_(), dst = torch::empty_like(src);
+    double plain = median_seconds(2, 5, [&] { dst.copy_(src); });
+    J["update_weights_bytes"] = st.bytes;
+    J["update_weights_tensors"] = st.tensors;
+    J["update_weights_buckets"] = st.buckets;
+    J["update_weights_time_s"] = with_check;
+    J["update_weights_nocheck_time_s"] = no_check;
+    J["plain_copy_time_s"] = plain;
+    J["update_weights_gbs"] = double(st.bytes) / with_check / 1e9;
+    J["update_weights_nocheck_gbs"] = double(st.bytes) / no_check / 1e9;
+    J["plain_copy_gbs"] = double(st.bytes) / plain / 1e9;
+  }
+
+  std::printf("kiln bench gpu: %s, GLM-4.7-Flash dims, %lld layers, bf16, %lld tokens in %lld documents\n",
+              torch::cuda::device_count() ? "CUDA" : "-", (long long)o.layers, (long long)o.tokens, (long long)o.docs);
+  std::printf("  measured limits: bf16 GEMM %.0f TFLOP/s, D2D copy %.0f GB/s (read+write)\n", gemm_tflops, copy_gbs);
+  std::printf("  forward+backward     %8.3f s  %9.0f tokens/s  MFU %.1f%%  peak %.1f GiB\n", fb, double(o.tokens) / fb,
+              100.0 * J["mfu"].get<double>(), fb_peak);
+  std::printf("  trainer step (AdamW) %8.3f s  %9.0f tokens/s  peak %.1f GiB\n", J["trainer_step_s"].get<double>(),
+              J["trainer_step_tokens_per_s"].get<double>(), J["trainer_step_peak_memory_gib"].get<double>());
+  std::printf("  log_probs_time       %8.3f s\n", lpt);
+  std::printf("  rollout (engine)     %8.3f s  %9.0f generated tokens/s\n", rollout_s, J["rollout_tokens_per_s"].get<double>());
+  std::printf("  update_weights_time  %8.3f s  %6.0f GB/s (%.0f GB/s unchecked) vs plain copy %.0f GB/s of %.2f GB\n",
+              J["update_weights_time_s"].get<double>(), J["update_weights_gbs"].get<double>(),
+              J["update_weights_nocheck_gbs"].get<double>(), J["plain_copy_gbs"].get<double>(),
+              J["update_weights_bytes"].get<double>() / 1e9);
+  std::printf("  train/rollout |logprob diff| mean %.2e max %.2e over %lld tokens\n",
+              J["train_rollout_logprob_abs_diff_mean"].get<double>(), diff_max, (long long)diff_n);
+  if (!o.json_path.empty()) std::ofstream(o.json_path) << J.dump(2) << "\n";
+  return 0;
+}
+
+}  // namespace kiln::experiments

@@ -1,0 +1,32 @@
+#pragma once
+// `kiln bench gpu`: kiln's training path on one CUDA GPU, on GLM-4.7-Flash dimensions with
+// `layers` decoder layers (the first dense), in bf16, in one run:
+//  - the machine's limits, measured: bf16 GEMM TFLOP/s (8192^3) and device-to-device copy GB/s;
+//  - forward+backward over one packed micro-batch (`docs` documents, `tokens` in all): train
+//    tokens/s, MFU against the measured GEMM rate, peak allocated memory;
+//  - a full trainer step (bf16 policy, fp32 master weights + AdamW) on the same tokens;
+//  - log_probs_time: the no-grad forward + per-token log-probs of the same micro-batch;
+//  - update_weights_time: device-to-device weight sync into a rollout engine's model, with and
+//    without the post-copy check, and a plain copy of the same bytes;
+//  - train/rollout log-prob abs diff: completions sampled by the CUDA rollout engine, their
+//    behaviour log-probs against the trainer's packed forward (routing replay on).
+// Prints a table, and with json_path writes every number as JSON (used by
+// experiments/bench_gpu_vs_transformers.py, which runs transformers on the same shapes).
+// Also writes the model's HF config.json to config_dir when set.
+#include <cstdint>
+#include <string>
+
+namespace kiln::experiments {
+
+struct GpuBenchOptions {
+  int64_t layers = 4;
+  int64_t tokens = 8192, docs = 8;
+  int steps = 5, warmup = 2;
+  double bucket_mib = 512;
+  int64_t rollout_prompts = 32, rollout_prompt_tokens = 256, rollout_new_tokens = 32;
+  std::string json_path, config_dir;
+};
+
+int run_gpu_bench(const GpuBenchOptions& options);
+
+}  // namespace kiln::experiments
