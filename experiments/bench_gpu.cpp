@@ -127,6 +127,18 @@ int run_gpu_bench(const GpuBenchOptions& o) {
     (void)policy->token_logprobs(out, targets, 4096);
   });
   J["log_probs_time_s"] = lpt;
+  // Breakdown: the log-prob head alone (lm_head GEMMs + softmax over V), forward+backward.
+  {
+    auto h = (0.5 * torch::randn({o.tokens, cfg.hidden_size}, bf16)).requires_grad_();
+    auto w = policy->lm_head_weight().detach().clone().requires_grad_();
+    J["logprob_head_fwd_bwd_s"] = median_seconds(o.warmup, o.steps, [&] {
+      model::token_logprobs(h, w, targets, 4096).sum().backward();
+    });
+    J["forward_no_grad_s"] = median_seconds(o.warmup, o.steps, [&] {
+      torch::NoGradGuard ng;
+      (void)policy->forward(batch);
+    });
+  }
 
   // 3. Rollout on the GPU, then a full trainer step on its completions' shape.
   auto engine_model = build();
@@ -229,7 +241,8 @@ int run_gpu_bench(const GpuBenchOptions& o) {
               100.0 * J["mfu"].get<double>(), fb_peak);
   std::printf("  trainer step (AdamW) %8.3f s  %9.0f tokens/s  peak %.1f GiB\n", J["trainer_step_s"].get<double>(),
               J["trainer_step_tokens_per_s"].get<double>(), J["trainer_step_peak_memory_gib"].get<double>());
-  std::printf("  log_probs_time       %8.3f s\n", lpt);
+  std::printf("  log_probs_time       %8.3f s  (decoder forward %.3f s; log-prob head fwd+bwd %.3f s)\n", lpt,
+              J["forward_no_grad_s"].get<double>(), J["logprob_head_fwd_bwd_s"].get<double>());
   std::printf("  rollout (engine)     %8.3f s  %9.0f generated tokens/s\n", rollout_s, J["rollout_tokens_per_s"].get<double>());
   std::printf("  update_weights_time  %8.3f s  %6.0f GB/s (%.0f GB/s unchecked) vs plain copy %.0f GB/s of %.2f GB\n",
               J["update_weights_time_s"].get<double>(), J["update_weights_gbs"].get<double>(),

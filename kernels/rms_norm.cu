@@ -1,5 +1,8 @@
 // Fused RMSNorm kernels: one block per row, fp32 accumulation, warp-shuffle reductions.
+#include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+
+#include <algorithm>
 #include <c10/cuda/CUDAException.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -63,25 +66,32 @@ __global__ void __launch_bounds__(kThreads) rms_norm_fwd(RmsNormParams p) {
   }
 }
 
+// Grid-stride over rows: each block accumulates its rows' dw = sum(dy * n) in shared memory
+// (each thread owns its columns: no atomics, no contention) and writes one partial row;
+// the host sums the [blocks, D] partials.
 template <class T>
 __global__ void __launch_bounds__(kThreads) rms_norm_bwd(RmsNormParams p) {
-  const int64_t row = blockIdx.x;
-  const T* x = static_cast<const T*>(p.x) + row * p.dim;
+  extern __shared__ float dw_acc[];  // [dim]
+  for (int64_t i = threadIdx.x; i < p.dim; i += kThreads) dw_acc[i] = 0.f;
   const T* w = static_cast<const T*>(p.w);
-  const T* dy = static_cast<const T*>(p.dy) + row * p.dim;
-  T* dx = static_cast<T*>(p.y) + row * p.dim;
-  const float rstd = p.rstd[row];
-  float dot = 0.f;  // sum(dn * n)
-  for (int64_t i = threadIdx.x; i < p.dim; i += kThreads) {
-    const float n = to_f(x[i]) * rstd, g = to_f(dy[i]);
-    dot += g * to_f(w[i]) * n;
-    atomicAdd(&p.dw[i], g * n);
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const T* x = static_cast<const T*>(p.x) + row * p.dim;
+    const T* dy = static_cast<const T*>(p.dy) + row * p.dim;
+    T* dx = static_cast<T*>(p.y) + row * p.dim;
+    const float rstd = p.rstd[row];
+    float dot = 0.f;  // sum(dn * n)
+    for (int64_t i = threadIdx.x; i < p.dim; i += kThreads) {
+      const float n = to_f(x[i]) * rstd, g = to_f(dy[i]);
+      dot += g * to_f(w[i]) * n;
+      dw_acc[i] += g * n;
+    }
+    const float mean_dot = block_sum(dot) / float(p.dim);
+    for (int64_t i = threadIdx.x; i < p.dim; i += kThreads) {
+      const float n = to_f(x[i]) * rstd;
+      dx[i] = from_f<T>(rstd * (to_f(dy[i]) * to_f(w[i]) - n * mean_dot));
+    }
   }
-  const float mean_dot = block_sum(dot) / float(p.dim);
-  for (int64_t i = threadIdx.x; i < p.dim; i += kThreads) {
-    const float n = to_f(x[i]) * rstd;
-    dx[i] = from_f<T>(rstd * (to_f(dy[i]) * to_f(w[i]) - n * mean_dot));
-  }
+  for (int64_t i = threadIdx.x; i < p.dim; i += kThreads) p.dw[blockIdx.x * p.dim + i] = dw_acc[i];
 }
 
 template <class F>
@@ -108,14 +118,20 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& w, double eps, at::
 
 void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, const at::Tensor& rstd,
                        at::Tensor& dx, at::Tensor& dw_fp32) {
+  if (x.size(0) == 0) return;
+  const size_t smem = size_t(x.size(1)) * sizeof(float);
+  TORCH_CHECK(smem <= 48 * 1024, "rms_norm backward: D = ", x.size(1), " over the kernel's limit of 12288");
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t blocks = std::min<int64_t>(x.size(0), 4 * int64_t(sms));
+  auto partial = at::empty({blocks, x.size(1)}, x.options().dtype(at::kFloat));  // [blocks, D]
   RmsNormParams p{x.data_ptr(), w.data_ptr(), dy.data_ptr(), dx.data_ptr(), rstd.data_ptr<float>(),
-                  dw_fp32.data_ptr<float>(), x.size(0), x.size(1), 0.f};
-  if (p.rows == 0) return;
+                  partial.data_ptr<float>(), x.size(0), x.size(1), 0.f};
   auto stream = at::cuda::getCurrentCUDAStream();
   dispatch(x.scalar_type(), [&](auto tag) {
-    rms_norm_bwd<decltype(tag)><<<unsigned(p.rows), kThreads, 0, stream>>>(p);
+    rms_norm_bwd<decltype(tag)><<<unsigned(blocks), kThreads, smem, stream>>>(p);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  at::sum_out(dw_fp32, partial, {0});
 }
 
 }  // namespace kiln::kernels::cuda

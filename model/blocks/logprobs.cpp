@@ -60,8 +60,12 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
       dz.scatter_add_(1, safe.narrow(0, s, n).unsqueeze(1), glp);
       if (entropy_grad)
         dz -= grads[1].to(torch::kFloat32).narrow(0, s, n).unsqueeze(1) * p * (z - mean_z.narrow(0, s, n).unsqueeze(1));
-      grad_h.narrow(0, s, n).copy_(dz.to(hidden.scalar_type()).mm(weight));   // [n, D]
-      grad_w.addmm_(dz.t(), hidden.narrow(0, s, n).to(torch::kFloat32));      // [V, D]
+      auto dz_lp = dz.to(hidden.scalar_type());
+      grad_h.narrow(0, s, n).copy_(dz_lp.mm(weight));                        // [n, D]
+      if (hidden.is_cuda() && hidden.scalar_type() != torch::kFloat32)        // tensor cores, fp32 accumulate
+        grad_w = at::addmm(grad_w, dz_lp.t(), hidden.narrow(0, s, n), torch::kFloat32);
+      else
+        grad_w.addmm_(dz.t(), hidden.narrow(0, s, n).to(torch::kFloat32));    // [V, D]
     }
     return {grad_h, grad_w.to(weight.scalar_type()), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
