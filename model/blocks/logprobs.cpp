@@ -1,14 +1,17 @@
 #include "model/blocks/logprobs.hpp"
 
+#include "kernels/logprobs.hpp"
+
 namespace kiln::model {
 
 namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Chunk [s, s+n): fp32 logits [n, V].
+// Chunk [s, s+n): logits [n, V] in the model's dtype (one GEMM); kernels/logprobs.hpp reads
+// them in fp32.
 torch::Tensor chunk_logits(const torch::Tensor& h, const torch::Tensor& w, int64_t s, int64_t n) {
-  return torch::nn::functional::linear(h.narrow(0, s, n), w).to(torch::kFloat32);
+  return torch::nn::functional::linear(h.narrow(0, s, n), w);
 }
 
 // Log-probs of targets and, when `with_entropy`, the entropy of each row; the backward
@@ -18,21 +21,17 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
                                const torch::Tensor& targets, int64_t chunk, bool with_entropy) {
     const int64_t T = hidden.size(0);
     auto fopt = hidden.options().dtype(torch::kFloat32);
-    auto out = torch::zeros({T}, fopt), lse = torch::zeros({T}, fopt);
-    auto ent = torch::zeros({with_entropy ? T : 0}, fopt), mean_z = torch::zeros({with_entropy ? T : 0}, fopt);
-    auto valid = targets >= 0;
-    auto safe = targets.clamp_min(0);
+    auto out = torch::empty({T}, fopt), lse = torch::empty({T}, fopt);
+    auto ent = torch::empty({with_entropy ? T : 0}, fopt), mean_z = torch::empty({with_entropy ? T : 0}, fopt);
     for (int64_t s = 0; s < T; s += chunk) {
       const int64_t n = std::min(chunk, T - s);
-      auto z = chunk_logits(hidden, weight, s, n);  // [n, V] fp32
-      auto l = z.logsumexp(-1);                     // [n]
-      auto picked = z.gather(1, safe.narrow(0, s, n).unsqueeze(1)).squeeze(1);
+      auto [lp, l, e, mz] =
+          kernels::logprob_chunk_forward(chunk_logits(hidden, weight, s, n), targets.narrow(0, s, n), with_entropy);
+      out.narrow(0, s, n).copy_(lp);
       lse.narrow(0, s, n).copy_(l);
-      out.narrow(0, s, n).copy_(torch::where(valid.narrow(0, s, n), picked - l, torch::zeros_like(l)));
       if (with_entropy) {
-        auto ez = ((z - l.unsqueeze(1)).exp() * z).sum(-1);  // E_p[z]
-        mean_z.narrow(0, s, n).copy_(ez);
-        ent.narrow(0, s, n).copy_(l - ez);                   // H = lse - E_p[z]
+        ent.narrow(0, s, n).copy_(e);
+        mean_z.narrow(0, s, n).copy_(mz);
       }
     }
     ctx->save_for_backward({hidden, weight, targets, lse, mean_z});
@@ -48,24 +47,22 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
     const bool entropy_grad = ctx->saved_data["with_entropy"].toBool() && grads[1].defined();
     auto g_lp = grads[0].defined() ? grads[0].to(torch::kFloat32) * (targets >= 0).to(torch::kFloat32)
                                    : torch::zeros({T}, hidden.options().dtype(torch::kFloat32));
-    auto safe = targets.clamp_min(0);
-    auto grad_h = torch::zeros_like(hidden);
+    auto g_ent = entropy_grad ? grads[1].to(torch::kFloat32) : torch::Tensor();
+    auto grad_h = torch::empty_like(hidden);
     auto grad_w = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32));
+    const bool tensor_cores = hidden.is_cuda() && hidden.scalar_type() != torch::kFloat32;
     for (int64_t s = 0; s < T; s += chunk) {
       const int64_t n = std::min(chunk, T - s);
-      auto z = chunk_logits(hidden, weight, s, n);                       // recomputed [n, V]
-      auto p = (z - lse.narrow(0, s, n).unsqueeze(1)).exp();
-      auto glp = g_lp.narrow(0, s, n).unsqueeze(1);                      // [n, 1]
-      auto dz = -p * glp;                                                // d(logit_y - lse) = onehot(y) - p
-      dz.scatter_add_(1, safe.narrow(0, s, n).unsqueeze(1), glp);
-      if (entropy_grad)
-        dz -= grads[1].to(torch::kFloat32).narrow(0, s, n).unsqueeze(1) * p * (z - mean_z.narrow(0, s, n).unsqueeze(1));
-      auto dz_lp = dz.to(hidden.scalar_type());
-      grad_h.narrow(0, s, n).copy_(dz_lp.mm(weight));                        // [n, D]
-      if (hidden.is_cuda() && hidden.scalar_type() != torch::kFloat32)        // tensor cores, fp32 accumulate
-        grad_w = at::addmm(grad_w, dz_lp.t(), hidden.narrow(0, s, n), torch::kFloat32);
+      auto dz = kernels::logprob_chunk_backward(chunk_logits(hidden, weight, s, n), targets.narrow(0, s, n),
+                                                lse.narrow(0, s, n), g_lp.narrow(0, s, n),
+                                                entropy_grad ? g_ent.narrow(0, s, n) : torch::Tensor(),
+                                                entropy_grad ? mean_z.narrow(0, s, n) : torch::Tensor());  // [n, V]
+      auto h = hidden.narrow(0, s, n);
+      grad_h.narrow(0, s, n).copy_(dz.to(hidden.scalar_type()).mm(weight));  // [n, D]
+      if (tensor_cores)  // bf16 GEMM, fp32 accumulation into the [V, D] gradient
+        grad_w = at::addmm(grad_w, dz.t(), h, torch::kFloat32);
       else
-        grad_w.addmm_(dz.t(), hidden.narrow(0, s, n).to(torch::kFloat32));    // [V, D]
+        grad_w.addmm_(dz.to(torch::kFloat32).t(), h.to(torch::kFloat32));
     }
     return {grad_h, grad_w.to(weight.scalar_type()), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }

@@ -1,0 +1,98 @@
+#include "kernels/logprobs.hpp"
+
+#include <torch/torch.h>
+
+#ifdef KILN_CUDA
+#include "kernels/logprobs_cuda.hpp"
+#endif
+
+namespace kiln::kernels {
+
+namespace {
+void check(const at::Tensor& z, const at::Tensor& targets) {
+  TORCH_CHECK(z.dim() == 2 && targets.dim() == 1 && targets.size(0) == z.size(0),
+              "logprob kernels: z must be [n, V] and targets [n], got ", z.sizes(), " and ", targets.sizes());
+}
+bool use_cuda(const at::Tensor& z) {
+#ifdef KILN_CUDA
+  return z.is_cuda() && (z.scalar_type() == at::kBFloat16 || z.scalar_type() == at::kHalf);
+#else
+  return false;
+#endif
+}
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprob_chunk_forward_ref(const at::Tensor& z_in,
+                                                                                     const at::Tensor& targets,
+                                                                                     bool with_entropy) {
+  check(z_in, targets);
+  auto z = z_in.to(at::kFloat);
+  auto l = z.logsumexp(-1);                                                     // [n]
+  auto valid = targets >= 0;
+  auto picked = z.gather(1, targets.clamp_min(0).unsqueeze(1)).squeeze(1);
+  auto logp = torch::where(valid, picked - l, torch::zeros_like(l));
+  at::Tensor ent, mean_z;
+  if (with_entropy) {
+    mean_z = ((z - l.unsqueeze(1)).exp() * z).sum(-1);                          // E_p[z]
+    ent = l - mean_z;
+  }
+  return {logp, l, ent, mean_z};
+}
+
+at::Tensor logprob_chunk_backward_ref(const at::Tensor& z_in, const at::Tensor& targets, const at::Tensor& lse,
+                                      const at::Tensor& g_lp, const at::Tensor& g_ent, const at::Tensor& mean_z) {
+  check(z_in, targets);
+  auto z = z_in.to(at::kFloat);
+  auto p = (z - lse.unsqueeze(1)).exp();
+  auto g = g_lp.unsqueeze(1);
+  auto dz = -p * g;                                                             // onehot(y) - p, scaled
+  dz.scatter_add_(1, targets.clamp_min(0).unsqueeze(1), g);
+  if (g_ent.defined()) dz -= g_ent.unsqueeze(1) * p * (z - mean_z.unsqueeze(1));
+  return dz.to(z_in.scalar_type());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprob_chunk_forward(const at::Tensor& z,
+                                                                                 const at::Tensor& targets,
+                                                                                 bool with_entropy) {
+  if (!use_cuda(z)) return logprob_chunk_forward_ref(z, targets, with_entropy);
+#ifdef KILN_CUDA
+  check(z, targets);
+  auto fopt = z.options().dtype(at::kFloat);
+  const int64_t n = z.size(0);
+  auto logp = torch::empty({n}, fopt), lse = torch::empty({n}, fopt);
+  at::Tensor ent, mean_z;
+  if (with_entropy) {
+    ent = torch::empty({n}, fopt);
+    mean_z = torch::empty({n}, fopt);
+  }
+  auto zc = z.contiguous();
+  auto tc = targets.to(z.device(), at::kLong).contiguous();
+  cuda::logprob_forward(zc, tc, logp, lse, with_entropy ? &ent : nullptr, with_entropy ? &mean_z : nullptr);
+  return {logp, lse, ent, mean_z};
+#else
+  return logprob_chunk_forward_ref(z, targets, with_entropy);
+#endif
+}
+
+at::Tensor logprob_chunk_backward(const at::Tensor& z, const at::Tensor& targets, const at::Tensor& lse,
+                                  const at::Tensor& g_lp, const at::Tensor& g_ent, const at::Tensor& mean_z) {
+  if (!use_cuda(z)) return logprob_chunk_backward_ref(z, targets, lse, g_lp, g_ent, mean_z);
+#ifdef KILN_CUDA
+  check(z, targets);
+  auto zc = z.contiguous();
+  auto dz = torch::empty_like(zc);
+  auto tc = targets.to(z.device(), at::kLong).contiguous();
+  auto lc = lse.to(at::kFloat).contiguous(), gc = g_lp.to(at::kFloat).contiguous();
+  at::Tensor ge, mz;
+  if (g_ent.defined()) {
+    ge = g_ent.to(at::kFloat).contiguous();
+    mz = mean_z.to(at::kFloat).contiguous();
+  }
+  cuda::logprob_backward(zc, tc, lc, gc, g_ent.defined() ? &ge : nullptr, g_ent.defined() ? &mz : nullptr, dz);
+  return dz;
+#else
+  return logprob_chunk_backward_ref(z, targets, lse, g_lp, g_ent, mean_z);
+#endif
+}
+
+}  // namespace kiln::kernels
