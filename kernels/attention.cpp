@@ -40,6 +40,44 @@ struct FlashVarlenFn : public torch::autograd::Function<FlashVarlenFn> {
 #endif
 }  // namespace
 
+at::Tensor varlen_attention_cached_ref(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       const at::Tensor& cu_q, const at::Tensor& cu_k, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k.size(0) == v.size(0) && q.size(1) == k.size(1) &&
+                  q.size(2) == k.size(2) && cu_q.sizes() == cu_k.sizes(),
+              "varlen_attention_cached: q [Tq, H, D], k [Tk, H, D], v [Tk, H, Dv] and cu_q, cu_k [B+1] expected");
+  auto cq = cu_q.to(torch::kCPU).to(torch::kInt64), ck = cu_k.to(torch::kCPU).to(torch::kInt64);
+  const auto *a = cq.data_ptr<int64_t>(), *c = ck.data_ptr<int64_t>();
+  std::vector<at::Tensor> outs;
+  for (int64_t b = 0; b + 1 < cq.size(0); ++b) {
+    const int64_t n = a[b + 1] - a[b], L = c[b + 1] - c[b];
+    TORCH_CHECK(n <= L, "varlen_attention_cached: sequence ", b, " has ", n, " queries but ", L, " keys");
+    if (n == 0) continue;
+    auto qh = q.narrow(0, a[b], n).transpose(0, 1), kh = k.narrow(0, c[b], L).transpose(0, 1);
+    auto vh = v.narrow(0, c[b], L).transpose(0, 1);
+    auto visible = torch::arange(L, q.options().dtype(torch::kInt64)).view({1, L}) <=
+                   torch::arange(n, q.options().dtype(torch::kInt64)).view({n, 1}) + (L - n);  // [n, L]
+    outs.push_back(at::scaled_dot_product_attention(qh, kh, vh, visible, 0.0, false, scale).transpose(0, 1));
+  }
+  return torch::cat(outs, 0);  // [Tq, H, Dv]
+}
+
+at::Tensor varlen_attention_cached(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& cu_q, const at::Tensor& cu_k, double scale, int64_t max_q,
+                                   int64_t max_k) {
+  if (!varlen_attention_uses_flash(q, v)) return varlen_attention_cached_ref(q, k, v, cu_q, cu_k, scale);
+#ifdef KILN_CUDA
+  torch::NoGradGuard no_grad;
+  const int64_t Dqk = q.size(-1), Dv = v.size(-1);
+  auto vp = Dv == Dqk ? v : torch::nn::functional::pad(v, torch::nn::functional::PadFuncOptions({0, Dqk - Dv}));
+  auto out = std::get<0>(at::_flash_attention_forward(
+      q.contiguous(), k.contiguous(), vp.contiguous(), cu_q.to(q.device(), torch::kInt32),
+      cu_k.to(q.device(), torch::kInt32), max_q, max_k, 0.0, /*is_causal=*/true, false, scale));
+  return Dv == Dqk ? out : out.narrow(-1, 0, Dv);
+#else
+  return varlen_attention_cached_ref(q, k, v, cu_q, cu_k, scale);
+#endif
+}
+
 bool varlen_attention_uses_flash(const at::Tensor& q, const at::Tensor& v) {
 #ifdef KILN_CUDA
   const auto t = q.scalar_type();

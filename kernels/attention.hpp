@@ -21,6 +21,18 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
 /// LibTorch reference, any device and dtype.
 at::Tensor varlen_attention_ref(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& cu_seqlens, double scale);
+
+/// Incremental form (rollout with a cache): sequence b has queries q[cu_q[b] : cu_q[b+1]] that
+/// are its LAST (cu_q[b+1] - cu_q[b]) positions, and keys/values k, v[cu_k[b] : cu_k[b+1]] for
+/// all its positions; causal, aligned at the end (query j of n sees keys 0 .. L - n + j).
+/// q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv] -> [Tq, H, Dv]. Inference only (no autograd
+/// on the CUDA path). Same dispatch as varlen_attention: one FlashAttention-2 varlen launch on
+/// CUDA bf16/fp16 (so rollout runs the training kernel), per-sequence masked SDPA elsewhere.
+at::Tensor varlen_attention_cached(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& cu_q, const at::Tensor& cu_k, double scale, int64_t max_q,
+                                   int64_t max_k);
+at::Tensor varlen_attention_cached_ref(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       const at::Tensor& cu_q, const at::Tensor& cu_k, double scale);
 /// True when varlen_attention would take the FlashAttention path for these inputs.
 bool varlen_attention_uses_flash(const at::Tensor& q, const at::Tensor& v);
 

@@ -4,8 +4,10 @@
 // the same package, so names and layouts match one to one: grouped expert tensors travel as
 // they are, no gather or split). Tensors go in buckets of at most `bucket_bytes` in name
 // order, a layer's q_a and kv_a projections in one bucket (fused_partner's rule, in kiln's
-// names); after each bucket the engine's copy is compared with the source on the device
-// (bit-exact, one host read per bucket) and the sync fails naming every tensor that differs.
+// names). With `verify`, the copy kernel also computes each source tensor's checksum in the
+// same pass (kernels/checksum.hpp), the engine re-reads its storage once for its own checksum
+// after each bucket, and one host read per bucket compares them: the sync fails naming every
+// tensor that differs. Device traffic: 3 passes over the bytes instead of the plain copy's 2.
 // Both modules must be on the same device; dtypes may differ (the copy converts).
 #include <cstdint>
 #include <string>

@@ -18,15 +18,23 @@ torch::Tensor chunk_logits(const torch::Tensor& h, const torch::Tensor& w, int64
 // recomputes each chunk's logits. dH/dz_v = -p_v (z_v - E_p[z]).
 struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
   static variable_list forward(AutogradContext* ctx, const torch::Tensor& hidden, const torch::Tensor& weight,
-                               const torch::Tensor& targets, int64_t chunk, bool with_entropy) {
+                               const torch::Tensor& targets, int64_t chunk, bool with_entropy, bool keep_logits) {
     const int64_t T = hidden.size(0);
+    // keep_logits: the whole [T, V] in the model's (16-bit) dtype, for the backward to reuse.
+    auto kept = keep_logits ? torch::empty({T, weight.size(0)}, hidden.options()) : torch::Tensor();
     auto fopt = hidden.options().dtype(torch::kFloat32);
     auto out = torch::empty({T}, fopt), lse = torch::empty({T}, fopt);
     auto ent = torch::empty({with_entropy ? T : 0}, fopt), mean_z = torch::empty({with_entropy ? T : 0}, fopt);
     for (int64_t s = 0; s < T; s += chunk) {
       const int64_t n = std::min(chunk, T - s);
-      auto [lp, l, e, mz] =
-          kernels::logprob_chunk_forward(chunk_logits(hidden, weight, s, n), targets.narrow(0, s, n), with_entropy);
+      torch::Tensor z;
+      if (keep_logits) {
+        z = kept.narrow(0, s, n);
+        at::mm_out(z, hidden.narrow(0, s, n), weight.t());
+      } else {
+        z = chunk_logits(hidden, weight, s, n);
+      }
+      auto [lp, l, e, mz] = kernels::logprob_chunk_forward(z, targets.narrow(0, s, n), with_entropy);
       out.narrow(0, s, n).copy_(lp);
       lse.narrow(0, s, n).copy_(l);
       if (with_entropy) {
@@ -34,7 +42,7 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
         mean_z.narrow(0, s, n).copy_(mz);
       }
     }
-    ctx->save_for_backward({hidden, weight, targets, lse, mean_z});
+    ctx->save_for_backward({hidden, weight, targets, lse, mean_z, kept});
     ctx->saved_data["chunk"] = chunk;
     ctx->saved_data["with_entropy"] = with_entropy;
     return {out, ent};
@@ -42,7 +50,8 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    const auto &hidden = saved[0], &weight = saved[1], &targets = saved[2], &lse = saved[3], &mean_z = saved[4];
+    const auto &hidden = saved[0], &weight = saved[1], &targets = saved[2], &lse = saved[3], &mean_z = saved[4],
+               &kept = saved[5];
     const int64_t chunk = ctx->saved_data["chunk"].toInt(), T = hidden.size(0);
     const bool entropy_grad = ctx->saved_data["with_entropy"].toBool() && grads[1].defined();
     auto g_lp = grads[0].defined() ? grads[0].to(torch::kFloat32) * (targets >= 0).to(torch::kFloat32)
@@ -53,7 +62,8 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
     const bool tensor_cores = hidden.is_cuda() && hidden.scalar_type() != torch::kFloat32;
     for (int64_t s = 0; s < T; s += chunk) {
       const int64_t n = std::min(chunk, T - s);
-      auto dz = kernels::logprob_chunk_backward(chunk_logits(hidden, weight, s, n), targets.narrow(0, s, n),
+      auto z = kept.defined() ? kept.narrow(0, s, n) : chunk_logits(hidden, weight, s, n);  // kept or recomputed
+      auto dz = kernels::logprob_chunk_backward(z, targets.narrow(0, s, n),
                                                 lse.narrow(0, s, n), g_lp.narrow(0, s, n),
                                                 entropy_grad ? g_ent.narrow(0, s, n) : torch::Tensor(),
                                                 entropy_grad ? mean_z.narrow(0, s, n) : torch::Tensor());  // [n, V]
@@ -64,9 +74,16 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
       else
         grad_w.addmm_(dz.to(torch::kFloat32).t(), h.to(torch::kFloat32));
     }
-    return {grad_h, grad_w.to(weight.scalar_type()), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return {grad_h, grad_w.to(weight.scalar_type()), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
+
+// Keep the logits for the backward when a backward will run, they are 16-bit, and they fit.
+bool keep_logits(const torch::Tensor& hidden, const torch::Tensor& weight) {
+  return torch::GradMode::is_enabled() && (hidden.requires_grad() || weight.requires_grad()) &&
+         hidden.scalar_type() != torch::kFloat32 && hidden.scalar_type() != torch::kFloat64 &&
+         hidden.size(0) * weight.size(0) * int64_t(hidden.element_size()) <= kKeepLogitsMaxBytes;
+}
 }  // namespace
 
 std::pair<torch::Tensor, torch::Tensor> token_logprobs_and_entropy(const torch::Tensor& hidden_TD,
@@ -76,7 +93,8 @@ std::pair<torch::Tensor, torch::Tensor> token_logprobs_and_entropy(const torch::
               "token_logprobs_and_entropy: hidden [T, D] and weight [V, D] expected");
   TORCH_CHECK(targets_T.dim() == 1 && targets_T.size(0) == hidden_TD.size(0), "token_logprobs_and_entropy: targets [T]");
   TORCH_CHECK(chunk > 0, "token_logprobs_and_entropy: chunk must be > 0");
-  auto r = ChunkedLogProbs::apply(hidden_TD, weight_VD, targets_T.to(hidden_TD.device(), torch::kInt64), chunk, true);
+  auto r = ChunkedLogProbs::apply(hidden_TD, weight_VD, targets_T.to(hidden_TD.device(), torch::kInt64), chunk, true,
+                                 keep_logits(hidden_TD, weight_VD));
   return {r[0], r[1]};
 }
 
@@ -87,7 +105,8 @@ torch::Tensor token_logprobs(const torch::Tensor& hidden_TD, const torch::Tensor
               weight_VD.sizes());
   TORCH_CHECK(targets_T.dim() == 1 && targets_T.size(0) == hidden_TD.size(0), "token_logprobs: targets must be [T]");
   TORCH_CHECK(chunk > 0, "token_logprobs: chunk must be > 0");
-  return ChunkedLogProbs::apply(hidden_TD, weight_VD, targets_T.to(hidden_TD.device(), torch::kInt64), chunk, false)[0];
+  return ChunkedLogProbs::apply(hidden_TD, weight_VD, targets_T.to(hidden_TD.device(), torch::kInt64), chunk, false,
+                                 keep_logits(hidden_TD, weight_VD))[0];
 }
 
 torch::Tensor next_token_targets(const torch::Tensor& input_ids, const torch::Tensor& cu_seqlens) {

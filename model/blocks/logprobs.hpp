@@ -1,11 +1,18 @@
 #pragma once
 // Per-token log-probabilities of given targets straight from the final hidden states, in
-// chunks of tokens: forward and backward hold at most [chunk, V] fp32 logits, never [T, V]
-// (with V = 154880 the full fp32 logits would be the memory peak of a training step).
+// chunks of tokens: forward and backward hold at most [chunk, V] fp32 values, never [T, V]
+// in fp32 (with V = 154880 the full fp32 logits would be the memory peak of a training step).
+// When a backward will run, the model is 16-bit (bf16/fp16) and [T, V] in that dtype fits in
+// kKeepLogitsMaxBytes, the forward keeps those logits for the backward instead of recomputing
+// them (one GEMM of 2*T*V*D FLOPs saved; 2.5 GB at T = 8192, V = 154880 in bf16).
+// The per-chunk softmax work runs in kernels/logprobs.hpp (fused CUDA kernels for 16-bit CUDA
+// logits, the LibTorch reference otherwise).
 // Legend: T tokens, D hidden, V vocabulary.
 #include <torch/torch.h>
 
 namespace kiln::model {
+
+inline constexpr int64_t kKeepLogitsMaxBytes = int64_t(4) << 30;
 
 /// log softmax(hidden_TD @ weight_VD^T)[t, targets_T[t]], computed in fp32 per chunk of
 /// `chunk` tokens; backward recomputes each chunk's logits. Targets < 0 mark positions with

@@ -45,6 +45,34 @@ torch::Tensor MLAImpl::forward(const torch::Tensor& x, const torch::Tensor& posi
   return o(attn.reshape({T, H * V}));
 }
 
+// The training path's arithmetic on cached latents: expand each sequence's latents through
+// kv_b to per-head keys and values (as forward() does for the whole document) and run the
+// same FlashAttention kernel, end-aligned causal. Costs a kv_b GEMM over every cached token per
+// step, but rollout log-probs then follow the trainer's (same roundings, same kernel).
+torch::Tensor MLAImpl::cached_expanded(const torch::Tensor& q, const std::vector<CachedSlice>& slices,
+                                       torch::Tensor& cache) {
+  const int64_t H = o_.num_heads, Nd = o_.qk_nope_head_dim, R = o_.qk_rope_head_dim, V = o_.v_head_dim,
+                C = o_.kv_lora_rank, BS = cache.size(1);
+  std::vector<int64_t> slots, cu_q{0}, cu_k{0};
+  int64_t max_q = 0, max_k = 0;
+  for (const auto& s : slices) {
+    const int64_t L = s.cached + s.count;
+    for (int64_t p = 0; p < L; ++p) slots.push_back((*s.blocks)[p / BS] * BS + p % BS);
+    cu_q.push_back(cu_q.back() + s.count);
+    cu_k.push_back(cu_k.back() + L);
+    max_q = std::max(max_q, s.count);
+    max_k = std::max(max_k, L);
+  }
+  const auto dev = q.device();
+  auto kv = cache.view({-1, C + R}).index_select(0, torch::tensor(slots, torch::kInt64).to(dev));  // [Tk, C+R]
+  const int64_t Tk = kv.size(0);
+  auto kvb = kv_b(kv.narrow(-1, 0, C)).view({Tk, H, Nd + V});                                     // [Tk, H, Nd+V]
+  auto k = torch::cat({kvb.narrow(-1, 0, Nd), kv.narrow(-1, C, R).unsqueeze(1).expand({Tk, H, R})}, -1);
+  auto attn = kernels::varlen_attention_cached(q, k, kvb.narrow(-1, Nd, V), torch::tensor(cu_q), torch::tensor(cu_k),
+                                               o_.softmax_scale, max_q, max_k);                   // [N, H, V]
+  return o(attn.reshape({q.size(0), H * V}));
+}
+
 torch::Tensor MLAImpl::forward_cached(const torch::Tensor& x, const torch::Tensor& positions,
                                      const std::vector<CachedSlice>& slices, torch::Tensor& cache) {
   const int64_t N = x.size(0), H = o_.num_heads, Nd = o_.qk_nope_head_dim, R = o_.qk_rope_head_dim,
@@ -66,6 +94,9 @@ torch::Tensor MLAImpl::forward_cached(const torch::Tensor& x, const torch::Tenso
     }
   auto slot_t = torch::tensor(new_slots, torch::kInt64).to(x.device());
   flat.index_copy_(0, slot_t, torch::cat({latent, k_rope}, -1).to(cache.scalar_type()));
+  auto q_full = torch::cat({q_nope, q_rope}, -1);                                              // [N, H, Nd+R]
+  if (kernels::varlen_attention_uses_flash(q_full, q_full) && cache.scalar_type() == x.scalar_type())
+    return cached_expanded(q_full, slices, cache);
   // Absorb kv_b: W [H, Nd+V, C] -> key part W_uk [H, Nd, C], value part W_uv [H, V, C].
   auto w = kv_b->weight.view({H, Nd + V, C});
   auto w_uk = w.narrow(1, 0, Nd), w_uv = w.narrow(1, Nd, V);

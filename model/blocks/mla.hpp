@@ -44,10 +44,17 @@ class MLAImpl : public torch::nn::Module {
   /// -> [N, D]. Inference only (no autograd through the cache).
   torch::Tensor forward_cached(const torch::Tensor& x, const torch::Tensor& positions,
                                const std::vector<CachedSlice>& slices, torch::Tensor& cache);
+  /// On CUDA in bf16/fp16, forward_cached does not absorb: it expands the cached latents
+  /// through kv_b and runs the training path's FlashAttention kernel (cached_expanded), so that
+  /// rollout log-probs match training's; elsewhere the absorbed latent-space form above.
   /// Width of one cache entry: kv_lora_rank + qk_rope_head_dim.
   int64_t cache_width() const { return o_.kv_lora_rank + o_.qk_rope_head_dim; }
 
   torch::nn::Linear q{nullptr};     ///< [H*(N+R), D], when q_lora_rank is null
+ private:
+  torch::Tensor cached_expanded(const torch::Tensor& q, const std::vector<CachedSlice>& slices, torch::Tensor& cache);
+
+ public:
   torch::nn::Linear q_a{nullptr};   ///< [Q, D]
   RMSNorm q_a_norm{nullptr};        ///< [Q]
   torch::nn::Linear q_b{nullptr};   ///< [H*(N+R), Q]

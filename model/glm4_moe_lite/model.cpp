@@ -27,9 +27,10 @@ DecoderLayerImpl::DecoderLayerImpl(const Glm4MoeLiteConfig& c, int64_t index) {
 }
 
 torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& positions,
-                                        const torch::Tensor& cu_seqlens, const std::optional<torch::Tensor>& replay,
+                                        const torch::Tensor& cu_seqlens, int64_t max_seqlen,
+                                        const std::optional<torch::Tensor>& replay,
                                         torch::Tensor* expert_ids_out) {
-  auto h = x + attn(attn_norm(x), positions, cu_seqlens);
+  auto h = x + attn(attn_norm(x), positions, cu_seqlens, max_seqlen);
   auto y = mlp_norm(h);
   return h + (moe ? moe(y, replay, expert_ids_out) : mlp(y));
 }
@@ -76,6 +77,13 @@ ForwardOutput Glm4MoeLiteModel::forward(const PackedBatch& batch, const ForwardO
   // Inputs may live on the host; the model's device decides (cu_seqlens stays on the host).
   const auto dev = embed->weight.device();
   auto positions = batch.position_ids.to(dev);
+  // Document bounds on the device once (int32, FlashAttention's type), not once per layer:
+  // a host->device copy from pageable memory waits for the stream.
+  const auto cu_host = batch.cu_seqlens.to(torch::kCPU).contiguous();  // already on the host by contract
+  const auto* cu = cu_host.data_ptr<int64_t>();
+  int64_t max_seqlen = 0;
+  for (int64_t b = 0; b + 1 < cu_host.size(0); ++b) max_seqlen = std::max(max_seqlen, cu[b + 1] - cu[b]);
+  auto cu_dev = batch.cu_seqlens.to(dev, torch::kInt32);
   std::optional<torch::Tensor> replay_all;
   if (options.replay_routed_experts) replay_all = options.replay_routed_experts->to(dev);
   auto x = embed(batch.input_ids.to(dev));  // [T, D]
@@ -84,7 +92,7 @@ ForwardOutput Glm4MoeLiteModel::forward(const PackedBatch& batch, const ForwardO
     std::optional<torch::Tensor> replay;
     torch::Tensor chosen;
     if (layer->is_moe() && replay_all) replay = replay_all->select(1, moe_index);  // [T, K]
-    x = layer(x, positions, batch.cu_seqlens, replay, layer->is_moe() && want_ids ? &chosen : nullptr);
+    x = layer(x, positions, cu_dev, max_seqlen, replay, layer->is_moe() && want_ids ? &chosen : nullptr);
     if (layer->is_moe()) {
       if (want_ids) ids.push_back(chosen);
       ++moe_index;

@@ -17,9 +17,11 @@ namespace kiln::model::glm4_moe_lite {
 class DecoderLayerImpl : public torch::nn::Module {
  public:
   DecoderLayerImpl(const Glm4MoeLiteConfig& c, int64_t index);
-  /// x: [T, D] -> [T, D]. For MoE layers, replay/expert_ids_out as in MoEImpl::forward.
+  /// x: [T, D] -> [T, D]. cu_seqlens [B+1] (any device, int32/int64), max_seqlen its longest
+  /// document (0: read off cu_seqlens). For MoE layers, replay/expert_ids_out as in MoEImpl::forward.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cu_seqlens,
-                        const std::optional<torch::Tensor>& replay_ids_TK, torch::Tensor* expert_ids_out);
+                        int64_t max_seqlen, const std::optional<torch::Tensor>& replay_ids_TK,
+                        torch::Tensor* expert_ids_out);
   /// Incremental step (MLAImpl::forward_cached); expert ids as in forward().
   torch::Tensor forward_cached(const torch::Tensor& x, const torch::Tensor& positions,
                                const std::vector<CachedSlice>& slices, torch::Tensor& cache,

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "kernels/attention.hpp"
+#include "kernels/checksum.hpp"
 #include "kernels/logprobs.hpp"
 #include "kernels/moe.hpp"
 #include "kernels/rms_norm.hpp"
@@ -200,4 +201,64 @@ TEST_CASE("CUDA: fused log-prob kernel equals the reference in bf16 (forward, ba
     MESSAGE("fused log-prob backward vs reference rel err " << e);
     CHECK(e <= 1e-2);
   }
+}
+
+TEST_CASE("checksum: the documented formula, position sensitive, copy computes the source's (CPU)") {
+  auto t = torch::tensor({1, 2}, torch::kInt16);
+  // m_0 = 2654435761, m_1 = (2 * 2654435761 mod 2^32) | 1 = 1013904227
+  CHECK(kernels::checksum(t).item<int64_t>() == 2654435761LL + 2 * 1013904227LL);
+  CHECK(kernels::checksum(torch::tensor({2, 1}, torch::kInt16)).item<int64_t>() !=
+        kernels::checksum(t).item<int64_t>());
+  auto src = torch::randn({33}, torch::kBFloat16), dst = torch::zeros_like(src);
+  auto c = kernels::copy_with_checksum(dst, src);
+  CHECK(torch::equal(dst, src));
+  CHECK(c.item<int64_t>() == kernels::checksum_ref(src).item<int64_t>());
+  CHECK_THROWS_WITH(kernels::checksum(torch::zeros({3}, torch::kUInt8)), doctest::Contains("even byte count"));
+}
+
+TEST_CASE("CUDA: checksum and copy kernels equal the reference, aligned or not") {
+  if (!have_gpu()) {
+    MESSAGE("no CUDA device: skipped");
+    return;
+  }
+  auto base = torch::randn({(1 << 22) + 13}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16));
+  for (int64_t off : {0, 1, 8}) {  // 16-byte aligned, and not
+    CAPTURE(off);
+    auto src = base.narrow(0, off, base.size(0) - off - 3);
+    auto want = kernels::checksum_ref(src.contiguous()).item<int64_t>();
+    CHECK(kernels::checksum(src).item<int64_t>() == want);
+    auto dst = torch::zeros_like(src);
+    CHECK(kernels::copy_with_checksum(dst, src).item<int64_t>() == want);
+    CHECK(torch::equal(dst, src));
+  }
+  auto f = torch::randn({1001}, torch::kCUDA);  // fp32 bytes, as uint16 words
+  CHECK(kernels::checksum(f).item<int64_t>() == kernels::checksum_ref(f.cpu()).item<int64_t>());
+}
+
+TEST_CASE("cached varlen attention (end-aligned causal) equals full attention's last rows (CPU)") {
+  torch::manual_seed(8);
+  // Two sequences of 9 and 4 positions; the last 3 and 1 of them are the new queries.
+  auto q_all = torch::randn({13, 2, 16}), k = torch::randn({13, 2, 16}), v = torch::randn({13, 2, 8});
+  auto full = masked_attention(q_all, k, v, {0, 9, 13}, 0.25);  // [13, 2, 8]
+  auto q = torch::cat({q_all.narrow(0, 6, 3), q_all.narrow(0, 12, 1)});
+  auto out = kernels::varlen_attention_cached(q, k, v, torch::tensor({0, 3, 4}), torch::tensor({0, 9, 13}), 0.25, 3, 9);
+  auto want = torch::cat({full.narrow(0, 6, 3), full.narrow(0, 12, 1)});
+  CHECK(rel(out, want) <= 1e-6);
+}
+
+TEST_CASE("CUDA: cached FlashAttention equals the cached reference in bf16") {
+  if (!have_gpu()) {
+    MESSAGE("no CUDA device: skipped");
+    return;
+  }
+  torch::manual_seed(9);
+  auto opt = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  auto q = torch::randn({5, 4, 256}, opt), k = torch::randn({700, 4, 256}, opt), v = torch::randn({700, 4, 256}, opt);
+  auto cu_q = torch::tensor({0, 1, 4, 5}), cu_k = torch::tensor({0, 300, 650, 700});
+  auto out = kernels::varlen_attention_cached(q, k, v, cu_q, cu_k, 0.0625, 3, 350);
+  auto ref = kernels::varlen_attention_cached_ref(q.to(torch::kFloat32), k.to(torch::kFloat32), v.to(torch::kFloat32),
+                                                  cu_q, cu_k, 0.0625);
+  const double e = rel(out, ref);
+  MESSAGE("cached flash vs reference rel err " << e);
+  CHECK(e <= 1e-2);
 }

@@ -1,0 +1,21 @@
+#pragma once
+// Position-weighted checksum of a tensor's bytes, and a device copy that computes the
+// checksum of what it writes in the same pass (weight sync: the sender's checksum comes free
+// with the copy; the receiver re-reads its storage once to check it).
+//   words w_i = the tensor's bytes as little-endian uint16, i = 0 .. n-1 (n = nbytes / 2)
+//   checksum = sum_i w_i * m_i  mod 2^64,  m_i = ((i + 1) * 2654435761 mod 2^32) | 1
+// (the odd multiplier depends on the position, so swapped or shifted words change it).
+// Tensors must be contiguous with an even byte count; any dtype. Results are 0-dim int64
+// tensors on the tensor's device (no host sync); the CUDA kernels and the LibTorch
+// reference give the same value. Throws c10::Error on a non-contiguous tensor, an odd byte
+// count, or dst/src of other shape, dtype or device.
+#include <ATen/core/Tensor.h>
+
+namespace kiln::kernels {
+
+at::Tensor checksum(const at::Tensor& t);
+/// dst <- src (same dtype, shape and device), -> checksum(src) computed while copying.
+at::Tensor copy_with_checksum(at::Tensor& dst, const at::Tensor& src);
+at::Tensor checksum_ref(const at::Tensor& t);
+
+}  // namespace kiln::kernels

@@ -1,0 +1,8 @@
+#pragma once
+// Host entry points of kernels/checksum.cu (CUDA builds only).
+#include <ATen/core/Tensor.h>
+
+namespace kiln::kernels::cuda {
+/// out: 0-dim int64 on the device, zeroed here. dst may be null (checksum only).
+void checksum_copy(const void* src, void* dst, int64_t words, at::Tensor& out);
+}  // namespace kiln::kernels::cuda
