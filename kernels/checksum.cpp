@@ -9,7 +9,7 @@
 namespace kiln::kernels {
 
 namespace {
-int64_t words_of(const at::Tensor& t) {
+int64_t halves_of(const at::Tensor& t) {
   TORCH_CHECK(t.is_contiguous(), "checksum: tensor must be contiguous");
   const int64_t bytes = t.numel() * int64_t(t.element_size());
   TORCH_CHECK(bytes % 2 == 0, "checksum: tensor of ", bytes, " bytes; an even byte count is needed");
@@ -18,19 +18,23 @@ int64_t words_of(const at::Tensor& t) {
 }  // namespace
 
 at::Tensor checksum_ref(const at::Tensor& t) {
-  const int64_t n = words_of(t);
-  if (n == 0) return torch::zeros({}, t.options().dtype(torch::kInt64));
-  auto bytes = t.view({-1}).view(torch::kUInt8);                                   // [2n]
-  auto w = bytes.view(torch::kInt16).to(torch::kInt64).bitwise_and(0xffff);        // [n] little-endian words
+  const int64_t halves = halves_of(t);
+  if (halves == 0) return torch::zeros({}, t.options().dtype(torch::kInt64));
+  auto bytes = t.view({-1}).view(torch::kUInt8);                                   // [2 * halves]
+  if (halves % 2) bytes = torch::cat({bytes, torch::zeros({2}, bytes.options())});  // pad the last word
+  auto w = bytes.view(torch::kInt32).to(torch::kInt64).bitwise_and(int64_t(0xffffffffLL));  // little-endian words
+  const int64_t n = w.size(0);
+  const int64_t mask = int64_t(0xffffffffLL);
   auto idx = torch::arange(1, n + 1, t.options().dtype(torch::kInt64));
-  auto m = (idx * int64_t(2654435761LL)).bitwise_and(int64_t(0xffffffffLL)).bitwise_or(1);
-  return (w * m).sum();  // int64 sum wraps mod 2^64, as the kernel's uint64
+  auto m = (idx * int64_t(2654435761LL)).bitwise_and(mask).bitwise_or(1);
+  // w * m < 2^64 wraps in int64 two's complement; its low 32 bits are the product mod 2^32.
+  return (w * m).bitwise_and(mask).sum();  // < 2^32 per term; int64 sum wraps mod 2^64 like the kernel
 }
 
 at::Tensor checksum(const at::Tensor& t) {
 #ifdef KILN_CUDA
   if (t.is_cuda()) {
-    const int64_t n = words_of(t);
+    const int64_t n = halves_of(t);
     auto out = torch::empty({}, t.options().dtype(torch::kInt64));
     cuda::checksum_copy(t.data_ptr(), nullptr, n, out);
     return out;
@@ -45,7 +49,7 @@ at::Tensor copy_with_checksum(at::Tensor& dst, const at::Tensor& src) {
               src.sizes(), " ", src.scalar_type(), " on ", src.device());
 #ifdef KILN_CUDA
   if (src.is_cuda() && dst.is_contiguous()) {
-    const int64_t n = words_of(src);
+    const int64_t n = halves_of(src);
     auto out = torch::empty({}, src.options().dtype(torch::kInt64));
     cuda::checksum_copy(src.data_ptr(), dst.data_ptr(), n, out);
     return out;

@@ -12,37 +12,36 @@ namespace {
 constexpr int kThreads = 256;
 
 __device__ __forceinline__ unsigned long long term(uint32_t word, int64_t i) {
-  const uint32_t m = (uint32_t(uint64_t(i + 1) * 2654435761ull)) | 1u;
-  return (unsigned long long)(word & 0xffffu) * m;
+  const uint32_t m = (uint32_t(i + 1) * 2654435761u) | 1u;  // mod 2^32
+  return (unsigned long long)(word * m);                    // mod 2^32
 }
 
+// halves: uint16 count. Word i covers halves 2i and 2i+1 (the latter 0 past the end).
 __global__ void __launch_bounds__(kThreads) checksum_copy_kernel(const uint16_t* __restrict__ src,
-                                                                 uint16_t* __restrict__ dst, int64_t words,
+                                                                 uint16_t* __restrict__ dst, int64_t halves,
                                                                  unsigned long long* out) {
   unsigned long long acc = 0;
   const bool vec = (reinterpret_cast<uintptr_t>(src) % 16 == 0) && (!dst || reinterpret_cast<uintptr_t>(dst) % 16 == 0);
   const int64_t stride = int64_t(gridDim.x) * kThreads;
-  int64_t done = 0;
+  int64_t done = 0;  // halves handled by the vector loop
   if (vec) {
-    const int64_t n8 = words / 8;
+    const int64_t n8 = halves / 8;
     const uint4* s = reinterpret_cast<const uint4*>(src);
     uint4* d = reinterpret_cast<uint4*>(dst);
     for (int64_t v = int64_t(blockIdx.x) * kThreads + threadIdx.x; v < n8; v += stride) {
       const uint4 u = s[v];
       if (d) d[v] = u;
-      const uint32_t parts[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        acc += term(parts[j] & 0xffffu, v * 8 + 2 * j);
-        acc += term(parts[j] >> 16, v * 8 + 2 * j + 1);
-      }
+      acc += term(u.x, 4 * v) + term(u.y, 4 * v + 1) + term(u.z, 4 * v + 2) + term(u.w, 4 * v + 3);
     }
     done = n8 * 8;
   }
-  for (int64_t i = done + int64_t(blockIdx.x) * kThreads + threadIdx.x; i < words; i += stride) {
-    const uint16_t w = src[i];
-    if (dst) dst[i] = w;
-    acc += term(w, i);
+  for (int64_t h = done + 2 * (int64_t(blockIdx.x) * kThreads + threadIdx.x); h < halves; h += 2 * stride) {
+    const uint32_t lo = src[h], hi = h + 1 < halves ? src[h + 1] : 0u;
+    if (dst) {
+      dst[h] = uint16_t(lo);
+      if (h + 1 < halves) dst[h + 1] = uint16_t(hi);
+    }
+    acc += term(lo | (hi << 16), h / 2);
   }
   for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
   __shared__ unsigned long long warp_sums[kThreads / 32];
@@ -56,13 +55,13 @@ __global__ void __launch_bounds__(kThreads) checksum_copy_kernel(const uint16_t*
 }
 }  // namespace
 
-void checksum_copy(const void* src, void* dst, int64_t words, at::Tensor& out) {
+void checksum_copy(const void* src, void* dst, int64_t halves, at::Tensor& out) {
   out.zero_();
-  if (words == 0) return;
+  if (halves == 0) return;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((words / 8 + kThreads - 1) / kThreads, 8 * int64_t(sms)));
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((halves / 8 + kThreads - 1) / kThreads, 8 * int64_t(sms)));
   checksum_copy_kernel<<<unsigned(blocks), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), words,
+      static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), halves,
       reinterpret_cast<unsigned long long*>(out.data_ptr<int64_t>()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -2,8 +2,10 @@
 // Position-weighted checksum of a tensor's bytes, and a device copy that computes the
 // checksum of what it writes in the same pass (weight sync: the sender's checksum comes free
 // with the copy; the receiver re-reads its storage once to check it).
-//   words w_i = the tensor's bytes as little-endian uint16, i = 0 .. n-1 (n = nbytes / 2)
-//   checksum = sum_i w_i * m_i  mod 2^64,  m_i = ((i + 1) * 2654435761 mod 2^32) | 1
+//   words w_i = the tensor's bytes as little-endian uint32, i = 0 .. n-1 (n = ceil(nbytes / 4),
+//               a last half word padded with zero bytes)
+//   checksum = sum_i (w_i * m_i mod 2^32)  mod 2^64,  m_i = ((i + 1) * 2654435761 mod 2^32) | 1
+// (32-bit products keep the kernel at memory speed: two integer multiply-adds per 4 bytes)
 // (the odd multiplier depends on the position, so swapped or shifted words change it).
 // Tensors must be contiguous with an even byte count; any dtype. Results are 0-dim int64
 // tensors on the tensor's device (no host sync); the CUDA kernels and the LibTorch

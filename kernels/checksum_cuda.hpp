@@ -4,5 +4,6 @@
 
 namespace kiln::kernels::cuda {
 /// out: 0-dim int64 on the device, zeroed here. dst may be null (checksum only).
-void checksum_copy(const void* src, void* dst, int64_t words, at::Tensor& out);
+/// `halves`: the byte count / 2 (the data are read as uint16 pairs; an odd count pads).
+void checksum_copy(const void* src, void* dst, int64_t halves, at::Tensor& out);
 }  // namespace kiln::kernels::cuda

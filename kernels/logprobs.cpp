@@ -13,9 +13,11 @@ void check(const at::Tensor& z, const at::Tensor& targets) {
   TORCH_CHECK(z.dim() == 2 && targets.dim() == 1 && targets.size(0) == z.size(0),
               "logprob kernels: z must be [n, V] and targets [n], got ", z.sizes(), " and ", targets.sizes());
 }
-bool use_cuda(const at::Tensor& z) {
+bool half(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
+// The kernels take fp32 or 16-bit logits and write 16-bit outputs of the model's dtype.
+bool use_cuda(const at::Tensor& z, at::ScalarType out) {
 #ifdef KILN_CUDA
-  return z.is_cuda() && (z.scalar_type() == at::kBFloat16 || z.scalar_type() == at::kHalf);
+  return z.is_cuda() && half(out) && (z.scalar_type() == at::kFloat || z.scalar_type() == out);
 #else
   return false;
 #endif
@@ -24,8 +26,18 @@ bool use_cuda(const at::Tensor& z) {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprob_chunk_forward_ref(const at::Tensor& z_in,
                                                                                      const at::Tensor& targets,
-                                                                                     bool with_entropy) {
+                                                                                     bool with_entropy,
+                                                                                     const at::Tensor& keep,
+                                                                                     KeptStats* kept) {
   check(z_in, targets);
+  if (keep.defined()) {
+    const_cast<at::Tensor&>(keep).copy_(z_in);
+    if (kept) {
+      auto zk = keep.to(at::kFloat);
+      kept->lse = zk.logsumexp(-1);
+      if (with_entropy) kept->mean_z = ((zk - kept->lse.unsqueeze(1)).exp() * zk).sum(-1);
+    }
+  }
   auto z = z_in.to(at::kFloat);
   auto l = z.logsumexp(-1);                                                     // [n]
   auto valid = targets >= 0;
@@ -40,7 +52,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprob_chunk_forward
 }
 
 at::Tensor logprob_chunk_backward_ref(const at::Tensor& z_in, const at::Tensor& targets, const at::Tensor& lse,
-                                      const at::Tensor& g_lp, const at::Tensor& g_ent, const at::Tensor& mean_z) {
+                                      const at::Tensor& g_lp, const at::Tensor& g_ent, const at::Tensor& mean_z,
+                                      at::ScalarType out_dtype) {
   check(z_in, targets);
   auto z = z_in.to(at::kFloat);
   auto p = (z - lse.unsqueeze(1)).exp();
@@ -48,13 +61,17 @@ at::Tensor logprob_chunk_backward_ref(const at::Tensor& z_in, const at::Tensor& 
   auto dz = -p * g;                                                             // onehot(y) - p, scaled
   dz.scatter_add_(1, targets.clamp_min(0).unsqueeze(1), g);
   if (g_ent.defined()) dz -= g_ent.unsqueeze(1) * p * (z - mean_z.unsqueeze(1));
-  return dz.to(z_in.scalar_type());
+  return dz.to(out_dtype);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprob_chunk_forward(const at::Tensor& z,
                                                                                  const at::Tensor& targets,
-                                                                                 bool with_entropy) {
-  if (!use_cuda(z)) return logprob_chunk_forward_ref(z, targets, with_entropy);
+                                                                                 bool with_entropy,
+                                                                                 const at::Tensor& keep,
+                                                                                 KeptStats* kept) {
+  const auto model_dtype = keep.defined() ? keep.scalar_type() : (half(z.scalar_type()) ? z.scalar_type() : at::kBFloat16);
+  if (!use_cuda(z, model_dtype) || (keep.defined() && (!keep.is_contiguous() || keep.sizes() != z.sizes())))
+    return logprob_chunk_forward_ref(z, targets, with_entropy, keep, kept);
 #ifdef KILN_CUDA
   check(z, targets);
   auto fopt = z.options().dtype(at::kFloat);
@@ -67,20 +84,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprob_chunk_forward
   }
   auto zc = z.contiguous();
   auto tc = targets.to(z.device(), at::kLong).contiguous();
-  cuda::logprob_forward(zc, tc, logp, lse, with_entropy ? &ent : nullptr, with_entropy ? &mean_z : nullptr);
+  at::Tensor kc = keep, klse, kmz;
+  if (keep.defined()) {
+    klse = torch::empty({n}, fopt);
+    if (with_entropy) kmz = torch::empty({n}, fopt);
+  }
+  cuda::logprob_forward(zc, tc, logp, lse, with_entropy ? &ent : nullptr, with_entropy ? &mean_z : nullptr,
+                        keep.defined() ? &kc : nullptr, keep.defined() ? &klse : nullptr,
+                        keep.defined() && with_entropy ? &kmz : nullptr, model_dtype);
+  if (kept && keep.defined()) *kept = KeptStats{klse, kmz};
   return {logp, lse, ent, mean_z};
 #else
-  return logprob_chunk_forward_ref(z, targets, with_entropy);
+  return logprob_chunk_forward_ref(z, targets, with_entropy, keep, kept);
 #endif
 }
 
 at::Tensor logprob_chunk_backward(const at::Tensor& z, const at::Tensor& targets, const at::Tensor& lse,
-                                  const at::Tensor& g_lp, const at::Tensor& g_ent, const at::Tensor& mean_z) {
-  if (!use_cuda(z)) return logprob_chunk_backward_ref(z, targets, lse, g_lp, g_ent, mean_z);
+                                  const at::Tensor& g_lp, const at::Tensor& g_ent, const at::Tensor& mean_z,
+                                  at::ScalarType out_dtype) {
+  if (!use_cuda(z, out_dtype)) return logprob_chunk_backward_ref(z, targets, lse, g_lp, g_ent, mean_z, out_dtype);
 #ifdef KILN_CUDA
   check(z, targets);
   auto zc = z.contiguous();
-  auto dz = torch::empty_like(zc);
+  auto dz = torch::empty(zc.sizes(), zc.options().dtype(out_dtype));
   auto tc = targets.to(z.device(), at::kLong).contiguous();
   auto lc = lse.to(at::kFloat).contiguous(), gc = g_lp.to(at::kFloat).contiguous();
   at::Tensor ge, mz;
@@ -91,7 +117,7 @@ at::Tensor logprob_chunk_backward(const at::Tensor& z, const at::Tensor& targets
   cuda::logprob_backward(zc, tc, lc, gc, g_ent.defined() ? &ge : nullptr, g_ent.defined() ? &mz : nullptr, dz);
   return dz;
 #else
-  return logprob_chunk_backward_ref(z, targets, lse, g_lp, g_ent, mean_z);
+  return logprob_chunk_backward_ref(z, targets, lse, g_lp, g_ent, mean_z, out_dtype);
 #endif
 }
 

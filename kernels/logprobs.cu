@@ -37,39 +37,71 @@ __device__ __forceinline__ Acc add(Acc a, float z) {
   return {a.m, a.s + e, a.sz + e * z};
 }
 
-template <class T>
+template <class T> __device__ __forceinline__ float load_f(T v) { return to_f(v); }
+template <> __device__ __forceinline__ float load_f(float v) { return v; }
+
+// z row-major [n, V] in T (fp32 logits from the GEMM, or 16-bit); keep: optional copy of z
+// rounded to K (the model's dtype), for the backward.
+template <class T, class K>
 __global__ void __launch_bounds__(kThreads) fwd(const T* __restrict__ z, const int64_t* __restrict__ targets,
-                                                float* logp, float* lse, float* ent, float* mean_z, int64_t V) {
+                                                float* logp, float* lse, float* ent, float* mean_z,
+                                                K* __restrict__ keep, float* keep_lse, float* keep_mean_z, int64_t V) {
+  constexpr int kVec = 16 / sizeof(T);
   const int64_t row = blockIdx.x;
   const T* zr = z + row * V;
-  Acc a{-INFINITY, 0.f, 0.f};
-  if (V % 8 == 0) {  // 16-byte loads of 8 values
+  K* kr = keep ? keep + row * V : nullptr;
+  // a: the logits as given; a16: as kept (rounded to K), whose softmax the backward uses.
+  Acc a{-INFINITY, 0.f, 0.f}, a16{-INFINITY, 0.f, 0.f};
+  auto take = [&](int64_t i, float x) {
+    a = add(a, x);
+    if (kr) {
+      const K r = from_f<K>(x);
+      kr[i] = r;
+      a16 = add(a16, to_f(r));
+    }
+  };
+  if (V % kVec == 0) {  // 16-byte loads
     const uint4* v = reinterpret_cast<const uint4*>(zr);
-    for (int64_t i = threadIdx.x; i < V / 8; i += kThreads) {
+    for (int64_t i = threadIdx.x; i < V / kVec; i += kThreads) {
       uint4 u = v[i];
       const T* e = reinterpret_cast<const T*>(&u);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) a = add(a, to_f(e[j]));
+      for (int j = 0; j < kVec; ++j) take(i * kVec + j, load_f(e[j]));
     }
   } else {
-    for (int64_t i = threadIdx.x; i < V; i += kThreads) a = add(a, to_f(zr[i]));
+    for (int64_t i = threadIdx.x; i < V; i += kThreads) take(i, load_f(zr[i]));
   }
-  for (int o = 16; o > 0; o >>= 1) {
-    Acc b{__shfl_xor_sync(0xffffffffu, a.m, o), __shfl_xor_sync(0xffffffffu, a.s, o),
-          __shfl_xor_sync(0xffffffffu, a.sz, o)};
-    a = merge(a, b);
-  }
-  __shared__ Acc warps[kThreads / 32];
+  auto warp_merge = [](Acc x) {
+    for (int o = 16; o > 0; o >>= 1) {
+      Acc b{__shfl_xor_sync(0xffffffffu, x.m, o), __shfl_xor_sync(0xffffffffu, x.s, o),
+            __shfl_xor_sync(0xffffffffu, x.sz, o)};
+      x = merge(x, b);
+    }
+    return x;
+  };
+  a = warp_merge(a);
+  a16 = warp_merge(a16);
+  __shared__ Acc warps[kThreads / 32], warps16[kThreads / 32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) warps[warp] = a;
+  if (lane == 0) {
+    warps[warp] = a;
+    warps16[warp] = a16;
+  }
   __syncthreads();
   if (threadIdx.x == 0) {
-    Acc t = warps[0];
-    for (int w = 1; w < kThreads / 32; ++w) t = merge(t, warps[w]);
+    Acc t = warps[0], t16 = warps16[0];
+    for (int w = 1; w < kThreads / 32; ++w) {
+      t = merge(t, warps[w]);
+      t16 = merge(t16, warps16[w]);
+    }
+    if (kr) {
+      keep_lse[row] = t16.m + __logf(t16.s);
+      if (keep_mean_z) keep_mean_z[row] = t16.sz / t16.s;
+    }
     const float l = t.m + __logf(t.s);
     lse[row] = l;
     const int64_t y = targets[row];
-    logp[row] = (y >= 0 && y < V) ? to_f(zr[y]) - l : 0.f;
+    logp[row] = (y >= 0 && y < V) ? load_f(zr[y]) - l : 0.f;
     if (ent) {
       const float ez = t.sz / t.s;
       mean_z[row] = ez;
@@ -78,14 +110,16 @@ __global__ void __launch_bounds__(kThreads) fwd(const T* __restrict__ z, const i
   }
 }
 
-template <class T>
+// dz (in K, the model's dtype) from z in T.
+template <class T, class K>
 __global__ void __launch_bounds__(kThreads) bwd(const T* __restrict__ z, const int64_t* __restrict__ targets,
                                                 const float* __restrict__ lse, const float* __restrict__ g_lp,
                                                 const float* __restrict__ g_ent, const float* __restrict__ mean_z,
-                                                T* __restrict__ dz, int64_t V) {
+                                                K* __restrict__ dz, int64_t V) {
+  constexpr int kVec = 16 / sizeof(T);
   const int64_t row = blockIdx.x;
   const T* zr = z + row * V;
-  T* dr = dz + row * V;
+  K* dr = dz + row * V;
   const float l = lse[row], g = g_lp[row], ge = g_ent ? g_ent[row] : 0.f, mz = g_ent ? mean_z[row] : 0.f;
   const int64_t y = targets[row];
   auto one = [&](int64_t i, float zv) {
@@ -93,45 +127,53 @@ __global__ void __launch_bounds__(kThreads) bwd(const T* __restrict__ z, const i
     float d = -g * p;
     if (i == y) d += g;
     if (g_ent) d -= ge * p * (zv - mz);
-    return from_f<T>(d);
+    return from_f<K>(d);
   };
-  if (V % 8 == 0) {
+  if (V % kVec == 0) {
     const uint4* v = reinterpret_cast<const uint4*>(zr);
-    uint4* out = reinterpret_cast<uint4*>(dr);
-    for (int64_t i = threadIdx.x; i < V / 8; i += kThreads) {
-      uint4 u = v[i], w;
+    for (int64_t i = threadIdx.x; i < V / kVec; i += kThreads) {
+      uint4 u = v[i];
       const T* e = reinterpret_cast<const T*>(&u);
-      T* o = reinterpret_cast<T*>(&w);
+      K o[kVec];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) o[j] = one(i * 8 + j, to_f(e[j]));
-      out[i] = w;
+      for (int j = 0; j < kVec; ++j) o[j] = one(i * kVec + j, load_f(e[j]));
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) dr[i * kVec + j] = o[j];
     }
   } else {
-    for (int64_t i = threadIdx.x; i < V; i += kThreads) dr[i] = one(i, to_f(zr[i]));
+    for (int64_t i = threadIdx.x; i < V; i += kThreads) dr[i] = one(i, load_f(zr[i]));
   }
 }
 
+// f(T{}, K{}) for z's dtype T (fp32, bf16, fp16) and the 16-bit output dtype K.
 template <class F>
-void dispatch(at::ScalarType t, F f) {
-  switch (t) {
-    case at::kBFloat16: f(__nv_bfloat16{}); break;
-    case at::kHalf: f(__half{}); break;
-    default: TORCH_CHECK(false, "logprob kernels: dtype ", t, " not supported (bf16, fp16)");
+void dispatch(at::ScalarType t, at::ScalarType k, F f) {
+  TORCH_CHECK(k == at::kBFloat16 || k == at::kHalf, "logprob kernels: output dtype ", k, " not supported (bf16, fp16)");
+  TORCH_CHECK(t == at::kFloat || t == k, "logprob kernels: logits dtype ", t, " with output dtype ", k);
+  if (k == at::kBFloat16) {
+    if (t == at::kFloat) f(float{}, __nv_bfloat16{});
+    else f(__nv_bfloat16{}, __nv_bfloat16{});
+  } else {
+    if (t == at::kFloat) f(float{}, __half{});
+    else f(__half{}, __half{});
   }
 }
 }  // namespace
 
 void logprob_forward(const at::Tensor& z, const at::Tensor& targets, at::Tensor& logp, at::Tensor& lse,
-                     at::Tensor* entropy, at::Tensor* mean_z) {
+                     at::Tensor* entropy, at::Tensor* mean_z, at::Tensor* keep, at::Tensor* keep_lse,
+                     at::Tensor* keep_mean_z, at::ScalarType model_dtype) {
   const int64_t n = z.size(0), V = z.size(1);
   if (n == 0) return;
   auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch(z.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    fwd<T><<<unsigned(n), kThreads, 0, stream>>>(static_cast<const T*>(z.data_ptr()), targets.data_ptr<int64_t>(),
-                                                 logp.data_ptr<float>(), lse.data_ptr<float>(),
-                                                 entropy ? entropy->data_ptr<float>() : nullptr,
-                                                 mean_z ? mean_z->data_ptr<float>() : nullptr, V);
+  dispatch(z.scalar_type(), model_dtype, [&](auto t_tag, auto k_tag) {
+    using T = decltype(t_tag);
+    using K = decltype(k_tag);
+    fwd<T, K><<<unsigned(n), kThreads, 0, stream>>>(
+        static_cast<const T*>(z.data_ptr()), targets.data_ptr<int64_t>(), logp.data_ptr<float>(),
+        lse.data_ptr<float>(), entropy ? entropy->data_ptr<float>() : nullptr,
+        mean_z ? mean_z->data_ptr<float>() : nullptr, keep ? static_cast<K*>(keep->data_ptr()) : nullptr,
+        keep_lse ? keep_lse->data_ptr<float>() : nullptr, keep_mean_z ? keep_mean_z->data_ptr<float>() : nullptr, V);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -141,13 +183,14 @@ void logprob_backward(const at::Tensor& z, const at::Tensor& targets, const at::
   const int64_t n = z.size(0), V = z.size(1);
   if (n == 0) return;
   auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch(z.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    bwd<T><<<unsigned(n), kThreads, 0, stream>>>(static_cast<const T*>(z.data_ptr()), targets.data_ptr<int64_t>(),
-                                                 lse.data_ptr<float>(), g_lp.data_ptr<float>(),
-                                                 g_ent ? g_ent->data_ptr<float>() : nullptr,
-                                                 mean_z ? mean_z->data_ptr<float>() : nullptr,
-                                                 static_cast<T*>(dz.data_ptr()), V);
+  dispatch(z.scalar_type(), dz.scalar_type(), [&](auto t_tag, auto k_tag) {
+    using T = decltype(t_tag);
+    using K = decltype(k_tag);
+    bwd<T, K><<<unsigned(n), kThreads, 0, stream>>>(static_cast<const T*>(z.data_ptr()), targets.data_ptr<int64_t>(),
+                                                    lse.data_ptr<float>(), g_lp.data_ptr<float>(),
+                                                    g_ent ? g_ent->data_ptr<float>() : nullptr,
+                                                    mean_z ? mean_z->data_ptr<float>() : nullptr,
+                                                    static_cast<K*>(dz.data_ptr()), V);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -7,9 +7,10 @@
 //             with_entropy: mean_z = E_p[z], entropy = lse - mean_z          (all fp32 [n])
 //   backward: dz = g_lp (onehot(target) - p) - g_ent p (z - mean_z),  p = exp(z - lse)
 //             (d logp/dz and dH/dz; g_lp is 0 where target < 0)            -> [n, V] in z's dtype
-// z: [n, V] (row-major, fp32/bf16/fp16), targets: [n] int64. CUDA bf16/fp16 logits run
-// kernels/logprobs.cu (one block per row: one pass with an online max/sum for the forward,
-// one elementwise pass for the backward); everything else the LibTorch reference.
+// z: [n, V] (row-major, fp32/bf16/fp16), targets: [n] int64. On CUDA, fp32 or 16-bit logits
+// run kernels/logprobs.cu (one block per row: one pass with an online max/sum for the forward,
+// optionally writing a 16-bit copy of z for the backward; one elementwise pass for the
+// backward, writing dz in the 16-bit model dtype); everything else the LibTorch reference.
 // Throws c10::Error on shape mismatch.
 #include <ATen/core/Tensor.h>
 
@@ -17,19 +18,32 @@
 
 namespace kiln::kernels {
 
-/// -> (logp [n], lse [n], entropy [n] or empty, mean_z [n] or empty), fp32.
+/// Statistics of the kept (rounded) logits: the backward from kept logits must use the
+/// softmax of those very values (lse [n], mean_z [n] when with_entropy), so that its
+/// gradient is exactly that of log_softmax(kept), as a bf16-logit model's would be.
+struct KeptStats {
+  at::Tensor lse, mean_z;
+};
+/// -> (logp [n], lse [n], entropy [n] or empty, mean_z [n] or empty), fp32. keep: optional
+/// [n, V] 16-bit tensor that receives z rounded to its dtype; then *kept gets its statistics.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprob_chunk_forward(const at::Tensor& z,
                                                                                  const at::Tensor& targets,
-                                                                                 bool with_entropy);
+                                                                                 bool with_entropy,
+                                                                                 const at::Tensor& keep = {},
+                                                                                 KeptStats* kept = nullptr);
 /// g_lp [n] fp32 (already zero where target < 0); g_ent [n] fp32 or undefined (no entropy
-/// gradient); mean_z needed only with g_ent. -> dz [n, V] in z's dtype.
+/// gradient); mean_z needed only with g_ent. -> dz [n, V] in out_dtype.
 at::Tensor logprob_chunk_backward(const at::Tensor& z, const at::Tensor& targets, const at::Tensor& lse,
-                                  const at::Tensor& g_lp, const at::Tensor& g_ent, const at::Tensor& mean_z);
+                                  const at::Tensor& g_lp, const at::Tensor& g_ent, const at::Tensor& mean_z,
+                                  at::ScalarType out_dtype);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprob_chunk_forward_ref(const at::Tensor& z,
                                                                                      const at::Tensor& targets,
-                                                                                     bool with_entropy);
+                                                                                     bool with_entropy,
+                                                                                     const at::Tensor& keep = {},
+                                                                                     KeptStats* kept = nullptr);
 at::Tensor logprob_chunk_backward_ref(const at::Tensor& z, const at::Tensor& targets, const at::Tensor& lse,
-                                      const at::Tensor& g_lp, const at::Tensor& g_ent, const at::Tensor& mean_z);
+                                      const at::Tensor& g_lp, const at::Tensor& g_ent, const at::Tensor& mean_z,
+                                      at::ScalarType out_dtype);
 
 }  // namespace kiln::kernels

@@ -1,5 +1,7 @@
 #include "actors/rollout/engine.hpp"
 
+#include "model/blocks/logprobs.hpp"
+
 #include <algorithm>
 #include <optional>
 #include <stdexcept>
@@ -121,7 +123,7 @@ std::vector<Completion> Engine::step() {
   {
     torch::NoGradGuard no_grad;
     auto h = out.hidden.index_select(0, torch::tensor(last, torch::kInt64).to(device));
-    logits = torch::nn::functional::linear(h, model_->lm_head_weight()).to(torch::kFloat32).to(torch::kCPU);  // [B, V]
+    logits = model::lm_logits(h, model_->lm_head_weight()).to(torch::kCPU);  // [B, V] fp32, as the trainer's
   }
   auto experts = out.routed_experts.to(torch::kCPU);
 
@@ -198,7 +200,7 @@ std::vector<Completion> generate_without_cache(model::CausalLM& model, const std
     for (std::size_t j = 0; j < live.size(); ++j) {
       const std::size_t i = live[j];
       const int64_t s = cu[int64_t(j)].item<int64_t>(), e = cu[int64_t(j) + 1].item<int64_t>();
-      auto logits = torch::nn::functional::linear(fwd.hidden[e - 1], model.lm_head_weight());
+      auto logits = model::lm_logits(fwd.hidden.narrow(0, e - 1, 1), model.lm_head_weight())[0];
       record(out[i], sample_token(logits, requests[i].sampling, gens[i]), version);
       if (out[i].tokens.size() == 1) out[i].time_to_first_token_s = std::chrono::duration<double>(Clock::now() - t0).count();
       seqs[i].push_back(out[i].tokens.back());

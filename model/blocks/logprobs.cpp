@@ -8,10 +8,9 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Chunk [s, s+n): logits [n, V] in the model's dtype (one GEMM); kernels/logprobs.hpp reads
-// them in fp32.
+// Chunk [s, s+n): logits [n, V] (lm_logits: fp32 from a 16-bit GEMM on CUDA).
 torch::Tensor chunk_logits(const torch::Tensor& h, const torch::Tensor& w, int64_t s, int64_t n) {
-  return torch::nn::functional::linear(h.narrow(0, s, n), w);
+  return lm_logits(h.narrow(0, s, n), w);
 }
 
 // Log-probs of targets and, when `with_entropy`, the entropy of each row; the backward
@@ -27,14 +26,14 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
     auto ent = torch::empty({with_entropy ? T : 0}, fopt), mean_z = torch::empty({with_entropy ? T : 0}, fopt);
     for (int64_t s = 0; s < T; s += chunk) {
       const int64_t n = std::min(chunk, T - s);
-      torch::Tensor z;
-      if (keep_logits) {
-        z = kept.narrow(0, s, n);
-        at::mm_out(z, hidden.narrow(0, s, n), weight.t());
-      } else {
-        z = chunk_logits(hidden, weight, s, n);
+      kernels::KeptStats ks;
+      auto [lp, l, e, mz] = kernels::logprob_chunk_forward(chunk_logits(hidden, weight, s, n), targets.narrow(0, s, n),
+                                                           with_entropy,
+                                                           keep_logits ? kept.narrow(0, s, n) : torch::Tensor(), &ks);
+      if (keep_logits) {  // the backward differentiates the softmax of the kept values
+        l = ks.lse;
+        if (with_entropy) mz = ks.mean_z;
       }
-      auto [lp, l, e, mz] = kernels::logprob_chunk_forward(z, targets.narrow(0, s, n), with_entropy);
       out.narrow(0, s, n).copy_(lp);
       lse.narrow(0, s, n).copy_(l);
       if (with_entropy) {
@@ -66,9 +65,10 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
       auto dz = kernels::logprob_chunk_backward(z, targets.narrow(0, s, n),
                                                 lse.narrow(0, s, n), g_lp.narrow(0, s, n),
                                                 entropy_grad ? g_ent.narrow(0, s, n) : torch::Tensor(),
-                                                entropy_grad ? mean_z.narrow(0, s, n) : torch::Tensor());  // [n, V]
+                                                entropy_grad ? mean_z.narrow(0, s, n) : torch::Tensor(),
+                                                hidden.scalar_type());  // [n, V] in the model's dtype
       auto h = hidden.narrow(0, s, n);
-      grad_h.narrow(0, s, n).copy_(dz.to(hidden.scalar_type()).mm(weight));  // [n, D]
+      grad_h.narrow(0, s, n).copy_(dz.mm(weight));  // [n, D]
       if (tensor_cores)  // bf16 GEMM, fp32 accumulation into the [V, D] gradient
         grad_w = at::addmm(grad_w, dz.t(), h, torch::kFloat32);
       else
@@ -85,6 +85,13 @@ bool keep_logits(const torch::Tensor& hidden, const torch::Tensor& weight) {
          hidden.size(0) * weight.size(0) * int64_t(hidden.element_size()) <= kKeepLogitsMaxBytes;
 }
 }  // namespace
+
+torch::Tensor lm_logits(const torch::Tensor& hidden_ND, const torch::Tensor& weight_VD) {
+  const auto t = hidden_ND.scalar_type();
+  if (hidden_ND.is_cuda() && (t == torch::kBFloat16 || t == torch::kHalf))
+    return at::mm(hidden_ND, weight_VD.t(), torch::kFloat32);  // 16-bit tensor cores, fp32 output
+  return torch::nn::functional::linear(hidden_ND, weight_VD).to(torch::kFloat32);
+}
 
 std::pair<torch::Tensor, torch::Tensor> token_logprobs_and_entropy(const torch::Tensor& hidden_TD,
                                                                    const torch::Tensor& weight_VD,

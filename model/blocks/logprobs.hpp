@@ -14,6 +14,11 @@ namespace kiln::model {
 
 inline constexpr int64_t kKeepLogitsMaxBytes = int64_t(4) << 30;
 
+/// fp32 logits hidden_ND @ weight_VD^T -> [N, V]. On CUDA with 16-bit inputs one GEMM writes
+/// fp32 directly (never rounded to bf16: a bf16 logit near 5 is only good to 0.03), so the
+/// trainer and the rollout engine, which both use this, agree; elsewhere linear() then fp32.
+torch::Tensor lm_logits(const torch::Tensor& hidden_ND, const torch::Tensor& weight_VD);
+
 /// log softmax(hidden_TD @ weight_VD^T)[t, targets_T[t]], computed in fp32 per chunk of
 /// `chunk` tokens; backward recomputes each chunk's logits. Targets < 0 mark positions with
 /// no target: their log-prob is 0 and they get no gradient.

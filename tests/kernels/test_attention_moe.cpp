@@ -172,7 +172,7 @@ TEST_CASE("log-prob chunk reference: log_softmax, entropy and their gradients by
   CHECK(rel(ent, want_ent) <= 1e-6);
   auto g_lp = torch::randn({5}, torch::kFloat64) * (targets >= 0).to(torch::kFloat64), g_ent = torch::randn({5}, torch::kFloat64);
   auto want_dz = torch::autograd::grad({(want_lp * g_lp).sum() + (want_ent * g_ent).sum()}, {z})[0];
-  auto dz = kernels::logprob_chunk_backward(z.detach(), targets, lse, g_lp, g_ent, mz);
+  auto dz = kernels::logprob_chunk_backward(z.detach(), targets, lse, g_lp, g_ent, mz, torch::kFloat64);
   CHECK(rel(dz, want_dz) <= 1e-6);
 }
 
@@ -195,20 +195,40 @@ TEST_CASE("CUDA: fused log-prob kernel equals the reference in bf16 (forward, ba
     CHECK(lp[5].item<double>() == 0.0);
     auto g_lp = torch::randn({64}, torch::kCUDA), g_ent = torch::randn({64}, torch::kCUDA);
     g_lp[5] = 0;
-    auto dz = kernels::logprob_chunk_backward(z, targets, lse, g_lp, g_ent, mz);
-    auto rdz = kernels::logprob_chunk_backward_ref(z, targets, rlse, g_lp, g_ent, rmz);
+    auto dz = kernels::logprob_chunk_backward(z, targets, lse, g_lp, g_ent, mz, torch::kBFloat16);
+    auto rdz = kernels::logprob_chunk_backward_ref(z, targets, rlse, g_lp, g_ent, rmz, torch::kBFloat16);
     const double e = rel(dz, rdz);
     MESSAGE("fused log-prob backward vs reference rel err " << e);
     CHECK(e <= 1e-2);
+    // fp32 logits in, a bf16 copy kept, the backward from the copy with the copy's softmax.
+    auto z32 = 3 * torch::randn({64, V}, torch::kCUDA);
+    auto keep = torch::empty({64, V}, z.options());
+    kernels::KeptStats ks, rks;
+    auto f = kernels::logprob_chunk_forward(z32, targets, true, keep, &ks);
+    auto keep_ref = torch::empty_like(keep);
+    auto rf = kernels::logprob_chunk_forward_ref(z32, targets, true, keep_ref, &rks);
+    CHECK(torch::equal(keep, keep_ref));
+    CHECK((std::get<0>(f) - std::get<0>(rf)).abs().max().item<double>() <= 1e-4);  // fp32 log-probs
+    CHECK((ks.lse - rks.lse).abs().max().item<double>() <= 1e-4);
+    CHECK((ks.mean_z - rks.mean_z).abs().max().item<double>() <= 1e-3);
+    auto dzk = kernels::logprob_chunk_backward(keep, targets, ks.lse, g_lp, g_ent, ks.mean_z, torch::kBFloat16);
+    auto rdzk = kernels::logprob_chunk_backward_ref(keep, targets, rks.lse, g_lp, g_ent, rks.mean_z, torch::kBFloat16);
+    CHECK(rel(dzk, rdzk) <= 1e-2);
+    auto dz32 = kernels::logprob_chunk_backward(z32, targets, std::get<1>(f), g_lp, g_ent, std::get<3>(f), torch::kBFloat16);
+    auto rdz32 = kernels::logprob_chunk_backward_ref(z32, targets, std::get<1>(rf), g_lp, g_ent, std::get<3>(rf), torch::kBFloat16);
+    CHECK(rel(dz32, rdz32) <= 1e-2);
   }
 }
 
 TEST_CASE("checksum: the documented formula, position sensitive, copy computes the source's (CPU)") {
-  auto t = torch::tensor({1, 2}, torch::kInt16);
-  // m_0 = 2654435761, m_1 = (2 * 2654435761 mod 2^32) | 1 = 1013904227
+  auto t = torch::tensor({1, 2}, torch::kInt32);
+  // m_0 = 2654435761, m_1 = (2 * 2654435761 mod 2^32) | 1 = 1013904227; 2 * m_1 < 2^32
   CHECK(kernels::checksum(t).item<int64_t>() == 2654435761LL + 2 * 1013904227LL);
-  CHECK(kernels::checksum(torch::tensor({2, 1}, torch::kInt16)).item<int64_t>() !=
+  CHECK(kernels::checksum(torch::tensor({2, 1}, torch::kInt32)).item<int64_t>() !=
         kernels::checksum(t).item<int64_t>());
+  // Half words: int16 {1, 2, 3} reads as words 0x00020001 and 0x00000003 (zero padded).
+  const uint64_t w0 = 0x00020001ull * 2654435761ull % (1ull << 32), w1 = 3ull * 1013904227ull % (1ull << 32);
+  CHECK(uint64_t(kernels::checksum(torch::tensor({1, 2, 3}, torch::kInt16)).item<int64_t>()) == w0 + w1);
   auto src = torch::randn({33}, torch::kBFloat16), dst = torch::zeros_like(src);
   auto c = kernels::copy_with_checksum(dst, src);
   CHECK(torch::equal(dst, src));
