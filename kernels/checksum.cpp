@@ -59,4 +59,29 @@ at::Tensor copy_with_checksum(at::Tensor& dst, const at::Tensor& src) {
   return checksum_ref(src.contiguous());
 }
 
+void checksum_add(const at::Tensor& t, at::Tensor& acc) {
+  TORCH_CHECK(acc.dim() == 0 && acc.scalar_type() == torch::kInt64 && acc.device() == t.device(),
+              "checksum_add: acc must be a 0-dim int64 tensor on ", t.device());
+#ifdef KILN_CUDA
+  if (t.is_cuda()) {
+    cuda::checksum_copy(t.data_ptr(), nullptr, halves_of(t), acc, /*zero=*/false);
+    return;
+  }
+#endif
+  acc.add_(checksum_ref(t));
+}
+
+void copy_with_checksum_add(at::Tensor& dst, const at::Tensor& src, at::Tensor& acc) {
+  TORCH_CHECK(acc.dim() == 0 && acc.scalar_type() == torch::kInt64 && acc.device() == src.device(),
+              "copy_with_checksum_add: acc must be a 0-dim int64 tensor on ", src.device());
+#ifdef KILN_CUDA
+  if (src.is_cuda() && dst.is_contiguous() && dst.sizes() == src.sizes() && dst.scalar_type() == src.scalar_type() &&
+      dst.device() == src.device()) {
+    cuda::checksum_copy(src.data_ptr(), dst.data_ptr(), halves_of(src), acc, /*zero=*/false);
+    return;
+  }
+#endif
+  acc.add_(copy_with_checksum(dst, src));
+}
+
 }  // namespace kiln::kernels

@@ -19,5 +19,9 @@ at::Tensor checksum(const at::Tensor& t);
 /// dst <- src (same dtype, shape and device), -> checksum(src) computed while copying.
 at::Tensor copy_with_checksum(at::Tensor& dst, const at::Tensor& src);
 at::Tensor checksum_ref(const at::Tensor& t);
+/// As above, but adding the checksum into `acc` (a 0-dim int64 tensor on the same device, e.g.
+/// one slot of a zeroed buffer: no zeroing launch per tensor; sums wrap mod 2^64).
+void checksum_add(const at::Tensor& t, at::Tensor& acc);
+void copy_with_checksum_add(at::Tensor& dst, const at::Tensor& src, at::Tensor& acc);
 
 }  // namespace kiln::kernels

@@ -3,7 +3,7 @@
 #include <ATen/core/Tensor.h>
 
 namespace kiln::kernels::cuda {
-/// out: 0-dim int64 on the device, zeroed here. dst may be null (checksum only).
+/// out: 0-dim int64 on the device, added into (zeroed first when `zero`). dst may be null.
 /// `halves`: the byte count / 2 (the data are read as uint16 pairs; an odd count pads).
-void checksum_copy(const void* src, void* dst, int64_t halves, at::Tensor& out);
+void checksum_copy(const void* src, void* dst, int64_t halves, at::Tensor& out, bool zero = true);
 }  // namespace kiln::kernels::cuda

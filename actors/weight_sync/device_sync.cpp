@@ -71,15 +71,18 @@ DeviceSyncStats copy_weights_device(torch::nn::Module& src, torch::nn::Module& d
   sync_device(s.begin()->second);
   const auto t0 = std::chrono::steady_clock::now();
   for (const auto& b : buckets) {
-    std::vector<torch::Tensor> sent, held;  // the sender's checksums, the engine's
-    for (const auto& name : b) {
-      auto& dst = d[name];
+    // One zeroed buffer per bucket: row 0 the sender's checksums, row 1 the engine's.
+    torch::Tensor sums;
+    if (verify) sums = torch::zeros({2, int64_t(b.size())}, s[b.front()].options().dtype(torch::kInt64));
+    for (std::size_t i = 0; i < b.size(); ++i) {
+      auto& dst = d[b[i]];
+      const auto& name = b[i];
       const auto src = s[name].scalar_type() == dst.scalar_type() ? s[name] : s[name].to(dst.scalar_type());
-      if (verify && dst.is_contiguous()) {
-        sent.push_back(kernels::copy_with_checksum(dst, src.contiguous()));  // checksum free with the copy
+      if (verify) {
+        auto slot = sums[0][int64_t(i)];
+        kernels::copy_with_checksum_add(dst, src.contiguous(), slot);  // checksum free with the copy
       } else {
         dst.copy_(src, /*non_blocking=*/true);
-        if (verify) sent.push_back(kernels::checksum(src.contiguous()));
       }
       st.bytes += uint64_t(dst.numel()) * dst.element_size();
       ++st.tensors;
@@ -87,8 +90,11 @@ DeviceSyncStats copy_weights_device(torch::nn::Module& src, torch::nn::Module& d
     ++st.buckets;
     if (verify) {
       // The engine re-reads its storage once; one host read per bucket compares all.
-      for (const auto& name : b) held.push_back(kernels::checksum(d[name].contiguous()));
-      auto same = torch::eq(torch::stack(sent), torch::stack(held)).to(torch::kCPU);
+      for (std::size_t i = 0; i < b.size(); ++i) {
+        auto slot = sums[1][int64_t(i)];
+        kernels::checksum_add(d[b[i]].contiguous(), slot);
+      }
+      auto same = torch::eq(sums[0], sums[1]).to(torch::kCPU);
       std::string names;
       for (std::size_t i = 0; i < b.size(); ++i)
         if (!same[int64_t(i)].item<bool>()) names += (names.empty() ? "" : ", ") + b[i];
