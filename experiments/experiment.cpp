@@ -93,6 +93,7 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   real("algorithm.entropy_coef", a.entropy_coef);
   integer("algorithm.max_tokens_per_microbatch", a.max_tokens_per_microbatch);
   boolean("algorithm.routing_replay", a.routing_replay);
+  boolean("algorithm.recompute_old_logprobs", a.recompute_old_logprobs);
   text("rollout.backend", c.rollout.backend);
   integer("rollout.cache_blocks", c.rollout.cache_blocks);
   integer("rollout.block_size", c.rollout.block_size);

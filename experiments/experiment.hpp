@@ -49,6 +49,9 @@ struct ExperimentConfig {
     double entropy_coef = 0.0;
     int64_t max_tokens_per_microbatch = 4096;
     bool routing_replay = true;
+    /// pi_old from a separate no-grad pass before the update (timed as log_probs_time), instead
+    /// of the training forward's own detached values.
+    bool recompute_old_logprobs = false;
   } algorithm;
   struct Rollout {
     std::string backend = "engine";

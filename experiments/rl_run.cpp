@@ -384,6 +384,14 @@ int run_experiment(const ExperimentConfig& c) {
     }
     std::vector<messaging::Tensor> new_weights;
     std::string sync_error;
+    double log_probs_time = 0;
+    if (!samples.empty() && a.recompute_old_logprobs) {  // pi_old in its own pass (verl/slime "log_probs")
+      auto tl = Clock::now();
+      auto old = trainer::completion_logprobs(*policy, samples, a.max_tokens_per_microbatch, a.routing_replay,
+                                              a.temperature);
+      for (std::size_t i = 0; i < samples.size(); ++i) samples[i].old_logprobs = std::move(old[i]);
+      log_probs_time = since(tl);
+    }
     if (!samples.empty()) {
       m = trainer.train_step(samples);
       try {
@@ -419,6 +427,7 @@ int run_experiment(const ExperimentConfig& c) {
     j["staleness_histogram"] = hist;
     j["rollout_time"] = rollout_time;
     j["ref_logprob_time"] = ref_time;
+    j["log_probs_time"] = log_probs_time;
     j["actor_train_time"] = m.actor_train_time;
     j["update_weights_time"] = update_time;
     j["train_tokens_per_s"] = m.actor_train_time > 0 ? double(m.tokens) / m.actor_train_time : 0.0;

@@ -125,6 +125,10 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
                                   " behaviour log-probs for " + std::to_string(s.completion.size()) + " tokens");
   }
   if (m.loss_tokens == 0) throw std::invalid_argument("train_step: no completion tokens to train on");
+  const bool given_old = !samples.front().old_logprobs.empty();
+  for (const auto& s : samples)
+    if ((given_old && s.old_logprobs.size() != s.completion.size()) || (!given_old && !s.old_logprobs.empty()))
+      throw std::invalid_argument("train_step: old_logprobs must be given for every completion token of every sample, or for none");
   const double normalizer =
       c_.loss.aggregation == Aggregation::token_mean ? double(m.loss_tokens) : double(samples.size());
   auto sample_tokens_t = torch::tensor(sample_tokens, torch::kFloat32);
@@ -151,7 +155,7 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
     } else {
       t.logprob = policy_->token_logprobs(out, p.targets, c_.logprob_chunk).index_select(0, p.completion_positions);
     }
-    t.old_logprob = t.logprob.detach();
+    t.old_logprob = given_old ? per_token(samples, idx, &Sample::old_logprobs).to(dev) : t.logprob.detach();
     t.behavior_logprob = per_token(samples, idx, &Sample::behavior_logprobs).to(dev);
     if (want_ref) {
       t.ref_logprob = per_token(samples, idx, &Sample::ref_logprobs).to(dev);

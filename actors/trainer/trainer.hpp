@@ -17,6 +17,10 @@ struct Sample {
   std::vector<int64_t> prompt, completion;
   std::vector<float> behavior_logprobs;  ///< [n] as the rollout returned them
   std::vector<float> ref_logprobs;       ///< [n] reference policy (empty when KL is off)
+  /// [n] pi_old: the trainer's policy before this step, from a separate no-grad pass (verl's
+  /// "recompute old log-prob"); empty: the training forward's own values, detached (equal in
+  /// exact arithmetic with one PPO epoch; the separate pass runs at the rollout's shapes).
+  std::vector<float> old_logprobs;
   torch::Tensor routed_experts;          ///< [P + n - 1, L, K] or undefined (no replay)
   float advantage = 0;
   int64_t tokens() const { return int64_t(prompt.size() + completion.size()); }
@@ -57,7 +61,8 @@ class Trainer {
  public:
   Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config);
   /// One optimizer step on `samples` (one PPO epoch: the old policy is the current one, so
-  /// the ratio starts at 1 and TIS weighs stale samples by exp(old - behaviour)).
+  /// the ratio starts at 1 and TIS weighs stale samples by exp(old - behaviour)). Samples with
+  /// old_logprobs use those as pi_old (all samples or none; throws std::invalid_argument).
   StepMetrics train_step(const std::vector<Sample>& samples);
   int64_t version() const { return version_; }   ///< optimizer steps taken
   model::CausalLM& policy() { return *policy_; }

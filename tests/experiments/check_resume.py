@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Resume from a checkpoint continues exactly: run A for 8 steps with checkpoints every 4;
 run B resumes from A's step-4 checkpoint; steps 5-8 must give the same metrics (data order
-from the restored RNG, weights, optimizer state). Also: the checkpoint is HF layout.
+from the restored RNG, weights, optimizer state). Also: the checkpoint is HF layout; and
+recompute_old_logprobs (a separate pi_old pass, timed as log_probs_time) trains step 1 alike.
 Usage: check_resume.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
 import json, os, shutil, subprocess, sys
 
@@ -16,7 +17,23 @@ b = subprocess.run([kiln, "run", *common, "--set", f"run.output_dir={work}/b", "
                    capture_output=True, text=True, timeout=600)
 bad = subprocess.run([kiln, "run", *common, "--set", f"run.output_dir={work}/c", "--set", f"run.resume_from={work}/nowhere"],
                      capture_output=True, text=True, timeout=600)
-checks = [(a.returncode == 0, f"run A exits 0 ({a.stderr[-300:]})"), (b.returncode == 0, f"resumed run exits 0 ({b.stderr[-300:]})")]
+rec = subprocess.run([kiln, "run", *common, "--set", f"run.output_dir={work}/r",
+                      "--set", "algorithm.recompute_old_logprobs=true"], capture_output=True, text=True, timeout=600)
+checks = [(a.returncode == 0, f"run A exits 0 ({a.stderr[-300:]})"), (b.returncode == 0, f"resumed run exits 0 ({b.stderr[-300:]})"),
+          (rec.returncode == 0, f"recompute_old_logprobs run exits 0 ({rec.stderr[-300:]})")]
+if a.returncode == 0 and rec.returncode == 0:
+    rr = {r["step"]: r for r in map(json.loads, open(f"{work}/r/metrics.jsonl"))}
+    ra = {r["step"]: r for r in map(json.loads, open(f"{work}/a/metrics.jsonl"))}
+    # The first step that trains: same data and weights in both runs (nothing trained before).
+    first = min((s for s in ra if ra[s]["trained_samples"] > 0), default=None)
+    checks.append((first is not None, "run A trains in some step"))
+    if first is not None:
+        r1, a1 = rr[first], ra[first]
+        checks.append((r1["log_probs_time"] > 0 and a1["log_probs_time"] == 0,
+                       f"log_probs_time reported with the pi_old pass ({r1['log_probs_time']}) and 0 without ({a1['log_probs_time']})"))
+        for k in ["loss", "grad_norm", "clip_fraction"]:
+            checks.append((abs(r1[k] - a1[k]) <= 1e-4 * max(1.0, abs(a1[k])),
+                           f"step {first} {k} with the pi_old pass: {r1[k]} == {a1[k]}"))
 for f in ["config.json", "model.safetensors.index.json", "optimizer.pt", "state.json"]:
     checks.append((os.path.exists(os.path.join(ck, f)), f"checkpoint has {f}"))
 if a.returncode == 0 and b.returncode == 0:
