@@ -138,6 +138,18 @@ int run_gpu_bench(const GpuBenchOptions& o) {
       torch::NoGradGuard ng;
       (void)policy->forward(batch);
     });
+    // One MoE layer's two halves, forward+backward, on the micro-batch's shape.
+    auto& layer = policy->layers.at(1);
+    auto x = (0.5 * torch::randn({o.tokens, cfg.hidden_size}, bf16)).requires_grad_();
+    auto pos = batch.position_ids.to(dev);
+    auto cu = batch.cu_seqlens.to(dev, torch::kInt32);
+    J["layer_attention_fwd_bwd_s"] = median_seconds(o.warmup, o.steps, [&] {
+      layer->attn(layer->attn_norm(x), pos, cu, n).sum().backward();
+    });
+    J["layer_moe_fwd_bwd_s"] = median_seconds(o.warmup, o.steps, [&] {
+      layer->moe(layer->mlp_norm(x), std::nullopt, nullptr).sum().backward();
+    });
+    policy->zero_grad();
   }
 
   // 3. Rollout on the GPU, then a full trainer step on its completions' shape.
@@ -182,7 +194,7 @@ int run_gpu_bench(const GpuBenchOptions& o) {
   J["rollout_time_s"] = rollout_s;
   J["rollout_tokens_per_s"] = double(gen_tokens) / rollout_s;
   auto train_lp = trainer::completion_logprobs(*policy, samples, o.tokens, /*routing_replay=*/true);
-  double diff_sum = 0, diff_max = 0;
+  double diff_sum = 0, diff_max = 0, first_sum = 0;
   int64_t diff_n = 0;
   for (std::size_t i = 0; i < samples.size(); ++i)
     for (std::size_t j = 0; j < train_lp[i].size(); ++j) {
@@ -190,7 +202,11 @@ int run_gpu_bench(const GpuBenchOptions& o) {
       diff_sum += d;
       diff_max = std::max(diff_max, d);
       ++diff_n;
+      if (j == 0) first_sum += d;  // sampled from the prefill step (large GEMMs, like training's)
     }
+  J["train_rollout_logprob_abs_diff_first_token_mean"] = first_sum / double(std::max<std::size_t>(1, samples.size()));
+  J["train_rollout_logprob_abs_diff_decode_mean"] =
+      (diff_sum - first_sum) / double(std::max<int64_t>(1, diff_n - int64_t(samples.size())));
   J["train_rollout_logprob_abs_diff_mean"] = diff_sum / double(std::max<int64_t>(1, diff_n));
   J["train_rollout_logprob_abs_diff_max"] = diff_max;
   J["train_rollout_tokens"] = diff_n;
@@ -243,13 +259,17 @@ int run_gpu_bench(const GpuBenchOptions& o) {
               J["trainer_step_tokens_per_s"].get<double>(), J["trainer_step_peak_memory_gib"].get<double>());
   std::printf("  log_probs_time       %8.3f s  (decoder forward %.3f s; log-prob head fwd+bwd %.3f s)\n", lpt,
               J["forward_no_grad_s"].get<double>(), J["logprob_head_fwd_bwd_s"].get<double>());
+  std::printf("  one MoE layer fwd+bwd: attention half %.4f s, MoE half %.4f s\n",
+              J["layer_attention_fwd_bwd_s"].get<double>(), J["layer_moe_fwd_bwd_s"].get<double>());
   std::printf("  rollout (engine)     %8.3f s  %9.0f generated tokens/s\n", rollout_s, J["rollout_tokens_per_s"].get<double>());
   std::printf("  update_weights_time  %8.3f s  %6.0f GB/s (%.0f GB/s unchecked) vs plain copy %.0f GB/s of %.2f GB\n",
               J["update_weights_time_s"].get<double>(), J["update_weights_gbs"].get<double>(),
               J["update_weights_nocheck_gbs"].get<double>(), J["plain_copy_gbs"].get<double>(),
               J["update_weights_bytes"].get<double>() / 1e9);
-  std::printf("  train/rollout |logprob diff| mean %.2e max %.2e over %lld tokens\n",
-              J["train_rollout_logprob_abs_diff_mean"].get<double>(), diff_max, (long long)diff_n);
+  std::printf("  train/rollout |logprob diff| mean %.2e max %.2e over %lld tokens (first token %.2e, decoded %.2e)\n",
+              J["train_rollout_logprob_abs_diff_mean"].get<double>(), diff_max, (long long)diff_n,
+              J["train_rollout_logprob_abs_diff_first_token_mean"].get<double>(),
+              J["train_rollout_logprob_abs_diff_decode_mean"].get<double>());
   if (!o.json_path.empty()) std::ofstream(o.json_path) << J.dump(2) << "\n";
   return 0;
 }

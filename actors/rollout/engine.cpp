@@ -123,16 +123,23 @@ std::vector<Completion> Engine::step() {
   {
     torch::NoGradGuard no_grad;
     auto h = out.hidden.index_select(0, torch::tensor(last, torch::kInt64).to(device));
-    logits = model::lm_logits(h, model_->lm_head_weight()).to(torch::kCPU);  // [B, V] fp32, as the trainer's
+    logits = model::lm_logits(h, model_->lm_head_weight());  // [B, V] fp32, as the trainer's; stays on the device
   }
   auto experts = out.routed_experts.to(torch::kCPU);
 
+  std::vector<const SamplingParams*> params;
+  std::vector<at::Generator*> gens;
+  for (auto* s : batch) {
+    params.push_back(&s->request.sampling);
+    gens.push_back(&s->generator);
+  }
+  auto sampled = sample_tokens(logits, params, gens);  // the whole batch where the logits are
   std::vector<Completion> done;
   for (std::size_t i = 0; i < batch.size(); ++i) {
     auto* s = batch[i];
     s->expert_rows.push_back(experts.narrow(0, slices[i].start, slices[i].count));
     s->cached += slices[i].count;
-    record(s->out, sample_token(logits[int64_t(i)], s->request.sampling, s->generator), version_);
+    record(s->out, sampled[i], version_);
     if (s->out.tokens.size() == 1)
       s->out.time_to_first_token_s = std::chrono::duration<double>(Clock::now() - s->submitted).count();
   }

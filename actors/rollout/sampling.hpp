@@ -31,7 +31,15 @@ struct SampledToken {
   float entropy = 0;  ///< of the same distribution, nats
 };
 
-/// Samples one token from logits [V] (any float dtype; computed in fp32).
+/// Samples one token per row from logits [B, V] (any float dtype and device; computed in fp32
+/// where the logits live, one host read for the whole batch). Row b uses params[b] and draws
+/// one uniform u from generators[b] (a CPU generator: the same seed samples the same token on
+/// any device): greedy rows take the arg-max; others filter (top-k, then top-p over the
+/// tempered distribution) and take the first token whose cumulative probability exceeds
+/// u * total (inverse CDF). logprob and entropy are of the untruncated log_softmax(logits / T).
+std::vector<SampledToken> sample_tokens(const torch::Tensor& logits_BV, const std::vector<const SamplingParams*>& params,
+                                        const std::vector<at::Generator*>& generators);
+/// One row: sample_tokens with B = 1. logits: [V].
 SampledToken sample_token(const torch::Tensor& logits, const SamplingParams& params, at::Generator& generator);
 
 /// A CPU generator seeded for one request.

@@ -70,16 +70,20 @@ DeviceSyncStats copy_weights_device(torch::nn::Module& src, torch::nn::Module& d
   torch::NoGradGuard no_grad;
   sync_device(s.begin()->second);
   const auto t0 = std::chrono::steady_clock::now();
+  // One zeroed buffer for the whole update: row 0 the sender's checksums, row 1 the engine's,
+  // one column per tensor in bucket order; compared once, after the last bucket.
+  torch::Tensor sums;
+  if (verify) sums = torch::zeros({2, int64_t(s.size())}, s.begin()->second.options().dtype(torch::kInt64));
+  std::vector<std::string> order;
   for (const auto& b : buckets) {
-    // One zeroed buffer per bucket: row 0 the sender's checksums, row 1 the engine's.
-    torch::Tensor sums;
-    if (verify) sums = torch::zeros({2, int64_t(b.size())}, s[b.front()].options().dtype(torch::kInt64));
+    const int64_t base = int64_t(order.size());
+    order.insert(order.end(), b.begin(), b.end());
     for (std::size_t i = 0; i < b.size(); ++i) {
       auto& dst = d[b[i]];
       const auto& name = b[i];
       const auto src = s[name].scalar_type() == dst.scalar_type() ? s[name] : s[name].to(dst.scalar_type());
       if (verify) {
-        auto slot = sums[0][int64_t(i)];
+        auto slot = sums[0][base + int64_t(i)];
         kernels::copy_with_checksum_add(dst, src.contiguous(), slot);  // checksum free with the copy
       } else {
         dst.copy_(src, /*non_blocking=*/true);
@@ -88,18 +92,19 @@ DeviceSyncStats copy_weights_device(torch::nn::Module& src, torch::nn::Module& d
       ++st.tensors;
     }
     ++st.buckets;
-    if (verify) {
-      // The engine re-reads its storage once; one host read per bucket compares all.
+    if (verify)  // the engine re-reads its storage of this bucket once
       for (std::size_t i = 0; i < b.size(); ++i) {
-        auto slot = sums[1][int64_t(i)];
+        auto slot = sums[1][base + int64_t(i)];
         kernels::checksum_add(d[b[i]].contiguous(), slot);
       }
-      auto same = torch::eq(sums[0], sums[1]).to(torch::kCPU);
-      std::string names;
-      for (std::size_t i = 0; i < b.size(); ++i)
-        if (!same[int64_t(i)].item<bool>()) names += (names.empty() ? "" : ", ") + b[i];
-      if (!names.empty()) throw std::runtime_error("weight sync: engine copy differs from the trainer's for " + names);
-    }
+  }
+  if (verify) {  // one host read compares every tensor
+    auto same = torch::eq(sums[0], sums[1]).to(torch::kCPU);
+    const bool* ok = same.data_ptr<bool>();
+    std::string names;
+    for (std::size_t i = 0; i < order.size(); ++i)
+      if (!ok[i]) names += (names.empty() ? "" : ", ") + order[i];
+    if (!names.empty()) throw std::runtime_error("weight sync: engine copy differs from the trainer's for " + names);
   }
   sync_device(s.begin()->second);
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

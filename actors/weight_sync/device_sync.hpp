@@ -6,8 +6,8 @@
 // order, a layer's q_a and kv_a projections in one bucket (fused_partner's rule, in kiln's
 // names). With `verify`, the copy kernel also computes each source tensor's checksum in the
 // same pass (kernels/checksum.hpp), the engine re-reads its storage once for its own checksum
-// after each bucket, and one host read per bucket compares them: the sync fails naming every
-// tensor that differs. Device traffic: 3 passes over the bytes instead of the plain copy's 2.
+// after each bucket, and after the last bucket one host read compares them all: the sync fails
+// naming every tensor that differs. Device traffic: 3 passes over the bytes instead of the plain copy's 2.
 // Both modules must be on the same device; dtypes may differ (the copy converts).
 #include <cstdint>
 #include <string>

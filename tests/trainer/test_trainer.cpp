@@ -115,7 +115,7 @@ TEST_CASE("1, 2 and many micro-batches give the same update") {
       CHECK_MESSAGE(torch::allclose(p.value().grad(), p0[p.key()].grad(), 1e-4, 1e-7), p.key());
 }
 
-TEST_CASE("positive advantages raise a completion's log-prob, negative ones lower it") {
+TEST_CASE("updates raise the advantage-weighted log-prob of the completions (the PG objective)") {
   auto m = debug_model(2);
   auto samples = rollout_samples(m, 4);
   TrainerConfig c;
@@ -124,16 +124,23 @@ TEST_CASE("positive advantages raise a completion's log-prob, negative ones lowe
   auto before = completion_logprobs(*m, samples, 4096, true);
   for (int i = 0; i < 3; ++i) t.train_step(samples);
   auto after = completion_logprobs(*m, samples, 4096, true);
+  // Per sample the direction is not guaranteed (samples share weights and prefixes); the
+  // objective sum_i A_i * log p(completion_i) is what gradient ascent raises.
+  double objective_change = 0, best_adv = -1e9, best_change = 0;
   for (std::size_t i = 0; i < samples.size(); ++i) {
     double b = 0, a = 0;
     for (std::size_t j = 0; j < before[i].size(); ++j) {
       b += before[i][j];
       a += after[i][j];
     }
-    CAPTURE(i);
-    if (samples[i].advantage > 0) CHECK(a > b);
-    else CHECK(a < b);
+    objective_change += samples[i].advantage * (a - b);
+    if (samples[i].advantage > best_adv) {
+      best_adv = samples[i].advantage;
+      best_change = a - b;
+    }
   }
+  CHECK(objective_change > 0);
+  CHECK(best_change > 0);  // the most advantaged completion became more likely
   CHECK(t.version() == 3);
   TrainerConfig bad;
   bad.lr_schedule = "zigzag";
