@@ -101,6 +101,7 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   integer("rollout.step_delay_ms", c.rollout.step_delay_ms);
   real("weight_sync.bucket_mib", c.weight_sync.bucket_mib);
   text("placement.mode", c.placement.mode);
+  integer("placement.rollout_engines", c.placement.rollout_engines);
   boolean("logging.progress", c.logging.progress);
   boolean("logging.plot", c.logging.plot);
   return f;
@@ -171,14 +172,17 @@ void ExperimentConfig::validate() const {
   need(rollout.backend == "engine", "rollout.backend", "must be \"engine\" (the in-process engine is the only backend so far)");
   need(placement.mode == "single_process" || placement.mode == "multi_process", "placement.mode",
        "must be \"single_process\" or \"multi_process\" (rollout engine in a kiln node child process)");
-  need(placement.mode == "single_process" || algorithm.staleness == 0, "algorithm.staleness",
-       "must be 0 with placement.mode \"multi_process\" (asynchronous remote rollouts are not built yet)");
   need(model.device == "cpu" || model.device == "cuda" || (model.device.rfind("cuda:", 0) == 0 && model.device.size() > 5 &&
        model.device.find_first_not_of("0123456789", 5) == std::string::npos),
        "model.device", "must be \"cpu\", \"cuda\" or \"cuda:N\"");
   need(model.dtype == "fp32" || model.dtype == "bf16", "model.dtype", "must be \"fp32\" or \"bf16\"");
   need(placement.mode == "single_process" || model.device == "cpu", "model.device",
        "must be \"cpu\" with placement.mode \"multi_process\" (remote engines run on the CPU so far)");
+  need(placement.rollout_engines >= 1 && placement.rollout_engines <= 64, "placement.rollout_engines", "must be in [1, 64]");
+  need(placement.rollout_engines == 1 || placement.mode == "multi_process", "placement.rollout_engines",
+       "must be 1 with placement.mode \"single_process\" (several engines run as kiln node processes)");
+  need(placement.rollout_engines <= algorithm.prompts_per_step, "placement.rollout_engines",
+       "must be <= algorithm.prompts_per_step (each engine gets whole prompt groups)");
   need(weight_sync.bucket_mib > 0, "weight_sync.bucket_mib", "must be > 0");
   need(task.name == "next_digit" || task.name == "arithmetic" || task.name == "countdown", "task.name",
        "must be \"next_digit\", \"arithmetic\" or \"countdown\"");

@@ -63,6 +63,7 @@ struct ExperimentConfig {
   } weight_sync;
   struct Placement {
     std::string mode = "single_process";
+    int64_t rollout_engines = 1;  ///< multi_process: rollout engines, each a kiln node process
   } placement;
   struct Logging {
     bool progress = true;

@@ -148,11 +148,13 @@ int run_experiment(const ExperimentConfig& c) {
   const std::string run_tag = "/tmp/kiln-run-" + std::to_string(::getpid());
   struct RemoveSockets {  // the ipc:// socket files of this run, on every way out
     std::string tag;
+    int64_t engines;
     ~RemoveSockets() {
       std::remove((tag + "-trainer").c_str());
       std::remove((tag + "-rollout").c_str());
+      for (int64_t i = 1; i < engines; ++i) std::remove((tag + "-rollout-" + std::to_string(i)).c_str());
     }
-  } remove_sockets{run_tag};
+  } remove_sockets{run_tag, c.placement.rollout_engines};
   messaging::Gateway trainer_gw({"trainer", remote ? "ipc://" + run_tag + "-trainer" : ""});
   std::mutex received_mu;
   std::optional<std::pair<std::vector<messaging::Tensor>, int64_t>> received;
@@ -170,30 +172,48 @@ int run_experiment(const ExperimentConfig& c) {
   // copies (async mode: the trainer keeps writing its parameters while the engine loads).
   // Multi-process placement: the rollout engine lives in a `kiln node` child process that
   // joins this process's gateway as graph root and hosts rollout/0.
-  const std::string weights_to = remote ? "rollout/0" : "weight_sync/0";
-  RolloutNode node;
+  // placement.rollout_engines nodes, rollout/0..N-1, each its own process.
+  std::vector<std::unique_ptr<RolloutNode>> nodes;
   if (remote) {
-    auto err = node.start(trainer_gw, run_tag, c, dir);
-    if (!err.empty()) {
-      std::fprintf(stderr, "kiln run: %s\n", err.c_str());
-      return 2;
+    for (int64_t i = 0; i < c.placement.rollout_engines; ++i) {
+      nodes.push_back(std::make_unique<RolloutNode>());
+      auto err = nodes.back()->start(trainer_gw, run_tag, c, dir, i);
+      if (!err.empty()) {
+        std::fprintf(stderr, "kiln run: %s\n", err.c_str());
+        return 2;
+      }
     }
   }
-  auto push_weights = [&](int64_t version, bool copy) {
+  // The policy's HF tensors; `copy`: owned copies (async mode: the trainer keeps writing its
+  // parameters while the rollout side loads them).
+  auto snapshot = [&](bool copy) {
     std::vector<messaging::Tensor> tensors;
     for (auto& t : policy->hf_state_dict())
       tensors.push_back(copy ? messaging::Tensor::copy_of(t.name, t.dtype, t.shape, t.data, t.nbytes) : t);
-    auto r = weight_sync::send_weights(trainer_gw, weights_to, std::move(tensors), version,
-                                       uint64_t(c.weight_sync.bucket_mib * (1 << 20)), std::chrono::seconds(120));
-    if (!r)
-      throw std::runtime_error(std::string(remote ? "rollout node: " : "") + "weight sync of version " +
-                               std::to_string(version) + ": " + r.error().what());
-    if (remote) return std::vector<messaging::Tensor>{};  // the node verified and applied them
+    return tensors;
+  };
+  // Sends `tensors` as `version` to every engine; returns what the in-process receiver verified
+  // (remote engines verify and apply themselves: returns nothing).
+  auto send_to_engines = [&](std::vector<messaging::Tensor> tensors, int64_t version) {
+    std::vector<std::string> targets;
+    if (remote)
+      for (const auto& n : nodes) targets.push_back(n->actor());
+    else
+      targets.push_back("weight_sync/0");
+    for (const auto& to : targets) {  // every engine gets the version, each checked before applying
+      auto r = weight_sync::send_weights(trainer_gw, to, tensors, version, uint64_t(c.weight_sync.bucket_mib * (1 << 20)),
+                                         std::chrono::seconds(120));
+      if (!r)
+        throw std::runtime_error(std::string(remote ? "rollout node " + to + ": " : "") + "weight sync of version " +
+                                 std::to_string(version) + ": " + r.error().what());
+    }
+    if (remote) return std::vector<messaging::Tensor>{};  // the nodes verified and applied them
     std::lock_guard<std::mutex> l(received_mu);
     auto out = std::move(received->first);
     received.reset();
     return out;
   };
+  auto push_weights = [&](int64_t version, bool copy) { return send_to_engines(snapshot(copy), version); };
   auto apply_to_engine = [&](std::vector<messaging::Tensor> tensors, int64_t version) {
     if (remote) return;
     engine.pause();  // between decode steps
@@ -277,7 +297,18 @@ int run_experiment(const ExperimentConfig& c) {
     rs << rng;
     b.rng_after = rs.str();
     if (remote) {
-      b.completions = node.generate(trainer_gw, requests);  // throws on a lost node
+      // Whole prompt groups to each engine, contiguous shares; all engines work at once.
+      const int64_t groups = a.prompts_per_step, N = int64_t(nodes.size());
+      std::vector<RolloutNode::Pending> pending;
+      for (int64_t i = 0; i < N; ++i) {
+        const int64_t g0 = groups * i / N, g1 = groups * (i + 1) / N;
+        std::vector<rollout::GenerationRequest> share(requests.begin() + g0 * a.samples_per_prompt,
+                                                      requests.begin() + g1 * a.samples_per_prompt);
+        pending.push_back(nodes[std::size_t(i)]->send_generate(trainer_gw, share));
+      }
+      for (int64_t i = 0; i < N; ++i)  // throws on a lost node, naming it
+        for (auto& comp : nodes[std::size_t(i)]->collect(pending[std::size_t(i)])) b.completions.push_back(std::move(comp));
+      std::sort(b.completions.begin(), b.completions.end(), [](const auto& x, const auto& y) { return x.id < y.id; });
       b.rollout_time = since(t0);
       return b;
     }
@@ -292,7 +323,15 @@ int run_experiment(const ExperimentConfig& c) {
     return b;
   };
   std::unique_ptr<AsyncRollout> async;
-  if (a.staleness > 0) async = std::make_unique<AsyncRollout>(engine, generate_batch, first_step, c.run.steps, a.staleness);
+  if (a.staleness > 0) {
+    // Local: the verified weights go into the engine between decode steps. Remote: the rollout
+    // thread sends them to the engine processes before its next request (only it talks to them).
+    AsyncRollout::Apply apply = [&](std::vector<messaging::Tensor> w, int64_t version) {
+      if (remote) send_to_engines(std::move(w), version);
+      else apply_to_engine(std::move(w), version);
+    };
+    async = std::make_unique<AsyncRollout>(apply, generate_batch, first_step, c.run.steps, a.staleness);
+  }
   for (int64_t step = first_step; step <= c.run.steps; ++step) {
     Batch batch;
     try {
@@ -396,7 +435,8 @@ int run_experiment(const ExperimentConfig& c) {
       m = trainer.train_step(samples);
       try {
         auto tu = Clock::now();
-        if (async) new_weights = push_weights(trainer.version(), /*copy=*/true);  // applied by the rollout thread
+        if (async && remote) new_weights = snapshot(/*copy=*/true);               // sent by the rollout thread
+        else if (async) new_weights = push_weights(trainer.version(), /*copy=*/true);  // applied by the rollout thread
         else apply_to_engine(push_weights(trainer.version(), /*copy=*/false), trainer.version());
         update_time = since(tu);
       } catch (const std::exception& e) {

@@ -21,8 +21,8 @@ namespace kiln::experiments {
 // trainer has consumed step s - 1 - k, whose weights it applies first (weights are posted
 // before a step counts as consumed, and applied between decode steps). Tokens are therefore
 // at most k policy versions older than the trainer that learns from them.
-AsyncRollout::AsyncRollout(rollout::Engine& engine, Generate generate, int64_t first, int64_t last, int64_t staleness)
-    : engine_(engine), generate_(std::move(generate)), consumed_(first - 1), k_(staleness) {
+AsyncRollout::AsyncRollout(Apply apply, Generate generate, int64_t first, int64_t last, int64_t staleness)
+    : apply_(std::move(apply)), generate_(std::move(generate)), consumed_(first - 1), k_(staleness) {
   thread_ = std::thread([this, first, last] { run(first, last); });
 }
 AsyncRollout::~AsyncRollout() {
@@ -58,9 +58,7 @@ void AsyncRollout::apply_pending() {
     w.swap(pending_);
   }
   if (!w) return;
-  engine_.pause();
-  engine_.update_weights(w->first, w->second);
-  engine_.resume();
+  apply_(std::move(w->first), w->second);
 }
 void AsyncRollout::run(int64_t first, int64_t last) {
   try {
@@ -86,54 +84,66 @@ void AsyncRollout::run(int64_t first, int64_t last) {
 }
 
 std::string RolloutNode::start(messaging::Gateway& gw, const std::string& tag, const ExperimentConfig& c,
-                               const std::filesystem::path& dir) {
-  std::vector<std::string> argv = {
-      "/proc/self/exe", "node",        "--name",  "rollout-node", "--bind", "ipc://" + tag + "-rollout",
-      "--join",         gw.endpoint(), "--actor", "rollout/0"};
+                               const std::filesystem::path& dir, int64_t index) {
+  index_ = index;
+  const std::string suffix = index == 0 ? "" : "-" + std::to_string(index);
+  std::vector<std::string> argv = {"/proc/self/exe", "node",          "--name",  "rollout-node" + suffix,
+                                   "--bind",         "ipc://" + tag + "-rollout" + suffix,
+                                   "--join",         gw.endpoint(), "--actor", actor()};
   std::vector<char*> args;
   for (auto& a : argv) args.push_back(a.data());
   args.push_back(nullptr);
   if (posix_spawn(&pid_, "/proc/self/exe", nullptr, nullptr, args.data(), environ) != 0)
     return "cannot start the rollout node process";
-  std::ofstream(dir / "rollout_node.pid") << pid_ << "\n";
-  auto up = gw.wait_for_actor("rollout/0", std::chrono::seconds(60));
-  if (!up) return "the rollout node did not join: " + up.error().what();
+  std::ofstream(dir / (index == 0 ? "rollout_node.pid" : "rollout_node_" + std::to_string(index) + ".pid")) << pid_ << "\n";
+  auto up = gw.wait_for_actor(actor(), std::chrono::seconds(60));
+  if (!up) return "the rollout node " + actor() + " did not join: " + up.error().what();
   messaging::RolloutInit init{c.model.package,      c.model.flavor,      c.model.checkpoint,     c.rollout.cache_blocks,
                               c.rollout.block_size, c.rollout.max_batch, c.rollout.step_delay_ms};
-  auto r = gw.request(messaging::make_envelope(init, messaging::Kind::request, "controller", "rollout/0"),
+  auto r = gw.request(messaging::make_envelope(init, messaging::Kind::request, "controller", actor()),
                       std::chrono::seconds(300))
                .get();
-  if (!r) return "the rollout node could not build its engine: " + r.error().what();
+  if (!r) return "the rollout node " + actor() + " could not build its engine: " + r.error().what();
   return "";
 }
-std::vector<rollout::Completion> RolloutNode::generate(messaging::Gateway& gw,
-                                                       const std::vector<rollout::GenerationRequest>& requests) {
+RolloutNode::Pending RolloutNode::send_generate(messaging::Gateway& gw,
+                                                const std::vector<rollout::GenerationRequest>& requests) {
   messaging::RolloutGenerate g;
-  std::map<uint64_t, const rollout::GenerationRequest*> by_id;
+  Pending p;
   for (const auto& q : requests) {
-    by_id[q.id] = &q;
+    p.prompts[q.id] = q.prompt;
     const auto& sp = q.sampling;
     g.requests.push_back(
         {q.id, q.prompt, sp.temperature, sp.top_p, sp.top_k, sp.max_new_tokens, sp.seed, sp.stop_token_ids});
   }
-  auto r = gw.request(messaging::make_envelope(g, messaging::Kind::request, "controller", "rollout/0"),
-                      std::chrono::seconds(900))
-               .get();
-  if (!r) throw std::runtime_error("rollout node: " + r.error().what());
+  p.count = requests.size();
+  p.reply = gw.request(messaging::make_envelope(g, messaging::Kind::request, "controller", actor()),
+                       std::chrono::seconds(900));
+  return p;
+}
+std::vector<rollout::Completion> RolloutNode::generate(messaging::Gateway& gw,
+                                                       const std::vector<rollout::GenerationRequest>& requests) {
+  auto p = send_generate(gw, requests);
+  return collect(p);
+}
+std::vector<rollout::Completion> RolloutNode::collect(Pending& p) {
+  const std::string who = "rollout node " + actor();
+  auto r = p.reply.get();
+  if (!r) throw std::runtime_error(who + ": " + r.error().what());
   auto res = messaging::payload_as<messaging::RolloutResult>(*r);
-  if (!res) throw std::runtime_error("rollout node: " + res.error().what());
-  if (res->completions.size() != r->tensors.size() || res->completions.size() != requests.size())
-    throw std::runtime_error("rollout node answered " + std::to_string(res->completions.size()) + " completions for " +
-                             std::to_string(requests.size()) + " requests");
+  if (!res) throw std::runtime_error(who + ": " + res.error().what());
+  if (res->completions.size() != r->tensors.size() || res->completions.size() != p.count)
+    throw std::runtime_error(who + " answered " + std::to_string(res->completions.size()) + " completions for " +
+                             std::to_string(p.count) + " requests");
   std::vector<rollout::Completion> out;
   for (std::size_t i = 0; i < res->completions.size(); ++i) {
     const auto& sp = res->completions[i];
-    auto it = by_id.find(sp.id);
-    if (it == by_id.end())
-      throw std::runtime_error("rollout node answered an unknown request id " + std::to_string(sp.id));
+    auto it = p.prompts.find(sp.id);
+    if (it == p.prompts.end())
+      throw std::runtime_error(who + " answered an unknown request id " + std::to_string(sp.id));
     rollout::Completion c;
     c.id = sp.id;
-    c.prompt = it->second->prompt;
+    c.prompt = it->second;
     c.tokens = sp.tokens;
     c.logprobs = sp.logprobs;
     c.entropies = sp.entropies;

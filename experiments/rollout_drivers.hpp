@@ -8,6 +8,8 @@
 #include <deque>
 #include <filesystem>
 #include <functional>
+#include <future>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -38,7 +40,10 @@ struct Batch {
 class AsyncRollout {
  public:
   using Generate = std::function<Batch(int64_t step, const std::function<void()>& between_steps)>;
-  AsyncRollout(rollout::Engine& engine, Generate generate, int64_t first, int64_t last, int64_t staleness);
+  /// Puts new weights into the engines (the in-process engine between decode steps, or the
+  /// engine processes over the messaging layer); runs on the rollout thread.
+  using Apply = std::function<void(std::vector<messaging::Tensor> weights, int64_t version)>;
+  AsyncRollout(Apply apply, Generate generate, int64_t first, int64_t last, int64_t staleness);
   ~AsyncRollout();
   /// The batch of `step` (blocks until generated); rethrows a failure of the rollout thread.
   Batch take(int64_t step);
@@ -48,7 +53,7 @@ class AsyncRollout {
  private:
   void apply_pending();
   void run(int64_t first, int64_t last);
-  rollout::Engine& engine_;
+  Apply apply_;
   Generate generate_;
   std::mutex mu_;
   std::condition_variable cv_;
@@ -61,22 +66,35 @@ class AsyncRollout {
   std::thread thread_;
 };
 
-/// The rollout engine in a `kiln node` child process (placement.mode = "multi_process").
+/// A rollout engine in a `kiln node` child process (placement.mode = "multi_process"), hosted
+/// as actor rollout/INDEX.
 class RolloutNode {
  public:
   ~RolloutNode() { stop(); }
   /// Starts the node, waits until it joined `gw` (the graph root) and built its engine; writes
-  /// its pid to DIR/rollout_node.pid. Returns an error message, or "" on success.
+  /// its pid to DIR/rollout_node.pid (index 0) or DIR/rollout_node_INDEX.pid. Returns an error
+  /// message, or "" on success.
   std::string start(messaging::Gateway& gw, const std::string& tag, const ExperimentConfig& c,
-                    const std::filesystem::path& dir);
-  /// Generates `requests` on the node; throws std::runtime_error if the node is lost or answers
-  /// something that does not fit the requests.
+                    const std::filesystem::path& dir, int64_t index = 0);
+  std::string actor() const { return "rollout/" + std::to_string(index_); }
+  /// A generate request in flight (send, then collect: several nodes work at once).
+  struct Pending {
+    std::future<messaging::Expected<messaging::Envelope>> reply;
+    std::map<uint64_t, std::vector<int64_t>> prompts;  ///< by request id
+    std::size_t count = 0;
+  };
+  Pending send_generate(messaging::Gateway& gw, const std::vector<rollout::GenerationRequest>& requests);
+  /// The completions of `p` (sorted by id); throws std::runtime_error naming this node if it is
+  /// lost or answers something that does not fit the requests.
+  std::vector<rollout::Completion> collect(Pending& p);
+  /// send_generate + collect.
   std::vector<rollout::Completion> generate(messaging::Gateway& gw, const std::vector<rollout::GenerationRequest>& requests);
   /// SIGTERM and wait (idempotent).
   void stop();
 
  private:
   pid_t pid_ = -1;
+  int64_t index_ = 0;
 };
 
 }  // namespace kiln::experiments

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Multi-process placement: the same metrics as one process (k = 0, fixed seed, 5 steps);
+"""Multi-process placement: the same metrics as one process (k = 0, fixed seed, 5 steps), with
+one rollout engine process and with two (prompt groups split between them);
 killing the rollout node mid-run gives a clear error and a checkpoint, and resuming from it
 finishes the run with every step trained exactly once.
 Usage: check_node_kill.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
@@ -13,16 +14,22 @@ checks = []
 def metrics(d):
     return [json.loads(l) for l in open(f"{d}/metrics.jsonl")]
 
-# 1. one process vs multi-process, k = 0
-for mode in ("single_process", "multi_process"):
+# 1. one process vs multi-process (1 and 2 engines), k = 0
+runs = {"single_process": ["single_process", 1], "multi_process": ["multi_process", 1], "two_engines": ["multi_process", 2]}
+for name, (mode, engines) in runs.items():
     p = subprocess.run([kiln, "run", *quiet, "--set", "run.steps=5", "--set", f"placement.mode={mode}",
-                        "--set", f"run.output_dir={work}/{mode}"], capture_output=True, text=True, timeout=600)
-    checks.append((p.returncode == 0, f"{mode} run exits 0 ({p.stderr[-300:]})"))
+                        "--set", f"placement.rollout_engines={engines}", "--set", f"run.output_dir={work}/{name}"],
+                       capture_output=True, text=True, timeout=600)
+    checks.append((p.returncode == 0, f"{name} run exits 0 ({p.stderr[-300:]})"))
 if all(ok for ok, _ in checks):
-    a, b = metrics(f"{work}/single_process"), metrics(f"{work}/multi_process")
-    for x, y in zip(a, b):
-        for k in ("reward_mean", "loss", "kl", "grad_norm", "trained_samples", "train/rollout logprob abs diff"):
-            checks.append((x[k] == y[k], f"step {x['step']} {k}: one process {x[k]} == multi-process {y[k]}"))
+    a = metrics(f"{work}/single_process")
+    for name in ("multi_process", "two_engines"):
+        b = metrics(f"{work}/{name}")
+        checks.append((len(a) == len(b) == 5, f"{name}: 5 steps"))
+        for x, y in zip(a, b):
+            for k in ("reward_mean", "loss", "kl", "grad_norm", "trained_samples", "train/rollout logprob abs diff"):
+                checks.append((x[k] == y[k], f"step {x['step']} {k}: one process {x[k]} == {name} {y[k]}"))
+    checks.append((os.path.exists(f"{work}/two_engines/rollout_node_1.pid"), "the second engine ran as its own process"))
 
 # 2. kill the rollout node mid-run
 out = f"{work}/killed"
