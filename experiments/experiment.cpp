@@ -102,6 +102,7 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   real("weight_sync.bucket_mib", c.weight_sync.bucket_mib);
   text("placement.mode", c.placement.mode);
   integer("placement.rollout_engines", c.placement.rollout_engines);
+  text("placement.reference", c.placement.reference);
   boolean("logging.progress", c.logging.progress);
   boolean("logging.plot", c.logging.plot);
   return f;
@@ -178,6 +179,10 @@ void ExperimentConfig::validate() const {
   need(model.dtype == "fp32" || model.dtype == "bf16", "model.dtype", "must be \"fp32\" or \"bf16\"");
   need(placement.mode == "single_process" || model.device == "cpu", "model.device",
        "must be \"cpu\" with placement.mode \"multi_process\" (remote engines run on the CPU so far)");
+  need(placement.reference == "controller" || placement.reference == "process", "placement.reference",
+       "must be \"controller\" or \"process\"");
+  need(placement.reference == "controller" || placement.mode == "multi_process", "placement.reference",
+       "must be \"controller\" with placement.mode \"single_process\"");
   need(placement.rollout_engines >= 1 && placement.rollout_engines <= 64, "placement.rollout_engines", "must be in [1, 64]");
   need(placement.rollout_engines == 1 || placement.mode == "multi_process", "placement.rollout_engines",
        "must be 1 with placement.mode \"single_process\" (several engines run as kiln node processes)");

@@ -64,6 +64,7 @@ struct ExperimentConfig {
   struct Placement {
     std::string mode = "single_process";
     int64_t rollout_engines = 1;  ///< multi_process: rollout engines, each a kiln node process
+    std::string reference = "controller";  ///< "controller" | "process": ref/0 in a kiln node
   } placement;
   struct Logging {
     bool progress = true;

@@ -96,14 +96,17 @@ int run_experiment(const ExperimentConfig& c) {
     engine_model = registry.build(c.model.package, c.model.flavor, c.model.checkpoint);
     engine_model->load_hf_tensors(policy->hf_state_dict());
     // The frozen reference: the KL term of the loss (kl_coef > 0) and the KL metric.
-    ref_model = registry.build(c.model.package, c.model.flavor, c.model.checkpoint);
-    ref_model->load_hf_tensors(policy->hf_state_dict());
+    if (c.placement.reference == "controller") {  // else a kiln node hosts it (ref/0)
+      ref_model = registry.build(c.model.package, c.model.flavor, c.model.checkpoint);
+      ref_model->load_hf_tensors(policy->hf_state_dict());
+    }
     if (c.model.device != "cpu" && !torch::cuda::is_available())
       throw std::invalid_argument("model.device is \"" + c.model.device + "\" but no CUDA device is visible" +
                                   " (is this a CUDA build of LibTorch on a GPU machine?)");
     const torch::Device device(c.model.device);
     const auto dtype = c.model.dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32;
     for (auto* m : {&policy, &engine_model, &ref_model}) {
+      if (!*m) continue;
       (*m)->to(device);
       (*m)->to_dtype(dtype);
     }
@@ -153,6 +156,7 @@ int run_experiment(const ExperimentConfig& c) {
       std::remove((tag + "-trainer").c_str());
       std::remove((tag + "-rollout").c_str());
       for (int64_t i = 1; i < engines; ++i) std::remove((tag + "-rollout-" + std::to_string(i)).c_str());
+      std::remove((tag + "-ref").c_str());
     }
   } remove_sockets{run_tag, c.placement.rollout_engines};
   messaging::Gateway trainer_gw({"trainer", remote ? "ipc://" + run_tag + "-trainer" : ""});
@@ -220,6 +224,20 @@ int run_experiment(const ExperimentConfig& c) {
     engine.update_weights(tensors, version);
     engine.resume();
   };
+  RefNode ref_node;
+  const bool remote_ref = c.placement.reference == "process";
+  if (remote_ref) {  // the frozen reference: the initial policy's weights, checked by the node
+    auto err = ref_node.start(trainer_gw, run_tag, c, dir);
+    if (err.empty()) {
+      auto r = weight_sync::send_weights(trainer_gw, RefNode::kActor, snapshot(false), 0,
+                                         uint64_t(c.weight_sync.bucket_mib * (1 << 20)), std::chrono::seconds(120));
+      if (!r) err = std::string("reference node: weight sync: ") + r.error().what();
+    }
+    if (!err.empty()) {
+      std::fprintf(stderr, "kiln run: %s\n", err.c_str());
+      return 2;
+    }
+  }
   if (remote) {
     try {
       push_weights(trainer.version(), false);
@@ -263,18 +281,20 @@ int run_experiment(const ExperimentConfig& c) {
   const auto mode = first_step > 1 ? std::ios::app : std::ios::trunc;
   std::ofstream metrics(dir / "metrics.jsonl", mode), tsv(dir / "metrics.tsv", mode);
   auto run_start = Clock::now();
-  std::string rng_before_batch;  // prompt RNG state at the start of the step being generated
+  // Prompt RNG state after the last batch the trainer took (= before the next step's prompts):
+  // what a checkpoint of "steps 1..s trained" must hold, whatever the rollout thread drew since.
+  std::string rng_consumed;
+  {
+    std::ostringstream now;
+    now << rng;
+    rng_consumed = now.str();
+  }
   // Draws the step's prompts and generates n samples each; `between_steps` runs between
   // decode steps (async mode applies pending weights there).
   auto generate_batch = [&](int64_t step, const std::function<void()>& between_steps) {
     auto t0 = Clock::now();
     Batch b;
     b.step = step;
-    {
-      std::ostringstream before;
-      before << rng;
-      rng_before_batch = before.str();
-    }
     std::vector<rollout::GenerationRequest> requests;
     for (int64_t p = 0; p < a.prompts_per_step; ++p) {
       b.problems.push_back(task->sample(rng));
@@ -332,21 +352,26 @@ int run_experiment(const ExperimentConfig& c) {
     };
     async = std::make_unique<AsyncRollout>(apply, generate_batch, first_step, c.run.steps, a.staleness);
   }
+  // A lost rollout or reference node: keep everything trained so far (checkpoint of steps
+  // 1..step-1 with the data cursor before this step), say how to continue, exit 1.
+  auto checkpoint_and_stop = [&](int64_t step, const std::string& what) {
+    std::fprintf(stderr, "kiln run: step %lld: %s\n", (long long)step, what.c_str());
+    if (remote) {
+      char name[32];
+      std::snprintf(name, sizeof name, "step_%06lld", (long long)(step - 1));
+      auto ck = dir / "checkpoints" / name;
+      save_checkpoint(ck, *policy, trainer, step - 1, rng_consumed);
+      std::fprintf(stderr, "kiln run: saved %s (steps 1..%lld trained); continue with --set run.resume_from=%s\n",
+                   ck.c_str(), (long long)(step - 1), ck.c_str());
+    }
+    return 1;
+  };
   for (int64_t step = first_step; step <= c.run.steps; ++step) {
     Batch batch;
     try {
       batch = async ? async->take(step) : generate_batch(step, [] {});
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "kiln run: step %lld: %s\n", (long long)step, e.what());
-      if (remote) {  // keep everything trained so far: checkpoint the state before this step
-        char name[32];
-        std::snprintf(name, sizeof name, "step_%06lld", (long long)(step - 1));
-        auto ck = dir / "checkpoints" / name;
-        save_checkpoint(ck, *policy, trainer, step - 1, rng_before_batch);
-        std::fprintf(stderr, "kiln run: saved %s (steps 1..%lld trained); continue with --set run.resume_from=%s\n",
-                     ck.c_str(), (long long)(step - 1), ck.c_str());
-      }
-      return 1;
+      return checkpoint_and_stop(step, e.what());
     }
     const auto& problems = batch.problems;
     const auto& completions = batch.completions;
@@ -377,7 +402,13 @@ int run_experiment(const ExperimentConfig& c) {
         all[i].completion = completions[i].tokens;
         all[i].routed_experts = completions[i].routed_experts;
       }
-      ref = trainer::completion_logprobs(*ref_model, all, a.max_tokens_per_microbatch, a.routing_replay, a.temperature);
+      try {
+        ref = remote_ref ? ref_node.logprobs(trainer_gw, completions, a.routing_replay)
+                         : trainer::completion_logprobs(*ref_model, all, a.max_tokens_per_microbatch, a.routing_replay,
+                                                        a.temperature);
+      } catch (const std::exception& e) {
+        return checkpoint_and_stop(step, e.what());
+      }
       ref_time = since(tr);
       std::vector<float> sampled, reference;  // every generated token, one KL estimate call
       for (std::size_t i = 0; i < completions.size(); ++i) {
@@ -446,6 +477,7 @@ int run_experiment(const ExperimentConfig& c) {
       }
     }
     if (async && sync_error.empty()) async->consumed(step, std::move(new_weights), trainer.version());
+    rng_consumed = batch.rng_after;
     m.kl = kl_metric;
     const double reward_mean = r.mean().item<double>(), reward_std = r.std(false).item<double>();
     nlohmann::json j;

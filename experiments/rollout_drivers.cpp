@@ -36,7 +36,8 @@ AsyncRollout::~AsyncRollout() {
 Batch AsyncRollout::take(int64_t step) {
   std::unique_lock<std::mutex> l(mu_);
   cv_.wait(l, [&] { return !ready_.empty() || !error_.empty(); });
-  if (!error_.empty()) throw std::runtime_error("rollout thread: " + error_);
+  // Batches made before a failure are still delivered; the failure surfaces at its own step.
+  if (ready_.empty()) throw std::runtime_error("rollout thread: " + error_);
   Batch b = std::move(ready_.front());
   ready_.pop_front();
   if (b.step != step) throw std::logic_error("rollout batches out of order");  // FIFO by construction
@@ -83,21 +84,77 @@ void AsyncRollout::run(int64_t first, int64_t last) {
   }
 }
 
-std::string RolloutNode::start(messaging::Gateway& gw, const std::string& tag, const ExperimentConfig& c,
-                               const std::filesystem::path& dir, int64_t index) {
-  index_ = index;
-  const std::string suffix = index == 0 ? "" : "-" + std::to_string(index);
-  std::vector<std::string> argv = {"/proc/self/exe", "node",          "--name",  "rollout-node" + suffix,
-                                   "--bind",         "ipc://" + tag + "-rollout" + suffix,
-                                   "--join",         gw.endpoint(), "--actor", actor()};
+std::string spawn_node(messaging::Gateway& gw, const std::string& tag, const std::string& suffix,
+                       const std::string& actor, const std::filesystem::path& dir, const std::string& pidfile,
+                       pid_t& pid) {
+  std::vector<std::string> argv = {"/proc/self/exe", "node",          "--name",  suffix + "-node",
+                                   "--bind",         "ipc://" + tag + "-" + suffix,
+                                   "--join",         gw.endpoint(), "--actor", actor};
   std::vector<char*> args;
   for (auto& a : argv) args.push_back(a.data());
   args.push_back(nullptr);
-  if (posix_spawn(&pid_, "/proc/self/exe", nullptr, nullptr, args.data(), environ) != 0)
-    return "cannot start the rollout node process";
-  std::ofstream(dir / (index == 0 ? "rollout_node.pid" : "rollout_node_" + std::to_string(index) + ".pid")) << pid_ << "\n";
-  auto up = gw.wait_for_actor(actor(), std::chrono::seconds(60));
-  if (!up) return "the rollout node " + actor() + " did not join: " + up.error().what();
+  if (posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, args.data(), environ) != 0)
+    return "cannot start the node process for " + actor;
+  std::ofstream(dir / pidfile) << pid << "\n";
+  auto up = gw.wait_for_actor(actor, std::chrono::seconds(60));
+  if (!up) return "the node for " + actor + " did not join: " + up.error().what();
+  return "";
+}
+
+std::string RefNode::start(messaging::Gateway& gw, const std::string& tag, const ExperimentConfig& c,
+                           const std::filesystem::path& dir) {
+  auto err = spawn_node(gw, tag, "ref", kActor, dir, "ref_node.pid", pid_);
+  if (!err.empty()) return err;
+  messaging::RefInit init{c.model.package, c.model.flavor, c.model.checkpoint,
+                          c.algorithm.max_tokens_per_microbatch, c.algorithm.routing_replay, c.algorithm.temperature};
+  auto r = gw.request(messaging::make_envelope(init, messaging::Kind::request, "controller", kActor),
+                      std::chrono::seconds(300))
+               .get();
+  if (!r) return std::string("the reference node could not build its model: ") + r.error().what();
+  return "";
+}
+
+std::vector<std::vector<float>> RefNode::logprobs(messaging::Gateway& gw, const std::vector<rollout::Completion>& samples,
+                                                  bool routing_replay) {
+  messaging::RefLogprobs q;
+  std::vector<messaging::Tensor> experts;
+  bool replay = routing_replay;
+  for (const auto& s : samples) replay &= s.routed_experts.defined();
+  for (const auto& s : samples) {
+    q.samples.push_back({s.id, s.prompt, s.tokens});
+    if (replay) experts.push_back(messaging::from_torch("routed_experts." + std::to_string(s.id), s.routed_experts.contiguous()));
+  }
+  auto env = messaging::make_envelope(q, messaging::Kind::request, "controller", kActor);
+  env.tensors = std::move(experts);
+  auto r = gw.request(std::move(env), std::chrono::seconds(900)).get();
+  if (!r) throw std::runtime_error(std::string("reference node ") + kActor + ": " + r.error().what());
+  auto res = messaging::payload_as<messaging::RefLogprobsResult>(*r);
+  if (!res) throw std::runtime_error(std::string("reference node ") + kActor + ": " + res.error().what());
+  if (res->logprobs.size() != samples.size())
+    throw std::runtime_error(std::string("reference node answered ") + std::to_string(res->logprobs.size()) +
+                             " samples for " + std::to_string(samples.size()));
+  for (std::size_t i = 0; i < samples.size(); ++i)
+    if (res->logprobs[i].size() != samples[i].tokens.size())
+      throw std::runtime_error("reference node answered " + std::to_string(res->logprobs[i].size()) +
+                               " log-probs for a completion of " + std::to_string(samples[i].tokens.size()) + " tokens");
+  return std::move(res->logprobs);
+}
+
+void RefNode::stop() {
+  if (pid_ <= 0) return;
+  ::kill(pid_, SIGTERM);
+  int status = 0;
+  ::waitpid(pid_, &status, 0);
+  pid_ = -1;
+}
+
+std::string RolloutNode::start(messaging::Gateway& gw, const std::string& tag, const ExperimentConfig& c,
+                               const std::filesystem::path& dir, int64_t index) {
+  index_ = index;
+  const std::string suffix = index == 0 ? "rollout" : "rollout-" + std::to_string(index);
+  auto err = spawn_node(gw, tag, suffix, actor(), dir,
+                        index == 0 ? "rollout_node.pid" : "rollout_node_" + std::to_string(index) + ".pid", pid_);
+  if (!err.empty()) return err;
   messaging::RolloutInit init{c.model.package,      c.model.flavor,      c.model.checkpoint,     c.rollout.cache_blocks,
                               c.rollout.block_size, c.rollout.max_batch, c.rollout.step_delay_ms};
   auto r = gw.request(messaging::make_envelope(init, messaging::Kind::request, "controller", actor()),

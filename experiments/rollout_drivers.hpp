@@ -66,6 +66,30 @@ class AsyncRollout {
   std::thread thread_;
 };
 
+/// Starts `kiln node --name NAME --bind ipc://TAG-SUFFIX --join GW --actor ACTOR` as a child
+/// process, writes its pid to DIR/PIDFILE and waits until ACTOR joined. "" or an error message.
+std::string spawn_node(messaging::Gateway& gw, const std::string& tag, const std::string& suffix,
+                       const std::string& actor, const std::filesystem::path& dir, const std::string& pidfile,
+                       pid_t& pid);
+
+/// The reference policy in a `kiln node` child process (placement.reference = "process"),
+/// hosted as actor ref/0: built from the experiment's model, loaded with the run's initial
+/// policy weights (weight sync, checked), asked for per-token log-probs of completions.
+class RefNode {
+ public:
+  ~RefNode() { stop(); }
+  std::string start(messaging::Gateway& gw, const std::string& tag, const ExperimentConfig& c,
+                    const std::filesystem::path& dir);
+  static constexpr const char* kActor = "ref/0";
+  /// result[i]: samples[i]'s completion log-probs. Throws std::runtime_error naming the node.
+  std::vector<std::vector<float>> logprobs(messaging::Gateway& gw, const std::vector<rollout::Completion>& samples,
+                                           bool routing_replay);
+  void stop();
+
+ private:
+  pid_t pid_ = -1;
+};
+
 /// A rollout engine in a `kiln node` child process (placement.mode = "multi_process"), hosted
 /// as actor rollout/INDEX.
 class RolloutNode {

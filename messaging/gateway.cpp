@@ -94,6 +94,7 @@ struct Peer {
   std::string endpoint;
   zmq::socket_t dealer;
   zmq::socket_t monitor;
+  bool lost = false;  ///< disconnected and not connected again: new requests fail at once
 };
 }  // namespace
 
@@ -264,7 +265,7 @@ struct Gateway::Impl {
     p->dealer.set(zmq::sockopt::heartbeat_timeout, static_cast<int>(opt.heartbeat_timeout.count()));
     std::string mon = "inproc://kiln-monitor-" + std::to_string(g_monitor_seq++);
     zmq_socket_monitor(static_cast<void*>(p->dealer), mon.c_str(),
-                       ZMQ_EVENT_DISCONNECTED);
+                       ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_CONNECTED);
     p->monitor = zmq::socket_t(process_context(), zmq::socket_type::pair);
     p->monitor.connect(mon);
     try {
@@ -321,6 +322,10 @@ struct Gateway::Impl {
     Peer* peer_ptr = peer(ep, err);
     if (!peer_ptr) return fail(p, make_error(ErrorCode::transport, err), env);
     Peer& peer_ref = *peer_ptr;
+    if (peer_ref.lost && p)  // a request would wait for its timeout: say now that the peer is gone
+      return fail(p, make_error(ErrorCode::peer_lost, "request '" + env.type + "' to '" + env.receiver + "': peer " + ep +
+                                                           " disconnected earlier (process died or stopped answering heartbeats)"),
+                  env);
     uint64_t id = env.correlation_id;
     if (p) {
       p->peer = ep;
@@ -523,7 +528,12 @@ struct Gateway::Impl {
       if (ev.more()) (void)p.monitor.recv(addr);
       uint16_t event = 0;
       if (ev.size() >= 2) std::memcpy(&event, ev.data(), 2);
-      if (event == ZMQ_EVENT_DISCONNECTED) fail_peer(p.endpoint);
+      if (event == ZMQ_EVENT_DISCONNECTED) {
+        p.lost = true;
+        fail_peer(p.endpoint);
+      } else if (event == ZMQ_EVENT_CONNECTED) {
+        p.lost = false;  // back (a restarted process on the same endpoint)
+      }
     }
   }
 

@@ -174,10 +174,49 @@ struct RolloutResult {
   MSGPACK_DEFINE_MAP(completions);
 };
 
+/// Reference policy in another process (answered with RefReady). Its weights arrive next as
+/// weight_sync.bucket/commit (the run's initial policy), then RefLogprobs requests.
+struct RefInit {
+  static constexpr std::string_view kType = "ref.init";
+  static constexpr uint32_t kVersion = 1;
+  std::string package, flavor, checkpoint;  ///< model registry name + flavor, or HF checkpoint dir
+  int64_t max_tokens_per_microbatch = 4096;
+  bool routing_replay = true;
+  double temperature = 1.0;                 ///< log-probs of logits / temperature
+  MSGPACK_DEFINE_MAP(package, flavor, checkpoint, max_tokens_per_microbatch, routing_replay, temperature);
+};
+struct RefReady {
+  static constexpr std::string_view kType = "ref.ready";
+  static constexpr uint32_t kVersion = 1;
+  int64_t weights_version = -1;  ///< -1 until weights arrived
+  MSGPACK_DEFINE_MAP(weights_version);
+};
+/// One sample inside RefLogprobs (not a message type by itself).
+struct RefSampleSpec {
+  uint64_t id = 0;
+  std::vector<int64_t> prompt, completion;
+  MSGPACK_DEFINE_MAP(id, prompt, completion);
+};
+/// Per-token reference log-probs of these samples' completions (answered with
+/// RefLogprobsResult). Tensor i, when present for every sample, is sample i's routed experts
+/// [P + n - 1, L, K] I64 (routing replay); no tensors: the reference routes itself.
+struct RefLogprobs {
+  static constexpr std::string_view kType = "ref.logprobs";
+  static constexpr uint32_t kVersion = 1;
+  std::vector<RefSampleSpec> samples;
+  MSGPACK_DEFINE_MAP(samples);
+};
+struct RefLogprobsResult {
+  static constexpr std::string_view kType = "ref.logprobs.result";
+  static constexpr uint32_t kVersion = 1;
+  std::vector<std::vector<float>> logprobs;  ///< [samples][completion tokens], request order
+  MSGPACK_DEFINE_MAP(logprobs);
+};
+
 using MessageTypes = std::tuple<ErrorReply, Ping, Pong, GraphJoin, GraphLookup, GraphDirectory,
                                 DiagEcho, DiagEchoResult, DiagSleep, BenchChunk, WeightSyncBucket,
                                 WeightSyncCommit, WeightSyncAck, RolloutInit, RolloutReady, RolloutGenerate,
-                                RolloutResult>;
+                                RolloutResult, RefInit, RefReady, RefLogprobs, RefLogprobsResult>;
 
 /// Schema version of a declared type, or nullopt if `type` is not declared.
 std::optional<uint32_t> message_type_version(std::string_view type);

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Multi-process placement: the same metrics as one process (k = 0, fixed seed, 5 steps), with
-one rollout engine process and with two (prompt groups split between them);
-killing the rollout node mid-run gives a clear error and a checkpoint, and resuming from it
-finishes the run with every step trained exactly once.
+one rollout engine process and with two (prompt groups split between them), and with the
+reference policy in its own process too (KL in the loss); killing the rollout node, or the
+reference node, mid-run gives a clear error and a checkpoint, and resuming from it finishes
+the run with every step trained exactly once.
 Usage: check_node_kill.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
 import json, os, shutil, signal, subprocess, sys, time
 
@@ -15,45 +16,52 @@ def metrics(d):
     return [json.loads(l) for l in open(f"{d}/metrics.jsonl")]
 
 # 1. one process vs multi-process (1 and 2 engines), k = 0
-runs = {"single_process": ["single_process", 1], "multi_process": ["multi_process", 1], "two_engines": ["multi_process", 2]}
-for name, (mode, engines) in runs.items():
-    p = subprocess.run([kiln, "run", *quiet, "--set", "run.steps=5", "--set", f"placement.mode={mode}",
+kl = ["--set", "algorithm.kl_coef=0.05"]
+runs = {"single_process": ["single_process", 1, []], "multi_process": ["multi_process", 1, []],
+        "two_engines": ["multi_process", 2, []], "single_process_kl": ["single_process", 1, kl],
+        "ref_process_kl": ["multi_process", 2, kl + ["--set", "placement.reference=process"]]}
+for name, (mode, engines, extra) in runs.items():
+    p = subprocess.run([kiln, "run", *quiet, "--set", "run.steps=5", "--set", f"placement.mode={mode}", *extra,
                         "--set", f"placement.rollout_engines={engines}", "--set", f"run.output_dir={work}/{name}"],
                        capture_output=True, text=True, timeout=600)
     checks.append((p.returncode == 0, f"{name} run exits 0 ({p.stderr[-300:]})"))
 if all(ok for ok, _ in checks):
-    a = metrics(f"{work}/single_process")
-    for name in ("multi_process", "two_engines"):
-        b = metrics(f"{work}/{name}")
+    for base, name in (("single_process", "multi_process"), ("single_process", "two_engines"),
+                       ("single_process_kl", "ref_process_kl")):
+        a, b = metrics(f"{work}/{base}"), metrics(f"{work}/{name}")
         checks.append((len(a) == len(b) == 5, f"{name}: 5 steps"))
         for x, y in zip(a, b):
             for k in ("reward_mean", "loss", "kl", "grad_norm", "trained_samples", "train/rollout logprob abs diff"):
                 checks.append((x[k] == y[k], f"step {x['step']} {k}: one process {x[k]} == {name} {y[k]}"))
     checks.append((os.path.exists(f"{work}/two_engines/rollout_node_1.pid"), "the second engine ran as its own process"))
+    checks.append((os.path.exists(f"{work}/ref_process_kl/ref_node.pid"), "the reference ran as its own process"))
+    checks.append((any(m["kl"] > 0 for m in metrics(f"{work}/ref_process_kl")), "the remote reference's KL is nonzero"))
 
-# 2. kill the rollout node mid-run
-out = f"{work}/killed"
-run = [kiln, "run", *quiet, "--set", "run.steps=12", "--set", "placement.mode=multi_process",
-       "--set", "rollout.step_delay_ms=150", "--set", "algorithm.prompts_per_step=4", "--set", f"run.output_dir={out}"]
-p = subprocess.Popen(run, stderr=subprocess.PIPE, text=True)
-deadline = time.time() + 120
-while time.time() < deadline:
-    if os.path.exists(f"{out}/metrics.jsonl") and len(open(f"{out}/metrics.jsonl").read().splitlines()) >= 3:
-        break
-    time.sleep(0.05)
-os.kill(int(open(f"{out}/rollout_node.pid").read()), signal.SIGKILL)
-_, err = p.communicate(timeout=120)
-checks.append((p.returncode == 1, f"killed run exits 1 (got {p.returncode})"))
-checks.append(("rollout node" in err and "disconnected" in err, f"the error names the lost rollout node: {err.strip()[-300:]}"))
-checks.append(("resume_from=" in err, "the error says how to continue"))
-ck = err.split("resume_from=")[-1].strip().split()[0] if "resume_from=" in err else ""
-checks.append((os.path.exists(f"{ck}/state.json"), f"checkpoint {ck} written"))
-if ck:
-    r = subprocess.run(run[:-2] + ["--set", f"run.output_dir={out}", "--set", f"run.resume_from={ck}",
-                                   "--set", "rollout.step_delay_ms=0"], capture_output=True, text=True, timeout=600)
-    checks.append((r.returncode == 0, f"resumed run exits 0 ({r.stderr[-300:]})"))
-    steps = [m["step"] for m in metrics(out)]
-    checks.append((steps == list(range(1, 13)), f"every step trained exactly once across kill and resume: {steps}"))
+# 2. kill the rollout node, or the reference node, mid-run
+for victim, extra in (("rollout_node", []), ("ref_node", ["--set", "placement.reference=process"])):
+    out = f"{work}/killed_{victim}"
+    run = [kiln, "run", *quiet, "--set", "run.steps=12", "--set", "placement.mode=multi_process", *extra,
+           "--set", "rollout.step_delay_ms=150", "--set", "algorithm.prompts_per_step=4", "--set", f"run.output_dir={out}"]
+    p = subprocess.Popen(run, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if os.path.exists(f"{out}/metrics.jsonl") and len(open(f"{out}/metrics.jsonl").read().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    os.kill(int(open(f"{out}/{victim}.pid").read()), signal.SIGKILL)
+    _, err = p.communicate(timeout=120)
+    who = "rollout node" if victim == "rollout_node" else "reference node"
+    checks.append((p.returncode == 1, f"{victim}: killed run exits 1 (got {p.returncode})"))
+    checks.append((who in err and "disconnected" in err, f"{victim}: the error names the lost {who}: {err.strip()[-300:]}"))
+    checks.append(("resume_from=" in err, f"{victim}: the error says how to continue"))
+    ck = err.split("resume_from=")[-1].strip().split()[0] if "resume_from=" in err else ""
+    checks.append((os.path.exists(f"{ck}/state.json"), f"{victim}: checkpoint {ck} written"))
+    if ck:
+        r = subprocess.run(run[:-2] + ["--set", f"run.output_dir={out}", "--set", f"run.resume_from={ck}",
+                                       "--set", "rollout.step_delay_ms=0"], capture_output=True, text=True, timeout=600)
+        checks.append((r.returncode == 0, f"{victim}: resumed run exits 0 ({r.stderr[-300:]})"))
+        steps = [m["step"] for m in metrics(out)]
+        checks.append((steps == list(range(1, 13)), f"{victim}: every step trained exactly once across kill and resume: {steps}"))
 for ok, what in checks:
     print(("ok   " if ok else "FAIL ") + what)
 failed = sum(not ok for ok, _ in checks)

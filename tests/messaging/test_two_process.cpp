@@ -75,6 +75,13 @@ TEST_CASE("killing a peer process fails the requests waiting on it within the ti
   CHECK(r.error().code == ErrorCode::peer_lost);
   CHECK(r.error().message.find("disconnected") != std::string::npos);
   CHECK(waited < 5s);  // reported at once, well inside the request's 10 s timeout
+  // A request sent after the loss fails at once too, instead of waiting for its timeout.
+  auto t1 = std::chrono::steady_clock::now();
+  auto later = root.request(make_envelope(Ping{}, Kind::request, "t", "diag/0"), 30s).get();
+  REQUIRE_FALSE(later.has_value());
+  CHECK(later.error().code == ErrorCode::peer_lost);
+  CHECK(later.error().message.find("disconnected earlier") != std::string::npos);
+  CHECK(std::chrono::steady_clock::now() - t1 < 2s);
 }
 
 TEST_CASE("a frozen peer (SIGSTOP) is detected by heartbeats, not waited on forever") {

@@ -1,0 +1,84 @@
+#include "actors/reference/ref_service.hpp"
+
+#include "actors/trainer/trainer.hpp"
+#include "actors/weight_sync/service.hpp"
+#include "experiments/node.hpp"
+#include "messaging/schema.hpp"
+#include "messaging/torch_tensor.hpp"
+#include "model/registry.hpp"
+
+namespace kiln::reference {
+
+using namespace kiln::messaging;
+
+struct RefService::State {
+  std::shared_ptr<model::CausalLM> model;
+  RefInit init;
+  int64_t weights_version = -1;
+  std::unique_ptr<weight_sync::ReceiverService> weights;
+};
+
+RefService::RefService() : s_(std::make_unique<State>()) {
+  s_->weights = std::make_unique<weight_sync::ReceiverService>([this](std::vector<Tensor> t, int64_t version) {
+    if (!s_->model) throw std::logic_error("weights before ref.init");
+    s_->model->load_hf_tensors(t);  // the full set, checked by the receiver first
+    s_->weights_version = version;
+  });
+}
+RefService::~RefService() = default;
+
+Expected<Envelope> RefService::handle(const Envelope& request) {
+  try {
+    if (request.type == RefInit::kType) {
+      auto init = payload_as<RefInit>(request);
+      if (!init) return init.error();
+      if (init->max_tokens_per_microbatch < 1)
+        return make_error(ErrorCode::bad_message, "ref.init: max_tokens_per_microbatch must be >= 1");
+      if (!(init->temperature > 0)) return make_error(ErrorCode::bad_message, "ref.init: temperature must be > 0");
+      s_->model = model::Registry::with_plugins().build(init->package, init->flavor, init->checkpoint);
+      s_->init = *init;
+      s_->weights_version = -1;
+      return make_envelope(RefReady{s_->weights_version}, Kind::reply, request.receiver, request.sender);
+    }
+    if (request.type == WeightSyncBucket::kType || request.type == WeightSyncCommit::kType)
+      return s_->weights->handle(request);
+    if (request.type == RefLogprobs::kType) {
+      if (!s_->model) return make_error(ErrorCode::remote_error, "ref.logprobs before ref.init");
+      if (s_->weights_version < 0)
+        return make_error(ErrorCode::remote_error, "ref.logprobs before the reference weights arrived");
+      auto q = payload_as<RefLogprobs>(request);
+      if (!q) return q.error();
+      const bool replay = !request.tensors.empty();
+      if (replay && request.tensors.size() != q->samples.size())
+        return make_error(ErrorCode::bad_message, "ref.logprobs: " + std::to_string(request.tensors.size()) +
+                                                      " routed-experts tensors for " +
+                                                      std::to_string(q->samples.size()) + " samples");
+      std::vector<trainer::Sample> samples(q->samples.size());
+      for (std::size_t i = 0; i < samples.size(); ++i) {
+        const auto& spec = q->samples[i];
+        if (spec.prompt.empty() || spec.completion.empty())
+          return make_error(ErrorCode::bad_message, "ref.logprobs: sample " + std::to_string(spec.id) +
+                                                        " has an empty prompt or completion");
+        samples[i].prompt = spec.prompt;
+        samples[i].completion = spec.completion;
+        if (replay) samples[i].routed_experts = to_torch(request.tensors[i]).clone();
+      }
+      RefLogprobsResult r;
+      r.logprobs = trainer::completion_logprobs(*s_->model, samples, s_->init.max_tokens_per_microbatch,
+                                                s_->init.routing_replay && replay, s_->init.temperature);
+      return make_envelope(r, Kind::reply, request.receiver, request.sender);
+    }
+  } catch (const std::exception& e) {
+    return make_error(ErrorCode::remote_error, std::string(request.type) + ": " + e.what());
+  }
+  return make_error(ErrorCode::unknown_type, "actor '" + request.receiver + "' does not handle '" + request.type + "'");
+}
+
+void register_ref_actor_kind() {
+  experiments::register_actor_kind("ref", [](const std::string&, const std::string&) {
+    auto svc = std::make_shared<RefService>();
+    return [svc](const Envelope& e) { return svc->handle(e); };
+  });
+}
+
+}  // namespace kiln::reference
