@@ -37,7 +37,8 @@ TopKRouterImpl::TopKRouterImpl(const RouterOptions& o) : o_(o) {
   e_score_correction_bias = register_buffer("e_score_correction_bias", torch::zeros({o.num_experts}));
 }
 
-RouteResult TopKRouterImpl::forward(const torch::Tensor& x, const std::optional<torch::Tensor>& given_ids_TK) {
+RouteResult TopKRouterImpl::forward(const torch::Tensor& x, const std::optional<torch::Tensor>& given_ids_TK,
+                                    bool validate_given) {
   auto logits = torch::nn::functional::linear(x.to(torch::kFloat32), weight.to(torch::kFloat32));  // [T, E] fp32
   if (!given_ids_TK && o_.n_group == 1 && logits.is_cuda()) {
     // Fused sigmoid + bias + top-k (kernels/moe.hpp) picks the experts; the weights still come
@@ -45,7 +46,7 @@ RouteResult TopKRouterImpl::forward(const torch::Tensor& x, const std::optional<
     auto ids = kernels::router_topk(logits.detach(), e_score_correction_bias.to(torch::kFloat32), o_.top_k);
     return route_from_scores(logits.sigmoid(), e_score_correction_bias, o_, ids, /*validate=*/false);
   }
-  return route_from_scores(logits.sigmoid(), e_score_correction_bias, o_, given_ids_TK);
+  return route_from_scores(logits.sigmoid(), e_score_correction_bias, o_, given_ids_TK, validate_given);
 }
 
 Dispatched dispatch(const torch::Tensor& x_TD, const RouteResult& r, int64_t num_experts) {
@@ -82,8 +83,8 @@ MoEImpl::MoEImpl(const RouterOptions& o, int64_t expert_intermediate, int64_t n_
 }
 
 torch::Tensor MoEImpl::forward(const torch::Tensor& x, const std::optional<torch::Tensor>& replay_ids_TK,
-                               torch::Tensor* expert_ids_out) {
-  auto r = router(x, replay_ids_TK);
+                               torch::Tensor* expert_ids_out, bool validate_replay) {
+  auto r = router(x, replay_ids_TK, validate_replay);
   if (expert_ids_out) *expert_ids_out = r.expert_ids;
   auto d = dispatch(x, r, router->options().num_experts);
   auto y = combine(experts(d.x, d.counts), d, x.size(0));

@@ -39,7 +39,10 @@ class TopKRouterImpl : public torch::nn::Module {
  public:
   explicit TopKRouterImpl(const RouterOptions& o);
   /// x: [T, D]; logits are computed in fp32 as transformers does.
-  RouteResult forward(const torch::Tensor& x, const std::optional<torch::Tensor>& given_ids_TK = std::nullopt);
+  /// validate_given: check replayed ids lie in [0, E) (a device sync; callers that checked
+  /// already, e.g. the model once for all layers, pass false).
+  RouteResult forward(const torch::Tensor& x, const std::optional<torch::Tensor>& given_ids_TK = std::nullopt,
+                      bool validate_given = true);
   torch::Tensor weight, e_score_correction_bias;
   const RouterOptions& options() const { return o_; }
 
@@ -78,7 +81,7 @@ class MoEImpl : public torch::nn::Module {
   MoEImpl(const RouterOptions& o, int64_t expert_intermediate, int64_t n_shared_experts);
   /// x: [T, D] -> [T, D]; *expert_ids_out gets the [T, K] choice (or the replayed ids).
   torch::Tensor forward(const torch::Tensor& x, const std::optional<torch::Tensor>& replay_ids_TK,
-                        torch::Tensor* expert_ids_out);
+                        torch::Tensor* expert_ids_out, bool validate_replay = true);
   TopKRouter router{nullptr};
   GroupedExperts experts{nullptr};
   SwiGLU shared{nullptr};  ///< null when n_shared_experts == 0

@@ -32,7 +32,7 @@ torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const torch::Ten
                                         torch::Tensor* expert_ids_out) {
   auto h = x + attn(attn_norm(x), positions, cu_seqlens, max_seqlen);
   auto y = mlp_norm(h);
-  return h + (moe ? moe(y, replay, expert_ids_out) : mlp(y));
+  return h + (moe ? moe(y, replay, expert_ids_out, /*validate_replay=*/false) : mlp(y));  // checked in forward()
 }
 
 torch::Tensor DecoderLayerImpl::forward_cached(const torch::Tensor& x, const torch::Tensor& positions,
@@ -85,7 +85,14 @@ ForwardOutput Glm4MoeLiteModel::forward(const PackedBatch& batch, const ForwardO
   for (int64_t b = 0; b + 1 < cu_host.size(0); ++b) max_seqlen = std::max(max_seqlen, cu[b + 1] - cu[b]);
   auto cu_dev = batch.cu_seqlens.to(dev, torch::kInt32);
   std::optional<torch::Tensor> replay_all;
-  if (options.replay_routed_experts) replay_all = options.replay_routed_experts->to(dev);
+  if (options.replay_routed_experts) {
+    // Expert ids in [0, E), checked once for every layer, where the ids live (on the host
+    // as the trainer packs them: no device sync).
+    const auto& r = *options.replay_routed_experts;
+    if (r.numel() > 0 && (r.min().item<int64_t>() < 0 || r.max().item<int64_t>() >= config_.moe.num_experts))
+      throw std::invalid_argument("replay_routed_experts must lie in [0, " + std::to_string(config_.moe.num_experts) + ")");
+    replay_all = r.to(dev, torch::kInt64);
+  }
   auto x = embed(batch.input_ids.to(dev));  // [T, D]
   int64_t moe_index = 0;
   for (auto& layer : layers) {

@@ -117,6 +117,11 @@ TEST_CASE("routing replay uses the given experts and still trains the router") {
   replay.replay_routed_experts = torch::zeros({3, 2, 2}, torch::kInt64);
   CHECK_THROWS_WITH_AS(model->forward(batch, replay), doctest::Contains("replay_routed_experts must be [T, L, K]"),
                        std::invalid_argument);
+  // ...and ids outside [0, E) too, before any layer runs.
+  auto out_of_range = first.routed_experts.clone();
+  out_of_range[0][0][0] = 8;
+  replay.replay_routed_experts = out_of_range;
+  CHECK_THROWS_WITH_AS(model->forward(batch, replay), doctest::Contains("must lie in [0, 8)"), std::invalid_argument);
 }
 
 TEST_CASE("CUDA bf16: logits, log-probs and loss gradients stay within bf16 tolerances of transformers (fp32)") {
