@@ -51,5 +51,8 @@ cmake -S "$ROOT" -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE="${KILN_BUILD_TYPE:-
   -DCMAKE_LIBRARY_PATH="$LIBDIR" -DKILN_PYTHON="$PY" "$@" >&2
 # KILN_BUILD_TARGETS="a b": build only these targets (default: everything).
 targets=(); for t in ${KILN_BUILD_TARGETS:-}; do targets+=(--target "$t"); done
+# The build runs test executables too (doctest's test discovery): they need the same libraries.
+# shellcheck source=/dev/null
+source "$PREFIX/env.sh"
 cmake --build "$BUILD" -j"$(nproc)" "${targets[@]}" >&2
 echo "$BUILD"
