@@ -1,10 +1,11 @@
 #pragma once
 // `kiln node`: a process that joins an actor graph and hosts the actors it is given.
 #include <functional>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "messaging/envelope.hpp"
-#include <vector>
 
 namespace kiln::experiments {
 
@@ -26,6 +27,15 @@ using ServiceHandler = std::function<messaging::Expected<messaging::Envelope>(co
 using ServiceFactory = std::function<ServiceHandler(const std::string& node, const std::string& name)>;
 /// Adds a kind of actor nodes can host (e.g. "rollout", registered by the LibTorch build).
 void register_actor_kind(const std::string& kind, ServiceFactory factory);
+/// register_actor_kind for a plain service class with `handle(const Envelope&)`: one fresh
+/// Service per hosted actor.
+template <class Service>
+void register_service_kind(const std::string& kind) {
+  register_actor_kind(kind, [](const std::string&, const std::string&) -> ServiceHandler {
+    auto svc = std::make_shared<Service>();
+    return [svc](const messaging::Envelope& e) { return svc->handle(e); };
+  });
+}
 
 /// Runs the node until SIGINT or SIGTERM. Prints "kiln node NAME ready at ENDPOINT" on
 /// stdout once it hosts its actors and has joined. Returns the process exit code; a bad

@@ -140,13 +140,15 @@ std::vector<std::vector<float>> RefNode::logprobs(messaging::Gateway& gw, const 
   return std::move(res->logprobs);
 }
 
-void RefNode::stop() {
-  if (pid_ <= 0) return;
-  ::kill(pid_, SIGTERM);
+void stop_node(pid_t& pid) {
+  if (pid <= 0) return;
+  ::kill(pid, SIGTERM);
   int status = 0;
-  ::waitpid(pid_, &status, 0);
-  pid_ = -1;
+  ::waitpid(pid, &status, 0);
+  pid = -1;
 }
+
+void RefNode::stop() { stop_node(pid_); }
 
 std::string RolloutNode::start(messaging::Gateway& gw, const std::string& tag, const ExperimentConfig& c,
                                const std::filesystem::path& dir, int64_t index) {
@@ -213,12 +215,6 @@ std::vector<rollout::Completion> RolloutNode::collect(Pending& p) {
   std::sort(out.begin(), out.end(), [](const auto& x, const auto& y) { return x.id < y.id; });
   return out;
 }
-void RolloutNode::stop() {
-  if (pid_ <= 0) return;
-  ::kill(pid_, SIGTERM);
-  int status = 0;
-  ::waitpid(pid_, &status, 0);
-  pid_ = -1;
-}
+void RolloutNode::stop() { stop_node(pid_); }
 
 }  // namespace kiln::experiments

@@ -71,6 +71,8 @@ class AsyncRollout {
 std::string spawn_node(messaging::Gateway& gw, const std::string& tag, const std::string& suffix,
                        const std::string& actor, const std::filesystem::path& dir, const std::string& pidfile,
                        pid_t& pid);
+/// SIGTERM to a node spawned so, then wait for it; pid becomes -1 (idempotent).
+void stop_node(pid_t& pid);
 
 /// The reference policy in a `kiln node` child process (placement.reference = "process"),
 /// hosted as actor ref/0: built from the experiment's model, loaded with the run's initial

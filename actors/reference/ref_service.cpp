@@ -74,11 +74,6 @@ Expected<Envelope> RefService::handle(const Envelope& request) {
   return make_error(ErrorCode::unknown_type, "actor '" + request.receiver + "' does not handle '" + request.type + "'");
 }
 
-void register_ref_actor_kind() {
-  experiments::register_actor_kind("ref", [](const std::string&, const std::string&) {
-    auto svc = std::make_shared<RefService>();
-    return [svc](const Envelope& e) { return svc->handle(e); };
-  });
-}
+void register_ref_actor_kind() { experiments::register_service_kind<RefService>("ref"); }
 
 }  // namespace kiln::reference

@@ -82,11 +82,6 @@ Expected<Envelope> RolloutService::handle(const Envelope& request) {
   return make_error(ErrorCode::unknown_type, "actor '" + request.receiver + "' does not handle '" + request.type + "'");
 }
 
-void register_rollout_actor_kind() {
-  experiments::register_actor_kind("rollout", [](const std::string&, const std::string&) {
-    auto svc = std::make_shared<RolloutService>();
-    return [svc](const Envelope& e) { return svc->handle(e); };
-  });
-}
+void register_rollout_actor_kind() { experiments::register_service_kind<RolloutService>("rollout"); }
 
 }  // namespace kiln::rollout
