@@ -6,6 +6,11 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD="$("$ROOT/scripts/build.sh" | tail -n1)"
 echo "== tests ($BUILD)"
+# ctest runs two test processes at once: give each its share of the cores. With more OpenMP
+# threads than that, torch's workers wait for cores the other process holds (the RL tests ran
+# 6x to 40x slower so on this 2-core machine).
+NPROC="$(nproc)"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( NPROC / 2 > 0 ? NPROC / 2 : 1 ))}"
 ctest --test-dir "$BUILD" --output-on-failure -j2
 if [ "${KILN_SKIP_SANITIZE:-0}" != "1" ]; then
   echo "== tests under ASan + UBSan (torch-free suites)"
