@@ -1,5 +1,7 @@
 #include "experiments/experiment.hpp"
 
+#include <cmath>
+
 #include <functional>
 #include <map>
 #include <sstream>
@@ -32,6 +34,7 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
                 if (n.is_integer()) ref = double(n.as_integer()->get());
                 else if (n.is_floating_point()) ref = n.as_floating_point()->get();
                 else bad(w, key, "must be a number");
+                if (!std::isfinite(ref)) bad(w, key, "must be a finite number");
               },
               [&ref] {
                 std::ostringstream s;
@@ -166,6 +169,19 @@ void ExperimentConfig::validate() const {
   need(algorithm.staleness >= 0, "algorithm.staleness", "must be >= 0");
   need(rollout.step_delay_ms >= 0, "rollout.step_delay_ms", "must be >= 0");
   need(algorithm.lr > 0, "algorithm.lr", "must be > 0");
+  need(algorithm.top_p > 0 && algorithm.top_p <= 1, "algorithm.top_p", "must be in (0, 1]");
+  need(algorithm.top_k >= 0, "algorithm.top_k", "must be >= 0 (0: off)");
+  need(algorithm.weight_decay >= 0, "algorithm.weight_decay", "must be >= 0");
+  need(algorithm.grad_clip >= 0, "algorithm.grad_clip", "must be >= 0 (0: no clipping)");
+  need(algorithm.kl_coef >= 0, "algorithm.kl_coef", "must be >= 0");
+  need(algorithm.entropy_coef >= 0, "algorithm.entropy_coef", "must be >= 0");
+  need(algorithm.tis_cap > 0, "algorithm.tis_cap", "must be > 0");
+  need(algorithm.warmup_steps >= 0, "algorithm.warmup_steps", "must be >= 0");
+  need(algorithm.clip_low >= 0 && algorithm.clip_low < 1, "algorithm.clip_low", "must be in [0, 1)");
+  need(algorithm.clip_high >= 0, "algorithm.clip_high", "must be >= 0");
+  need(algorithm.max_tokens_per_microbatch >= 1, "algorithm.max_tokens_per_microbatch", "must be >= 1");
+  need(rollout.cache_blocks >= 1 && rollout.block_size >= 1 && rollout.max_batch >= 1, "rollout.cache_blocks",
+       "rollout.cache_blocks, block_size and max_batch must be >= 1");
   need(algorithm.kl_estimator == "k1" || algorithm.kl_estimator == "k2" || algorithm.kl_estimator == "k3",
        "algorithm.kl_estimator", "must be \"k1\", \"k2\" or \"k3\"");
   need(algorithm.aggregation == "token_mean" || algorithm.aggregation == "sequence_mean", "algorithm.aggregation",

@@ -28,6 +28,8 @@ int main(int argc, char** argv) {
   node_cmd->add_option("--bind", node.bind, "Endpoint to bind (inproc://, ipc://, tcp://host:port)")->required();
   node_cmd->add_option("--join", node.join, "Endpoint of the graph's root gateway (empty: be the root)");
   node_cmd->add_option("--actor", node.actors, "Actor to host, <kind>/<index> (repeatable), e.g. diag/0");
+  node_cmd->add_option("--exit-with-parent", node.exit_with_parent, "Stop when this parent pid dies")
+      ->check(CLI::Range(int64_t(1), int64_t(1) << 31));
   node_cmd->add_option("--join-timeout-ms", node.join_timeout_ms, "How long to wait for the root")
       ->default_val(10000)
       ->check(CLI::Range(1, 3600000));

@@ -8,6 +8,9 @@
 #include <functional>
 #include <map>
 #include <regex>
+
+#include <sys/prctl.h>
+#include <unistd.h>
 #include <set>
 #include <thread>
 
@@ -85,6 +88,13 @@ int run_node(const NodeOptions& options) {
   sigaddset(&stop, SIGINT);
   sigaddset(&stop, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &stop, nullptr);
+  if (options.exit_with_parent > 0) {  // SIGTERM when the parent dies: the stop path below
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (int64_t(::getppid()) != options.exit_with_parent) {
+      std::fprintf(stderr, "kiln node: parent process %lld is gone\n", (long long)options.exit_with_parent);
+      return 2;
+    }
+  }
 
   std::unique_ptr<messaging::Gateway> gateway;
   try {

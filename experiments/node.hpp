@@ -15,6 +15,9 @@ struct NodeOptions {
   std::string join;                 ///< root gateway endpoint to join; empty: this node is the root
   std::vector<std::string> actors;  ///< logical names to host, "<kind>/<index>", e.g. diag/0
   int join_timeout_ms = 10000;
+  /// > 0: stop (as on SIGTERM) when this parent process dies (Linux PR_SET_PDEATHSIG); the
+  /// node exits at once if that process is already gone. Set by `kiln run` for its children.
+  int64_t exit_with_parent = 0;
 };
 
 /// Kinds of actor a node can host (the part of a logical name before '/').

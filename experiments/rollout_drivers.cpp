@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <fstream>
 #include <map>
+#include <thread>
 
 #include "messaging/schema.hpp"
 #include "messaging/torch_tensor.hpp"
@@ -89,7 +90,8 @@ std::string spawn_node(messaging::Gateway& gw, const std::string& tag, const std
                        pid_t& pid) {
   std::vector<std::string> argv = {"/proc/self/exe", "node",          "--name",  suffix + "-node",
                                    "--bind",         "ipc://" + tag + "-" + suffix,
-                                   "--join",         gw.endpoint(), "--actor", actor};
+                                   "--join",         gw.endpoint(), "--actor", actor,
+                                   "--exit-with-parent", std::to_string(::getpid())};  // no orphans
   std::vector<char*> args;
   for (auto& a : argv) args.push_back(a.data());
   args.push_back(nullptr);
@@ -144,7 +146,13 @@ void stop_node(pid_t& pid) {
   if (pid <= 0) return;
   ::kill(pid, SIGTERM);
   int status = 0;
-  ::waitpid(pid, &status, 0);
+  // A node gets 5 s to stop (it stops its actors); a frozen one (SIGSTOP) is then killed.
+  for (int i = 0; i < 100 && ::waitpid(pid, &status, WNOHANG) == 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  if (::waitpid(pid, &status, WNOHANG) == 0) {
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, &status, 0);
+  }
   pid = -1;
 }
 

@@ -14,7 +14,8 @@ PACKAGES=(libcaf-dev libzmq3-dev cppzmq-dev libmsgpack-cxx-dev libspdlog-dev doc
 # The node's own C/C++ runtime and compiler are used; never ship Debian's copies of them.
 SKIP='^(libc6|libc6-dev|libc-dev-bin|linux-libc-dev|libcrypt1|libcrypt-dev|gcc-[0-9]+-base|libgcc-s1|libgcc-[0-9]+-dev|libstdc\+\+6|libstdc\+\+-[0-9]+-dev|libasan[0-9]+|libtsan[0-9]+|liblsan[0-9]+|libubsan[0-9]+|libatomic1|libgomp1|libitm1|libquadmath0|rpcsvc-proto)$'
 # Headers and archives for linking the libraries above statically: kiln links them shared.
-SKIP_STATIC='^(catch2|libboost.*|icu-devtools|libicu-dev|libxml2-dev|krb5-multidev|libkrb5-dev|comerr-dev|libnsl-dev|libtirpc-dev|libbsd-dev|libmd-dev|libpgm-dev|libnorm-dev|libsodium-dev)$'
+# (Boost's headers stay: Debian's msgpack CMake config asks for Boost even with MSGPACK_NO_BOOST.)
+SKIP_STATIC='^(catch2|icu-devtools|libicu-dev|libxml2-dev|krb5-multidev|libkrb5-dev|comerr-dev|libnsl-dev|libtirpc-dev|libbsd-dev|libmd-dev|libpgm-dev|libnorm-dev|libsodium-dev)$'
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT

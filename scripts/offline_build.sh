@@ -10,7 +10,10 @@
 # Prints the build directory on the last line. Fails naming the step that failed.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-[ $# -ge 1 ] || { echo "usage: $0 BUNDLE.tar [PREFIX] [-- cmake args]" >&2; exit 2; }
+usage() { echo "usage: $0 BUNDLE.tar [PREFIX] [-- cmake args]   (bundle from scripts/bundle_deps.sh; docs/gpu.md)" >&2; }
+[ $# -ge 1 ] || { usage; exit 2; }
+case "$1" in -h|--help) usage; exit 0 ;; esac
+[ -f "$1" ] || { echo "[offline] bundle not found: $1" >&2; exit 1; }
 BUNDLE="$(realpath "$1")"; shift
 PREFIX="${KILN_DEPS_PREFIX:-$HOME/.cache/kiln/deps}"
 if [ $# -ge 1 ] && [ "$1" != "--" ]; then PREFIX="$1"; shift; fi
@@ -18,7 +21,6 @@ if [ $# -ge 1 ] && [ "$1" != "--" ]; then PREFIX="$1"; shift; fi
 PREFIX="$(realpath -m "$PREFIX")"
 BUILD="${KILN_BUILD_DIR:-$ROOT/build}"
 PY="${KILN_PYTHON:-python3}"
-[ -f "$BUNDLE" ] || { echo "[offline] bundle not found: $BUNDLE" >&2; exit 1; }
 
 stamp="$PREFIX/.bundle-$(sha256sum "$BUNDLE" | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
@@ -26,6 +28,7 @@ if [ ! -f "$stamp" ]; then
   tmp="$(mktemp -d)"; trap 'rm -rf "$tmp"' EXIT
   tar -C "$tmp" -xf "$BUNDLE" || { echo "[offline] $BUNDLE is not a readable tar archive" >&2; exit 1; }
   [ -f "$tmp/MANIFEST" ] || { echo "[offline] $BUNDLE has no MANIFEST: not made by bundle_deps.sh" >&2; exit 1; }
+  compgen -G "$tmp/*.deb" >/dev/null || { echo "[offline] $BUNDLE holds no .deb packages" >&2; exit 1; }
   mkdir -p "$PREFIX"
   n=0
   for deb in "$tmp"/*.deb; do

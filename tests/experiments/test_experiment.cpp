@@ -62,4 +62,20 @@ TEST_CASE("unknown keys, wrong types and bad values are rejected by name") {
   ExperimentConfig e;
   e.set("algorithm.kl_estimator=k9");
   CHECK_THROWS_WITH_AS(e.validate(), doctest::Contains("'algorithm.kl_estimator'"), std::invalid_argument);
+  // Non-finite numbers at parse time, out-of-range ones at validation, each by key.
+  ExperimentConfig f;
+  CHECK_THROWS_WITH_AS(f.set("algorithm.lr=inf"), doctest::Contains("'algorithm.lr' must be a finite number"),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(f.set("algorithm.tis_cap=nan"), doctest::Contains("'algorithm.tis_cap' must be a finite number"),
+                       std::invalid_argument);
+  for (const char* bad : {"algorithm.top_p=0", "algorithm.top_k=-1", "algorithm.weight_decay=-5", "algorithm.grad_clip=-1",
+                          "algorithm.kl_coef=-1", "algorithm.warmup_steps=-3", "algorithm.tis_cap=0",
+                          "algorithm.clip_low=1", "placement.rollout_engines=0", "model.dtype=fp8"}) {
+    CAPTURE(bad);
+    ExperimentConfig g;
+    g.set(bad);
+    const std::string key = std::string(bad).substr(0, std::string(bad).find('='));
+    const std::string quoted = "'" + key + "'";
+    CHECK_THROWS_WITH_AS(g.validate(), doctest::Contains(quoted.c_str()), std::invalid_argument);
+  }
 }
