@@ -188,11 +188,6 @@ RolloutNode::Pending RolloutNode::send_generate(messaging::Gateway& gw,
                        std::chrono::seconds(900));
   return p;
 }
-std::vector<rollout::Completion> RolloutNode::generate(messaging::Gateway& gw,
-                                                       const std::vector<rollout::GenerationRequest>& requests) {
-  auto p = send_generate(gw, requests);
-  return collect(p);
-}
 std::vector<rollout::Completion> RolloutNode::collect(Pending& p) {
   const std::string who = "rollout node " + actor();
   auto r = p.reply.get();

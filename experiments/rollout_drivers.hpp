@@ -113,8 +113,6 @@ class RolloutNode {
   /// The completions of `p` (sorted by id); throws std::runtime_error naming this node if it is
   /// lost or answers something that does not fit the requests.
   std::vector<rollout::Completion> collect(Pending& p);
-  /// send_generate + collect.
-  std::vector<rollout::Completion> generate(messaging::Gateway& gw, const std::vector<rollout::GenerationRequest>& requests);
   /// SIGTERM and wait (idempotent).
   void stop();
 

@@ -94,9 +94,10 @@ torch::Tensor MLAImpl::forward_cached(const torch::Tensor& x, const torch::Tenso
     }
   auto slot_t = torch::tensor(new_slots, torch::kInt64).to(x.device());
   flat.index_copy_(0, slot_t, torch::cat({latent, k_rope}, -1).to(cache.scalar_type()));
-  auto q_full = torch::cat({q_nope, q_rope}, -1);                                              // [N, H, Nd+R]
-  if (kernels::varlen_attention_uses_flash(q_full, q_full) && cache.scalar_type() == x.scalar_type())
-    return cached_expanded(q_full, slices, cache);
+  if (x.is_cuda() && cache.scalar_type() == x.scalar_type()) {
+    auto q_full = torch::cat({q_nope, q_rope}, -1);                                            // [N, H, Nd+R]
+    if (kernels::varlen_attention_uses_flash(q_full, q_full)) return cached_expanded(q_full, slices, cache);
+  }
   // Absorb kv_b: W [H, Nd+V, C] -> key part W_uk [H, Nd, C], value part W_uv [H, V, C].
   auto w = kv_b->weight.view({H, Nd + V, C});
   auto w_uk = w.narrow(1, 0, Nd), w_uv = w.narrow(1, Nd, V);
