@@ -97,6 +97,7 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   integer("algorithm.max_tokens_per_microbatch", a.max_tokens_per_microbatch);
   boolean("algorithm.routing_replay", a.routing_replay);
   boolean("algorithm.recompute_old_logprobs", a.recompute_old_logprobs);
+  integer("algorithm.update_delay_ms", a.update_delay_ms);
   text("rollout.backend", c.rollout.backend);
   integer("rollout.cache_blocks", c.rollout.cache_blocks);
   integer("rollout.block_size", c.rollout.block_size);
@@ -167,6 +168,7 @@ void ExperimentConfig::validate() const {
   need(algorithm.max_new_tokens >= 1, "algorithm.max_new_tokens", "must be >= 1");
   need(algorithm.temperature > 0, "algorithm.temperature", "must be > 0 for RL sampling");
   need(algorithm.staleness >= 0, "algorithm.staleness", "must be >= 0");
+  need(algorithm.update_delay_ms >= 0, "algorithm.update_delay_ms", "must be >= 0");
   need(rollout.step_delay_ms >= 0, "rollout.step_delay_ms", "must be >= 0");
   need(algorithm.lr > 0, "algorithm.lr", "must be > 0");
   need(algorithm.top_p > 0 && algorithm.top_p <= 1, "algorithm.top_p", "must be in (0, 1]");

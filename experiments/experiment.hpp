@@ -52,6 +52,7 @@ struct ExperimentConfig {
     /// pi_old from a separate no-grad pass before the update (timed as log_probs_time), instead
     /// of the training forward's own detached values.
     bool recompute_old_logprobs = false;
+    int64_t update_delay_ms = 0;  ///< testing: sleep after each policy update, to emulate a slow trainer
   } algorithm;
   struct Rollout {
     std::string backend = "engine";

@@ -464,6 +464,7 @@ int run_experiment(const ExperimentConfig& c) {
     }
     if (!samples.empty()) {
       m = trainer.train_step(samples);
+      if (a.update_delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(a.update_delay_ms));
       try {
         auto tu = Clock::now();
         if (async && remote) new_weights = snapshot(/*copy=*/true);               // sent by the rollout thread
