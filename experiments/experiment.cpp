@@ -107,6 +107,7 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   text("placement.mode", c.placement.mode);
   integer("placement.rollout_engines", c.placement.rollout_engines);
   text("placement.reference", c.placement.reference);
+  text("placement.trainer", c.placement.trainer);
   boolean("logging.progress", c.logging.progress);
   boolean("logging.plot", c.logging.plot);
   return f;
@@ -201,6 +202,11 @@ void ExperimentConfig::validate() const {
        "must be \"controller\" or \"process\"");
   need(placement.reference == "controller" || placement.mode == "multi_process", "placement.reference",
        "must be \"controller\" with placement.mode \"single_process\"");
+  need(placement.trainer == "controller" || placement.trainer == "process", "placement.trainer",
+       "must be \"controller\" or \"process\"");
+  need(placement.trainer == "controller" || (placement.mode == "multi_process" && placement.reference == "process"),
+       "placement.trainer", "\"process\" needs placement.mode \"multi_process\" and placement.reference \"process\" "
+       "(the controller then holds no model)");
   need(placement.rollout_engines >= 1 && placement.rollout_engines <= 64, "placement.rollout_engines", "must be in [1, 64]");
   need(placement.rollout_engines == 1 || placement.mode == "multi_process", "placement.rollout_engines",
        "must be 1 with placement.mode \"single_process\" (several engines run as kiln node processes)");

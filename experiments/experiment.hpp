@@ -66,6 +66,7 @@ struct ExperimentConfig {
     std::string mode = "single_process";
     int64_t rollout_engines = 1;  ///< multi_process: rollout engines, each a kiln node process
     std::string reference = "controller";  ///< "controller" | "process": ref/0 in a kiln node
+    std::string trainer = "controller";    ///< "controller" | "process": trainer/0 in a kiln node
   } placement;
   struct Logging {
     bool progress = true;

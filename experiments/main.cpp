@@ -11,6 +11,7 @@
 #include "experiments/rl_run.hpp"
 #include "actors/reference/ref_service.hpp"
 #include "actors/rollout/rollout_service.hpp"
+#include "actors/trainer/trainer_service.hpp"
 #include "experiments/model_cmd.hpp"
 #endif
 
@@ -18,6 +19,7 @@ int main(int argc, char** argv) {
 #ifdef KILN_WITH_TORCH
   kiln::rollout::register_rollout_actor_kind();  // kiln node --actor rollout/N
   kiln::reference::register_ref_actor_kind();    // kiln node --actor ref/N
+  kiln::trainer::register_trainer_actor_kind();  // kiln node --actor trainer/N
 #endif
   CLI::App app{"kiln: asynchronous RL post-training for GLM-family MoE models"};
   app.require_subcommand(1);

@@ -44,7 +44,7 @@ struct HandlerService {
 void register_actor_kind(const std::string& kind, ServiceFactory factory) {
   actor_factories()[kind] = [factory](caf::actor_system& sys, messaging::Gateway& gw, const std::string& node,
                                       const std::string& name) {
-    return messaging::spawn_service(sys, gw, name, std::make_shared<HandlerService>(HandlerService{factory(node, name)}),
+    return messaging::spawn_service(sys, gw, name, std::make_shared<HandlerService>(HandlerService{factory(gw, node, name)}),
                                     /*detached=*/true);
   };
 }

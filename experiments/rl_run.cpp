@@ -29,7 +29,9 @@ extern char** environ;
 #include "actors/rollout/engine.hpp"
 #include "actors/rollout/tasks.hpp"
 #include "actors/rollout/tokenizer.hpp"
+#include "actors/trainer/checkpoint.hpp"
 #include "actors/trainer/trainer.hpp"
+#include "actors/trainer/trainer_service.hpp"
 #include "actors/weight_sync/buckets.hpp"
 #include "actors/weight_sync/service.hpp"
 #include "messaging/gateway.hpp"
@@ -49,19 +51,6 @@ std::unique_ptr<rollout::Task> build_task(const ExperimentConfig::Task& t) {
   return rollout::make_task(t.name);
 }
 
-
-// A checkpoint: the policy in HF layout (loads in transformers), the optimizer state and the
-// loop state (step, policy version, the prompt RNG) in state.json.
-void save_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, trainer::Trainer& trainer,
-                     int64_t step, const std::string& prompt_rng) {
-  std::filesystem::create_directories(dir);
-  policy.save_hf_checkpoint(dir.string(), uint64_t(5) << 30);
-  torch::save(trainer.optimizer(), (dir / "optimizer.pt").string());
-  // bf16 policies: the fp32 master weights too, or a resumed run would restart from rounded ones.
-  if (trainer.uses_master_weights()) torch::save(trainer.master_parameters(), (dir / "master_weights.pt").string());
-  nlohmann::json state{{"step", step}, {"policy_version", trainer.version()}, {"prompt_rng", prompt_rng}};
-  std::ofstream(dir / "state.json") << state.dump(2) << "\n";
-}
 
 void plot(const std::filesystem::path& dir) {
   auto tsv = dir / "metrics.tsv";
@@ -87,14 +76,21 @@ int run_experiment(const ExperimentConfig& c) {
   std::unique_ptr<rollout::Task> task;
   rollout::CharTokenizer tokenizer;
   trainer::TrainerConfig tc;
+  const bool remote = c.placement.mode == "multi_process";
+  // placement.trainer = "process": the policy lives in the trainer node; this process then
+  // holds no model (the reference and the engines are nodes too).
+  const bool remote_trainer = c.placement.trainer == "process";
   try {
     fs::create_directories(dir);
     std::ofstream(dir / "config.toml") << c.to_toml();
+    tc = trainer::trainer_config(trainer_init(c));
     auto registry = model::Registry::with_plugins();
-    torch::manual_seed(uint64_t(c.run.seed));
-    policy = registry.build(c.model.package, c.model.flavor, c.model.checkpoint);
-    engine_model = registry.build(c.model.package, c.model.flavor, c.model.checkpoint);
-    engine_model->load_hf_tensors(policy->hf_state_dict());
+    torch::manual_seed(uint64_t(c.run.seed));  // the trainer node seeds its policy the same way
+    if (!remote_trainer) policy = registry.build(c.model.package, c.model.flavor, c.model.checkpoint);
+    if (!remote) {  // the in-process engine
+      engine_model = registry.build(c.model.package, c.model.flavor, c.model.checkpoint);
+      engine_model->load_hf_tensors(policy->hf_state_dict());
+    }
     // The frozen reference: the KL term of the loss (kl_coef > 0) and the KL metric.
     if (c.placement.reference == "controller") {  // else a kiln node hosts it (ref/0)
       ref_model = registry.build(c.model.package, c.model.flavor, c.model.checkpoint);
@@ -110,56 +106,41 @@ int run_experiment(const ExperimentConfig& c) {
       (*m)->to(device);
       (*m)->to_dtype(dtype);
     }
-    if (tokenizer.vocab_size() > engine_model->vocab_size())
-      throw std::invalid_argument("model vocabulary " + std::to_string(engine_model->vocab_size()) +
+    if (policy && tokenizer.vocab_size() > policy->vocab_size())
+      throw std::invalid_argument("model vocabulary " + std::to_string(policy->vocab_size()) +
                                   " is smaller than the task tokenizer's " + std::to_string(tokenizer.vocab_size()));
     task = build_task(c.task);
-    const auto& a = c.algorithm;
-    tc.max_tokens_per_microbatch = a.max_tokens_per_microbatch;
-    tc.lr = a.lr;
-    tc.weight_decay = a.weight_decay;
-    tc.grad_clip = a.grad_clip;
-    tc.lr_schedule = a.lr_schedule;
-    tc.warmup_steps = a.warmup_steps;
-    tc.total_steps = c.run.steps;
-    tc.routing_replay = a.routing_replay;
-    tc.temperature = a.temperature;
-    tc.loss.clip_low = a.clip_low;
-    tc.loss.clip_high = a.clip_high;
-    tc.loss.kl_coef = a.kl_coef;
-    tc.loss.kl_estimator = trainer::kl_estimator_from_string(a.kl_estimator);
-    tc.loss.aggregation = trainer::aggregation_from_string(a.aggregation);
-    tc.loss.tis_cap = a.tis_cap;
-    tc.loss.entropy_coef = a.entropy_coef;
-    tc.validate();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kiln run: %s\n", e.what());
     return 2;
   }
   const auto& a = c.algorithm;
-  trainer::Trainer trainer(policy, tc);
+  std::unique_ptr<trainer::Trainer> local_trainer;
+  if (!remote_trainer) local_trainer = std::make_unique<trainer::Trainer>(policy, tc);
   rollout::EngineOptions eo;
   eo.cache_blocks = c.rollout.cache_blocks;
   eo.block_size = c.rollout.block_size;
   eo.max_batch = c.rollout.max_batch;
-  rollout::Engine engine(engine_model, eo);
+  std::unique_ptr<rollout::Engine> engine;
+  if (!remote) engine = std::make_unique<rollout::Engine>(engine_model, eo);
   std::mt19937_64 rng(uint64_t(c.run.seed));
   // Weight sync over the messaging layer: the trainer side sends each new version to the
   // rollout side's receiver service (inproc in one process: tensor frames are zero-copy).
   messaging::Gateway rollout_gw({"rollout", "inproc://kiln-run-" + std::to_string(::getpid())});
-  const bool remote = c.placement.mode == "multi_process";
   const std::string run_tag = "/tmp/kiln-run-" + std::to_string(::getpid());
   struct RemoveSockets {  // the ipc:// socket files of this run, on every way out
     std::string tag;
     int64_t engines;
     ~RemoveSockets() {
-      std::remove((tag + "-trainer").c_str());
+      std::remove((tag + "-controller").c_str());
       std::remove((tag + "-rollout").c_str());
       for (int64_t i = 1; i < engines; ++i) std::remove((tag + "-rollout-" + std::to_string(i)).c_str());
       std::remove((tag + "-ref").c_str());
+      std::remove((tag + "-trainer").c_str());
     }
   } remove_sockets{run_tag, c.placement.rollout_engines};
-  messaging::Gateway trainer_gw({"trainer", remote ? "ipc://" + run_tag + "-trainer" : ""});
+  // The controller's gateway: the graph root the nodes join.
+  messaging::Gateway controller_gw({"controller", remote ? "ipc://" + run_tag + "-controller" : ""});
   std::mutex received_mu;
   std::optional<std::pair<std::vector<messaging::Tensor>, int64_t>> received;
   auto receiver = std::make_shared<weight_sync::ReceiverService>([&](std::vector<messaging::Tensor> t, int64_t v) {
@@ -171,7 +152,7 @@ int run_experiment(const ExperimentConfig& c) {
     if (r) rollout_gw.reply(env, std::move(*r));
     else rollout_gw.reply_error(env, r.error());
   });
-  trainer_gw.add_route("weight_sync/0", rollout_gw.endpoint());
+  controller_gw.add_route("weight_sync/0", rollout_gw.endpoint());
   // Sends the policy as `version`; returns the tensors the receiver verified. `copy`: send
   // copies (async mode: the trainer keeps writing its parameters while the engine loads).
   // Multi-process placement: the rollout engine lives in a `kiln node` child process that
@@ -181,7 +162,7 @@ int run_experiment(const ExperimentConfig& c) {
   if (remote) {
     for (int64_t i = 0; i < c.placement.rollout_engines; ++i) {
       nodes.push_back(std::make_unique<RolloutNode>());
-      auto err = nodes.back()->start(trainer_gw, run_tag, c, dir, i);
+      auto err = nodes.back()->start(controller_gw, run_tag, c, dir, i);
       if (!err.empty()) {
         std::fprintf(stderr, "kiln run: %s\n", err.c_str());
         return 2;
@@ -205,7 +186,7 @@ int run_experiment(const ExperimentConfig& c) {
     else
       targets.push_back("weight_sync/0");
     for (const auto& to : targets) {  // every engine gets the version, each checked before applying
-      auto r = weight_sync::send_weights(trainer_gw, to, tensors, version, uint64_t(c.weight_sync.bucket_mib * (1 << 20)),
+      auto r = weight_sync::send_weights(controller_gw, to, tensors, version, uint64_t(c.weight_sync.bucket_mib * (1 << 20)),
                                          std::chrono::seconds(120));
       if (!r)
         throw std::runtime_error(std::string(remote ? "rollout node " + to + ": " : "") + "weight sync of version " +
@@ -217,19 +198,39 @@ int run_experiment(const ExperimentConfig& c) {
     received.reset();
     return out;
   };
-  auto push_weights = [&](int64_t version, bool copy) { return send_to_engines(snapshot(copy), version); };
-  auto apply_to_engine = [&](std::vector<messaging::Tensor> tensors, int64_t version) {
+  TrainerNode trainer_node;
+  auto version = [&] { return remote_trainer ? trainer_node.version() : local_trainer->version(); };
+  // The current version to every engine. Local trainer: returns what the in-process receiver
+  // verified (empty for remote engines). Trainer node: it streams to each engine itself.
+  auto push_weights = [&](bool copy) {
+    if (!remote_trainer) return send_to_engines(snapshot(copy), version());
+    for (const auto& n : nodes) {
+      try {
+        trainer_node.push(controller_gw, n->actor());
+      } catch (const TrainerNode::Error& e) {
+        if (e.target_failed) throw std::runtime_error("rollout node " + n->actor() + ": " + e.what());
+        throw;
+      }
+    }
+    return std::vector<messaging::Tensor>{};
+  };
+  auto apply_to_engine = [&](std::vector<messaging::Tensor> tensors, int64_t v) {
     if (remote) return;
-    engine.pause();  // between decode steps
-    engine.update_weights(tensors, version);
-    engine.resume();
+    engine->pause();  // between decode steps
+    engine->update_weights(tensors, v);
+    engine->resume();
+  };
+  // A checkpoint of steps 1..step, written where the policy lives.
+  auto save = [&](const fs::path& ck, int64_t step, const std::string& prompt_rng) {
+    if (remote_trainer) trainer_node.save(controller_gw, ck, step, prompt_rng);
+    else trainer::save_checkpoint(ck, *policy, *local_trainer, {step, version(), prompt_rng});
   };
   RefNode ref_node;
   const bool remote_ref = c.placement.reference == "process";
   if (remote_ref) {  // the frozen reference: the initial policy's weights, checked by the node
-    auto err = ref_node.start(trainer_gw, run_tag, c, dir);
-    if (err.empty()) {
-      auto r = weight_sync::send_weights(trainer_gw, RefNode::kActor, snapshot(false), 0,
+    auto err = ref_node.start(controller_gw, run_tag, c, dir);
+    if (err.empty() && !remote_trainer) {
+      auto r = weight_sync::send_weights(controller_gw, RefNode::kActor, snapshot(false), 0,
                                          uint64_t(c.weight_sync.bucket_mib * (1 << 20)), std::chrono::seconds(120));
       if (!r) err = std::string("reference node: weight sync: ") + r.error().what();
     }
@@ -238,45 +239,77 @@ int run_experiment(const ExperimentConfig& c) {
       return 2;
     }
   }
-  if (remote) {
-    try {
-      push_weights(trainer.version(), false);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "kiln run: %s\n", e.what());
-      return 1;
+  if (remote_trainer) {  // the seeded initial policy, also the reference's weights
+    auto err = trainer_node.start(controller_gw, run_tag, c, dir);
+    if (err.empty() && tokenizer.vocab_size() > trainer_node.vocab_size())
+      err = "model vocabulary " + std::to_string(trainer_node.vocab_size()) + " is smaller than the task tokenizer's " +
+            std::to_string(tokenizer.vocab_size());
+    if (err.empty()) {
+      try {
+        trainer_node.push(controller_gw, RefNode::kActor);
+      } catch (const std::exception& e) {
+        err = std::string("reference node: ") + e.what();
+      }
+    }
+    if (!err.empty()) {
+      std::fprintf(stderr, "kiln run: %s\n", err.c_str());
+      return 2;
     }
   }
   int64_t first_step = 1;
   if (!c.run.resume_from.empty()) {
     try {
       fs::path ck(c.run.resume_from);
-      std::ifstream in(ck / "state.json");
-      if (!in) throw std::invalid_argument("no state.json in '" + ck.string() + "'");
-      auto state = nlohmann::json::parse(in);
-      policy->load_hf_checkpoint(ck.string());
-      torch::load(trainer.optimizer(), (ck / "optimizer.pt").string());
-      trainer.reload_master_weights();
-      if (trainer.uses_master_weights() && fs::exists(ck / "master_weights.pt")) {
-        std::vector<torch::Tensor> saved;
-        torch::load(saved, (ck / "master_weights.pt").string());
-        const auto& masters = trainer.master_parameters();
-        if (saved.size() != masters.size())
-          throw std::invalid_argument("master_weights.pt in '" + ck.string() + "' holds " +
-                                      std::to_string(saved.size()) + " tensors, the policy " +
-                                      std::to_string(masters.size()));
-        torch::NoGradGuard no_grad;
-        for (std::size_t i = 0; i < saved.size(); ++i) masters[i].copy_(saved[i]);
+      trainer::CheckpointState state;
+      if (remote_trainer) {
+        state = trainer::read_checkpoint_state(ck);  // the loop's part; the node loads the rest
+        trainer_node.load(controller_gw, ck);
+      } else {
+        state = trainer::load_checkpoint(ck, *policy, *local_trainer);
       }
-      trainer.set_version(state.at("policy_version").get<int64_t>());
-      std::istringstream r(state.at("prompt_rng").get<std::string>());
+      std::istringstream r(state.prompt_rng);
       r >> rng;
-      first_step = state.at("step").get<int64_t>() + 1;
-      apply_to_engine(push_weights(trainer.version(), false), trainer.version());
+      if (!r) throw std::invalid_argument("state.json in '" + ck.string() + "': prompt_rng is not an RNG state");
+      first_step = state.step + 1;
       std::fprintf(stderr, "kiln run: resumed from %s at step %lld\n", ck.c_str(), (long long)first_step);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "kiln run: cannot resume from '%s': %s\n", c.run.resume_from.c_str(), e.what());
       return 2;
     }
+  }
+  // The engines start from the trainer's current version (initial, or resumed).
+  try {
+    if (remote) push_weights(false);
+    else if (first_step > 1) apply_to_engine(push_weights(false), version());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kiln run: %s\n", e.what());
+    return 1;
+  }
+  if (first_step > 1) {
+    // Rows of steps after the checkpoint describe training that was lost with a failed trainer
+    // (their steps run again now): drop them, so that every step appears once.
+    int64_t dropped = 0;
+    for (const std::string name : {"metrics.jsonl", "metrics.tsv"}) {
+      const bool json = name == "metrics.jsonl";
+      std::ifstream in(dir / name);
+      std::vector<std::string> keep;
+      for (std::string line; std::getline(in, line);) {
+        int64_t row_step = 0;
+        try {
+          row_step = json ? nlohmann::json::parse(line).at("step").get<int64_t>() : std::stoll(line);
+        } catch (const std::exception&) {
+          row_step = 0;  // not a row of ours: keep it
+        }
+        if (row_step < first_step) keep.push_back(line);
+        else if (json) ++dropped;
+      }
+      in.close();
+      std::ofstream out(dir / name, std::ios::trunc);
+      for (const auto& l : keep) out << l << "\n";
+    }
+    if (dropped > 0)
+      std::fprintf(stderr, "kiln run: dropped %lld metric rows of steps after the checkpoint (their training was lost)\n",
+                   (long long)dropped);
   }
   const auto mode = first_step > 1 ? std::ios::app : std::ios::trunc;
   std::ofstream metrics(dir / "metrics.jsonl", mode), tsv(dir / "metrics.tsv", mode);
@@ -324,7 +357,7 @@ int run_experiment(const ExperimentConfig& c) {
         const int64_t g0 = groups * i / N, g1 = groups * (i + 1) / N;
         std::vector<rollout::GenerationRequest> share(requests.begin() + g0 * a.samples_per_prompt,
                                                       requests.begin() + g1 * a.samples_per_prompt);
-        pending.push_back(nodes[std::size_t(i)]->send_generate(trainer_gw, share));
+        pending.push_back(nodes[std::size_t(i)]->send_generate(controller_gw, share));
       }
       for (int64_t i = 0; i < N; ++i)  // throws on a lost node, naming it
         for (auto& comp : nodes[std::size_t(i)]->collect(pending[std::size_t(i)])) b.completions.push_back(std::move(comp));
@@ -332,9 +365,9 @@ int run_experiment(const ExperimentConfig& c) {
       b.rollout_time = since(t0);
       return b;
     }
-    for (auto& r : requests) engine.submit(std::move(r));
-    while (engine.has_work()) {
-      for (auto& comp : engine.step()) b.completions.push_back(std::move(comp));
+    for (auto& r : requests) engine->submit(std::move(r));
+    while (engine->has_work()) {
+      for (auto& comp : engine->step()) b.completions.push_back(std::move(comp));
       if (c.rollout.step_delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(c.rollout.step_delay_ms));
       between_steps();
     }
@@ -345,25 +378,36 @@ int run_experiment(const ExperimentConfig& c) {
   std::unique_ptr<AsyncRollout> async;
   if (a.staleness > 0) {
     // Local: the verified weights go into the engine between decode steps. Remote: the rollout
-    // thread sends them to the engine processes before its next request (only it talks to them).
-    AsyncRollout::Apply apply = [&](std::vector<messaging::Tensor> w, int64_t version) {
-      if (remote) send_to_engines(std::move(w), version);
-      else apply_to_engine(std::move(w), version);
+    // thread sends them to the engine processes before its next request (only it talks to
+    // them); a trainer node streams its newest version (never older than the posted one).
+    AsyncRollout::Apply apply = [&](std::vector<messaging::Tensor> w, int64_t v) {
+      if (remote_trainer) push_weights(false);
+      else if (remote) send_to_engines(std::move(w), v);
+      else apply_to_engine(std::move(w), v);
     };
     async = std::make_unique<AsyncRollout>(apply, generate_batch, first_step, c.run.steps, a.staleness);
   }
-  // A lost rollout or reference node: keep everything trained so far (checkpoint of steps
-  // 1..step-1 with the data cursor before this step), say how to continue, exit 1.
-  auto checkpoint_and_stop = [&](int64_t step, const std::string& what) {
+  auto checkpoint_name = [&](int64_t step) {
+    char name[32];
+    std::snprintf(name, sizeof name, "step_%06lld", (long long)step);
+    return dir / "checkpoints" / name;
+  };
+  // A failed node: keep everything trained so far (checkpoint of steps 1..`trained` with the
+  // data cursor after them), say how to continue, exit 1. A lost trainer node takes its policy
+  // with it: then only the checkpoints already written remain.
+  auto checkpoint_and_stop = [&](int64_t step, const std::string& what, int64_t trained, const std::string& rng_state) {
     std::fprintf(stderr, "kiln run: step %lld: %s\n", (long long)step, what.c_str());
-    if (remote) {
-      char name[32];
-      std::snprintf(name, sizeof name, "step_%06lld", (long long)(step - 1));
-      auto ck = dir / "checkpoints" / name;
-      save_checkpoint(ck, *policy, trainer, step - 1, rng_consumed);
-      std::fprintf(stderr, "kiln run: saved %s (steps 1..%lld trained); continue with --set run.resume_from=%s\n",
-                   ck.c_str(), (long long)(step - 1), ck.c_str());
+    auto ck = checkpoint_name(trained);
+    try {
+      save(ck, trained, rng_state);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "kiln run: cannot save a checkpoint of steps 1..%lld: %s\n"
+                           "kiln run: continue from the newest checkpoint in %s, if any (run.checkpoint_every)\n",
+                   (long long)trained, e.what(), (dir / "checkpoints").c_str());
+      return 1;
     }
+    std::fprintf(stderr, "kiln run: saved %s (steps 1..%lld trained); continue with --set run.resume_from=%s\n",
+                 ck.c_str(), (long long)trained, ck.c_str());
     return 1;
   };
   for (int64_t step = first_step; step <= c.run.steps; ++step) {
@@ -371,7 +415,7 @@ int run_experiment(const ExperimentConfig& c) {
     try {
       batch = async ? async->take(step) : generate_batch(step, [] {});
     } catch (const std::exception& e) {
-      return checkpoint_and_stop(step, e.what());
+      return checkpoint_and_stop(step, e.what(), step - 1, rng_consumed);
     }
     const auto& problems = batch.problems;
     const auto& completions = batch.completions;
@@ -387,7 +431,7 @@ int run_experiment(const ExperimentConfig& c) {
       rewards.push_back(float(task->reward(problems[comp.id / uint64_t(a.samples_per_prompt)], tokenizer.decode(text_ids))));
       for (std::size_t i = 0; i < comp.tokens.size(); ++i) {
         entropy += comp.entropies[i];
-        ++staleness[trainer.version() - comp.policy_versions[i]];
+        ++staleness[version() - comp.policy_versions[i]];
       }
       gen_tokens += int64_t(comp.tokens.size());
     }
@@ -403,11 +447,11 @@ int run_experiment(const ExperimentConfig& c) {
         all[i].routed_experts = completions[i].routed_experts;
       }
       try {
-        ref = remote_ref ? ref_node.logprobs(trainer_gw, completions, a.routing_replay)
+        ref = remote_ref ? ref_node.logprobs(controller_gw, completions, a.routing_replay)
                          : trainer::completion_logprobs(*ref_model, all, a.max_tokens_per_microbatch, a.routing_replay,
                                                         a.temperature);
       } catch (const std::exception& e) {
-        return checkpoint_and_stop(step, e.what());
+        return checkpoint_and_stop(step, e.what(), step - 1, rng_consumed);
       }
       ref_time = since(tr);
       std::vector<float> sampled, reference;  // every generated token, one KL estimate call
@@ -435,7 +479,7 @@ int run_experiment(const ExperimentConfig& c) {
       bool too_stale = false;  // never train version t on tokens of version p < t - k
       for (int64_t j = 0; j < a.samples_per_prompt; ++j)
         for (auto v : completions[std::size_t(p * a.samples_per_prompt + j)].policy_versions)
-          too_stale |= trainer.version() - v > a.staleness;
+          too_stale |= version() - v > a.staleness;
       if (too_stale) {
         ++stale_dropped;
         continue;
@@ -455,21 +499,33 @@ int run_experiment(const ExperimentConfig& c) {
     std::vector<messaging::Tensor> new_weights;
     std::string sync_error;
     double log_probs_time = 0;
-    if (!samples.empty() && a.recompute_old_logprobs) {  // pi_old in its own pass (verl/slime "log_probs")
-      auto tl = Clock::now();
-      auto old = trainer::completion_logprobs(*policy, samples, a.max_tokens_per_microbatch, a.routing_replay,
-                                              a.temperature);
-      for (std::size_t i = 0; i < samples.size(); ++i) samples[i].old_logprobs = std::move(old[i]);
-      log_probs_time = since(tl);
+    if (!samples.empty() && remote_trainer) {
+      try {
+        m = trainer_node.train(controller_gw, samples, log_probs_time);
+      } catch (const std::exception& e) {  // the trainer node failed: its state since the last checkpoint is gone
+        std::fprintf(stderr, "kiln run: step %lld: %s\nkiln run: continue from the newest checkpoint in %s, if any "
+                             "(run.checkpoint_every)\n",
+                     (long long)step, e.what(), (dir / "checkpoints").c_str());
+        return 1;
+      }
+    } else if (!samples.empty()) {
+      if (a.recompute_old_logprobs) {  // pi_old in its own pass (verl/slime "log_probs")
+        auto tl = Clock::now();
+        auto old = trainer::completion_logprobs(*policy, samples, a.max_tokens_per_microbatch, a.routing_replay,
+                                                a.temperature);
+        for (std::size_t i = 0; i < samples.size(); ++i) samples[i].old_logprobs = std::move(old[i]);
+        log_probs_time = since(tl);
+      }
+      m = local_trainer->train_step(samples);
     }
     if (!samples.empty()) {
-      m = trainer.train_step(samples);
       if (a.update_delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(a.update_delay_ms));
       try {
         auto tu = Clock::now();
-        if (async && remote) new_weights = snapshot(/*copy=*/true);               // sent by the rollout thread
-        else if (async) new_weights = push_weights(trainer.version(), /*copy=*/true);  // applied by the rollout thread
-        else apply_to_engine(push_weights(trainer.version(), /*copy=*/false), trainer.version());
+        if (async && remote_trainer) {}                                    // pushed when the rollout thread applies
+        else if (async && remote) new_weights = snapshot(/*copy=*/true);  // sent by the rollout thread
+        else if (async) new_weights = push_weights(/*copy=*/true);        // applied by the rollout thread
+        else apply_to_engine(push_weights(/*copy=*/false), version());
         update_time = since(tu);
       } catch (const std::exception& e) {
         // The step is trained: record it, checkpoint it, then stop (nothing trained is lost).
@@ -477,7 +533,7 @@ int run_experiment(const ExperimentConfig& c) {
         update_time = -1;
       }
     }
-    if (async && sync_error.empty()) async->consumed(step, std::move(new_weights), trainer.version());
+    if (async && sync_error.empty()) async->consumed(step, !samples.empty(), std::move(new_weights), version());
     rng_consumed = batch.rng_after;
     m.kl = kl_metric;
     const double reward_mean = r.mean().item<double>(), reward_std = r.std(false).item<double>();
@@ -504,23 +560,19 @@ int run_experiment(const ExperimentConfig& c) {
     j["actor_train_time"] = m.actor_train_time;
     j["update_weights_time"] = update_time;
     j["train_tokens_per_s"] = m.actor_train_time > 0 ? double(m.tokens) / m.actor_train_time : 0.0;
-    j["policy_version"] = trainer.version();
+    j["policy_version"] = version();
     j["elapsed_s"] = since(run_start);
     metrics << j.dump() << "\n" << std::flush;
     tsv << step << "\t" << reward_mean << "\t" << m.kl << "\n" << std::flush;
-    if (!sync_error.empty()) {
-      char name[32];
-      std::snprintf(name, sizeof name, "step_%06lld", (long long)step);
-      auto ck = dir / "checkpoints" / name;
-      save_checkpoint(ck, *policy, trainer, step, batch.rng_after);
-      std::fprintf(stderr, "kiln run: step %lld: %s\nkiln run: saved %s (steps 1..%lld trained); continue with --set run.resume_from=%s\n",
-                   (long long)step, sync_error.c_str(), ck.c_str(), (long long)step, ck.c_str());
-      return 1;
-    }
+    // The step is trained (and logged): a failed sync checkpoints it, then stops.
+    if (!sync_error.empty()) return checkpoint_and_stop(step, sync_error, step, batch.rng_after);
     if (c.run.checkpoint_every > 0 && step % c.run.checkpoint_every == 0) {
-      char name[32];
-      std::snprintf(name, sizeof name, "step_%06lld", (long long)step);
-      save_checkpoint(dir / "checkpoints" / name, *policy, trainer, step, batch.rng_after);
+      try {
+        save(checkpoint_name(step), step, batch.rng_after);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "kiln run: step %lld: cannot save a checkpoint: %s\n", (long long)step, e.what());
+        return 1;
+      }
     }
     if (c.logging.progress)
       std::fprintf(stderr, "step %3lld/%lld  reward %.3f ±%.3f  kl %.4f  clip %.3f  filtered %lld/%lld  rollout %.2fs  train %.2fs  sync %.3fs\n",

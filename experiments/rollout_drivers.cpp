@@ -44,10 +44,10 @@ Batch AsyncRollout::take(int64_t step) {
   if (b.step != step) throw std::logic_error("rollout batches out of order");  // FIFO by construction
   return b;
 }
-void AsyncRollout::consumed(int64_t step, std::vector<messaging::Tensor> weights, int64_t version) {
+void AsyncRollout::consumed(int64_t step, bool updated, std::vector<messaging::Tensor> weights, int64_t version) {
   {
     std::lock_guard<std::mutex> l(mu_);
-    if (!weights.empty()) pending_ = std::make_pair(std::move(weights), version);
+    if (updated) pending_ = std::make_pair(std::move(weights), version);
     consumed_ = step;
   }
   cv_.notify_all();
@@ -141,6 +141,112 @@ std::vector<std::vector<float>> RefNode::logprobs(messaging::Gateway& gw, const 
                                " log-probs for a completion of " + std::to_string(samples[i].tokens.size()) + " tokens");
   return std::move(res->logprobs);
 }
+
+messaging::TrainerInit trainer_init(const ExperimentConfig& c) {
+  const auto& a = c.algorithm;
+  messaging::TrainerInit t;
+  t.package = c.model.package;
+  t.flavor = c.model.flavor;
+  t.checkpoint = c.model.checkpoint;
+  t.device = c.model.device;
+  t.dtype = c.model.dtype;
+  t.seed = c.run.seed;
+  t.max_tokens_per_microbatch = a.max_tokens_per_microbatch;
+  t.routing_replay = a.routing_replay;
+  t.temperature = a.temperature;
+  t.recompute_old_logprobs = a.recompute_old_logprobs;
+  t.bucket_mib = c.weight_sync.bucket_mib;
+  t.optim = {a.lr, a.weight_decay, a.grad_clip, a.lr_schedule, a.warmup_steps, c.run.steps};
+  t.loss = {a.clip_low, a.clip_high, a.kl_coef, a.kl_estimator, a.aggregation, a.tis_cap, a.entropy_coef};
+  return t;
+}
+
+std::string TrainerNode::start(messaging::Gateway& gw, const std::string& tag, const ExperimentConfig& c,
+                               const std::filesystem::path& dir) {
+  auto err = spawn_node(gw, tag, "trainer", kActor, dir, "trainer_node.pid", pid_);
+  if (!err.empty()) return err;
+  try {
+    auto r = call(gw, messaging::make_envelope(trainer_init(c), messaging::Kind::request, "controller", kActor),
+                  std::chrono::seconds(600));
+    auto ready = messaging::payload_as<messaging::TrainerReady>(r);
+    if (!ready) return std::string("trainer node: ") + ready.error().what();
+    version_ = ready->policy_version;
+    vocab_size_ = ready->vocab_size;
+  } catch (const std::exception& e) {
+    return std::string("the trainer node could not build its policy: ") + e.what();
+  }
+  return "";
+}
+messaging::Envelope TrainerNode::call(messaging::Gateway& gw, messaging::Envelope request, std::chrono::seconds timeout,
+                                      bool target_call) {
+  const std::string type = request.type;
+  auto r = gw.request(std::move(request), timeout).get();
+  if (!r) {
+    // A remote_error from a push is the target's failure (the trainer answered); anything else
+    // (peer_lost, timeout, ...) is the trainer node's.
+    const bool target = target_call && r.error().code == messaging::ErrorCode::remote_error;
+    throw Error(target ? r.error().message : std::string("trainer node ") + kActor + ": " + type + ": " + r.error().what(),
+                target);
+  }
+  return std::move(*r);
+}
+trainer::StepMetrics TrainerNode::train(messaging::Gateway& gw, const std::vector<trainer::Sample>& samples,
+                                        double& log_probs_time) {
+  messaging::TrainerTrain q;
+  std::vector<messaging::Tensor> experts;
+  bool replay = true;
+  for (const auto& s : samples) replay &= s.routed_experts.defined();
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    const auto& s = samples[i];
+    q.samples.push_back({uint64_t(i), s.prompt, s.completion, s.behavior_logprobs, s.ref_logprobs, s.advantage});
+    if (replay) experts.push_back(messaging::from_torch("routed_experts." + std::to_string(i), s.routed_experts.contiguous()));
+  }
+  auto env = messaging::make_envelope(q, messaging::Kind::request, "controller", kActor);
+  env.tensors = std::move(experts);
+  auto r = call(gw, std::move(env), std::chrono::seconds(3600));
+  auto res = messaging::payload_as<messaging::TrainerStepResult>(r);
+  if (!res) throw Error(std::string("trainer node: ") + res.error().what(), false);
+  trainer::StepMetrics m;
+  m.loss = res->loss;
+  m.pg_loss = res->pg_loss;
+  m.kl = res->kl;
+  m.clip_fraction = res->clip_fraction;
+  m.grad_norm = res->grad_norm;
+  m.lr = res->lr;
+  m.entropy = res->entropy;
+  m.train_rollout_logprob_abs_diff = res->train_rollout_logprob_abs_diff;
+  m.micro_batches = res->micro_batches;
+  m.tokens = res->tokens;
+  m.loss_tokens = res->loss_tokens;
+  m.actor_train_time = res->actor_train_time;
+  log_probs_time = res->log_probs_time;
+  version_ = res->policy_version;
+  return m;
+}
+int64_t TrainerNode::push(messaging::Gateway& gw, const std::string& target) {
+  auto r = call(gw, messaging::make_envelope(messaging::TrainerPushWeights{{target}}, messaging::Kind::request,
+                                             "controller", kActor),
+                std::chrono::seconds(600), /*target_call=*/true);
+  auto res = messaging::payload_as<messaging::TrainerPushed>(r);
+  if (!res) throw Error(std::string("trainer node: ") + res.error().what(), false);
+  return res->policy_version;
+}
+void TrainerNode::save(messaging::Gateway& gw, const std::filesystem::path& dir, int64_t step,
+                       const std::string& prompt_rng) {
+  call(gw, messaging::make_envelope(messaging::TrainerSave{dir.string(), step, prompt_rng}, messaging::Kind::request,
+                                    "controller", kActor),
+       std::chrono::seconds(600));
+}
+int64_t TrainerNode::load(messaging::Gateway& gw, const std::filesystem::path& dir) {
+  auto r = call(gw, messaging::make_envelope(messaging::TrainerLoad{dir.string()}, messaging::Kind::request,
+                                             "controller", kActor),
+                std::chrono::seconds(600));
+  auto res = messaging::payload_as<messaging::TrainerReady>(r);
+  if (!res) throw Error(std::string("trainer node: ") + res.error().what(), false);
+  version_ = res->policy_version;
+  return version_;
+}
+void TrainerNode::stop() { stop_node(pid_); }
 
 void stop_node(pid_t& pid) {
   if (pid <= 0) return;

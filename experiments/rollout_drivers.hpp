@@ -12,11 +12,13 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "actors/rollout/engine.hpp"
+#include "actors/trainer/trainer.hpp"
 #include "actors/rollout/tasks.hpp"
 #include "experiments/experiment.hpp"
 #include "messaging/gateway.hpp"
@@ -47,8 +49,10 @@ class AsyncRollout {
   ~AsyncRollout();
   /// The batch of `step` (blocks until generated); rethrows a failure of the rollout thread.
   Batch take(int64_t step);
-  /// New weights for the engine (applied between decode steps), then `step` counts as consumed.
-  void consumed(int64_t step, std::vector<messaging::Tensor> weights, int64_t version);
+  /// `step` counts as consumed; `updated`: it made policy `version`, whose `weights` the rollout
+  /// thread hands to Apply before its next decode step (empty when Apply fetches them itself,
+  /// e.g. from a trainer node).
+  void consumed(int64_t step, bool updated, std::vector<messaging::Tensor> weights, int64_t version);
 
  private:
   void apply_pending();
@@ -90,6 +94,46 @@ class RefNode {
 
  private:
   pid_t pid_ = -1;
+};
+
+/// The trainer settings of an experiment, as trainer.init carries them (the one-process run
+/// builds its trainer from the same message: trainer::trainer_config).
+messaging::TrainerInit trainer_init(const ExperimentConfig& c);
+
+/// The policy trainer in a `kiln node` child process (placement.trainer = "process"), hosted as
+/// actor trainer/0: it builds the seeded initial policy, trains on the batches the controller
+/// sends, pushes each version to the engines (and the initial one to the reference) itself,
+/// and writes the checkpoints. Failures throw TrainerNodeError.
+class TrainerNode {
+ public:
+  /// `target_failed`: the trainer is alive but a push target (named in what()) failed; else the
+  /// trainer node itself failed or is gone (its state since the last checkpoint is lost).
+  struct Error : std::runtime_error {
+    Error(const std::string& what, bool target) : std::runtime_error(what), target_failed(target) {}
+    bool target_failed;
+  };
+  ~TrainerNode() { stop(); }
+  static constexpr const char* kActor = "trainer/0";
+  /// Starts the node (pid in DIR/trainer_node.pid) and sends trainer.init. "" or an error.
+  std::string start(messaging::Gateway& gw, const std::string& tag, const ExperimentConfig& c,
+                    const std::filesystem::path& dir);
+  int64_t version() const { return version_; }
+  int64_t vocab_size() const { return vocab_size_; }
+  /// One optimizer step; `log_probs_time` gets the separate pi_old pass's seconds (0: none).
+  trainer::StepMetrics train(messaging::Gateway& gw, const std::vector<trainer::Sample>& samples,
+                             double& log_probs_time);
+  /// Streams the current version to actor `target` (checked there); returns that version.
+  int64_t push(messaging::Gateway& gw, const std::string& target);
+  void save(messaging::Gateway& gw, const std::filesystem::path& dir, int64_t step, const std::string& prompt_rng);
+  /// Loads a checkpoint into the node's policy and optimizer; returns the saved version.
+  int64_t load(messaging::Gateway& gw, const std::filesystem::path& dir);
+  void stop();
+
+ private:
+  messaging::Envelope call(messaging::Gateway& gw, messaging::Envelope request, std::chrono::seconds timeout,
+                           bool target_call = false);
+  pid_t pid_ = -1;
+  int64_t version_ = 0, vocab_size_ = 0;
 };
 
 /// A rollout engine in a `kiln node` child process (placement.mode = "multi_process"), hosted

@@ -213,10 +213,112 @@ struct RefLogprobsResult {
   MSGPACK_DEFINE_MAP(logprobs);
 };
 
+/// The policy trainer in another process (actor trainer/N, answered with TrainerReady): builds
+/// the policy as a one-process run does (torch::manual_seed(seed), then the registry), on
+/// `device` in `dtype`, with the trainer settings (actors/trainer/trainer.hpp TrainerConfig).
+struct TrainerOptimSpec {
+  double lr = 1e-3, weight_decay = 0, grad_clip = 1.0;
+  std::string lr_schedule = "constant";
+  int64_t warmup_steps = 0, total_steps = 0;
+  MSGPACK_DEFINE_MAP(lr, weight_decay, grad_clip, lr_schedule, warmup_steps, total_steps);
+};
+struct TrainerLossSpec {
+  double clip_low = 0.2, clip_high = 0.28, kl_coef = 0;
+  std::string kl_estimator = "k3", aggregation = "token_mean";
+  double tis_cap = 2.0, entropy_coef = 0;
+  MSGPACK_DEFINE_MAP(clip_low, clip_high, kl_coef, kl_estimator, aggregation, tis_cap, entropy_coef);
+};
+struct TrainerInit {
+  static constexpr std::string_view kType = "trainer.init";
+  static constexpr uint32_t kVersion = 1;
+  std::string package, flavor, checkpoint;  ///< model registry name + flavor, or HF checkpoint dir
+  std::string device = "cpu", dtype = "fp32";
+  int64_t seed = 1;
+  int64_t max_tokens_per_microbatch = 4096;
+  bool routing_replay = true;
+  double temperature = 1.0;
+  bool recompute_old_logprobs = false;  ///< pi_old from a separate no-grad pass (log_probs_time)
+  double bucket_mib = 64;               ///< weight-sync bucket size for trainer.push_weights
+  TrainerOptimSpec optim;
+  TrainerLossSpec loss;
+  MSGPACK_DEFINE_MAP(package, flavor, checkpoint, device, dtype, seed, max_tokens_per_microbatch, routing_replay,
+                     temperature, recompute_old_logprobs, bucket_mib, optim, loss);
+};
+/// Answer to trainer.init and trainer.load.
+struct TrainerReady {
+  static constexpr std::string_view kType = "trainer.ready";
+  static constexpr uint32_t kVersion = 1;
+  int64_t policy_version = 0;
+  int64_t vocab_size = 0;
+  MSGPACK_DEFINE_MAP(policy_version, vocab_size);
+};
+/// Load a checkpoint written by trainer.save (or by a one-process run) into the policy and
+/// optimizer (answered with TrainerReady: the saved version).
+struct TrainerLoad {
+  static constexpr std::string_view kType = "trainer.load";
+  static constexpr uint32_t kVersion = 1;
+  std::string dir;
+  MSGPACK_DEFINE_MAP(dir);
+};
+/// One sample inside TrainerTrain (not a message type by itself).
+struct TrainerSampleSpec {
+  uint64_t id = 0;
+  std::vector<int64_t> prompt, completion;
+  std::vector<float> behavior_logprobs;  ///< [n] from the rollout
+  std::vector<float> ref_logprobs;       ///< [n] or empty (KL off)
+  float advantage = 0;
+  MSGPACK_DEFINE_MAP(id, prompt, completion, behavior_logprobs, ref_logprobs, advantage);
+};
+/// One optimizer step on these samples (answered with TrainerStepResult). Tensor i, when
+/// present for every sample, is sample i's routed experts [P + n - 1, L, K] I64 (routing replay).
+struct TrainerTrain {
+  static constexpr std::string_view kType = "trainer.train";
+  static constexpr uint32_t kVersion = 1;
+  std::vector<TrainerSampleSpec> samples;
+  MSGPACK_DEFINE_MAP(samples);
+};
+struct TrainerStepResult {
+  static constexpr std::string_view kType = "trainer.step_result";
+  static constexpr uint32_t kVersion = 1;
+  double loss = 0, pg_loss = 0, kl = 0, clip_fraction = 0, grad_norm = 0, lr = 0, entropy = 0;
+  double train_rollout_logprob_abs_diff = 0;
+  int64_t micro_batches = 0, tokens = 0, loss_tokens = 0;
+  double actor_train_time = 0, log_probs_time = 0;  ///< seconds
+  int64_t policy_version = 0;                       ///< after the step
+  MSGPACK_DEFINE_MAP(loss, pg_loss, kl, clip_fraction, grad_norm, lr, entropy, train_rollout_logprob_abs_diff,
+                     micro_batches, tokens, loss_tokens, actor_train_time, log_probs_time, policy_version);
+};
+/// Stream the current policy version to each target actor (weight_sync.bucket/commit, checked
+/// by the receiver) before answering TrainerPushed; an error names the target that failed.
+struct TrainerPushWeights {
+  static constexpr std::string_view kType = "trainer.push_weights";
+  static constexpr uint32_t kVersion = 1;
+  std::vector<std::string> targets;
+  MSGPACK_DEFINE_MAP(targets);
+};
+struct TrainerPushed {
+  static constexpr std::string_view kType = "trainer.pushed";
+  static constexpr uint32_t kVersion = 1;
+  int64_t policy_version = 0;
+  MSGPACK_DEFINE_MAP(policy_version);
+};
+/// Write a checkpoint (actors/trainer/checkpoint.hpp) into `dir` (answered with TrainerPushed:
+/// the saved version).
+struct TrainerSave {
+  static constexpr std::string_view kType = "trainer.save";
+  static constexpr uint32_t kVersion = 1;
+  std::string dir;
+  int64_t step = 0;
+  std::string prompt_rng;
+  MSGPACK_DEFINE_MAP(dir, step, prompt_rng);
+};
+
 using MessageTypes = std::tuple<ErrorReply, Ping, Pong, GraphJoin, GraphLookup, GraphDirectory,
                                 DiagEcho, DiagEchoResult, DiagSleep, BenchChunk, WeightSyncBucket,
                                 WeightSyncCommit, WeightSyncAck, RolloutInit, RolloutReady, RolloutGenerate,
-                                RolloutResult, RefInit, RefReady, RefLogprobs, RefLogprobsResult>;
+                                RolloutResult, RefInit, RefReady, RefLogprobs, RefLogprobsResult, TrainerInit,
+                                TrainerReady, TrainerLoad, TrainerTrain, TrainerStepResult, TrainerPushWeights,
+                                TrainerPushed, TrainerSave>;
 
 /// Schema version of a declared type, or nullopt if `type` is not declared.
 std::optional<uint32_t> message_type_version(std::string_view type);

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Asynchronous runs: no token is ever trained on by a policy more than k versions newer than
-the one that sampled it; in one process, and with two rollout engine processes
-(placement.mode = multi_process).
+the one that sampled it; in one process, with two rollout engine processes
+(placement.mode = multi_process), and with the trainer and the reference in processes too (the
+trainer node streams its newest version when the rollout thread applies weights).
 
 Two regimes. Slow trainer (algorithm.update_delay_ms, fast rollouts): the rollout thread fills
 its k-step lead while the trainer sleeps, so from step k + 1 on every token is exactly k
@@ -17,10 +18,12 @@ checks = []
 STEPS = 8
 for k, mode, regime in ((0, "single_process", "slow_trainer"), (2, "single_process", "slow_trainer"),
                         (2, "single_process", "slow_rollouts"), (1, "multi_process", "slow_trainer"),
-                        (1, "multi_process", "slow_rollouts")):
+                        (1, "multi_process", "slow_rollouts"), (1, "trainer_process", "slow_rollouts")):
     name = f"k={k} {mode} {regime}"
     out = f"{work}/k{k}-{mode}-{regime}"
-    extra = ["--set", "placement.mode=multi_process", "--set", "placement.rollout_engines=2"] if mode == "multi_process" else []
+    extra = ["--set", "placement.mode=multi_process", "--set", "placement.rollout_engines=2"] if mode != "single_process" else []
+    if mode == "trainer_process":
+        extra += ["--set", "placement.reference=process", "--set", "placement.trainer=process"]
     # Slow trainer: every step trains (no zero-variance filtering), so version = step.
     delay = (["--set", "algorithm.update_delay_ms=300", "--set", "algorithm.filter_zero_variance=false"]
              if regime == "slow_trainer" else ["--set", "rollout.step_delay_ms=25"])

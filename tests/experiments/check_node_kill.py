@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Multi-process placement: the same metrics as one process (k = 0, fixed seed, 5 steps), with
-one rollout engine process and with two (prompt groups split between them), and with the
-reference policy in its own process too (KL in the loss); killing the rollout node, or the
-reference node, mid-run gives a clear error and a checkpoint, and resuming from it finishes
-the run with every step trained exactly once.
+one rollout engine process and with two (prompt groups split between them), with the
+reference policy in its own process too (KL in the loss), and with the trainer in its own
+process as well (the controller holds no model); killing the rollout node, or the reference
+node, mid-run gives a clear error and a checkpoint, and resuming from it finishes the run
+with every step trained exactly once; killing the trainer node gives a clear error, and
+resuming from the newest periodic checkpoint runs the lost steps again, each logged once.
 Usage: check_node_kill.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
 import json, os, shutil, signal, subprocess, sys, time
 
@@ -19,7 +21,9 @@ def metrics(d):
 kl = ["--set", "algorithm.kl_coef=0.05"]
 runs = {"single_process": ["single_process", 1, []], "multi_process": ["multi_process", 1, []],
         "two_engines": ["multi_process", 2, []], "single_process_kl": ["single_process", 1, kl],
-        "ref_process_kl": ["multi_process", 2, kl + ["--set", "placement.reference=process"]]}
+        "ref_process_kl": ["multi_process", 2, kl + ["--set", "placement.reference=process"]],
+        "trainer_process_kl": ["multi_process", 2, kl + ["--set", "placement.reference=process",
+                                                         "--set", "placement.trainer=process"]]}
 for name, (mode, engines, extra) in runs.items():
     p = subprocess.run([kiln, "run", *quiet, "--set", "run.steps=5", "--set", f"placement.mode={mode}", *extra,
                         "--set", f"placement.rollout_engines={engines}", "--set", f"run.output_dir={work}/{name}"],
@@ -27,7 +31,7 @@ for name, (mode, engines, extra) in runs.items():
     checks.append((p.returncode == 0, f"{name} run exits 0 ({p.stderr[-300:]})"))
 if all(ok for ok, _ in checks):
     for base, name in (("single_process", "multi_process"), ("single_process", "two_engines"),
-                       ("single_process_kl", "ref_process_kl")):
+                       ("single_process_kl", "ref_process_kl"), ("single_process_kl", "trainer_process_kl")):
         a, b = metrics(f"{work}/{base}"), metrics(f"{work}/{name}")
         checks.append((len(a) == len(b) == 5, f"{name}: 5 steps"))
         for x, y in zip(a, b):
@@ -36,9 +40,13 @@ if all(ok for ok, _ in checks):
     checks.append((os.path.exists(f"{work}/two_engines/rollout_node_1.pid"), "the second engine ran as its own process"))
     checks.append((os.path.exists(f"{work}/ref_process_kl/ref_node.pid"), "the reference ran as its own process"))
     checks.append((any(m["kl"] > 0 for m in metrics(f"{work}/ref_process_kl")), "the remote reference's KL is nonzero"))
+    checks.append((os.path.exists(f"{work}/trainer_process_kl/trainer_node.pid"), "the trainer ran as its own process"))
 
-# 2. kill the rollout node, or the reference node, mid-run
-for victim, extra in (("rollout_node", []), ("ref_node", ["--set", "placement.reference=process"])):
+# 2. kill the rollout node, the reference node, or the trainer node, mid-run (with the trainer in
+# its own process too for the rollout node: its checkpoint is written by the trainer node)
+in_process = ["--set", "placement.reference=process", "--set", "placement.trainer=process"]
+for victim, extra in (("rollout_node", in_process), ("ref_node", ["--set", "placement.reference=process"]),
+                      ("trainer_node", in_process + ["--set", "run.checkpoint_every=2"])):
     out = f"{work}/killed_{victim}"
     run = [kiln, "run", *quiet, "--set", "run.steps=12", "--set", "placement.mode=multi_process", *extra,
            "--set", "rollout.step_delay_ms=150", "--set", "algorithm.prompts_per_step=4", "--set", f"run.output_dir={out}"]
@@ -50,11 +58,19 @@ for victim, extra in (("rollout_node", []), ("ref_node", ["--set", "placement.re
         time.sleep(0.05)
     os.kill(int(open(f"{out}/{victim}.pid").read()), signal.SIGKILL)
     _, err = p.communicate(timeout=120)
-    who = "rollout node" if victim == "rollout_node" else "reference node"
+    who = {"rollout_node": "rollout node", "ref_node": "reference node", "trainer_node": "trainer node"}[victim]
     checks.append((p.returncode == 1, f"{victim}: killed run exits 1 (got {p.returncode})"))
     checks.append((who in err and "disconnected" in err, f"{victim}: the error names the lost {who}: {err.strip()[-300:]}"))
-    checks.append(("resume_from=" in err, f"{victim}: the error says how to continue"))
-    ck = err.split("resume_from=")[-1].strip().split()[0] if "resume_from=" in err else ""
+    if victim == "trainer_node":  # its policy is gone: continue from the newest periodic checkpoint
+        checks.append(("continue from the newest checkpoint" in err, f"{victim}: the error says how to continue"))
+        cks = sorted(os.listdir(f"{out}/checkpoints")) if os.path.isdir(f"{out}/checkpoints") else []
+        ck = f"{out}/checkpoints/{cks[-1]}" if cks else ""
+        logged = [m["step"] for m in metrics(out)]
+        checks.append((bool(cks) and int(cks[-1].split("_")[1]) < logged[-1],
+                       f"{victim}: steps after the newest checkpoint {cks[-1:]} were lost (logged {logged})"))
+    else:
+        checks.append(("resume_from=" in err, f"{victim}: the error says how to continue"))
+        ck = err.split("resume_from=")[-1].strip().split()[0] if "resume_from=" in err else ""
     checks.append((os.path.exists(f"{ck}/state.json"), f"{victim}: checkpoint {ck} written"))
     if ck:
         r = subprocess.run(run[:-2] + ["--set", f"run.output_dir={out}", "--set", f"run.resume_from={ck}",

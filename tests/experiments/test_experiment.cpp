@@ -70,7 +70,9 @@ TEST_CASE("unknown keys, wrong types and bad values are rejected by name") {
                        std::invalid_argument);
   for (const char* bad : {"algorithm.top_p=0", "algorithm.top_k=-1", "algorithm.weight_decay=-5", "algorithm.grad_clip=-1",
                           "algorithm.kl_coef=-1", "algorithm.warmup_steps=-3", "algorithm.tis_cap=0",
-                          "algorithm.clip_low=1", "placement.rollout_engines=0", "model.dtype=fp8"}) {
+                          "algorithm.clip_low=1", "placement.rollout_engines=0", "model.dtype=fp8",
+                          "algorithm.update_delay_ms=-1", "placement.trainer=gpu",
+                          "placement.trainer=process"}) {  // the last: needs multi_process + a ref process
     CAPTURE(bad);
     ExperimentConfig g;
     g.set(bad);
@@ -78,4 +80,14 @@ TEST_CASE("unknown keys, wrong types and bad values are rejected by name") {
     const std::string quoted = "'" + key + "'";
     CHECK_THROWS_WITH_AS(g.validate(), doctest::Contains(quoted.c_str()), std::invalid_argument);
   }
+}
+
+TEST_CASE("the trainer in a process needs every model out of the controller") {
+  ExperimentConfig c;
+  c.set("placement.mode=multi_process");
+  c.set("placement.trainer=process");
+  CHECK_THROWS_WITH_AS(c.validate(), doctest::Contains("placement.reference \"process\""), std::invalid_argument);
+  c.set("placement.reference=process");
+  CHECK_NOTHROW(c.validate());
+  CHECK(c.to_toml().find("trainer = \"process\"") != std::string::npos);
 }

@@ -1,0 +1,57 @@
+#include "actors/trainer/checkpoint.hpp"
+
+#include <torch/torch.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+namespace kiln::trainer {
+
+void save_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, Trainer& trainer,
+                     const CheckpointState& state) {
+  std::filesystem::create_directories(dir);
+  policy.save_hf_checkpoint(dir.string(), uint64_t(5) << 30);
+  torch::save(trainer.optimizer(), (dir / "optimizer.pt").string());
+  // bf16 policies: the fp32 master weights too, or a resumed run would restart from rounded ones.
+  if (trainer.uses_master_weights()) torch::save(trainer.master_parameters(), (dir / "master_weights.pt").string());
+  nlohmann::json j{{"step", state.step}, {"policy_version", trainer.version()}, {"prompt_rng", state.prompt_rng}};
+  std::ofstream out(dir / "state.json");
+  out << j.dump(2) << "\n";
+  if (!out.flush()) throw std::runtime_error("cannot write '" + (dir / "state.json").string() + "'");
+}
+
+CheckpointState read_checkpoint_state(const std::filesystem::path& dir) {
+  std::ifstream in(dir / "state.json");
+  if (!in) throw std::invalid_argument("no state.json in '" + dir.string() + "'");
+  CheckpointState st;
+  try {
+    auto j = nlohmann::json::parse(in);
+    st.step = j.at("step").get<int64_t>();
+    st.policy_version = j.at("policy_version").get<int64_t>();
+    st.prompt_rng = j.at("prompt_rng").get<std::string>();
+  } catch (const std::exception& e) {
+    throw std::invalid_argument("state.json in '" + dir.string() + "': " + e.what());
+  }
+  return st;
+}
+
+CheckpointState load_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, Trainer& trainer) {
+  auto st = read_checkpoint_state(dir);
+  policy.load_hf_checkpoint(dir.string());
+  torch::load(trainer.optimizer(), (dir / "optimizer.pt").string());
+  trainer.reload_master_weights();
+  if (trainer.uses_master_weights() && std::filesystem::exists(dir / "master_weights.pt")) {
+    std::vector<torch::Tensor> saved;
+    torch::load(saved, (dir / "master_weights.pt").string());
+    const auto& masters = trainer.master_parameters();
+    if (saved.size() != masters.size())
+      throw std::invalid_argument("master_weights.pt in '" + dir.string() + "' holds " + std::to_string(saved.size()) +
+                                  " tensors, the policy " + std::to_string(masters.size()));
+    torch::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < saved.size(); ++i) masters[i].copy_(saved[i]);
+  }
+  trainer.set_version(st.policy_version);
+  return st;
+}
+
+}  // namespace kiln::trainer

@@ -1,0 +1,203 @@
+#include "actors/trainer/trainer_service.hpp"
+
+#include <torch/torch.h>
+
+#include <chrono>
+
+#include "actors/trainer/checkpoint.hpp"
+#include "actors/trainer/trainer.hpp"
+#include "actors/weight_sync/service.hpp"
+#include "experiments/node.hpp"
+#include "messaging/gateway.hpp"
+#include "messaging/torch_tensor.hpp"
+#include "model/registry.hpp"
+
+namespace kiln::trainer {
+
+using namespace kiln::messaging;
+
+TrainerConfig trainer_config(const TrainerInit& init) {
+  TrainerConfig tc;
+  tc.max_tokens_per_microbatch = init.max_tokens_per_microbatch;
+  tc.lr = init.optim.lr;
+  tc.weight_decay = init.optim.weight_decay;
+  tc.grad_clip = init.optim.grad_clip;
+  tc.lr_schedule = init.optim.lr_schedule;
+  tc.warmup_steps = init.optim.warmup_steps;
+  tc.total_steps = init.optim.total_steps;
+  tc.routing_replay = init.routing_replay;
+  tc.temperature = init.temperature;
+  tc.loss.clip_low = init.loss.clip_low;
+  tc.loss.clip_high = init.loss.clip_high;
+  tc.loss.kl_coef = init.loss.kl_coef;
+  tc.loss.kl_estimator = kl_estimator_from_string(init.loss.kl_estimator);
+  tc.loss.aggregation = aggregation_from_string(init.loss.aggregation);
+  tc.loss.tis_cap = init.loss.tis_cap;
+  tc.loss.entropy_coef = init.loss.entropy_coef;
+  tc.validate();
+  return tc;
+}
+
+struct TrainerService::State {
+  Gateway& gw;
+  std::string name;
+  TrainerInit init;
+  std::shared_ptr<model::CausalLM> policy;
+  std::unique_ptr<Trainer> trainer;
+  State(Gateway& g, std::string n) : gw(g), name(std::move(n)) {}
+};
+
+TrainerService::TrainerService(Gateway& gateway, const std::string& name)
+    : s_(std::make_unique<State>(gateway, name)) {}
+TrainerService::~TrainerService() = default;
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// trainer.train's samples, checked against the policy before anything runs.
+Expected<std::vector<Sample>> to_samples(const Envelope& request, const TrainerTrain& q, int64_t vocab, bool need_ref) {
+  auto bad = [](const std::string& what) { return make_error(ErrorCode::bad_message, "trainer.train: " + what); };
+  if (q.samples.empty()) return bad("no samples");
+  const bool replay = !request.tensors.empty();
+  if (replay && request.tensors.size() != q.samples.size())
+    return bad(std::to_string(request.tensors.size()) + " routed-experts tensors for " +
+               std::to_string(q.samples.size()) + " samples");
+  std::vector<Sample> out(q.samples.size());
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    const auto& spec = q.samples[i];
+    const std::string who = "sample " + std::to_string(spec.id);
+    if (spec.prompt.empty() || spec.completion.empty()) return bad(who + " has an empty prompt or completion");
+    for (const auto* ids : {&spec.prompt, &spec.completion})
+      for (auto t : *ids)
+        if (t < 0 || t >= vocab)
+          return bad(who + " has token id " + std::to_string(t) + " outside the vocabulary [0, " +
+                     std::to_string(vocab) + ")");
+    if (spec.behavior_logprobs.size() != spec.completion.size())
+      return bad(who + " has " + std::to_string(spec.behavior_logprobs.size()) + " behaviour log-probs for " +
+                 std::to_string(spec.completion.size()) + " completion tokens");
+    if (need_ref ? spec.ref_logprobs.size() != spec.completion.size()
+                 : !(spec.ref_logprobs.empty() || spec.ref_logprobs.size() == spec.completion.size()))
+      return bad(who + " has " + std::to_string(spec.ref_logprobs.size()) + " reference log-probs for " +
+                 std::to_string(spec.completion.size()) + " completion tokens" +
+                 (need_ref ? " (the KL term needs one per token)" : ""));
+    auto& s = out[i];
+    s.prompt = spec.prompt;
+    s.completion = spec.completion;
+    s.behavior_logprobs = spec.behavior_logprobs;
+    s.ref_logprobs = spec.ref_logprobs;
+    s.advantage = spec.advantage;
+    if (replay) {
+      const auto& t = request.tensors[i];
+      if (t.dtype != DType::int64 || t.shape.size() != 3 ||
+          t.shape[0] != int64_t(spec.prompt.size() + spec.completion.size()) - 1)
+        return bad(who + ": routed experts '" + t.name + "' must be I64 [P + n - 1 = " +
+                   std::to_string(spec.prompt.size() + spec.completion.size() - 1) + ", L, K]");
+      s.routed_experts = to_torch(t).clone();
+    }
+  }
+  return out;
+}
+}  // namespace
+
+Expected<Envelope> TrainerService::handle(const Envelope& request) {
+  auto reply = [&](const auto& value) { return make_envelope(value, Kind::reply, request.receiver, request.sender); };
+  try {
+    if (request.type == TrainerInit::kType) {
+      auto init = payload_as<TrainerInit>(request);
+      if (!init) return init.error();
+      if (init->max_tokens_per_microbatch < 1)
+        return make_error(ErrorCode::bad_message, "trainer.init: max_tokens_per_microbatch must be >= 1");
+      if (init->dtype != "fp32" && init->dtype != "bf16")
+        return make_error(ErrorCode::bad_message, "trainer.init: dtype must be fp32 or bf16, got '" + init->dtype + "'");
+      if (!(init->bucket_mib > 0)) return make_error(ErrorCode::bad_message, "trainer.init: bucket_mib must be > 0");
+      TrainerConfig tc;
+      try {
+        tc = trainer_config(*init);
+      } catch (const std::exception& e) {
+        return make_error(ErrorCode::bad_message, std::string("trainer.init: ") + e.what());
+      }
+      if (init->device != "cpu" && !torch::cuda::is_available())
+        return make_error(ErrorCode::remote_error, "trainer.init: device is '" + init->device +
+                                                       "' but no CUDA device is visible in this process");
+      const torch::Device device(init->device);  // throws on a malformed device string
+      // As a one-process run builds its policy: the same seed, then the same registry call.
+      torch::manual_seed(uint64_t(init->seed));
+      auto policy = model::Registry::with_plugins().build(init->package, init->flavor, init->checkpoint);
+      policy->to(device);
+      policy->to_dtype(init->dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32);
+      s_->trainer = std::make_unique<Trainer>(policy, tc);
+      s_->policy = std::move(policy);
+      s_->init = *init;
+      return reply(TrainerReady{s_->trainer->version(), s_->policy->vocab_size()});
+    }
+    const bool known = request.type == TrainerLoad::kType || request.type == TrainerTrain::kType ||
+                       request.type == TrainerPushWeights::kType || request.type == TrainerSave::kType;
+    if (!known)
+      return make_error(ErrorCode::unknown_type,
+                        "actor '" + request.receiver + "' does not handle '" + request.type + "'");
+    if (!s_->trainer) return make_error(ErrorCode::remote_error, request.type + " before trainer.init");
+    if (request.type == TrainerLoad::kType) {
+      auto q = payload_as<TrainerLoad>(request);
+      if (!q) return q.error();
+      load_checkpoint(q->dir, *s_->policy, *s_->trainer);
+      return reply(TrainerReady{s_->trainer->version(), s_->policy->vocab_size()});
+    }
+    if (request.type == TrainerTrain::kType) {
+      auto q = payload_as<TrainerTrain>(request);
+      if (!q) return q.error();
+      auto samples = to_samples(request, *q, s_->policy->vocab_size(), s_->init.loss.kl_coef > 0);
+      if (!samples) return samples.error();
+      TrainerStepResult r;
+      if (s_->init.recompute_old_logprobs) {  // pi_old in its own pass (verl/slime "log_probs")
+        auto t0 = Clock::now();
+        auto old = completion_logprobs(*s_->policy, *samples, s_->init.max_tokens_per_microbatch,
+                                       s_->init.routing_replay, s_->init.temperature);
+        for (std::size_t i = 0; i < samples->size(); ++i) (*samples)[i].old_logprobs = std::move(old[i]);
+        r.log_probs_time = since(t0);
+      }
+      auto m = s_->trainer->train_step(*samples);
+      r.loss = m.loss;
+      r.pg_loss = m.pg_loss;
+      r.kl = m.kl;
+      r.clip_fraction = m.clip_fraction;
+      r.grad_norm = m.grad_norm;
+      r.lr = m.lr;
+      r.entropy = m.entropy;
+      r.train_rollout_logprob_abs_diff = m.train_rollout_logprob_abs_diff;
+      r.micro_batches = m.micro_batches;
+      r.tokens = m.tokens;
+      r.loss_tokens = m.loss_tokens;
+      r.actor_train_time = m.actor_train_time;
+      r.policy_version = s_->trainer->version();
+      return reply(r);
+    }
+    if (request.type == TrainerPushWeights::kType) {
+      auto q = payload_as<TrainerPushWeights>(request);
+      if (!q) return q.error();
+      if (q->targets.empty()) return make_error(ErrorCode::bad_message, "trainer.push_weights: no targets");
+      const int64_t version = s_->trainer->version();
+      // No copies: requests run one at a time, so the policy cannot change during the push.
+      auto tensors = s_->policy->hf_state_dict();
+      for (const auto& to : q->targets) {
+        auto r = weight_sync::send_weights(s_->gw, to, tensors, version, uint64_t(s_->init.bucket_mib * (1 << 20)),
+                                           std::chrono::seconds(120));
+        if (!r)  // remote_error: the trainer is fine, the target is not (the caller tells them apart)
+          return make_error(ErrorCode::remote_error, "weight sync of version " + std::to_string(version) + " to " +
+                                                         to + ": " + r.error().what());
+      }
+      return reply(TrainerPushed{version});
+    }
+    auto q = payload_as<TrainerSave>(request);  // trainer.save
+    if (!q) return q.error();
+    if (q->dir.empty()) return make_error(ErrorCode::bad_message, "trainer.save: empty dir");
+    save_checkpoint(q->dir, *s_->policy, *s_->trainer, CheckpointState{q->step, s_->trainer->version(), q->prompt_rng});
+    return reply(TrainerPushed{s_->trainer->version()});
+  } catch (const std::exception& e) {
+    return make_error(ErrorCode::remote_error, std::string(request.type) + ": " + e.what());
+  }
+}
+
+void register_trainer_actor_kind() { experiments::register_service_kind<TrainerService>("trainer"); }
+
+}  // namespace kiln::trainer

@@ -1,0 +1,49 @@
+#pragma once
+// The trainer actor's logic (plain class): owns the policy, the optimizer and the weight-sync
+// sender of a run whose trainer is placed in its own process (placement.trainer = "process";
+// hosted by `kiln node --actor trainer/N`). Messages (messaging/schema.hpp, docs/wire-format.md):
+//   trainer.init          build the policy (seeded as a one-process run) and the trainer
+//   trainer.load          load a checkpoint (actors/trainer/checkpoint.hpp)
+//   trainer.push_weights  stream the current version to rollout/ref actors (weight_sync.*)
+//   trainer.train         one optimizer step on the given samples; metrics back
+//   trainer.save          write a checkpoint
+// Requests are handled one at a time (one detached actor), so a push never sees a
+// half-updated policy.
+#include <memory>
+#include <string>
+
+#include "messaging/envelope.hpp"
+#include "messaging/schema.hpp"
+
+namespace kiln::messaging {
+class Gateway;
+}
+
+namespace kiln::trainer {
+
+struct TrainerConfig;
+
+/// The trainer settings of a trainer.init (the same mapping a one-process run uses). Throws
+/// std::invalid_argument naming the field (unknown estimator or aggregation, bad ranges).
+TrainerConfig trainer_config(const messaging::TrainerInit& init);
+
+class TrainerService {
+ public:
+  /// `gateway`: where trainer.push_weights sends from; `name`: this actor's logical name.
+  TrainerService(messaging::Gateway& gateway, const std::string& name);
+  ~TrainerService();
+  /// Errors name what was wrong: a request before trainer.init, a bad setting, a sample whose
+  /// sizes do not fit (log-probs vs tokens, routed-experts tensors vs samples), token ids out
+  /// of the vocabulary, an unreadable checkpoint, a push target that is unknown or fails its
+  /// check. A failed trainer.train leaves the policy and optimizer as they were.
+  messaging::Expected<messaging::Envelope> handle(const messaging::Envelope& request);
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+};
+
+/// Registers actor kind "trainer" with kiln node (call once at start-up, before run_node).
+void register_trainer_actor_kind();
+
+}  // namespace kiln::trainer
