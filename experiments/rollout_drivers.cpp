@@ -10,6 +10,7 @@
 #include <map>
 #include <thread>
 
+#include "actors/trainer/trainer_service.hpp"
 #include "messaging/schema.hpp"
 #include "messaging/torch_tensor.hpp"
 
@@ -206,22 +207,9 @@ trainer::StepMetrics TrainerNode::train(messaging::Gateway& gw, const std::vecto
   auto r = call(gw, std::move(env), std::chrono::seconds(3600));
   auto res = messaging::payload_as<messaging::TrainerStepResult>(r);
   if (!res) throw Error(std::string("trainer node: ") + res.error().what(), false);
-  trainer::StepMetrics m;
-  m.loss = res->loss;
-  m.pg_loss = res->pg_loss;
-  m.kl = res->kl;
-  m.clip_fraction = res->clip_fraction;
-  m.grad_norm = res->grad_norm;
-  m.lr = res->lr;
-  m.entropy = res->entropy;
-  m.train_rollout_logprob_abs_diff = res->train_rollout_logprob_abs_diff;
-  m.micro_batches = res->micro_batches;
-  m.tokens = res->tokens;
-  m.loss_tokens = res->loss_tokens;
-  m.actor_train_time = res->actor_train_time;
   log_probs_time = res->log_probs_time;
   version_ = res->policy_version;
-  return m;
+  return trainer::to_step_metrics(*res);
 }
 int64_t TrainerNode::push(messaging::Gateway& gw, const std::string& target) {
   auto r = call(gw, messaging::make_envelope(messaging::TrainerPushWeights{{target}}, messaging::Kind::request,

@@ -38,6 +38,41 @@ TrainerConfig trainer_config(const TrainerInit& init) {
   return tc;
 }
 
+TrainerStepResult to_step_result(const StepMetrics& m, int64_t policy_version, double log_probs_time) {
+  TrainerStepResult r;
+  r.loss = m.loss;
+  r.pg_loss = m.pg_loss;
+  r.kl = m.kl;
+  r.clip_fraction = m.clip_fraction;
+  r.grad_norm = m.grad_norm;
+  r.lr = m.lr;
+  r.entropy = m.entropy;
+  r.train_rollout_logprob_abs_diff = m.train_rollout_logprob_abs_diff;
+  r.micro_batches = m.micro_batches;
+  r.tokens = m.tokens;
+  r.loss_tokens = m.loss_tokens;
+  r.actor_train_time = m.actor_train_time;
+  r.log_probs_time = log_probs_time;
+  r.policy_version = policy_version;
+  return r;
+}
+StepMetrics to_step_metrics(const TrainerStepResult& r) {
+  StepMetrics m;
+  m.loss = r.loss;
+  m.pg_loss = r.pg_loss;
+  m.kl = r.kl;
+  m.clip_fraction = r.clip_fraction;
+  m.grad_norm = r.grad_norm;
+  m.lr = r.lr;
+  m.entropy = r.entropy;
+  m.train_rollout_logprob_abs_diff = r.train_rollout_logprob_abs_diff;
+  m.micro_batches = r.micro_batches;
+  m.tokens = r.tokens;
+  m.loss_tokens = r.loss_tokens;
+  m.actor_train_time = r.actor_train_time;
+  return m;
+}
+
 struct TrainerService::State {
   Gateway& gw;
   std::string name;
@@ -148,29 +183,16 @@ Expected<Envelope> TrainerService::handle(const Envelope& request) {
       if (!q) return q.error();
       auto samples = to_samples(request, *q, s_->policy->vocab_size(), s_->init.loss.kl_coef > 0);
       if (!samples) return samples.error();
-      TrainerStepResult r;
+      double log_probs_time = 0;
       if (s_->init.recompute_old_logprobs) {  // pi_old in its own pass (verl/slime "log_probs")
         auto t0 = Clock::now();
         auto old = completion_logprobs(*s_->policy, *samples, s_->init.max_tokens_per_microbatch,
                                        s_->init.routing_replay, s_->init.temperature);
         for (std::size_t i = 0; i < samples->size(); ++i) (*samples)[i].old_logprobs = std::move(old[i]);
-        r.log_probs_time = since(t0);
+        log_probs_time = since(t0);
       }
       auto m = s_->trainer->train_step(*samples);
-      r.loss = m.loss;
-      r.pg_loss = m.pg_loss;
-      r.kl = m.kl;
-      r.clip_fraction = m.clip_fraction;
-      r.grad_norm = m.grad_norm;
-      r.lr = m.lr;
-      r.entropy = m.entropy;
-      r.train_rollout_logprob_abs_diff = m.train_rollout_logprob_abs_diff;
-      r.micro_batches = m.micro_batches;
-      r.tokens = m.tokens;
-      r.loss_tokens = m.loss_tokens;
-      r.actor_train_time = m.actor_train_time;
-      r.policy_version = s_->trainer->version();
-      return reply(r);
+      return reply(to_step_result(m, s_->trainer->version(), log_probs_time));
     }
     if (request.type == TrainerPushWeights::kType) {
       auto q = payload_as<TrainerPushWeights>(request);

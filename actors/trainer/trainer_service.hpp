@@ -22,10 +22,15 @@ class Gateway;
 namespace kiln::trainer {
 
 struct TrainerConfig;
+struct StepMetrics;
 
 /// The trainer settings of a trainer.init (the same mapping a one-process run uses). Throws
 /// std::invalid_argument naming the field (unknown estimator or aggregation, bad ranges).
 TrainerConfig trainer_config(const messaging::TrainerInit& init);
+
+/// StepMetrics <-> trainer.step_result (the metrics of one step, as the controller logs them).
+messaging::TrainerStepResult to_step_result(const StepMetrics& m, int64_t policy_version, double log_probs_time);
+StepMetrics to_step_metrics(const messaging::TrainerStepResult& r);
 
 class TrainerService {
  public:
