@@ -26,6 +26,8 @@ def main():
     ap.add_argument("--out", default="")
     ap.add_argument("--set", action="append", default=[], dest="sets")
     args = ap.parse_args()
+    if args.steps < 3:
+        ap.error("--steps must be >= 3 (step 1 warms up; wall time per step needs two more)")
     out = args.out or tempfile.mkdtemp(prefix="kiln-bench-placement-")
     rows, curves = [], {}
     for name, keys in PLACEMENTS:

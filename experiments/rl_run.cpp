@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -51,6 +52,35 @@ std::unique_ptr<rollout::Task> build_task(const ExperimentConfig::Task& t) {
   return rollout::make_task(t.name);
 }
 
+
+// Socket paths for the signal handler (async-signal-safe: fixed buffers, unlink, write, raise).
+constexpr int kMaxSockets = 80;
+char g_sockets[kMaxSockets][108];
+volatile std::sig_atomic_t g_socket_count = 0;
+extern "C" void remove_sockets_and_die(int sig) {
+  for (int i = 0; i < g_socket_count; ++i) ::unlink(g_sockets[i]);
+  static const char msg[] =
+      "kiln run: interrupted; checkpoints so far are in RUN/checkpoints (run.checkpoint_every)\n";
+  [[maybe_unused]] auto n = ::write(2, msg, sizeof msg - 1);
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
+}
+
+// Where to continue after the policy was lost with its process: the newest complete checkpoint
+// of the run (a step_N directory with its state.json; ".partial" ones are incomplete).
+std::string continue_hint(const std::filesystem::path& run_dir) {
+  std::filesystem::path newest;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(run_dir / "checkpoints", ec)) {
+    const auto name = e.path().filename().string();
+    if (name.rfind("step_", 0) == 0 && name.find('.') == std::string::npos && std::filesystem::exists(e.path() / "state.json") &&
+        (newest.empty() || name > newest.filename().string()))
+      newest = e.path();
+  }
+  if (newest.empty())
+    return "kiln run: no checkpoint was written (run.checkpoint_every = 0): start again, with checkpoints\n";
+  return "kiln run: the steps after it are lost; continue with --set run.resume_from=" + newest.string() + "\n";
+}
 
 void plot(const std::filesystem::path& dir) {
   auto tsv = dir / "metrics.tsv";
@@ -128,15 +158,23 @@ int run_experiment(const ExperimentConfig& c) {
   // rollout side's receiver service (inproc in one process: tensor frames are zero-copy).
   messaging::Gateway rollout_gw({"rollout", "inproc://kiln-run-" + std::to_string(::getpid())});
   const std::string run_tag = "/tmp/kiln-run-" + std::to_string(::getpid());
-  struct RemoveSockets {  // the ipc:// socket files of this run, on every way out
-    std::string tag;
-    int64_t engines;
+  // The ipc:// socket files of this run, removed on every way out: normal returns (the
+  // destructor) and SIGINT/SIGTERM/SIGHUP (the handler; the nodes exit with their parent).
+  struct RemoveSockets {
+    std::vector<std::string> paths;
+    RemoveSockets(const std::string& tag, int64_t engines) {
+      paths = {tag + "-controller", tag + "-rollout", tag + "-ref", tag + "-trainer"};
+      for (int64_t i = 1; i < engines; ++i) paths.push_back(tag + "-rollout-" + std::to_string(i));
+      g_socket_count = 0;
+      for (const auto& p : paths)
+        if (g_socket_count < kMaxSockets && p.size() < sizeof g_sockets[0])
+          std::snprintf(g_sockets[g_socket_count++], sizeof g_sockets[0], "%s", p.c_str());
+      for (int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, remove_sockets_and_die);
+    }
     ~RemoveSockets() {
-      std::remove((tag + "-controller").c_str());
-      std::remove((tag + "-rollout").c_str());
-      for (int64_t i = 1; i < engines; ++i) std::remove((tag + "-rollout-" + std::to_string(i)).c_str());
-      std::remove((tag + "-ref").c_str());
-      std::remove((tag + "-trainer").c_str());
+      for (int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, SIG_DFL);
+      g_socket_count = 0;
+      for (const auto& p : paths) std::remove(p.c_str());
     }
   } remove_sockets{run_tag, c.placement.rollout_engines};
   // The controller's gateway: the graph root the nodes join.
@@ -271,6 +309,9 @@ int run_experiment(const ExperimentConfig& c) {
       r >> rng;
       if (!r) throw std::invalid_argument("state.json in '" + ck.string() + "': prompt_rng is not an RNG state");
       first_step = state.step + 1;
+      if (state.step >= c.run.steps)
+        throw std::invalid_argument("it holds steps 1.." + std::to_string(state.step) + " and run.steps is " +
+                                    std::to_string(c.run.steps) + ": nothing to train (raise run.steps to go on)");
       std::fprintf(stderr, "kiln run: resumed from %s at step %lld\n", ck.c_str(), (long long)first_step);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "kiln run: cannot resume from '%s': %s\n", c.run.resume_from.c_str(), e.what());
@@ -308,7 +349,7 @@ int run_experiment(const ExperimentConfig& c) {
       for (const auto& l : keep) out << l << "\n";
     }
     if (dropped > 0)
-      std::fprintf(stderr, "kiln run: dropped %lld metric rows of steps after the checkpoint (their training was lost)\n",
+      std::fprintf(stderr, "kiln run: dropped %lld metric rows of steps after the checkpoint (those steps are trained again now)\n",
                    (long long)dropped);
   }
   const auto mode = first_step > 1 ? std::ios::app : std::ios::trunc;
@@ -401,9 +442,8 @@ int run_experiment(const ExperimentConfig& c) {
     try {
       save(ck, trained, rng_state);
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "kiln run: cannot save a checkpoint of steps 1..%lld: %s\n"
-                           "kiln run: continue from the newest checkpoint in %s, if any (run.checkpoint_every)\n",
-                   (long long)trained, e.what(), (dir / "checkpoints").c_str());
+      std::fprintf(stderr, "kiln run: cannot save a checkpoint of steps 1..%lld: %s\n%s", (long long)trained, e.what(),
+                   continue_hint(dir).c_str());
       return 1;
     }
     std::fprintf(stderr, "kiln run: saved %s (steps 1..%lld trained); continue with --set run.resume_from=%s\n",
@@ -503,9 +543,7 @@ int run_experiment(const ExperimentConfig& c) {
       try {
         m = trainer_node.train(controller_gw, samples, log_probs_time);
       } catch (const std::exception& e) {  // the trainer node failed: its state since the last checkpoint is gone
-        std::fprintf(stderr, "kiln run: step %lld: %s\nkiln run: continue from the newest checkpoint in %s, if any "
-                             "(run.checkpoint_every)\n",
-                     (long long)step, e.what(), (dir / "checkpoints").c_str());
+        std::fprintf(stderr, "kiln run: step %lld: %s\n%s", (long long)step, e.what(), continue_hint(dir).c_str());
         return 1;
       }
     } else if (!samples.empty()) {
@@ -570,7 +608,8 @@ int run_experiment(const ExperimentConfig& c) {
       try {
         save(checkpoint_name(step), step, batch.rng_after);
       } catch (const std::exception& e) {
-        std::fprintf(stderr, "kiln run: step %lld: cannot save a checkpoint: %s\n", (long long)step, e.what());
+        std::fprintf(stderr, "kiln run: step %lld: cannot save a checkpoint: %s\n%s", (long long)step, e.what(),
+                     continue_hint(dir).c_str());
         return 1;
       }
     }

@@ -89,7 +89,8 @@ void AsyncRollout::run(int64_t first, int64_t last) {
 std::string spawn_node(messaging::Gateway& gw, const std::string& tag, const std::string& suffix,
                        const std::string& actor, const std::filesystem::path& dir, const std::string& pidfile,
                        pid_t& pid) {
-  std::vector<std::string> argv = {"/proc/self/exe", "node",          "--name",  suffix + "-node",
+  // argv[0] "kiln" (the binary is /proc/self/exe): `ps` and `pgrep -f "kiln node"` show the nodes.
+  std::vector<std::string> argv = {"kiln",           "node",          "--name",  suffix + "-node",
                                    "--bind",         "ipc://" + tag + "-" + suffix,
                                    "--join",         gw.endpoint(), "--actor", actor,
                                    "--exit-with-parent", std::to_string(::getpid())};  // no orphans
@@ -99,9 +100,19 @@ std::string spawn_node(messaging::Gateway& gw, const std::string& tag, const std
   if (posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, args.data(), environ) != 0)
     return "cannot start the node process for " + actor;
   std::ofstream(dir / pidfile) << pid << "\n";
-  auto up = gw.wait_for_actor(actor, std::chrono::seconds(60));
-  if (!up) return "the node for " + actor + " did not join: " + up.error().what();
-  return "";
+  // Up to 60 s to join, but a node process that exits first is reported at once.
+  for (int waited_ms = 0;; waited_ms += 200) {
+    auto up = gw.wait_for_actor(actor, std::chrono::milliseconds(200));
+    if (up) return "";
+    int status = 0;
+    if (::waitpid(pid, &status, WNOHANG) == pid) {
+      pid = -1;
+      return "the node process for " + actor + " exited before it joined (" +
+             (WIFSIGNALED(status) ? "killed by signal " + std::to_string(WTERMSIG(status))
+                                  : "exit code " + std::to_string(WEXITSTATUS(status))) + ")";
+    }
+    if (waited_ms >= 60000) return "the node for " + actor + " did not join within 60 s: " + up.error().what();
+  }
 }
 
 std::string RefNode::start(messaging::Gateway& gw, const std::string& tag, const ExperimentConfig& c,
@@ -109,7 +120,8 @@ std::string RefNode::start(messaging::Gateway& gw, const std::string& tag, const
   auto err = spawn_node(gw, tag, "ref", kActor, dir, "ref_node.pid", pid_);
   if (!err.empty()) return err;
   messaging::RefInit init{c.model.package, c.model.flavor, c.model.checkpoint,
-                          c.algorithm.max_tokens_per_microbatch, c.algorithm.routing_replay, c.algorithm.temperature};
+                          c.algorithm.max_tokens_per_microbatch, c.algorithm.routing_replay, c.algorithm.temperature,
+                          c.model.dtype};
   auto r = gw.request(messaging::make_envelope(init, messaging::Kind::request, "controller", kActor),
                       std::chrono::seconds(300))
                .get();
@@ -259,8 +271,9 @@ std::string RolloutNode::start(messaging::Gateway& gw, const std::string& tag, c
   auto err = spawn_node(gw, tag, suffix, actor(), dir,
                         index == 0 ? "rollout_node.pid" : "rollout_node_" + std::to_string(index) + ".pid", pid_);
   if (!err.empty()) return err;
-  messaging::RolloutInit init{c.model.package,      c.model.flavor,      c.model.checkpoint,     c.rollout.cache_blocks,
-                              c.rollout.block_size, c.rollout.max_batch, c.rollout.step_delay_ms};
+  messaging::RolloutInit init{c.model.package,      c.model.flavor,      c.model.checkpoint,
+                              c.rollout.cache_blocks, c.rollout.block_size, c.rollout.max_batch,
+                              c.rollout.step_delay_ms, c.model.dtype};
   auto r = gw.request(messaging::make_envelope(init, messaging::Kind::request, "controller", actor()),
                       std::chrono::seconds(300))
                .get();

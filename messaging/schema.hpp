@@ -129,11 +129,12 @@ struct WeightSyncAck {
 /// Rollout in another process: what the remote engine builds (answered with RolloutReady).
 struct RolloutInit {
   static constexpr std::string_view kType = "rollout.init";
-  static constexpr uint32_t kVersion = 1;
+  static constexpr uint32_t kVersion = 2;
   std::string package, flavor, checkpoint;  ///< model registry name + flavor, or HF checkpoint dir
   int64_t cache_blocks = 0, block_size = 0, max_batch = 0;
   int64_t step_delay_ms = 0;                ///< testing: sleep per engine step
-  MSGPACK_DEFINE_MAP(package, flavor, checkpoint, cache_blocks, block_size, max_batch, step_delay_ms);
+  std::string dtype = "fp32";               ///< "fp32" | "bf16": the engine's weights and cache
+  MSGPACK_DEFINE_MAP(package, flavor, checkpoint, cache_blocks, block_size, max_batch, step_delay_ms, dtype);
 };
 struct RolloutReady {
   static constexpr std::string_view kType = "rollout.ready";
@@ -178,12 +179,13 @@ struct RolloutResult {
 /// weight_sync.bucket/commit (the run's initial policy), then RefLogprobs requests.
 struct RefInit {
   static constexpr std::string_view kType = "ref.init";
-  static constexpr uint32_t kVersion = 1;
+  static constexpr uint32_t kVersion = 2;
   std::string package, flavor, checkpoint;  ///< model registry name + flavor, or HF checkpoint dir
   int64_t max_tokens_per_microbatch = 4096;
   bool routing_replay = true;
   double temperature = 1.0;                 ///< log-probs of logits / temperature
-  MSGPACK_DEFINE_MAP(package, flavor, checkpoint, max_tokens_per_microbatch, routing_replay, temperature);
+  std::string dtype = "fp32";               ///< "fp32" | "bf16": the reference's weights
+  MSGPACK_DEFINE_MAP(package, flavor, checkpoint, max_tokens_per_microbatch, routing_replay, temperature, dtype);
 };
 struct RefReady {
   static constexpr std::string_view kType = "ref.ready";

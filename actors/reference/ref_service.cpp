@@ -35,7 +35,10 @@ Expected<Envelope> RefService::handle(const Envelope& request) {
       if (init->max_tokens_per_microbatch < 1)
         return make_error(ErrorCode::bad_message, "ref.init: max_tokens_per_microbatch must be >= 1");
       if (!(init->temperature > 0)) return make_error(ErrorCode::bad_message, "ref.init: temperature must be > 0");
+      if (init->dtype != "fp32" && init->dtype != "bf16")
+        return make_error(ErrorCode::bad_message, "ref.init: dtype must be fp32 or bf16, got '" + init->dtype + "'");
       s_->model = model::Registry::with_plugins().build(init->package, init->flavor, init->checkpoint);
+      s_->model->to_dtype(init->dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32);
       s_->init = *init;
       s_->weights_version = -1;
       return make_envelope(RefReady{s_->weights_version}, Kind::reply, request.receiver, request.sender);

@@ -35,7 +35,10 @@ Expected<Envelope> RolloutService::handle(const Envelope& request) {
     if (request.type == RolloutInit::kType) {
       auto init = payload_as<RolloutInit>(request);
       if (!init) return init.error();
+      if (init->dtype != "fp32" && init->dtype != "bf16")
+        return make_error(ErrorCode::bad_message, "rollout.init: dtype must be fp32 or bf16, got '" + init->dtype + "'");
       s_->model = model::Registry::with_plugins().build(init->package, init->flavor, init->checkpoint);
+      s_->model->to_dtype(init->dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32);
       EngineOptions o;
       o.cache_blocks = init->cache_blocks;
       o.block_size = init->block_size;

@@ -9,15 +9,25 @@ namespace kiln::trainer {
 
 void save_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, Trainer& trainer,
                      const CheckpointState& state) {
-  std::filesystem::create_directories(dir);
-  policy.save_hf_checkpoint(dir.string(), uint64_t(5) << 30);
-  torch::save(trainer.optimizer(), (dir / "optimizer.pt").string());
+  namespace fs = std::filesystem;
+  // Written beside the target, then renamed into place: a writer that dies midway leaves a
+  // ".partial" directory, never a checkpoint directory that lacks files.
+  fs::path tmp = dir;
+  tmp += ".partial";
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+  policy.save_hf_checkpoint(tmp.string(), uint64_t(5) << 30);
+  torch::save(trainer.optimizer(), (tmp / "optimizer.pt").string());
   // bf16 policies: the fp32 master weights too, or a resumed run would restart from rounded ones.
-  if (trainer.uses_master_weights()) torch::save(trainer.master_parameters(), (dir / "master_weights.pt").string());
+  if (trainer.uses_master_weights()) torch::save(trainer.master_parameters(), (tmp / "master_weights.pt").string());
   nlohmann::json j{{"step", state.step}, {"policy_version", trainer.version()}, {"prompt_rng", state.prompt_rng}};
-  std::ofstream out(dir / "state.json");
-  out << j.dump(2) << "\n";
-  if (!out.flush()) throw std::runtime_error("cannot write '" + (dir / "state.json").string() + "'");
+  {
+    std::ofstream out(tmp / "state.json");
+    out << j.dump(2) << "\n";
+    if (!out.flush()) throw std::runtime_error("cannot write '" + (tmp / "state.json").string() + "'");
+  }
+  fs::remove_all(dir);  // an older checkpoint of the same step (a re-run after a resume)
+  fs::rename(tmp, dir);
 }
 
 CheckpointState read_checkpoint_state(const std::filesystem::path& dir) {
@@ -38,11 +48,20 @@ CheckpointState read_checkpoint_state(const std::filesystem::path& dir) {
 CheckpointState load_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, Trainer& trainer) {
   auto st = read_checkpoint_state(dir);
   policy.load_hf_checkpoint(dir.string());
-  torch::load(trainer.optimizer(), (dir / "optimizer.pt").string());
+  // LibTorch's errors carry a C++ backtrace: keep the message, name the file.
+  auto load = [&](const char* file, auto& into) {
+    try {
+      torch::load(into, (dir / file).string());
+    } catch (const c10::Error& e) {
+      throw std::invalid_argument(std::string(file) + " in '" + dir.string() + "' cannot be read: " +
+                                  e.what_without_backtrace());
+    }
+  };
+  load("optimizer.pt", trainer.optimizer());
   trainer.reload_master_weights();
   if (trainer.uses_master_weights() && std::filesystem::exists(dir / "master_weights.pt")) {
     std::vector<torch::Tensor> saved;
-    torch::load(saved, (dir / "master_weights.pt").string());
+    load("master_weights.pt", saved);
     const auto& masters = trainer.master_parameters();
     if (saved.size() != masters.size())
       throw std::invalid_argument("master_weights.pt in '" + dir.string() + "' holds " + std::to_string(saved.size()) +

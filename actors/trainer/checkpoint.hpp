@@ -19,7 +19,9 @@ struct CheckpointState {
   std::string prompt_rng;      ///< the prompt RNG (std::mt19937_64 text form) after step `step`'s prompts
 };
 
-/// Writes the checkpoint into `dir` (created). Throws std::runtime_error on I/O errors.
+/// Writes the checkpoint into `dir`: first into `dir.partial`, renamed to `dir` once complete
+/// (replacing an older `dir`), so a writer killed midway leaves no incomplete `dir`. Throws
+/// std::runtime_error / std::filesystem::filesystem_error on I/O errors.
 void save_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, Trainer& trainer,
                      const CheckpointState& state);
 
@@ -30,7 +32,8 @@ CheckpointState read_checkpoint_state(const std::filesystem::path& dir);
 /// Loads policy weights, optimizer state and master weights from `dir` into `policy` and
 /// `trainer` (whose version becomes the saved one) and returns the loop state. Throws
 /// std::invalid_argument naming the directory and what is missing or does not fit (no
-/// state.json, a master_weights.pt of another policy, a policy of other shapes).
+/// state.json, an unreadable optimizer.pt, a master_weights.pt of another policy, a policy of
+/// other shapes).
 CheckpointState load_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, Trainer& trainer);
 
 }  // namespace kiln::trainer

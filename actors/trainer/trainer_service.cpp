@@ -215,6 +215,8 @@ Expected<Envelope> TrainerService::handle(const Envelope& request) {
     if (q->dir.empty()) return make_error(ErrorCode::bad_message, "trainer.save: empty dir");
     save_checkpoint(q->dir, *s_->policy, *s_->trainer, CheckpointState{q->step, s_->trainer->version(), q->prompt_rng});
     return reply(TrainerPushed{s_->trainer->version()});
+  } catch (const c10::Error& e) {  // LibTorch's: without its C++ backtrace
+    return make_error(ErrorCode::remote_error, std::string(request.type) + ": " + e.what_without_backtrace());
   } catch (const std::exception& e) {
     return make_error(ErrorCode::remote_error, std::string(request.type) + ": " + e.what());
   }

@@ -2,7 +2,7 @@
 """Multi-process placement: the same metrics as one process (k = 0, fixed seed, 5 steps), with
 one rollout engine process and with two (prompt groups split between them), with the
 reference policy in its own process too (KL in the loss), and with the trainer in its own
-process as well (the controller holds no model); killing the rollout node, or the reference
+process as well (the controller holds no model; also with a bf16 policy); killing the rollout node, or the reference
 node, mid-run gives a clear error and a checkpoint, and resuming from it finishes the run
 with every step trained exactly once; killing the trainer node gives a clear error, and
 resuming from the newest periodic checkpoint runs the lost steps again, each logged once.
@@ -23,7 +23,10 @@ runs = {"single_process": ["single_process", 1, []], "multi_process": ["multi_pr
         "two_engines": ["multi_process", 2, []], "single_process_kl": ["single_process", 1, kl],
         "ref_process_kl": ["multi_process", 2, kl + ["--set", "placement.reference=process"]],
         "trainer_process_kl": ["multi_process", 2, kl + ["--set", "placement.reference=process",
-                                                         "--set", "placement.trainer=process"]]}
+                                                         "--set", "placement.trainer=process"]],
+        "single_process_bf16": ["single_process", 1, ["--set", "model.dtype=bf16"]],
+        "trainer_process_bf16": ["multi_process", 2, ["--set", "model.dtype=bf16", "--set", "placement.reference=process",
+                                                      "--set", "placement.trainer=process"]]}
 for name, (mode, engines, extra) in runs.items():
     p = subprocess.run([kiln, "run", *quiet, "--set", "run.steps=5", "--set", f"placement.mode={mode}", *extra,
                         "--set", f"placement.rollout_engines={engines}", "--set", f"run.output_dir={work}/{name}"],
@@ -31,7 +34,8 @@ for name, (mode, engines, extra) in runs.items():
     checks.append((p.returncode == 0, f"{name} run exits 0 ({p.stderr[-300:]})"))
 if all(ok for ok, _ in checks):
     for base, name in (("single_process", "multi_process"), ("single_process", "two_engines"),
-                       ("single_process_kl", "ref_process_kl"), ("single_process_kl", "trainer_process_kl")):
+                       ("single_process_kl", "ref_process_kl"), ("single_process_kl", "trainer_process_kl"),
+                       ("single_process_bf16", "trainer_process_bf16")):
         a, b = metrics(f"{work}/{base}"), metrics(f"{work}/{name}")
         checks.append((len(a) == len(b) == 5, f"{name}: 5 steps"))
         for x, y in zip(a, b):
@@ -61,16 +65,14 @@ for victim, extra in (("rollout_node", in_process), ("ref_node", ["--set", "plac
     who = {"rollout_node": "rollout node", "ref_node": "reference node", "trainer_node": "trainer node"}[victim]
     checks.append((p.returncode == 1, f"{victim}: killed run exits 1 (got {p.returncode})"))
     checks.append((who in err and "disconnected" in err, f"{victim}: the error names the lost {who}: {err.strip()[-300:]}"))
-    if victim == "trainer_node":  # its policy is gone: continue from the newest periodic checkpoint
-        checks.append(("continue from the newest checkpoint" in err, f"{victim}: the error says how to continue"))
-        cks = sorted(os.listdir(f"{out}/checkpoints")) if os.path.isdir(f"{out}/checkpoints") else []
-        ck = f"{out}/checkpoints/{cks[-1]}" if cks else ""
+    checks.append(("resume_from=" in err, f"{victim}: the error says how to continue"))
+    ck = err.split("resume_from=")[-1].strip().split()[0] if "resume_from=" in err else ""
+    if victim == "trainer_node":  # its policy is gone: the hint names the newest periodic checkpoint
+        cks = sorted(d for d in os.listdir(f"{out}/checkpoints") if "." not in d) if os.path.isdir(f"{out}/checkpoints") else []
         logged = [m["step"] for m in metrics(out)]
+        checks.append((bool(cks) and ck == f"{out}/checkpoints/{cks[-1]}", f"{victim}: the hint names the newest checkpoint ({ck})"))
         checks.append((bool(cks) and int(cks[-1].split("_")[1]) < logged[-1],
                        f"{victim}: steps after the newest checkpoint {cks[-1:]} were lost (logged {logged})"))
-    else:
-        checks.append(("resume_from=" in err, f"{victim}: the error says how to continue"))
-        ck = err.split("resume_from=")[-1].strip().split()[0] if "resume_from=" in err else ""
     checks.append((os.path.exists(f"{ck}/state.json"), f"{victim}: checkpoint {ck} written"))
     if ck:
         r = subprocess.run(run[:-2] + ["--set", f"run.output_dir={out}", "--set", f"run.resume_from={ck}",

@@ -2,7 +2,8 @@
 """Resume from a checkpoint continues exactly: run A for 8 steps with checkpoints every 4;
 run B resumes from A's step-4 checkpoint; steps 5-8 must give the same metrics (data order
 from the restored RNG, weights, optimizer state). Also: the checkpoint is HF layout; and
-recompute_old_logprobs (a separate pi_old pass, timed as log_probs_time) trains step 1 alike.
+recompute_old_logprobs (a separate pi_old pass, timed as log_probs_time) trains step 1 alike;
+a resume with nothing left to train, or from a checkpoint without optimizer.pt, is refused.
 Usage: check_resume.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
 import json, os, shutil, subprocess, sys
 
@@ -17,6 +18,13 @@ b = subprocess.run([kiln, "run", *common, "--set", f"run.output_dir={work}/b", "
                    capture_output=True, text=True, timeout=600)
 bad = subprocess.run([kiln, "run", *common, "--set", f"run.output_dir={work}/c", "--set", f"run.resume_from={work}/nowhere"],
                      capture_output=True, text=True, timeout=600)
+done = subprocess.run([kiln, "run", *common, "--set", "run.steps=4", "--set", f"run.output_dir={work}/a",
+                       "--set", f"run.resume_from={ck}"], capture_output=True, text=True, timeout=600)
+# A checkpoint missing its optimizer state: refused by name, without LibTorch's C++ backtrace.
+shutil.copytree(ck, f"{work}/noopt")
+os.remove(f"{work}/noopt/optimizer.pt")
+noopt = subprocess.run([kiln, "run", *common, "--set", f"run.output_dir={work}/d", "--set", f"run.resume_from={work}/noopt"],
+                       capture_output=True, text=True, timeout=600)
 rec = subprocess.run([kiln, "run", *common, "--set", f"run.output_dir={work}/r",
                       "--set", "algorithm.recompute_old_logprobs=true"], capture_output=True, text=True, timeout=600)
 checks = [(a.returncode == 0, f"run A exits 0 ({a.stderr[-300:]})"), (b.returncode == 0, f"resumed run exits 0 ({b.stderr[-300:]})"),
@@ -44,6 +52,13 @@ if a.returncode == 0 and b.returncode == 0:
         for k in ["reward_mean", "loss", "kl", "grad_norm", "trained_samples", "policy_version"]:
             checks.append((abs(ra[s][k] - rb[s][k]) <= 1e-6 * max(1.0, abs(ra[s][k])), f"step {s} {k}: {ra[s][k]} == {rb[s][k]}"))
 checks.append((bad.returncode == 2 and "cannot resume" in bad.stderr, f"a missing checkpoint is a clear error ({bad.stderr.strip()[-200:]})"))
+checks.append((done.returncode == 2 and "nothing to train" in done.stderr,
+               f"resuming step 4 with run.steps = 4 is refused ({done.stderr.strip()[-200:]})"))
+if a.returncode == 0:
+    checks.append((len(open(f"{work}/a/metrics.jsonl").read().splitlines()) == 8, "the refused resume left run A's metrics alone"))
+    checks.append((not any(d.endswith(".partial") for d in os.listdir(f"{work}/a/checkpoints")), "no .partial checkpoint left"))
+checks.append((noopt.returncode == 2 and "optimizer.pt in" in noopt.stderr and "cannot be read" in noopt.stderr
+               and "frame #" not in noopt.stderr, f"a checkpoint without optimizer.pt is a clear error ({noopt.stderr.strip()[-300:]})"))
 for ok, what in checks:
     print(("ok   " if ok else "FAIL ") + what)
 failed = sum(not ok for ok, _ in checks)
