@@ -25,7 +25,7 @@ for k, mode, regime in ((0, "single_process", "slow_trainer"), (2, "single_proce
     if mode == "trainer_process":
         extra += ["--set", "placement.reference=process", "--set", "placement.trainer=process"]
     # Slow trainer: every step trains (no zero-variance filtering), so version = step.
-    delay = (["--set", "algorithm.update_delay_ms=300", "--set", "algorithm.filter_zero_variance=false"]
+    delay = (["--set", "algorithm.update_delay_ms=600", "--set", "algorithm.filter_zero_variance=false"]
              if regime == "slow_trainer" else ["--set", "rollout.step_delay_ms=25"])
     p = subprocess.run([kiln, "run", *extra, *delay, "--set", f"algorithm.staleness={k}",
                         "--set", f"run.steps={STEPS}", "--set", "algorithm.prompts_per_step=8", "--set", f"run.output_dir={out}",
