@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <cmath>
 
 #include "actors/trainer/checkpoint.hpp"
 #include "actors/trainer/trainer.hpp"
@@ -116,6 +117,12 @@ Expected<std::vector<Sample>> to_samples(const Envelope& request, const TrainerT
       return bad(who + " has " + std::to_string(spec.ref_logprobs.size()) + " reference log-probs for " +
                  std::to_string(spec.completion.size()) + " completion tokens" +
                  (need_ref ? " (the KL term needs one per token)" : ""));
+    // NaN or inf here would poison the update (and every later one through AdamW's state).
+    if (!std::isfinite(spec.advantage)) return bad(who + " has a non-finite advantage");
+    for (const auto* v : {&spec.behavior_logprobs, &spec.ref_logprobs})
+      for (float x : *v)
+        if (!std::isfinite(x))
+          return bad(who + " has a non-finite " + (v == &spec.ref_logprobs ? "reference" : "behaviour") + " log-prob");
     auto& s = out[i];
     s.prompt = spec.prompt;
     s.completion = spec.completion;

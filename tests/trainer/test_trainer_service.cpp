@@ -4,6 +4,7 @@
 // touching its state, and writes checkpoints another trainer actor loads.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -181,6 +182,12 @@ TEST_CASE("trainer actor: the seeded policy, the Trainer's exact update, checked
     CHECK(error_of(rig.ask(q, wrong)).find("routed experts 'routed_experts.0' must be I64 [P + n - 1 = 5, L, K]") !=
           std::string::npos);
     CHECK(error_of(rig.ask(TrainerTrain{})).find("no samples") != std::string::npos);
+    bad = q;
+    bad.samples[4].advantage = std::nanf("");
+    CHECK(error_of(rig.ask(bad, experts)).find("sample 4 has a non-finite advantage") != std::string::npos);
+    bad = q;
+    bad.samples[3].behavior_logprobs[1] = -INFINITY;
+    CHECK(error_of(rig.ask(bad, experts)).find("sample 3 has a non-finite behaviour log-prob") != std::string::npos);
     REQUIRE(rig.ask(TrainerPushWeights{{"engine/0"}}).has_value());
     CHECK(rig.received_version == 1);
     CHECK(same_weights(rig.received, local->hf_state_dict()));
