@@ -82,6 +82,32 @@ std::string continue_hint(const std::filesystem::path& run_dir) {
   return "kiln run: the steps after it are lost; continue with --set run.resume_from=" + newest.string() + "\n";
 }
 
+// Rows of steps >= first_step in RUN/metrics.{jsonl,tsv} describe training a resume repeats
+// (left by a run that went further, or lost with a trainer node): removes them, so that every
+// step appears once. Returns how many metrics.jsonl rows went.
+int64_t drop_metric_rows_from(const std::filesystem::path& dir, int64_t first_step) {
+  int64_t dropped = 0;
+  for (const std::string name : {"metrics.jsonl", "metrics.tsv"}) {
+    const bool json = name == "metrics.jsonl";
+    std::ifstream in(dir / name);
+    std::vector<std::string> keep;
+    for (std::string line; std::getline(in, line);) {
+      int64_t row_step = 0;
+      try {
+        row_step = json ? nlohmann::json::parse(line).at("step").get<int64_t>() : std::stoll(line);
+      } catch (const std::exception&) {
+        row_step = 0;  // not a row of ours: keep it
+      }
+      if (row_step < first_step) keep.push_back(line);
+      else if (json) ++dropped;
+    }
+    in.close();
+    std::ofstream out(dir / name, std::ios::trunc);
+    for (const auto& l : keep) out << l << "\n";
+  }
+  return dropped;
+}
+
 void plot(const std::filesystem::path& dir) {
   auto tsv = dir / "metrics.tsv";
   auto png = dir / "reward_kl.png";
@@ -242,13 +268,13 @@ int run_experiment(const ExperimentConfig& c) {
   // verified (empty for remote engines). Trainer node: it streams to each engine itself.
   auto push_weights = [&](bool copy) {
     if (!remote_trainer) return send_to_engines(snapshot(copy), version());
-    for (const auto& n : nodes) {
-      try {
-        trainer_node.push(controller_gw, n->actor());
-      } catch (const TrainerNode::Error& e) {
-        if (e.target_failed) throw std::runtime_error("rollout node " + n->actor() + ": " + e.what());
-        throw;
-      }
+    std::vector<std::string> engines;
+    for (const auto& n : nodes) engines.push_back(n->actor());
+    try {
+      trainer_node.push(controller_gw, engines);
+    } catch (const TrainerNode::Error& e) {  // the message names the engine
+      if (e.target_failed) throw std::runtime_error(std::string("rollout node failed: ") + e.what());
+      throw;
     }
     return std::vector<messaging::Tensor>{};
   };
@@ -284,7 +310,7 @@ int run_experiment(const ExperimentConfig& c) {
             std::to_string(tokenizer.vocab_size());
     if (err.empty()) {
       try {
-        trainer_node.push(controller_gw, RefNode::kActor);
+        trainer_node.push(controller_gw, {RefNode::kActor});
       } catch (const std::exception& e) {
         err = std::string("reference node: ") + e.what();
       }
@@ -327,27 +353,7 @@ int run_experiment(const ExperimentConfig& c) {
     return 1;
   }
   if (first_step > 1) {
-    // Rows of steps after the checkpoint describe training that was lost with a failed trainer
-    // (their steps run again now): drop them, so that every step appears once.
-    int64_t dropped = 0;
-    for (const std::string name : {"metrics.jsonl", "metrics.tsv"}) {
-      const bool json = name == "metrics.jsonl";
-      std::ifstream in(dir / name);
-      std::vector<std::string> keep;
-      for (std::string line; std::getline(in, line);) {
-        int64_t row_step = 0;
-        try {
-          row_step = json ? nlohmann::json::parse(line).at("step").get<int64_t>() : std::stoll(line);
-        } catch (const std::exception&) {
-          row_step = 0;  // not a row of ours: keep it
-        }
-        if (row_step < first_step) keep.push_back(line);
-        else if (json) ++dropped;
-      }
-      in.close();
-      std::ofstream out(dir / name, std::ios::trunc);
-      for (const auto& l : keep) out << l << "\n";
-    }
+    const int64_t dropped = drop_metric_rows_from(dir, first_step);
     if (dropped > 0)
       std::fprintf(stderr, "kiln run: dropped %lld metric rows of steps after the checkpoint (those steps are trained again now)\n",
                    (long long)dropped);

@@ -223,8 +223,8 @@ trainer::StepMetrics TrainerNode::train(messaging::Gateway& gw, const std::vecto
   version_ = res->policy_version;
   return trainer::to_step_metrics(*res);
 }
-int64_t TrainerNode::push(messaging::Gateway& gw, const std::string& target) {
-  auto r = call(gw, messaging::make_envelope(messaging::TrainerPushWeights{{target}}, messaging::Kind::request,
+int64_t TrainerNode::push(messaging::Gateway& gw, const std::vector<std::string>& targets) {
+  auto r = call(gw, messaging::make_envelope(messaging::TrainerPushWeights{targets}, messaging::Kind::request,
                                              "controller", kActor),
                 std::chrono::seconds(600), /*target_call=*/true);
   auto res = messaging::payload_as<messaging::TrainerPushed>(r);

@@ -122,8 +122,9 @@ class TrainerNode {
   /// One optimizer step; `log_probs_time` gets the separate pi_old pass's seconds (0: none).
   trainer::StepMetrics train(messaging::Gateway& gw, const std::vector<trainer::Sample>& samples,
                              double& log_probs_time);
-  /// Streams the current version to actor `target` (checked there); returns that version.
-  int64_t push(messaging::Gateway& gw, const std::string& target);
+  /// Streams the current version to each of `targets` (checked there; one trainer.push_weights,
+  /// so the policy's HF tensors are taken once); returns that version.
+  int64_t push(messaging::Gateway& gw, const std::vector<std::string>& targets);
   void save(messaging::Gateway& gw, const std::filesystem::path& dir, int64_t step, const std::string& prompt_rng);
   /// Loads a checkpoint into the node's policy and optimizer; returns the saved version.
   int64_t load(messaging::Gateway& gw, const std::filesystem::path& dir);

@@ -92,7 +92,8 @@ using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 // trainer.train's samples, checked against the policy before anything runs.
-Expected<std::vector<Sample>> to_samples(const Envelope& request, const TrainerTrain& q, int64_t vocab, bool need_ref) {
+// Moves the samples' vectors out of `q` (decoded for this request only).
+Expected<std::vector<Sample>> to_samples(const Envelope& request, TrainerTrain& q, int64_t vocab, bool need_ref) {
   auto bad = [](const std::string& what) { return make_error(ErrorCode::bad_message, "trainer.train: " + what); };
   if (q.samples.empty()) return bad("no samples");
   const bool replay = !request.tensors.empty();
@@ -101,7 +102,7 @@ Expected<std::vector<Sample>> to_samples(const Envelope& request, const TrainerT
                std::to_string(q.samples.size()) + " samples");
   std::vector<Sample> out(q.samples.size());
   for (std::size_t i = 0; i < out.size(); ++i) {
-    const auto& spec = q.samples[i];
+    auto& spec = q.samples[i];
     const std::string who = "sample " + std::to_string(spec.id);
     if (spec.prompt.empty() || spec.completion.empty()) return bad(who + " has an empty prompt or completion");
     for (const auto* ids : {&spec.prompt, &spec.completion})
@@ -124,11 +125,6 @@ Expected<std::vector<Sample>> to_samples(const Envelope& request, const TrainerT
         if (!std::isfinite(x))
           return bad(who + " has a non-finite " + (v == &spec.ref_logprobs ? "reference" : "behaviour") + " log-prob");
     auto& s = out[i];
-    s.prompt = spec.prompt;
-    s.completion = spec.completion;
-    s.behavior_logprobs = spec.behavior_logprobs;
-    s.ref_logprobs = spec.ref_logprobs;
-    s.advantage = spec.advantage;
     if (replay) {
       const auto& t = request.tensors[i];
       if (t.dtype != DType::int64 || t.shape.size() != 3 ||
@@ -137,6 +133,11 @@ Expected<std::vector<Sample>> to_samples(const Envelope& request, const TrainerT
                    std::to_string(spec.prompt.size() + spec.completion.size() - 1) + ", L, K]");
       s.routed_experts = to_torch(t).clone();
     }
+    s.prompt = std::move(spec.prompt);
+    s.completion = std::move(spec.completion);
+    s.behavior_logprobs = std::move(spec.behavior_logprobs);
+    s.ref_logprobs = std::move(spec.ref_logprobs);
+    s.advantage = spec.advantage;
   }
   return out;
 }
