@@ -1,23 +1,18 @@
-// Varlen attention, grouped-GEMM experts and the router top-k: each LibTorch reference against
+// Varlen attention (full and cached), grouped-GEMM experts and the router top-k: each LibTorch reference against
 // a plain formula on CPU (fp64), and each CUDA path against its reference on every GPU present,
 // values and gradients, on fresh random inputs.
 #include <doctest/doctest.h>
 #include <torch/torch.h>
 
 #include "kernels/attention.hpp"
-#include "kernels/checksum.hpp"
-#include "kernels/logprobs.hpp"
 #include "kernels/moe.hpp"
-#include "kernels/rms_norm.hpp"
+#include "tests/kernels/kernel_test_util.hpp"
 
 using namespace kiln;
+using kiln::test::have_gpu;
+using kiln::test::rel;
 
 namespace {
-bool have_gpu() { return kernels::built_with_cuda() && torch::cuda::is_available(); }
-
-double rel(const torch::Tensor& a, const torch::Tensor& b) {
-  return ((a.to(torch::kFloat64) - b.to(torch::kFloat64)).norm() / b.to(torch::kFloat64).norm()).item<double>();
-}
 
 // Dense attention with an explicit [T, T] mask (same document and causal), fp64.
 torch::Tensor masked_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -158,101 +153,6 @@ TEST_CASE("CUDA: router top-k kernel picks the reference's experts") {
     auto got = kernels::router_topk(logits, bias, 4), want = kernels::router_topk_ref(logits, bias, 4);
     CHECK(torch::equal(got, want));
   }
-}
-
-TEST_CASE("log-prob chunk reference: log_softmax, entropy and their gradients by autograd (CPU, fp64)") {
-  torch::manual_seed(6);
-  auto z = torch::randn({5, 37}, torch::kFloat64).requires_grad_();
-  auto targets = torch::tensor({3, -1, 36, 0, 7});
-  auto [lp, lse, ent, mz] = kernels::logprob_chunk_forward(z, targets, true);
-  auto ls = torch::log_softmax(z, -1);
-  auto want_lp = ls.gather(1, targets.clamp_min(0).unsqueeze(1)).squeeze(1) * (targets >= 0).to(torch::kFloat64);
-  auto want_ent = -(ls.exp() * ls).sum(-1);
-  CHECK(rel(lp, want_lp) <= 1e-6);
-  CHECK(rel(ent, want_ent) <= 1e-6);
-  auto g_lp = torch::randn({5}, torch::kFloat64) * (targets >= 0).to(torch::kFloat64), g_ent = torch::randn({5}, torch::kFloat64);
-  auto want_dz = torch::autograd::grad({(want_lp * g_lp).sum() + (want_ent * g_ent).sum()}, {z})[0];
-  auto dz = kernels::logprob_chunk_backward(z.detach(), targets, lse, g_lp, g_ent, mz, torch::kFloat64);
-  CHECK(rel(dz, want_dz) <= 1e-6);
-}
-
-TEST_CASE("CUDA: fused log-prob kernel equals the reference in bf16 (forward, backward, entropy)") {
-  if (!have_gpu()) {
-    MESSAGE("no CUDA device: skipped");
-    return;
-  }
-  torch::manual_seed(7);
-  for (int64_t V : {154880, 1001}) {  // 16-byte loads, and the scalar path for V % 8 != 0
-    CAPTURE(V);
-    auto z = (3 * torch::randn({64, V}, torch::kCUDA)).to(torch::kBFloat16);
-    auto targets = torch::randint(0, V, {64}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kInt64));
-    targets[5] = -1;
-    auto [lp, lse, ent, mz] = kernels::logprob_chunk_forward(z, targets, true);
-    auto [rlp, rlse, rent, rmz] = kernels::logprob_chunk_forward_ref(z, targets, true);
-    CHECK((lp - rlp).abs().max().item<double>() <= 1e-3);
-    CHECK((lse - rlse).abs().max().item<double>() <= 1e-3);
-    CHECK((ent - rent).abs().max().item<double>() <= 1e-3);
-    CHECK(lp[5].item<double>() == 0.0);
-    auto g_lp = torch::randn({64}, torch::kCUDA), g_ent = torch::randn({64}, torch::kCUDA);
-    g_lp[5] = 0;
-    auto dz = kernels::logprob_chunk_backward(z, targets, lse, g_lp, g_ent, mz, torch::kBFloat16);
-    auto rdz = kernels::logprob_chunk_backward_ref(z, targets, rlse, g_lp, g_ent, rmz, torch::kBFloat16);
-    const double e = rel(dz, rdz);
-    MESSAGE("fused log-prob backward vs reference rel err " << e);
-    CHECK(e <= 1e-2);
-    // fp32 logits in, a bf16 copy kept, the backward from the copy with the copy's softmax.
-    auto z32 = 3 * torch::randn({64, V}, torch::kCUDA);
-    auto keep = torch::empty({64, V}, z.options());
-    kernels::KeptStats ks, rks;
-    auto f = kernels::logprob_chunk_forward(z32, targets, true, keep, &ks);
-    auto keep_ref = torch::empty_like(keep);
-    auto rf = kernels::logprob_chunk_forward_ref(z32, targets, true, keep_ref, &rks);
-    CHECK(torch::equal(keep, keep_ref));
-    CHECK((std::get<0>(f) - std::get<0>(rf)).abs().max().item<double>() <= 1e-4);  // fp32 log-probs
-    CHECK((ks.lse - rks.lse).abs().max().item<double>() <= 1e-4);
-    CHECK((ks.mean_z - rks.mean_z).abs().max().item<double>() <= 1e-3);
-    auto dzk = kernels::logprob_chunk_backward(keep, targets, ks.lse, g_lp, g_ent, ks.mean_z, torch::kBFloat16);
-    auto rdzk = kernels::logprob_chunk_backward_ref(keep, targets, rks.lse, g_lp, g_ent, rks.mean_z, torch::kBFloat16);
-    CHECK(rel(dzk, rdzk) <= 1e-2);
-    auto dz32 = kernels::logprob_chunk_backward(z32, targets, std::get<1>(f), g_lp, g_ent, std::get<3>(f), torch::kBFloat16);
-    auto rdz32 = kernels::logprob_chunk_backward_ref(z32, targets, std::get<1>(rf), g_lp, g_ent, std::get<3>(rf), torch::kBFloat16);
-    CHECK(rel(dz32, rdz32) <= 1e-2);
-  }
-}
-
-TEST_CASE("checksum: the documented formula, position sensitive, copy computes the source's (CPU)") {
-  auto t = torch::tensor({1, 2}, torch::kInt32);
-  // m_0 = 2654435761, m_1 = (2 * 2654435761 mod 2^32) | 1 = 1013904227; 2 * m_1 < 2^32
-  CHECK(kernels::checksum(t).item<int64_t>() == 2654435761LL + 2 * 1013904227LL);
-  CHECK(kernels::checksum(torch::tensor({2, 1}, torch::kInt32)).item<int64_t>() !=
-        kernels::checksum(t).item<int64_t>());
-  // Half words: int16 {1, 2, 3} reads as words 0x00020001 and 0x00000003 (zero padded).
-  const uint64_t w0 = 0x00020001ull * 2654435761ull % (1ull << 32), w1 = 3ull * 1013904227ull % (1ull << 32);
-  CHECK(uint64_t(kernels::checksum(torch::tensor({1, 2, 3}, torch::kInt16)).item<int64_t>()) == w0 + w1);
-  auto src = torch::randn({33}, torch::kBFloat16), dst = torch::zeros_like(src);
-  auto c = kernels::copy_with_checksum(dst, src);
-  CHECK(torch::equal(dst, src));
-  CHECK(c.item<int64_t>() == kernels::checksum_ref(src).item<int64_t>());
-  CHECK_THROWS_WITH(kernels::checksum(torch::zeros({3}, torch::kUInt8)), doctest::Contains("even byte count"));
-}
-
-TEST_CASE("CUDA: checksum and copy kernels equal the reference, aligned or not") {
-  if (!have_gpu()) {
-    MESSAGE("no CUDA device: skipped");
-    return;
-  }
-  auto base = torch::randn({(1 << 22) + 13}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16));
-  for (int64_t off : {0, 1, 8}) {  // 16-byte aligned, and not
-    CAPTURE(off);
-    auto src = base.narrow(0, off, base.size(0) - off - 3);
-    auto want = kernels::checksum_ref(src.contiguous()).item<int64_t>();
-    CHECK(kernels::checksum(src).item<int64_t>() == want);
-    auto dst = torch::zeros_like(src);
-    CHECK(kernels::copy_with_checksum(dst, src).item<int64_t>() == want);
-    CHECK(torch::equal(dst, src));
-  }
-  auto f = torch::randn({1001}, torch::kCUDA);  // fp32 bytes, as uint16 words
-  CHECK(kernels::checksum(f).item<int64_t>() == kernels::checksum_ref(f.cpu()).item<int64_t>());
 }
 
 TEST_CASE("cached varlen attention (end-aligned causal) equals full attention's last rows (CPU)") {
