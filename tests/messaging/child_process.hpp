@@ -30,6 +30,13 @@ class ChildProcess {
     }
   }
   void signal(int sig) { ::kill(pid_, sig); }
+  /// SIGSTOP, then waits until the process is really stopped (kill only queues the signal: a
+  /// thread running on another core may still answer a message meanwhile).
+  void stop() {
+    ::kill(pid_, SIGSTOP);
+    int status = 0;
+    ::waitpid(pid_, &status, WUNTRACED);
+  }
   /// Waits for exit; returns the wait status.
   int wait() {
     int status = 0;

@@ -92,7 +92,7 @@ TEST_CASE("a frozen peer (SIGSTOP) is detected by heartbeats, not waited on fore
   auto node = start_node("frozen", ipc("stop-node"), root.endpoint());
   REQUIRE(root.wait_for_actor("diag/0", 20s).has_value());
   REQUIRE(root.request(make_envelope(Ping{}, Kind::request, "t", "diag/0"), 5s).get().has_value());
-  node.signal(SIGSTOP);
+  node.stop();
   auto t0 = std::chrono::steady_clock::now();
   auto r = root.request(make_envelope(Ping{}, Kind::request, "t", "diag/0"), 20s).get();
   auto waited = std::chrono::steady_clock::now() - t0;
