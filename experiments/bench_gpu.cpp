@@ -155,7 +155,7 @@ int run_gpu_bench(const GpuBenchOptions& o) {
   // 3. Rollout on the GPU, then a full trainer step on its completions' shape.
   auto engine_model = build();
   {
-    auto st = weight_sync::copy_weights_device(*policy, *engine_model, uint64_t(o.bucket_mib * (1 << 20)), true);
+    auto st = weight_sync::copy_weights_device(*policy, *engine_model, uint64_t(o.bucket_mib * (1 << 20)), true, policy->weight_sync_groups(false));
     (void)st;
   }
   rollout::EngineOptions eo;
@@ -214,7 +214,7 @@ int run_gpu_bench(const GpuBenchOptions& o) {
   // full trainer step: bf16 policy, fp32 masters + AdamW, on the rollout's samples
   {
     trainer::TrainerConfig tc;
-    tc.max_tokens_per_microbatch = o.tokens;
+    tc.logprobs.max_tokens_per_microbatch = o.tokens;
     tc.lr = 1e-6;
     trainer::Trainer tr(policy, tc);
     std::vector<trainer::Sample> big;  // repeat the samples up to ~tokens
@@ -234,9 +234,10 @@ int run_gpu_bench(const GpuBenchOptions& o) {
   // 4. update_weights: device-to-device into the engine's storage vs a plain copy
   {
     const uint64_t bucket = uint64_t(o.bucket_mib * (1 << 20));
+    const auto groups = policy->weight_sync_groups(/*hf_names=*/false);
     weight_sync::DeviceSyncStats st;
-    double with_check = median_seconds(1, 3, [&] { st = weight_sync::copy_weights_device(*policy, *engine_model, bucket, true); });
-    double no_check = median_seconds(1, 3, [&] { st = weight_sync::copy_weights_device(*policy, *engine_model, bucket, false); });
+    double with_check = median_seconds(1, 3, [&] { st = weight_sync::copy_weights_device(*policy, *engine_model, bucket, true, groups); });
+    double no_check = median_seconds(1, 3, [&] { st = weight_sync::copy_weights_device(*policy, *engine_model, bucket, false, groups); });
     auto src = torch::empty({int64_t(st.bytes / 2)}, bf16).normal_(), dst = torch::empty_like(src);
     double plain = median_seconds(2, 5, [&] { dst.copy_(src); });
     J["update_weights_bytes"] = st.bytes;

@@ -75,34 +75,36 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   auto& a = c.algorithm;
   integer("algorithm.prompts_per_step", a.prompts_per_step);
   integer("algorithm.samples_per_prompt", a.samples_per_prompt);
-  real("algorithm.temperature", a.temperature);
   real("algorithm.top_p", a.top_p);
   integer("algorithm.top_k", a.top_k);
   integer("algorithm.max_new_tokens", a.max_new_tokens);
   boolean("algorithm.normalize_std", a.normalize_std);
   boolean("algorithm.filter_zero_variance", a.filter_zero_variance);
   integer("algorithm.staleness", a.staleness);
-  real("algorithm.lr", a.lr);
-  real("algorithm.weight_decay", a.weight_decay);
-  real("algorithm.grad_clip", a.grad_clip);
-  text("algorithm.lr_schedule", a.lr_schedule);
-  integer("algorithm.warmup_steps", a.warmup_steps);
-  real("algorithm.clip_low", a.clip_low);
-  real("algorithm.clip_high", a.clip_high);
-  real("algorithm.kl_coef", a.kl_coef);
-  text("algorithm.kl_estimator", a.kl_estimator);
-  text("algorithm.aggregation", a.aggregation);
-  real("algorithm.tis_cap", a.tis_cap);
-  real("algorithm.entropy_coef", a.entropy_coef);
-  integer("algorithm.max_tokens_per_microbatch", a.max_tokens_per_microbatch);
-  boolean("algorithm.routing_replay", a.routing_replay);
-  boolean("algorithm.recompute_old_logprobs", a.recompute_old_logprobs);
   integer("algorithm.update_delay_ms", a.update_delay_ms);
+  // The trainer's settings (trainer::TrainerConfig) share the [algorithm] section.
+  auto& t = c.trainer;
+  real("algorithm.temperature", t.logprobs.temperature);
+  integer("algorithm.max_tokens_per_microbatch", t.logprobs.max_tokens_per_microbatch);
+  boolean("algorithm.routing_replay", t.logprobs.routing_replay);
+  real("algorithm.lr", t.lr);
+  real("algorithm.weight_decay", t.weight_decay);
+  real("algorithm.grad_clip", t.grad_clip);
+  text("algorithm.lr_schedule", t.lr_schedule);
+  integer("algorithm.warmup_steps", t.warmup_steps);
+  boolean("algorithm.recompute_old_logprobs", t.recompute_old_logprobs);
+  real("algorithm.clip_low", t.loss.clip_low);
+  real("algorithm.clip_high", t.loss.clip_high);
+  real("algorithm.kl_coef", t.loss.kl_coef);
+  text("algorithm.kl_estimator", t.loss.kl_estimator);
+  text("algorithm.aggregation", t.loss.aggregation);
+  real("algorithm.tis_cap", t.loss.tis_cap);
+  real("algorithm.entropy_coef", t.loss.entropy_coef);
   text("rollout.backend", c.rollout.backend);
-  integer("rollout.cache_blocks", c.rollout.cache_blocks);
-  integer("rollout.block_size", c.rollout.block_size);
-  integer("rollout.max_batch", c.rollout.max_batch);
-  integer("rollout.step_delay_ms", c.rollout.step_delay_ms);
+  integer("rollout.cache_blocks", c.rollout.engine.cache_blocks);
+  integer("rollout.block_size", c.rollout.engine.block_size);
+  integer("rollout.max_batch", c.rollout.engine.max_batch);
+  integer("rollout.step_delay_ms", c.rollout.engine.step_delay_ms);
   real("weight_sync.bucket_mib", c.weight_sync.bucket_mib);
   text("placement.mode", c.placement.mode);
   integer("placement.rollout_engines", c.placement.rollout_engines);
@@ -155,66 +157,6 @@ void ExperimentConfig::set(const std::string& assignment) {
   }
   toml::table root{{key.substr(0, dot), toml::table{{key.substr(dot + 1), *v["v"].node()}}}};
   apply_table(*this, root, "--set " + key);
-}
-
-void ExperimentConfig::validate() const {
-  auto need = [](bool ok, const std::string& key, const std::string& why) {
-    if (!ok) throw std::invalid_argument("experiment: key '" + key + "' " + why);
-  };
-  need(run.steps >= 1, "run.steps", "must be >= 1");
-  need(!run.output_dir.empty(), "run.output_dir", "must not be empty");
-  need(run.checkpoint_every >= 0, "run.checkpoint_every", "must be >= 0");
-  need(algorithm.prompts_per_step >= 1, "algorithm.prompts_per_step", "must be >= 1");
-  need(algorithm.samples_per_prompt >= 2, "algorithm.samples_per_prompt", "must be >= 2 (GRPO compares samples of one prompt)");
-  need(algorithm.max_new_tokens >= 1, "algorithm.max_new_tokens", "must be >= 1");
-  need(algorithm.temperature > 0, "algorithm.temperature", "must be > 0 for RL sampling");
-  need(algorithm.staleness >= 0, "algorithm.staleness", "must be >= 0");
-  need(algorithm.update_delay_ms >= 0, "algorithm.update_delay_ms", "must be >= 0");
-  need(rollout.step_delay_ms >= 0, "rollout.step_delay_ms", "must be >= 0");
-  need(algorithm.lr > 0, "algorithm.lr", "must be > 0");
-  need(algorithm.top_p > 0 && algorithm.top_p <= 1, "algorithm.top_p", "must be in (0, 1]");
-  need(algorithm.top_k >= 0, "algorithm.top_k", "must be >= 0 (0: off)");
-  need(algorithm.weight_decay >= 0, "algorithm.weight_decay", "must be >= 0");
-  need(algorithm.grad_clip >= 0, "algorithm.grad_clip", "must be >= 0 (0: no clipping)");
-  need(algorithm.kl_coef >= 0, "algorithm.kl_coef", "must be >= 0");
-  need(algorithm.entropy_coef >= 0, "algorithm.entropy_coef", "must be >= 0");
-  need(algorithm.tis_cap > 0, "algorithm.tis_cap", "must be > 0");
-  need(algorithm.warmup_steps >= 0, "algorithm.warmup_steps", "must be >= 0");
-  need(algorithm.clip_low >= 0 && algorithm.clip_low < 1, "algorithm.clip_low", "must be in [0, 1)");
-  need(algorithm.clip_high >= 0, "algorithm.clip_high", "must be >= 0");
-  need(algorithm.max_tokens_per_microbatch >= 1, "algorithm.max_tokens_per_microbatch", "must be >= 1");
-  need(rollout.cache_blocks >= 1 && rollout.block_size >= 1 && rollout.max_batch >= 1, "rollout.cache_blocks",
-       "rollout.cache_blocks, block_size and max_batch must be >= 1");
-  need(algorithm.kl_estimator == "k1" || algorithm.kl_estimator == "k2" || algorithm.kl_estimator == "k3",
-       "algorithm.kl_estimator", "must be \"k1\", \"k2\" or \"k3\"");
-  need(algorithm.aggregation == "token_mean" || algorithm.aggregation == "sequence_mean", "algorithm.aggregation",
-       "must be \"token_mean\" or \"sequence_mean\"");
-  need(rollout.backend == "engine", "rollout.backend", "must be \"engine\" (the in-process engine is the only backend so far)");
-  need(placement.mode == "single_process" || placement.mode == "multi_process", "placement.mode",
-       "must be \"single_process\" or \"multi_process\" (rollout engine in a kiln node child process)");
-  need(model.device == "cpu" || model.device == "cuda" || (model.device.rfind("cuda:", 0) == 0 && model.device.size() > 5 &&
-       model.device.find_first_not_of("0123456789", 5) == std::string::npos),
-       "model.device", "must be \"cpu\", \"cuda\" or \"cuda:N\"");
-  need(model.dtype == "fp32" || model.dtype == "bf16", "model.dtype", "must be \"fp32\" or \"bf16\"");
-  need(placement.mode == "single_process" || model.device == "cpu", "model.device",
-       "must be \"cpu\" with placement.mode \"multi_process\" (remote engines run on the CPU so far)");
-  need(placement.reference == "controller" || placement.reference == "process", "placement.reference",
-       "must be \"controller\" or \"process\"");
-  need(placement.reference == "controller" || placement.mode == "multi_process", "placement.reference",
-       "must be \"controller\" with placement.mode \"single_process\"");
-  need(placement.trainer == "controller" || placement.trainer == "process", "placement.trainer",
-       "must be \"controller\" or \"process\"");
-  need(placement.trainer == "controller" || (placement.mode == "multi_process" && placement.reference == "process"),
-       "placement.trainer", "\"process\" needs placement.mode \"multi_process\" and placement.reference \"process\" "
-       "(the controller then holds no model)");
-  need(placement.rollout_engines >= 1 && placement.rollout_engines <= 64, "placement.rollout_engines", "must be in [1, 64]");
-  need(placement.rollout_engines == 1 || placement.mode == "multi_process", "placement.rollout_engines",
-       "must be 1 with placement.mode \"single_process\" (several engines run as kiln node processes)");
-  need(placement.rollout_engines <= algorithm.prompts_per_step, "placement.rollout_engines",
-       "must be <= algorithm.prompts_per_step (each engine gets whole prompt groups)");
-  need(weight_sync.bucket_mib > 0, "weight_sync.bucket_mib", "must be > 0");
-  need(task.name == "next_digit" || task.name == "arithmetic" || task.name == "countdown", "task.name",
-       "must be \"next_digit\", \"arithmetic\" or \"countdown\"");
 }
 
 std::string ExperimentConfig::to_toml() const {

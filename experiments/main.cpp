@@ -2,13 +2,15 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 
+#include "actors/diag/diag_service.hpp"
 #include "experiments/bench_messaging.hpp"
+#include "experiments/experiment.hpp"
 #include "experiments/node.hpp"
 #ifdef KILN_WITH_TORCH
 #include "experiments/bench_gpu.hpp"
 #include "experiments/bench_model.hpp"
 #include "experiments/bench_rollout.hpp"
-#include "experiments/rl_run.hpp"
+#include "actors/controller/loop.hpp"
 #include "actors/reference/ref_service.hpp"
 #include "actors/rollout/rollout_service.hpp"
 #include "actors/trainer/trainer_service.hpp"
@@ -16,6 +18,7 @@
 #endif
 
 int main(int argc, char** argv) {
+  kiln::actors::register_diag_actor_kind();      // kiln node --actor diag/N
 #ifdef KILN_WITH_TORCH
   kiln::rollout::register_rollout_actor_kind();  // kiln node --actor rollout/N
   kiln::reference::register_ref_actor_kind();    // kiln node --actor ref/N
@@ -129,7 +132,7 @@ int main(int argc, char** argv) {
       auto config = experiment.empty() ? kiln::experiments::ExperimentConfig{}
                                        : kiln::experiments::ExperimentConfig::from_file(experiment);
       for (const auto& o : overrides) config.set(o);
-      return kiln::experiments::run_experiment(config);
+      return kiln::controller::run(config, config.to_toml());
     } catch (const std::exception& e) {
       std::fprintf(stderr, "kiln run: %s\n", e.what());
       return 2;

@@ -5,8 +5,7 @@
 
 #include <caf/all.hpp>
 #include <cstdio>
-#include <functional>
-#include <map>
+#include <algorithm>
 #include <regex>
 
 #include <sys/prctl.h>
@@ -14,46 +13,10 @@
 #include <set>
 #include <thread>
 
-#include "actors/diag/diag_service.hpp"
-#include "messaging/caf_bridge.hpp"
+#include "messaging/gateway.hpp"
+#include "messaging/hosting.hpp"
 
 namespace kiln::experiments {
-
-namespace {
-using SpawnFn = std::function<caf::actor(caf::actor_system&, messaging::Gateway&, const std::string& node,
-                                         const std::string& name)>;
-
-std::map<std::string, SpawnFn>& actor_factories() {
-  static std::map<std::string, SpawnFn> f = {
-      {"diag",
-       [](caf::actor_system& sys, messaging::Gateway& gw, const std::string& node, const std::string& name) {
-         // Detached: diag.sleep blocks its thread on purpose.
-         return messaging::spawn_service(sys, gw, name, std::make_shared<actors::DiagService>(node, name),
-                                         /*detached=*/true);
-       }},
-  };
-  return f;
-}
-// A plain handler as a service for spawn_service.
-struct HandlerService {
-  ServiceHandler fn;
-  messaging::Expected<messaging::Envelope> handle(const messaging::Envelope& e) { return fn(e); }
-};
-}  // namespace
-
-void register_actor_kind(const std::string& kind, ServiceFactory factory) {
-  actor_factories()[kind] = [factory](caf::actor_system& sys, messaging::Gateway& gw, const std::string& node,
-                                      const std::string& name) {
-    return messaging::spawn_service(sys, gw, name, std::make_shared<HandlerService>(HandlerService{factory(gw, node, name)}),
-                                    /*detached=*/true);
-  };
-}
-
-std::vector<std::string> hostable_actor_kinds() {
-  std::vector<std::string> kinds;
-  for (const auto& [k, f] : actor_factories()) kinds.push_back(k);
-  return kinds;
-}
 
 int run_node(const NodeOptions& options) {
   if (options.bind.empty()) {
@@ -72,11 +35,12 @@ int run_node(const NodeOptions& options) {
       return 2;
     }
   }
+  const auto kinds = messaging::hostable_actor_kinds();
   for (const auto& a : options.actors) {
     auto kind = a.substr(0, a.find('/'));
-    if (!actor_factories().count(kind)) {
+    if (std::find(kinds.begin(), kinds.end(), kind) == kinds.end()) {
       std::string known;
-      for (const auto& k : hostable_actor_kinds()) known += (known.empty() ? "" : ", ") + k;
+      for (const auto& k : kinds) known += (known.empty() ? "" : ", ") + k;
       std::fprintf(stderr, "kiln node: actor '%s' has unknown kind '%s' (hostable kinds: %s)\n", a.c_str(),
                    kind.c_str(), known.c_str());
       return 2;
@@ -107,7 +71,7 @@ int run_node(const NodeOptions& options) {
   caf::actor_system system{cfg};
   std::vector<caf::actor> hosted;
   for (const auto& a : options.actors)
-    hosted.push_back(actor_factories().at(a.substr(0, a.find('/')))(system, *gateway, options.name, a));
+    hosted.push_back(messaging::spawn_actor(system, *gateway, options.name, a));
   if (!options.join.empty()) {
     auto dir = gateway->join(options.join, std::chrono::milliseconds(options.join_timeout_ms));
     if (!dir) {

@@ -5,6 +5,9 @@
 #include "messaging/envelope.hpp"
 #include "messaging/schema.hpp"
 
+#include <map>
+#include <mutex>
+
 namespace kiln::messaging {
 
 namespace {
@@ -94,11 +97,18 @@ Expected<bool> check_type(const std::string& type, uint32_t tv) {
   return true;
 }
 
-template <class Tuple, std::size_t... I>
-std::optional<uint32_t> find_version(std::string_view type, std::index_sequence<I...>) {
-  std::optional<uint32_t> out;
-  ((std::tuple_element_t<I, Tuple>::kType == type ? (out = std::tuple_element_t<I, Tuple>::kVersion, 0) : 0), ...);
-  return out;
+// The declared message types (wire name -> schema version), the core ones from the start.
+struct DeclaredTypes {
+  std::mutex mu;
+  std::map<std::string, uint32_t, std::less<>> versions;
+  DeclaredTypes() {
+    std::apply([this](auto... t) { ((versions[std::string(decltype(t)::kType)] = decltype(t)::kVersion), ...); },
+               MessageTypes{});
+  }
+};
+DeclaredTypes& declared_types() {
+  static DeclaredTypes d;
+  return d;
 }
 
 }  // namespace
@@ -106,7 +116,20 @@ std::optional<uint32_t> find_version(std::string_view type, std::index_sequence<
 const char* to_string(Kind kind) { return kKindNames[static_cast<int>(kind)]; }
 
 std::optional<uint32_t> message_type_version(std::string_view type) {
-  return find_version<MessageTypes>(type, std::make_index_sequence<std::tuple_size_v<MessageTypes>>{});
+  auto& d = declared_types();
+  std::lock_guard<std::mutex> l(d.mu);
+  auto it = d.versions.find(type);
+  if (it == d.versions.end()) return std::nullopt;
+  return it->second;
+}
+
+void declare_message_type(std::string_view type, uint32_t version) {
+  auto& d = declared_types();
+  std::lock_guard<std::mutex> l(d.mu);
+  auto [it, added] = d.versions.emplace(std::string(type), version);
+  if (!added && it->second != version)
+    throw std::logic_error("message type '" + std::string(type) + "' declared with versions " +
+                           std::to_string(it->second) + " and " + std::to_string(version));
 }
 
 std::string encode_header(const Envelope& env) {

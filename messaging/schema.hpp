@@ -1,9 +1,13 @@
 #pragma once
-// Every message type kiln sends, declared once: a struct with its wire name (kType), its
-// schema version (kVersion) and its payload fields (MSGPACK_DEFINE_MAP: field names are the
-// msgpack map keys). `MessageTypes` lists them all; the decoder rejects any other type name.
-// Adding a type: write the struct here (or in a header included here), add it to
-// MessageTypes, document it in docs/wire-format.md. Changing a type's fields: bump kVersion.
+// The wire schema's core: errors, liveness, the graph directory, diagnostics. Every message
+// type is declared once: a struct with its wire name (kType), its schema version (kVersion)
+// and its payload fields (MSGPACK_DEFINE_MAP: field names are the msgpack map keys). The
+// types of each actor family live beside the actor, one header per family:
+//   actors/weight_sync/messages.hpp  weight_sync.*     actors/rollout/messages.hpp  rollout.*
+//   actors/reference/messages.hpp    ref.*             actors/trainer/messages.hpp  trainer.*
+// each declaring its types with declare_message_types; the decoder rejects any other name.
+// Adding a type: write the struct in its family's header, add it to that header's
+// declaration, document it in docs/wire-format.md. Changing a type's fields: bump kVersion.
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -98,229 +102,25 @@ struct BenchChunk {
   MSGPACK_DEFINE_MAP(seq);
 };
 
-/// Weight sync: one bucket of a new policy version; the tensors travel as tensor frames under
-/// their HF names. Answered with WeightSyncAck.
-struct WeightSyncBucket {
-  static constexpr std::string_view kType = "weight_sync.bucket";
-  static constexpr uint32_t kVersion = 1;
-  int64_t version = 0;
-  int64_t index = 0, count = 0;  ///< this bucket's place among the version's buckets
-  MSGPACK_DEFINE_MAP(version, index, count);
-};
-/// Weight sync: after the last bucket, the sender's manifest (every tensor's name and CRC-32).
-/// The receiver checks every received tensor against it and applies the version only if all
-/// match; otherwise it answers with an error naming each tensor that differs.
-struct WeightSyncCommit {
-  static constexpr std::string_view kType = "weight_sync.commit";
-  static constexpr uint32_t kVersion = 1;
-  int64_t version = 0;
-  std::vector<std::string> names;
-  std::vector<uint32_t> crc32;
-  MSGPACK_DEFINE_MAP(version, names, crc32);
-};
-struct WeightSyncAck {
-  static constexpr std::string_view kType = "weight_sync.ack";
-  static constexpr uint32_t kVersion = 1;
-  int64_t version = 0;
-  int64_t tensors = 0;  ///< received so far in this version
-  MSGPACK_DEFINE_MAP(version, tensors);
-};
+/// The core types above, declared at start-up (each actor family declares its own in its
+/// messages header: actors/*/messages.hpp).
+using MessageTypes = std::tuple<ErrorReply, Ping, Pong, GraphJoin, GraphLookup, GraphDirectory, DiagEcho,
+                                DiagEchoResult, DiagSleep, BenchChunk>;
 
-/// Rollout in another process: what the remote engine builds (answered with RolloutReady).
-struct RolloutInit {
-  static constexpr std::string_view kType = "rollout.init";
-  static constexpr uint32_t kVersion = 2;
-  std::string package, flavor, checkpoint;  ///< model registry name + flavor, or HF checkpoint dir
-  int64_t cache_blocks = 0, block_size = 0, max_batch = 0;
-  int64_t step_delay_ms = 0;                ///< testing: sleep per engine step
-  std::string dtype = "fp32";               ///< "fp32" | "bf16": the engine's weights and cache
-  MSGPACK_DEFINE_MAP(package, flavor, checkpoint, cache_blocks, block_size, max_batch, step_delay_ms, dtype);
-};
-struct RolloutReady {
-  static constexpr std::string_view kType = "rollout.ready";
-  static constexpr uint32_t kVersion = 1;
-  int64_t policy_version = 0;
-  MSGPACK_DEFINE_MAP(policy_version);
-};
-/// One generation request inside RolloutGenerate (not a message type by itself).
-struct RolloutRequestSpec {
-  uint64_t id = 0;
-  std::vector<int64_t> prompt;
-  double temperature = 1.0, top_p = 1.0;
-  int64_t top_k = 0, max_new_tokens = 1;
-  uint64_t seed = 0;
-  std::vector<int64_t> stop_token_ids;
-  MSGPACK_DEFINE_MAP(id, prompt, temperature, top_p, top_k, max_new_tokens, seed, stop_token_ids);
-};
-/// Generate these requests to completion (answered with RolloutResult).
-struct RolloutGenerate {
-  static constexpr std::string_view kType = "rollout.generate";
-  static constexpr uint32_t kVersion = 1;
-  std::vector<RolloutRequestSpec> requests;
-  MSGPACK_DEFINE_MAP(requests);
-};
-struct RolloutCompletionSpec {
-  uint64_t id = 0;
-  std::vector<int64_t> tokens, policy_versions;
-  std::vector<float> logprobs, entropies;
-  std::string finish_reason;  ///< "stop" | "length"
-  double time_to_first_token_s = 0;
-  MSGPACK_DEFINE_MAP(id, tokens, policy_versions, logprobs, entropies, finish_reason, time_to_first_token_s);
-};
-/// The completions, in finish order; tensor i is completion i's routed experts [P + n - 1, L, K] I64.
-struct RolloutResult {
-  static constexpr std::string_view kType = "rollout.result";
-  static constexpr uint32_t kVersion = 1;
-  std::vector<RolloutCompletionSpec> completions;
-  MSGPACK_DEFINE_MAP(completions);
-};
+/// Declares a message type this process speaks (wire name -> schema version); the decoder
+/// rejects undeclared names with unknown_type and other versions with schema_mismatch.
+/// Throws std::logic_error if `type` was declared with another version (two families
+/// claiming one name).
+void declare_message_type(std::string_view type, uint32_t version);
+/// Declares every type of a family; returns true, so that a family header can write
+///   inline const bool kFooMessages = messaging::declare_message_types<FooInit, FooReady>();
+/// and every program that includes the header speaks them.
+template <class... T>
+bool declare_message_types() {
+  (declare_message_type(T::kType, T::kVersion), ...);
+  return true;
+}
 
-/// Reference policy in another process (answered with RefReady). Its weights arrive next as
-/// weight_sync.bucket/commit (the run's initial policy), then RefLogprobs requests.
-struct RefInit {
-  static constexpr std::string_view kType = "ref.init";
-  static constexpr uint32_t kVersion = 2;
-  std::string package, flavor, checkpoint;  ///< model registry name + flavor, or HF checkpoint dir
-  int64_t max_tokens_per_microbatch = 4096;
-  bool routing_replay = true;
-  double temperature = 1.0;                 ///< log-probs of logits / temperature
-  std::string dtype = "fp32";               ///< "fp32" | "bf16": the reference's weights
-  MSGPACK_DEFINE_MAP(package, flavor, checkpoint, max_tokens_per_microbatch, routing_replay, temperature, dtype);
-};
-struct RefReady {
-  static constexpr std::string_view kType = "ref.ready";
-  static constexpr uint32_t kVersion = 1;
-  int64_t weights_version = -1;  ///< -1 until weights arrived
-  MSGPACK_DEFINE_MAP(weights_version);
-};
-/// One sample inside RefLogprobs (not a message type by itself).
-struct RefSampleSpec {
-  uint64_t id = 0;
-  std::vector<int64_t> prompt, completion;
-  MSGPACK_DEFINE_MAP(id, prompt, completion);
-};
-/// Per-token reference log-probs of these samples' completions (answered with
-/// RefLogprobsResult). Tensor i, when present for every sample, is sample i's routed experts
-/// [P + n - 1, L, K] I64 (routing replay); no tensors: the reference routes itself.
-struct RefLogprobs {
-  static constexpr std::string_view kType = "ref.logprobs";
-  static constexpr uint32_t kVersion = 1;
-  std::vector<RefSampleSpec> samples;
-  MSGPACK_DEFINE_MAP(samples);
-};
-struct RefLogprobsResult {
-  static constexpr std::string_view kType = "ref.logprobs.result";
-  static constexpr uint32_t kVersion = 1;
-  std::vector<std::vector<float>> logprobs;  ///< [samples][completion tokens], request order
-  MSGPACK_DEFINE_MAP(logprobs);
-};
-
-/// The policy trainer in another process (actor trainer/N, answered with TrainerReady): builds
-/// the policy as a one-process run does (torch::manual_seed(seed), then the registry), on
-/// `device` in `dtype`, with the trainer settings (actors/trainer/trainer.hpp TrainerConfig).
-struct TrainerOptimSpec {
-  double lr = 1e-3, weight_decay = 0, grad_clip = 1.0;
-  std::string lr_schedule = "constant";
-  int64_t warmup_steps = 0, total_steps = 0;
-  MSGPACK_DEFINE_MAP(lr, weight_decay, grad_clip, lr_schedule, warmup_steps, total_steps);
-};
-struct TrainerLossSpec {
-  double clip_low = 0.2, clip_high = 0.28, kl_coef = 0;
-  std::string kl_estimator = "k3", aggregation = "token_mean";
-  double tis_cap = 2.0, entropy_coef = 0;
-  MSGPACK_DEFINE_MAP(clip_low, clip_high, kl_coef, kl_estimator, aggregation, tis_cap, entropy_coef);
-};
-struct TrainerInit {
-  static constexpr std::string_view kType = "trainer.init";
-  static constexpr uint32_t kVersion = 1;
-  std::string package, flavor, checkpoint;  ///< model registry name + flavor, or HF checkpoint dir
-  std::string device = "cpu", dtype = "fp32";
-  int64_t seed = 1;
-  int64_t max_tokens_per_microbatch = 4096;
-  bool routing_replay = true;
-  double temperature = 1.0;
-  bool recompute_old_logprobs = false;  ///< pi_old from a separate no-grad pass (log_probs_time)
-  double bucket_mib = 64;               ///< weight-sync bucket size for trainer.push_weights
-  TrainerOptimSpec optim;
-  TrainerLossSpec loss;
-  MSGPACK_DEFINE_MAP(package, flavor, checkpoint, device, dtype, seed, max_tokens_per_microbatch, routing_replay,
-                     temperature, recompute_old_logprobs, bucket_mib, optim, loss);
-};
-/// Answer to trainer.init and trainer.load.
-struct TrainerReady {
-  static constexpr std::string_view kType = "trainer.ready";
-  static constexpr uint32_t kVersion = 1;
-  int64_t policy_version = 0;
-  int64_t vocab_size = 0;
-  MSGPACK_DEFINE_MAP(policy_version, vocab_size);
-};
-/// Load a checkpoint written by trainer.save (or by a one-process run) into the policy and
-/// optimizer (answered with TrainerReady: the saved version).
-struct TrainerLoad {
-  static constexpr std::string_view kType = "trainer.load";
-  static constexpr uint32_t kVersion = 1;
-  std::string dir;
-  MSGPACK_DEFINE_MAP(dir);
-};
-/// One sample inside TrainerTrain (not a message type by itself).
-struct TrainerSampleSpec {
-  uint64_t id = 0;
-  std::vector<int64_t> prompt, completion;
-  std::vector<float> behavior_logprobs;  ///< [n] from the rollout
-  std::vector<float> ref_logprobs;       ///< [n] or empty (KL off)
-  float advantage = 0;
-  MSGPACK_DEFINE_MAP(id, prompt, completion, behavior_logprobs, ref_logprobs, advantage);
-};
-/// One optimizer step on these samples (answered with TrainerStepResult). Tensor i, when
-/// present for every sample, is sample i's routed experts [P + n - 1, L, K] I64 (routing replay).
-struct TrainerTrain {
-  static constexpr std::string_view kType = "trainer.train";
-  static constexpr uint32_t kVersion = 1;
-  std::vector<TrainerSampleSpec> samples;
-  MSGPACK_DEFINE_MAP(samples);
-};
-struct TrainerStepResult {
-  static constexpr std::string_view kType = "trainer.step_result";
-  static constexpr uint32_t kVersion = 1;
-  double loss = 0, pg_loss = 0, kl = 0, clip_fraction = 0, grad_norm = 0, lr = 0, entropy = 0;
-  double train_rollout_logprob_abs_diff = 0;
-  int64_t micro_batches = 0, tokens = 0, loss_tokens = 0;
-  double actor_train_time = 0, log_probs_time = 0;  ///< seconds
-  int64_t policy_version = 0;                       ///< after the step
-  MSGPACK_DEFINE_MAP(loss, pg_loss, kl, clip_fraction, grad_norm, lr, entropy, train_rollout_logprob_abs_diff,
-                     micro_batches, tokens, loss_tokens, actor_train_time, log_probs_time, policy_version);
-};
-/// Stream the current policy version to each target actor (weight_sync.bucket/commit, checked
-/// by the receiver) before answering TrainerPushed; an error names the target that failed.
-struct TrainerPushWeights {
-  static constexpr std::string_view kType = "trainer.push_weights";
-  static constexpr uint32_t kVersion = 1;
-  std::vector<std::string> targets;
-  MSGPACK_DEFINE_MAP(targets);
-};
-struct TrainerPushed {
-  static constexpr std::string_view kType = "trainer.pushed";
-  static constexpr uint32_t kVersion = 1;
-  int64_t policy_version = 0;
-  MSGPACK_DEFINE_MAP(policy_version);
-};
-/// Write a checkpoint (actors/trainer/checkpoint.hpp) into `dir` (answered with TrainerPushed:
-/// the saved version).
-struct TrainerSave {
-  static constexpr std::string_view kType = "trainer.save";
-  static constexpr uint32_t kVersion = 1;
-  std::string dir;
-  int64_t step = 0;
-  std::string prompt_rng;
-  MSGPACK_DEFINE_MAP(dir, step, prompt_rng);
-};
-
-using MessageTypes = std::tuple<ErrorReply, Ping, Pong, GraphJoin, GraphLookup, GraphDirectory,
-                                DiagEcho, DiagEchoResult, DiagSleep, BenchChunk, WeightSyncBucket,
-                                WeightSyncCommit, WeightSyncAck, RolloutInit, RolloutReady, RolloutGenerate,
-                                RolloutResult, RefInit, RefReady, RefLogprobs, RefLogprobsResult, TrainerInit,
-                                TrainerReady, TrainerLoad, TrainerTrain, TrainerStepResult, TrainerPushWeights,
-                                TrainerPushed, TrainerSave>;
 
 /// Schema version of a declared type, or nullopt if `type` is not declared.
 std::optional<uint32_t> message_type_version(std::string_view type);

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "messaging/tensor.hpp"
 #include "model/blocks/basic.hpp"
@@ -42,6 +43,10 @@ class CausalLM : public torch::nn::Module {
   virtual void load_hf_tensors(const std::vector<messaging::Tensor>& tensors) = 0;
   /// The weights under HF names (CPU, contiguous; grouped tensors split as HF lays them out).
   virtual std::vector<messaging::Tensor> hf_state_dict() = 0;
+  /// Tensors an inference engine may fuse, which weight sync must therefore deliver in one
+  /// bucket: groups of name patterns, `{}` standing for the layer index, under HF names
+  /// (hf_state_dict) or kiln's (named_parameters). None by default.
+  virtual std::vector<std::vector<std::string>> weight_sync_groups(bool hf_names = true) const { return {}; }
 
   /// Incremental decoding against paged per-layer caches (see MLAImpl::forward_cached).
   /// ids/positions: [N] new tokens of all slices; caches: one [blocks, block_size,

@@ -57,6 +57,19 @@ std::shared_ptr<CausalLM> Registry::build(const std::string& package, const std:
   return checkpoint_dir.empty() ? p.build_flavor(flavor) : p.from_hf_dir(checkpoint_dir);
 }
 
+std::shared_ptr<CausalLM> Registry::build(const ModelSpec& spec) const {
+  if (spec.dtype != "fp32" && spec.dtype != "bf16")
+    throw std::invalid_argument("dtype must be fp32 or bf16, got '" + spec.dtype + "'");
+  if (spec.device != "cpu" && !torch::cuda::is_available())
+    throw std::invalid_argument("model device is \"" + spec.device + "\" but no CUDA device is visible" +
+                                " (is this a CUDA build of LibTorch on a GPU machine?)");
+  const torch::Device device(spec.device);  // throws on a malformed device string
+  auto m = build(spec.package, spec.flavor, spec.checkpoint);
+  m->to(device);
+  m->to_dtype(spec.dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32);
+  return m;
+}
+
 int Registry::load_plugins(const std::string& dir) {
   plugin_dir_ = dir;
   if (dir.empty() || !fs::is_directory(dir)) return 0;

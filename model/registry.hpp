@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "model/causal_lm.hpp"
+#include "model/model_spec.hpp"
 
 namespace kiln::model {
 
@@ -50,6 +51,10 @@ class Registry {
   /// its flavor `flavor`. Throws as find(), build_flavor and from_hf_dir do.
   std::shared_ptr<CausalLM> build(const std::string& package, const std::string& flavor,
                                   const std::string& checkpoint_dir) const;
+  /// spec's model (as above), moved to spec.device and cast to spec.dtype. Throws
+  /// std::invalid_argument naming the field for a dtype other than fp32/bf16 or a CUDA device
+  /// that is not visible, and what build() throws.
+  std::shared_ptr<CausalLM> build(const ModelSpec& spec) const;
 
   /// The package called `name`: user packages first, then built-ins. Throws
   /// std::invalid_argument naming both places it looked and what each holds.

@@ -3,6 +3,8 @@
 #include <chrono>
 #include <thread>
 
+#include "messaging/gateway.hpp"
+#include "messaging/hosting.hpp"
 #include "messaging/schema.hpp"
 
 namespace kiln::actors {
@@ -37,5 +39,7 @@ Expected<Envelope> DiagService::handle(const Envelope& request) {
   }
   return make_error(ErrorCode::unknown_type, "actor '" + actor_ + "' does not handle '" + request.type + "'");
 }
+
+void register_diag_actor_kind() { messaging::register_service_kind<DiagService>("diag"); }
 
 }  // namespace kiln::actors

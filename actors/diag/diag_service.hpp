@@ -21,4 +21,7 @@ class DiagService {
   std::string node_, actor_;
 };
 
+/// Registers actor kind "diag" (every `kiln node` can host it; call once at start-up).
+void register_diag_actor_kind();
+
 }  // namespace kiln::actors

@@ -2,8 +2,9 @@
 
 #include "actors/trainer/trainer.hpp"
 #include "actors/weight_sync/service.hpp"
-#include "experiments/node.hpp"
-#include "messaging/schema.hpp"
+#include "messaging/hosting.hpp"
+#include "actors/reference/messages.hpp"
+#include "actors/weight_sync/messages.hpp"
 #include "messaging/torch_tensor.hpp"
 #include "model/registry.hpp"
 
@@ -32,13 +33,10 @@ Expected<Envelope> RefService::handle(const Envelope& request) {
     if (request.type == RefInit::kType) {
       auto init = payload_as<RefInit>(request);
       if (!init) return init.error();
-      if (init->max_tokens_per_microbatch < 1)
+      if (init->logprobs.max_tokens_per_microbatch < 1)
         return make_error(ErrorCode::bad_message, "ref.init: max_tokens_per_microbatch must be >= 1");
-      if (!(init->temperature > 0)) return make_error(ErrorCode::bad_message, "ref.init: temperature must be > 0");
-      if (init->dtype != "fp32" && init->dtype != "bf16")
-        return make_error(ErrorCode::bad_message, "ref.init: dtype must be fp32 or bf16, got '" + init->dtype + "'");
-      s_->model = model::Registry::with_plugins().build(init->package, init->flavor, init->checkpoint);
-      s_->model->to_dtype(init->dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32);
+      if (!(init->logprobs.temperature > 0)) return make_error(ErrorCode::bad_message, "ref.init: temperature must be > 0");
+      s_->model = model::Registry::with_plugins().build(init->model);
       s_->init = *init;
       s_->weights_version = -1;
       return make_envelope(RefReady{s_->weights_version}, Kind::reply, request.receiver, request.sender);
@@ -67,8 +65,9 @@ Expected<Envelope> RefService::handle(const Envelope& request) {
         if (replay) samples[i].routed_experts = to_torch(request.tensors[i]).clone();
       }
       RefLogprobsResult r;
-      r.logprobs = trainer::completion_logprobs(*s_->model, samples, s_->init.max_tokens_per_microbatch,
-                                                s_->init.routing_replay && replay, s_->init.temperature);
+      auto config = s_->init.logprobs;
+      config.routing_replay &= replay;
+      r.logprobs = trainer::completion_logprobs(*s_->model, samples, config);
       return make_envelope(r, Kind::reply, request.receiver, request.sender);
     }
   } catch (const std::exception& e) {
@@ -77,6 +76,6 @@ Expected<Envelope> RefService::handle(const Envelope& request) {
   return make_error(ErrorCode::unknown_type, "actor '" + request.receiver + "' does not handle '" + request.type + "'");
 }
 
-void register_ref_actor_kind() { experiments::register_service_kind<RefService>("ref"); }
+void register_ref_actor_kind() { messaging::register_service_kind<RefService>("ref"); }
 
 }  // namespace kiln::reference

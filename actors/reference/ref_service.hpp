@@ -22,7 +22,7 @@ class RefService {
   std::unique_ptr<State> s_;
 };
 
-/// Registers actor kind "ref" with kiln node (call once at start-up, before run_node).
+/// Registers actor kind "ref" with kiln node (call once at start-up, before hosting actors).
 void register_ref_actor_kind();
 
 }  // namespace kiln::reference

@@ -1,5 +1,7 @@
 #include "actors/rollout/engine.hpp"
 
+#include <thread>
+
 #include "model/blocks/logprobs.hpp"
 
 #include <algorithm>
@@ -40,13 +42,14 @@ void check_request(const GenerationRequest& r, int64_t vocab) {
 
 const char* to_string(FinishReason r) { return r == FinishReason::stop ? "stop" : "length"; }
 
-int64_t EngineOptions::cache_bytes(const model::CausalLM& m, torch::Dtype dtype) const {
-  return cache_blocks * block_size * m.num_layers() * m.cache_width() * int64_t(c10::elementSize(dtype));
+int64_t cache_bytes(const EngineOptions& o, const model::CausalLM& m, torch::Dtype dtype) {
+  return o.cache_blocks * o.block_size * m.num_layers() * m.cache_width() * int64_t(c10::elementSize(dtype));
 }
 
 Engine::Engine(std::shared_ptr<model::CausalLM> model, EngineOptions options) : model_(std::move(model)), o_(options) {
-  if (o_.cache_blocks < 1 || o_.block_size < 1 || o_.max_batch < 1 || o_.max_prefill_tokens < 1)
-    throw std::invalid_argument("engine: cache_blocks, block_size, max_batch and max_prefill_tokens must be >= 1");
+  if (o_.cache_blocks < 1 || o_.block_size < 1 || o_.max_batch < 1 || o_.max_prefill_tokens < 1 || o_.step_delay_ms < 0)
+    throw std::invalid_argument("engine: cache_blocks, block_size, max_batch and max_prefill_tokens must be >= 1, "
+                                "step_delay_ms >= 0");
   auto w = model_->lm_head_weight();
   for (int64_t l = 0; l < model_->num_layers(); ++l)
     caches_.push_back(torch::zeros({o_.cache_blocks, o_.block_size, model_->cache_width()}, w.options()));
@@ -155,6 +158,7 @@ std::vector<Completion> Engine::step() {
     done.push_back(std::move(s.out));
     it = running_.erase(it);
   }
+  if (o_.step_delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(o_.step_delay_ms));
   return done;
 }
 

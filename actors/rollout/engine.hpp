@@ -9,18 +9,15 @@
 #include <memory>
 
 #include "actors/rollout/backend.hpp"
+#include "actors/rollout/engine_options.hpp"
 #include "model/causal_lm.hpp"
 
 namespace kiln::rollout {
 
-struct EngineOptions {
-  int64_t cache_blocks = 512;   ///< pages in the cache (the memory bound)
-  int64_t block_size = 16;      ///< tokens per page
-  int64_t max_batch = 64;       ///< sequences decoding at once
-  int64_t max_prefill_tokens = 8192;  ///< prompt tokens admitted per step
-  /// Bytes of the cache: cache_blocks * block_size * layers * cache_width * dtype size.
-  int64_t cache_bytes(const model::CausalLM& m, torch::Dtype dtype) const;
-};
+/// Bytes of an engine's cache for `m` in `dtype`: cache_blocks * block_size * layers *
+/// cache_width * dtype size.
+int64_t cache_bytes(const EngineOptions& o, const model::CausalLM& m, torch::Dtype dtype);
+
 
 class Engine : public RolloutBackend {
  public:

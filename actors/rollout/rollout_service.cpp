@@ -1,11 +1,10 @@
 #include "actors/rollout/rollout_service.hpp"
 
-#include <thread>
-
 #include "actors/rollout/engine.hpp"
 #include "actors/weight_sync/service.hpp"
-#include "experiments/node.hpp"
-#include "messaging/schema.hpp"
+#include "messaging/hosting.hpp"
+#include "actors/rollout/messages.hpp"
+#include "actors/weight_sync/messages.hpp"
 #include "messaging/torch_tensor.hpp"
 #include "model/registry.hpp"
 
@@ -16,7 +15,6 @@ using namespace kiln::messaging;
 struct RolloutService::State {
   std::shared_ptr<model::CausalLM> model;
   std::unique_ptr<Engine> engine;
-  int64_t step_delay_ms = 0;
   std::unique_ptr<weight_sync::ReceiverService> weights;
 };
 
@@ -35,16 +33,8 @@ Expected<Envelope> RolloutService::handle(const Envelope& request) {
     if (request.type == RolloutInit::kType) {
       auto init = payload_as<RolloutInit>(request);
       if (!init) return init.error();
-      if (init->dtype != "fp32" && init->dtype != "bf16")
-        return make_error(ErrorCode::bad_message, "rollout.init: dtype must be fp32 or bf16, got '" + init->dtype + "'");
-      s_->model = model::Registry::with_plugins().build(init->package, init->flavor, init->checkpoint);
-      s_->model->to_dtype(init->dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32);
-      EngineOptions o;
-      o.cache_blocks = init->cache_blocks;
-      o.block_size = init->block_size;
-      o.max_batch = init->max_batch;
-      s_->engine = std::make_unique<Engine>(s_->model, o);
-      s_->step_delay_ms = init->step_delay_ms;
+      s_->model = model::Registry::with_plugins().build(init->model);
+      s_->engine = std::make_unique<Engine>(s_->model, init->engine);
       return make_envelope(RolloutReady{0}, Kind::reply, request.receiver, request.sender);
     }
     if (request.type == WeightSyncBucket::kType || request.type == WeightSyncCommit::kType)
@@ -73,7 +63,6 @@ Expected<Envelope> RolloutService::handle(const Envelope& request) {
                                         to_string(c.finish_reason), c.time_to_first_token_s});
           experts.push_back(from_torch("routed_experts." + std::to_string(c.id), c.routed_experts.contiguous()));
         }
-        if (s_->step_delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(s_->step_delay_ms));
       }
       auto reply = make_envelope(result, Kind::reply, request.receiver, request.sender);
       reply.tensors = std::move(experts);
@@ -85,6 +74,6 @@ Expected<Envelope> RolloutService::handle(const Envelope& request) {
   return make_error(ErrorCode::unknown_type, "actor '" + request.receiver + "' does not handle '" + request.type + "'");
 }
 
-void register_rollout_actor_kind() { experiments::register_service_kind<RolloutService>("rollout"); }
+void register_rollout_actor_kind() { messaging::register_service_kind<RolloutService>("rollout"); }
 
 }  // namespace kiln::rollout

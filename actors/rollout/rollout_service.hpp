@@ -20,7 +20,7 @@ class RolloutService {
   std::unique_ptr<State> s_;
 };
 
-/// Registers actor kind "rollout" with kiln node (call once at start-up, before run_node).
+/// Registers actor kind "rollout" with kiln node (call once at start-up, before hosting actors).
 void register_rollout_actor_kind();
 
 }  // namespace kiln::rollout

@@ -57,7 +57,7 @@ PolicyLossResult policy_loss(const PolicyTokens& t, const PolicyLossConfig& c, d
     out.tokens = mask.sum().item<double>();
   }
   if (c.kl_coef != 0) {
-    auto kl = kl_estimate(t.logprob, t.ref_logprob, c.kl_estimator);
+    auto kl = kl_estimate(t.logprob, t.ref_logprob, kl_estimator_from_string(c.kl_estimator));
     per_token = per_token + c.kl_coef * kl;
     out.kl_sum = (kl.detach() * mask).sum().item<double>();
   }
@@ -65,7 +65,7 @@ PolicyLossResult policy_loss(const PolicyTokens& t, const PolicyLossConfig& c, d
     per_token = per_token - c.entropy_coef * t.entropy;
     out.entropy_sum = (t.entropy.detach() * mask).sum().item<double>();
   }
-  if (c.aggregation == Aggregation::token_mean) {
+  if (aggregation_from_string(c.aggregation) == Aggregation::token_mean) {
     out.loss = (per_token * mask).sum() / normalizer;
   } else {
     TORCH_CHECK(sample_tokens.defined(), "policy_loss: sequence_mean needs sample_tokens");

@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <string>
 
+#include "actors/trainer/trainer_config.hpp"
+
 namespace kiln::trainer {
 
 /// GRPO group-relative advantages (DeepSeekMath, arXiv:2402.03300 §4.1.2): rewards [S] laid
@@ -27,17 +29,6 @@ torch::Tensor kl_estimate(const torch::Tensor& logprob, const torch::Tensor& ref
 enum class Aggregation { token_mean, sequence_mean };
 Aggregation aggregation_from_string(const std::string& name);  ///< "token_mean"|"sequence_mean"
 
-struct PolicyLossConfig {
-  double clip_low = 0.2;    ///< ratio floor 1 - clip_low
-  double clip_high = 0.28;  ///< ratio ceiling 1 + clip_high (clip-higher, DAPO arXiv:2503.14476)
-  Aggregation aggregation = Aggregation::token_mean;
-  double kl_coef = 0.0;
-  KLEstimator kl_estimator = KLEstimator::k3;
-  double entropy_coef = 0.0;
-  /// Truncated importance sampling for stale tokens: each token's loss is weighted by
-  /// min(exp(old_logprob - behavior_logprob), tis_cap) (detached); <= 0 turns it off.
-  double tis_cap = 2.0;
-};
 
 /// One micro-batch's per-token inputs, all [T].
 struct PolicyTokens {

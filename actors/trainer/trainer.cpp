@@ -4,6 +4,7 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "messaging/stopwatch.hpp"
 #include "model/blocks/logprobs.hpp"
 
 namespace kiln::trainer {
@@ -55,17 +56,6 @@ torch::Tensor per_token(const std::vector<Sample>& samples, const std::vector<st
   return torch::tensor(v, torch::kFloat32);
 }
 }  // namespace
-
-void TrainerConfig::validate() const {
-  auto bad = [](const std::string& s) { throw std::invalid_argument("trainer config: " + s); };
-  if (max_tokens_per_microbatch < 1) bad("max_tokens_per_microbatch must be >= 1");
-  if (!(lr > 0)) bad("lr must be > 0");
-  if (lr_schedule != "constant" && lr_schedule != "cosine") bad("lr_schedule must be 'constant' or 'cosine', got '" + lr_schedule + "'");
-  if (lr_schedule == "cosine" && total_steps < 1) bad("lr_schedule 'cosine' needs total_steps >= 1");
-  if (loss.clip_low < 0 || loss.clip_low >= 1 || loss.clip_high < 0) bad("clip_low must be in [0, 1) and clip_high >= 0");
-  if (!(temperature > 0)) bad("temperature must be > 0");
-  if (loss.entropy_coef < 0) bad("entropy_coef must be >= 0");
-}
 
 std::vector<std::vector<std::size_t>> plan_micro_batches(const std::vector<Sample>& samples, int64_t max_tokens) {
   std::vector<std::vector<std::size_t>> out;
@@ -130,7 +120,7 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
     if ((given_old && s.old_logprobs.size() != s.completion.size()) || (!given_old && !s.old_logprobs.empty()))
       throw std::invalid_argument("train_step: old_logprobs must be given for every completion token of every sample, or for none");
   const double normalizer =
-      c_.loss.aggregation == Aggregation::token_mean ? double(m.loss_tokens) : double(samples.size());
+      aggregation_from_string(c_.loss.aggregation) == Aggregation::token_mean ? double(m.loss_tokens) : double(samples.size());
   auto sample_tokens_t = torch::tensor(sample_tokens, torch::kFloat32);
   const double lr = current_lr();
   for (auto& g : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
@@ -138,22 +128,22 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
   if (uses_master_weights()) policy_->zero_grad();
   double abs_diff = 0;
   const bool want_ref = c_.loss.kl_coef != 0;
-  for (const auto& idx : plan_micro_batches(samples, c_.max_tokens_per_microbatch)) {
-    auto p = pack(samples, idx, c_.routing_replay);
+  for (const auto& idx : plan_micro_batches(samples, c_.logprobs.max_tokens_per_microbatch)) {
+    auto p = pack(samples, idx, c_.logprobs.routing_replay);
     model::ForwardOptions opts;
     opts.replay_routed_experts = p.replay;
     auto out = policy_->forward(p.batch, opts);
     const auto dev = out.hidden.device();
     p.completion_positions = p.completion_positions.to(dev);
-    if (c_.temperature != 1.0) out.hidden = out.hidden / c_.temperature;  // logits / T
+    if (c_.logprobs.temperature != 1.0) out.hidden = out.hidden / c_.logprobs.temperature;  // logits / T
     PolicyTokens t;
     if (c_.loss.entropy_coef != 0) {
       auto [lp_all, ent_all] =
-          model::token_logprobs_and_entropy(out.hidden, policy_->lm_head_weight(), p.targets, c_.logprob_chunk);
+          model::token_logprobs_and_entropy(out.hidden, policy_->lm_head_weight(), p.targets, c_.logprobs.chunk);
       t.logprob = lp_all.index_select(0, p.completion_positions);             // [Tc]
       t.entropy = ent_all.index_select(0, p.completion_positions);
     } else {
-      t.logprob = policy_->token_logprobs(out, p.targets, c_.logprob_chunk).index_select(0, p.completion_positions);
+      t.logprob = policy_->token_logprobs(out, p.targets, c_.logprobs.chunk).index_select(0, p.completion_positions);
     }
     t.old_logprob = given_old ? per_token(samples, idx, &Sample::old_logprobs).to(dev) : t.logprob.detach();
     t.behavior_logprob = per_token(samples, idx, &Sample::behavior_logprobs).to(dev);
@@ -194,6 +184,19 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
   m.lr = lr;
   m.train_rollout_logprob_abs_diff = abs_diff / double(m.loss_tokens);
   m.actor_train_time = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return m;
+}
+
+StepMetrics Trainer::step(std::vector<Sample> samples) {
+  double log_probs_time = 0;
+  if (c_.recompute_old_logprobs) {  // pi_old in its own pass (verl/slime "log_probs")
+    const messaging::Stopwatch t;
+    auto old = completion_logprobs(*policy_, samples, c_.logprobs);
+    for (std::size_t i = 0; i < samples.size(); ++i) samples[i].old_logprobs = std::move(old[i]);
+    log_probs_time = t.seconds();
+  }
+  auto m = train_step(samples);
+  m.log_probs_time = log_probs_time;
   return m;
 }
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "actors/trainer/losses.hpp"
+#include "actors/trainer/trainer_config.hpp"
 #include "model/causal_lm.hpp"
 
 namespace kiln::trainer {
@@ -26,32 +27,6 @@ struct Sample {
   int64_t tokens() const { return int64_t(prompt.size() + completion.size()); }
 };
 
-struct TrainerConfig {
-  int64_t max_tokens_per_microbatch = 4096;
-  double lr = 1e-3;
-  double weight_decay = 0.0;
-  double beta1 = 0.9, beta2 = 0.999;
-  double grad_clip = 1.0;            ///< max global gradient norm; <= 0 turns clipping off
-  std::string lr_schedule = "constant";  ///< "constant" | "cosine" (after linear warmup)
-  int64_t warmup_steps = 0;
-  int64_t total_steps = 0;           ///< for "cosine"
-  double min_lr_ratio = 0.1;         ///< cosine floor, fraction of lr
-  bool routing_replay = true;        ///< use the rollout's expert ids in the training forward
-  /// Sampling temperature of the rollouts: log-probs are log_softmax(logits / temperature),
-  /// the convention of actors/rollout/sampling.hpp, so that ratios compare like with like.
-  double temperature = 1.0;
-  int64_t logprob_chunk = 1024;
-  PolicyLossConfig loss;
-  void validate() const;             ///< throws std::invalid_argument naming the field
-};
-
-struct StepMetrics {
-  double loss = 0, pg_loss = 0, kl = 0, clip_fraction = 0, grad_norm = 0, lr = 0;
-  double entropy = 0;  ///< mean policy entropy over trained tokens (computed when entropy_coef > 0)
-  double train_rollout_logprob_abs_diff = 0;  ///< mean |policy - behaviour| log-prob over trained tokens
-  int64_t micro_batches = 0, tokens = 0, loss_tokens = 0;
-  double actor_train_time = 0;  ///< seconds
-};
 
 /// Splits samples (by index, in order) into micro-batches of at most `max_tokens` tokens; a
 /// sample longer than max_tokens gets a micro-batch of its own.
@@ -64,6 +39,9 @@ class Trainer {
   /// the ratio starts at 1 and TIS weighs stale samples by exp(old - behaviour)). Samples with
   /// old_logprobs use those as pi_old (all samples or none; throws std::invalid_argument).
   StepMetrics train_step(const std::vector<Sample>& samples);
+  /// The step as the RL loop takes it: pi_old from a separate no-grad pass first when
+  /// config.recompute_old_logprobs (timed as log_probs_time), then train_step.
+  StepMetrics step(std::vector<Sample> samples);
   int64_t version() const { return version_; }   ///< optimizer steps taken
   model::CausalLM& policy() { return *policy_; }
   double current_lr() const;
@@ -93,5 +71,10 @@ class Trainer {
 std::vector<std::vector<float>> completion_logprobs(model::CausalLM& model, const std::vector<Sample>& samples,
                                                     int64_t max_tokens_per_microbatch, bool routing_replay,
                                                     double temperature = 1.0);
+/// The same, with the settings the trainer and the reference share.
+inline std::vector<std::vector<float>> completion_logprobs(model::CausalLM& model, const std::vector<Sample>& samples,
+                                                           const LogprobConfig& c) {
+  return completion_logprobs(model, samples, c.max_tokens_per_microbatch, c.routing_replay, c.temperature);
+}
 
 }  // namespace kiln::trainer

@@ -8,7 +8,7 @@
 #include "actors/trainer/checkpoint.hpp"
 #include "actors/trainer/trainer.hpp"
 #include "actors/weight_sync/service.hpp"
-#include "experiments/node.hpp"
+#include "messaging/hosting.hpp"
 #include "messaging/gateway.hpp"
 #include "messaging/torch_tensor.hpp"
 #include "model/registry.hpp"
@@ -16,63 +16,6 @@
 namespace kiln::trainer {
 
 using namespace kiln::messaging;
-
-TrainerConfig trainer_config(const TrainerInit& init) {
-  TrainerConfig tc;
-  tc.max_tokens_per_microbatch = init.max_tokens_per_microbatch;
-  tc.lr = init.optim.lr;
-  tc.weight_decay = init.optim.weight_decay;
-  tc.grad_clip = init.optim.grad_clip;
-  tc.lr_schedule = init.optim.lr_schedule;
-  tc.warmup_steps = init.optim.warmup_steps;
-  tc.total_steps = init.optim.total_steps;
-  tc.routing_replay = init.routing_replay;
-  tc.temperature = init.temperature;
-  tc.loss.clip_low = init.loss.clip_low;
-  tc.loss.clip_high = init.loss.clip_high;
-  tc.loss.kl_coef = init.loss.kl_coef;
-  tc.loss.kl_estimator = kl_estimator_from_string(init.loss.kl_estimator);
-  tc.loss.aggregation = aggregation_from_string(init.loss.aggregation);
-  tc.loss.tis_cap = init.loss.tis_cap;
-  tc.loss.entropy_coef = init.loss.entropy_coef;
-  tc.validate();
-  return tc;
-}
-
-TrainerStepResult to_step_result(const StepMetrics& m, int64_t policy_version, double log_probs_time) {
-  TrainerStepResult r;
-  r.loss = m.loss;
-  r.pg_loss = m.pg_loss;
-  r.kl = m.kl;
-  r.clip_fraction = m.clip_fraction;
-  r.grad_norm = m.grad_norm;
-  r.lr = m.lr;
-  r.entropy = m.entropy;
-  r.train_rollout_logprob_abs_diff = m.train_rollout_logprob_abs_diff;
-  r.micro_batches = m.micro_batches;
-  r.tokens = m.tokens;
-  r.loss_tokens = m.loss_tokens;
-  r.actor_train_time = m.actor_train_time;
-  r.log_probs_time = log_probs_time;
-  r.policy_version = policy_version;
-  return r;
-}
-StepMetrics to_step_metrics(const TrainerStepResult& r) {
-  StepMetrics m;
-  m.loss = r.loss;
-  m.pg_loss = r.pg_loss;
-  m.kl = r.kl;
-  m.clip_fraction = r.clip_fraction;
-  m.grad_norm = r.grad_norm;
-  m.lr = r.lr;
-  m.entropy = r.entropy;
-  m.train_rollout_logprob_abs_diff = r.train_rollout_logprob_abs_diff;
-  m.micro_batches = r.micro_batches;
-  m.tokens = r.tokens;
-  m.loss_tokens = r.loss_tokens;
-  m.actor_train_time = r.actor_train_time;
-  return m;
-}
 
 struct TrainerService::State {
   Gateway& gw;
@@ -88,9 +31,6 @@ TrainerService::TrainerService(Gateway& gateway, const std::string& name)
 TrainerService::~TrainerService() = default;
 
 namespace {
-using Clock = std::chrono::steady_clock;
-double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
 // trainer.train's samples, checked against the policy before anything runs.
 // Moves the samples' vectors out of `q` (decoded for this request only).
 Expected<std::vector<Sample>> to_samples(const Envelope& request, TrainerTrain& q, int64_t vocab, bool need_ref) {
@@ -149,27 +89,16 @@ Expected<Envelope> TrainerService::handle(const Envelope& request) {
     if (request.type == TrainerInit::kType) {
       auto init = payload_as<TrainerInit>(request);
       if (!init) return init.error();
-      if (init->max_tokens_per_microbatch < 1)
-        return make_error(ErrorCode::bad_message, "trainer.init: max_tokens_per_microbatch must be >= 1");
-      if (init->dtype != "fp32" && init->dtype != "bf16")
-        return make_error(ErrorCode::bad_message, "trainer.init: dtype must be fp32 or bf16, got '" + init->dtype + "'");
       if (!(init->bucket_mib > 0)) return make_error(ErrorCode::bad_message, "trainer.init: bucket_mib must be > 0");
-      TrainerConfig tc;
       try {
-        tc = trainer_config(*init);
+        init->trainer.validate([](const std::string& f) { return "trainer.init: trainer config: " + f; });
       } catch (const std::exception& e) {
-        return make_error(ErrorCode::bad_message, std::string("trainer.init: ") + e.what());
+        return make_error(ErrorCode::bad_message, e.what());
       }
-      if (init->device != "cpu" && !torch::cuda::is_available())
-        return make_error(ErrorCode::remote_error, "trainer.init: device is '" + init->device +
-                                                       "' but no CUDA device is visible in this process");
-      const torch::Device device(init->device);  // throws on a malformed device string
       // As a one-process run builds its policy: the same seed, then the same registry call.
       torch::manual_seed(uint64_t(init->seed));
-      auto policy = model::Registry::with_plugins().build(init->package, init->flavor, init->checkpoint);
-      policy->to(device);
-      policy->to_dtype(init->dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32);
-      s_->trainer = std::make_unique<Trainer>(policy, tc);
+      auto policy = model::Registry::with_plugins().build(init->model);
+      s_->trainer = std::make_unique<Trainer>(policy, init->trainer);
       s_->policy = std::move(policy);
       s_->init = *init;
       return reply(TrainerReady{s_->trainer->version(), s_->policy->vocab_size()});
@@ -189,18 +118,10 @@ Expected<Envelope> TrainerService::handle(const Envelope& request) {
     if (request.type == TrainerTrain::kType) {
       auto q = payload_as<TrainerTrain>(request);
       if (!q) return q.error();
-      auto samples = to_samples(request, *q, s_->policy->vocab_size(), s_->init.loss.kl_coef > 0);
+      auto samples = to_samples(request, *q, s_->policy->vocab_size(), s_->init.trainer.loss.kl_coef > 0);
       if (!samples) return samples.error();
-      double log_probs_time = 0;
-      if (s_->init.recompute_old_logprobs) {  // pi_old in its own pass (verl/slime "log_probs")
-        auto t0 = Clock::now();
-        auto old = completion_logprobs(*s_->policy, *samples, s_->init.max_tokens_per_microbatch,
-                                       s_->init.routing_replay, s_->init.temperature);
-        for (std::size_t i = 0; i < samples->size(); ++i) (*samples)[i].old_logprobs = std::move(old[i]);
-        log_probs_time = since(t0);
-      }
-      auto m = s_->trainer->train_step(*samples);
-      return reply(to_step_result(m, s_->trainer->version(), log_probs_time));
+      auto m = s_->trainer->step(std::move(*samples));
+      return reply(TrainerStepResult{m, s_->trainer->version()});
     }
     if (request.type == TrainerPushWeights::kType) {
       auto q = payload_as<TrainerPushWeights>(request);
@@ -211,7 +132,7 @@ Expected<Envelope> TrainerService::handle(const Envelope& request) {
       auto tensors = s_->policy->hf_state_dict();
       for (const auto& to : q->targets) {
         auto r = weight_sync::send_weights(s_->gw, to, tensors, version, uint64_t(s_->init.bucket_mib * (1 << 20)),
-                                           std::chrono::seconds(120));
+                                           std::chrono::seconds(120), s_->policy->weight_sync_groups());
         if (!r)  // remote_error: the trainer is fine, the target is not (the caller tells them apart)
           return make_error(ErrorCode::remote_error, "weight sync of version " + std::to_string(version) + " to " +
                                                          to + ": " + r.error().what());
@@ -230,6 +151,6 @@ Expected<Envelope> TrainerService::handle(const Envelope& request) {
   }
 }
 
-void register_trainer_actor_kind() { experiments::register_service_kind<TrainerService>("trainer"); }
+void register_trainer_actor_kind() { messaging::register_service_kind<TrainerService>("trainer"); }
 
 }  // namespace kiln::trainer

@@ -1,7 +1,7 @@
 #pragma once
 // The trainer actor's logic (plain class): owns the policy, the optimizer and the weight-sync
 // sender of a run whose trainer is placed in its own process (placement.trainer = "process";
-// hosted by `kiln node --actor trainer/N`). Messages (messaging/schema.hpp, docs/wire-format.md):
+// hosted by `kiln node --actor trainer/N`). Messages (actors/trainer/messages.hpp, docs/wire-format.md):
 //   trainer.init          build the policy (seeded as a one-process run) and the trainer
 //   trainer.load          load a checkpoint (actors/trainer/checkpoint.hpp)
 //   trainer.push_weights  stream the current version to rollout/ref actors (weight_sync.*)
@@ -13,24 +13,13 @@
 #include <string>
 
 #include "messaging/envelope.hpp"
-#include "messaging/schema.hpp"
+#include "actors/trainer/messages.hpp"
 
 namespace kiln::messaging {
 class Gateway;
 }
 
 namespace kiln::trainer {
-
-struct TrainerConfig;
-struct StepMetrics;
-
-/// The trainer settings of a trainer.init (the same mapping a one-process run uses). Throws
-/// std::invalid_argument naming the field (unknown estimator or aggregation, bad ranges).
-TrainerConfig trainer_config(const messaging::TrainerInit& init);
-
-/// StepMetrics <-> trainer.step_result (the metrics of one step, as the controller logs them).
-messaging::TrainerStepResult to_step_result(const StepMetrics& m, int64_t policy_version, double log_probs_time);
-StepMetrics to_step_metrics(const messaging::TrainerStepResult& r);
 
 class TrainerService {
  public:
@@ -48,7 +37,7 @@ class TrainerService {
   std::unique_ptr<State> s_;
 };
 
-/// Registers actor kind "trainer" with kiln node (call once at start-up, before run_node).
+/// Registers actor kind "trainer" with kiln node (call once at start-up, before hosting actors).
 void register_trainer_actor_kind();
 
 }  // namespace kiln::trainer

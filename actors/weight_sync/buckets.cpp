@@ -1,5 +1,6 @@
 #include "actors/weight_sync/buckets.hpp"
 
+#include <optional>
 #include <set>
 #include <stdexcept>
 
@@ -11,34 +12,53 @@ uint64_t Bucket::bytes() const {
   return b;
 }
 
-std::string fused_partner(const std::string& name) {
-  static const std::string q = "self_attn.q_a_proj.weight", kv = "self_attn.kv_a_proj_with_mqa.weight";
-  auto swap = [&](const std::string& from, const std::string& to) -> std::string {
-    auto p = name.rfind(from);
-    if (p == std::string::npos || p + from.size() != name.size()) return {};
-    return name.substr(0, p) + to;
-  };
-  if (auto s = swap(q, kv); !s.empty()) return s;
-  return swap(kv, q);
+namespace {
+// The layer index `name` fills into `pattern`'s {} ("" for a pattern without {}), or nullopt
+// when the name does not match the pattern.
+std::optional<std::string> match(const std::string& pattern, const std::string& name) {
+  const auto hole = pattern.find("{}");
+  if (hole == std::string::npos) return pattern == name ? std::optional<std::string>("") : std::nullopt;
+  const std::string head = pattern.substr(0, hole), tail = pattern.substr(hole + 2);
+  if (name.size() <= head.size() + tail.size() || name.compare(0, head.size(), head) != 0 ||
+      name.compare(name.size() - tail.size(), tail.size(), tail) != 0)
+    return std::nullopt;
+  auto index = name.substr(head.size(), name.size() - head.size() - tail.size());
+  if (index.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
+  return index;
 }
+}  // namespace
 
-std::vector<Bucket> plan_buckets(std::vector<messaging::Tensor> tensors, uint64_t bucket_bytes, int64_t version) {
-  // Units: a tensor, or a partner pair (the second member moved up next to the first).
-  std::map<std::string, std::size_t> where;
-  for (std::size_t i = 0; i < tensors.size(); ++i) where[tensors[i].name] = i;
+std::vector<std::vector<std::size_t>> travel_units(const std::vector<std::string>& names, const TravelGroups& groups) {
+  // Group instance ("group number/layer index") of every name that belongs to one.
+  std::map<std::string, std::vector<std::size_t>> members;
+  std::vector<std::string> instance(names.size());
+  for (std::size_t i = 0; i < names.size(); ++i)
+    for (std::size_t g = 0; g < groups.size() && instance[i].empty(); ++g)
+      for (const auto& pattern : groups[g])
+        if (auto index = match(pattern, names[i])) {
+          instance[i] = std::to_string(g) + "/" + *index;
+          members[instance[i]].push_back(i);
+          break;
+        }
   std::vector<std::vector<std::size_t>> units;
   std::set<std::size_t> placed;
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
+  for (std::size_t i = 0; i < names.size(); ++i) {
     if (placed.count(i)) continue;
-    std::vector<std::size_t> u{i};
-    placed.insert(i);
-    auto partner = fused_partner(tensors[i].name);
-    if (auto it = where.find(partner); !partner.empty() && it != where.end() && !placed.count(it->second)) {
-      u.push_back(it->second);
-      placed.insert(it->second);
+    if (instance[i].empty()) {
+      units.push_back({i});
+    } else {
+      units.push_back(members[instance[i]]);
+      placed.insert(units.back().begin(), units.back().end());
     }
-    units.push_back(u);
   }
+  return units;
+}
+
+std::vector<Bucket> plan_buckets(std::vector<messaging::Tensor> tensors, uint64_t bucket_bytes, int64_t version,
+                                 const TravelGroups& groups) {
+  std::vector<std::string> names;
+  for (const auto& t : tensors) names.push_back(t.name);
+  const auto units = travel_units(names, groups);
   std::vector<Bucket> out;
   uint64_t in_bucket = 0;
   for (const auto& u : units) {

@@ -2,8 +2,8 @@
 // Weight sync from the trainer to rollout engines, in buckets. The sender takes the policy's
 // HF-named tensors (grouped experts already split into per-expert names by the state-dict
 // adapter, so each engine receives the names it loads), cuts them into buckets of at most
-// `bucket_bytes`, never separating a layer's q_a_proj and kv_a_proj_with_mqa (engines may
-// fuse them), and stamps each bucket with the version. The receiver collects the buckets,
+// `bucket_bytes`, never separating tensors the model package says travel together (engines
+// may fuse them: CausalLM::weight_sync_groups), and stamps each bucket with the version. The receiver collects the buckets,
 // checks every tensor's CRC-32 against the sender's list after the last bucket, and only
 // then applies the update; a mismatch names the tensor and nothing is applied.
 #include <cstdint>
@@ -22,13 +22,19 @@ struct Bucket {
   uint64_t bytes() const;
 };
 
-/// Names that must travel in the same bucket as `name` (e.g. a layer's kv_a_proj_with_mqa
-/// for its q_a_proj); empty when none.
-std::string fused_partner(const std::string& name);
+/// Tensors that must travel in one bucket, as the model package declares them: each group is
+/// a list of name patterns with `{}` standing for a layer index (e.g. a layer's q_a_proj and
+/// kv_a_proj_with_mqa); names of one group instance share the index.
+using TravelGroups = std::vector<std::vector<std::string>>;
 
-/// Cuts `tensors` into buckets (order kept; a partner pair moves together even if that
+/// `names` (by index, order kept) in units: a name alone, or with the other members of its
+/// group instance, moved up next to the first member present.
+std::vector<std::vector<std::size_t>> travel_units(const std::vector<std::string>& names, const TravelGroups& groups);
+
+/// Cuts `tensors` into buckets (order kept; a group's members move together even if that
 /// overfills a bucket; a tensor larger than bucket_bytes gets a bucket of its own).
-std::vector<Bucket> plan_buckets(std::vector<messaging::Tensor> tensors, uint64_t bucket_bytes, int64_t version);
+std::vector<Bucket> plan_buckets(std::vector<messaging::Tensor> tensors, uint64_t bucket_bytes, int64_t version,
+                                 const TravelGroups& groups = {});
 
 /// name -> CRC-32 of every tensor (the sender's manifest).
 std::map<std::string, uint32_t> manifest(const std::vector<messaging::Tensor>& tensors);

@@ -16,23 +16,13 @@ std::map<std::string, torch::Tensor> named_tensors(torch::nn::Module& m) {
   return out;
 }
 
-// kiln's names of tensors an engine may fuse: a layer's q_a and kv_a projections.
-std::string partner(const std::string& name) {
-  auto swap = [&](const std::string& a, const std::string& b) -> std::string {
-    auto i = name.find(a);
-    return i == std::string::npos ? "" : name.substr(0, i) + b + name.substr(i + a.size());
-  };
-  if (auto p = swap(".attn.q_a.", ".attn.kv_a."); !p.empty()) return p;
-  return swap(".attn.kv_a.", ".attn.q_a.");
-}
-
 void sync_device(const torch::Tensor& t) {
   if (t.is_cuda()) torch::cuda::synchronize(t.device().index());
 }
 }  // namespace
 
 DeviceSyncStats copy_weights_device(torch::nn::Module& src, torch::nn::Module& dst, uint64_t bucket_bytes,
-                                    bool verify) {
+                                    bool verify, const TravelGroups& groups) {
   auto s = named_tensors(src), d = named_tensors(dst);
   for (const auto& [name, t] : s) {
     auto it = d.find(name);
@@ -46,24 +36,19 @@ DeviceSyncStats copy_weights_device(torch::nn::Module& src, torch::nn::Module& d
   }
   for (const auto& [name, t] : d)
     if (!s.count(name)) throw std::invalid_argument("copy_weights_device: trainer has no tensor '" + name + "'");
-  // Buckets in name order; a q_a/kv_a pair moves together.
+  // Buckets in name order; a group's members move together.
+  std::vector<std::string> names;
+  for (const auto& [name, t] : s) names.push_back(name);
   std::vector<std::vector<std::string>> buckets(1);
   uint64_t in_bucket = 0;
-  std::map<std::string, bool> placed;
-  for (const auto& [name, t] : s) {
-    if (placed[name]) continue;
-    std::vector<std::string> group{name};
-    if (auto p = partner(name); !p.empty() && s.count(p) && !placed[p]) group.push_back(p);
+  for (const auto& unit : travel_units(names, groups)) {
     uint64_t bytes = 0;
-    for (const auto& g : group) bytes += uint64_t(d[g].numel()) * d[g].element_size();
+    for (auto i : unit) bytes += uint64_t(d[names[i]].numel()) * d[names[i]].element_size();
     if (!buckets.back().empty() && in_bucket + bytes > bucket_bytes) {
       buckets.emplace_back();
       in_bucket = 0;
     }
-    for (const auto& g : group) {
-      buckets.back().push_back(g);
-      placed[g] = true;
-    }
+    for (auto i : unit) buckets.back().push_back(names[i]);
     in_bucket += bytes;
   }
   DeviceSyncStats st;

@@ -1,6 +1,6 @@
 #include "actors/weight_sync/service.hpp"
 
-#include "messaging/schema.hpp"
+#include "actors/weight_sync/messages.hpp"
 
 namespace kiln::weight_sync {
 
@@ -45,7 +45,7 @@ Expected<Envelope> ReceiverService::handle(const Envelope& request) {
 }
 
 Expected<int64_t> send_weights(Gateway& gateway, const std::string& to, std::vector<Tensor> tensors, int64_t version,
-                               uint64_t bucket_bytes, std::chrono::milliseconds timeout) {
+                               uint64_t bucket_bytes, std::chrono::milliseconds timeout, const TravelGroups& groups) {
   auto m = manifest(tensors);
   WeightSyncCommit commit{version, {}, {}};
   for (const auto& [name, crc] : m) {
@@ -54,7 +54,7 @@ Expected<int64_t> send_weights(Gateway& gateway, const std::string& to, std::vec
   }
   // All buckets in flight at once (the receiver acks each); then the commit.
   std::vector<std::future<Expected<Envelope>>> acks;
-  for (auto& b : plan_buckets(std::move(tensors), bucket_bytes, version)) {
+  for (auto& b : plan_buckets(std::move(tensors), bucket_bytes, version, groups)) {
     auto env = make_envelope(WeightSyncBucket{b.version, b.index, b.count}, Kind::request, "weight_sync/sender", to);
     env.tensors = std::move(b.tensors);
     acks.push_back(gateway.request(std::move(env), timeout));

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "actors/weight_sync/buckets.hpp"
+#include "actors/weight_sync/messages.hpp"
 #include "messaging/gateway.hpp"
 
 namespace kiln::weight_sync {
@@ -28,10 +29,11 @@ class ReceiverService {
 };
 
 /// Sends `tensors` as version `version` to actor `to` through `gateway` in buckets of
-/// `bucket_bytes`, then commits. Returns an Error (timeout, peer lost, the receiver's
-/// checksum complaint) instead of throwing.
+/// `bucket_bytes` (`groups`' members in one bucket each), then commits. Returns an Error
+/// (timeout, peer lost, the receiver's checksum complaint) instead of throwing.
 messaging::Expected<int64_t> send_weights(messaging::Gateway& gateway, const std::string& to,
                                           std::vector<messaging::Tensor> tensors, int64_t version,
-                                          uint64_t bucket_bytes, std::chrono::milliseconds timeout);
+                                          uint64_t bucket_bytes, std::chrono::milliseconds timeout,
+                                          const TravelGroups& groups = {});
 
 }  // namespace kiln::weight_sync

@@ -138,6 +138,9 @@ void Glm4MoeLiteModel::load_hf_tensors(const std::vector<messaging::Tensor>& ten
 }
 
 std::vector<messaging::Tensor> Glm4MoeLiteModel::hf_state_dict() { return to_hf_state_dict(*this); }
+std::vector<std::vector<std::string>> Glm4MoeLiteModel::weight_sync_groups(bool hf_names) const {
+  return glm4_moe_lite::weight_sync_groups(hf_names);
+}
 
 void Glm4MoeLiteModel::to_dtype(torch::Dtype dtype) {
   this->to(dtype);

@@ -50,6 +50,7 @@ class Glm4MoeLiteModel : public CausalLM {
   void to_dtype(torch::Dtype dtype) override;
   void load_hf_tensors(const std::vector<messaging::Tensor>& tensors) override;
   std::vector<messaging::Tensor> hf_state_dict() override;
+  std::vector<std::vector<std::string>> weight_sync_groups(bool hf_names = true) const override;
   ForwardOutput forward_cached(const torch::Tensor& ids, const torch::Tensor& positions,
                                const std::vector<CachedSlice>& slices, std::vector<torch::Tensor>& caches,
                                bool want_experts) override;

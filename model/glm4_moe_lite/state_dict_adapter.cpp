@@ -35,6 +35,22 @@ const std::vector<KeyRule> kKeyTable = {
     {"model.layers.{}.mlp.shared_experts.down_proj.weight", "layers.{}.moe.shared.down.weight"},
 };
 
+const std::vector<std::vector<std::string>> kWeightSyncGroups = {
+    {"model.layers.{}.self_attn.q_a_proj.weight", "model.layers.{}.self_attn.kv_a_proj_with_mqa.weight"},
+};
+
+std::vector<std::vector<std::string>> weight_sync_groups(bool hf_names) {
+  if (hf_names) return kWeightSyncGroups;
+  std::vector<std::vector<std::string>> out;
+  for (const auto& group : kWeightSyncGroups) {
+    out.emplace_back();
+    for (const auto& hf : group)
+      for (const auto& rule : kKeyTable)
+        if (hf == rule.hf) out.back().push_back(rule.internal);
+  }
+  return out;
+}
+
 namespace {
 // One kiln tensor and where its bytes live in an HF checkpoint.
 struct Source {

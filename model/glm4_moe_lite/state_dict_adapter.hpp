@@ -26,6 +26,12 @@ struct KeyRule {
 /// Every one-to-one rule.
 extern const std::vector<KeyRule> kKeyTable;
 
+/// HF tensors an engine may fuse and weight sync keeps in one bucket: SGLang and vLLM run a
+/// layer's q_a_proj and kv_a_proj_with_mqa as one GEMM (fused_qkv_a_proj_with_mqa).
+extern const std::vector<std::vector<std::string>> kWeightSyncGroups;
+/// kWeightSyncGroups under HF names, or translated to kiln names through kKeyTable.
+std::vector<std::vector<std::string>> weight_sync_groups(bool hf_names);
+
 /// The HF keys the model reads, in load order (per-expert names for experts).
 std::vector<std::string> required_hf_keys(Glm4MoeLiteModel& model);
 

@@ -29,17 +29,17 @@ TEST_CASE("the built-in default is valid and round-trips through TOML") {
 TEST_CASE("a file overrides some keys and --set any") {
   auto c = ExperimentConfig::from_file(write("[run]\nsteps = 7\n[algorithm]\nlr = 1e-4\nkl_coef = 0.1\n"));
   CHECK(c.run.steps == 7);
-  CHECK(c.algorithm.lr == 1e-4);
-  CHECK(c.algorithm.kl_coef == 0.1);
+  CHECK(c.trainer.lr == 1e-4);
+  CHECK(c.trainer.loss.kl_coef == 0.1);
   CHECK(c.algorithm.samples_per_prompt == 16);  // untouched default
   c.set("algorithm.temperature=0.7");
   c.set("task.name=arithmetic");  // bare text
   c.set("logging.plot=false");
   c.set("algorithm.lr=3");  // an integer where a number is expected is fine
-  CHECK(c.algorithm.temperature == 0.7);
+  CHECK(c.trainer.logprobs.temperature == 0.7);
   CHECK(c.task.name == "arithmetic");
   CHECK_FALSE(c.logging.plot);
-  CHECK(c.algorithm.lr == 3.0);
+  CHECK(c.trainer.lr == 3.0);
 }
 
 TEST_CASE("unknown keys, wrong types and bad values are rejected by name") {

@@ -134,3 +134,23 @@ TEST_CASE("kiln saves the fixture in HF layout and loads it back bit for bit") {
   auto c1 = model->config().to_hf_json(), c2 = again->config().to_hf_json();
   CHECK(c1 == c2);
 }
+
+TEST_CASE("the package declares which tensors weight sync keeps in one bucket, under HF and kiln names") {
+  auto model = glm4_moe_lite::from_hf_dir(test::fixture_dir());
+  // Engines fuse a layer's q_a_proj with kv_a_proj_with_mqa (SGLang's fused_qkv_a_proj_with_mqa).
+  const std::vector<std::vector<std::string>> hf = {
+      {"model.layers.{}.self_attn.q_a_proj.weight", "model.layers.{}.self_attn.kv_a_proj_with_mqa.weight"}};
+  CHECK(model->weight_sync_groups() == hf);
+  CHECK(model->weight_sync_groups(/*hf_names=*/false) ==
+        std::vector<std::vector<std::string>>{{"layers.{}.attn.q_a.weight", "layers.{}.attn.kv_a.weight"}});
+  // Every pattern names real tensors of the model, under either naming.
+  std::set<std::string> hf_names, kiln_names;
+  for (const auto& t : model->hf_state_dict()) hf_names.insert(t.name);
+  for (const auto& p : model->named_parameters()) kiln_names.insert(p.key());
+  for (bool as_hf : {true, false})
+    for (const auto& group : model->weight_sync_groups(as_hf))
+      for (auto pattern : group) {
+        pattern.replace(pattern.find("{}"), 2, "0");
+        CHECK_MESSAGE((as_hf ? hf_names : kiln_names).count(pattern), pattern);
+      }
+}

@@ -61,7 +61,7 @@ TEST_CASE("sequence-mean aggregation averages each sample over its own tokens fi
   t.sample_index = torch::tensor(std::vector<int64_t>{0, 1, 1, 1});
   PolicyLossConfig c;
   c.tis_cap = 0;
-  c.aggregation = Aggregation::sequence_mean;
+  c.aggregation = "sequence_mean";
   auto r = policy_loss(t, c, /*samples=*/2, torch::tensor({1.0f, 3.0f}));
   CHECK(r.loss.item<double>() == doctest::Approx(2.0));
 }

@@ -7,7 +7,7 @@
 #include "actors/rollout/engine.hpp"
 #include "actors/trainer/trainer.hpp"
 #include "actors/weight_sync/service.hpp"
-#include "messaging/schema.hpp"
+#include "actors/reference/messages.hpp"
 #include "messaging/torch_tensor.hpp"
 #include "model/glm4_moe_lite/model.hpp"
 
@@ -48,7 +48,7 @@ TEST_CASE("reference actor: refuses early requests, loads weights by sync, answe
   auto early = ask(experts);
   REQUIRE_FALSE(early.has_value());
   CHECK(early.error().message.find("before ref.init") != std::string::npos);
-  RefInit init{"glm4_moe_lite", "debug", "", 4096, true, 1.0};
+  RefInit init{{"glm4_moe_lite", "debug", ""}, {4096, true, 1.0}};
   REQUIRE(gw.request(make_envelope(init, Kind::request, "test", "ref/0"), 60s).get().has_value());
   auto no_weights = ask(experts);
   REQUIRE_FALSE(no_weights.has_value());

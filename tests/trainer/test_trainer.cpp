@@ -81,7 +81,7 @@ TEST_CASE("at temperature 0.7 the trainer uses the same tempered log-probs as th
   CHECK(worst <= 1e-5);
   CHECK(plain_gap > 1e-3);  // T = 1 log-probs would be the wrong convention
   TrainerConfig c;
-  c.temperature = 0.7;
+  c.logprobs.temperature = 0.7;
   Trainer t(m, c);
   auto metrics = t.train_step(samples);
   CHECK(metrics.train_rollout_logprob_abs_diff <= 1e-5);
@@ -95,7 +95,7 @@ TEST_CASE("1, 2 and many micro-batches give the same update") {
   for (int64_t max_tokens : {1000, 24, 1}) {
     auto m = debug_model(9);  // same initial weights
     TrainerConfig c;
-    c.max_tokens_per_microbatch = max_tokens;
+    c.logprobs.max_tokens_per_microbatch = max_tokens;
     c.lr = 1e-2;
     c.grad_clip = 0;
     Trainer t(m, c);

@@ -71,10 +71,10 @@ struct Rig {
 
 TrainerInit debug_init(int64_t seed) {
   TrainerInit init;
-  init.package = "glm4_moe_lite";
-  init.flavor = "debug";
+  init.model.package = "glm4_moe_lite";
+  init.model.flavor = "debug";
   init.seed = seed;
-  init.optim.lr = 5e-3;
+  init.trainer.lr = 5e-3;
   init.bucket_mib = 0.01;  // several buckets
   return init;
 }
@@ -147,7 +147,7 @@ TEST_CASE("trainer actor: the seeded policy, the Trainer's exact update, checked
 
   // One step through the actor == one step of the Trainer class on the same samples.
   auto samples = make_samples(local);
-  trainer::Trainer direct(local, trainer::trainer_config(init));
+  trainer::Trainer direct(local, init.trainer);
   std::vector<Tensor> experts;
   auto q = to_message(samples, experts);
   auto stepped = rig.ask(q, experts);
@@ -156,11 +156,11 @@ TEST_CASE("trainer actor: the seeded policy, the Trainer's exact update, checked
   REQUIRE(got.has_value());
   auto want = direct.train_step(samples);
   CHECK(got->policy_version == 1);
-  CHECK(got->loss == want.loss);
-  CHECK(got->grad_norm == want.grad_norm);
-  CHECK(got->clip_fraction == want.clip_fraction);
-  CHECK(got->tokens == want.tokens);
-  CHECK(got->log_probs_time == 0);  // no separate pi_old pass unless asked
+  CHECK(got->metrics.loss == want.loss);
+  CHECK(got->metrics.grad_norm == want.grad_norm);
+  CHECK(got->metrics.clip_fraction == want.clip_fraction);
+  CHECK(got->metrics.tokens == want.tokens);
+  CHECK(got->metrics.log_probs_time == 0);  // no separate pi_old pass unless asked
   REQUIRE(rig.ask(TrainerPushWeights{{"engine/0"}}).has_value());
   CHECK(rig.received_version == 1);
   CHECK(same_weights(rig.received, local->hf_state_dict()));
@@ -209,8 +209,8 @@ TEST_CASE("trainer actor: the seeded policy, the Trainer's exact update, checked
     CHECK(same_weights(other.received, local->hf_state_dict()));
     auto a = rig.ask(q, experts), b = other.ask(q, experts);
     REQUIRE((a.has_value() && b.has_value()));
-    CHECK(payload_as<TrainerStepResult>(*a)->loss == payload_as<TrainerStepResult>(*b)->loss);  // AdamW state too
-    CHECK(payload_as<TrainerStepResult>(*a)->grad_norm == payload_as<TrainerStepResult>(*b)->grad_norm);
+    CHECK(payload_as<TrainerStepResult>(*a)->metrics.loss == payload_as<TrainerStepResult>(*b)->metrics.loss);  // AdamW state too
+    CHECK(payload_as<TrainerStepResult>(*a)->metrics.grad_norm == payload_as<TrainerStepResult>(*b)->metrics.grad_norm);
     CHECK(error_of(other.ask(TrainerLoad{test::scratch_path("no-such-checkpoint")})).find("no state.json") !=
           std::string::npos);
   }
@@ -219,21 +219,21 @@ TEST_CASE("trainer actor: the seeded policy, the Trainer's exact update, checked
 TEST_CASE("trainer actor: bad settings are refused by name") {
   Rig rig;
   auto init = debug_init(1);
-  init.optim.lr = -1;
+  init.trainer.lr = -1;
   CHECK(error_of(rig.ask(init)).find("trainer.init: trainer config: lr must be > 0") != std::string::npos);
   init = debug_init(1);
-  init.dtype = "fp8";
+  init.model.dtype = "fp8";
   CHECK(error_of(rig.ask(init)).find("dtype must be fp32 or bf16, got 'fp8'") != std::string::npos);
   init = debug_init(1);
-  init.loss.kl_estimator = "k9";
+  init.trainer.loss.kl_estimator = "k9";
   CHECK(error_of(rig.ask(init)).find("trainer.init:") != std::string::npos);
   init = debug_init(1);
-  init.package = "no_such_model";
+  init.model.package = "no_such_model";
   CHECK(error_of(rig.ask(init)).find("no_such_model") != std::string::npos);
   // Still usable after the refusals.
   CHECK(rig.ask(debug_init(1)).has_value());
   init = debug_init(1);
-  init.loss.kl_coef = 0.1;  // the KL term needs the reference log-probs of every token
+  init.trainer.loss.kl_coef = 0.1;  // the KL term needs the reference log-probs of every token
   REQUIRE(rig.ask(init).has_value());
   torch::manual_seed(1);
   auto samples = make_samples(model::Registry::with_plugins().build("glm4_moe_lite", "debug", ""));

@@ -14,6 +14,8 @@ messaging::Tensor t(const std::string& name, int64_t floats, uint8_t fill = 1) {
   x.name = name;
   return x;
 }
+// What glm4_moe_lite declares (its test checks that it does: tests/model/test_adapter.cpp).
+const TravelGroups kMla = {{"model.layers.{}.self_attn.q_a_proj.weight", "model.layers.{}.self_attn.kv_a_proj_with_mqa.weight"}};
 }  // namespace
 
 TEST_CASE("buckets respect the size and keep q_a_proj with kv_a_proj_with_mqa") {
@@ -22,7 +24,7 @@ TEST_CASE("buckets respect the size and keep q_a_proj with kv_a_proj_with_mqa") 
       t("model.layers.0.input_layernorm.weight", 25), t("model.layers.0.self_attn.o_proj.weight", 25),
       t("model.layers.0.self_attn.q_a_proj.weight", 25), t("model.layers.0.self_attn.kv_a_proj_with_mqa.weight", 25),
       t("model.layers.0.mlp.gate.weight", 25)};
-  auto buckets = plan_buckets(ts, 250, 7);
+  auto buckets = plan_buckets(ts, 250, 7, kMla);
   REQUIRE(buckets.size() == 3);  // [norm, o_proj] [q_a, kv_a] [gate]: the pair is not split
   CHECK(buckets[0].tensors.size() == 2);
   REQUIRE(buckets[1].tensors.size() == 2);
@@ -36,10 +38,16 @@ TEST_CASE("buckets respect the size and keep q_a_proj with kv_a_proj_with_mqa") 
   // A partner far away in the list is moved next to its pair.
   std::vector<messaging::Tensor> far = {t("model.layers.3.self_attn.kv_a_proj_with_mqa.weight", 10), t("a", 10),
                                         t("b", 10), t("model.layers.3.self_attn.q_a_proj.weight", 10)};
-  auto fb = plan_buckets(far, 80, 1);
+  auto fb = plan_buckets(far, 80, 1, kMla);
   CHECK(fb[0].tensors[1].name == "model.layers.3.self_attn.q_a_proj.weight");
-  CHECK(fused_partner("model.layers.12.self_attn.q_a_proj.weight") == "model.layers.12.self_attn.kv_a_proj_with_mqa.weight");
-  CHECK(fused_partner("model.layers.12.self_attn.q_b_proj.weight").empty());
+  // Members of one group instance share the layer index; other names stay alone.
+  auto units = travel_units({"model.layers.12.self_attn.q_a_proj.weight", "model.layers.12.self_attn.q_b_proj.weight",
+                             "model.layers.2.self_attn.kv_a_proj_with_mqa.weight",
+                             "model.layers.12.self_attn.kv_a_proj_with_mqa.weight"},
+                            kMla);
+  CHECK(units == std::vector<std::vector<std::size_t>>{{0, 3}, {1}, {2}});
+  // Without declared groups nothing is paired.
+  CHECK(plan_buckets(far, 20, 1).size() == 4);
 }
 
 TEST_CASE("the receiver verifies checksums and names a tensor corrupted in transit") {

@@ -28,7 +28,8 @@ TEST_CASE("device weight sync copies every tensor into the engine and checks it"
   for (auto dev : devices()) {
     CAPTURE(dev);
     auto trainer = debug_model(1, dev), engine = debug_model(2, dev);
-    auto st = weight_sync::copy_weights_device(*trainer, *engine, /*bucket_bytes=*/4096, true);
+    auto st = weight_sync::copy_weights_device(*trainer, *engine, /*bucket_bytes=*/4096, true,
+                                               trainer->weight_sync_groups(/*hf_names=*/false));
     CHECK(st.verified);
     CHECK(st.buckets > 1);
     CHECK(st.tensors == int64_t(trainer->named_parameters().size() + trainer->named_buffers().size()));

@@ -1,0 +1,65 @@
+#include "actors/controller/config.hpp"
+
+#include <stdexcept>
+
+namespace kiln::controller {
+
+void Config::validate() const {
+  auto need = [](bool ok, const std::string& key, const std::string& why) {
+    if (!ok) throw std::invalid_argument("experiment: key '" + key + "' " + why);
+  };
+  const auto& a = algorithm;
+  need(run.steps >= 1, "run.steps", "must be >= 1");
+  need(!run.output_dir.empty(), "run.output_dir", "must not be empty");
+  need(run.checkpoint_every >= 0, "run.checkpoint_every", "must be >= 0");
+  need(a.prompts_per_step >= 1, "algorithm.prompts_per_step", "must be >= 1");
+  need(a.samples_per_prompt >= 2, "algorithm.samples_per_prompt", "must be >= 2 (GRPO compares samples of one prompt)");
+  need(a.max_new_tokens >= 1, "algorithm.max_new_tokens", "must be >= 1");
+  need(a.staleness >= 0, "algorithm.staleness", "must be >= 0");
+  need(a.update_delay_ms >= 0, "algorithm.update_delay_ms", "must be >= 0");
+  need(a.top_p > 0 && a.top_p <= 1, "algorithm.top_p", "must be in (0, 1]");
+  need(a.top_k >= 0, "algorithm.top_k", "must be >= 0 (0: off)");
+  // The trainer's keys live in [algorithm] too; its own check names them.
+  trainer_for_run().validate([](const std::string& field) { return "experiment: key 'algorithm." + field + "'"; });
+  const auto& e = rollout.engine;
+  need(e.step_delay_ms >= 0, "rollout.step_delay_ms", "must be >= 0");
+  need(e.cache_blocks >= 1 && e.block_size >= 1 && e.max_batch >= 1, "rollout.cache_blocks",
+       "rollout.cache_blocks, block_size and max_batch must be >= 1");
+  need(rollout.backend == "engine", "rollout.backend", "must be \"engine\" (the in-process engine is the only backend so far)");
+  need(placement.mode == "single_process" || placement.mode == "multi_process", "placement.mode",
+       "must be \"single_process\" or \"multi_process\" (rollout engine in a kiln node child process)");
+  need(model.device == "cpu" || model.device == "cuda" ||
+           (model.device.rfind("cuda:", 0) == 0 && model.device.size() > 5 &&
+            model.device.find_first_not_of("0123456789", 5) == std::string::npos),
+       "model.device", "must be \"cpu\", \"cuda\" or \"cuda:N\"");
+  need(model.dtype == "fp32" || model.dtype == "bf16", "model.dtype", "must be \"fp32\" or \"bf16\"");
+  need(placement.mode == "single_process" || model.device == "cpu", "model.device",
+       "must be \"cpu\" with placement.mode \"multi_process\" (remote engines run on the CPU so far)");
+  need(placement.reference == "controller" || placement.reference == "process", "placement.reference",
+       "must be \"controller\" or \"process\"");
+  need(placement.reference == "controller" || placement.mode == "multi_process", "placement.reference",
+       "must be \"controller\" with placement.mode \"single_process\"");
+  need(placement.trainer == "controller" || placement.trainer == "process", "placement.trainer",
+       "must be \"controller\" or \"process\"");
+  need(placement.trainer == "controller" || (placement.mode == "multi_process" && placement.reference == "process"),
+       "placement.trainer",
+       "\"process\" needs placement.mode \"multi_process\" and placement.reference \"process\" "
+       "(the controller then holds no model)");
+  need(placement.rollout_engines >= 1 && placement.rollout_engines <= 64, "placement.rollout_engines",
+       "must be in [1, 64]");
+  need(placement.rollout_engines == 1 || placement.mode == "multi_process", "placement.rollout_engines",
+       "must be 1 with placement.mode \"single_process\" (several engines run as kiln node processes)");
+  need(placement.rollout_engines <= a.prompts_per_step, "placement.rollout_engines",
+       "must be <= algorithm.prompts_per_step (each engine gets whole prompt groups)");
+  need(weight_sync.bucket_mib > 0, "weight_sync.bucket_mib", "must be > 0");
+  need(task.name == "next_digit" || task.name == "arithmetic" || task.name == "countdown", "task.name",
+       "must be \"next_digit\", \"arithmetic\" or \"countdown\"");
+}
+
+trainer::TrainerConfig Config::trainer_for_run() const {
+  auto t = trainer;
+  t.total_steps = run.steps;
+  return t;
+}
+
+}  // namespace kiln::controller

@@ -1,0 +1,87 @@
+#pragma once
+// An RL run's configuration: one struct per component, nested here once. Experiment files
+// (experiments/experiment.hpp) read and write it as TOML; the init messages carry its parts
+// as they are (model::ModelSpec, trainer::TrainerConfig, rollout::EngineOptions). Every field
+// has a default: together they are the built-in default experiment. docs/experiments.md
+// lists every key. Torch-free.
+#include <cstdint>
+#include <string>
+
+#include "actors/rollout/engine_options.hpp"
+#include "actors/trainer/trainer_config.hpp"
+#include "model/model_spec.hpp"
+
+namespace kiln::controller {
+
+struct RunConfig {
+  std::string name = "default";
+  std::string output_dir = "runs/default";
+  int64_t seed = 1;
+  int64_t steps = 100;
+  int64_t checkpoint_every = 0;  ///< 0: no checkpoints
+  std::string resume_from;       ///< a checkpoint directory written by a run (RUN/checkpoints/step_N)
+};
+
+struct TaskConfig {
+  std::string name = "next_digit";             ///< "next_digit" | "arithmetic" | "countdown"
+  int64_t min_digits = 1, max_digits = 1;      ///< arithmetic
+  std::string operators = "+";                 ///< arithmetic
+};
+
+/// The controller's part of the algorithm: prompts, sampling, GRPO groups, staleness.
+/// (Its keys share the [algorithm] section with the trainer's: trainer::TrainerConfig.)
+struct AlgorithmConfig {
+  int64_t prompts_per_step = 32;
+  int64_t samples_per_prompt = 16;   ///< GRPO group size
+  double top_p = 1.0;                ///< sampling (the temperature is the trainer's logprobs.temperature)
+  int64_t top_k = 0;
+  int64_t max_new_tokens = 1;
+  bool normalize_std = true;         ///< advantages divided by the group's std
+  bool filter_zero_variance = true;  ///< drop groups whose rewards are all equal
+  int64_t staleness = 0;             ///< k: 0 = synchronous, else rollouts run up to k versions ahead
+  int64_t update_delay_ms = 0;       ///< testing: sleep after each policy update (a slow trainer)
+};
+
+struct RolloutConfig {
+  std::string backend = "engine";  ///< the in-process LibTorch engine (the only backend so far)
+  rollout::EngineOptions engine{1024, 16, 512};
+};
+
+struct WeightSyncConfig {
+  double bucket_mib = 64;
+};
+
+/// Where each actor runs: in the controller's process, or in `kiln node` child processes.
+struct PlacementConfig {
+  std::string mode = "single_process";   ///< "single_process" | "multi_process" (engines in nodes)
+  int64_t rollout_engines = 1;           ///< multi_process: engines, each a kiln node process
+  std::string reference = "controller";  ///< "controller" | "process": ref/0 in a kiln node
+  std::string trainer = "controller";    ///< "controller" | "process": trainer/0 in a kiln node
+};
+
+struct LoggingConfig {
+  bool progress = true;  ///< a line per step on stderr
+  bool plot = true;      ///< RUN/reward_kl.png at the end (gnuplot)
+};
+
+struct Config {
+  RunConfig run;
+  model::ModelSpec model;
+  TaskConfig task;
+  AlgorithmConfig algorithm;
+  /// Keys under [algorithm]: lr, clip_low, kl_coef, temperature, ... (the default experiment
+  /// learns next_digit in ~60 steps at lr 2e-3).
+  trainer::TrainerConfig trainer{.lr = 2e-3};
+  RolloutConfig rollout;
+  WeightSyncConfig weight_sync;
+  PlacementConfig placement;
+  LoggingConfig logging;
+
+  /// Checks ranges and combinations; throws std::invalid_argument
+  /// "experiment: key 'section.key' <why>" for the first key that is wrong.
+  void validate() const;
+  /// The trainer's settings for this run (total_steps = run.steps for the lr schedule).
+  trainer::TrainerConfig trainer_for_run() const;
+};
+
+}  // namespace kiln::controller

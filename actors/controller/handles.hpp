@@ -1,0 +1,82 @@
+#pragma once
+// The controller's view of the actors it drives: one interface each for the trainer, the
+// rollout engines and the reference policy. Each has a local implementation (in this process,
+// local_handles.hpp) and a remote one (actors in `kiln node` child processes, driven over
+// ZeroMQ: remote_handles.hpp); placement.hpp picks them once, at start. The loop
+// (loop.hpp) sees only these interfaces. Legend: P prompt tokens, n completion tokens.
+#include <filesystem>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "actors/rollout/backend.hpp"
+#include "actors/trainer/checkpoint.hpp"
+#include "actors/trainer/trainer.hpp"
+#include "messaging/tensor.hpp"
+
+namespace kiln::controller {
+
+/// A policy version on its way to the engines: its HF-named tensors (owned copies when the
+/// trainer goes on changing its parameters meanwhile), or none when the trainer streams them
+/// itself (a trainer node sends its newest version, never older than `version`).
+struct PolicyWeights {
+  int64_t version = 0;
+  std::vector<messaging::Tensor> tensors;
+};
+
+/// The policy and everything trained with it went down with its process: only checkpoints
+/// already written remain.
+struct PolicyLost : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+/// The policy being trained: its optimizer steps, its weights for the engines, checkpoints.
+class TrainerHandle {
+ public:
+  virtual ~TrainerHandle() = default;
+  virtual int64_t version() const = 0;     ///< optimizer steps taken
+  virtual int64_t vocab_size() const = 0;
+  /// One optimizer step on GRPO samples (prompt, completion, advantage, behaviour and
+  /// reference log-probs, routed experts). Throws PolicyLost, or std::runtime_error for a
+  /// refused batch (the policy unchanged).
+  virtual trainer::StepMetrics train(std::vector<trainer::Sample> samples) = 0;
+  /// The current version for the engines; `copy`: owned copies (the caller trains on).
+  virtual PolicyWeights weights(bool copy) = 0;
+  /// Streams `w` to each actor of `targets` (weight_sync.bucket/commit, checked by the
+  /// receiver before it applies them). Throws std::runtime_error naming the target that failed.
+  /// Safe to call from another thread than train().
+  virtual void send(const PolicyWeights& w, const std::vector<std::string>& targets) = 0;
+  /// Writes a checkpoint of the policy, the optimizer and `state` (step, prompt RNG; the
+  /// policy version is the trainer's own) into `dir` (actors/trainer/checkpoint.hpp).
+  virtual void save(const std::filesystem::path& dir, const trainer::CheckpointState& state) = 0;
+  /// Loads a checkpoint into the policy and optimizer; returns its loop state. Throws
+  /// std::invalid_argument naming what is missing or does not fit.
+  virtual trainer::CheckpointState load(const std::filesystem::path& dir) = 0;
+};
+
+/// The rollout engines: generate completions, take new weights.
+class RolloutEngines {
+ public:
+  virtual ~RolloutEngines() = default;
+  /// Generates `requests` to completion (whole prompt groups per engine when there are
+  /// several); `between_steps` runs between decode steps of an engine in this process.
+  /// Completions sorted by id. Throws std::runtime_error naming a lost or misbehaving engine.
+  virtual std::vector<rollout::Completion> generate(std::vector<rollout::GenerationRequest> requests,
+                                                    const std::function<void()>& between_steps) = 0;
+  /// Loads `w` into every engine, sent by `trainer` and checked by each engine first (between
+  /// decode steps: sequences in flight continue with the new weights). Throws
+  /// std::runtime_error naming the engine that failed.
+  virtual void load(const PolicyWeights& w, TrainerHandle& trainer) = 0;
+};
+
+/// The frozen reference policy (the run's initial weights) for the KL term and metric.
+class ReferencePolicy {
+ public:
+  virtual ~ReferencePolicy() = default;
+  /// result[i]: per-token log-probs [n] of completions[i] (routing replayed when configured).
+  /// Throws std::runtime_error naming a lost reference node.
+  virtual std::vector<std::vector<float>> logprobs(const std::vector<rollout::Completion>& completions) = 0;
+};
+
+}  // namespace kiln::controller

@@ -1,0 +1,180 @@
+#include "actors/controller/loop.hpp"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <thread>
+
+#include "actors/controller/grpo.hpp"
+#include "actors/controller/metrics.hpp"
+#include "actors/controller/placement.hpp"
+#include "actors/controller/prompts.hpp"
+#include "actors/controller/rollout_stream.hpp"
+#include "actors/controller/run_dir.hpp"
+#include "actors/controller/staleness.hpp"
+#include "messaging/stopwatch.hpp"
+
+namespace kiln::controller {
+
+namespace {
+namespace fs = std::filesystem;
+using messaging::Stopwatch;
+
+// After a failure at `step`: checkpoint steps 1..trained (with the prompt RNG after them)
+// where the policy lives, say how to continue, exit code 1.
+int stop_with_checkpoint(TrainerHandle& trainer, const fs::path& dir, int64_t step, const std::string& what,
+                         int64_t trained, const std::string& prompt_rng) {
+  std::fprintf(stderr, "kiln run: step %lld: %s\n", (long long)step, what.c_str());
+  const auto ck = checkpoint_dir(dir, trained);
+  try {
+    trainer.save(ck, {trained, 0, prompt_rng});
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kiln run: cannot save a checkpoint of steps 1..%lld: %s\n%s", (long long)trained, e.what(),
+                 continue_hint(dir).c_str());
+    return 1;
+  }
+  std::fprintf(stderr, "kiln run: saved %s (steps 1..%lld trained); continue with --set run.resume_from=%s\n",
+               ck.c_str(), (long long)trained, ck.c_str());
+  return 1;
+}
+
+// Restores the trainer and the prompt RNG from config.run.resume_from; the first step to run.
+int64_t resume(const Config& c, TrainerHandle& trainer, Prompts& prompts) {
+  const fs::path ck(c.run.resume_from);
+  auto state = trainer.load(ck);
+  try {
+    prompts.restore(state.prompt_rng);
+  } catch (const std::exception& e) {
+    throw std::invalid_argument("state.json in '" + ck.string() + "': " + e.what());
+  }
+  if (state.step >= c.run.steps)
+    throw std::invalid_argument("it holds steps 1.." + std::to_string(state.step) + " and run.steps is " +
+                                std::to_string(c.run.steps) + ": nothing to train (raise run.steps to go on)");
+  std::fprintf(stderr, "kiln run: resumed from %s at step %lld\n", ck.c_str(), (long long)state.step + 1);
+  return state.step + 1;
+}
+}  // namespace
+
+int run(const Config& c, const std::string& config_toml) {
+  try {
+    c.validate();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kiln run: %s\n", e.what());
+    return 2;
+  }
+  const fs::path dir(c.run.output_dir);
+  const auto& a = c.algorithm;
+  const std::string tag = "/tmp/kiln-run-" + std::to_string(::getpid());
+  RunSockets sockets(tag, c.placement.rollout_engines,
+                     "kiln run: interrupted; checkpoints so far are in " + (dir / "checkpoints").string() +
+                         " (run.checkpoint_every)");
+  const bool nodes = c.placement.mode == "multi_process";
+  messaging::Gateway gateway({"controller", nodes ? "ipc://" + tag + "-controller" : ""});  // the graph root
+  Prompts prompts(c);
+  Actors actors;
+  int64_t first_step = 1;
+  try {
+    fs::create_directories(dir);
+    std::ofstream(dir / "config.toml") << config_toml;
+    actors = place_actors(c, {gateway, tag, dir});
+    if (prompts.vocab_size() > actors.trainer->vocab_size())
+      throw std::invalid_argument("model vocabulary " + std::to_string(actors.trainer->vocab_size()) +
+                                  " is smaller than the task tokenizer's " + std::to_string(prompts.vocab_size()));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kiln run: %s\n", e.what());
+    return 2;
+  }
+  auto& trainer = *actors.trainer;
+  if (!c.run.resume_from.empty()) {
+    try {
+      first_step = resume(c, trainer, prompts);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "kiln run: cannot resume from '%s': %s\n", c.run.resume_from.c_str(), e.what());
+      return 2;
+    }
+  }
+  try {  // the engines start from the trainer's current version (initial, or resumed)
+    actors.engines->load(trainer.weights(false), trainer);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kiln run: %s\n", e.what());
+    return 1;
+  }
+  MetricsLog log(dir, first_step);
+  const Stopwatch run_clock;
+  std::string rng_consumed = prompts.state();  // after the last batch trained: what a checkpoint holds
+  RolloutStream rollouts(
+      [&](int64_t step, const std::function<void()>& between_steps) {
+        const Stopwatch t;
+        auto d = prompts.draw(step);
+        Batch b{step, std::move(d.problems), actors.engines->generate(std::move(d.requests), between_steps), 0,
+                std::move(d.rng_after)};
+        b.rollout_time = t.seconds();
+        return b;
+      },
+      [&](const PolicyWeights& w) { actors.engines->load(w, trainer); }, first_step, c.run.steps, a.staleness);
+  for (int64_t step = first_step; step <= c.run.steps; ++step) {
+    StepRow row{.step = step};
+    Batch batch;
+    std::vector<std::vector<float>> ref;
+    try {
+      batch = rollouts.take(step);
+      const Stopwatch t;
+      ref = actors.reference->logprobs(batch.completions);
+      row.ref_logprob_time = t.seconds();
+    } catch (const std::exception& e) {
+      return stop_with_checkpoint(trainer, dir, step, e.what(), step - 1, rng_consumed);
+    }
+    const auto rewards = prompts.rewards(batch.problems, batch.completions);
+    summarize(row, rewards, batch.completions, ref, c.trainer.loss.kl_estimator);
+    row.staleness_histogram = staleness_histogram(batch.completions, trainer.version());
+    auto groups = build_groups(batch.completions, rewards, std::move(ref), a, trainer.version());
+    row.filtered_groups = groups.filtered;
+    row.stale_dropped_groups = groups.stale_dropped;
+    row.trained_samples = int64_t(groups.samples.size());
+    std::string sync_error;
+    if (groups.samples.empty()) {
+      rollouts.consumed(step, std::nullopt);
+    } else {
+      try {
+        row.train = trainer.train(std::move(groups.samples));
+      } catch (const PolicyLost& e) {  // its state since the last checkpoint went with it
+        std::fprintf(stderr, "kiln run: step %lld: %s\n%s", (long long)step, e.what(), continue_hint(dir).c_str());
+        return 1;
+      } catch (const std::exception& e) {
+        return stop_with_checkpoint(trainer, dir, step, e.what(), step - 1, rng_consumed);
+      }
+      if (a.update_delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(a.update_delay_ms));
+      try {  // k = 0: into the engines now; k > 0: the rollout thread loads them between decode steps
+        const Stopwatch t;
+        rollouts.consumed(step, trainer.weights(/*copy=*/a.staleness > 0));
+        row.update_weights_time = t.seconds();
+      } catch (const std::exception& e) {  // the step is trained: log it, checkpoint it, then stop
+        sync_error = e.what();
+        row.update_weights_time = -1;
+      }
+    }
+    rng_consumed = batch.rng_after;
+    row.rollout_time = batch.rollout_time;
+    row.policy_version = trainer.version();
+    row.elapsed_s = run_clock.seconds();
+    log.write(row);
+    if (!sync_error.empty()) return stop_with_checkpoint(trainer, dir, step, sync_error, step, batch.rng_after);
+    if (c.run.checkpoint_every > 0 && step % c.run.checkpoint_every == 0) {
+      try {
+        trainer.save(checkpoint_dir(dir, step), {step, 0, batch.rng_after});
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "kiln run: step %lld: cannot save a checkpoint: %s\n%s", (long long)step, e.what(),
+                     continue_hint(dir).c_str());
+        return 1;
+      }
+    }
+    if (c.logging.progress) MetricsLog::print_progress(row, c.run.steps, a.prompts_per_step);
+  }
+  if (c.logging.plot) log.plot();
+  std::fprintf(stderr, "kiln run: done in %.1fs; metrics in %s\n", run_clock.seconds(), (dir / "metrics.jsonl").c_str());
+  return 0;
+}
+
+}  // namespace kiln::controller

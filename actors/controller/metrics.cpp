@@ -1,0 +1,119 @@
+#include "actors/controller/metrics.hpp"
+
+#include <cstdio>
+#include <cstdlib>
+#include <nlohmann/json.hpp>
+
+#include "actors/trainer/losses.hpp"
+
+namespace kiln::controller {
+
+void summarize(StepRow& row, const std::vector<float>& rewards, const std::vector<rollout::Completion>& completions,
+               const std::vector<std::vector<float>>& ref_logprobs, const std::string& kl_estimator) {
+  auto r = torch::tensor(rewards);
+  row.reward_mean = r.mean().item<double>();
+  row.reward_std = r.std(false).item<double>();
+  double entropy = 0;
+  int64_t tokens = 0;
+  std::vector<float> sampled, reference;  // every generated token, one KL estimate call
+  for (std::size_t i = 0; i < completions.size(); ++i) {
+    for (float e : completions[i].entropies) entropy += e;
+    tokens += int64_t(completions[i].tokens.size());
+    sampled.insert(sampled.end(), completions[i].logprobs.begin(), completions[i].logprobs.end());
+    reference.insert(reference.end(), ref_logprobs[i].begin(), ref_logprobs[i].end());
+  }
+  row.entropy = tokens ? entropy / double(tokens) : 0.0;
+  row.kl = sampled.empty() ? 0.0
+                           : trainer::kl_estimate(torch::tensor(sampled), torch::tensor(reference),
+                                                  trainer::kl_estimator_from_string(kl_estimator))
+                                 .mean()
+                                 .item<double>();
+}
+
+MetricsLog::MetricsLog(const std::filesystem::path& dir, int64_t first_step) : dir_(dir) {
+  if (first_step > 1) {
+    const int64_t dropped = drop_rows_from(dir, first_step);
+    if (dropped > 0)
+      std::fprintf(stderr,
+                   "kiln run: dropped %lld metric rows of steps after the checkpoint (those steps are trained again now)\n",
+                   (long long)dropped);
+  }
+  const auto mode = first_step > 1 ? std::ios::app : std::ios::trunc;
+  jsonl_.open(dir / "metrics.jsonl", mode);
+  tsv_.open(dir / "metrics.tsv", mode);
+}
+
+void MetricsLog::write(const StepRow& row) {
+  const auto& m = row.train;
+  nlohmann::json j;
+  j["step"] = row.step;
+  j["reward_mean"] = row.reward_mean;
+  j["reward_std"] = row.reward_std;
+  j["kl"] = row.kl;
+  j["entropy"] = row.entropy;
+  j["clip_fraction"] = m.clip_fraction;
+  j["train/rollout logprob abs diff"] = m.train_rollout_logprob_abs_diff;
+  j["loss"] = m.loss;
+  j["grad_norm"] = m.grad_norm;
+  j["lr"] = m.lr;
+  j["filtered_groups"] = row.filtered_groups;
+  j["stale_dropped_groups"] = row.stale_dropped_groups;
+  j["trained_samples"] = row.trained_samples;
+  nlohmann::json hist = nlohmann::json::object();
+  for (const auto& [k, n] : row.staleness_histogram) hist[std::to_string(k)] = n;
+  j["staleness_histogram"] = hist;
+  j["rollout_time"] = row.rollout_time;
+  j["ref_logprob_time"] = row.ref_logprob_time;
+  j["log_probs_time"] = m.log_probs_time;
+  j["actor_train_time"] = m.actor_train_time;
+  j["update_weights_time"] = row.update_weights_time;
+  j["train_tokens_per_s"] = m.actor_train_time > 0 ? double(m.tokens) / m.actor_train_time : 0.0;
+  j["policy_version"] = row.policy_version;
+  j["elapsed_s"] = row.elapsed_s;
+  jsonl_ << j.dump() << "\n" << std::flush;
+  tsv_ << row.step << "\t" << row.reward_mean << "\t" << row.kl << "\n" << std::flush;
+}
+
+void MetricsLog::print_progress(const StepRow& row, int64_t steps, int64_t prompts_per_step) {
+  std::fprintf(stderr,
+               "step %3lld/%lld  reward %.3f ±%.3f  kl %.4f  clip %.3f  filtered %lld/%lld  rollout %.2fs  train %.2fs  "
+               "sync %.3fs\n",
+               (long long)row.step, (long long)steps, row.reward_mean, row.reward_std, row.kl, row.train.clip_fraction,
+               (long long)row.filtered_groups, (long long)prompts_per_step, row.rollout_time,
+               row.train.actor_train_time, row.update_weights_time);
+}
+
+void MetricsLog::plot() const {
+  auto tsv = dir_ / "metrics.tsv";
+  auto png = dir_ / "reward_kl.png";
+  std::string cmd = "gnuplot -e \"set terminal png size 900,500; set output '" + png.string() +
+                    "'; set xlabel 'step'; set ylabel 'reward'; set y2label 'KL'; set y2tics; set ytics nomirror; "
+                    "set key left top; plot '" + tsv.string() + "' using 1:2 with lines lw 2 title 'reward mean', '" +
+                    tsv.string() + "' using 1:3 axes x1y2 with lines title 'KL'\" 2>&1";
+  if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "kiln run: plotting with gnuplot failed (is gnuplot installed?)\n");
+}
+
+int64_t MetricsLog::drop_rows_from(const std::filesystem::path& dir, int64_t first_step) {
+  int64_t dropped = 0;
+  for (const std::string name : {"metrics.jsonl", "metrics.tsv"}) {
+    const bool json = name == "metrics.jsonl";
+    std::ifstream in(dir / name);
+    std::vector<std::string> keep;
+    for (std::string line; std::getline(in, line);) {
+      int64_t row_step = 0;
+      try {
+        row_step = json ? nlohmann::json::parse(line).at("step").get<int64_t>() : std::stoll(line);
+      } catch (const std::exception&) {
+        row_step = 0;  // not a row of ours: keep it
+      }
+      if (row_step < first_step) keep.push_back(line);
+      else if (json) ++dropped;
+    }
+    in.close();
+    std::ofstream out(dir / name, std::ios::trunc);
+    for (const auto& l : keep) out << l << "\n";
+  }
+  return dropped;
+}
+
+}  // namespace kiln::controller

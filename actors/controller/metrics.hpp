@@ -1,0 +1,55 @@
+#pragma once
+// Per-step metrics of a run: one JSON object per line in RUN/metrics.jsonl (every key below),
+// step / reward mean / KL in RUN/metrics.tsv for the plot (RUN/reward_kl.png, gnuplot), and a
+// progress line on stderr. Names follow the field (verl, slime): rollout_time,
+// ref_logprob_time, log_probs_time, actor_train_time, update_weights_time (seconds).
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "actors/rollout/backend.hpp"
+#include "actors/trainer/trainer_config.hpp"
+
+namespace kiln::controller {
+
+struct StepRow {
+  int64_t step = 0;
+  double reward_mean = 0, reward_std = 0;
+  double kl = 0;       ///< mean KL(pi_behaviour || ref) estimate over the step's tokens
+  double entropy = 0;  ///< mean entropy of the sampling distribution over generated tokens
+  trainer::StepMetrics train;  ///< zero when no group was trained
+  int64_t filtered_groups = 0, stale_dropped_groups = 0, trained_samples = 0;
+  std::map<int64_t, int64_t> staleness_histogram;  ///< tokens by age in versions
+  double rollout_time = 0, ref_logprob_time = 0, update_weights_time = 0;  ///< update: -1 if it failed
+  int64_t policy_version = 0;
+  double elapsed_s = 0;  ///< since the loop started
+};
+
+/// Mean reward and population std of `rewards`, mean entropy of the completions' tokens, and
+/// the mean KL estimate (actors/trainer/losses.hpp) of behaviour vs reference log-probs.
+void summarize(StepRow& row, const std::vector<float>& rewards, const std::vector<rollout::Completion>& completions,
+               const std::vector<std::vector<float>>& ref_logprobs, const std::string& kl_estimator);
+
+class MetricsLog {
+ public:
+  /// Opens RUN/metrics.{jsonl,tsv}: appended to when `first_step` > 1 (a resume), after
+  /// dropping rows of steps >= first_step (steps a resume trains again); else truncated.
+  MetricsLog(const std::filesystem::path& dir, int64_t first_step);
+  void write(const StepRow& row);
+  /// "step 3/100  reward 0.125 ±0.331  kl ..." on stderr.
+  static void print_progress(const StepRow& row, int64_t steps, int64_t prompts_per_step);
+  /// RUN/reward_kl.png from metrics.tsv (says so on stderr if gnuplot fails).
+  void plot() const;
+  /// Rows of steps >= first_step removed from RUN/metrics.{jsonl,tsv}; returns how many
+  /// metrics.jsonl rows went.
+  static int64_t drop_rows_from(const std::filesystem::path& dir, int64_t first_step);
+
+ private:
+  std::filesystem::path dir_;
+  std::ofstream jsonl_, tsv_;
+};
+
+}  // namespace kiln::controller

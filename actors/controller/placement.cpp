@@ -1,0 +1,29 @@
+#include "actors/controller/placement.hpp"
+
+#include "actors/controller/local_handles.hpp"
+#include "model/registry.hpp"
+
+namespace kiln::controller {
+
+Actors place_actors(const Config& c, const NodeSite& site) {
+  const auto& p = c.placement;
+  auto registry = model::Registry::with_plugins();
+  Actors a;
+  torch::manual_seed(uint64_t(c.run.seed));  // the trainer node seeds its policy the same way
+  if (p.trainer == "process")
+    a.trainer = std::make_unique<RemoteTrainer>(site, c);
+  else
+    a.trainer = std::make_unique<LocalTrainer>(registry.build(c.model), c.trainer_for_run(), site.gateway,
+                                               uint64_t(c.weight_sync.bucket_mib * (1 << 20)));
+  if (p.mode == "multi_process")
+    a.engines = std::make_unique<RemoteEngines>(site, c);
+  else
+    a.engines = std::make_unique<LocalEngine>(registry.build(c.model), c.rollout.engine, site.gateway);
+  if (p.reference == "process")
+    a.reference = std::make_unique<RemoteReference>(site, c, *a.trainer);
+  else
+    a.reference = std::make_unique<LocalReference>(registry.build(c.model), a.trainer->weights(false), c.trainer.logprobs);
+  return a;
+}
+
+}  // namespace kiln::controller

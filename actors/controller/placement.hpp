@@ -1,0 +1,29 @@
+#pragma once
+// Placement: where each actor of a run lives, chosen once at start from config.placement —
+// in the controller's process (local_handles.hpp) or in `kiln node` children (remote_handles.hpp):
+//   placement.mode       "single_process" | "multi_process" (engines rollout/0..N-1 in nodes)
+//   placement.reference  "controller" | "process" (ref/0 in a node)
+//   placement.trainer    "controller" | "process" (trainer/0 in a node; the controller then
+//                        holds no model)
+// The loop only sees the handles.
+#include <memory>
+
+#include "actors/controller/config.hpp"
+#include "actors/controller/handles.hpp"
+#include "actors/controller/remote_handles.hpp"
+
+namespace kiln::controller {
+
+struct Actors {
+  std::unique_ptr<TrainerHandle> trainer;
+  std::unique_ptr<RolloutEngines> engines;
+  std::unique_ptr<ReferencePolicy> reference;
+};
+
+/// Builds the run's actors. The trainer comes first: torch::manual_seed(run.seed), then its
+/// policy (in this process or in its node, the same way), whose initial weights the reference
+/// takes. Throws std::invalid_argument / std::runtime_error naming what failed (a model that
+/// cannot be built, a node that did not start); nodes started before the failure are stopped.
+Actors place_actors(const Config& config, const NodeSite& site);
+
+}  // namespace kiln::controller

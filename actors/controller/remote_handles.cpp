@@ -1,0 +1,269 @@
+#include "actors/controller/remote_handles.hpp"
+
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <fstream>
+#include <thread>
+
+#include "actors/reference/messages.hpp"
+#include "actors/rollout/messages.hpp"
+#include "actors/trainer/messages.hpp"
+#include "messaging/torch_tensor.hpp"
+
+extern char** environ;
+
+namespace kiln::controller {
+
+using namespace kiln::messaging;
+
+namespace {
+constexpr auto kInitTimeout = std::chrono::seconds(600);
+
+// Routed experts of every sample as tensor frames named PREFIX.i, or none when a sample has
+// none (the receiver then routes itself).
+std::vector<Tensor> expert_frames(const std::vector<torch::Tensor>& experts) {
+  std::vector<Tensor> out;
+  for (const auto& e : experts)
+    if (!e.defined()) return {};
+  for (std::size_t i = 0; i < experts.size(); ++i)
+    out.push_back(from_torch("routed_experts." + std::to_string(i), experts[i].contiguous()));
+  return out;
+}
+}  // namespace
+
+Node::Node(const NodeSite& site, const std::string& suffix, const std::string& actor, const std::string& pidfile)
+    : actor_(actor) {
+  // argv[0] "kiln" (the binary is /proc/self/exe): `ps` and `pgrep -f "kiln node"` show the nodes.
+  std::vector<std::string> argv = {"kiln", "node", "--name", suffix + "-node", "--bind", "ipc://" + site.tag + "-" + suffix,
+                                   "--join", site.gateway.endpoint(), "--actor", actor,
+                                   "--exit-with-parent", std::to_string(::getpid())};  // no orphans
+  std::vector<char*> args;
+  for (auto& a : argv) args.push_back(a.data());
+  args.push_back(nullptr);
+  if (posix_spawn(&pid_, "/proc/self/exe", nullptr, nullptr, args.data(), environ) != 0)
+    throw std::runtime_error("cannot start the node process for " + actor);
+  std::ofstream(site.dir / pidfile) << pid_ << "\n";
+  // Up to 60 s to join, but a node process that exits first is reported at once.
+  for (int waited_ms = 0;; waited_ms += 200) {
+    auto up = site.gateway.wait_for_actor(actor, std::chrono::milliseconds(200));
+    if (up) return;
+    int status = 0;
+    if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+      pid_ = -1;
+      throw std::runtime_error("the node process for " + actor + " exited before it joined (" +
+                               (WIFSIGNALED(status) ? "killed by signal " + std::to_string(WTERMSIG(status))
+                                                    : "exit code " + std::to_string(WEXITSTATUS(status))) +
+                               ")");
+    }
+    if (waited_ms >= 60000) {
+      stop();  // no destructor runs for a constructor that throws
+      throw std::runtime_error("the node for " + actor + " did not join within 60 s: " + up.error().what());
+    }
+  }
+}
+
+Node::~Node() { stop(); }
+
+void Node::stop() {
+  if (pid_ <= 0) return;
+  ::kill(pid_, SIGTERM);
+  int status = 0;
+  // A node gets 5 s to stop (it stops its actors); a frozen one (SIGSTOP) is then killed.
+  for (int i = 0; i < 100 && ::waitpid(pid_, &status, WNOHANG) == 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  if (::waitpid(pid_, &status, WNOHANG) == 0) {
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, &status, 0);
+  }
+  pid_ = -1;
+}
+
+RemoteTrainer::RemoteTrainer(const NodeSite& site, const Config& c)
+    : gw_(site.gateway), node_(site, "trainer", "trainer/0", "trainer_node.pid") {
+  TrainerInit init{c.model, c.run.seed, c.trainer_for_run(), c.weight_sync.bucket_mib};
+  Envelope r;
+  try {
+    r = call(make_envelope(init, Kind::request, "controller", node_.actor()), kInitTimeout);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(std::string("the trainer node could not build its policy: ") + e.what());
+  }
+  auto ready = payload_as<TrainerReady>(r);
+  if (!ready) throw std::runtime_error(std::string("trainer node: ") + ready.error().what());
+  version_ = ready->policy_version;
+  vocab_size_ = ready->vocab_size;
+}
+
+Envelope RemoteTrainer::call(Envelope request, std::chrono::seconds timeout) {
+  const std::string type = request.type;
+  auto r = gw_.request(std::move(request), timeout).get();
+  if (r) return std::move(*r);
+  // A remote_error from a push is the target's failure (the trainer answered); anything else
+  // (peer_lost, timeout, ...) is the trainer node's: its state since the last checkpoint is gone.
+  if (type == TrainerPushWeights::kType && r.error().code == ErrorCode::remote_error)
+    throw std::runtime_error("rollout node failed: " + r.error().message);
+  if (r.error().code == ErrorCode::remote_error)
+    throw std::runtime_error("trainer node " + node_.actor() + ": " + type + ": " + r.error().what());
+  throw PolicyLost("trainer node " + node_.actor() + ": " + type + ": " + r.error().what());
+}
+
+trainer::StepMetrics RemoteTrainer::train(std::vector<trainer::Sample> samples) {
+  TrainerTrain q;
+  std::vector<torch::Tensor> experts;
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    auto& s = samples[i];
+    q.samples.push_back({uint64_t(i), std::move(s.prompt), std::move(s.completion), std::move(s.behavior_logprobs),
+                         std::move(s.ref_logprobs), s.advantage});
+    experts.push_back(s.routed_experts);
+  }
+  auto env = make_envelope(q, Kind::request, "controller", node_.actor());
+  env.tensors = expert_frames(experts);
+  auto res = payload_as<TrainerStepResult>(call(std::move(env), std::chrono::seconds(3600)));
+  if (!res) throw std::runtime_error(std::string("trainer node: ") + res.error().what());
+  version_ = res->policy_version;
+  return res->metrics;
+}
+
+void RemoteTrainer::send(const PolicyWeights&, const std::vector<std::string>& targets) {
+  auto r = call(make_envelope(TrainerPushWeights{targets}, Kind::request, "controller", node_.actor()), kInitTimeout);
+  if (auto res = payload_as<TrainerPushed>(r); !res) throw std::runtime_error(std::string("trainer node: ") + res.error().what());
+}
+
+void RemoteTrainer::save(const std::filesystem::path& dir, const trainer::CheckpointState& state) {
+  call(make_envelope(TrainerSave{dir.string(), state.step, state.prompt_rng}, Kind::request, "controller", node_.actor()),
+       kInitTimeout);
+}
+
+trainer::CheckpointState RemoteTrainer::load(const std::filesystem::path& dir) {
+  auto state = trainer::read_checkpoint_state(dir);  // the loop's part; the node loads the rest
+  auto res = payload_as<TrainerReady>(
+      call(make_envelope(TrainerLoad{dir.string()}, Kind::request, "controller", node_.actor()), kInitTimeout));
+  if (!res) throw std::runtime_error(std::string("trainer node: ") + res.error().what());
+  version_ = res->policy_version;
+  return state;
+}
+
+RemoteEngines::RemoteEngines(const NodeSite& site, const Config& c)
+    : gw_(site.gateway), group_size_(c.algorithm.samples_per_prompt) {
+  for (int64_t i = 0; i < c.placement.rollout_engines; ++i) {
+    const auto index = std::to_string(i);
+    nodes_.push_back(std::make_unique<Node>(site, i == 0 ? "rollout" : "rollout-" + index, "rollout/" + index,
+                                            i == 0 ? "rollout_node.pid" : "rollout_node_" + index + ".pid"));
+    auto r = gw_.request(make_envelope(RolloutInit{c.model, c.rollout.engine}, Kind::request, "controller",
+                                       nodes_.back()->actor()),
+                         std::chrono::seconds(300))
+                 .get();
+    if (!r)
+      throw std::runtime_error("the rollout node " + nodes_.back()->actor() + " could not build its engine: " +
+                               r.error().what());
+  }
+}
+
+std::vector<rollout::Completion> RemoteEngines::generate(std::vector<rollout::GenerationRequest> requests,
+                                                         const std::function<void()>&) {
+  // Whole prompt groups to each engine, contiguous shares; all engines work at once.
+  const int64_t groups = int64_t(requests.size()) / group_size_, N = int64_t(nodes_.size());
+  std::map<uint64_t, std::vector<int64_t>> prompts;  // by request id
+  std::vector<std::future<Expected<Envelope>>> replies;
+  std::vector<std::size_t> counts;
+  for (int64_t i = 0; i < N; ++i) {
+    RolloutGenerate g;
+    for (int64_t k = groups * i / N * group_size_; k < groups * (i + 1) / N * group_size_; ++k) {
+      const auto& q = requests[std::size_t(k)];
+      const auto& sp = q.sampling;
+      prompts[q.id] = q.prompt;
+      g.requests.push_back({q.id, q.prompt, sp.temperature, sp.top_p, sp.top_k, sp.max_new_tokens, sp.seed,
+                            sp.stop_token_ids});
+    }
+    counts.push_back(g.requests.size());
+    replies.push_back(gw_.request(make_envelope(g, Kind::request, "controller", nodes_[std::size_t(i)]->actor()),
+                                  std::chrono::seconds(900)));
+  }
+  std::vector<rollout::Completion> out;
+  for (int64_t i = 0; i < N; ++i) {  // throws on a lost node, naming it
+    const std::string who = "rollout node " + nodes_[std::size_t(i)]->actor();
+    auto r = replies[std::size_t(i)].get();
+    if (!r) throw std::runtime_error(who + ": " + r.error().what());
+    auto res = payload_as<RolloutResult>(*r);
+    if (!res) throw std::runtime_error(who + ": " + res.error().what());
+    if (res->completions.size() != r->tensors.size() || res->completions.size() != counts[std::size_t(i)])
+      throw std::runtime_error(who + " answered " + std::to_string(res->completions.size()) + " completions for " +
+                               std::to_string(counts[std::size_t(i)]) + " requests");
+    for (std::size_t k = 0; k < res->completions.size(); ++k) {
+      auto& sp = res->completions[k];
+      auto it = prompts.find(sp.id);
+      if (it == prompts.end()) throw std::runtime_error(who + " answered an unknown request id " + std::to_string(sp.id));
+      rollout::Completion c;
+      c.id = sp.id;
+      c.prompt = it->second;
+      c.tokens = std::move(sp.tokens);
+      c.logprobs = std::move(sp.logprobs);
+      c.entropies = std::move(sp.entropies);
+      c.policy_versions = std::move(sp.policy_versions);
+      c.finish_reason = sp.finish_reason == "stop" ? rollout::FinishReason::stop : rollout::FinishReason::length;
+      c.time_to_first_token_s = sp.time_to_first_token_s;
+      c.routed_experts = to_torch(r->tensors[k]).clone();
+      out.push_back(std::move(c));
+    }
+  }
+  std::sort(out.begin(), out.end(), [](const auto& x, const auto& y) { return x.id < y.id; });
+  return out;
+}
+
+void RemoteEngines::load(const PolicyWeights& w, TrainerHandle& trainer) {
+  std::vector<std::string> targets;
+  for (const auto& n : nodes_) targets.push_back(n->actor());
+  try {
+    trainer.send(w, targets);
+  } catch (const PolicyLost&) {
+    throw;
+  } catch (const std::exception& e) {
+    const std::string what = e.what();  // names the engine; say that it is a rollout node
+    throw std::runtime_error(what.rfind("rollout node", 0) == 0 ? what : "rollout node " + what);
+  }
+}
+
+RemoteReference::RemoteReference(const NodeSite& site, const Config& c, TrainerHandle& initial)
+    : gw_(site.gateway), routing_replay_(c.trainer.logprobs.routing_replay), node_(site, "ref", "ref/0", "ref_node.pid") {
+  auto r = gw_.request(make_envelope(RefInit{c.model, c.trainer.logprobs}, Kind::request, "controller", node_.actor()),
+                       std::chrono::seconds(300))
+               .get();
+  if (!r) throw std::runtime_error(std::string("the reference node could not build its model: ") + r.error().what());
+  try {  // the frozen reference: the initial policy's weights, checked by the node
+    initial.send(initial.weights(false), {node_.actor()});
+  } catch (const PolicyLost&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw std::runtime_error(std::string("reference node: weight sync: ") + e.what());
+  }
+}
+
+std::vector<std::vector<float>> RemoteReference::logprobs(const std::vector<rollout::Completion>& completions) {
+  const std::string who = "reference node " + node_.actor();
+  RefLogprobs q;
+  std::vector<torch::Tensor> experts;
+  for (const auto& s : completions) {
+    q.samples.push_back({s.id, s.prompt, s.tokens});
+    experts.push_back(s.routed_experts);
+  }
+  auto env = make_envelope(q, Kind::request, "controller", node_.actor());
+  if (routing_replay_) env.tensors = expert_frames(experts);
+  auto r = gw_.request(std::move(env), std::chrono::seconds(900)).get();
+  if (!r) throw std::runtime_error(who + ": " + r.error().what());
+  auto res = payload_as<RefLogprobsResult>(*r);
+  if (!res) throw std::runtime_error(who + ": " + res.error().what());
+  if (res->logprobs.size() != completions.size())
+    throw std::runtime_error("reference node answered " + std::to_string(res->logprobs.size()) + " samples for " +
+                             std::to_string(completions.size()));
+  for (std::size_t i = 0; i < completions.size(); ++i)
+    if (res->logprobs[i].size() != completions[i].tokens.size())
+      throw std::runtime_error("reference node answered " + std::to_string(res->logprobs[i].size()) +
+                               " log-probs for a completion of " + std::to_string(completions[i].tokens.size()) +
+                               " tokens");
+  return std::move(res->logprobs);
+}
+
+}  // namespace kiln::controller

@@ -1,0 +1,96 @@
+#pragma once
+// The actors in `kiln node` child processes (placement.mode = "multi_process"): engines as
+// rollout/0..N-1, the reference as ref/0, the trainer as trainer/0. Each handle starts its
+// node(s) (the nodes join the controller's gateway, the graph root, and exit with it), sends
+// the init message and then drives the actor with requests. A node that dies fails the
+// request in flight at once (peer loss), with an error naming the node.
+#include <sys/types.h>
+
+#include <atomic>
+#include <future>
+#include <map>
+#include <memory>
+
+#include "actors/controller/config.hpp"
+#include "actors/controller/handles.hpp"
+#include "messaging/gateway.hpp"
+
+namespace kiln::controller {
+
+/// Where the run's nodes live: the controller's gateway (the root they join), the run's
+/// socket tag (/tmp/kiln-run-PID: nodes bind ipc://TAG-SUFFIX) and directory (pid files).
+struct NodeSite {
+  messaging::Gateway& gateway;
+  std::string tag;
+  std::filesystem::path dir;
+};
+
+/// A `kiln node` child process hosting one actor (`kiln node --name SUFFIX-node --bind
+/// ipc://TAG-SUFFIX --join ROOT --actor ACTOR --exit-with-parent PID`). Its pid is written to
+/// DIR/PIDFILE. Stopped (SIGTERM, SIGKILL after 5 s) on destruction.
+class Node {
+ public:
+  /// Starts the node and waits until its actor joined (up to 60 s; a node that exits first
+  /// is reported at once). Throws std::runtime_error naming the actor.
+  Node(const NodeSite& site, const std::string& suffix, const std::string& actor, const std::string& pidfile);
+  ~Node();
+  Node(const Node&) = delete;
+  Node& operator=(const Node&) = delete;
+  const std::string& actor() const { return actor_; }
+
+ private:
+  void stop();
+  std::string actor_;
+  pid_t pid_ = -1;
+};
+
+/// The trainer in a node (trainer/0): it builds the seeded initial policy itself, trains on
+/// the batches sent to it, streams each version to engines and reference, writes checkpoints.
+/// Failures of the node itself throw PolicyLost; a push target's failure std::runtime_error.
+class RemoteTrainer : public TrainerHandle {
+ public:
+  RemoteTrainer(const NodeSite& site, const Config& config);
+  int64_t version() const override { return version_; }
+  int64_t vocab_size() const override { return vocab_size_; }
+  trainer::StepMetrics train(std::vector<trainer::Sample> samples) override;
+  PolicyWeights weights(bool) override { return {version_.load(), {}}; }  ///< the node streams them
+  void send(const PolicyWeights& w, const std::vector<std::string>& targets) override;
+  void save(const std::filesystem::path& dir, const trainer::CheckpointState& state) override;
+  trainer::CheckpointState load(const std::filesystem::path& dir) override;
+
+ private:
+  messaging::Envelope call(messaging::Envelope request, std::chrono::seconds timeout);
+  messaging::Gateway& gw_;
+  Node node_;
+  std::atomic<int64_t> version_{0};
+  int64_t vocab_size_ = 0;
+};
+
+/// placement.rollout_engines engines, each in a node (rollout/0..N-1); each request's prompt
+/// groups are split into contiguous shares, all engines generate at once.
+class RemoteEngines : public RolloutEngines {
+ public:
+  RemoteEngines(const NodeSite& site, const Config& config);
+  std::vector<rollout::Completion> generate(std::vector<rollout::GenerationRequest> requests,
+                                            const std::function<void()>& between_steps) override;
+  void load(const PolicyWeights& w, TrainerHandle& trainer) override;
+
+ private:
+  messaging::Gateway& gw_;
+  int64_t group_size_;
+  std::vector<std::unique_ptr<Node>> nodes_;
+};
+
+/// The reference in a node (ref/0), loaded with the trainer's initial weights.
+class RemoteReference : public ReferencePolicy {
+ public:
+  RemoteReference(const NodeSite& site, const Config& config, TrainerHandle& initial);
+  std::vector<std::vector<float>> logprobs(const std::vector<rollout::Completion>& completions) override;
+
+ private:
+  messaging::Gateway& gw_;
+  bool routing_replay_;
+  Node node_;
+};
+
+}  // namespace kiln::controller

@@ -1,0 +1,19 @@
+#pragma once
+// The in-process engine's settings (actors/rollout/engine.hpp): one type for the experiment
+// file's [rollout] keys and the rollout.init message. Torch-free.
+#include <cstdint>
+
+#include <msgpack.hpp>
+
+namespace kiln::rollout {
+
+struct EngineOptions {
+  int64_t cache_blocks = 512;         ///< pages in the cache (the memory bound)
+  int64_t block_size = 16;            ///< tokens per page
+  int64_t max_batch = 64;             ///< sequences decoding at once
+  int64_t max_prefill_tokens = 8192;  ///< prompt tokens admitted per step
+  int64_t step_delay_ms = 0;          ///< testing: sleep after each step that did work (slow rollouts)
+  MSGPACK_DEFINE_MAP(cache_blocks, block_size, max_batch, max_prefill_tokens, step_delay_ms);
+};
+
+}  // namespace kiln::rollout

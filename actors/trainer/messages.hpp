@@ -1,0 +1,95 @@
+#pragma once
+// Wire schema of the trainer family (trainer.*), spoken by the trainer actor
+// (actors/trainer/trainer_service.hpp). docs/wire-format.md is the contract.
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "messaging/schema.hpp"
+#include "actors/trainer/trainer_config.hpp"
+#include "model/model_spec.hpp"
+
+namespace kiln::messaging {
+
+/// The policy trainer in another process (actor trainer/N, answered with TrainerReady): builds
+/// the policy as a one-process run does (torch::manual_seed(seed), then the registry), on
+/// model.device in model.dtype, with the trainer settings.
+struct TrainerInit {
+  static constexpr std::string_view kType = "trainer.init";
+  static constexpr uint32_t kVersion = 2;
+  model::ModelSpec model;
+  int64_t seed = 1;
+  trainer::TrainerConfig trainer;
+  double bucket_mib = 64;  ///< weight-sync bucket size for trainer.push_weights
+  MSGPACK_DEFINE_MAP(model, seed, trainer, bucket_mib);
+};
+/// Answer to trainer.init and trainer.load.
+struct TrainerReady {
+  static constexpr std::string_view kType = "trainer.ready";
+  static constexpr uint32_t kVersion = 1;
+  int64_t policy_version = 0;
+  int64_t vocab_size = 0;
+  MSGPACK_DEFINE_MAP(policy_version, vocab_size);
+};
+/// Load a checkpoint written by trainer.save (or by a one-process run) into the policy and
+/// optimizer (answered with TrainerReady: the saved version).
+struct TrainerLoad {
+  static constexpr std::string_view kType = "trainer.load";
+  static constexpr uint32_t kVersion = 1;
+  std::string dir;
+  MSGPACK_DEFINE_MAP(dir);
+};
+/// One sample inside TrainerTrain (not a message type by itself).
+struct TrainerSampleSpec {
+  uint64_t id = 0;
+  std::vector<int64_t> prompt, completion;
+  std::vector<float> behavior_logprobs;  ///< [n] from the rollout
+  std::vector<float> ref_logprobs;       ///< [n] or empty (KL off)
+  float advantage = 0;
+  MSGPACK_DEFINE_MAP(id, prompt, completion, behavior_logprobs, ref_logprobs, advantage);
+};
+/// One optimizer step on these samples (answered with TrainerStepResult). Tensor i, when
+/// present for every sample, is sample i's routed experts [P + n - 1, L, K] I64 (routing replay).
+struct TrainerTrain {
+  static constexpr std::string_view kType = "trainer.train";
+  static constexpr uint32_t kVersion = 1;
+  std::vector<TrainerSampleSpec> samples;
+  MSGPACK_DEFINE_MAP(samples);
+};
+struct TrainerStepResult {
+  static constexpr std::string_view kType = "trainer.step_result";
+  static constexpr uint32_t kVersion = 2;
+  trainer::StepMetrics metrics;
+  int64_t policy_version = 0;  ///< after the step
+  MSGPACK_DEFINE_MAP(metrics, policy_version);
+};
+/// Stream the current policy version to each target actor (weight_sync.bucket/commit, checked
+/// by the receiver) before answering TrainerPushed; an error names the target that failed.
+struct TrainerPushWeights {
+  static constexpr std::string_view kType = "trainer.push_weights";
+  static constexpr uint32_t kVersion = 1;
+  std::vector<std::string> targets;
+  MSGPACK_DEFINE_MAP(targets);
+};
+struct TrainerPushed {
+  static constexpr std::string_view kType = "trainer.pushed";
+  static constexpr uint32_t kVersion = 1;
+  int64_t policy_version = 0;
+  MSGPACK_DEFINE_MAP(policy_version);
+};
+/// Write a checkpoint (actors/trainer/checkpoint.hpp) into `dir` (answered with TrainerPushed:
+/// the saved version).
+struct TrainerSave {
+  static constexpr std::string_view kType = "trainer.save";
+  static constexpr uint32_t kVersion = 1;
+  std::string dir;
+  int64_t step = 0;
+  std::string prompt_rng;
+  MSGPACK_DEFINE_MAP(dir, step, prompt_rng);
+};
+
+/// Every type above is spoken by a program that includes this header.
+inline const bool kTrainerMessages = declare_message_types<TrainerInit, TrainerReady, TrainerLoad, TrainerTrain, TrainerStepResult, TrainerPushWeights, TrainerPushed, TrainerSave>();
+
+}  // namespace kiln::messaging

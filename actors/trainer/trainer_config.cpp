@@ -1,0 +1,35 @@
+#include "actors/trainer/trainer_config.hpp"
+
+#include <stdexcept>
+
+namespace kiln::trainer {
+
+void TrainerConfig::validate(const FieldName& name) const {
+  auto need = [&](bool ok, const std::string& field, const std::string& why) {
+    if (!ok) throw std::invalid_argument((name ? name(field) : "trainer config: " + field) + " " + why);
+  };
+  need(logprobs.max_tokens_per_microbatch >= 1, "max_tokens_per_microbatch", "must be >= 1");
+  need(logprobs.temperature > 0, "temperature", "must be > 0");
+  need(logprobs.chunk >= 1, "chunk", "must be >= 1");
+  need(lr > 0, "lr", "must be > 0");
+  need(weight_decay >= 0, "weight_decay", "must be >= 0");
+  need(grad_clip >= 0, "grad_clip", "must be >= 0 (0: no clipping)");
+  need(beta1 >= 0 && beta1 < 1, "beta1", "must be in [0, 1)");
+  need(beta2 >= 0 && beta2 < 1, "beta2", "must be in [0, 1)");
+  need(lr_schedule == "constant" || lr_schedule == "cosine", "lr_schedule",
+       "must be \"constant\" or \"cosine\", got \"" + lr_schedule + "\"");
+  need(warmup_steps >= 0, "warmup_steps", "must be >= 0");
+  need(lr_schedule != "cosine" || total_steps >= 1, "total_steps", "must be >= 1 with lr_schedule \"cosine\"");
+  need(min_lr_ratio >= 0 && min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]");
+  need(loss.clip_low >= 0 && loss.clip_low < 1, "clip_low", "must be in [0, 1)");
+  need(loss.clip_high >= 0, "clip_high", "must be >= 0");
+  need(loss.kl_coef >= 0, "kl_coef", "must be >= 0");
+  need(loss.entropy_coef >= 0, "entropy_coef", "must be >= 0");
+  need(loss.tis_cap > 0, "tis_cap", "must be > 0");
+  need(loss.kl_estimator == "k1" || loss.kl_estimator == "k2" || loss.kl_estimator == "k3", "kl_estimator",
+       "must be \"k1\", \"k2\" or \"k3\", got \"" + loss.kl_estimator + "\"");
+  need(loss.aggregation == "token_mean" || loss.aggregation == "sequence_mean", "aggregation",
+       "must be \"token_mean\" or \"sequence_mean\", got \"" + loss.aggregation + "\"");
+}
+
+}  // namespace kiln::trainer

@@ -1,0 +1,77 @@
+#pragma once
+// The trainer's settings and a step's metrics: one type each, torch-free and serialisable as
+// they are (msgpack maps), nested in the experiment config (actors/controller/config.hpp) and
+// in the trainer's wire messages (actors/trainer/messages.hpp). Experiment files set them
+// under [algorithm] (docs/experiments.md lists every key).
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include <msgpack.hpp>
+
+namespace kiln::trainer {
+
+/// How per-token log-probs are computed: shared by the trainer (pi and pi_old) and the
+/// reference policy, so that ratios and KL compare like with like.
+struct LogprobConfig {
+  int64_t max_tokens_per_microbatch = 4096;  ///< tokens packed into one forward
+  bool routing_replay = true;                ///< use the rollout's expert ids in the forward (R3)
+  /// Sampling temperature of the rollouts: log-probs are log_softmax(logits / temperature),
+  /// the convention of actors/rollout/sampling.hpp.
+  double temperature = 1.0;
+  int64_t chunk = 1024;                      ///< vocabulary-projection chunk, tokens
+  MSGPACK_DEFINE_MAP(max_tokens_per_microbatch, routing_replay, temperature, chunk);
+};
+
+/// The RL loss (actors/trainer/losses.hpp has the formulas).
+struct PolicyLossConfig {
+  double clip_low = 0.2;    ///< ratio floor 1 - clip_low
+  double clip_high = 0.28;  ///< ratio ceiling 1 + clip_high (clip-higher, DAPO arXiv:2503.14476)
+  std::string aggregation = "token_mean";  ///< "token_mean" | "sequence_mean"
+  double kl_coef = 0.0;
+  std::string kl_estimator = "k3";  ///< "k1" | "k2" | "k3"
+  double entropy_coef = 0.0;
+  /// Truncated importance sampling for stale tokens: each token's loss is weighted by
+  /// min(exp(old_logprob - behavior_logprob), tis_cap) (detached); <= 0 turns it off.
+  double tis_cap = 2.0;
+  MSGPACK_DEFINE_MAP(clip_low, clip_high, aggregation, kl_coef, kl_estimator, entropy_coef, tis_cap);
+};
+
+struct TrainerConfig {
+  LogprobConfig logprobs;
+  double lr = 1e-3;
+  double weight_decay = 0.0;
+  double beta1 = 0.9, beta2 = 0.999;
+  double grad_clip = 1.0;                ///< max global gradient norm; <= 0 turns clipping off
+  std::string lr_schedule = "constant";  ///< "constant" | "cosine" (after linear warmup)
+  int64_t warmup_steps = 0;
+  int64_t total_steps = 0;               ///< for "cosine"
+  double min_lr_ratio = 0.1;             ///< cosine floor, fraction of lr
+  /// pi_old from a separate no-grad pass before the update (verl/slime "recompute old
+  /// log-prob", timed as log_probs_time) instead of the training forward's detached values.
+  bool recompute_old_logprobs = false;
+  PolicyLossConfig loss;
+  MSGPACK_DEFINE_MAP(logprobs, lr, weight_decay, beta1, beta2, grad_clip, lr_schedule, warmup_steps, total_steps,
+                     min_lr_ratio, recompute_old_logprobs, loss);
+
+  /// What a field is called where the settings came from, for error messages: e.g.
+  /// "experiment: key 'algorithm.lr'" for "lr". Default: "trainer config: lr".
+  using FieldName = std::function<std::string(const std::string& field)>;
+  /// Checks ranges and names; throws std::invalid_argument "<name(field)> <why>" for the
+  /// first field out of range (fields: the leaf names above).
+  void validate(const FieldName& name = {}) const;
+};
+
+/// One optimizer step's metrics, as the controller logs them.
+struct StepMetrics {
+  double loss = 0, pg_loss = 0, kl = 0, clip_fraction = 0, grad_norm = 0, lr = 0;
+  double entropy = 0;  ///< mean policy entropy over trained tokens (computed when entropy_coef > 0)
+  double train_rollout_logprob_abs_diff = 0;  ///< mean |policy - behaviour| log-prob over trained tokens
+  int64_t micro_batches = 0, tokens = 0, loss_tokens = 0;
+  double actor_train_time = 0;  ///< seconds of the optimizer step
+  double log_probs_time = 0;    ///< seconds of the separate pi_old pass (0: none)
+  MSGPACK_DEFINE_MAP(loss, pg_loss, kl, clip_fraction, grad_norm, lr, entropy, train_rollout_logprob_abs_diff,
+                     micro_batches, tokens, loss_tokens, actor_train_time, log_probs_time);
+};
+
+}  // namespace kiln::trainer
