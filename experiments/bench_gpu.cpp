@@ -1,4 +1,5 @@
 #include "experiments/bench_gpu.hpp"
+#include "messaging/stopwatch.hpp"
 
 #include <torch/torch.h>
 
@@ -23,7 +24,6 @@
 namespace kiln::experiments {
 
 namespace {
-using Clock = std::chrono::steady_clock;
 
 // Median seconds of `steps` runs after `warmup` runs, the device synchronised around each.
 template <class F>
@@ -32,10 +32,10 @@ double median_seconds(int warmup, int steps, F fn) {
   torch::cuda::synchronize();
   std::vector<double> t;
   for (int i = 0; i < steps; ++i) {
-    auto t0 = Clock::now();
+    const messaging::Stopwatch t0;
     fn();
     torch::cuda::synchronize();
-    t.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    t.push_back(t0.seconds());
   }
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
@@ -175,10 +175,10 @@ int run_gpu_bench(const GpuBenchOptions& o) {
     reqs.push_back(std::move(r));
   }
   torch::cuda::synchronize();
-  auto tr0 = Clock::now();
+  const messaging::Stopwatch tr0;
   auto completions = engine.generate(reqs);
   torch::cuda::synchronize();
-  const double rollout_s = std::chrono::duration<double>(Clock::now() - tr0).count();
+  const double rollout_s = tr0.seconds();
   std::vector<trainer::Sample> samples;
   int64_t gen_tokens = 0;
   for (auto& c : completions) {

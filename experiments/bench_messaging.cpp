@@ -1,4 +1,5 @@
 #include "experiments/bench_messaging.hpp"
+#include "messaging/stopwatch.hpp"
 
 #include <unistd.h>
 
@@ -17,11 +18,9 @@
 namespace kiln::experiments {
 
 namespace {
-using Clock = std::chrono::steady_clock;
 using messaging::Envelope;
 using messaging::Gateway;
 
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 struct Counter {
   std::mutex mu;
@@ -63,10 +62,10 @@ double bench_kiln(const std::string& transport, int cell, const messaging::Tenso
   };
   send(0);  // warm-up: connection set up
   got.wait_for(1);
-  auto t0 = Clock::now();
+  const messaging::Stopwatch t0;
   for (std::size_t i = 0; i < count; ++i) send(i + 1);
   got.wait_for(count + 1);
-  return double(t.nbytes) * count / seconds_since(t0) / 1e9;
+  return double(t.nbytes) * count / t0.seconds() / 1e9;
 }
 
 // Raw ZeroMQ: the same DEALER -> ROUTER pattern, one zero-copy frame of the same bytes.
@@ -91,23 +90,23 @@ double bench_raw(const std::string& transport, int cell, const messaging::Tensor
   };
   send();
   recv();
-  auto t0 = Clock::now();
+  const messaging::Stopwatch t0;
   std::thread rx([&] {
     for (std::size_t i = 0; i < count; ++i) recv();
   });
   for (std::size_t i = 0; i < count; ++i) send();
   rx.join();
-  return double(t.nbytes) * count / seconds_since(t0) / 1e9;
+  return double(t.nbytes) * count / t0.seconds() / 1e9;
 }
 
 double bench_memcpy(const messaging::Tensor& t, std::size_t count) {
   auto dst = messaging::Tensor::zeros("dst", t.dtype, t.shape);
-  auto t0 = Clock::now();
+  const messaging::Stopwatch t0;
   for (std::size_t i = 0; i < count; ++i) {
     std::memcpy(dst.mutable_data(), t.data, t.nbytes);
     asm volatile("" ::"r"(dst.data) : "memory");  // keep the copy
   }
-  return double(t.nbytes) * count / seconds_since(t0) / 1e9;
+  return double(t.nbytes) * count / t0.seconds() / 1e9;
 }
 }  // namespace
 

@@ -1,4 +1,5 @@
 #include "experiments/bench_model.hpp"
+#include "messaging/stopwatch.hpp"
 
 #include <torch/torch.h>
 
@@ -11,15 +12,14 @@
 namespace kiln::experiments {
 
 namespace {
-using Clock = std::chrono::steady_clock;
 
 template <class F>
 double best_seconds(int repeats, F fn) {
   double best = 1e30;
   for (int r = 0; r < repeats; ++r) {
-    auto t0 = Clock::now();
+    const messaging::Stopwatch t0;
     fn();
-    best = std::min(best, std::chrono::duration<double>(Clock::now() - t0).count());
+    best = std::min(best, t0.seconds());
   }
   return best;
 }

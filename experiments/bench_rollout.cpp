@@ -1,4 +1,5 @@
 #include "experiments/bench_rollout.hpp"
+#include "messaging/stopwatch.hpp"
 
 #include <torch/torch.h>
 
@@ -11,7 +12,6 @@
 namespace kiln::experiments {
 
 int run_rollout_bench(const RolloutBenchOptions& o) {
-  using Clock = std::chrono::steady_clock;
   torch::manual_seed(0);
   auto model = std::make_shared<model::glm4_moe_lite::Glm4MoeLiteModel>(model::glm4_moe_lite::flavors::by_name(o.flavor));
   std::printf("kiln bench rollout: glm4_moe_lite/%s, prompt %lld tokens, %lld new tokens per request (no early stop), "
@@ -41,14 +41,14 @@ int run_rollout_bench(const RolloutBenchOptions& o) {
     eo.max_batch = B;
     eo.cache_blocks = B * ((o.prompt_tokens + o.new_tokens + 15) / 16);
     rollout::Engine engine(model, eo);
-    auto t0 = Clock::now();
+    messaging::Stopwatch t0;
     auto done = engine.generate(reqs);
-    double engine_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    double engine_s = t0.seconds();
     double ttft = 0;
     for (const auto& c : done) ttft += c.time_to_first_token_s / double(done.size());
-    t0 = Clock::now();
+    t0.restart();
     auto ref = rollout::generate_without_cache(*model, reqs);
-    double ref_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    double ref_s = t0.seconds();
     double ref_ttft = 0;
     for (const auto& c : ref) ref_ttft += c.time_to_first_token_s / double(ref.size());
     const double tokens = double(B * o.new_tokens);

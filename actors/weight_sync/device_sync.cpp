@@ -1,4 +1,5 @@
 #include "actors/weight_sync/device_sync.hpp"
+#include "messaging/stopwatch.hpp"
 
 #include "kernels/checksum.hpp"
 
@@ -54,7 +55,7 @@ DeviceSyncStats copy_weights_device(torch::nn::Module& src, torch::nn::Module& d
   DeviceSyncStats st;
   torch::NoGradGuard no_grad;
   sync_device(s.begin()->second);
-  const auto t0 = std::chrono::steady_clock::now();
+  const messaging::Stopwatch t0;
   // One zeroed buffer for the whole update: row 0 the sender's checksums, row 1 the engine's,
   // one column per tensor in bucket order; compared once, after the last bucket.
   torch::Tensor sums;
@@ -92,7 +93,7 @@ DeviceSyncStats copy_weights_device(torch::nn::Module& src, torch::nn::Module& d
     if (!names.empty()) throw std::runtime_error("weight sync: engine copy differs from the trainer's for " + names);
   }
   sync_device(s.begin()->second);
-  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  st.seconds = t0.seconds();
   st.verified = verify;
   return st;
 }

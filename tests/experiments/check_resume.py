@@ -3,7 +3,8 @@
 run B resumes from A's step-4 checkpoint; steps 5-8 must give the same metrics (data order
 from the restored RNG, weights, optimizer state). Also: the checkpoint is HF layout; and
 recompute_old_logprobs (a separate pi_old pass, timed as log_probs_time) trains step 1 alike;
-a resume with nothing left to train, or from a checkpoint without optimizer.pt, is refused.
+a resume with nothing left to train, or from a checkpoint without optimizer.pt, is refused; a
+resume in place re-saves checkpoints that exist.
 Usage: check_resume.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
 import json, os, shutil, subprocess, sys
 
@@ -25,6 +26,10 @@ shutil.copytree(ck, f"{work}/noopt")
 os.remove(f"{work}/noopt/optimizer.pt")
 noopt = subprocess.run([kiln, "run", *common, "--set", f"run.output_dir={work}/d", "--set", f"run.resume_from={work}/noopt"],
                        capture_output=True, text=True, timeout=600)
+# Resuming run A in place re-saves step_000008, which exists: that replaced directory used to
+# crash the run (std::filesystem::remove_all bound to libtorch's copy: exit 139).
+again = subprocess.run([kiln, "run", *common, "--set", f"run.output_dir={work}/a", "--set", "run.checkpoint_every=4",
+                        "--set", f"run.resume_from={ck}"], capture_output=True, text=True, timeout=600)
 rec = subprocess.run([kiln, "run", *common, "--set", f"run.output_dir={work}/r",
                       "--set", "algorithm.recompute_old_logprobs=true"], capture_output=True, text=True, timeout=600)
 checks = [(a.returncode == 0, f"run A exits 0 ({a.stderr[-300:]})"), (b.returncode == 0, f"resumed run exits 0 ({b.stderr[-300:]})"),
@@ -54,8 +59,11 @@ if a.returncode == 0 and b.returncode == 0:
 checks.append((bad.returncode == 2 and "cannot resume" in bad.stderr, f"a missing checkpoint is a clear error ({bad.stderr.strip()[-200:]})"))
 checks.append((done.returncode == 2 and "nothing to train" in done.stderr,
                f"resuming step 4 with run.steps = 4 is refused ({done.stderr.strip()[-200:]})"))
+checks.append((again.returncode == 0, f"resuming run A in place re-saves an existing checkpoint (exit {again.returncode}: {again.stderr[-300:]})"))
 if a.returncode == 0:
-    checks.append((len(open(f"{work}/a/metrics.jsonl").read().splitlines()) == 8, "the refused resume left run A's metrics alone"))
+    steps = [json.loads(l)["step"] for l in open(f"{work}/a/metrics.jsonl")]
+    checks.append((steps == list(range(1, 9)), f"run A's metrics hold steps 1-8 once each after the refused and the in-place resume ({steps})"))
+    checks.append((os.path.exists(f"{work}/a/checkpoints/step_000008/state.json"), "step_000008 re-saved"))
     checks.append((not any(d.endswith(".partial") for d in os.listdir(f"{work}/a/checkpoints")), "no .partial checkpoint left"))
 checks.append((noopt.returncode == 2 and "optimizer.pt in" in noopt.stderr and "cannot be read" in noopt.stderr
                and "frame #" not in noopt.stderr, f"a checkpoint without optimizer.pt is a clear error ({noopt.stderr.strip()[-300:]})"))
