@@ -323,6 +323,30 @@ Expected<bool> validate(const Envelope& env, const DecodeLimits& limits) {
   return true;
 }
 
+std::optional<RequestOrigin> peek_request(const Frame& head, const DecodeLimits& limits) {
+  const std::size_t n = head.size;
+  if (n == 0 || n > limits.max_envelope_bytes) return std::nullopt;  // not one byte of it is read
+  try {
+    std::size_t off = 0;
+    msgpack::unpack_limit limit(n, n / 2 + 1, n, n, n, 4096);  // deep enough for any bad request
+    auto h = msgpack::unpack(reinterpret_cast<const char*>(head.data), n, off, nullptr, nullptr, limit);
+    const msgpack::object& root = h.get();
+    if (root.type != msgpack::type::MAP) return std::nullopt;
+    const auto* id = field(root, "id");
+    const auto* kind = field(root, "kind");
+    const auto* from = field(root, "from");
+    if (!id || id->type != msgpack::type::POSITIVE_INTEGER) return std::nullopt;
+    if (!kind || kind->type != msgpack::type::STR ||
+        std::string_view(kind->via.str.ptr, kind->via.str.size) != "request")
+      return std::nullopt;
+    RequestOrigin origin{id->via.u64, {}};
+    if (from && from->type == msgpack::type::STR) origin.sender.assign(from->via.str.ptr, from->via.str.size);
+    return origin;
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
 Envelope make_error_reply(const Envelope& request, const Error& error, std::string sender) {
   Envelope e = make_envelope(ErrorReply{to_string(error.code), error.message}, Kind::error,
                              std::move(sender), request.sender);

@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <cassert>
 #include <cstring>
-#include <msgpack.hpp>
 
 namespace kiln::messaging {
 
@@ -47,38 +46,6 @@ bool recv_multipart(zmq::socket_t& s, std::vector<zmq::message_t>& parts) {
     parts.push_back(std::move(next));
   }
   return true;
-}
-
-struct RequestOrigin {
-  uint64_t correlation_id = 0;
-  std::string sender;
-};
-
-// Best effort for a rejected message: its correlation id and sender, so that the error can
-// be sent back instead of leaving the sender to time out.
-std::optional<RequestOrigin> peek_request(const Frame& head) {
-  try {
-    std::size_t n = head.size, off = 0;
-    msgpack::unpack_limit limit(n, n / 2 + 1, n, n, n, 4096);  // deep enough for any bad request
-    auto h = msgpack::unpack(reinterpret_cast<const char*>(head.data), n, off, nullptr, nullptr, limit);
-    const auto& m = h.get();
-    if (m.type != msgpack::type::MAP) return std::nullopt;
-    std::optional<uint64_t> id;
-    std::string from;
-    bool is_request = false;
-    for (uint32_t i = 0; i < m.via.map.size; ++i) {
-      const auto& kv = m.via.map.ptr[i];
-      if (kv.key.type != msgpack::type::STR) continue;
-      std::string_view k(kv.key.via.str.ptr, kv.key.via.str.size);
-      if (k == "id" && kv.val.type == msgpack::type::POSITIVE_INTEGER) id = kv.val.via.u64;
-      if (k == "from" && kv.val.type == msgpack::type::STR) from.assign(kv.val.via.str.ptr, kv.val.via.str.size);
-      if (k == "kind" && kv.val.type == msgpack::type::STR)
-        is_request = std::string_view(kv.val.via.str.ptr, kv.val.via.str.size) == "request";
-    }
-    if (id && is_request) return RequestOrigin{*id, from};
-  } catch (const std::exception&) {
-  }
-  return std::nullopt;
 }
 }  // namespace
 
@@ -311,7 +278,7 @@ std::optional<Envelope> Transport::receive(std::vector<zmq::message_t>& parts, s
   rejected_++;
   spdlog::warn("gateway '{}': rejected an incoming message: {}", opt_.node, env.error().what());
   if (rp.via == ReturnPath::Via::router && !frames.empty()) {
-    if (auto origin = peek_request(frames[0])) {
+    if (auto origin = peek_request(frames[0], opt_.limits)) {  // never reads a frame over the limit
       Envelope request;
       request.correlation_id = origin->correlation_id;
       request.sender = std::move(origin->sender);

@@ -10,7 +10,7 @@
 //
 // Received messages are decoded here; one that does not decode is logged and counted as
 // rejected, and a request among them is answered with the error when its id can be read from
-// frame 0.
+// frame 0 (a frame 0 over max_envelope_bytes is not read: refusing it costs O(1)).
 #include <atomic>
 #include <chrono>
 #include <functional>
