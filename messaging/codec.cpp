@@ -285,6 +285,8 @@ Expected<Envelope> decode(std::span<const Frame> frames, const DecodeLimits& lim
     if (*nbytes != *expect)
       return bad(where + ".nbytes is " + std::to_string(*nbytes) + " but shape and dtype " +
                  std::string(dtype_name(t.dtype)) + " need " + std::to_string(*expect));
+    if (*expect > limits.max_tensor_bytes)
+      return bad(where + " is " + std::to_string(*expect) + " bytes, limit " + std::to_string(limits.max_tensor_bytes));
     const Frame& f = frames[i + 1];
     if (f.size != *expect)
       return bad("frame " + std::to_string(i + 1) + " (" + where + ") holds " + std::to_string(f.size) +
@@ -318,6 +320,8 @@ Expected<bool> validate(const Envelope& env, const DecodeLimits& limits) {
     if (*expect != t.nbytes)
       return bad(where + " holds " + std::to_string(t.nbytes) + " bytes, shape and dtype need " +
                  std::to_string(*expect));
+    if (t.nbytes > limits.max_tensor_bytes)
+      return bad(where + " is " + std::to_string(t.nbytes) + " bytes, limit " + std::to_string(limits.max_tensor_bytes));
     if (t.nbytes > 0 && !t.data) return bad(where + " has no data");
   }
   return true;

@@ -48,9 +48,11 @@ struct Envelope {
   ReturnPath return_path;     ///< not on the wire
 };
 
-/// Bounds applied while decoding untrusted frames.
+/// Bounds applied while decoding untrusted frames. The gateway also sets its sockets'
+/// ZMQ_MAXMSGSIZE to the larger of the two byte limits, so ZeroMQ drops a larger frame itself.
 struct DecodeLimits {
   std::size_t max_envelope_bytes = 16u << 20;  ///< frame 0 size, bytes
+  std::size_t max_tensor_bytes = 4ull << 30;   ///< one tensor frame, bytes
   std::size_t max_tensors = 65536;
   std::size_t max_ndim = 64;
   std::size_t max_depth = 32;                  ///< msgpack nesting
@@ -70,8 +72,8 @@ std::string encode_header(const Envelope& env);
 /// (no copy) unless a frame is not aligned to its dtype's item size, then it is copied.
 /// Errors (never throws): bad_message (wrong frame count, malformed/oversized/truncated
 /// msgpack, missing or mistyped field, unknown dtype, negative dim, shape overflow, byte
-/// length != numel * item size), schema_mismatch (v or tv), unknown_type. A frame 0 over
-/// max_envelope_bytes is refused by its size, unread.
+/// length != numel * item size, a tensor over max_tensor_bytes), schema_mismatch (v or tv),
+/// unknown_type. A frame 0 over max_envelope_bytes is refused by its size, unread.
 Expected<Envelope> decode(std::span<const Frame> frames, const DecodeLimits& limits = {});
 
 /// Checks an envelope built in this process before it is sent (same rules as decode).

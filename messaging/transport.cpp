@@ -49,6 +49,11 @@ bool recv_multipart(zmq::socket_t& s, std::vector<zmq::message_t>& parts) {
 }
 }  // namespace
 
+int64_t max_frame_bytes(const DecodeLimits& limits) {
+  auto n = std::max(limits.max_envelope_bytes, limits.max_tensor_bytes);
+  return static_cast<int64_t>(std::min<std::size_t>(n, INT64_MAX));
+}
+
 struct Transport::Peer {
   std::string endpoint;
   zmq::socket_t dealer;
@@ -85,6 +90,7 @@ void Transport::configure(zmq::socket_t& s) const {
   s.set(zmq::sockopt::linger, 1000);
   s.set(zmq::sockopt::heartbeat_ivl, static_cast<int>(opt_.heartbeat_interval.count()));
   s.set(zmq::sockopt::heartbeat_timeout, static_cast<int>(opt_.heartbeat_timeout.count()));
+  s.set(zmq::sockopt::maxmsgsize, max_frame_bytes(opt_.limits));  // a larger frame: dropped by ZeroMQ
 }
 
 void Transport::start(Listener& listener) {
@@ -238,6 +244,9 @@ Expected<bool> Transport::send_reply(const Envelope& reply) {
 Expected<bool> Transport::send_on(zmq::socket_t& s, const std::string* routing_id, bool delimiter,
                                   const Envelope& env) {
   std::string header = encode_header(env);
+  if (header.size() > opt_.limits.max_envelope_bytes)  // the receiver would drop it unread
+    return make_error(ErrorCode::bad_message, "frame 0 (envelope) is " + std::to_string(header.size()) +
+                                                  " bytes, limit " + std::to_string(opt_.limits.max_envelope_bytes));
   const std::size_t nt = env.tensors.size();
   const auto more = zmq::send_flags::sndmore | zmq::send_flags::dontwait;
   const auto last = zmq::send_flags::dontwait;

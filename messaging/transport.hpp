@@ -8,6 +8,11 @@
 //   PAIR per DEALER (socket monitor)     connect/disconnect events -> Listener::peer_lost
 //   eventfd                              wakes the poll when a command is posted
 //
+// Size limits (Options::limits): every socket's ZMQ_MAXMSGSIZE is max_frame_bytes(limits),
+// so over tcp:// and ipc:// ZeroMQ itself drops a larger frame, and the connection that sent
+// it, before buffering it (inproc:// hands messages over without that check; the decoder
+// refuses them). Frame 0 over max_envelope_bytes is refused before it is sent, too.
+//
 // Received messages are decoded here; one that does not decode is logged and counted as
 // rejected, and a request among them is answered with the error when its id can be read from
 // frame 0 (a frame 0 over max_envelope_bytes is not read: refusing it costs O(1)).
@@ -89,8 +94,9 @@ class Transport {
   Expected<bool> connect(const std::string& endpoint);
   /// Whether the peer at `endpoint` (connected before) disconnected and has not come back.
   bool lost(const std::string& endpoint) const;
-  /// Sends `env` on the DEALER for `endpoint` (connect() first). Error (transport): ZeroMQ
-  /// refused, naming the type and the endpoint.
+  /// Sends `env` on the DEALER for `endpoint` (connect() first). Errors: bad_message when
+  /// frame 0 would exceed limits.max_envelope_bytes (its receiver would drop it), transport
+  /// when ZeroMQ refuses; both name the type and the endpoint.
   Expected<bool> send(const std::string& endpoint, const Envelope& env);
   /// Sends `reply` on the ROUTER to the connection its return path names. Errors as send().
   Expected<bool> send_reply(const Envelope& reply);
@@ -126,5 +132,9 @@ class Transport {
   std::unique_ptr<zmq::socket_t> router_;
   std::map<std::string, std::unique_ptr<Peer>> peers_;  // by endpoint
 };
+
+/// The largest frame `limits` allow, in bytes: frame 0 up to max_envelope_bytes, a tensor frame
+/// up to max_tensor_bytes. The sockets' ZMQ_MAXMSGSIZE (a per-frame limit).
+int64_t max_frame_bytes(const DecodeLimits& limits);
 
 }  // namespace kiln::messaging

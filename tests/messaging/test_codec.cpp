@@ -257,6 +257,16 @@ TEST_CASE("validate catches an envelope built wrong before it is sent") {
   CHECK(validate(env).error().code == ErrorCode::unknown_type);
 }
 
+TEST_CASE("a tensor over max_tensor_bytes is refused naming its size and the limit") {
+  DecodeLimits lim;
+  lim.max_tensor_bytes = 8;
+  check_error(decode_raw(header_with("F32", {4}, 16), {std::string(16, '\0')}, lim), ErrorCode::bad_message,
+              "tensors[0] is 16 bytes, limit 8");
+  auto ok = validate(sample({Tensor::zeros("t", DType::float32, {4})}), lim);
+  REQUIRE_FALSE(ok.has_value());
+  CHECK(ok.error().message.find("is 16 bytes, limit 8") != std::string::npos);
+}
+
 TEST_CASE("a frame 0 over the limit is refused by its size without reading a byte of it") {
   // 128 MiB + 1 of address space with no memory behind it and no read permission: a decoder,
   // or a peek for the request id, that touched one byte of it would crash this test.

@@ -1,16 +1,20 @@
 // The gateway's transport and its size limits (DecodeLimits): refusing a frame over the limit
-// costs memory that does not grow with the frame.
+// costs memory that does not grow with the frame, and a frame over the limits is dropped by
+// ZeroMQ itself (ZMQ_MAXMSGSIZE) without disturbing the gateway.
 #include <doctest/doctest.h>
 #include <sys/resource.h>
 
 #include <atomic>
 #include <thread>
+#include <zmq.hpp>
 
 #include "helpers.hpp"
 #include "messaging/gateway.hpp"
 
 using namespace kiln::messaging;
 using namespace std::chrono_literals;
+using kiln::test::decode_reply;
+using kiln::test::raw_dealer;
 
 namespace {
 // The process's peak resident memory so far, MiB.
@@ -60,4 +64,57 @@ TEST_CASE("refusing an envelope frame over the limit costs memory that does not 
   CHECK(delivered == 0);
   // The frame passes through a few buffers (the encoder's, ZeroMQ's): a small multiple of it.
   CHECK_MESSAGE(grown < 256, "refusing a 32 MiB frame raised the peak RSS by " << grown << " MiB");
+}
+
+TEST_CASE("a frame over the limits is dropped by ZeroMQ at the socket and the gateway keeps serving") {
+  DecodeLimits small;
+  small.max_envelope_bytes = 4096;
+  small.max_tensor_bytes = 64 << 10;  // so ZMQ_MAXMSGSIZE is 64 KiB
+  Gateway b(Gateway::Options{.node = "b", .bind = "tcp://127.0.0.1:0", .limits = small});
+  std::atomic<int> delivered{0};
+  b.serve("sink/0", [&](Envelope env) {
+    delivered++;
+    if (env.kind == Kind::request) b.reply(env, make_envelope(Pong{"b", "sink/0", ""}, Kind::reply, "", ""));
+  });
+  zmq::context_t ctx;
+  auto s = raw_dealer(ctx, b.endpoint());
+  s.set(zmq::sockopt::rcvtimeo, 500);
+  // A well-formed tell whose one tensor frame (1 MiB) is over the limit.
+  auto big = make_envelope(BenchChunk{1}, Kind::tell, "raw", "sink/0");
+  big.tensors.push_back(Tensor::zeros("t", DType::uint8, {1 << 20}));
+  std::string header = encode_header(big);
+  s.send(zmq::buffer(header), zmq::send_flags::sndmore);
+  s.send(zmq::const_buffer(big.tensors[0].data, big.tensors[0].nbytes));
+  // ZeroMQ dropped the connection that sent it; the DEALER reconnects and is answered again.
+  bool answered = false;
+  for (uint64_t id = 1; id <= 20 && !answered; ++id) {
+    auto ping = make_envelope(Ping{}, Kind::request, "raw", "graph");
+    ping.correlation_id = id;
+    std::string ping_header = encode_header(ping);
+    s.send(zmq::buffer(ping_header));
+    zmq::message_t reply;
+    if (s.recv(reply)) answered = decode_reply(reply).has_value();
+  }
+  CHECK(answered);
+  CHECK(delivered == 0);
+  CHECK(b.stats().rejected == 0);  // it never reached the decoder
+  Gateway a({"a", ""});
+  a.add_route("sink/0", b.endpoint());
+  auto r = a.request(make_envelope(Ping{}, Kind::request, "t", "sink/0"), 3s).get();
+  CHECK_MESSAGE(r.has_value(), r.error().what());
+  CHECK(delivered == 1);
+}
+
+TEST_CASE("an envelope frame over the sender's own limit is refused before it is sent") {
+  Gateway b({"b", "inproc://gw-limits-sender"});
+  DecodeLimits small;
+  small.max_envelope_bytes = 1024;
+  Gateway a(Gateway::Options{.node = "a", .limits = small});
+  b.serve("sink/0", [](Envelope) {});
+  a.add_route("sink/0", b.endpoint());
+  auto r = a.request(make_envelope(DiagEcho{std::string(2000, 'x')}, Kind::request, "t", "sink/0"), 2s).get();
+  REQUIRE_FALSE(r.has_value());
+  CHECK(r.error().code == ErrorCode::bad_message);
+  CHECK(r.error().message.find("bytes, limit 1024") != std::string::npos);
+  CHECK(b.stats().received == 0);
 }
