@@ -308,6 +308,8 @@ Expected<Envelope> decode(std::span<const Frame> frames, const DecodeLimits& lim
     if (*nbytes != *expect)
       return bad(where + ".nbytes is " + std::to_string(*nbytes) + " but shape and dtype " +
                  std::string(dtype_name(t.dtype)) + " need " + std::to_string(*expect));
+    if (*expect > limits.max_tensor_bytes)
+      return bad(where + " is " + std::to_string(*expect) + " bytes, limit " + std::to_string(limits.max_tensor_bytes));
     const Frame& f = frames[i + 1];
     if (f.size != *expect)
       return bad("frame " + std::to_string(i + 1) + " (" + where + ") holds " + std::to_string(f.size) +
@@ -341,9 +343,35 @@ Expected<bool> validate(const Envelope& env, const DecodeLimits& limits) {
     if (*expect != t.nbytes)
       return bad(where + " holds " + std::to_string(t.nbytes) + " bytes, shape and dtype need " +
                  std::to_string(*expect));
+    if (t.nbytes > limits.max_tensor_bytes)
+      return bad(where + " is " + std::to_string(t.nbytes) + " bytes, limit " + std::to_string(limits.max_tensor_bytes));
     if (t.nbytes > 0 && !t.data) return bad(where + " has no data");
   }
   return true;
+}
+
+std::optional<RequestOrigin> peek_request(const Frame& head, const DecodeLimits& limits) {
+  const std::size_t n = head.size;
+  if (n == 0 || n > limits.max_envelope_bytes) return std::nullopt;  // not one byte of it is read
+  try {
+    std::size_t off = 0;
+    msgpack::unpack_limit limit(n, n / 2 + 1, n, n, n, 4096);  // deep enough for any bad request
+    auto h = msgpack::unpack(reinterpret_cast<const char*>(head.data), n, off, nullptr, nullptr, limit);
+    const msgpack::object& root = h.get();
+    if (root.type != msgpack::type::MAP) return std::nullopt;
+    const auto* id = field(root, "id");
+    const auto* kind = field(root, "kind");
+    const auto* from = field(root, "from");
+    if (!id || id->type != msgpack::type::POSITIVE_INTEGER) return std::nullopt;
+    if (!kind || kind->type != msgpack::type::STR ||
+        std::string_view(kind->via.str.ptr, kind->via.str.size) != "request")
+      return std::nullopt;
+    RequestOrigin origin{id->via.u64, {}};
+    if (from && from->type == msgpack::type::STR) origin.sender.assign(from->via.str.ptr, from->via.str.size);
+    return origin;
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
 }
 
 Envelope make_error_reply(const Envelope& request, const Error& error, std::string sender) {

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -47,9 +48,11 @@ struct Envelope {
   ReturnPath return_path;     ///< not on the wire
 };
 
-/// Bounds applied while decoding untrusted frames.
+/// Bounds applied while decoding untrusted frames. The gateway also sets its sockets'
+/// ZMQ_MAXMSGSIZE to the larger of the two byte limits, so ZeroMQ drops a larger frame itself.
 struct DecodeLimits {
   std::size_t max_envelope_bytes = 16u << 20;  ///< frame 0 size, bytes
+  std::size_t max_tensor_bytes = 4ull << 30;   ///< one tensor frame, bytes
   std::size_t max_tensors = 65536;
   std::size_t max_ndim = 64;
   std::size_t max_depth = 32;                  ///< msgpack nesting
@@ -69,10 +72,22 @@ std::string encode_header(const Envelope& env);
 /// (no copy) unless a frame is not aligned to its dtype's item size, then it is copied.
 /// Errors (never throws): bad_message (wrong frame count, malformed/oversized/truncated
 /// msgpack, missing or mistyped field, unknown dtype, negative dim, shape overflow, byte
-/// length != numel * item size), schema_mismatch (v or tv), unknown_type.
+/// length != numel * item size, a tensor over max_tensor_bytes), schema_mismatch (v or tv),
+/// unknown_type. A frame 0 over max_envelope_bytes is refused by its size, unread.
 Expected<Envelope> decode(std::span<const Frame> frames, const DecodeLimits& limits = {});
 
 /// Checks an envelope built in this process before it is sent (same rules as decode).
 Expected<bool> validate(const Envelope& env, const DecodeLimits& limits = {});
+
+/// What a rejected frame 0 says about the request it carried: enough to answer it with an error.
+struct RequestOrigin {
+  uint64_t correlation_id = 0;
+  std::string sender;
+};
+/// Best effort for a frame that did not decode: its correlation id and sender, if frame 0 is a
+/// msgpack map with "kind": "request" and a uint "id", so that the error can be sent back
+/// instead of leaving the sender to time out. A frame 0 over limits.max_envelope_bytes is
+/// not read at all (nullopt): refusing an oversized frame costs O(1) time and memory.
+std::optional<RequestOrigin> peek_request(const Frame& head, const DecodeLimits& limits = {});
 
 }  // namespace kiln::messaging

@@ -1,6 +1,7 @@
 // Envelope codec: round trips for every dtype, empty/scalar tensors, typed payloads, and
 // one test per kind of malformed input (each error names the fault).
 #include <doctest/doctest.h>
+#include <sys/mman.h>
 
 #include <cstring>
 
@@ -254,4 +255,41 @@ TEST_CASE("validate catches an envelope built wrong before it is sent") {
   env.tensors.clear();
   env.type = "nope";
   CHECK(validate(env).error().code == ErrorCode::unknown_type);
+}
+
+TEST_CASE("a tensor over max_tensor_bytes is refused naming its size and the limit") {
+  DecodeLimits lim;
+  lim.max_tensor_bytes = 8;
+  check_error(decode_raw(header_with("F32", {4}, 16), {std::string(16, '\0')}, lim), ErrorCode::bad_message,
+              "tensors[0] is 16 bytes, limit 8");
+  auto ok = validate(sample({Tensor::zeros("t", DType::float32, {4})}), lim);
+  REQUIRE_FALSE(ok.has_value());
+  CHECK(ok.error().message.find("is 16 bytes, limit 8") != std::string::npos);
+}
+
+TEST_CASE("a frame 0 over the limit is refused by its size without reading a byte of it") {
+  // 128 MiB + 1 of address space with no memory behind it and no read permission: a decoder,
+  // or a peek for the request id, that touched one byte of it would crash this test.
+  const std::size_t n = (std::size_t(128) << 20) + 1;
+  void* p = ::mmap(nullptr, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  REQUIRE(p != MAP_FAILED);
+  const Frame head{static_cast<const std::byte*>(p), n, nullptr};
+  auto r = decode(std::span<const Frame>(&head, 1));
+  REQUIRE_FALSE(r.has_value());
+  CHECK(r.error().code == ErrorCode::bad_message);
+  CHECK(r.error().message == "frame 0 (envelope) is 134217729 bytes, limit 16777216");
+  CHECK_FALSE(peek_request(head).has_value());
+  ::munmap(p, n);
+}
+
+TEST_CASE("a rejected request within the limit still gives its id and sender for the error reply") {
+  auto h = header_with("F32", {1}, 4);  // a request, id 1, from "a"
+  const Frame head{reinterpret_cast<const std::byte*>(h.data()), h.size(), nullptr};
+  auto origin = peek_request(head);
+  REQUIRE(origin.has_value());
+  CHECK(origin->correlation_id == 1);
+  CHECK(origin->sender == "a");
+  DecodeLimits lim;
+  lim.max_envelope_bytes = h.size() - 1;  // one byte over the limit: not read
+  CHECK_FALSE(peek_request(head, lim).has_value());
 }

@@ -13,27 +13,14 @@
 
 using namespace kiln::messaging;
 using namespace std::chrono_literals;
+using kiln::test::decode_reply;
+using kiln::test::raw_dealer;
 
 namespace {
 std::string endpoint(const std::string& transport, const std::string& tag) {
   if (transport == "inproc") return "inproc://gw-test-" + tag;
   if (transport == "ipc") return kiln::test::scratch_ipc("gw-" + tag);
   return "tcp://127.0.0.1:0";
-}
-
-// A raw ZeroMQ DEALER (an outside client) connected to `endpoint`, 3 s receive timeout.
-zmq::socket_t raw_dealer(zmq::context_t& ctx, const std::string& endpoint) {
-  zmq::socket_t s(ctx, zmq::socket_type::dealer);
-  s.set(zmq::sockopt::rcvtimeo, 3000);
-  s.set(zmq::sockopt::linger, 0);
-  s.connect(endpoint);
-  return s;
-}
-
-// The single frame of a reply, decoded.
-Expected<Envelope> decode_reply(const zmq::message_t& reply) {
-  std::vector<Frame> frames{{static_cast<const std::byte*>(reply.data()), reply.size(), nullptr}};
-  return decode(frames);
 }
 
 // Hosts a DiagService directly on the gateway thread (the tests need no CAF here).
