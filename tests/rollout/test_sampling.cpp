@@ -39,7 +39,7 @@ TEST_CASE("inverse-CDF sampling follows the tempered distribution") {
   CHECK(s.entropy == doctest::Approx(-(probs * probs.log()).sum().item<double>()).epsilon(1e-5));
 }
 
-TEST_CASE("top-k and top-p draw only from their sets; greedy takes the arg-max") {
+TEST_CASE("top-k and top-p draw only from their sets, and greedy takes the arg-max") {
   auto logits = torch::tensor({3.0f, 2.9f, 0.0f, -1.0f, 2.8f, -5.0f});
   SamplingParams k2;
   k2.top_k = 2;

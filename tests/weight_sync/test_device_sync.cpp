@@ -37,7 +37,7 @@ TEST_CASE("device weight sync copies every tensor into the engine and checks it"
   }
 }
 
-TEST_CASE("a clobbered engine tensor fails the check by name; mismatched models are refused") {
+TEST_CASE("a clobbered engine tensor fails the check by name, and mismatched models are refused") {
   for (auto dev : devices()) {
     CAPTURE(dev);
     auto trainer = debug_model(1, dev), engine = debug_model(2, dev);
