@@ -3,6 +3,7 @@
 // distribution, and a request's seed picks the same token on the CPU and on a GPU.
 #include <doctest/doctest.h>
 
+#include "../test_util.hpp"
 #include "actors/rollout/sampling.hpp"
 
 using namespace kiln::rollout;
@@ -53,10 +54,7 @@ TEST_CASE("top-k and top-p draw only from their sets, and greedy takes the arg-m
 }
 
 TEST_CASE("CUDA: a seed samples the same token on the GPU as on the CPU") {
-  if (!torch::cuda::is_available()) {
-    MESSAGE("no CUDA device: skipped");
-    return;
-  }
+  if (kiln::test::skip_without_gpu()) return;
   torch::manual_seed(3);
   auto logits = 2 * torch::randn({16, 1000});
   SamplingParams p;

@@ -3,6 +3,7 @@
 // equal the rollout's behaviour log-probs (train/rollout mismatch ~0 in fp32).
 #include <doctest/doctest.h>
 
+#include "../test_util.hpp"
 #include "actors/rollout/engine.hpp"
 #include "actors/trainer/trainer.hpp"
 #include "model/glm4_moe_lite/model.hpp"
@@ -192,10 +193,7 @@ TEST_CASE("a bf16 policy trains through fp32 master weights: updates below bf16 
 }
 
 TEST_CASE("CUDA bf16: rollout and trainer log-probs agree (same kernels: FlashAttention over expanded cache)") {
-  if (!torch::cuda::is_available()) {
-    MESSAGE("no CUDA device: skipped");
-    return;
-  }
+  if (test::skip_without_gpu()) return;
   auto m = debug_model(11);
   m->to(torch::Device(torch::kCUDA));
   m->to_dtype(torch::kBFloat16);

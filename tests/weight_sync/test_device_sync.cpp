@@ -4,6 +4,7 @@
 // here and on the GPU when one is present.
 #include <doctest/doctest.h>
 
+#include "../test_util.hpp"
 #include "actors/weight_sync/device_sync.hpp"
 #include "model/glm4_moe_lite/model.hpp"
 
@@ -19,7 +20,7 @@ std::shared_ptr<model::glm4_moe_lite::Glm4MoeLiteModel> debug_model(int64_t seed
 }
 std::vector<torch::Device> devices() {
   std::vector<torch::Device> d{torch::kCPU};
-  if (torch::cuda::is_available()) d.emplace_back(torch::kCUDA);
+  if (test::have_gpu()) d.emplace_back(torch::kCUDA);
   return d;
 }
 }  // namespace
