@@ -51,6 +51,10 @@ struct StepMetrics {
   double train_rollout_logprob_abs_diff = 0;  ///< mean |policy - behaviour| log-prob over trained tokens
   int64_t micro_batches = 0, tokens = 0, loss_tokens = 0;
   double actor_train_time = 0;  ///< seconds
+  /// The step's loss or gradient norm was NaN or inf: it changed no parameter, no optimizer
+  /// state (moments, step count, lr) and no version; loss and grad_norm above show the values.
+  bool skipped_nonfinite = false;
+  std::string skip_reason;  ///< why, e.g. "loss is inf"; empty when the step was taken
 };
 
 /// Splits samples (by index, in order) into micro-batches of at most `max_tokens` tokens; a
@@ -62,7 +66,11 @@ class Trainer {
   Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config);
   /// One optimizer step on `samples` (one PPO epoch: the old policy is the current one, so
   /// the ratio starts at 1 and TIS weighs stale samples by exp(old - behaviour)). Samples with
-  /// old_logprobs use those as pi_old (all samples or none; throws std::invalid_argument).
+  /// old_logprobs use those as pi_old (all samples or none).
+  /// Throws std::invalid_argument, before anything changes, naming the sample: an empty prompt
+  /// or completion, log-prob counts that do not match the completion (ref_logprobs needed when
+  /// kl_coef != 0), a non-finite advantage or log-prob. A step whose loss or gradient norm
+  /// comes out non-finite anyway is skipped (StepMetrics::skipped_nonfinite), not applied.
   StepMetrics train_step(const std::vector<Sample>& samples);
   int64_t version() const { return version_; }   ///< optimizer steps taken
   model::CausalLM& policy() { return *policy_; }

@@ -4,44 +4,13 @@
 #include <doctest/doctest.h>
 
 #include "../test_util.hpp"
-#include "actors/rollout/engine.hpp"
-#include "actors/trainer/trainer.hpp"
-#include "model/glm4_moe_lite/model.hpp"
+#include "trainer_fixture.hpp"
 
 using namespace kiln;
 using namespace kiln::trainer;
 
-namespace {
-std::shared_ptr<model::glm4_moe_lite::Glm4MoeLiteModel> debug_model(uint64_t seed) {
-  torch::manual_seed(int64_t(seed));
-  return std::make_shared<model::glm4_moe_lite::Glm4MoeLiteModel>(model::glm4_moe_lite::flavors::debug());
-}
-
-std::vector<Sample> rollout_samples(std::shared_ptr<model::CausalLM> m, int count, double temperature = 1.0) {
-  rollout::Engine engine(m, rollout::EngineOptions{});
-  std::vector<rollout::GenerationRequest> reqs;
-  for (int i = 0; i < count; ++i) {
-    rollout::GenerationRequest r;
-    r.id = uint64_t(i);
-    r.prompt = {3 + i, 4 + i, 5, 6 + 2 * i};
-    r.sampling.max_new_tokens = 3 + i % 4;
-    r.sampling.seed = uint64_t(100 + i);
-    r.sampling.temperature = temperature;
-    reqs.push_back(r);
-  }
-  std::vector<Sample> out;
-  for (auto& c : engine.generate(reqs)) {
-    Sample s;
-    s.prompt = c.prompt;
-    s.completion = c.tokens;
-    s.behavior_logprobs = c.logprobs;
-    s.routed_experts = c.routed_experts;
-    s.advantage = (c.id % 2 ? 1.0f : -0.5f);
-    out.push_back(s);
-  }
-  return out;
-}
-}  // namespace
+using test::debug_model;
+using test::rollout_samples;
 
 TEST_CASE("micro-batches are planned by token count, in order") {
   std::vector<Sample> s(5);
