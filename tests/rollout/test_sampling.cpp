@@ -53,6 +53,50 @@ TEST_CASE("top-k and top-p draw only from their sets, and greedy takes the arg-m
   for (auto t : draw(logits, greedy, 10, 300)) CHECK(t == 0);
 }
 
+TEST_CASE("top-k and top-p draw every token of their set in proportion to its probability") {
+  // A set one too small ({0}: k - 1, or top-p keeping tokens while the mass *including* them is
+  // < p) or one too large ({0, 1, 4}) changes these frequencies.
+  auto logits = torch::tensor({3.0f, 2.9f, 0.0f, -1.0f, 2.8f, -5.0f});
+  auto probs = torch::softmax(logits, 0);
+  const double p0 = probs[0].item<double>(), p1 = probs[1].item<double>();
+  const int n = 4000;
+  auto frequency_of_1 = [&](const SamplingParams& params, uint64_t seed) {
+    double f = 0;
+    for (auto t : draw(logits, params, n, seed)) f += (t == 1) / double(n);
+    return f;
+  };
+  SamplingParams k2;
+  k2.top_k = 2;
+  CHECK(frequency_of_1(k2, 400) == doctest::Approx(p1 / (p0 + p1)).epsilon(0.1));  // 0.475; sd 0.008
+  SamplingParams p;
+  p.top_p = 0.5;
+  CHECK(frequency_of_1(p, 500) == doctest::Approx(p1 / (p0 + p1)).epsilon(0.1));
+}
+
+TEST_CASE("top-p is taken over the tempered distribution: logits [3, 2, 1], T 0.5, top_p 0.8 draw only token 0") {
+  // Tempered: softmax([6, 4, 2]) = 0.867, 0.117, 0.016 -> the nucleus is {0}. Untempered:
+  // 0.665, 0.245, 0.090 -> {0, 1}, and token 1 would be drawn ~12% of the time.
+  auto logits = torch::tensor({3.0f, 2.0f, 1.0f});
+  SamplingParams p;
+  p.temperature = 0.5;
+  p.top_p = 0.8;
+  int others = 0;
+  for (auto t : draw(logits, p, 2000, 600)) others += t != 0;
+  CHECK(others == 0);
+}
+
+TEST_CASE("top-p after top-k renormalises over the top-k set") {
+  // top_k 2 keeps 0.358 and 0.324, renormalised 0.525 and 0.475: top_p 0.5 keeps token 0 only.
+  // Against the untruncated mass (token 1 starts at 0.358 < 0.5) it would keep both.
+  auto logits = torch::tensor({3.0f, 2.9f, 0.0f, -1.0f, 2.8f, -5.0f});
+  SamplingParams p;
+  p.top_k = 2;
+  p.top_p = 0.5;
+  int others = 0;
+  for (auto t : draw(logits, p, 2000, 700)) others += t != 0;
+  CHECK(others == 0);
+}
+
 TEST_CASE("CUDA: a seed samples the same token on the GPU as on the CPU") {
   if (kiln::test::skip_without_gpu()) return;
   torch::manual_seed(3);
