@@ -212,3 +212,32 @@ TEST_CASE("recomputed old log-probs (separate no-grad pass) give the same update
   shifted[2].old_logprobs.clear();
   CHECK_THROWS_WITH_AS(t.train_step(shifted), doctest::Contains("old_logprobs must be given"), std::invalid_argument);
 }
+
+TEST_CASE("the learning rate: linear warmup from lr / warmup_steps, then cosine down to min_lr_ratio * lr") {
+  TrainerConfig c;
+  c.lr = 1e-3;
+  c.warmup_steps = 4;
+  c.lr_schedule = "cosine";
+  c.total_steps = 14;
+  c.min_lr_ratio = 0.1;
+  Trainer t(debug_model(1), c);
+  struct Case {
+    int64_t version;
+    double lr;  // of the next step; a wrong formula's value in the comment
+  };
+  for (auto [version, lr] : {Case{0, 2.5e-4},   // warmup s / W: 0
+                             Case{3, 1e-3},     // s / W: 7.5e-4
+                             Case{4, 1e-3},     // cosine counted from step 0: 8.3e-4
+                             Case{9, 5.5e-4},   // no floor: 5e-4
+                             Case{14, 1e-4},    // no floor: 0
+                             Case{30, 1e-4}}) {  // progress not capped at 1: rises again
+    CAPTURE(version);
+    t.set_version(version);
+    CHECK(t.current_lr() == doctest::Approx(lr).epsilon(1e-9));
+  }
+  c.lr_schedule = "constant";
+  Trainer constant(debug_model(1), c);
+  CHECK(constant.current_lr() == doctest::Approx(2.5e-4).epsilon(1e-9));
+  constant.set_version(10);
+  CHECK(constant.current_lr() == 1e-3);
+}
