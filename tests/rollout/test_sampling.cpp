@@ -27,6 +27,13 @@ std::vector<int64_t> draw(const torch::Tensor& logits, const SamplingParams& p, 
 bool within_5_sigma(double frequency, double p, int n) {
   return std::abs(frequency - p) <= 5 * std::sqrt(p * (1 - p) / n);
 }
+
+// How many of n draws are not `token`.
+int draws_other_than(int64_t token, const torch::Tensor& logits, const SamplingParams& p, int n, uint64_t seed0) {
+  int others = 0;
+  for (auto t : draw(logits, p, n, seed0)) others += t != token;
+  return others;
+}
 }  // namespace
 
 TEST_CASE("inverse-CDF sampling follows the tempered distribution") {
@@ -94,9 +101,7 @@ TEST_CASE("top-p is taken over the tempered distribution: logits [3, 2, 1], T 0.
   SamplingParams p;
   p.temperature = 0.5;
   p.top_p = 0.8;
-  int others = 0;
-  for (auto t : draw(logits, p, 2000, 600)) others += t != 0;
-  CHECK(others == 0);
+  CHECK(draws_other_than(0, logits, p, 2000, 600) == 0);
 }
 
 TEST_CASE("top-p after top-k renormalises over the top-k set") {
@@ -106,9 +111,7 @@ TEST_CASE("top-p after top-k renormalises over the top-k set") {
   SamplingParams p;
   p.top_k = 2;
   p.top_p = 0.5;
-  int others = 0;
-  for (auto t : draw(logits, p, 2000, 700)) others += t != 0;
-  CHECK(others == 0);
+  CHECK(draws_other_than(0, logits, p, 2000, 700) == 0);
 }
 
 TEST_CASE("CUDA: a seed samples the same token on the GPU as on the CPU") {

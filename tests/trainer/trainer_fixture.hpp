@@ -18,11 +18,29 @@ inline std::shared_ptr<model::glm4_moe_lite::Glm4MoeLiteModel> debug_model(uint6
   return std::make_shared<model::glm4_moe_lite::Glm4MoeLiteModel>(model::glm4_moe_lite::flavors::debug());
 }
 
-/// `count` rollouts of the in-process engine (prompts {3+i, 4+i, 5, 6+2i}, 3 + i % 4 new
-/// tokens, seed 100 + i), with advantage +1 on odd ids and -0.5 on even ones.
+/// The in-process engine's completions of `requests` as samples, with advantage `odd` on odd
+/// request ids and `even` on even ones.
+inline std::vector<trainer::Sample> generate_samples(std::shared_ptr<model::CausalLM> m,
+                                                     const std::vector<rollout::GenerationRequest>& requests,
+                                                     float odd, float even) {
+  rollout::Engine engine(m, rollout::EngineOptions{});
+  std::vector<trainer::Sample> out;
+  for (auto& c : engine.generate(requests)) {
+    trainer::Sample s;
+    s.prompt = c.prompt;
+    s.completion = c.tokens;
+    s.behavior_logprobs = c.logprobs;
+    s.routed_experts = c.routed_experts;
+    s.advantage = c.id % 2 ? odd : even;
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+/// `count` rollouts (prompts {3+i, 4+i, 5, 6+2i}, 3 + i % 4 new tokens, seed 100 + i), with
+/// advantage +1 on odd ids and -0.5 on even ones.
 inline std::vector<trainer::Sample> rollout_samples(std::shared_ptr<model::CausalLM> m, int count,
                                                     double temperature = 1.0) {
-  rollout::Engine engine(m, rollout::EngineOptions{});
   std::vector<rollout::GenerationRequest> reqs;
   for (int i = 0; i < count; ++i) {
     rollout::GenerationRequest r;
@@ -33,17 +51,7 @@ inline std::vector<trainer::Sample> rollout_samples(std::shared_ptr<model::Causa
     r.sampling.temperature = temperature;
     reqs.push_back(r);
   }
-  std::vector<trainer::Sample> out;
-  for (auto& c : engine.generate(reqs)) {
-    trainer::Sample s;
-    s.prompt = c.prompt;
-    s.completion = c.tokens;
-    s.behavior_logprobs = c.logprobs;
-    s.routed_experts = c.routed_experts;
-    s.advantage = (c.id % 2 ? 1.0f : -0.5f);
-    out.push_back(s);
-  }
-  return out;
+  return generate_samples(m, reqs, 1.0f, -0.5f);
 }
 
 /// Everything a Trainer's step may change, copied: the policy's parameters, the master
