@@ -218,7 +218,7 @@ TEST_CASE("a policy far from pi_old: the ratio's log is clamped at 20, so loss a
   CHECK(lp2.grad().item<float>() == 0.0f);
 }
 
-TEST_CASE("GRPO: eps is added to the std, not inside a square root; non-finite rewards are refused by name") {
+TEST_CASE("GRPO: eps is added to the std, not inside a square root, and non-finite rewards are refused by name") {
   // Rewards {0, 1e-6}: mean 5e-7, std 5e-7 -> A = +-5e-7 / (5e-7 + 1e-6) = +-1/3
   // (sqrt(var + eps) would give +-5e-4; no normalisation +-5e-7).
   auto a = grpo_advantages(torch::tensor({0.0f, 1e-6f}), 2, true);
