@@ -82,6 +82,7 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   boolean("algorithm.filter_zero_variance", a.filter_zero_variance);
   integer("algorithm.staleness", a.staleness);
   integer("algorithm.update_delay_ms", a.update_delay_ms);
+  integer("algorithm.max_nonfinite_steps", a.max_nonfinite_steps);
   // The trainer's settings (trainer::TrainerConfig) share the [algorithm] section.
   auto& t = c.trainer;
   real("algorithm.temperature", t.logprobs.temperature);

@@ -1,2 +1,43 @@
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+// The doctest main of every suite, with one rule added: a run that executes no test case
+// fails. ctest runs one test case per entry (doctest_discover_tests); an entry whose filter
+// matches no case (a name that CMake split at a ';', a renamed case) would else pass having
+// tested nothing. Query runs (--list-test-cases, --help, ...) are not test runs.
+#define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
+
+#include <cstdio>
+
+namespace {
+
+unsigned test_cases_run = 0;
+
+// A listener that only records how many test cases the run executed.
+struct CountTestCases : doctest::IReporter {
+  explicit CountTestCases(const doctest::ContextOptions&) {}
+  void test_run_end(const doctest::TestRunStats& stats) override { test_cases_run = stats.numTestCasesPassingFilters; }
+  void report_query(const doctest::QueryData&) override {}
+  void test_run_start() override {}
+  void test_case_start(const doctest::TestCaseData&) override {}
+  void test_case_reenter(const doctest::TestCaseData&) override {}
+  void test_case_end(const doctest::CurrentTestCaseStats&) override {}
+  void test_case_exception(const doctest::TestCaseException&) override {}
+  void subcase_start(const doctest::SubcaseSignature&) override {}
+  void subcase_end() override {}
+  void log_assert(const doctest::AssertData&) override {}
+  void log_message(const doctest::MessageData&) override {}
+  void test_case_skipped(const doctest::TestCaseData&) override {}
+};
+DOCTEST_REGISTER_LISTENER("count_test_cases", 1, CountTestCases);
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  doctest::Context context(argc, argv);
+  const int rc = context.run();
+  if (context.shouldExit() || rc != 0) return rc;
+  if (test_cases_run == 0) {
+    std::fprintf(stderr, "no test case ran: the filters match none (ctest splits a test case's name at ';', doctest's filters at an unescaped ',')\n");
+    return 1;
+  }
+  return rc;
+}

@@ -17,6 +17,7 @@ void Config::validate() const {
   need(a.max_new_tokens >= 1, "algorithm.max_new_tokens", "must be >= 1");
   need(a.staleness >= 0, "algorithm.staleness", "must be >= 0");
   need(a.update_delay_ms >= 0, "algorithm.update_delay_ms", "must be >= 0");
+  need(a.max_nonfinite_steps >= 0, "algorithm.max_nonfinite_steps", "must be >= 0 (0: never stop for them)");
   need(a.top_p > 0 && a.top_p <= 1, "algorithm.top_p", "must be in (0, 1]");
   need(a.top_k >= 0, "algorithm.top_k", "must be >= 0 (0: off)");
   // The trainer's keys live in [algorithm] too; its own check names them.

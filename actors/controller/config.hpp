@@ -40,6 +40,9 @@ struct AlgorithmConfig {
   bool filter_zero_variance = true;  ///< drop groups whose rewards are all equal
   int64_t staleness = 0;             ///< k: 0 = synchronous, else rollouts run up to k versions ahead
   int64_t update_delay_ms = 0;       ///< testing: sleep after each policy update (a slow trainer)
+  /// Steps in a row whose loss or gradient norm is not finite (skipped: the policy unchanged)
+  /// after which the run stops with a checkpoint; 0: never stop for them.
+  int64_t max_nonfinite_steps = 3;
 };
 
 struct RolloutConfig {

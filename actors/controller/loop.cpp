@@ -104,6 +104,7 @@ int run(const Config& c, const std::string& config_toml) {
   MetricsLog log(dir, first_step);
   const Stopwatch run_clock;
   std::string rng_consumed = prompts.state();  // after the last batch trained: what a checkpoint holds
+  int64_t nonfinite_in_a_row = 0;
   RolloutStream rollouts(
       [&](int64_t step, const std::function<void()>& between_steps) {
         const Stopwatch t;
@@ -126,17 +127,22 @@ int run(const Config& c, const std::string& config_toml) {
     } catch (const std::exception& e) {
       return stop_with_checkpoint(trainer, dir, step, e.what(), step - 1, rng_consumed);
     }
-    const auto rewards = prompts.rewards(batch.problems, batch.completions);
-    summarize(row, rewards, batch.completions, ref, c.trainer.loss.kl_estimator);
-    row.staleness_histogram = staleness_histogram(batch.completions, trainer.version());
-    auto groups = build_groups(batch.completions, rewards, std::move(ref), a, trainer.version());
+    Groups groups;
+    try {  // a reward the verifier made non-finite is refused by name
+      const auto rewards = prompts.rewards(batch.problems, batch.completions);
+      summarize(row, rewards, batch.completions, ref, c.trainer.loss.kl_estimator);
+      row.staleness_histogram = staleness_histogram(batch.completions, trainer.version());
+      groups = build_groups(batch.completions, rewards, std::move(ref), a, trainer.version());
+    } catch (const std::exception& e) {
+      return stop_with_checkpoint(trainer, dir, step, e.what(), step - 1, rng_consumed);
+    }
     row.filtered_groups = groups.filtered;
     row.stale_dropped_groups = groups.stale_dropped;
     row.trained_samples = int64_t(groups.samples.size());
     std::string sync_error;
     if (groups.samples.empty()) {
       rollouts.consumed(step, std::nullopt);
-    } else {
+    } else {  // (a step whose loss or gradient is not finite is skipped: no new version to send)
       try {
         row.train = trainer.train(std::move(groups.samples));
       } catch (const PolicyLost& e) {  // its state since the last checkpoint went with it
@@ -148,7 +154,8 @@ int run(const Config& c, const std::string& config_toml) {
       if (a.update_delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(a.update_delay_ms));
       try {  // k = 0: into the engines now; k > 0: the rollout thread loads them between decode steps
         const Stopwatch t;
-        rollouts.consumed(step, trainer.weights(/*copy=*/a.staleness > 0));
+        if (row.train.skipped_nonfinite) rollouts.consumed(step, std::nullopt);
+        else rollouts.consumed(step, trainer.weights(/*copy=*/a.staleness > 0));
         row.update_weights_time = t.seconds();
       } catch (const std::exception& e) {  // the step is trained: log it, checkpoint it, then stop
         sync_error = e.what();
@@ -161,6 +168,12 @@ int run(const Config& c, const std::string& config_toml) {
     row.elapsed_s = run_clock.seconds();
     log.write(row);
     if (!sync_error.empty()) return stop_with_checkpoint(trainer, dir, step, sync_error, step, batch.rng_after);
+    nonfinite_in_a_row = row.train.skipped_nonfinite ? nonfinite_in_a_row + 1 : 0;
+    if (a.max_nonfinite_steps > 0 && nonfinite_in_a_row >= a.max_nonfinite_steps)
+      return stop_with_checkpoint(trainer, dir, step,
+                                  std::to_string(nonfinite_in_a_row) + " steps in a row skipped (algorithm.max_nonfinite_steps): " +
+                                      row.train.skip_reason,
+                                  step, batch.rng_after);
     if (c.run.checkpoint_every > 0 && step % c.run.checkpoint_every == 0) {
       try {
         trainer.save(checkpoint_dir(dir, step), {step, 0, batch.rng_after});

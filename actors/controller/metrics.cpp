@@ -56,6 +56,8 @@ void MetricsLog::write(const StepRow& row) {
   j["loss"] = m.loss;
   j["grad_norm"] = m.grad_norm;
   j["lr"] = m.lr;
+  j["skipped_nonfinite"] = m.skipped_nonfinite;
+  if (m.skipped_nonfinite) j["skip_reason"] = m.skip_reason;
   j["filtered_groups"] = row.filtered_groups;
   j["stale_dropped_groups"] = row.stale_dropped_groups;
   j["trained_samples"] = row.trained_samples;
@@ -81,6 +83,8 @@ void MetricsLog::print_progress(const StepRow& row, int64_t steps, int64_t promp
                (long long)row.step, (long long)steps, row.reward_mean, row.reward_std, row.kl, row.train.clip_fraction,
                (long long)row.filtered_groups, (long long)prompts_per_step, row.rollout_time,
                row.train.actor_train_time, row.update_weights_time);
+  if (row.train.skipped_nonfinite)
+    std::fprintf(stderr, "step %3lld: skipped, policy unchanged: %s\n", (long long)row.step, row.train.skip_reason.c_str());
 }
 
 void MetricsLog::plot() const {

@@ -1,5 +1,6 @@
 #include "actors/trainer/losses.hpp"
 
+#include <cmath>
 #include <stdexcept>
 
 namespace kiln::trainer {
@@ -8,9 +9,24 @@ torch::Tensor grpo_advantages(const torch::Tensor& rewards, int64_t group_size, 
   TORCH_CHECK(group_size > 0 && rewards.dim() == 1 && rewards.size(0) % group_size == 0,
               "grpo_advantages: rewards [S] with S a multiple of group_size ", group_size, ", got ", rewards.sizes());
   auto g = rewards.to(torch::kFloat32).view({-1, group_size});  // [groups, n]
+  // One NaN or inf reward makes its whole group's advantages non-finite: refuse it by name.
+  auto finite = torch::isfinite(rewards);
+  if (!finite.all().item<bool>()) {
+    const int64_t i = (~finite).nonzero()[0][0].item<int64_t>();
+    const double r = rewards[i].item<double>();
+    throw std::invalid_argument("grpo_advantages: reward " + std::to_string(i) + " is " +
+                                (std::isnan(r) ? "nan" : std::to_string(r)) + " (rewards must be finite)");
+  }
   auto a = g - g.mean(1, true);
+  // eps bounds the division when a group's rewards (nearly) agree: |A| <= |r - mean| / eps.
   if (normalize_std) a = a / (g.std(1, /*unbiased=*/false, true) + eps);
   return a.reshape({-1});
+}
+
+torch::Tensor clamp_log_ratio(const torch::Tensor& x) {
+  // Value: the clamped x, exactly (x - x.detach() is 0). Gradient: 1 through the second term;
+  // an infinite x gives the bound and no gradient (inf - inf is NaN, mapped to 0).
+  return x.detach().clamp(-kMaxLogRatio, kMaxLogRatio) + (x - x.detach()).nan_to_num(0.0, 0.0, 0.0);
 }
 
 KLEstimator kl_estimator_from_string(const std::string& name) {
@@ -31,7 +47,10 @@ torch::Tensor kl_estimate(const torch::Tensor& logprob, const torch::Tensor& ref
   switch (e) {
     case KLEstimator::k1: return -r;
     case KLEstimator::k2: return 0.5 * r * r;
-    case KLEstimator::k3: return torch::exp(r) - 1 - r;
+    case KLEstimator::k3: {
+      auto c = clamp_log_ratio(r);
+      return torch::exp(c) - 1 - c;
+    }
   }
   return {};
 }
@@ -40,7 +59,7 @@ PolicyLossResult policy_loss(const PolicyTokens& t, const PolicyLossConfig& c, d
                              const torch::Tensor& sample_tokens) {
   TORCH_CHECK(normalizer > 0, "policy_loss: normalizer must be > 0");
   auto mask = t.loss_mask.to(torch::kFloat32);
-  auto ratio = torch::exp(t.logprob - t.old_logprob);
+  auto ratio = torch::exp(clamp_log_ratio(t.logprob - t.old_logprob));
   auto adv = t.advantage.to(torch::kFloat32);
   auto unclipped = ratio * adv;
   auto clipped = torch::clamp(ratio, 1.0 - c.clip_low, 1.0 + c.clip_high) * adv;

@@ -17,11 +17,22 @@ namespace kiln::trainer {
 /// GRPO group-relative advantages (DeepSeekMath, arXiv:2402.03300 §4.1.2): rewards [S] laid
 /// out as consecutive groups of `group_size` samples of one prompt; A = r - mean(group),
 /// divided by (std(group) + eps) if normalize_std (population std, as verl's grpo estimator).
+/// Throws std::invalid_argument naming the first non-finite reward (it would poison its group).
 torch::Tensor grpo_advantages(const torch::Tensor& rewards, int64_t group_size, bool normalize_std, double eps = 1e-6);
+
+/// Log-ratios fed to exp() are clamped to [-kMaxLogRatio, kMaxLogRatio] (verl's bound for its
+/// PPO ratio and low-variance KL): exp(20) = 4.85e8 is finite in fp32, exp(89) is not.
+inline constexpr double kMaxLogRatio = 20.0;
+
+/// x clamped to [-kMaxLogRatio, kMaxLogRatio] in value, with the gradient of x (1) everywhere:
+/// past the bound a term keeps pulling back at its largest finite strength instead of
+/// letting go (a plain clamp's gradient is 0 there).
+torch::Tensor clamp_log_ratio(const torch::Tensor& x);
 
 /// KL(pi || ref) estimators per token from log-probs (Schulman, "Approximating KL
 /// divergence", 2020), with r = ref_logprob - logprob:
-///   k1 = -r,  k2 = r^2 / 2,  k3 = exp(r) - 1 - r.
+///   k1 = -r,  k2 = r^2 / 2,  k3 = exp(r) - 1 - r  with r = clamp_log_ratio(r) (k3 only: the
+/// others have no exp). So k3(-100 vs ref -5) = e^20 - 21 = 4.852e8, d/dlogprob = 1 - e^20.
 enum class KLEstimator { k1, k2, k3 };
 KLEstimator kl_estimator_from_string(const std::string& name);  ///< "k1"|"k2"|"k3", else throws
 torch::Tensor kl_estimate(const torch::Tensor& logprob, const torch::Tensor& ref_logprob, KLEstimator estimator);
@@ -48,7 +59,8 @@ struct PolicyLossResult {
   double pg_sum = 0, kl_sum = 0, entropy_sum = 0, clipped_tokens = 0, tokens = 0;
 };
 
-/// PPO clipped surrogate against the old policy (ratio = exp(logprob - old_logprob)), times
+/// PPO clipped surrogate against the old policy (ratio = exp(clamp_log_ratio(logprob -
+/// old_logprob))): per token -min(ratio * A, clamp(ratio, 1 - clip_low, 1 + clip_high) * A), times
 /// the TIS weight, + kl_coef * KL(pi || ref) - entropy_coef * entropy, aggregated per
 /// config.aggregation and divided by `normalizer` (token_mean: the step's loss-token count;
 /// sequence_mean: the step's sample count; each sample's token losses are first averaged

@@ -49,6 +49,52 @@ Packed pack(const std::vector<Sample>& samples, const std::vector<std::size_t>& 
   return p;
 }
 
+// A value for a message: "nan" whatever its sign bit (std::to_string may write "-nan").
+std::string number(double x) { return std::isnan(x) ? "nan" : std::to_string(x); }
+
+// Refuses, by sample index, what the step cannot train on or would be poisoned by (a NaN or
+// inf reaches every parameter through the update, and every later update through AdamW's
+// moments). Runs before anything changes.
+void check_samples(const std::vector<Sample>& samples, int64_t vocab, bool need_ref) {
+  if (samples.empty()) throw std::invalid_argument("train_step: no samples");
+  const bool given_old = !samples.front().old_logprobs.empty();
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    const auto& s = samples[i];
+    auto bad = [i](const std::string& what) {
+      throw std::invalid_argument("train_step: sample " + std::to_string(i) + " " + what);
+    };
+    const std::size_t n = s.completion.size();
+    if (s.prompt.empty()) bad("has an empty prompt (its first completion token needs a token before it)");
+    if (n == 0) bad("has an empty completion (no token to train on)");
+    for (const auto* ids : {&s.prompt, &s.completion})
+      for (auto t : *ids)
+        if (t < 0 || t >= vocab)
+          bad("has token id " + std::to_string(t) + " outside the vocabulary [0, " + std::to_string(vocab) + ")");
+    auto check = [&](const std::vector<float>& v, const std::string& name, const std::string& why_needed) {
+      if (v.size() != n)
+        bad("has " + std::to_string(v.size()) + " " + name + " for " + std::to_string(n) + " completion tokens" +
+            why_needed);
+      for (std::size_t j = 0; j < n; ++j)
+        if (!std::isfinite(v[j]))
+          bad("has a non-finite value in " + name + " at token " + std::to_string(j) + ": " + number(v[j]));
+    };
+    check(s.behavior_logprobs, "behaviour log-probs", "");
+    if (need_ref) check(s.ref_logprobs, "reference log-probs", " (kl_coef != 0 needs one per token)");
+    if (given_old != !s.old_logprobs.empty())
+      bad(std::string(given_old ? "has no old_logprobs, sample 0 has" : "has old_logprobs, sample 0 has none") +
+          ": old_logprobs must be given for every completion token of every sample, or for none");
+    if (given_old) check(s.old_logprobs, "old log-probs", "");
+    if (!std::isfinite(s.advantage)) bad("has a non-finite advantage: " + number(s.advantage));
+  }
+}
+
+// Why a step must not be applied, or "" when its loss and gradient norm are finite.
+std::string nonfinite_reason(double loss, double grad_norm) {
+  if (!std::isfinite(loss)) return "loss is " + number(loss);
+  if (!std::isfinite(grad_norm)) return "gradient norm is " + number(grad_norm);
+  return "";
+}
+
 torch::Tensor per_token(const std::vector<Sample>& samples, const std::vector<std::size_t>& idx,
                         const std::vector<float> Sample::*field) {
   std::vector<float> v;
@@ -104,30 +150,22 @@ double Trainer::current_lr() const {
 
 StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
   auto t0 = std::chrono::steady_clock::now();
+  const bool want_ref = c_.loss.kl_coef != 0;
+  check_samples(samples, policy_->vocab_size(), want_ref);
   StepMetrics m;
   std::vector<float> sample_tokens;
   for (const auto& s : samples) {
     m.loss_tokens += int64_t(s.completion.size());
     m.tokens += s.tokens();
     sample_tokens.push_back(float(s.completion.size()));
-    if (s.behavior_logprobs.size() != s.completion.size())
-      throw std::invalid_argument("train_step: a sample has " + std::to_string(s.behavior_logprobs.size()) +
-                                  " behaviour log-probs for " + std::to_string(s.completion.size()) + " tokens");
   }
-  if (m.loss_tokens == 0) throw std::invalid_argument("train_step: no completion tokens to train on");
   const bool given_old = !samples.front().old_logprobs.empty();
-  for (const auto& s : samples)
-    if ((given_old && s.old_logprobs.size() != s.completion.size()) || (!given_old && !s.old_logprobs.empty()))
-      throw std::invalid_argument("train_step: old_logprobs must be given for every completion token of every sample, or for none");
   const double normalizer =
       aggregation_from_string(c_.loss.aggregation) == Aggregation::token_mean ? double(m.loss_tokens) : double(samples.size());
   auto sample_tokens_t = torch::tensor(sample_tokens, torch::kFloat32);
-  const double lr = current_lr();
-  for (auto& g : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
   optimizer_->zero_grad();
   if (uses_master_weights()) policy_->zero_grad();
   double abs_diff = 0;
-  const bool want_ref = c_.loss.kl_coef != 0;
   for (const auto& idx : plan_micro_batches(samples, c_.logprobs.max_tokens_per_microbatch)) {
     auto p = pack(samples, idx, c_.logprobs.routing_replay);
     model::ForwardOptions opts;
@@ -147,10 +185,7 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
     }
     t.old_logprob = given_old ? per_token(samples, idx, &Sample::old_logprobs).to(dev) : t.logprob.detach();
     t.behavior_logprob = per_token(samples, idx, &Sample::behavior_logprobs).to(dev);
-    if (want_ref) {
-      t.ref_logprob = per_token(samples, idx, &Sample::ref_logprobs).to(dev);
-      TORCH_CHECK(t.ref_logprob.size(0) == t.logprob.size(0), "train_step: kl_coef > 0 needs ref_logprobs on every sample");
-    }
+    if (want_ref) t.ref_logprob = per_token(samples, idx, &Sample::ref_logprobs).to(dev);
     std::vector<float> adv;
     std::vector<int64_t> global_index;
     for (auto k : p.completion_sample) {
@@ -175,13 +210,19 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
     if (params_[i].grad().defined()) masters_[i].mutable_grad() = params_[i].grad().to(torch::kFloat32);
   m.grad_norm = c_.grad_clip > 0 ? torch::nn::utils::clip_grad_norm_(masters_, c_.grad_clip)
                                  : torch::nn::utils::clip_grad_norm_(masters_, 1e30);
-  optimizer_->step();
-  {
+  m.lr = current_lr();
+  m.skip_reason = nonfinite_reason(m.loss, m.grad_norm);
+  m.skipped_nonfinite = !m.skip_reason.empty();
+  if (m.skipped_nonfinite) {  // nothing applied: parameters, AdamW's moments and step count, lr, version
+    optimizer_->zero_grad();
+    if (uses_master_weights()) policy_->zero_grad();
+  } else {
+    for (auto& g : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(m.lr);
+    optimizer_->step();
     torch::NoGradGuard no_grad;
     for (auto i : low_precision_) params_[i].copy_(masters_[i]);  // round to the policy's dtype
+    ++version_;
   }
-  ++version_;
-  m.lr = lr;
   m.train_rollout_logprob_abs_diff = abs_diff / double(m.loss_tokens);
   m.actor_train_time = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return m;

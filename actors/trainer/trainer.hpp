@@ -37,7 +37,12 @@ class Trainer {
   Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config);
   /// One optimizer step on `samples` (one PPO epoch: the old policy is the current one, so
   /// the ratio starts at 1 and TIS weighs stale samples by exp(old - behaviour)). Samples with
-  /// old_logprobs use those as pi_old (all samples or none; throws std::invalid_argument).
+  /// old_logprobs use those as pi_old (all samples or none).
+  /// Throws std::invalid_argument, before anything changes, naming the sample: no samples, an
+  /// empty prompt or completion, a token id outside the vocabulary, log-prob counts that do not
+  /// match the completion (ref_logprobs needed when kl_coef != 0), a non-finite advantage or
+  /// log-prob. A step whose loss or gradient norm comes out non-finite anyway is skipped
+  /// (StepMetrics::skipped_nonfinite), not applied.
   StepMetrics train_step(const std::vector<Sample>& samples);
   /// The step as the RL loop takes it: pi_old from a separate no-grad pass first when
   /// config.recompute_old_logprobs (timed as log_probs_time), then train_step.

@@ -70,8 +70,13 @@ struct StepMetrics {
   int64_t micro_batches = 0, tokens = 0, loss_tokens = 0;
   double actor_train_time = 0;  ///< seconds of the optimizer step
   double log_probs_time = 0;    ///< seconds of the separate pi_old pass (0: none)
+  /// The step's loss or gradient norm was NaN or inf: it changed no parameter, no optimizer
+  /// state (moments, step count, lr) and no version; loss and grad_norm above show the values.
+  bool skipped_nonfinite = false;
+  std::string skip_reason;  ///< why, e.g. "loss is inf"; empty when the step was taken
   MSGPACK_DEFINE_MAP(loss, pg_loss, kl, clip_fraction, grad_norm, lr, entropy, train_rollout_logprob_abs_diff,
-                     micro_batches, tokens, loss_tokens, actor_train_time, log_probs_time);
+                     micro_batches, tokens, loss_tokens, actor_train_time, log_probs_time, skipped_nonfinite,
+                     skip_reason);
 };
 
 }  // namespace kiln::trainer

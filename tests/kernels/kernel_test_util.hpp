@@ -1,17 +1,18 @@
 #pragma once
-// Helpers shared by the kernel suites (tests/kernels/).
+// Helpers of the kernel suites (tests/kernels/), over the shared ones in tests/test_util.hpp.
 #include <torch/torch.h>
 
 #include "kernels/rms_norm.hpp"
+#include "../test_util.hpp"
 
 namespace kiln::test {
 
-/// A CUDA build of kiln on a machine with a GPU: the CUDA test cases run, else they say so.
-inline bool have_gpu() { return kernels::built_with_cuda() && torch::cuda::is_available(); }
+/// A CUDA build of kiln's kernels and a GPU to run them on.
+inline bool have_cuda_kernels() { return kernels::built_with_cuda() && have_gpu(); }
 
-/// ||a - b|| / ||b|| in fp64.
-inline double rel(const torch::Tensor& a, const torch::Tensor& b) {
-  return ((a.to(torch::kFloat64) - b.to(torch::kFloat64)).norm() / b.to(torch::kFloat64).norm()).item<double>();
+/// Skips the running CUDA kernel test case without them (see skip_unless).
+inline bool skip_without_cuda_kernels() {
+  return skip_unless(have_cuda_kernels(), "needs a CUDA build of kiln's kernels and a CUDA device");
 }
 
 }  // namespace kiln::test

@@ -9,8 +9,8 @@
 #include "tests/kernels/kernel_test_util.hpp"
 
 using namespace kiln;
-using kiln::test::have_gpu;
-using kiln::test::rel;
+using kiln::test::rel_error;
+using kiln::test::skip_without_cuda_kernels;
 
 namespace {
 
@@ -50,7 +50,7 @@ TEST_CASE("varlen attention reference equals dense masked attention (CPU, fp64 f
     auto q = torch::randn({32, 3, dqk}), k = torch::randn({32, 3, dqk}), v = torch::randn({32, 3, dv});
     auto out = kernels::varlen_attention(q, k, v, torch::tensor(cu), 0.3);
     REQUIRE((out.sizes() == torch::IntArrayRef{32, 3, dv}));
-    CHECK(rel(out, masked_attention(q, k, v, cu, 0.3)) <= 1e-6);
+    CHECK(rel_error(out, masked_attention(q, k, v, cu, 0.3)) <= 1e-6);
   }
   CHECK_THROWS_WITH(kernels::varlen_attention(torch::randn({8, 2, 16}), torch::randn({8, 2, 16}),
                                               torch::randn({8, 2, 16}), torch::tensor({0, 5}), 1.0),
@@ -66,7 +66,7 @@ TEST_CASE("grouped experts reference equals the per-row formula, empty experts i
   const int64_t M = 16, D = 16, F = 8, E = 6;
   auto x = torch::randn({M, D}), w1 = 0.3 * torch::randn({E, 2 * F, D}), w2 = 0.3 * torch::randn({E, D, F});
   auto y = kernels::grouped_swiglu(x, torch::tensor(counts), w1, w2);
-  CHECK(rel(y, naive_experts(x, counts, w1, w2)) <= 1e-6);
+  CHECK(rel_error(y, naive_experts(x, counts, w1, w2)) <= 1e-6);
   CHECK_THROWS_WITH(kernels::grouped_swiglu(x, torch::tensor({3, 0, 5, 1, 0, 6}), w1, w2),
                     doctest::Contains("counts sum to 15, not M = 16"));
 }
@@ -79,10 +79,7 @@ TEST_CASE("router top-k reference: experts by descending sigmoid + bias (CPU)") 
 }
 
 TEST_CASE("CUDA: FlashAttention varlen equals the reference in bf16, values and gradients") {
-  if (!have_gpu()) {
-    MESSAGE("no CUDA device: skipped");
-    return;
-  }
+  if (skip_without_cuda_kernels()) return;
   torch::manual_seed(3);
   auto dev = torch::Device(torch::kCUDA);
   // GLM-4.7-Flash heads (qk 256, v 256) and a narrower v (padded to qk inside).
@@ -102,7 +99,7 @@ TEST_CASE("CUDA: FlashAttention varlen equals the reference in bf16, values and 
     auto vf = v.detach().to(torch::kFloat32).requires_grad_();
     auto ref = kernels::varlen_attention_ref(qf, kf, vf, torch::tensor(cu), scale);
     auto gr = torch::autograd::grad({(ref * dout.to(torch::kFloat32)).sum()}, {qf, kf, vf});
-    const double eo = rel(out, ref), eq = rel(g[0], gr[0]), ek = rel(g[1], gr[1]), ev = rel(g[2], gr[2]);
+    const double eo = rel_error(out, ref), eq = rel_error(g[0], gr[0]), ek = rel_error(g[1], gr[1]), ev = rel_error(g[2], gr[2]);
     MESSAGE("flash vs reference rel err: out " << eo << " dq " << eq << " dk " << ek << " dv " << ev);
     CHECK(eo <= 1e-2);
     CHECK(eq <= 2e-2);
@@ -112,10 +109,7 @@ TEST_CASE("CUDA: FlashAttention varlen equals the reference in bf16, values and 
 }
 
 TEST_CASE("CUDA: grouped-GEMM experts equal the reference in bf16, values and gradients") {
-  if (!have_gpu()) {
-    MESSAGE("no CUDA device: skipped");
-    return;
-  }
+  if (skip_without_cuda_kernels()) return;
   torch::manual_seed(4);
   auto opt = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
   const int64_t E = 64, D = 2048, F = 1536, M = 4096;
@@ -133,7 +127,7 @@ TEST_CASE("CUDA: grouped-GEMM experts equal the reference in bf16, values and gr
   auto w2f = w2.detach().to(torch::kFloat32).requires_grad_();
   auto ref = kernels::grouped_swiglu_ref(xf, counts, w1f, w2f);
   auto gr = torch::autograd::grad({(ref * dy.to(torch::kFloat32)).sum()}, {xf, w1f, w2f});
-  const double ey = rel(y, ref), ex = rel(g[0], gr[0]), e1 = rel(g[1], gr[1]), e2 = rel(g[2], gr[2]);
+  const double ey = rel_error(y, ref), ex = rel_error(g[0], gr[0]), e1 = rel_error(g[1], gr[1]), e2 = rel_error(g[2], gr[2]);
   MESSAGE("grouped_mm vs reference rel err: y " << ey << " dx " << ex << " dw1 " << e1 << " dw2 " << e2);
   CHECK(ey <= 1e-2);
   CHECK(ex <= 2e-2);
@@ -142,10 +136,7 @@ TEST_CASE("CUDA: grouped-GEMM experts equal the reference in bf16, values and gr
 }
 
 TEST_CASE("CUDA: router top-k kernel picks the reference's experts") {
-  if (!have_gpu()) {
-    MESSAGE("no CUDA device: skipped");
-    return;
-  }
+  if (skip_without_cuda_kernels()) return;
   torch::manual_seed(5);
   for (int64_t E : {8, 64, 256}) {
     CAPTURE(E);
@@ -163,14 +154,11 @@ TEST_CASE("cached varlen attention (end-aligned causal) equals full attention's 
   auto q = torch::cat({q_all.narrow(0, 6, 3), q_all.narrow(0, 12, 1)});
   auto out = kernels::varlen_attention_cached(q, k, v, torch::tensor({0, 3, 4}), torch::tensor({0, 9, 13}), 0.25, 3, 9);
   auto want = torch::cat({full.narrow(0, 6, 3), full.narrow(0, 12, 1)});
-  CHECK(rel(out, want) <= 1e-6);
+  CHECK(rel_error(out, want) <= 1e-6);
 }
 
 TEST_CASE("CUDA: cached FlashAttention equals the cached reference in bf16") {
-  if (!have_gpu()) {
-    MESSAGE("no CUDA device: skipped");
-    return;
-  }
+  if (skip_without_cuda_kernels()) return;
   torch::manual_seed(9);
   auto opt = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
   auto q = torch::randn({5, 4, 256}, opt), k = torch::randn({700, 4, 256}, opt), v = torch::randn({700, 4, 256}, opt);
@@ -178,7 +166,7 @@ TEST_CASE("CUDA: cached FlashAttention equals the cached reference in bf16") {
   auto out = kernels::varlen_attention_cached(q, k, v, cu_q, cu_k, 0.0625, 3, 350);
   auto ref = kernels::varlen_attention_cached_ref(q.to(torch::kFloat32), k.to(torch::kFloat32), v.to(torch::kFloat32),
                                                   cu_q, cu_k, 0.0625);
-  const double e = rel(out, ref);
+  const double e = rel_error(out, ref);
   MESSAGE("cached flash vs reference rel err " << e);
   CHECK(e <= 1e-2);
 }

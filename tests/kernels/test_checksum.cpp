@@ -7,8 +7,8 @@
 #include "tests/kernels/kernel_test_util.hpp"
 
 using namespace kiln;
-using kiln::test::have_gpu;
-using kiln::test::rel;
+using kiln::test::rel_error;
+using kiln::test::skip_without_cuda_kernels;
 
 TEST_CASE("checksum: the documented formula, position sensitive, copy computes the source's (CPU)") {
   auto t = torch::tensor({1, 2}, torch::kInt32);
@@ -27,10 +27,7 @@ TEST_CASE("checksum: the documented formula, position sensitive, copy computes t
 }
 
 TEST_CASE("CUDA: checksum and copy kernels equal the reference, aligned or not") {
-  if (!have_gpu()) {
-    MESSAGE("no CUDA device: skipped");
-    return;
-  }
+  if (skip_without_cuda_kernels()) return;
   auto base = torch::randn({(1 << 22) + 13}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16));
   for (int64_t off : {0, 1, 8}) {  // 16-byte aligned, and not
     CAPTURE(off);

@@ -8,8 +8,8 @@
 #include "tests/kernels/kernel_test_util.hpp"
 
 using namespace kiln;
-using kiln::test::have_gpu;
-using kiln::test::rel;
+using kiln::test::rel_error;
+using kiln::test::skip_without_cuda_kernels;
 
 TEST_CASE("log-prob chunk reference: log_softmax, entropy and their gradients by autograd (CPU, fp64)") {
   torch::manual_seed(6);
@@ -19,19 +19,16 @@ TEST_CASE("log-prob chunk reference: log_softmax, entropy and their gradients by
   auto ls = torch::log_softmax(z, -1);
   auto want_lp = ls.gather(1, targets.clamp_min(0).unsqueeze(1)).squeeze(1) * (targets >= 0).to(torch::kFloat64);
   auto want_ent = -(ls.exp() * ls).sum(-1);
-  CHECK(rel(lp, want_lp) <= 1e-6);
-  CHECK(rel(ent, want_ent) <= 1e-6);
+  CHECK(rel_error(lp, want_lp) <= 1e-6);
+  CHECK(rel_error(ent, want_ent) <= 1e-6);
   auto g_lp = torch::randn({5}, torch::kFloat64) * (targets >= 0).to(torch::kFloat64), g_ent = torch::randn({5}, torch::kFloat64);
   auto want_dz = torch::autograd::grad({(want_lp * g_lp).sum() + (want_ent * g_ent).sum()}, {z})[0];
   auto dz = kernels::logprob_chunk_backward(z.detach(), targets, lse, g_lp, g_ent, mz, torch::kFloat64);
-  CHECK(rel(dz, want_dz) <= 1e-6);
+  CHECK(rel_error(dz, want_dz) <= 1e-6);
 }
 
 TEST_CASE("CUDA: fused log-prob kernel equals the reference in bf16 (forward, backward, entropy)") {
-  if (!have_gpu()) {
-    MESSAGE("no CUDA device: skipped");
-    return;
-  }
+  if (skip_without_cuda_kernels()) return;
   torch::manual_seed(7);
   for (int64_t V : {154880, 1001}) {  // 16-byte loads, and the scalar path for V % 8 != 0
     CAPTURE(V);
@@ -48,7 +45,7 @@ TEST_CASE("CUDA: fused log-prob kernel equals the reference in bf16 (forward, ba
     g_lp[5] = 0;
     auto dz = kernels::logprob_chunk_backward(z, targets, lse, g_lp, g_ent, mz, torch::kBFloat16);
     auto rdz = kernels::logprob_chunk_backward_ref(z, targets, rlse, g_lp, g_ent, rmz, torch::kBFloat16);
-    const double e = rel(dz, rdz);
+    const double e = rel_error(dz, rdz);
     MESSAGE("fused log-prob backward vs reference rel err " << e);
     CHECK(e <= 1e-2);
     // fp32 logits in, a bf16 copy kept, the backward from the copy with the copy's softmax.
@@ -64,9 +61,9 @@ TEST_CASE("CUDA: fused log-prob kernel equals the reference in bf16 (forward, ba
     CHECK((ks.mean_z - rks.mean_z).abs().max().item<double>() <= 1e-3);
     auto dzk = kernels::logprob_chunk_backward(keep, targets, ks.lse, g_lp, g_ent, ks.mean_z, torch::kBFloat16);
     auto rdzk = kernels::logprob_chunk_backward_ref(keep, targets, rks.lse, g_lp, g_ent, rks.mean_z, torch::kBFloat16);
-    CHECK(rel(dzk, rdzk) <= 1e-2);
+    CHECK(rel_error(dzk, rdzk) <= 1e-2);
     auto dz32 = kernels::logprob_chunk_backward(z32, targets, std::get<1>(f), g_lp, g_ent, std::get<3>(f), torch::kBFloat16);
     auto rdz32 = kernels::logprob_chunk_backward_ref(z32, targets, std::get<1>(rf), g_lp, g_ent, std::get<3>(rf), torch::kBFloat16);
-    CHECK(rel(dz32, rdz32) <= 1e-2);
+    CHECK(rel_error(dz32, rdz32) <= 1e-2);
   }
 }

@@ -5,17 +5,10 @@
 
 #include "kernels/rms_norm.hpp"
 #include "model/blocks/basic.hpp"
+#include "tests/kernels/kernel_test_util.hpp"
 
 using namespace kiln;
-
-namespace {
-bool have_gpu() { return kernels::built_with_cuda() && torch::cuda::is_available(); }
-
-// Relative error ||a - b|| / ||b|| in fp32.
-double rel(const torch::Tensor& a, const torch::Tensor& b) {
-  return ((a.to(torch::kFloat32) - b.to(torch::kFloat32)).norm() / b.to(torch::kFloat32).norm()).item<double>();
-}
-}  // namespace
+using kiln::test::rel_error;
 
 TEST_CASE("RMSNorm reference equals the model's RMSNorm, values and gradients (CPU)") {
   torch::manual_seed(0);
@@ -35,14 +28,15 @@ TEST_CASE("RMSNorm reference equals the model's RMSNorm, values and gradients (C
     auto y = kernels::rms_norm(x, w, 1e-5);
     auto grads = torch::autograd::grad({(y * dy).sum()}, {x, w});
     const double tol = dtype == torch::kFloat32 ? 1e-6 : 1e-2;
-    CHECK(rel(y, y_module) <= tol);
-    CHECK(rel(grads[0], grads_module[0]) <= (dtype == torch::kFloat32 ? 1e-5 : 2e-2));
-    CHECK(rel(grads[1], grads_module[1]) <= (dtype == torch::kFloat32 ? 1e-5 : 2e-2));
+    CHECK(rel_error(y, y_module) <= tol);
+    CHECK(rel_error(grads[0], grads_module[0]) <= (dtype == torch::kFloat32 ? 1e-5 : 2e-2));
+    CHECK(rel_error(grads[1], grads_module[1]) <= (dtype == torch::kFloat32 ? 1e-5 : 2e-2));
   }
   CHECK_THROWS_AS(kernels::rms_norm_forward(torch::randn({4, 8}), torch::randn({9}), 1e-5), c10::Error);
 }
 
-TEST_CASE("RMSNorm CUDA kernel equals the reference, values and gradients" * doctest::skip(!have_gpu())) {
+TEST_CASE("RMSNorm CUDA kernel equals the reference, values and gradients") {
+  if (test::skip_without_cuda_kernels()) return;
   torch::manual_seed(1);
   for (auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat16}) {
     for (int64_t dim : {64, 512, 2048, 7168}) {
@@ -53,13 +47,13 @@ TEST_CASE("RMSNorm CUDA kernel equals the reference, values and gradients" * doc
       auto dy = torch::randn({333, dim}, torch::kCUDA).to(dtype);
       auto [y, rstd] = kernels::rms_norm_forward(x, w, 1e-5);
       auto [y_ref, rstd_ref] = kernels::rms_norm_forward_ref(x, w, 1e-5);
-      CHECK(rel(rstd, rstd_ref) <= 1e-6);
+      CHECK(rel_error(rstd, rstd_ref) <= 1e-6);
       const double tol = dtype == torch::kFloat32 ? 1e-6 : 1e-2;  // bf16/fp16: one rounding of the output
-      CHECK(rel(y, y_ref) <= tol);
+      CHECK(rel_error(y, y_ref) <= tol);
       auto [dx, dw] = kernels::rms_norm_backward(dy, x, w, rstd);
       auto [dx_ref, dw_ref] = kernels::rms_norm_backward_ref(dy, x, w, rstd_ref);
-      CHECK(rel(dx, dx_ref) <= (dtype == torch::kFloat32 ? 1e-5 : 1e-2));
-      CHECK(rel(dw, dw_ref) <= (dtype == torch::kFloat32 ? 1e-5 : 1e-2));
+      CHECK(rel_error(dx, dx_ref) <= (dtype == torch::kFloat32 ? 1e-5 : 1e-2));
+      CHECK(rel_error(dw, dw_ref) <= (dtype == torch::kFloat32 ? 1e-5 : 1e-2));
     }
   }
 }

@@ -44,6 +44,34 @@ TEST_CASE("router: group-limited selection keeps experts of the best group only"
   CHECK(ids[0][1].item<int64_t>() == 3);
 }
 
+TEST_CASE("router: a group scores the sum of its top-2 biased scores, not all of them and not the unbiased ones") {
+  // 6 experts in 2 groups of 3, keep 1 group, top-2 experts.
+  auto ids_of = [](const torch::Tensor& scores, const torch::Tensor& bias) {
+    RouterOptions o{0, 6, 2, 2, 1, true, 1.0};
+    auto ids = std::get<0>(route_from_scores(scores, bias, o).expert_ids.sort(-1));
+    return std::vector<int64_t>{ids[0][0].item<int64_t>(), ids[0][1].item<int64_t>()};
+  };
+  // Top-2 sums: {0,1,2} 1.4, {3,4,5} 1.15 -> group 0. All three: 1.4 vs 1.65 -> group 1.
+  auto scores = torch::tensor({{0.7f, 0.7f, 0.0f, 0.65f, 0.5f, 0.5f}});
+  CHECK(ids_of(scores, torch::zeros({6})) == std::vector<int64_t>{0, 1});
+  // The bias chooses the group too: unbiased {0,1,2} 1.2 wins, biased {3,4,5} 0.7 + 0.7 = 1.4 does.
+  auto close = torch::tensor({{0.6f, 0.6f, 0.0f, 0.5f, 0.5f, 0.0f}});
+  auto bias = torch::tensor({0.0f, 0.0f, 0.0f, 0.2f, 0.2f, 0.2f});
+  CHECK(ids_of(close, bias) == std::vector<int64_t>{3, 4});
+}
+
+TEST_CASE("router: without norm_topk_prob the weights are the raw scores times the scaling factor") {
+  auto scores = torch::tensor({{0.50f, 0.20f, 0.40f, 0.10f}});
+  RouterOptions o{0, 4, 2, 1, 1, false, 2.5};
+  auto r = route_from_scores(scores, torch::zeros({4}), o);
+  CHECK(r.expert_ids[0][0].item<int64_t>() == 0);
+  CHECK(r.expert_ids[0][1].item<int64_t>() == 2);
+  CHECK(r.weights[0][0].item<float>() == doctest::Approx(1.25));  // normalised: 0.5 / 0.9 * 2.5 = 1.389
+  CHECK(r.weights[0][1].item<float>() == doctest::Approx(1.0));
+  o.norm_topk_prob = true;
+  CHECK(route_from_scores(scores, torch::zeros({4}), o).weights[0][0].item<float>() == doctest::Approx(0.5 / 0.9 * 2.5));
+}
+
 TEST_CASE("interleaved RoPE rotates adjacent pairs") {
   auto x = torch::tensor({1.0f, 0.0f, 0.0f, 0.0f}).view({1, 1, 4});  // [T, H, R]
   auto y = apply_rope(x, torch::tensor({int64_t(1)}), 10000.0, /*interleaved=*/true);

@@ -2,6 +2,7 @@
 // experts, log-probs, loss and gradients; packed == one by one; routing replay.
 #include <doctest/doctest.h>
 
+#include "../test_util.hpp"
 #include "fixture.hpp"
 #include "model/blocks/logprobs.hpp"
 #include "model/glm4_moe_lite/model.hpp"
@@ -12,10 +13,6 @@ using namespace kiln::model;
 namespace {
 std::shared_ptr<glm4_moe_lite::Glm4MoeLiteModel> load_fixture_model() {
   return glm4_moe_lite::from_hf_dir(test::fixture_dir());
-}
-
-double rel_error(const torch::Tensor& got, const torch::Tensor& want) {
-  return ((got - want).norm() / want.norm()).item<double>();
 }
 }  // namespace
 
@@ -71,7 +68,7 @@ TEST_CASE("loss and gradients match transformers (relative error <= 1e-3)") {
     auto got = params[kiln_name].grad();
     REQUIRE(got.defined());
     REQUIRE((got.sizes() == want.sizes()));
-    double err = rel_error(got, want);
+    double err = test::rel_error(got, want);
     MESSAGE(hf << ": relative gradient error " << err);
     CHECK(err <= 1e-3);
   }
@@ -130,10 +127,7 @@ TEST_CASE("CUDA bf16: logits, log-probs and loss gradients stay within bf16 tole
   // ~4e-3 relative rounding per op, compounded over 3 layers: logits rel <= 3e-2, log-probs
   // mean abs <= 2e-2, gradients rel <= 8e-2. Routed experts: the fixture's tiny model scores
   // experts that differ by less than bf16 resolution, so the choice is compared via replay.
-  if (!torch::cuda::is_available()) {
-    MESSAGE("no CUDA device: skipped");
-    return;
-  }
+  if (test::skip_without_gpu()) return;
   auto model = load_fixture_model();
   model->to(torch::Device(torch::kCUDA));
   model->to_dtype(torch::kBFloat16);
@@ -144,16 +138,16 @@ TEST_CASE("CUDA bf16: logits, log-probs and loss gradients stay within bf16 tole
   auto out = model->forward(batch, opts);
   auto logits = model->logits(out).to(torch::kCPU).to(torch::kFloat32);
   auto want = test::expected("logits");
-  const double lrel = rel_error(logits, want);
+  const double lrel = test::rel_error(logits, want);
   auto targets = next_token_targets(batch.input_ids, batch.cu_seqlens);
   auto lp = model->token_logprobs(out, targets, 5).to(torch::kCPU);
   const double lp_diff = (lp - test::expected("token_logprobs")).abs().mean().item<double>();
   auto loss = -lp.sum() / (targets >= 0).sum();
   loss.backward();
   auto g = model->named_parameters()["layers.2.moe.experts.w_gate_up_EFD"].grad().to(torch::kCPU).to(torch::kFloat32);
-  const double grel = rel_error(g, test::expected("grad.model.layers.2.mlp.experts.gate_up_proj"));
+  const double grel = test::rel_error(g, test::expected("grad.model.layers.2.mlp.experts.gate_up_proj"));
   auto ga = model->named_parameters()["layers.1.attn.kv_b.weight"].grad().to(torch::kCPU).to(torch::kFloat32);
-  const double garel = rel_error(ga, test::expected("grad.model.layers.1.self_attn.kv_b_proj.weight"));
+  const double garel = test::rel_error(ga, test::expected("grad.model.layers.1.self_attn.kv_b_proj.weight"));
   MESSAGE("bf16 CUDA vs transformers fp32: logits rel " << lrel << ", log-prob mean abs " << lp_diff
                                                         << ", grad rel experts " << grel << " kv_b " << garel);
   CHECK(lrel <= 3e-2);

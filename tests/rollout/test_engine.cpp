@@ -135,7 +135,7 @@ TEST_CASE("temperature is applied to the logits and the log-prob follows it") {
   CHECK_THROWS_AS(p.validate(), std::invalid_argument);
 }
 
-TEST_CASE("stops: any of several end ids finishes with 'stop' and keeps the token; max_new_tokens gives 'length'") {
+TEST_CASE("stops: any of several end ids finishes with 'stop' and keeps the token, and max_new_tokens gives 'length'") {
   auto m = debug_model(5);
   auto greedy = Engine(m, small_cache()).generate({request(1, {3, 4, 5}, 10, 0.0)})[0];
   REQUIRE(greedy.tokens.size() == 10);

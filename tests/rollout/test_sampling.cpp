@@ -3,6 +3,9 @@
 // distribution, and a request's seed picks the same token on the CPU and on a GPU.
 #include <doctest/doctest.h>
 
+#include <cmath>
+
+#include "../test_util.hpp"
 #include "actors/rollout/sampling.hpp"
 
 using namespace kiln::rollout;
@@ -18,6 +21,19 @@ std::vector<int64_t> draw(const torch::Tensor& logits, const SamplingParams& p, 
   for (auto& s : sample_tokens(logits.unsqueeze(0).expand({n, logits.size(0)}), ps, gp)) out.push_back(s.token);
   return out;
 }
+
+// |frequency - p| within 5 standard deviations of a frequency over n draws. (doctest::Approx
+// is no substitute: its epsilon scales with 1 + |value|, so epsilon(0.1) passes 0.338 for 0.475.)
+bool within_5_sigma(double frequency, double p, int n) {
+  return std::abs(frequency - p) <= 5 * std::sqrt(p * (1 - p) / n);
+}
+
+// How many of n draws are not `token`.
+int draws_other_than(int64_t token, const torch::Tensor& logits, const SamplingParams& p, int n, uint64_t seed0) {
+  int others = 0;
+  for (auto t : draw(logits, p, n, seed0)) others += t != token;
+  return others;
+}
 }  // namespace
 
 TEST_CASE("inverse-CDF sampling follows the tempered distribution") {
@@ -31,7 +47,8 @@ TEST_CASE("inverse-CDF sampling follows the tempered distribution") {
   for (auto t : tokens) freq[std::size_t(t)] += 1.0 / n;
   for (int v = 0; v < 5; ++v) {
     CAPTURE(v);
-    CHECK(freq[std::size_t(v)] == doctest::Approx(probs[v].item<double>()).epsilon(0.05));  // ~5 sigma at n = 40000
+    CAPTURE(freq[std::size_t(v)]);
+    CHECK(within_5_sigma(freq[std::size_t(v)], probs[v].item<double>(), n));
   }
   at::Generator g = make_generator(1);
   auto s = sample_token(logits, p, g);
@@ -39,7 +56,7 @@ TEST_CASE("inverse-CDF sampling follows the tempered distribution") {
   CHECK(s.entropy == doctest::Approx(-(probs * probs.log()).sum().item<double>()).epsilon(1e-5));
 }
 
-TEST_CASE("top-k and top-p draw only from their sets; greedy takes the arg-max") {
+TEST_CASE("top-k and top-p draw only from their sets, and greedy takes the arg-max") {
   auto logits = torch::tensor({3.0f, 2.9f, 0.0f, -1.0f, 2.8f, -5.0f});
   SamplingParams k2;
   k2.top_k = 2;
@@ -52,11 +69,53 @@ TEST_CASE("top-k and top-p draw only from their sets; greedy takes the arg-max")
   for (auto t : draw(logits, greedy, 10, 300)) CHECK(t == 0);
 }
 
+TEST_CASE("top-k and top-p draw every token of their set in proportion to its probability") {
+  // A set one too small ({0}: k - 1, or top-p keeping tokens while the mass *including* them is
+  // < p) or one too large ({0, 1, 4}) changes these frequencies.
+  auto logits = torch::tensor({3.0f, 2.9f, 0.0f, -1.0f, 2.8f, -5.0f});
+  auto probs = torch::softmax(logits, 0);
+  const double p0 = probs[0].item<double>(), p1 = probs[1].item<double>();
+  const int n = 4000;
+  auto frequency_of_1 = [&](const SamplingParams& params, uint64_t seed) {
+    double f = 0;
+    for (auto t : draw(logits, params, n, seed)) f += (t == 1) / double(n);
+    return f;
+  };
+  SamplingParams k2;
+  k2.top_k = 2;
+  const double want = p1 / (p0 + p1);  // 0.475; {0, 1, 4} would give 0.332, {0} 0
+  const double f_k = frequency_of_1(k2, 400);
+  CAPTURE(f_k);
+  CHECK(within_5_sigma(f_k, want, n));
+  SamplingParams p;
+  p.top_p = 0.5;
+  const double f_p = frequency_of_1(p, 500);
+  CAPTURE(f_p);
+  CHECK(within_5_sigma(f_p, want, n));
+}
+
+TEST_CASE("top-p is taken over the tempered distribution: logits [3, 2, 1], T 0.5, top_p 0.8 draw only token 0") {
+  // Tempered: softmax([6, 4, 2]) = 0.867, 0.117, 0.016 -> the nucleus is {0}. Untempered:
+  // 0.665, 0.245, 0.090 -> {0, 1}, and token 1 would be drawn ~12% of the time.
+  auto logits = torch::tensor({3.0f, 2.0f, 1.0f});
+  SamplingParams p;
+  p.temperature = 0.5;
+  p.top_p = 0.8;
+  CHECK(draws_other_than(0, logits, p, 2000, 600) == 0);
+}
+
+TEST_CASE("top-p after top-k renormalises over the top-k set") {
+  // top_k 2 keeps 0.358 and 0.324, renormalised 0.525 and 0.475: top_p 0.5 keeps token 0 only.
+  // Against the untruncated mass (token 1 starts at 0.358 < 0.5) it would keep both.
+  auto logits = torch::tensor({3.0f, 2.9f, 0.0f, -1.0f, 2.8f, -5.0f});
+  SamplingParams p;
+  p.top_k = 2;
+  p.top_p = 0.5;
+  CHECK(draws_other_than(0, logits, p, 2000, 700) == 0);
+}
+
 TEST_CASE("CUDA: a seed samples the same token on the GPU as on the CPU") {
-  if (!torch::cuda::is_available()) {
-    MESSAGE("no CUDA device: skipped");
-    return;
-  }
+  if (kiln::test::skip_without_gpu()) return;
   torch::manual_seed(3);
   auto logits = 2 * torch::randn({16, 1000});
   SamplingParams p;

@@ -1,6 +1,9 @@
 // RL losses against hand-computed values and gradients.
 #include <doctest/doctest.h>
 
+#include <cmath>
+#include <limits>
+
 #include "actors/trainer/losses.hpp"
 
 using namespace kiln::trainer;
@@ -125,4 +128,105 @@ TEST_CASE("PPO clipping with separate low and high bounds, and truncated importa
   PolicyTokens s = tokens_with_advantages(lp2, torch::tensor({1.0f}));
   s.behavior_logprob = torch::full({1}, -std::log(3.0f));
   CHECK(policy_loss(s, c, 1.0).loss.item<double>() == doctest::Approx(-2.0));
+}
+
+TEST_CASE("k3 clamps the log-ratio at 20: log-prob -100 vs reference -5 gives e^20 - 21, gradient 1 - e^20") {
+  // Unclamped, r = 95 is past ln(FLT_MAX) = 88.7: value inf, gradient -inf.
+  auto lp = torch::tensor({-100.0f, -5.0f, 3.0f}, torch::requires_grad());
+  auto ref = torch::tensor({-5.0f, -100.0f, -30.0f});
+  auto kl = kl_estimate(lp, ref, KLEstimator::k3);
+  kl.sum().backward();
+  const double e20 = std::exp(20.0);
+  CHECK(kl[0].item<double>() == doctest::Approx(e20 - 21).epsilon(1e-6));  // 4.852e8
+  CHECK(lp.grad()[0].item<double>() == doctest::Approx(1 - e20).epsilon(1e-6));  // -4.852e8: still pulls back
+  // r = -95 clamps to -20: e^-20 - 1 + 20; d/dlogprob = 1 - e^-20.
+  CHECK(kl[1].item<double>() == doctest::Approx(std::exp(-20.0) + 19).epsilon(1e-6));
+  CHECK(lp.grad()[1].item<double>() == doctest::Approx(1 - std::exp(-20.0)).epsilon(1e-6));
+  // Inside the bound nothing changes: r = -33 clamps, r = 15 does not.
+  auto inside = kl_estimate(torch::tensor({-1.0f}), torch::tensor({14.0f}), KLEstimator::k3);
+  CHECK(inside.item<double>() == doctest::Approx(std::exp(15.0) - 16).epsilon(1e-6));
+  CHECK(std::isfinite(kl[2].item<double>()));
+  CHECK(clamp_log_ratio(torch::tensor({std::numeric_limits<float>::infinity()})).item<float>() == 20.0f);
+}
+
+TEST_CASE("the per-token loss adds kl_coef * KL, and minimising it lowers the KL") {
+  // logprob -1, reference -2: k3 = e^-1 - 1 + 1 = 0.3679, d k3 / d logprob = 1 - e^-1 = 0.6321.
+  PolicyLossConfig c;
+  c.tis_cap = 0;
+  c.kl_coef = 0.5;
+  auto lp = torch::tensor({-1.0f, -1.0f}, torch::requires_grad());
+  auto t = tokens_with_advantages(lp, torch::tensor({0.0f, 1.0f}));
+  t.ref_logprob = torch::full({2}, -2.0f);
+  auto r = policy_loss(t, c, /*normalizer=*/2);
+  // Token 0: 0 + 0.5 * 0.3679; token 1: -1 + 0.5 * 0.3679 (subtracting the KL gives -0.6840).
+  CHECK(r.loss.item<double>() == doctest::Approx((0.5 * 0.367879 + (-1 + 0.5 * 0.367879)) / 2).epsilon(1e-5));
+  CHECK(r.kl_sum == doctest::Approx(2 * 0.367879).epsilon(1e-5));
+  r.loss.backward();
+  CHECK(lp.grad()[0].item<double>() == doctest::Approx(0.5 * 0.632121 / 2).epsilon(1e-5));
+  // Gradient descent on the loss (advantage 0: the KL term alone) moves toward the reference.
+  auto stepped = lp.detach() - 0.5 * lp.grad();
+  CHECK(kl_estimate(stepped, t.ref_logprob, KLEstimator::k3)[0].item<double>() < 0.367879);
+  CHECK(stepped[0].item<float>() < -1.0f);
+}
+
+TEST_CASE("PPO objective min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A), token by token") {
+  PolicyLossConfig c;  // clip_low 0.2, clip_high 0.28: ratio in [0.8, 1.28]
+  c.tis_cap = 0;
+  REQUIRE(c.clip_low == 0.2);
+  REQUIRE(c.clip_high == 0.28);
+  struct Case {
+    float ratio, advantage;
+    double objective;  // the right value; the wrong ones it rules out in the comment
+  };
+  for (auto [ratio, advantage, objective] : {
+           Case{1.25f, 1.0f, 1.25},    // bounds swapped (0.72 .. 1.2): 1.2
+           Case{0.75f, -1.0f, -0.8},   // bounds swapped: -0.75
+           Case{1.5f, 1.0f, 1.28},     // max instead of min: 1.5; swapped: 1.2
+           Case{0.5f, -1.0f, -0.8},    // swapped: -0.72; no clipping: -0.5
+           Case{0.5f, 1.0f, 0.5},      // max instead of min: 0.8
+           Case{1.5f, -1.0f, -1.5},    // max: -1.28
+           Case{1.25f, 2.0f, 2.5},     // ratio inverted (exp(old - new)): 1.6
+       }) {
+    CAPTURE(ratio);
+    CAPTURE(advantage);
+    auto lp = torch::log(torch::tensor({ratio}));
+    PolicyTokens t = tokens_with_advantages(lp, torch::tensor({advantage}));
+    t.old_logprob = torch::zeros({1});
+    auto r = policy_loss(t, c, 1.0);
+    CHECK(r.loss.item<double>() == doctest::Approx(-objective).epsilon(1e-5));  // the loss is its negative
+  }
+}
+
+TEST_CASE("a policy far from pi_old: the ratio's log is clamped at 20, so loss and gradient stay finite") {
+  PolicyLossConfig c;
+  c.tis_cap = 0;
+  // log-ratio 100 with A < 0: the unclipped term -e^100 * A would be inf; clamped: e^20.
+  auto lp = torch::tensor({100.0f}, torch::requires_grad());
+  PolicyTokens t = tokens_with_advantages(lp, torch::tensor({-1.0f}));
+  t.old_logprob = torch::zeros({1});
+  auto r = policy_loss(t, c, 1.0);
+  r.loss.backward();
+  CHECK(r.loss.item<double>() == doctest::Approx(std::exp(20.0)).epsilon(1e-6));
+  CHECK(lp.grad().item<double>() == doctest::Approx(std::exp(20.0)).epsilon(1e-6));  // -A * ratio, still pushing down
+  // log-ratio 100 with A > 0: clipped at 1.28, no gradient and no NaN (0 * inf).
+  auto lp2 = torch::tensor({100.0f}, torch::requires_grad());
+  PolicyTokens u = tokens_with_advantages(lp2, torch::tensor({1.0f}));
+  u.old_logprob = torch::zeros({1});
+  auto r2 = policy_loss(u, c, 1.0);
+  r2.loss.backward();
+  CHECK(r2.loss.item<double>() == doctest::Approx(-1.28).epsilon(1e-6));
+  CHECK(lp2.grad().item<float>() == 0.0f);
+}
+
+TEST_CASE("GRPO: eps is added to the std, not inside a square root, and non-finite rewards are refused by name") {
+  // Rewards {0, 1e-6}: mean 5e-7, std 5e-7 -> A = +-5e-7 / (5e-7 + 1e-6) = +-1/3
+  // (sqrt(var + eps) would give +-5e-4; no normalisation +-5e-7).
+  auto a = grpo_advantages(torch::tensor({0.0f, 1e-6f}), 2, true);
+  CHECK(a[0].item<double>() == doctest::Approx(-1.0 / 3).epsilon(1e-3));
+  CHECK(a[1].item<double>() == doctest::Approx(1.0 / 3).epsilon(1e-3));
+  auto nan = std::numeric_limits<float>::quiet_NaN();
+  CHECK_THROWS_WITH_AS(grpo_advantages(torch::tensor({1.0f, 0.0f, nan, 1.0f}), 2, true),
+                       doctest::Contains("reward 2 is nan"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(grpo_advantages(torch::tensor({std::numeric_limits<float>::infinity(), 0.0f}), 2, false),
+                       doctest::Contains("reward 0 is inf"), std::invalid_argument);
 }

@@ -3,44 +3,14 @@
 // equal the rollout's behaviour log-probs (train/rollout mismatch ~0 in fp32).
 #include <doctest/doctest.h>
 
-#include "actors/rollout/engine.hpp"
-#include "actors/trainer/trainer.hpp"
-#include "model/glm4_moe_lite/model.hpp"
+#include "../test_util.hpp"
+#include "trainer_fixture.hpp"
 
 using namespace kiln;
 using namespace kiln::trainer;
 
-namespace {
-std::shared_ptr<model::glm4_moe_lite::Glm4MoeLiteModel> debug_model(uint64_t seed) {
-  torch::manual_seed(int64_t(seed));
-  return std::make_shared<model::glm4_moe_lite::Glm4MoeLiteModel>(model::glm4_moe_lite::flavors::debug());
-}
-
-std::vector<Sample> rollout_samples(std::shared_ptr<model::CausalLM> m, int count, double temperature = 1.0) {
-  rollout::Engine engine(m, rollout::EngineOptions{});
-  std::vector<rollout::GenerationRequest> reqs;
-  for (int i = 0; i < count; ++i) {
-    rollout::GenerationRequest r;
-    r.id = uint64_t(i);
-    r.prompt = {3 + i, 4 + i, 5, 6 + 2 * i};
-    r.sampling.max_new_tokens = 3 + i % 4;
-    r.sampling.seed = uint64_t(100 + i);
-    r.sampling.temperature = temperature;
-    reqs.push_back(r);
-  }
-  std::vector<Sample> out;
-  for (auto& c : engine.generate(reqs)) {
-    Sample s;
-    s.prompt = c.prompt;
-    s.completion = c.tokens;
-    s.behavior_logprobs = c.logprobs;
-    s.routed_experts = c.routed_experts;
-    s.advantage = (c.id % 2 ? 1.0f : -0.5f);
-    out.push_back(s);
-  }
-  return out;
-}
-}  // namespace
+using test::debug_model;
+using test::rollout_samples;
 
 TEST_CASE("micro-batches are planned by token count, in order") {
   std::vector<Sample> s(5);
@@ -192,10 +162,7 @@ TEST_CASE("a bf16 policy trains through fp32 master weights: updates below bf16 
 }
 
 TEST_CASE("CUDA bf16: rollout and trainer log-probs agree (same kernels: FlashAttention over expanded cache)") {
-  if (!torch::cuda::is_available()) {
-    MESSAGE("no CUDA device: skipped");
-    return;
-  }
+  if (test::skip_without_gpu()) return;
   auto m = debug_model(11);
   m->to(torch::Device(torch::kCUDA));
   m->to_dtype(torch::kBFloat16);
@@ -244,4 +211,33 @@ TEST_CASE("recomputed old log-probs (separate no-grad pass) give the same update
   CHECK(t.train_step(shifted).loss != doctest::Approx(m[0].loss).epsilon(1e-3));
   shifted[2].old_logprobs.clear();
   CHECK_THROWS_WITH_AS(t.train_step(shifted), doctest::Contains("old_logprobs must be given"), std::invalid_argument);
+}
+
+TEST_CASE("the learning rate: linear warmup from lr / warmup_steps, then cosine down to min_lr_ratio * lr") {
+  TrainerConfig c;
+  c.lr = 1e-3;
+  c.warmup_steps = 4;
+  c.lr_schedule = "cosine";
+  c.total_steps = 14;
+  c.min_lr_ratio = 0.1;
+  Trainer t(debug_model(1), c);
+  struct Case {
+    int64_t version;
+    double lr;  // of the next step; a wrong formula's value in the comment
+  };
+  for (auto [version, lr] : {Case{0, 2.5e-4},   // warmup s / W: 0
+                             Case{3, 1e-3},     // s / W: 7.5e-4
+                             Case{4, 1e-3},     // cosine counted from step 0: 8.3e-4
+                             Case{9, 5.5e-4},   // no floor: 5e-4
+                             Case{14, 1e-4},    // no floor: 0
+                             Case{30, 1e-4}}) {  // progress not capped at 1: rises again
+    CAPTURE(version);
+    t.set_version(version);
+    CHECK(t.current_lr() == doctest::Approx(lr).epsilon(1e-9));
+  }
+  c.lr_schedule = "constant";
+  Trainer constant(debug_model(1), c);
+  CHECK(constant.current_lr() == doctest::Approx(2.5e-4).epsilon(1e-9));
+  constant.set_version(10);
+  CHECK(constant.current_lr() == 1e-3);
 }

@@ -19,6 +19,7 @@
 #include "messaging/torch_tensor.hpp"
 #include "model/registry.hpp"
 #include "tests/scratch.hpp"
+#include "trainer_fixture.hpp"
 
 using namespace kiln;
 using namespace kiln::messaging;
@@ -94,7 +95,6 @@ bool same_weights(const std::vector<Tensor>& a, const std::vector<Tensor>& b) {
 
 // Completions of the debug policy with group-relative stand-in advantages.
 std::vector<trainer::Sample> make_samples(std::shared_ptr<model::CausalLM> policy) {
-  rollout::Engine engine(policy, rollout::EngineOptions{});
   std::vector<rollout::GenerationRequest> reqs(6);
   for (int i = 0; i < 6; ++i) {
     reqs[std::size_t(i)].id = uint64_t(i);
@@ -102,17 +102,7 @@ std::vector<trainer::Sample> make_samples(std::shared_ptr<model::CausalLM> polic
     reqs[std::size_t(i)].sampling.max_new_tokens = 3;
     reqs[std::size_t(i)].sampling.seed = uint64_t(i);
   }
-  std::vector<trainer::Sample> samples;
-  for (auto& c : engine.generate(reqs)) {
-    trainer::Sample s;
-    s.prompt = c.prompt;
-    s.completion = c.tokens;
-    s.behavior_logprobs = c.logprobs;
-    s.routed_experts = c.routed_experts;
-    s.advantage = c.id % 2 ? 1.0f : -1.0f;
-    samples.push_back(std::move(s));
-  }
-  return samples;
+  return test::generate_samples(policy, reqs, 1.0f, -1.0f);
 }
 
 TrainerTrain to_message(const std::vector<trainer::Sample>& samples, std::vector<Tensor>& experts) {

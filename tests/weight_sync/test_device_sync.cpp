@@ -4,6 +4,7 @@
 // here and on the GPU when one is present.
 #include <doctest/doctest.h>
 
+#include "../test_util.hpp"
 #include "actors/weight_sync/device_sync.hpp"
 #include "model/glm4_moe_lite/model.hpp"
 
@@ -19,7 +20,7 @@ std::shared_ptr<model::glm4_moe_lite::Glm4MoeLiteModel> debug_model(int64_t seed
 }
 std::vector<torch::Device> devices() {
   std::vector<torch::Device> d{torch::kCPU};
-  if (torch::cuda::is_available()) d.emplace_back(torch::kCUDA);
+  if (test::have_gpu()) d.emplace_back(torch::kCUDA);
   return d;
 }
 }  // namespace
@@ -38,7 +39,7 @@ TEST_CASE("device weight sync copies every tensor into the engine and checks it"
   }
 }
 
-TEST_CASE("a clobbered engine tensor fails the check by name; mismatched models are refused") {
+TEST_CASE("a clobbered engine tensor fails the check by name, and mismatched models are refused") {
   for (auto dev : devices()) {
     CAPTURE(dev);
     auto trainer = debug_model(1, dev), engine = debug_model(2, dev);

@@ -1,0 +1,116 @@
+#pragma once
+// The trainer suites' fixture: the seeded debug GLM model, rollout samples drawn from it, and a
+// copy of everything an optimizer step may change, to show that a step changed nothing.
+#include <torch/torch.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "actors/rollout/engine.hpp"
+#include "actors/trainer/trainer.hpp"
+#include "model/glm4_moe_lite/model.hpp"
+
+namespace kiln::test {
+
+inline std::shared_ptr<model::glm4_moe_lite::Glm4MoeLiteModel> debug_model(uint64_t seed) {
+  torch::manual_seed(int64_t(seed));
+  return std::make_shared<model::glm4_moe_lite::Glm4MoeLiteModel>(model::glm4_moe_lite::flavors::debug());
+}
+
+/// The in-process engine's completions of `requests` as samples, with advantage `odd` on odd
+/// request ids and `even` on even ones.
+inline std::vector<trainer::Sample> generate_samples(std::shared_ptr<model::CausalLM> m,
+                                                     const std::vector<rollout::GenerationRequest>& requests,
+                                                     float odd, float even) {
+  rollout::Engine engine(m, rollout::EngineOptions{});
+  std::vector<trainer::Sample> out;
+  for (auto& c : engine.generate(requests)) {
+    trainer::Sample s;
+    s.prompt = c.prompt;
+    s.completion = c.tokens;
+    s.behavior_logprobs = c.logprobs;
+    s.routed_experts = c.routed_experts;
+    s.advantage = c.id % 2 ? odd : even;
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+/// `count` rollouts (prompts {3+i, 4+i, 5, 6+2i}, 3 + i % 4 new tokens, seed 100 + i), with
+/// advantage +1 on odd ids and -0.5 on even ones.
+inline std::vector<trainer::Sample> rollout_samples(std::shared_ptr<model::CausalLM> m, int count,
+                                                    double temperature = 1.0) {
+  std::vector<rollout::GenerationRequest> reqs;
+  for (int i = 0; i < count; ++i) {
+    rollout::GenerationRequest r;
+    r.id = uint64_t(i);
+    r.prompt = {3 + i, 4 + i, 5, 6 + 2 * i};
+    r.sampling.max_new_tokens = 3 + i % 4;
+    r.sampling.seed = uint64_t(100 + i);
+    r.sampling.temperature = temperature;
+    reqs.push_back(r);
+  }
+  return generate_samples(m, reqs, 1.0f, -0.5f);
+}
+
+/// Everything a Trainer's step may change, copied: the policy's parameters, the master
+/// weights, AdamW's moments and step count per master, the learning rate, the version.
+struct TrainerSnapshot {
+  std::vector<torch::Tensor> params, masters, exp_avg, exp_avg_sq;
+  std::vector<int64_t> steps;  ///< -1: AdamW holds no state for that master yet
+  double lr = 0;
+  int64_t version = 0;
+};
+
+inline TrainerSnapshot snapshot(trainer::Trainer& t) {
+  TrainerSnapshot s;
+  for (const auto& p : t.policy().parameters()) s.params.push_back(p.detach().clone());
+  const auto& state = t.optimizer().state();
+  for (const auto& p : t.master_parameters()) {
+    s.masters.push_back(p.detach().clone());
+    auto it = state.find(p.unsafeGetTensorImpl());
+    if (it == state.end()) {
+      s.exp_avg.emplace_back();
+      s.exp_avg_sq.emplace_back();
+      s.steps.push_back(-1);
+      continue;
+    }
+    const auto& adam = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+    s.exp_avg.push_back(adam.exp_avg().clone());
+    s.exp_avg_sq.push_back(adam.exp_avg_sq().clone());
+    s.steps.push_back(adam.step());
+  }
+  s.lr = t.optimizer().param_groups().front().options().get_lr();
+  s.version = t.version();
+  return s;
+}
+
+/// What differs between two snapshots, by name (empty when equal bit for bit).
+inline std::vector<std::string> differences(const TrainerSnapshot& a, const TrainerSnapshot& b) {
+  std::vector<std::string> out;
+  auto same = [](const torch::Tensor& x, const torch::Tensor& y) {
+    if (!x.defined() || !y.defined()) return x.defined() == y.defined();
+    // Bit for bit: as integers of the same width (NaN == NaN, -0 != +0).
+    auto bits = [](const torch::Tensor& t) {
+      const auto width = t.element_size();
+      return t.contiguous().view(width == 2 ? torch::kInt16 : width == 4 ? torch::kInt32 : torch::kInt64);
+    };
+    return x.sizes() == y.sizes() && x.scalar_type() == y.scalar_type() && torch::equal(bits(x), bits(y));
+  };
+  auto tensors = [&](const std::vector<torch::Tensor>& x, const std::vector<torch::Tensor>& y, const char* what) {
+    if (x.size() != y.size()) return out.push_back(std::string(what) + ": count");
+    for (std::size_t i = 0; i < x.size(); ++i)
+      if (!same(x[i], y[i])) out.push_back(std::string(what) + " " + std::to_string(i));
+  };
+  tensors(a.params, b.params, "parameter");
+  tensors(a.masters, b.masters, "master");
+  tensors(a.exp_avg, b.exp_avg, "exp_avg");
+  tensors(a.exp_avg_sq, b.exp_avg_sq, "exp_avg_sq");
+  if (a.steps != b.steps) out.push_back("AdamW step count");
+  if (a.lr != b.lr) out.push_back("lr");
+  if (a.version != b.version) out.push_back("version");
+  return out;
+}
+
+}  // namespace kiln::test
