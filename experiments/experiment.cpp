@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <sstream>
@@ -63,6 +64,7 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   integer("run.steps", c.run.steps);
   integer("run.checkpoint_every", c.run.checkpoint_every);
   text("run.resume_from", c.run.resume_from);
+  boolean("run.overwrite", c.run.overwrite);
   text("model.package", c.model.package);
   text("model.flavor", c.model.flavor);
   text("model.checkpoint", c.model.checkpoint);
@@ -133,6 +135,11 @@ void apply_table(ExperimentConfig& c, const toml::table& root, const std::string
 
 ExperimentConfig ExperimentConfig::from_file(const std::string& path) {
   ExperimentConfig c;
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec))
+    throw std::invalid_argument("experiment file '" + path + "' " +
+                                (std::filesystem::is_directory(path, ec) ? "is a directory (give a .toml file)"
+                                                                         : "does not exist"));
   toml::table t;
   try {
     t = toml::parse_file(path);

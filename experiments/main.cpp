@@ -1,6 +1,9 @@
 // The kiln command line: `kiln node`, `kiln bench messaging`, `kiln run`.
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <string>
+
+#include <unistd.h>
 
 #include "actors/diag/diag_service.hpp"
 #include "experiments/bench_messaging.hpp"
@@ -29,7 +32,7 @@ int main(int argc, char** argv) {
 
   kiln::experiments::NodeOptions node;
   auto* node_cmd = app.add_subcommand("node", "Join an actor graph and host actors");
-  node_cmd->add_option("--name", node.name, "Node name")->default_val("node");
+  node_cmd->add_option("--name", node.name, "Node name (default: node-PID)");
   node_cmd->add_option("--bind", node.bind, "Endpoint to bind (inproc://, ipc://, tcp://host:port)")->required();
   node_cmd->add_option("--join", node.join, "Endpoint of the graph's root gateway (empty: be the root)");
   node_cmd->add_option("--actor", node.actors, "Actor to host, <kind>/<index> (repeatable), e.g. diag/0");
@@ -97,7 +100,10 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--set", overrides, "Override a key: section.key=value (repeatable)");
 
   CLI11_PARSE(app, argc, argv);
-  if (node_cmd->parsed()) return kiln::experiments::run_node(node);
+  if (node_cmd->parsed()) {
+    if (node.name.empty()) node.name = "node-" + std::to_string(::getpid());
+    return kiln::experiments::run_node(node);
+  }
   if (bench_msg->parsed()) return kiln::experiments::run_messaging_bench(mb);
 #ifdef KILN_WITH_TORCH
   if (bench_rollout->parsed()) return kiln::experiments::run_rollout_bench(ro);

@@ -8,7 +8,7 @@
 namespace kiln::experiments {
 
 struct NodeOptions {
-  std::string name = "node";        ///< node name (logs, directory)
+  std::string name;                 ///< node name (logs, directory); kiln node: node-PID
   std::string bind;                 ///< endpoint to bind, e.g. tcp://127.0.0.1:0 or ipc:///tmp/n.sock
   std::string join;                 ///< root gateway endpoint to join; empty: this node is the root
   std::vector<std::string> actors;  ///< logical names to host, "<kind>/<index>", e.g. diag/0

@@ -24,7 +24,8 @@ if ((${#missing[@]})); then
   log "installing Debian packages: ${missing[*]}"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq >&2
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >&2
+  # Only what is missing, without recommended extras; nothing already installed is upgraded.
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends --no-upgrade "${missing[@]}" >&2
 fi
 
 # python3 -m venv needs ensurepip; pyenv's python has it, Debian's needs python3-venv.

@@ -20,6 +20,9 @@ struct RunConfig {
   int64_t steps = 100;
   int64_t checkpoint_every = 0;  ///< 0: no checkpoints
   std::string resume_from;       ///< a checkpoint directory written by a run (RUN/checkpoints/step_N)
+  /// Replace a finished run in output_dir (its metrics and checkpoints); without it, a run
+  /// directory that holds a run is refused unless resuming.
+  bool overwrite = false;
 };
 
 struct TaskConfig {

@@ -40,9 +40,31 @@ int stop_with_checkpoint(TrainerHandle& trainer, const fs::path& dir, int64_t st
   return 1;
 }
 
+// Ctrl-C (the first): checkpoint steps 1..trained unless that checkpoint exists or this run
+// trained nothing yet, and print the command that continues the run. Exit code 130.
+int stop_on_interrupt(TrainerHandle& trainer, const fs::path& dir, int64_t trained, int64_t first_step,
+                      const std::string& prompt_rng) {
+  const auto ck = checkpoint_dir(dir, trained);
+  if (trained < first_step) {
+    std::fprintf(stderr, "kiln run: interrupted before step %lld; nothing new was trained\n", (long long)first_step);
+    return 130;
+  }
+  try {
+    if (!fs::exists(ck / "state.json")) trainer.save(ck, {trained, 0, prompt_rng});
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kiln run: interrupted; cannot save a checkpoint of steps 1..%lld: %s\n%s", (long long)trained,
+                 e.what(), continue_hint(dir).c_str());
+    return 130;
+  }
+  std::fprintf(stderr, "kiln run: interrupted after step %lld; saved %s\nkiln run: continue with: kiln run %s --set run.resume_from=%s\n",
+               (long long)trained, ck.c_str(), (dir / "config.toml").c_str(), ck.c_str());
+  return 130;
+}
+
 // Restores the trainer and the prompt RNG from config.run.resume_from; the first step to run.
 int64_t resume(const Config& c, TrainerHandle& trainer, Prompts& prompts) {
   const fs::path ck(c.run.resume_from);
+  if (!fs::is_directory(ck)) throw std::invalid_argument("no such checkpoint directory");
   auto state = trainer.load(ck);
   try {
     prompts.restore(state.prompt_rng);
@@ -54,6 +76,54 @@ int64_t resume(const Config& c, TrainerHandle& trainer, Prompts& prompts) {
                                 std::to_string(c.run.steps) + ": nothing to train (raise run.steps to go on)");
   std::fprintf(stderr, "kiln run: resumed from %s at step %lld\n", ck.c_str(), (long long)state.step + 1);
   return state.step + 1;
+}
+
+// What a run holds from start to end; start() fills it.
+struct Session {
+  Session(const Config& c, const std::string& tag)
+      : signals(tag, c.placement.rollout_engines),
+        gateway({"controller", c.placement.mode == "multi_process" ? "ipc://" + tag + "-controller" : ""}),
+        prompts(c) {}
+  RunSignals signals;
+  messaging::Gateway gateway;  // the graph root the nodes join
+  Prompts prompts;
+  std::unique_ptr<RunLock> lock;
+  Actors actors;
+  int64_t first_step = 1;
+};
+
+// Locks the run directory, places the actors, resumes, and brings the engines to the
+// trainer's version. 0, or the exit code of a run that cannot start (reported on stderr).
+int start(Session& s, const Config& c, const std::string& config_toml, const std::string& tag) {
+  const fs::path dir(c.run.output_dir);
+  try {  // nothing in the run directory changes before the run is known to start
+    s.lock = std::make_unique<RunLock>(dir, !c.run.resume_from.empty(), c.run.overwrite);
+    s.actors = place_actors(c, {s.gateway, tag, dir});
+    if (s.prompts.vocab_size() > s.actors.trainer->vocab_size())
+      throw std::invalid_argument("model vocabulary " + std::to_string(s.actors.trainer->vocab_size()) +
+                                  " is smaller than the task tokenizer's " + std::to_string(s.prompts.vocab_size()));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kiln run: %s\n", e.what());
+    return 2;
+  }
+  auto& trainer = *s.actors.trainer;
+  if (!c.run.resume_from.empty()) {
+    try {
+      s.first_step = resume(c, trainer, s.prompts);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "kiln run: cannot resume from '%s': %s\n", c.run.resume_from.c_str(), e.what());
+      return 2;
+    }
+  }
+  if (c.run.overwrite && c.run.resume_from.empty()) fs::remove_all(dir / "checkpoints");  // the replaced run's
+  std::ofstream(dir / "config.toml") << config_toml;
+  try {  // the engines start from the trainer's current version (initial, or resumed)
+    s.actors.engines->load(trainer.weights(false), trainer);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kiln run: %s\n", e.what());
+    return 1;
+  }
+  return 0;
 }
 }  // namespace
 
@@ -67,40 +137,12 @@ int run(const Config& c, const std::string& config_toml) {
   const fs::path dir(c.run.output_dir);
   const auto& a = c.algorithm;
   const std::string tag = "/tmp/kiln-run-" + std::to_string(::getpid());
-  RunSockets sockets(tag, c.placement.rollout_engines,
-                     "kiln run: interrupted; checkpoints so far are in " + (dir / "checkpoints").string() +
-                         " (run.checkpoint_every)");
-  const bool nodes = c.placement.mode == "multi_process";
-  messaging::Gateway gateway({"controller", nodes ? "ipc://" + tag + "-controller" : ""});  // the graph root
-  Prompts prompts(c);
-  Actors actors;
-  int64_t first_step = 1;
-  try {
-    fs::create_directories(dir);
-    std::ofstream(dir / "config.toml") << config_toml;
-    actors = place_actors(c, {gateway, tag, dir});
-    if (prompts.vocab_size() > actors.trainer->vocab_size())
-      throw std::invalid_argument("model vocabulary " + std::to_string(actors.trainer->vocab_size()) +
-                                  " is smaller than the task tokenizer's " + std::to_string(prompts.vocab_size()));
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "kiln run: %s\n", e.what());
-    return 2;
-  }
-  auto& trainer = *actors.trainer;
-  if (!c.run.resume_from.empty()) {
-    try {
-      first_step = resume(c, trainer, prompts);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "kiln run: cannot resume from '%s': %s\n", c.run.resume_from.c_str(), e.what());
-      return 2;
-    }
-  }
-  try {  // the engines start from the trainer's current version (initial, or resumed)
-    actors.engines->load(trainer.weights(false), trainer);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "kiln run: %s\n", e.what());
-    return 1;
-  }
+  Session s(c, tag);
+  if (const int rc = start(s, c, config_toml, tag)) return rc;
+  auto& trainer = *s.actors.trainer;
+  auto& prompts = s.prompts;
+  auto& actors = s.actors;
+  const int64_t first_step = s.first_step;
   MetricsLog log(dir, first_step);
   const Stopwatch run_clock;
   std::string rng_consumed = prompts.state();  // after the last batch trained: what a checkpoint holds
@@ -116,6 +158,7 @@ int run(const Config& c, const std::string& config_toml) {
       },
       [&](const PolicyWeights& w) { actors.engines->load(w, trainer); }, first_step, c.run.steps, a.staleness);
   for (int64_t step = first_step; step <= c.run.steps; ++step) {
+    if (RunSignals::interrupted()) return stop_on_interrupt(trainer, dir, step - 1, first_step, rng_consumed);
     StepRow row{.step = step};
     Batch batch;
     std::vector<std::vector<float>> ref;

@@ -44,8 +44,15 @@ Node::Node(const NodeSite& site, const std::string& suffix, const std::string& a
   std::vector<char*> args;
   for (auto& a : argv) args.push_back(a.data());
   args.push_back(nullptr);
-  if (posix_spawn(&pid_, "/proc/self/exe", nullptr, nullptr, args.data(), environ) != 0)
-    throw std::runtime_error("cannot start the node process for " + actor);
+  // A process group of its own: Ctrl-C on the terminal reaches the controller alone, which
+  // finishes its step and checkpoints while the nodes keep serving (they exit with it).
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
+  posix_spawnattr_setpgroup(&attr, 0);
+  const int spawned = posix_spawn(&pid_, "/proc/self/exe", nullptr, &attr, args.data(), environ);
+  posix_spawnattr_destroy(&attr);
+  if (spawned != 0) throw std::runtime_error("cannot start the node process for " + actor);
   std::ofstream(site.dir / pidfile) << pid_ << "\n";
   // Up to 60 s to join, but a node process that exits first is reported at once.
   for (int waited_ms = 0;; waited_ms += 200) {

@@ -1,13 +1,57 @@
 #include "actors/controller/run_dir.hpp"
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <stdexcept>
 
 namespace kiln::controller {
 
 namespace fs = std::filesystem;
+
+RunLock::RunLock(const fs::path& dir, bool resuming, bool overwrite) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) throw std::runtime_error("cannot create the run directory '" + dir.string() + "': " + ec.message());
+  const auto lock = dir / ".lock";
+  fd_ = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0) throw std::runtime_error("cannot open '" + lock.string() + "': " + std::strerror(errno));
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    std::string holder;
+    std::ifstream(lock) >> holder;
+    ::close(fd_);
+    fd_ = -1;
+    throw std::runtime_error("the run directory '" + dir.string() + "' is in use by another kiln run (pid " +
+                             (holder.empty() ? std::string("unknown") : holder) +
+                             "): wait for it, stop it, or choose another run.output_dir");
+  }
+  const auto pid = std::to_string(::getpid()) + "\n";
+  if (::ftruncate(fd_, 0) != 0 || ::write(fd_, pid.data(), pid.size()) != ssize_t(pid.size())) {
+    // the lock holds all the same; the pid only helps whoever is refused
+  }
+  int64_t rows = 0;
+  std::ifstream metrics(dir / "metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);) rows += !line.empty();
+  if (rows > 0 && !resuming && !overwrite) {
+    ::close(fd_);
+    fd_ = -1;
+    const auto newest = newest_checkpoint(dir);
+    throw std::runtime_error("the run directory '" + dir.string() + "' already holds a run (" + std::to_string(rows) +
+                             " rows in metrics.jsonl): choose another run.output_dir, " +
+                             (newest.empty() ? std::string("") : "resume it with --set run.resume_from=" + newest.string() + ", ") +
+                             "or replace it with --set run.overwrite=true");
+  }
+}
+
+RunLock::~RunLock() {
+  if (fd_ >= 0) ::close(fd_);  // releases the flock
+}
 
 fs::path checkpoint_dir(const fs::path& run, int64_t step) {
   char name[32];
@@ -15,7 +59,7 @@ fs::path checkpoint_dir(const fs::path& run, int64_t step) {
   return run / "checkpoints" / name;
 }
 
-std::string continue_hint(const fs::path& run) {
+fs::path newest_checkpoint(const fs::path& run) {
   fs::path newest;
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(run / "checkpoints", ec)) {
@@ -24,6 +68,11 @@ std::string continue_hint(const fs::path& run) {
         (newest.empty() || name > newest.filename().string()))
       newest = e.path();
   }
+  return newest;
+}
+
+std::string continue_hint(const fs::path& run) {
+  const auto newest = newest_checkpoint(run);
   if (newest.empty())
     return "kiln run: no checkpoint was written (run.checkpoint_every = 0): start again, with checkpoints\n";
   return "kiln run: the steps after it are lost; continue with --set run.resume_from=" + newest.string() + "\n";
@@ -34,33 +83,41 @@ namespace {
 constexpr int kMaxSockets = 80;
 char g_sockets[kMaxSockets][108];
 volatile std::sig_atomic_t g_socket_count = 0;
-char g_message[1024];
-volatile std::sig_atomic_t g_message_size = 0;
+volatile std::sig_atomic_t g_interrupted = 0;
 
-extern "C" void remove_sockets_and_die(int sig) {
+extern "C" void on_stop_signal(int sig) {
+  if (g_interrupted == 0) {  // the first: let the loop finish the step and checkpoint
+    g_interrupted = sig;
+    static const char msg[] =
+        "\nkiln run: interrupted: finishing the step in flight, then a checkpoint (again to stop at once)\n";
+    [[maybe_unused]] auto n = ::write(2, msg, sizeof msg - 1);
+    return;
+  }
   for (int i = 0; i < g_socket_count; ++i) ::unlink(g_sockets[i]);
-  [[maybe_unused]] auto n = ::write(2, g_message, std::size_t(g_message_size));
+  static const char msg[] = "kiln run: stopped at once; checkpoints so far are in RUN/checkpoints\n";
+  [[maybe_unused]] auto n = ::write(2, msg, sizeof msg - 1);
   std::signal(sig, SIG_DFL);
   std::raise(sig);
 }
 }  // namespace
 
-RunSockets::RunSockets(const std::string& tag, int64_t engines, const std::string& interrupted) {
+RunSignals::RunSignals(const std::string& tag, int64_t engines) {
   paths_ = {tag + "-controller", tag + "-rollout", tag + "-ref", tag + "-trainer"};
   for (int64_t i = 1; i < engines; ++i) paths_.push_back(tag + "-rollout-" + std::to_string(i));
   int n = 0;
   for (const auto& p : paths_)
     if (n < kMaxSockets && p.size() < sizeof g_sockets[0]) std::snprintf(g_sockets[n++], sizeof g_sockets[0], "%s", p.c_str());
   g_socket_count = n;
-  const int size = std::snprintf(g_message, sizeof g_message, "%s\n", interrupted.c_str());
-  g_message_size = size < int(sizeof g_message) ? size : int(sizeof g_message) - 1;
-  for (int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, remove_sockets_and_die);
+  g_interrupted = 0;
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, on_stop_signal);
 }
 
-RunSockets::~RunSockets() {
+RunSignals::~RunSignals() {
   for (int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, SIG_DFL);
   g_socket_count = 0;
   for (const auto& p : paths_) std::remove(p.c_str());
 }
+
+int RunSignals::interrupted() { return g_interrupted; }
 
 }  // namespace kiln::controller

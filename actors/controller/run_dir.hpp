@@ -9,24 +9,47 @@
 
 namespace kiln::controller {
 
+/// The run directory, held for one run: created if missing and locked (RUN/.lock, flock: the
+/// kernel drops the lock when its process dies, so a dead run never blocks the next one).
+class RunLock {
+ public:
+  /// Throws std::runtime_error naming the directory and the pid of the run that holds it, or
+  /// why the lock file cannot be made. `overwrite`: a run directory that already holds a run
+  /// (RUN/metrics.jsonl with rows) is accepted when resuming or told to overwrite; otherwise
+  /// refused, saying how to resume, choose another directory, or overwrite.
+  RunLock(const std::filesystem::path& dir, bool resuming, bool overwrite);
+  ~RunLock();
+  RunLock(const RunLock&) = delete;
+  RunLock& operator=(const RunLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
 /// RUN/checkpoints/step_NNNNNN.
 std::filesystem::path checkpoint_dir(const std::filesystem::path& run, int64_t step);
 
+/// The newest complete checkpoint of a run (a step_N directory with its state.json; ".partial"
+/// ones are incomplete), or an empty path.
+std::filesystem::path newest_checkpoint(const std::filesystem::path& run);
+
 /// What to do after the policy was lost with its process: resume from the newest complete
-/// checkpoint of the run (a step_N directory with its state.json; ".partial" ones are
-/// incomplete), or start again. One or more lines, each ending in '\n'.
+/// checkpoint of the run, or start again. One or more lines, each ending in '\n'.
 std::string continue_hint(const std::filesystem::path& run);
 
-/// The ipc:// socket files of a run (TAG-controller, TAG-rollout[-i], TAG-ref, TAG-trainer),
-/// removed on every way out: when this object goes (normal returns) and on SIGINT, SIGTERM and
-/// SIGHUP (a handler that removes them, prints `interrupted`, then re-raises; the nodes exit
-/// with their parent). One instance at a time.
-class RunSockets {
+/// Ctrl-C and the run's ipc:// socket files (TAG-controller, TAG-rollout[-i], TAG-ref,
+/// TAG-trainer). The first SIGINT, SIGTERM or SIGHUP only asks the loop to stop (it finishes
+/// the step in flight, checkpoints and says how to continue: interrupted()); a second one
+/// removes the socket files and ends the process at once (the nodes exit with it). The files
+/// are also removed when this object goes. One instance at a time.
+class RunSignals {
  public:
-  RunSockets(const std::string& tag, int64_t engines, const std::string& interrupted);
-  ~RunSockets();
-  RunSockets(const RunSockets&) = delete;
-  RunSockets& operator=(const RunSockets&) = delete;
+  RunSignals(const std::string& tag, int64_t engines);
+  ~RunSignals();
+  RunSignals(const RunSignals&) = delete;
+  RunSignals& operator=(const RunSignals&) = delete;
+  /// The signal that asked the run to stop, or 0.
+  static int interrupted();
 
  private:
   std::vector<std::string> paths_;

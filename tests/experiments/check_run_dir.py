@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""A run directory is never damaged by another run: a finished run is not run over (unless
+resuming or told run.overwrite=true), a refused run changes no file, two runs cannot share a
+directory (the second is refused naming the first's pid; a dead run's lock blocks nothing),
+and Ctrl-C finishes the step, checkpoints and prints the command that continues the run, which
+then trains every step exactly once. Also: an experiment "file" that is a directory is refused.
+Usage: check_run_dir.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
+import json, os, shutil, signal, subprocess, sys, time
+
+kiln, work = sys.argv[1], sys.argv[2]
+shutil.rmtree(work, ignore_errors=True)
+os.makedirs(work)
+quiet = ["--set", "logging.plot=false", "--set", "logging.progress=false", "--set", "algorithm.prompts_per_step=8"]
+checks = []
+
+
+def run(out, *sets, timeout=600):
+    cmd = [kiln, "run", *quiet, "--set", f"run.output_dir={out}"]
+    for s in sets:
+        cmd += ["--set", s]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def rows(out):
+    return [json.loads(l)["step"] for l in open(f"{out}/metrics.jsonl")]
+
+
+def files(out):
+    return {f: open(os.path.join(out, f), "rb").read() for f in ("config.toml", "metrics.jsonl")}
+
+
+# 1. A finished run is not run over; refused runs change nothing.
+a = f"{work}/a"
+r = run(a, "run.steps=3", "run.checkpoint_every=3")
+checks.append((r.returncode == 0, f"run A exits 0 ({r.stderr[-300:]})"))
+before = files(a)
+for what, sets in (("the same run again", ["run.steps=3"]), ("an unknown flavor", ["model.flavor=huge"]),
+                   ("max_new_tokens 1000000", ["algorithm.max_new_tokens=1000000"])):
+    r = run(a, *sets)
+    checks.append((r.returncode == 2, f"{what} over a finished run is refused (exit {r.returncode})"))
+    checks.append((files(a) == before, f"{what}: config.toml and metrics.jsonl unchanged"))
+r = run(a, "run.steps=3")
+checks.append(("already holds a run" in r.stderr and "run.resume_from=" in r.stderr and "run.overwrite=true" in r.stderr,
+               f"the refusal says how to resume or overwrite ({r.stderr.strip()[-300:]})"))
+r = run(a, "run.steps=2", "run.overwrite=true")
+checks.append((r.returncode == 0 and rows(a) == [1, 2], f"run.overwrite=true replaces it ({rows(a)})"))
+checks.append((not os.path.exists(f"{a}/checkpoints/step_000003"), "the replaced run's checkpoints are gone"))
+
+# 2. One run per directory; a dead run's lock blocks nothing.
+b = f"{work}/b"
+cmd = [kiln, "run", *quiet, "--set", f"run.output_dir={b}", "--set", "run.steps=12", "--set", "rollout.step_delay_ms=40"]
+first = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+deadline = time.time() + 300
+while time.time() < deadline and not (os.path.exists(f"{b}/metrics.jsonl") and len(rows(b)) >= 2):
+    time.sleep(0.05)
+second = run(b, "run.steps=3", "run.overwrite=true")
+checks.append((second.returncode == 2 and f"pid {first.pid}" in second.stderr,
+               f"a second run in the same directory is refused naming the first's pid {first.pid} ({second.stderr.strip()[-200:]})"))
+
+# 3. Ctrl-C: the step finishes, a checkpoint, the command that continues.
+first.send_signal(signal.SIGINT)
+_, err = first.communicate(timeout=300)
+checks.append((first.returncode == 130, f"Ctrl-C exits 130 (got {first.returncode}: {err.strip()[-300:]})"))
+line = [l for l in err.splitlines() if "continue with: kiln run " in l]
+checks.append((bool(line), f"Ctrl-C prints the command that continues ({err.strip()[-300:]})"))
+if line:
+    args = line[0].split("continue with: kiln run ", 1)[1].split()
+    ck = args[-1].split("=", 1)[1]
+    checks.append((os.path.exists(f"{ck}/state.json"), f"the checkpoint it names exists ({ck})"))
+    lines = [json.loads(l) for l in open(f"{b}/metrics.jsonl")]
+    checks.append((all("reward_mean" in l for l in lines), "metrics.jsonl holds whole rows only"))
+    r = subprocess.run([kiln, "run", *args, "--set", "rollout.step_delay_ms=0"], capture_output=True, text=True, timeout=600)
+    checks.append((r.returncode == 0, f"the printed command continues the run (exit {r.returncode}: {r.stderr[-300:]})"))
+    checks.append((rows(b) == list(range(1, 13)), f"every step trained exactly once across Ctrl-C ({rows(b)})"))
+
+# 4. A stale lock (its run is gone) does not block.
+c = f"{work}/c"
+os.makedirs(c)
+open(f"{c}/.lock", "w").write("999999999\n")
+r = run(c, "run.steps=1")
+checks.append((r.returncode == 0, f"a stale lock file blocks nothing ({r.stderr[-200:]})"))
+
+# 5. An experiment "file" that is a directory.
+r = subprocess.run([kiln, "run", work], capture_output=True, text=True, timeout=60)
+checks.append((r.returncode == 2 and "is a directory" in r.stderr, f"kiln run DIR is refused ({r.stderr.strip()[-200:]})"))
+
+for ok, what in checks:
+    print(("ok   " if ok else "FAIL ") + what)
+failed = sum(not ok for ok, _ in checks)
+print(f"{len(checks) - failed} passed, {failed} failed")
+sys.exit(1 if failed else 0)
