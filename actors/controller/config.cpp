@@ -26,6 +26,10 @@ void Config::validate() const {
   need(e.step_delay_ms >= 0, "rollout.step_delay_ms", "must be >= 0");
   need(e.cache_blocks >= 1 && e.block_size >= 1 && e.max_batch >= 1, "rollout.cache_blocks",
        "rollout.cache_blocks, block_size and max_batch must be >= 1");
+  const int64_t cache_tokens = e.cache_blocks * e.block_size;
+  need(a.max_new_tokens < cache_tokens, "algorithm.max_new_tokens",
+       std::to_string(a.max_new_tokens) + " cannot fit the engine's cache of " + std::to_string(cache_tokens) +
+           " tokens with a prompt (rollout.cache_blocks x rollout.block_size)");
   need(rollout.backend == "engine", "rollout.backend", "must be \"engine\" (the in-process engine is the only backend so far)");
   need(placement.mode == "single_process" || placement.mode == "multi_process", "placement.mode",
        "must be \"single_process\" or \"multi_process\" (rollout engine in a kiln node child process)");

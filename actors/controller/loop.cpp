@@ -92,11 +92,26 @@ struct Session {
   int64_t first_step = 1;
 };
 
+// A step's rollouts held on the host: at least ~1 KiB per sequence (request, sampling state,
+// completion, routed experts) and 64 bytes per token. Throws std::invalid_argument naming the
+// keys when even that lower bound exceeds this machine's memory (instead of an OOM kill).
+void check_memory(const AlgorithmConfig& a) {
+  const double sequences = double(a.prompts_per_step) * double(a.samples_per_prompt);
+  const double bytes = sequences * (1024.0 + 64.0 * double(a.max_new_tokens));
+  const double physical = double(::sysconf(_SC_PHYS_PAGES)) * double(::sysconf(_SC_PAGE_SIZE));
+  if (physical > 0 && bytes > physical)
+    throw std::invalid_argument("algorithm.prompts_per_step x samples_per_prompt = " + std::to_string(int64_t(sequences)) +
+                                " sequences of up to " + std::to_string(a.max_new_tokens) + " new tokens need at least " +
+                                std::to_string(int64_t(bytes / (1 << 30))) + " GiB per step; this machine has " +
+                                std::to_string(int64_t(physical / (1 << 30))) + " GiB");
+}
+
 // Locks the run directory, places the actors, resumes, and brings the engines to the
 // trainer's version. 0, or the exit code of a run that cannot start (reported on stderr).
 int start(Session& s, const Config& c, const std::string& config_toml, const std::string& tag) {
   const fs::path dir(c.run.output_dir);
   try {  // nothing in the run directory changes before the run is known to start
+    check_memory(c.algorithm);
     s.lock = std::make_unique<RunLock>(dir, !c.run.resume_from.empty(), c.run.overwrite);
     s.actors = place_actors(c, {s.gateway, tag, dir});
     if (s.prompts.vocab_size() > s.actors.trainer->vocab_size())

@@ -80,7 +80,12 @@ open(f"{c}/.lock", "w").write("999999999\n")
 r = run(c, "run.steps=1")
 checks.append((r.returncode == 0, f"a stale lock file blocks nothing ({r.stderr[-200:]})"))
 
-# 5. An experiment "file" that is a directory.
+# 5. What cannot fit this machine is refused before anything starts (it used to be OOM-killed).
+r = run(f"{work}/huge", "algorithm.prompts_per_step=100000000")
+checks.append((r.returncode == 2 and "algorithm.prompts_per_step" in r.stderr and "GiB per step" in r.stderr
+               and not os.path.exists(f"{work}/huge/config.toml"), f"100M prompts per step are refused by name ({r.stderr.strip()[-200:]})"))
+
+# 6. An experiment "file" that is a directory.
 r = subprocess.run([kiln, "run", work], capture_output=True, text=True, timeout=60)
 checks.append((r.returncode == 2 and "is a directory" in r.stderr, f"kiln run DIR is refused ({r.stderr.strip()[-200:]})"))
 

@@ -91,3 +91,14 @@ TEST_CASE("the trainer in a process needs every model out of the controller") {
   CHECK_NOTHROW(c.validate());
   CHECK(c.to_toml().find("trainer = \"process\"") != std::string::npos);
 }
+
+TEST_CASE("max_new_tokens that cannot fit the engine's cache with a prompt is refused before the run") {
+  ExperimentConfig c;
+  c.set("algorithm.max_new_tokens=1000000");
+  CHECK_THROWS_WITH_AS(c.validate(), doctest::Contains("'algorithm.max_new_tokens' 1000000 cannot fit the engine's cache of 16384"),
+                       std::invalid_argument);
+  c.set("algorithm.max_new_tokens=16383");  // 1024 pages x 16 tokens, one left for the prompt
+  CHECK_NOTHROW(c.validate());
+  c.set("rollout.cache_blocks=4");
+  CHECK_THROWS_AS(c.validate(), std::invalid_argument);
+}
