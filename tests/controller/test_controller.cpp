@@ -1,0 +1,211 @@
+// The controller's pieces, each driven directly: GRPO group building, the staleness bound,
+// the rollout stream (synchronous and k steps ahead), metric rows a resume drops, prompts and
+// rewards, the wire schema's families, and the local handles' weight sync into the engine.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <fstream>
+#include <mutex>
+
+#include "actors/controller/grpo.hpp"
+#include "actors/controller/local_handles.hpp"
+#include "actors/controller/metrics.hpp"
+#include "actors/controller/prompts.hpp"
+#include "actors/controller/rollout_stream.hpp"
+#include "actors/controller/staleness.hpp"
+#include "actors/rollout/tokenizer.hpp"
+#include "actors/trainer/messages.hpp"
+#include "model/registry.hpp"
+#include "tests/scratch.hpp"
+
+using namespace kiln;
+using namespace kiln::controller;
+
+namespace {
+rollout::Completion completion(uint64_t id, std::vector<int64_t> versions) {
+  rollout::Completion c;
+  c.id = id;
+  c.prompt = {2, 5};
+  c.tokens.assign(versions.size(), 7);
+  c.logprobs.assign(versions.size(), -1.0f);
+  c.entropies.assign(versions.size(), 0.5f);
+  c.policy_versions = std::move(versions);
+  return c;
+}
+}  // namespace
+
+TEST_CASE("GRPO groups: group-relative advantages, zero-variance groups filtered, stale groups dropped") {
+  AlgorithmConfig a;
+  a.samples_per_prompt = 3;
+  a.staleness = 1;
+  // Three groups of three: rewards vary; all equal (filtered); vary but sampled 2 versions ago.
+  std::vector<rollout::Completion> cs;
+  for (uint64_t i = 0; i < 9; ++i) cs.push_back(completion(i, {i < 6 ? 4 : 2}));
+  const std::vector<float> rewards = {1, 0, 0, 1, 1, 1, 0, 1, 0};
+  std::vector<std::vector<float>> ref(9, std::vector<float>{-2.0f});
+  auto g = build_groups(cs, rewards, ref, a, /*trainer_version=*/4);
+  CHECK(g.filtered == 1);
+  CHECK(g.stale_dropped == 1);
+  REQUIRE(g.samples.size() == 3);
+  // (r - mean) / (population std + eps): mean 1/3, std sqrt(2)/3.
+  CHECK(g.samples[0].advantage == doctest::Approx(1.41421).epsilon(1e-4));
+  CHECK(g.samples[1].advantage == doctest::Approx(-0.70711).epsilon(1e-4));
+  CHECK(g.samples[0].ref_logprobs == std::vector<float>{-2.0f});
+  CHECK(g.samples[0].behavior_logprobs == cs[0].logprobs);
+  a.normalize_std = false;
+  a.filter_zero_variance = false;
+  g = build_groups(cs, rewards, ref, a, 4);
+  CHECK(g.filtered == 0);
+  CHECK(g.samples.size() == 6);
+  CHECK(g.samples[0].advantage == doctest::Approx(2.0 / 3));
+  CHECK(g.samples[3].advantage == 0.0f);  // the all-equal group trains with zero advantage
+  CHECK_THROWS_AS(build_groups(cs, {1, 0}, ref, a, 4), std::invalid_argument);
+}
+
+TEST_CASE("staleness: tokens by age, and a group is stale if any token is past k versions") {
+  std::vector<rollout::Completion> cs = {completion(0, {3, 3, 2}), completion(1, {1})};
+  CHECK(staleness_histogram(cs, 3) == std::map<int64_t, int64_t>{{0, 2}, {1, 1}, {2, 1}});
+  CHECK_FALSE(too_stale(cs, 0, 1, 3, 1));  // ages 0, 0, 1
+  CHECK(too_stale(cs, 0, 2, 3, 1));        // the second holds an age-2 token
+  CHECK_FALSE(too_stale(cs, 0, 2, 3, 2));
+}
+
+TEST_CASE("rollout stream: k = 0 generates on demand and loads at once; k = 2 never runs more than 2 steps ahead") {
+  SUBCASE("k = 0") {
+    std::vector<std::string> log;
+    RolloutStream s([&](int64_t step, const std::function<void()>&) { log.push_back("gen " + std::to_string(step)); return Batch{step}; },
+                    [&](const PolicyWeights& w) { log.push_back("load v" + std::to_string(w.version)); }, 1, 3, 0);
+    CHECK(s.take(1).step == 1);
+    s.consumed(1, PolicyWeights{1, {}});
+    CHECK(s.take(2).step == 2);
+    s.consumed(2, std::nullopt);  // nothing trained: nothing loaded
+    CHECK(log == std::vector<std::string>{"gen 1", "load v1", "gen 2"});
+  }
+  SUBCASE("k = 2") {
+    std::mutex mu;
+    std::atomic<int64_t> consumed{0};
+    std::vector<int64_t> loaded, consumed_at_start;
+    RolloutStream s(
+        [&](int64_t step, const std::function<void()>& between) {
+          consumed_at_start.push_back(consumed);
+          between();
+          return Batch{step};
+        },
+        [&](const PolicyWeights& w) {
+          std::lock_guard<std::mutex> l(mu);
+          loaded.push_back(w.version);
+        },
+        1, 8, 2);
+    for (int64_t step = 1; step <= 8; ++step) {
+      CHECK(s.take(step).step == step);
+      consumed = step;
+      s.consumed(step, PolicyWeights{step, {}});
+    }
+    REQUIRE(consumed_at_start.size() == 8);
+    for (int64_t step = 1; step <= 8; ++step)  // step s starts once s - 1 - k steps were consumed
+      CHECK(consumed_at_start[std::size_t(step - 1)] >= step - 3);
+    std::lock_guard<std::mutex> l(mu);
+    CHECK(std::is_sorted(loaded.begin(), loaded.end()));  // versions arrive in order (some may be superseded)
+  }
+  SUBCASE("a failure of the rollout thread surfaces at its step, after the batches made before it") {
+    RolloutStream s(
+        [&](int64_t step, const std::function<void()>&) {
+          if (step == 2) throw std::runtime_error("engine lost");
+          return Batch{step};
+        },
+        [](const PolicyWeights&) {}, 1, 3, 1);
+    CHECK(s.take(1).step == 1);
+    s.consumed(1, std::nullopt);
+    CHECK_THROWS_WITH_AS(s.take(2), doctest::Contains("engine lost"), std::runtime_error);
+  }
+}
+
+TEST_CASE("metric rows of steps a resume trains again are dropped; other lines are kept") {
+  const std::filesystem::path dir = test::scratch_path("metrics-drop");
+  std::filesystem::create_directories(dir);
+  {
+    std::ofstream j(dir / "metrics.jsonl"), t(dir / "metrics.tsv");
+    for (int s = 1; s <= 5; ++s) {
+      j << "{\"step\": " << s << "}\n";
+      t << s << "\t0.5\t0\n";
+    }
+    j << "not json\n";
+  }
+  CHECK(MetricsLog::drop_rows_from(dir, 3) == 3);
+  std::ifstream j(dir / "metrics.jsonl");
+  std::vector<std::string> lines;
+  for (std::string l; std::getline(j, l);) lines.push_back(l);
+  CHECK(lines == std::vector<std::string>{"{\"step\": 1}", "{\"step\": 2}", "not json"});
+}
+
+TEST_CASE("prompts: seeds per (run, step, request), the same draws after restore, rewards by the verifier") {
+  Config c;
+  c.algorithm.prompts_per_step = 4;
+  c.algorithm.samples_per_prompt = 2;
+  Prompts p(c);
+  const auto state = p.state();
+  auto d1 = p.draw(1);
+  REQUIRE(d1.requests.size() == 8);
+  CHECK(d1.problems.size() == 4);
+  CHECK(d1.requests[3].id == 3);
+  CHECK(d1.requests[3].prompt == d1.requests[2].prompt);  // a group shares its prompt
+  CHECK(d1.requests[3].sampling.seed == uint64_t(c.run.seed) * 1000003u + 7919u + 3u);
+  CHECK(d1.rng_after == p.state());
+  auto d2 = p.draw(2);
+  p.restore(d1.rng_after);
+  CHECK(p.draw(2).problems[0].prompt == d2.problems[0].prompt);
+  p.restore(state);
+  CHECK(p.draw(1).problems[1].prompt == d1.problems[1].prompt);
+  CHECK_THROWS_AS(p.restore("not an rng"), std::invalid_argument);
+  // A completion that spells the answer (then the stop token) scores 1; another does not.
+  rollout::CharTokenizer tok;
+  std::vector<rollout::Completion> cs(2);
+  cs[0].id = 0;
+  cs[0].tokens = tok.encode(d1.problems[0].answer);
+  cs[0].tokens.push_back(tok.eos_ids()[0]);
+  cs[0].finish_reason = rollout::FinishReason::stop;
+  cs[1].id = 1;
+  cs[1].tokens = tok.encode(d1.problems[0].answer == "1" ? "2" : "1");
+  const auto r = p.rewards(d1.problems, cs);
+  CHECK(r[0] == 1.0f);
+  CHECK(r[1] < 1.0f);
+}
+
+TEST_CASE("wire schema families: declared once, with their versions; a conflicting declaration is a bug") {
+  CHECK(messaging::message_type_version("trainer.init") == messaging::TrainerInit::kVersion);
+  CHECK(messaging::message_type_version("ping") == 1u);
+  CHECK_FALSE(messaging::message_type_version("trainer.fly").has_value());
+  CHECK_NOTHROW(messaging::declare_message_type("trainer.init", messaging::TrainerInit::kVersion));  // again: fine
+  CHECK_THROWS_AS(messaging::declare_message_type("trainer.init", 99), std::logic_error);
+  auto env = messaging::make_envelope(messaging::TrainerInit{}, messaging::Kind::request, "a", "trainer/0");
+  env.type_version = 1;  // an older peer
+  auto v = messaging::validate(env);
+  REQUIRE_FALSE(v.has_value());
+  CHECK(v.error().code == messaging::ErrorCode::schema_mismatch);
+}
+
+TEST_CASE("local handles: the trainer's version reaches the in-process engine through checked weight sync") {
+  torch::manual_seed(3);
+  auto registry = model::Registry::with_plugins();
+  messaging::Gateway gw({"controller", ""});
+  trainer::TrainerConfig tc;
+  LocalTrainer trainer(registry.build("glm4_moe_lite", "debug", ""), tc, gw, 1 << 14);
+  LocalEngine engine(registry.build("glm4_moe_lite", "debug", ""), rollout::EngineOptions{}, gw);
+  auto w = trainer.weights(/*copy=*/true);
+  w.version = 5;  // stamped as version 5
+  engine.load(w, trainer);
+  std::vector<rollout::GenerationRequest> reqs(2);
+  for (uint64_t i = 0; i < 2; ++i) {
+    reqs[i].id = 1 - i;
+    reqs[i].prompt = {2, 5, 6};
+    reqs[i].sampling.max_new_tokens = 2;
+    reqs[i].sampling.seed = i;
+  }
+  int between = 0;
+  auto out = engine.generate(reqs, [&] { ++between; });
+  REQUIRE(out.size() == 2);
+  CHECK(out[0].id == 0);  // sorted by id
+  CHECK(out[0].policy_versions == std::vector<int64_t>{5, 5});
+  CHECK(between >= 2);  // called between decode steps
+  CHECK_THROWS_WITH_AS(trainer.send(w, {"nobody/0"}), doctest::Contains("nobody/0"), std::runtime_error);
+}
