@@ -34,7 +34,7 @@ rollout::Completion completion(uint64_t id, std::vector<int64_t> versions) {
 }
 }  // namespace
 
-TEST_CASE("GRPO groups: group-relative advantages, zero-variance groups filtered, stale groups dropped") {
+TEST_CASE("GRPO groups: group-relative advantages with zero-variance groups filtered and stale groups dropped") {
   AlgorithmConfig a;
   a.samples_per_prompt = 3;
   a.staleness = 1;
@@ -62,7 +62,7 @@ TEST_CASE("GRPO groups: group-relative advantages, zero-variance groups filtered
   CHECK_THROWS_AS(build_groups(cs, {1, 0}, ref, a, 4), std::invalid_argument);
 }
 
-TEST_CASE("staleness: tokens by age, and a group is stale if any token is past k versions") {
+TEST_CASE("staleness: tokens counted by age and a group is stale if any token is past k versions") {
   std::vector<rollout::Completion> cs = {completion(0, {3, 3, 2}), completion(1, {1})};
   CHECK(staleness_histogram(cs, 3) == std::map<int64_t, int64_t>{{0, 2}, {1, 1}, {2, 1}});
   CHECK_FALSE(too_stale(cs, 0, 1, 3, 1));  // ages 0, 0, 1
@@ -70,7 +70,7 @@ TEST_CASE("staleness: tokens by age, and a group is stale if any token is past k
   CHECK_FALSE(too_stale(cs, 0, 2, 3, 2));
 }
 
-TEST_CASE("rollout stream: k = 0 generates on demand and loads at once; k = 2 never runs more than 2 steps ahead") {
+TEST_CASE("rollout stream: k = 0 generates on demand and loads at once while k = 2 never runs more than 2 steps ahead") {
   SUBCASE("k = 0") {
     std::vector<std::string> log;
     RolloutStream s([&](int64_t step, const std::function<void()>&) { log.push_back("gen " + std::to_string(step)); return Batch{step}; },
@@ -120,7 +120,7 @@ TEST_CASE("rollout stream: k = 0 generates on demand and loads at once; k = 2 ne
   }
 }
 
-TEST_CASE("metric rows of steps a resume trains again are dropped; other lines are kept") {
+TEST_CASE("metric rows of steps a resume trains again are dropped and other lines are kept") {
   const std::filesystem::path dir = test::scratch_path("metrics-drop");
   std::filesystem::create_directories(dir);
   {
@@ -138,7 +138,7 @@ TEST_CASE("metric rows of steps a resume trains again are dropped; other lines a
   CHECK(lines == std::vector<std::string>{"{\"step\": 1}", "{\"step\": 2}", "not json"});
 }
 
-TEST_CASE("prompts: seeds per (run, step, request), the same draws after restore, rewards by the verifier") {
+TEST_CASE("prompts: seeds per run step and request with the same draws after restore and rewards by the verifier") {
   Config c;
   c.algorithm.prompts_per_step = 4;
   c.algorithm.samples_per_prompt = 2;
@@ -171,7 +171,7 @@ TEST_CASE("prompts: seeds per (run, step, request), the same draws after restore
   CHECK(r[1] < 1.0f);
 }
 
-TEST_CASE("wire schema families: declared once, with their versions; a conflicting declaration is a bug") {
+TEST_CASE("wire schema families: declared once with their versions where a conflicting declaration is a bug") {
   CHECK(messaging::message_type_version("trainer.init") == messaging::TrainerInit::kVersion);
   CHECK(messaging::message_type_version("ping") == 1u);
   CHECK_FALSE(messaging::message_type_version("trainer.fly").has_value());
