@@ -17,6 +17,7 @@ if [ "${KILN_SKIP_SANITIZE:-0}" != "1" ]; then
   SAN="$(KILN_BUILD_DIR="$ROOT/build-asan" KILN_BUILD_TYPE=RelWithDebInfo "$ROOT/scripts/build.sh" \
          -DKILN_WITH_TORCH=OFF -DKILN_SANITIZE=ON | tail -n1)"
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+  LSAN_OPTIONS=suppressions="$ROOT/tests/sanitizers/lsan.supp" \
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:suppressions="$ROOT/tests/sanitizers/ubsan.supp" \
     ctest --test-dir "$SAN" --output-on-failure -j2
 fi
