@@ -55,6 +55,11 @@ int run_model_logits(const std::string& package, const std::string& from, const 
                      const std::string& out, const std::string& plugin_dir) {
   try {
     auto model = registry(plugin_dir).build(package, "", from);
+    for (const auto& d : docs)
+      for (auto id : d)
+        if (id < 0 || id >= model->vocab_size())
+          throw std::invalid_argument("--docs: token id " + std::to_string(id) + " is outside the vocabulary [0, " +
+                                      std::to_string(model->vocab_size()) + ")");
     torch::NoGradGuard no_grad;
     model::ForwardOptions opts;
     opts.return_routed_experts = true;
@@ -64,6 +69,9 @@ int run_model_logits(const std::string& package, const std::string& from, const 
                                         messaging::from_torch("routed_experts", fwd.routed_experts.contiguous())});
     std::printf("kiln model logits: %s -> %s (%lld tokens)\n", from.c_str(), out.c_str(), (long long)logits.size(0));
     return 0;
+  } catch (const c10::Error& e) {  // LibTorch's: without its C++ backtrace
+    std::fprintf(stderr, "kiln model logits: %s\n", e.what_without_backtrace());
+    return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kiln model logits: %s\n", e.what());
     return 2;

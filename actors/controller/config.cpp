@@ -26,6 +26,8 @@ void Config::validate() const {
   need(e.step_delay_ms >= 0, "rollout.step_delay_ms", "must be >= 0");
   need(e.cache_blocks >= 1 && e.block_size >= 1 && e.max_batch >= 1, "rollout.cache_blocks",
        "rollout.cache_blocks, block_size and max_batch must be >= 1");
+  need(e.cache_blocks <= (int64_t(1) << 32), "rollout.cache_blocks", "must be <= 2^32");
+  need(e.block_size <= 4096, "rollout.block_size", "must be <= 4096 tokens");
   const int64_t cache_tokens = e.cache_blocks * e.block_size;
   need(a.max_new_tokens < cache_tokens, "algorithm.max_new_tokens",
        std::to_string(a.max_new_tokens) + " cannot fit the engine's cache of " + std::to_string(cache_tokens) +

@@ -27,6 +27,10 @@ using messaging::Stopwatch;
 int stop_with_checkpoint(TrainerHandle& trainer, const fs::path& dir, int64_t step, const std::string& what,
                          int64_t trained, const std::string& prompt_rng) {
   std::fprintf(stderr, "kiln run: step %lld: %s\n", (long long)step, what.c_str());
+  if (trained < 1) {
+    std::fprintf(stderr, "kiln run: no step was trained: nothing to checkpoint\n");
+    return 1;
+  }
   const auto ck = checkpoint_dir(dir, trained);
   try {
     trainer.save(ck, {trained, 0, prompt_rng});
@@ -56,8 +60,10 @@ int stop_on_interrupt(TrainerHandle& trainer, const fs::path& dir, int64_t train
                  e.what(), continue_hint(dir).c_str());
     return 130;
   }
-  std::fprintf(stderr, "kiln run: interrupted after step %lld; saved %s\nkiln run: continue with: kiln run %s --set run.resume_from=%s\n",
-               (long long)trained, ck.c_str(), (dir / "config.toml").c_str(), ck.c_str());
+  std::error_code ec;
+  const auto exe = fs::read_symlink("/proc/self/exe", ec);
+  std::fprintf(stderr, "kiln run: interrupted after step %lld; saved %s\nkiln run: continue with: %s run %s --set run.resume_from=%s\n",
+               (long long)trained, ck.c_str(), ec ? "kiln" : exe.c_str(), (dir / "config.toml").c_str(), ck.c_str());
   return 130;
 }
 
@@ -81,7 +87,7 @@ int64_t resume(const Config& c, TrainerHandle& trainer, Prompts& prompts) {
 // What a run holds from start to end; start() fills it.
 struct Session {
   Session(const Config& c, const std::string& tag)
-      : signals(tag, c.placement.rollout_engines),
+      : signals(tag, c.placement.rollout_engines, c.run.output_dir),
         gateway({"controller", c.placement.mode == "multi_process" ? "ipc://" + tag + "-controller" : ""}),
         prompts(c) {}
   RunSignals signals;
@@ -112,11 +118,14 @@ int start(Session& s, const Config& c, const std::string& config_toml, const std
   const fs::path dir(c.run.output_dir);
   try {  // nothing in the run directory changes before the run is known to start
     check_memory(c.algorithm);
-    s.lock = std::make_unique<RunLock>(dir, !c.run.resume_from.empty(), c.run.overwrite);
+    s.lock = std::make_unique<RunLock>(dir, c.run.resume_from, c.run.overwrite);
     s.actors = place_actors(c, {s.gateway, tag, dir});
     if (s.prompts.vocab_size() > s.actors.trainer->vocab_size())
       throw std::invalid_argument("model vocabulary " + std::to_string(s.actors.trainer->vocab_size()) +
                                   " is smaller than the task tokenizer's " + std::to_string(s.prompts.vocab_size()));
+  } catch (const c10::Error& e) {  // LibTorch's (an allocation that failed): without its backtrace
+    std::fprintf(stderr, "kiln run: %s\n", e.what_without_backtrace());
+    return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kiln run: %s\n", e.what());
     return 2;

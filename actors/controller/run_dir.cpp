@@ -15,7 +15,7 @@ namespace kiln::controller {
 
 namespace fs = std::filesystem;
 
-RunLock::RunLock(const fs::path& dir, bool resuming, bool overwrite) {
+RunLock::RunLock(const fs::path& dir, const std::string& resume_from, bool overwrite) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) throw std::runtime_error("cannot create the run directory '" + dir.string() + "': " + ec.message());
@@ -38,12 +38,16 @@ RunLock::RunLock(const fs::path& dir, bool resuming, bool overwrite) {
   int64_t rows = 0;
   std::ifstream metrics(dir / "metrics.jsonl");
   for (std::string line; std::getline(metrics, line);) rows += !line.empty();
-  if (rows > 0 && !resuming && !overwrite) {
+  // Resuming continues this directory's run only from one of its own checkpoints.
+  const bool own = !resume_from.empty() &&
+                   fs::weakly_canonical(fs::path(resume_from), ec).parent_path() == fs::weakly_canonical(dir / "checkpoints", ec);
+  if (rows > 0 && !own && !overwrite) {
     ::close(fd_);
     fd_ = -1;
     const auto newest = newest_checkpoint(dir);
     throw std::runtime_error("the run directory '" + dir.string() + "' already holds a run (" + std::to_string(rows) +
-                             " rows in metrics.jsonl): choose another run.output_dir, " +
+                             " rows in metrics.jsonl" + (resume_from.empty() ? "" : "; '" + resume_from + "' is not one of its checkpoints") +
+                             "): choose another run.output_dir, " +
                              (newest.empty() ? std::string("") : "resume it with --set run.resume_from=" + newest.string() + ", ") +
                              "or replace it with --set run.overwrite=true");
   }
@@ -84,6 +88,8 @@ constexpr int kMaxSockets = 80;
 char g_sockets[kMaxSockets][108];
 volatile std::sig_atomic_t g_socket_count = 0;
 volatile std::sig_atomic_t g_interrupted = 0;
+char g_stop_message[1024];
+volatile std::sig_atomic_t g_stop_message_size = 0;
 
 extern "C" void on_stop_signal(int sig) {
   if (g_interrupted == 0) {  // the first: let the loop finish the step and checkpoint
@@ -94,14 +100,17 @@ extern "C" void on_stop_signal(int sig) {
     return;
   }
   for (int i = 0; i < g_socket_count; ++i) ::unlink(g_sockets[i]);
-  static const char msg[] = "kiln run: stopped at once; checkpoints so far are in RUN/checkpoints\n";
-  [[maybe_unused]] auto n = ::write(2, msg, sizeof msg - 1);
+  [[maybe_unused]] auto n = ::write(2, g_stop_message, std::size_t(g_stop_message_size));
   std::signal(sig, SIG_DFL);
   std::raise(sig);
 }
 }  // namespace
 
-RunSignals::RunSignals(const std::string& tag, int64_t engines) {
+RunSignals::RunSignals(const std::string& tag, int64_t engines, const std::filesystem::path& dir) {
+  const int size = std::snprintf(g_stop_message, sizeof g_stop_message,
+                                 "kiln run: stopped at once; the checkpoints written so far (if any) are in %s\n",
+                                 (dir / "checkpoints").c_str());
+  g_stop_message_size = size < int(sizeof g_stop_message) ? size : int(sizeof g_stop_message) - 1;
   paths_ = {tag + "-controller", tag + "-rollout", tag + "-ref", tag + "-trainer"};
   for (int64_t i = 1; i < engines; ++i) paths_.push_back(tag + "-rollout-" + std::to_string(i));
   int n = 0;

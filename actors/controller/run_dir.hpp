@@ -14,10 +14,11 @@ namespace kiln::controller {
 class RunLock {
  public:
   /// Throws std::runtime_error naming the directory and the pid of the run that holds it, or
-  /// why the lock file cannot be made. `overwrite`: a run directory that already holds a run
-  /// (RUN/metrics.jsonl with rows) is accepted when resuming or told to overwrite; otherwise
-  /// refused, saying how to resume, choose another directory, or overwrite.
-  RunLock(const std::filesystem::path& dir, bool resuming, bool overwrite);
+  /// why the lock file cannot be made. A run directory that already holds a run
+  /// (RUN/metrics.jsonl with rows) is accepted when `resume_from` is one of its own
+  /// checkpoints, or with `overwrite`; otherwise refused, saying how to resume, choose another
+  /// directory, or overwrite.
+  RunLock(const std::filesystem::path& dir, const std::string& resume_from, bool overwrite);
   ~RunLock();
   RunLock(const RunLock&) = delete;
   RunLock& operator=(const RunLock&) = delete;
@@ -44,7 +45,7 @@ std::string continue_hint(const std::filesystem::path& run);
 /// are also removed when this object goes. One instance at a time.
 class RunSignals {
  public:
-  RunSignals(const std::string& tag, int64_t engines);
+  RunSignals(const std::string& tag, int64_t engines, const std::filesystem::path& dir);
   ~RunSignals();
   RunSignals(const RunSignals&) = delete;
   RunSignals& operator=(const RunSignals&) = delete;

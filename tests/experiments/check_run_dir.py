@@ -61,10 +61,11 @@ checks.append((second.returncode == 2 and f"pid {first.pid}" in second.stderr,
 first.send_signal(signal.SIGINT)
 _, err = first.communicate(timeout=300)
 checks.append((first.returncode == 130, f"Ctrl-C exits 130 (got {first.returncode}: {err.strip()[-300:]})"))
-line = [l for l in err.splitlines() if "continue with: kiln run " in l]
+line = [l for l in err.splitlines() if "continue with: " in l and " run " in l]
 checks.append((bool(line), f"Ctrl-C prints the command that continues ({err.strip()[-300:]})"))
 if line:
-    args = line[0].split("continue with: kiln run ", 1)[1].split()
+    exe, verb, *args = line[0].split("continue with: ", 1)[1].split()
+    checks.append((verb == "run" and os.path.samefile(exe, kiln), f"the command names this kiln binary ({exe})"))
     ck = args[-1].split("=", 1)[1]
     checks.append((os.path.exists(f"{ck}/state.json"), f"the checkpoint it names exists ({ck})"))
     lines = [json.loads(l) for l in open(f"{b}/metrics.jsonl")]
@@ -72,6 +73,13 @@ if line:
     r = subprocess.run([kiln, "run", *args, "--set", "rollout.step_delay_ms=0"], capture_output=True, text=True, timeout=600)
     checks.append((r.returncode == 0, f"the printed command continues the run (exit {r.returncode}: {r.stderr[-300:]})"))
     checks.append((rows(b) == list(range(1, 13)), f"every step trained exactly once across Ctrl-C ({rows(b)})"))
+    # Resuming B's checkpoint into another finished run's directory would mix the two runs.
+    o = f"{work}/other"
+    r = run(o, "run.steps=2")
+    before = files(o)
+    r = run(o, "run.steps=13", f"run.resume_from={ck}")
+    checks.append((r.returncode == 2 and "is not one of its checkpoints" in r.stderr and files(o) == before,
+                   f"resuming another run's checkpoint into a finished run is refused, nothing changed ({r.stderr.strip()[-200:]})"))
 
 # 4. A stale lock (its run is gone) does not block.
 c = f"{work}/c"
