@@ -126,6 +126,62 @@ TEST_CASE("bad safetensors files give errors naming the file and the fault") {
   }
 }
 
+TEST_CASE("a header length one byte short is refused, not loaded with every tensor shifted by a byte") {
+  auto dir = scratch("short-length");
+  // Padded header, as writers pad to 8 bytes: without its last space it is still valid JSON.
+  auto p = file_with_header(dir, R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                                 R"("b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}}  )", 16);
+  auto bytes = read_all(p);
+  bytes[0] = char(uint8_t(bytes[0]) - 1);
+  write_all(p, bytes);
+  check_open_fails(p, "the last tensor 'b' (data_offsets [8, 16]) ends at data byte 16, but the data section is 17 bytes");
+}
+
+TEST_CASE("the tensors must cover the data section exactly: gaps, overlaps, a late start and trailing bytes are named") {
+  auto dir = scratch("coverage");
+  SUBCASE("a gap between two tensors") {
+    auto p = file_with_header(
+        dir, R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1],"data_offsets":[12,16]}})", 16);
+    check_open_fails(p, "tensor 'b' (data_offsets [12, 16]) leaves data bytes [8, 12) unused after 'a' (data_offsets [0, 8])");
+  }
+  SUBCASE("the first tensor does not start at 0") {
+    auto p = file_with_header(dir, R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8);
+    check_open_fails(p, "tensor 'a' (data_offsets [4, 8]) leaves data bytes [0, 4) unused after the start of the data section");
+  }
+  SUBCASE("two tensors overlap, both named") {
+    auto p = file_with_header(
+        dir, R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},"b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})", 16);
+    check_open_fails(p, "tensors 'a' (data_offsets [0, 16]) and 'b' (data_offsets [8, 16]) overlap");
+  }
+  SUBCASE("two tensors at the same offsets") {
+    auto p = file_with_header(
+        dir, R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 8);
+    check_open_fails(p, "overlap");
+  }
+  SUBCASE("bytes after the last tensor") {
+    auto p = file_with_header(dir, R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", 20);
+    check_open_fails(p, "the last tensor 'a' (data_offsets [0, 16]) ends at data byte 16, but the data section is 20 bytes");
+  }
+  SUBCASE("data but no tensors") {
+    auto p = file_with_header(dir, R"({"__metadata__":{"format":"pt"}})", 4);
+    check_open_fails(p, "the header lists no tensors, but the data section is 4 bytes");
+  }
+}
+
+TEST_CASE("empty tensors may sit anywhere in the data section, and an empty file of tensors opens") {
+  auto dir = scratch("coverage-ok");
+  auto p = file_with_header(dir,
+                            R"({"z0":{"dtype":"F32","shape":[0],"data_offsets":[0,0]},)"
+                            R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                            R"("z1":{"dtype":"BF16","shape":[3,0],"data_offsets":[8,8]},)"
+                            R"("b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]},)"
+                            R"("z2":{"dtype":"I64","shape":[0],"data_offsets":[16,16]}})",
+                            16);
+  CHECK(SafetensorsFile::open(p).tensors().size() == 5);
+  auto empty = file_with_header(dir, "{}", 0);
+  CHECK(SafetensorsFile::open(empty).tensors().empty());
+}
+
 TEST_CASE("sharded checkpoints: index, lazy shards, missing shard named") {
   auto dir = scratch("sharded");
   std::vector<Tensor> ts;
