@@ -103,10 +103,10 @@ TEST_CASE("bad safetensors files give errors naming the file and the fault") {
     auto p = file_with_header(dir, R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", 8);
     check_open_fails(p, "point past the end");
   }
-  SUBCASE("overlapping tensors") {
+  SUBCASE("overlapping tensors, both named with their offsets") {
     auto p = file_with_header(
         dir, R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},"b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})", 16);
-    check_open_fails(p, "overlap");
+    check_open_fails(p, "tensors 'a' (data_offsets [0, 16]) and 'b' (data_offsets [8, 16]) overlap");
   }
   SUBCASE("byte length that does not fit dtype and shape") {
     auto p = file_with_header(dir, R"({"w":{"dtype":"BF16","shape":[4],"data_offsets":[0,4]}})", 4);
@@ -147,11 +147,6 @@ TEST_CASE("the tensors must cover the data section exactly: gaps, overlaps, a la
   SUBCASE("the first tensor does not start at 0") {
     auto p = file_with_header(dir, R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8);
     check_open_fails(p, "tensor 'a' (data_offsets [4, 8]) leaves data bytes [0, 4) unused after the start of the data section");
-  }
-  SUBCASE("two tensors overlap, both named") {
-    auto p = file_with_header(
-        dir, R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},"b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})", 16);
-    check_open_fails(p, "tensors 'a' (data_offsets [0, 16]) and 'b' (data_offsets [8, 16]) overlap");
   }
   SUBCASE("two tensors at the same offsets") {
     auto p = file_with_header(
