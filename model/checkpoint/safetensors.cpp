@@ -43,6 +43,16 @@ std::string header_json(const std::vector<Tensor>& tensors, const std::map<std::
   return s;
 }
 
+// Whether `p` exists. A path the file system cannot look up (a name longer than NAME_MAX, no
+// permission) is a CheckpointError naming it: std::filesystem::exists would throw its own
+// filesystem_error, which callers of this reader do not expect.
+bool exists(const fs::path& p, const std::string& what) {
+  std::error_code ec;
+  const bool yes = fs::exists(p, ec);
+  if (ec) throw CheckpointError(what + " '" + p.string() + "' cannot be looked up: " + ec.message());
+  return yes;
+}
+
 std::string describe(const std::string& name, const TensorInfo& i) {
   return "'" + name + "' (data_offsets [" + std::to_string(i.begin) + ", " + std::to_string(i.end) + "])";
 }
@@ -76,12 +86,17 @@ void check_coverage(const std::string& path, const std::map<std::string, TensorI
 }  // namespace
 
 SafetensorsFile SafetensorsFile::open(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO under a shard's name must not block the open forever.
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) fail(path, std::string("cannot open: ") + std::strerror(errno));
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
     ::close(fd);
     fail(path, "cannot stat");
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    fail(path, "is not a regular file");
   }
   const uint64_t size = uint64_t(st.st_size);
   if (size < 8) {
@@ -190,7 +205,7 @@ Checkpoint Checkpoint::open(const std::string& dir) {
   c.dir_ = dir;
   fs::path index = fs::path(dir) / "model.safetensors.index.json";
   fs::path single = fs::path(dir) / "model.safetensors";
-  if (fs::exists(index)) {
+  if (exists(index, "checkpoint index")) {
     std::ifstream in(index);
     json j;
     try {
@@ -210,13 +225,14 @@ Checkpoint Checkpoint::open(const std::string& dir) {
                               "', not a file in the checkpoint directory");
       c.weight_map_[it.key()] = file;
     }
-  } else if (fs::exists(single)) {
+  } else if (exists(single, "checkpoint file")) {
     auto f = std::make_shared<SafetensorsFile>(SafetensorsFile::open(single.string()));
     for (const auto& [name, info] : f->tensors()) c.weight_map_[name] = "model.safetensors";
     c.shards_["model.safetensors"] = f;
-  } else if (!fs::is_directory(dir)) {
-    throw CheckpointError("checkpoint directory '" + dir + "' does not exist");
   } else {
+    std::error_code ec;
+    if (!fs::is_directory(dir, ec))
+      throw CheckpointError("checkpoint directory '" + dir + "' does not exist" + (ec ? " (" + ec.message() + ")" : ""));
     throw CheckpointError("no checkpoint in '" + dir + "': neither model.safetensors.index.json nor model.safetensors");
   }
   return c;
@@ -232,7 +248,7 @@ SafetensorsFile& Checkpoint::shard(const std::string& file) {
   auto it = shards_.find(file);
   if (it != shards_.end()) return *it->second;
   fs::path p = fs::path(dir_) / file;
-  if (!fs::exists(p)) throw CheckpointError("checkpoint shard '" + p.string() + "' named by the index is missing");
+  if (!exists(p, "checkpoint shard")) throw CheckpointError("checkpoint shard '" + p.string() + "' named by the index is missing");
   auto f = std::make_shared<SafetensorsFile>(SafetensorsFile::open(p.string()));
   return *shards_.emplace(file, f).first->second;
 }

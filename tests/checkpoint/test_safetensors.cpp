@@ -1,5 +1,6 @@
 // safetensors reader/writer and sharded checkpoints (torch-free; also run under ASan+UBSan).
 #include <doctest/doctest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -254,6 +255,25 @@ TEST_CASE("an index naming a file outside the checkpoint is refused, never opene
       << R"({"weight_map": {"w": "../../../../etc/passwd"}})";
   CHECK_THROWS_WITH_AS(Checkpoint::open(dir), doctest::Contains("not a file in the checkpoint directory"), CheckpointError);
   CHECK_THROWS_WITH_AS(Checkpoint::open(dir + "/nope"), doctest::Contains("does not exist"), CheckpointError);
+}
+
+TEST_CASE("a shard name the file system cannot look up, or that is not a regular file, is a CheckpointError naming it") {
+  auto dir = scratch("odd-shards");
+  write_safetensors(dir + "/model-00001-of-00001.safetensors", {filled("w", DType::float32, {4}, 1)});
+  SUBCASE("a name longer than NAME_MAX (std::filesystem threw its own filesystem_error)") {
+    const std::string name(300, 'x');
+    std::ofstream(dir + "/model.safetensors.index.json") << R"({"weight_map": {"w": ")" + name + R"("}})";
+    auto c = Checkpoint::open(dir);
+    CHECK_THROWS_WITH_AS(c.get("w"), doctest::Contains("cannot be looked up: File name too long"), CheckpointError);
+  }
+  SUBCASE("a FIFO is refused without blocking, a directory without mapping it") {
+    REQUIRE(::mkfifo((dir + "/fifo").c_str(), 0600) == 0);
+    fs::create_directories(dir + "/sub");
+    std::ofstream(dir + "/model.safetensors.index.json") << R"({"weight_map": {"a": "fifo", "b": "sub"}})";
+    auto c = Checkpoint::open(dir);
+    CHECK_THROWS_WITH_AS(c.get("a"), doctest::Contains("is not a regular file"), CheckpointError);
+    CHECK_THROWS_WITH_AS(c.get("b"), doctest::Contains("is not a regular file"), CheckpointError);
+  }
 }
 
 TEST_CASE("writing a checkpoint replaces the shards of an earlier save") {
