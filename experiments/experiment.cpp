@@ -1,11 +1,12 @@
 #include "experiments/experiment.hpp"
 
+#include <charconv>
 #include <cmath>
+#include <cstdio>
 
 #include <filesystem>
 #include <functional>
 #include <map>
-#include <sstream>
 #include <stdexcept>
 #include <toml++/toml.h>
 
@@ -19,6 +20,26 @@ struct Field {
 
 [[noreturn]] void bad(const std::string& where, const std::string& key, const std::string& why) {
   throw std::invalid_argument(where + ": key '" + key + "' " + why);
+}
+
+// A TOML basic string: quotes, backslashes and control characters escaped, so that to_toml()
+// reads back (a name with a '"' made the run directory's config.toml unreadable).
+std::string quoted(const std::string& text) {
+  std::string out = "\"";
+  for (char ch : text) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += ch;
+    } else if (c < 0x20 || c == 0x7f) {
+      char esc[8];
+      std::snprintf(esc, sizeof esc, "\\u%04X", c);
+      out += esc;
+    } else {
+      out += ch;
+    }
+  }
+  return out + "\"";
 }
 
 std::map<std::string, Field> fields(ExperimentConfig& c) {
@@ -38,9 +59,9 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
                 if (!std::isfinite(ref)) bad(w, key, "must be a finite number");
               },
               [&ref] {
-                std::ostringstream s;
-                s << ref;
-                auto t = s.str();
+                // Shortest text that reads back to the same double (<< kept 6 digits).
+                char buf[64];
+                auto t = std::string(buf, std::to_chars(buf, buf + sizeof buf, ref).ptr);
                 return t.find_first_of(".e") == std::string::npos ? t + ".0" : t;
               }};
   };
@@ -56,7 +77,7 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
                 if (!n.is_string()) bad(w, key, "must be a string");
                 ref = n.as_string()->get();
               },
-              [&ref] { return "\"" + ref + "\""; }};
+              [&ref] { return quoted(ref); }};
   };
   text("run.name", c.run.name);
   text("run.output_dir", c.run.output_dir);
@@ -161,7 +182,12 @@ void ExperimentConfig::set(const std::string& assignment) {
   try {
     v = toml::parse("v = " + value);
   } catch (const toml::parse_error&) {
-    v = toml::table{{"v", value}};  // bare text
+    try {  // bare text: read as a quoted string, which also refuses bytes that are not UTF-8
+      v = toml::parse("v = " + quoted(value));
+    } catch (const toml::parse_error& e) {
+      throw std::invalid_argument("--set '" + key + "': the value is not valid TOML, nor text in UTF-8 (" +
+                                  std::string(e.description()) + ")");
+    }
   }
   toml::table root{{key.substr(0, dot), toml::table{{key.substr(dot + 1), *v["v"].node()}}}};
   apply_table(*this, root, "--set " + key);

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <tuple>
 
 namespace kiln::checkpoint {
 
@@ -41,15 +42,61 @@ std::string header_json(const std::vector<Tensor>& tensors, const std::map<std::
   s.append((8 - s.size() % 8) % 8, ' ');  // pad so that the data starts 8-byte aligned
   return s;
 }
+
+// Whether `p` exists. A path the file system cannot look up (a name longer than NAME_MAX, no
+// permission) is a CheckpointError naming it: std::filesystem::exists would throw its own
+// filesystem_error, which callers of this reader do not expect.
+bool exists(const fs::path& p, const std::string& what) {
+  std::error_code ec;
+  const bool yes = fs::exists(p, ec);
+  if (ec) throw CheckpointError(what + " '" + p.string() + "' cannot be looked up: " + ec.message());
+  return yes;
+}
+
+std::string describe(const std::string& name, const TensorInfo& i) {
+  return "'" + name + "' (data_offsets [" + std::to_string(i.begin) + ", " + std::to_string(i.end) + "])";
+}
+
+// The format's rule (the reference implementation's Metadata::validate): sorted by offset, the
+// tensors tile the data section exactly: the first begins at 0, each begins where the one
+// before ends, the last ends at the end of the file. A header length one byte off, a shifted
+// or stale offset, or trailing bytes would otherwise load every tensor from the wrong bytes.
+void check_coverage(const std::string& path, const std::map<std::string, TensorInfo>& infos, uint64_t data_size) {
+  std::vector<std::pair<std::string, TensorInfo>> order(infos.begin(), infos.end());
+  std::sort(order.begin(), order.end(), [](const auto& a, const auto& b) {
+    return std::tie(a.second.begin, a.second.end) < std::tie(b.second.begin, b.second.end);
+  });
+  uint64_t covered = 0;  // data bytes [0, covered) belong to the tensors before this one
+  std::string prev = "the start of the data section";
+  for (const auto& [name, info] : order) {
+    if (info.begin < covered) fail(path, "tensors " + prev + " and " + describe(name, info) + " overlap");
+    if (info.begin > covered)
+      fail(path, "tensor " + describe(name, info) + " leaves data bytes [" + std::to_string(covered) + ", " +
+                     std::to_string(info.begin) + ") unused after " + prev +
+                     ": the tensors must cover the data section exactly");
+    covered = info.end;
+    prev = describe(name, info);
+  }
+  if (covered != data_size)
+    fail(path, (order.empty() ? std::string("the header lists no tensors") : "the last tensor " + prev + " ends at data byte " +
+                                                                                 std::to_string(covered)) +
+                   ", but the data section is " + std::to_string(data_size) +
+                   " bytes (a wrong header length, or bytes appended): the tensors must cover it exactly");
+}
 }  // namespace
 
 SafetensorsFile SafetensorsFile::open(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO under a shard's name must not block the open forever.
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) fail(path, std::string("cannot open: ") + std::strerror(errno));
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
     ::close(fd);
     fail(path, "cannot stat");
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    fail(path, "is not a regular file");
   }
   const uint64_t size = uint64_t(st.st_size);
   if (size < 8) {
@@ -77,7 +124,6 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   if (!h.is_object()) fail(path, "header is not a JSON object");
   f.data_ = base + 8 + n;
   const uint64_t data_size = size - 8 - n;
-  std::vector<std::pair<uint64_t, std::string>> by_begin;
   for (auto it = h.begin(); it != h.end(); ++it) {
     const std::string& name = it.key();
     const json& e = it.value();
@@ -116,16 +162,9 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
     if (info.end - info.begin != bytes)
       fail(path, where + ": " + std::to_string(info.end - info.begin) + " bytes for dtype " +
                      e["dtype"].get<std::string>() + " and its shape, which need " + std::to_string(bytes));
-    by_begin.emplace_back(info.begin, name);
     f.infos_.emplace(name, std::move(info));
   }
-  std::sort(by_begin.begin(), by_begin.end());
-  for (std::size_t i = 1; i < by_begin.size(); ++i) {
-    const auto& prev = f.infos_.at(by_begin[i - 1].second);
-    const auto& cur = f.infos_.at(by_begin[i].second);
-    if (cur.begin < prev.end && cur.end > cur.begin && prev.end > prev.begin)
-      fail(path, "tensors '" + by_begin[i - 1].second + "' and '" + by_begin[i].second + "' overlap");
-  }
+  check_coverage(path, f.infos_, data_size);
   return f;
 }
 
@@ -166,7 +205,7 @@ Checkpoint Checkpoint::open(const std::string& dir) {
   c.dir_ = dir;
   fs::path index = fs::path(dir) / "model.safetensors.index.json";
   fs::path single = fs::path(dir) / "model.safetensors";
-  if (fs::exists(index)) {
+  if (exists(index, "checkpoint index")) {
     std::ifstream in(index);
     json j;
     try {
@@ -186,13 +225,14 @@ Checkpoint Checkpoint::open(const std::string& dir) {
                               "', not a file in the checkpoint directory");
       c.weight_map_[it.key()] = file;
     }
-  } else if (fs::exists(single)) {
+  } else if (exists(single, "checkpoint file")) {
     auto f = std::make_shared<SafetensorsFile>(SafetensorsFile::open(single.string()));
     for (const auto& [name, info] : f->tensors()) c.weight_map_[name] = "model.safetensors";
     c.shards_["model.safetensors"] = f;
-  } else if (!fs::is_directory(dir)) {
-    throw CheckpointError("checkpoint directory '" + dir + "' does not exist");
   } else {
+    std::error_code ec;
+    if (!fs::is_directory(dir, ec))
+      throw CheckpointError("checkpoint directory '" + dir + "' does not exist" + (ec ? " (" + ec.message() + ")" : ""));
     throw CheckpointError("no checkpoint in '" + dir + "': neither model.safetensors.index.json nor model.safetensors");
   }
   return c;
@@ -208,7 +248,7 @@ SafetensorsFile& Checkpoint::shard(const std::string& file) {
   auto it = shards_.find(file);
   if (it != shards_.end()) return *it->second;
   fs::path p = fs::path(dir_) / file;
-  if (!fs::exists(p)) throw CheckpointError("checkpoint shard '" + p.string() + "' named by the index is missing");
+  if (!exists(p, "checkpoint shard")) throw CheckpointError("checkpoint shard '" + p.string() + "' named by the index is missing");
   auto f = std::make_shared<SafetensorsFile>(SafetensorsFile::open(p.string()));
   return *shards_.emplace(file, f).first->second;
 }

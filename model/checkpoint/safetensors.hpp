@@ -41,8 +41,10 @@ inline constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 class SafetensorsFile {
  public:
   /// Maps `path` and validates the header: size within the file and below kMaxHeaderBytes,
-  /// valid JSON, known dtypes, non-negative dims, end - begin == numel * item size, offsets
-  /// inside the file, no two tensors overlapping. Throws CheckpointError naming the fault.
+  /// valid JSON, known dtypes, non-negative dims, end - begin == numel * item size, and the
+  /// tensors' data_offsets, sorted, cover the data section exactly (the first begins at 0,
+  /// each where the one before ends, the last at the end of the file: no gap, no overlap, no
+  /// trailing byte). Throws CheckpointError naming the file, the tensors and their offsets.
   static SafetensorsFile open(const std::string& path);
 
   const std::string& path() const { return path_; }

@@ -1,6 +1,8 @@
 #include "model/glm4_moe_lite/config.hpp"
 
+#include <cassert>
 #include <cmath>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <stdexcept>
@@ -17,31 +19,90 @@ int64_t Glm4MoeLiteConfig::num_moe_layers() const {
   return n;
 }
 
+namespace {
+struct IntRange {
+  int64_t lo, hi;
+  std::string str() const { return "[" + std::to_string(lo) + ", " + std::to_string(hi) + "]"; }
+};
+
+// Sane ranges of the integer fields, by HF name. Wide enough for every published model of this
+// family and of DeepSeek-V3's (the largest: vocab 262k, hidden 16k, 256 experts, 61 layers);
+// narrow enough that no product of them overflows int64 and a typo (2^31, 2^63-1) is named
+// here, not by the allocator or as a negative dimension in LibTorch.
+const std::map<std::string, IntRange>& int_ranges() {
+  static const std::map<std::string, IntRange> r = {
+      {"vocab_size", {1, 1 << 22}},
+      {"hidden_size", {1, 1 << 16}},
+      {"intermediate_size", {1, 1 << 18}},
+      {"moe_intermediate_size", {1, 1 << 18}},
+      {"num_hidden_layers", {1, 1024}},
+      {"num_attention_heads", {1, 1024}},
+      {"num_key_value_heads", {1, 1024}},
+      {"n_routed_experts", {1, 4096}},
+      {"num_experts_per_tok", {1, 4096}},
+      {"n_shared_experts", {0, 64}},
+      {"n_group", {1, 4096}},
+      {"topk_group", {1, 4096}},
+      {"kv_lora_rank", {1, 1 << 16}},
+      {"q_lora_rank", {1, 1 << 16}},
+      {"qk_nope_head_dim", {1, 4096}},
+      {"qk_rope_head_dim", {2, 4096}},
+      {"v_head_dim", {1, 4096}},
+      {"qk_head_dim", {3, 8192}},
+      {"head_dim", {2, 4096}},
+      {"max_position_embeddings", {1, int64_t(1) << 30}},
+      {"first_k_dense_replace", {0, 1024}},
+      {"bos_token_id", {0, (1 << 22) - 1}},
+      {"eos_token_id", {0, (1 << 22) - 1}},
+  };
+  return r;
+}
+
+// The range of `field` (every integer field has one).
+IntRange range_of(const std::string& field) {
+  auto it = int_ranges().find(field);
+  assert(it != int_ranges().end() && "every integer field read or validated has a range in int_ranges()");
+  return it->second;
+}
+}  // namespace
+
 void Glm4MoeLiteConfig::validate() const {
   auto bad = [](const std::string& field, const std::string& why) {
     throw std::invalid_argument("glm4_moe_lite config: field '" + field + "': " + why);
   };
-  auto positive = [&](const char* field, int64_t v) {
-    if (v <= 0) bad(field, "must be > 0, got " + std::to_string(v));
+  auto in_range = [&](const std::string& field, int64_t v) {
+    auto r = range_of(field);
+    if (v < r.lo || v > r.hi) bad(field, std::to_string(v) + " is outside " + r.str());
   };
-  positive("vocab_size", vocab_size);
-  positive("hidden_size", hidden_size);
-  positive("intermediate_size", intermediate_size);
-  positive("num_hidden_layers", num_hidden_layers);
-  positive("num_attention_heads", attention.num_heads);
-  positive("kv_lora_rank", attention.kv_lora_rank);
-  positive("qk_nope_head_dim", attention.qk_nope_head_dim);
-  positive("v_head_dim", attention.v_head_dim);
-  positive("n_routed_experts", moe.num_experts);
-  positive("num_experts_per_tok", moe.top_k);
-  positive("n_group", moe.n_group);
-  positive("topk_group", moe.topk_group);
-  positive("moe_intermediate_size", moe.expert_intermediate_size);
-  if (attention.q_lora_rank && *attention.q_lora_rank <= 0) bad("q_lora_rank", "must be > 0 or null");
-  if (attention.qk_rope_head_dim <= 0 || attention.qk_rope_head_dim % 2)
-    bad("qk_rope_head_dim", "must be a positive even number, got " + std::to_string(attention.qk_rope_head_dim));
-  if (!(attention.rope_theta > 0)) bad("rope_theta", "must be > 0");
-  if (!(rms_norm_eps > 0)) bad("rms_norm_eps", "must be > 0");
+  in_range("vocab_size", vocab_size);
+  in_range("hidden_size", hidden_size);
+  in_range("intermediate_size", intermediate_size);
+  in_range("num_hidden_layers", num_hidden_layers);
+  in_range("max_position_embeddings", max_position_embeddings);
+  in_range("num_attention_heads", attention.num_heads);
+  in_range("kv_lora_rank", attention.kv_lora_rank);
+  if (attention.q_lora_rank) in_range("q_lora_rank", *attention.q_lora_rank);
+  in_range("qk_nope_head_dim", attention.qk_nope_head_dim);
+  in_range("qk_rope_head_dim", attention.qk_rope_head_dim);
+  in_range("v_head_dim", attention.v_head_dim);
+  in_range("n_routed_experts", moe.num_experts);
+  in_range("num_experts_per_tok", moe.top_k);
+  in_range("n_group", moe.n_group);
+  in_range("topk_group", moe.topk_group);
+  in_range("moe_intermediate_size", moe.expert_intermediate_size);
+  in_range("n_shared_experts", moe.n_shared_experts);
+  for (auto id : eos_token_ids)
+    if (id < 0 || id >= vocab_size)
+      bad("eos_token_id", std::to_string(id) + " is outside the vocabulary [0, " + std::to_string(vocab_size - 1) + "]");
+  if (bos_token_id < 0 || bos_token_id >= vocab_size)
+    bad("bos_token_id", std::to_string(bos_token_id) + " is outside the vocabulary [0, " + std::to_string(vocab_size - 1) + "]");
+  if (tie_word_embeddings)
+    bad("tie_word_embeddings", "tied embeddings are not supported: kiln builds a separate lm_head (GLM-4.7-Flash unties them)");
+  if (attention.qk_rope_head_dim % 2)
+    bad("qk_rope_head_dim", "must be even (RoPE rotates pairs), got " + std::to_string(attention.qk_rope_head_dim));
+  if (!(std::isfinite(attention.rope_theta) && attention.rope_theta > 0))
+    bad("rope_theta", "must be a finite number > 0, got " + std::to_string(attention.rope_theta));
+  if (!(rms_norm_eps > 0 && rms_norm_eps < 1)) bad("rms_norm_eps", "must be in (0, 1), got " + std::to_string(rms_norm_eps));
   if (int64_t(moe_layers.size()) != num_hidden_layers)
     bad("mlp_layer_types", "has " + std::to_string(moe_layers.size()) + " entries for " +
                                std::to_string(num_hidden_layers) + " layers");
@@ -54,8 +115,8 @@ void Glm4MoeLiteConfig::validate() const {
   if (moe.top_k > moe.topk_group * (moe.num_experts / moe.n_group))
     bad("num_experts_per_tok", std::to_string(moe.top_k) + " exceeds the experts in the " +
                                    std::to_string(moe.topk_group) + " selected group(s)");
-  if (moe.n_shared_experts < 0) bad("n_shared_experts", "must be >= 0");
-  if (!(moe.routed_scaling_factor > 0)) bad("routed_scaling_factor", "must be > 0");
+  if (!(std::isfinite(moe.routed_scaling_factor) && moe.routed_scaling_factor > 0))
+    bad("routed_scaling_factor", "must be a finite number > 0, got " + std::to_string(moe.routed_scaling_factor));
 }
 
 namespace {
@@ -70,6 +131,26 @@ const std::set<std::string> kIgnored = {
     "rope_parameters", "hidden_act", "attention_bias", "num_key_value_heads", "eos_token_id", "bos_token_id",
     "quantization_config", "use_qk_norm", "aux_loss_alpha", "seq_aux", "num_nextn_predict_layers"};
 
+// Nests at most `levels` arrays or objects deep (the check recurses at most that far).
+bool shallow(const json& v, int levels) {
+  if (!v.is_structured()) return true;
+  if (levels == 0) return false;
+  for (const auto& x : v)
+    if (!shallow(x, levels - 1)) return false;
+  return true;
+}
+
+// A JSON value for an error message: at most ~120 bytes, and never a deep recursion (dump()
+// recurses once per level: a config.json of a million '[' would overflow the stack).
+std::string show(const json& v) {
+  if (!shallow(v, 4)) return v.is_array() ? "a deeply nested array" : "a deeply nested object";
+  std::string s = v.dump();
+  if (s.size() <= 120) return s;
+  std::size_t cut = 100;
+  while (cut > 0 && (static_cast<unsigned char>(s[cut]) & 0xC0) == 0x80) --cut;  // not inside a UTF-8 character
+  return s.substr(0, cut) + "... (" + std::to_string(s.size()) + " bytes)";
+}
+
 struct Reader {
   const json& j;
   std::string source;
@@ -77,30 +158,48 @@ struct Reader {
     throw std::invalid_argument("config.json (" + source + "): field '" + field + "': " + why);
   }
   bool has(const char* f) const { return j.contains(f) && !j[f].is_null(); }
+  // A field whose transformers default is GLM-4.7-Flash's own value: a config without it does
+  // not describe its model (transformers would silently build Flash's sizes).
+  [[noreturn]] void missing(const char* f) const {
+    bad(f, "missing (required: it sets the model's sizes or routing; transformers would silently take GLM-4.7-Flash's value)");
+  }
+  // An integer field, checked against its sane range (int_ranges()). Absent or null:
+  // `fallback`, or refused by name if the field is required (no fallback).
   int64_t integer(const char* f, std::optional<int64_t> fallback = std::nullopt) const {
     if (!has(f)) {
       if (fallback) return *fallback;
-      bad(f, "is required");
+      missing(f);
     }
-    if (!j[f].is_number_integer()) bad(f, "must be an integer, got " + j[f].dump());
-    return j[f].get<int64_t>();
+    return integer_value(f, j[f]);
+  }
+  int64_t integer_value(const std::string& f, const json& v) const {
+    if (!v.is_number_integer()) bad(f, "must be an integer, got " + show(v));
+    const auto r = range_of(f);
+    // Compared in the JSON's own type: 2^64-1 read as int64 would be -1.
+    const bool inside = v.is_number_unsigned()
+                            ? v.get<uint64_t>() >= uint64_t(r.lo) && v.get<uint64_t>() <= uint64_t(r.hi)
+                            : v.get<int64_t>() >= r.lo && v.get<int64_t>() <= r.hi;
+    if (!inside) bad(f, show(v) + " is outside " + r.str());
+    return v.get<int64_t>();
   }
   double number(const char* f, std::optional<double> fallback = std::nullopt) const {
     if (!has(f)) {
       if (fallback) return *fallback;
-      bad(f, "is required");
+      missing(f);
     }
-    if (!j[f].is_number()) bad(f, "must be a number, got " + j[f].dump());
-    return j[f].get<double>();
+    if (!j[f].is_number()) bad(f, "must be a number, got " + show(j[f]));
+    const double v = j[f].get<double>();
+    if (!std::isfinite(v)) bad(f, "must be a finite number, got " + std::to_string(v));
+    return v;
   }
   bool boolean(const char* f, bool fallback) const {
     if (!has(f)) return fallback;
-    if (!j[f].is_boolean()) bad(f, "must be true or false, got " + j[f].dump());
+    if (!j[f].is_boolean()) bad(f, "must be true or false, got " + show(j[f]));
     return j[f].get<bool>();
   }
   std::string string(const char* f, const std::string& fallback) const {
     if (!has(f)) return fallback;
-    if (!j[f].is_string()) bad(f, "must be a string, got " + j[f].dump());
+    if (!j[f].is_string()) bad(f, "must be a string, got " + show(j[f]));
     return j[f].get<std::string>();
   }
 };
@@ -121,44 +220,43 @@ Glm4MoeLiteConfig Glm4MoeLiteConfig::from_hf_json(const json& j, const std::stri
     const auto& arch = j["architectures"];
     bool ok = arch.is_array();
     for (const auto& x : arch) ok = ok && x.is_string() && x == "Glm4MoeLiteForCausalLM";
-    if (!ok) r.bad("architectures", "is " + arch.dump() + ", expected [\"Glm4MoeLiteForCausalLM\"]");
+    if (!ok) r.bad("architectures", "is " + show(arch) + ", expected [\"Glm4MoeLiteForCausalLM\"]");
   }
   if (r.has("model_type") && r.string("model_type", "") != "glm4_moe_lite")
     r.bad("model_type", "is '" + r.string("model_type", "") + "', expected 'glm4_moe_lite'");
 
   Glm4MoeLiteConfig c;
-  c.vocab_size = r.integer("vocab_size", 154880);
-  c.hidden_size = r.integer("hidden_size", 2048);
-  c.intermediate_size = r.integer("intermediate_size", 10240);
-  c.num_hidden_layers = r.integer("num_hidden_layers", 47);
+  // Required: the fields whose transformers default is GLM-4.7-Flash's own size or routing
+  // value. Optional (transformers' default): generic values, derived ones, and ids; README.md.
+  c.vocab_size = r.integer("vocab_size");
+  c.hidden_size = r.integer("hidden_size");
+  c.intermediate_size = r.integer("intermediate_size");
+  c.num_hidden_layers = r.integer("num_hidden_layers");
   c.rms_norm_eps = r.number("rms_norm_eps", 1e-5);
   c.max_position_embeddings = r.integer("max_position_embeddings", 202752);
-  c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
-  if (c.tie_word_embeddings) r.bad("tie_word_embeddings", "tied embeddings are not supported (GLM-4.7-Flash unties them)");
+  c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);  // true is refused by validate()
   c.bos_token_id = r.integer("bos_token_id", 0);
   if (r.has("eos_token_id")) {
     const auto& e = j["eos_token_id"];
     c.eos_token_ids.clear();
-    if (e.is_number_integer()) c.eos_token_ids.push_back(e.get<int64_t>());
+    if (e.is_number_integer()) c.eos_token_ids.push_back(r.integer_value("eos_token_id", e));
     else if (e.is_array()) {
-      for (const auto& x : e) {
-        if (!x.is_number_integer()) r.bad("eos_token_id", "must hold integers, got " + e.dump());
-        c.eos_token_ids.push_back(x.get<int64_t>());
-      }
-    } else r.bad("eos_token_id", "must be an integer or a list of integers");
+      for (const auto& x : e) c.eos_token_ids.push_back(r.integer_value("eos_token_id", x));
+    } else r.bad("eos_token_id", "must be an integer or a list of integers, got " + show(e));
   }
 
   auto& a = c.attention;
-  a.num_heads = r.integer("num_attention_heads", 20);
+  a.num_heads = r.integer("num_attention_heads");
   if (r.has("num_key_value_heads") && r.integer("num_key_value_heads") != a.num_heads)
     r.bad("num_key_value_heads", "MLA expands keys and values per head: must equal num_attention_heads (" +
                                      std::to_string(a.num_heads) + "), got " + std::to_string(r.integer("num_key_value_heads")));
-  if (j.contains("q_lora_rank") && j["q_lora_rank"].is_null()) a.q_lora_rank = std::nullopt;
-  else a.q_lora_rank = r.integer("q_lora_rank", 768);
-  a.kv_lora_rank = r.integer("kv_lora_rank", 512);
-  a.qk_nope_head_dim = r.integer("qk_nope_head_dim", 192);
-  a.qk_rope_head_dim = r.integer("qk_rope_head_dim", 64);
-  a.v_head_dim = r.integer("v_head_dim", 256);
+  if (!j.contains("q_lora_rank")) r.missing("q_lora_rank");  // null (no q compression) is a value
+  if (j["q_lora_rank"].is_null()) a.q_lora_rank = std::nullopt;
+  else a.q_lora_rank = r.integer("q_lora_rank");
+  a.kv_lora_rank = r.integer("kv_lora_rank");
+  a.qk_nope_head_dim = r.integer("qk_nope_head_dim");
+  a.qk_rope_head_dim = r.integer("qk_rope_head_dim");
+  a.v_head_dim = r.integer("v_head_dim");
   a.rope_interleave = r.boolean("rope_interleave", true);
   if (r.has("qk_head_dim") && r.integer("qk_head_dim") != a.qk_head_dim())
     r.bad("qk_head_dim", "is " + std::to_string(r.integer("qk_head_dim")) + " but qk_nope_head_dim + qk_rope_head_dim = " +
@@ -195,14 +293,14 @@ Glm4MoeLiteConfig Glm4MoeLiteConfig::from_hf_json(const json& j, const std::stri
   if (r.string("topk_method", "noaux_tc") != "noaux_tc") r.bad("topk_method", "only 'noaux_tc' is supported");
 
   auto& m = c.moe;
-  m.num_experts = r.integer("n_routed_experts", 64);
-  m.top_k = r.integer("num_experts_per_tok", 4);
+  m.num_experts = r.integer("n_routed_experts");
+  m.top_k = r.integer("num_experts_per_tok");
   m.n_group = r.integer("n_group", 1);
   m.topk_group = r.integer("topk_group", 1);
-  m.expert_intermediate_size = r.integer("moe_intermediate_size", 1536);
-  m.n_shared_experts = r.integer("n_shared_experts", 1);
+  m.expert_intermediate_size = r.integer("moe_intermediate_size");
+  m.n_shared_experts = r.integer("n_shared_experts");
   m.norm_topk_prob = r.boolean("norm_topk_prob", true);
-  m.routed_scaling_factor = r.number("routed_scaling_factor", 1.8);
+  m.routed_scaling_factor = r.number("routed_scaling_factor");
 
   c.moe_layers.clear();
   if (r.has("mlp_layer_types")) {
@@ -210,7 +308,7 @@ Glm4MoeLiteConfig Glm4MoeLiteConfig::from_hf_json(const json& j, const std::stri
     if (!t.is_array()) r.bad("mlp_layer_types", "must be a list of 'dense' | 'sparse'");
     for (const auto& x : t) {
       if (!x.is_string() || (x != "dense" && x != "sparse"))
-        r.bad("mlp_layer_types", "entries must be 'dense' or 'sparse', got " + x.dump());
+        r.bad("mlp_layer_types", "entries must be 'dense' or 'sparse', got " + show(x));
       c.moe_layers.push_back(x == "sparse");
     }
   } else {

@@ -44,7 +44,7 @@ struct Glm4MoeLiteConfig {
   int64_t num_hidden_layers = 47;
   double rms_norm_eps = 1e-5;
   int64_t max_position_embeddings = 202752;
-  bool tie_word_embeddings = false;
+  bool tie_word_embeddings = false;  ///< true is refused by validate(): kiln's lm_head is its own weight
   std::vector<bool> moe_layers;  ///< per layer: true = sparse (MoE), false = dense; mlp_layer_types
   std::vector<int64_t> eos_token_ids = {1};
   int64_t bos_token_id = 0;
@@ -52,11 +52,17 @@ struct Glm4MoeLiteConfig {
   MoEConfig moe;
 
   int64_t num_moe_layers() const;
-  /// Checks internal consistency; throws std::invalid_argument naming the field.
+  /// Checks every integer field against its sane range (hidden_size in [1, 65536], ...: the
+  /// table in config.cpp), token ids against the vocabulary, and internal consistency; refuses
+  /// tie_word_embeddings. Throws std::invalid_argument naming the field (HF's name) and value:
+  /// "glm4_moe_lite config: field 'hidden_size': 2147483648 is outside [1, 65536]".
   void validate() const;
   /// Parses an HF config.json. Every field the architecture uses is read; fields HF writes
-  /// but kiln does not need are accepted; unknown fields and unsupported or contradictory
-  /// values are rejected: std::invalid_argument "config.json (SOURCE): field 'x': ...".
+  /// but kiln does not need are accepted; unknown fields, unsupported, out-of-range or
+  /// contradictory values, and missing required fields are rejected: std::invalid_argument
+  /// "config.json (SOURCE): field 'x': ...". Required: the fields whose transformers default
+  /// is GLM-4.7-Flash's own size or routing value (README.md lists them); the others take
+  /// transformers' default when absent or null.
   static Glm4MoeLiteConfig from_hf_json(const nlohmann::json& j, const std::string& source);
   /// An HF config.json that transformers' Glm4MoeLiteConfig loads back to the same model.
   nlohmann::json to_hf_json() const;

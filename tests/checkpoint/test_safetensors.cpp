@@ -1,5 +1,6 @@
 // safetensors reader/writer and sharded checkpoints (torch-free; also run under ASan+UBSan).
 #include <doctest/doctest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -103,10 +104,10 @@ TEST_CASE("bad safetensors files give errors naming the file and the fault") {
     auto p = file_with_header(dir, R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", 8);
     check_open_fails(p, "point past the end");
   }
-  SUBCASE("overlapping tensors") {
+  SUBCASE("overlapping tensors, both named with their offsets") {
     auto p = file_with_header(
         dir, R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},"b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})", 16);
-    check_open_fails(p, "overlap");
+    check_open_fails(p, "tensors 'a' (data_offsets [0, 16]) and 'b' (data_offsets [8, 16]) overlap");
   }
   SUBCASE("byte length that does not fit dtype and shape") {
     auto p = file_with_header(dir, R"({"w":{"dtype":"BF16","shape":[4],"data_offsets":[0,4]}})", 4);
@@ -124,6 +125,57 @@ TEST_CASE("bad safetensors files give errors naming the file and the fault") {
     auto p = file_with_header(dir, "{not json", 0);
     check_open_fails(p, "not valid JSON");
   }
+}
+
+TEST_CASE("a header length one byte short is refused, not loaded with every tensor shifted by a byte") {
+  auto dir = scratch("short-length");
+  // Padded header, as writers pad to 8 bytes: without its last space it is still valid JSON.
+  auto p = file_with_header(dir, R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                                 R"("b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}}  )", 16);
+  auto bytes = read_all(p);
+  bytes[0] = char(uint8_t(bytes[0]) - 1);
+  write_all(p, bytes);
+  check_open_fails(p, "the last tensor 'b' (data_offsets [8, 16]) ends at data byte 16, but the data section is 17 bytes");
+}
+
+TEST_CASE("the tensors must cover the data section exactly: gaps, overlaps, a late start and trailing bytes are named") {
+  auto dir = scratch("coverage");
+  SUBCASE("a gap between two tensors") {
+    auto p = file_with_header(
+        dir, R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1],"data_offsets":[12,16]}})", 16);
+    check_open_fails(p, "tensor 'b' (data_offsets [12, 16]) leaves data bytes [8, 12) unused after 'a' (data_offsets [0, 8])");
+  }
+  SUBCASE("the first tensor does not start at 0") {
+    auto p = file_with_header(dir, R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8);
+    check_open_fails(p, "tensor 'a' (data_offsets [4, 8]) leaves data bytes [0, 4) unused after the start of the data section");
+  }
+  SUBCASE("two tensors at the same offsets") {
+    auto p = file_with_header(
+        dir, R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 8);
+    check_open_fails(p, "overlap");
+  }
+  SUBCASE("bytes after the last tensor") {
+    auto p = file_with_header(dir, R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", 20);
+    check_open_fails(p, "the last tensor 'a' (data_offsets [0, 16]) ends at data byte 16, but the data section is 20 bytes");
+  }
+  SUBCASE("data but no tensors") {
+    auto p = file_with_header(dir, R"({"__metadata__":{"format":"pt"}})", 4);
+    check_open_fails(p, "the header lists no tensors, but the data section is 4 bytes");
+  }
+}
+
+TEST_CASE("empty tensors may sit anywhere in the data section, and an empty file of tensors opens") {
+  auto dir = scratch("coverage-ok");
+  auto p = file_with_header(dir,
+                            R"({"z0":{"dtype":"F32","shape":[0],"data_offsets":[0,0]},)"
+                            R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                            R"("z1":{"dtype":"BF16","shape":[3,0],"data_offsets":[8,8]},)"
+                            R"("b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]},)"
+                            R"("z2":{"dtype":"I64","shape":[0],"data_offsets":[16,16]}})",
+                            16);
+  CHECK(SafetensorsFile::open(p).tensors().size() == 5);
+  auto empty = file_with_header(dir, "{}", 0);
+  CHECK(SafetensorsFile::open(empty).tensors().empty());
 }
 
 TEST_CASE("sharded checkpoints: index, lazy shards, missing shard named") {
@@ -203,6 +255,25 @@ TEST_CASE("an index naming a file outside the checkpoint is refused, never opene
       << R"({"weight_map": {"w": "../../../../etc/passwd"}})";
   CHECK_THROWS_WITH_AS(Checkpoint::open(dir), doctest::Contains("not a file in the checkpoint directory"), CheckpointError);
   CHECK_THROWS_WITH_AS(Checkpoint::open(dir + "/nope"), doctest::Contains("does not exist"), CheckpointError);
+}
+
+TEST_CASE("a shard name the file system cannot look up, or that is not a regular file, is a CheckpointError naming it") {
+  auto dir = scratch("odd-shards");
+  write_safetensors(dir + "/model-00001-of-00001.safetensors", {filled("w", DType::float32, {4}, 1)});
+  SUBCASE("a name longer than NAME_MAX (std::filesystem threw its own filesystem_error)") {
+    const std::string name(300, 'x');
+    std::ofstream(dir + "/model.safetensors.index.json") << R"({"weight_map": {"w": ")" + name + R"("}})";
+    auto c = Checkpoint::open(dir);
+    CHECK_THROWS_WITH_AS(c.get("w"), doctest::Contains("cannot be looked up: File name too long"), CheckpointError);
+  }
+  SUBCASE("a FIFO is refused without blocking, a directory without mapping it") {
+    REQUIRE(::mkfifo((dir + "/fifo").c_str(), 0600) == 0);
+    fs::create_directories(dir + "/sub");
+    std::ofstream(dir + "/model.safetensors.index.json") << R"({"weight_map": {"a": "fifo", "b": "sub"}})";
+    auto c = Checkpoint::open(dir);
+    CHECK_THROWS_WITH_AS(c.get("a"), doctest::Contains("is not a regular file"), CheckpointError);
+    CHECK_THROWS_WITH_AS(c.get("b"), doctest::Contains("is not a regular file"), CheckpointError);
+  }
 }
 
 TEST_CASE("writing a checkpoint replaces the shards of an earlier save") {

@@ -102,3 +102,24 @@ TEST_CASE("max_new_tokens that cannot fit the engine's cache with a prompt is re
   c.set("rollout.cache_blocks=4");
   CHECK_THROWS_AS(c.validate(), std::invalid_argument);
 }
+
+TEST_CASE("to_toml writes text and numbers that read back exactly: quotes, backslashes, control characters, all digits") {
+  ExperimentConfig c;
+  c.set("run.name=say \"hi\" \\ bye");  // bare text with quotes and a backslash
+  c.set("run.output_dir=\"runs/tab\\there\"");  // TOML string with an escaped tab
+  c.set("algorithm.lr=1.2345678901234567e-4");
+  c.set("algorithm.clip_high=0.28");
+  auto back = ExperimentConfig::from_file(write(c.to_toml()));
+  CHECK(back.run.name == "say \"hi\" \\ bye");
+  CHECK(back.run.output_dir == "runs/tab\there");
+  CHECK(back.trainer.lr == 1.2345678901234567e-4);  // << kept 6 digits: 0.000123457
+  CHECK(back.trainer.loss.clip_high == 0.28);
+  CHECK(back.to_toml() == c.to_toml());
+  CHECK(c.to_toml().find("clip_high = 0.28\n") != std::string::npos);
+}
+
+TEST_CASE("--set with bare text that is not UTF-8 is refused by key") {
+  ExperimentConfig c;
+  CHECK_THROWS_WITH_AS(c.set("run.name=caf\xe9"), doctest::Contains("--set 'run.name': the value is not valid TOML, nor text in UTF-8"),
+                       std::invalid_argument);
+}

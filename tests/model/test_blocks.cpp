@@ -213,6 +213,13 @@ TEST_CASE("config.json: unknown fields and contradictory values are rejected by 
   }
 }
 
+TEST_CASE("a tied-embeddings config built in code is refused by the model, not silently untied") {
+  auto c = glm4_moe_lite::flavors::debug();
+  c.tie_word_embeddings = true;
+  CHECK_THROWS_WITH_AS(glm4_moe_lite::Glm4MoeLiteModel{c}, doctest::Contains("field 'tie_word_embeddings'"),
+                       std::invalid_argument);
+}
+
 TEST_CASE("chunked entropy equals the full-softmax entropy, values and gradients") {
   torch::manual_seed(3);
   auto hidden = torch::randn({9, 12}, torch::requires_grad());
