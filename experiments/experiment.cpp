@@ -24,7 +24,7 @@ struct Field {
 
 // A TOML basic string: quotes, backslashes and control characters escaped, so that to_toml()
 // reads back (a name with a '"' made the run directory's config.toml unreadable).
-std::string quoted(const std::string& text) {
+std::string toml_quoted(const std::string& text) {
   std::string out = "\"";
   for (char ch : text) {
     const auto c = static_cast<unsigned char>(ch);
@@ -77,7 +77,7 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
                 if (!n.is_string()) bad(w, key, "must be a string");
                 ref = n.as_string()->get();
               },
-              [&ref] { return quoted(ref); }};
+              [&ref] { return toml_quoted(ref); }};
   };
   text("run.name", c.run.name);
   text("run.output_dir", c.run.output_dir);
@@ -183,7 +183,7 @@ void ExperimentConfig::set(const std::string& assignment) {
     v = toml::parse("v = " + value);
   } catch (const toml::parse_error&) {
     try {  // bare text: read as a quoted string, which also refuses bytes that are not UTF-8
-      v = toml::parse("v = " + quoted(value));
+      v = toml::parse("v = " + toml_quoted(value));
     } catch (const toml::parse_error& e) {
       throw std::invalid_argument("--set '" + key + "': the value is not valid TOML, nor text in UTF-8 (" +
                                   std::string(e.description()) + ")");
