@@ -26,9 +26,10 @@ struct IntRange {
 };
 
 // Sane ranges of the integer fields, by HF name. Wide enough for every published model of this
-// family and of DeepSeek-V3's (the largest: vocab 262k, hidden 16k, 256 experts, 61 layers);
-// narrow enough that no product of them overflows int64 and a typo (2^31, 2^63-1) is named
-// here, not by the allocator or as a negative dimension in LibTorch.
+// family and of DeepSeek-V3's (the largest, DeepSeek-V3: vocab 129k, hidden 7168, 256 experts,
+// 128 heads, 61 layers) with room to spare; narrow enough that no product of them overflows
+// int64 and a typo (2^31, 2^63-1) is named here, not by the allocator or as a negative
+// dimension in LibTorch.
 const std::map<std::string, IntRange>& int_ranges() {
   static const std::map<std::string, IntRange> r = {
       {"vocab_size", {1, 1 << 22}},
