@@ -40,6 +40,11 @@ int run_model_resave(const std::string& package, const std::string& from, const 
     std::error_code ec;
     if (std::filesystem::exists(to) && std::filesystem::equivalent(from, to, ec))
       throw std::invalid_argument("--to '" + to + "' is the --from checkpoint itself; write to another directory");
+    for (const char* f : {"state.json", "optimizer.pt"})
+      if (std::filesystem::exists(std::filesystem::path(to) / f, ec))
+        throw std::invalid_argument("--to '" + to + "' holds a training checkpoint (" + f +
+                                    "): resaving would replace its weights and keep its optimizer state; write to "
+                                    "another directory");
     auto r = registry(plugin_dir);
     auto model = r.build(package, "", from);
     model->save_hf_checkpoint(to, uint64_t(shard_mib) << 20);

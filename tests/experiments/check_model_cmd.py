@@ -29,7 +29,11 @@ if a.returncode == 0 and b.returncode == 0:
     for name in ("logits", "routed_experts"):
         checks.append((tensor_bytes(f"{work}/a.safetensors", name) == tensor_bytes(f"{work}/b.safetensors", name),
                        f"{name} of the resaved checkpoint equal the original's bit for bit"))
+os.makedirs(f"{work}/training_ck", exist_ok=True)
+open(f"{work}/training_ck/state.json", "w").write("{}")
 for args, needle in [(("resave", "--from", f"{work}/nowhere", "--to", f"{work}/x"), "no config.json in"),
+                     (("resave", "--from", fixture, "--to", f"{work}/training_ck"), "holds a training checkpoint"),
+                     (("logits", "--from", fixture, "--docs", "1,999999", "--out", f"{work}/c"), "outside the vocabulary"),
                      (("resave", "--from", f"{work}/resaved", "--to", f"{work}/resaved"), "is the --from checkpoint"),
                      (("logits", "--from", fixture, "--docs", "1,x", "--out", f"{work}/c"), "is not a list"),
                      (("--plugins", f"{work}/none", "list"), "does not exist")]:
