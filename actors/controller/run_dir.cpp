@@ -31,10 +31,6 @@ RunLock::RunLock(const fs::path& dir, const std::string& resume_from, bool overw
                              (holder.empty() ? std::string("unknown") : holder) +
                              "): wait for it, stop it, or choose another run.output_dir");
   }
-  const auto pid = std::to_string(::getpid()) + "\n";
-  if (::ftruncate(fd_, 0) != 0 || ::write(fd_, pid.data(), pid.size()) != ssize_t(pid.size())) {
-    // the lock holds all the same; the pid only helps whoever is refused
-  }
   int64_t rows = 0;
   std::ifstream metrics(dir / "metrics.jsonl");
   for (std::string line; std::getline(metrics, line);) rows += !line.empty();
@@ -50,6 +46,11 @@ RunLock::RunLock(const fs::path& dir, const std::string& resume_from, bool overw
                              "): choose another run.output_dir, " +
                              (newest.empty() ? std::string("") : "resume it with --set run.resume_from=" + newest.string() + ", ") +
                              "or replace it with --set run.overwrite=true");
+  }
+  // Ours now: the pid for whoever is refused next (a refused run leaves the file as it was).
+  const auto pid = std::to_string(::getpid()) + "\n";
+  if (::ftruncate(fd_, 0) != 0 || ::write(fd_, pid.data(), pid.size()) != ssize_t(pid.size())) {
+    // the lock holds all the same; the pid only helps whoever is refused
   }
 }
 
