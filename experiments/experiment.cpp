@@ -132,6 +132,7 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   real("weight_sync.bucket_mib", c.weight_sync.bucket_mib);
   text("placement.mode", c.placement.mode);
   integer("placement.rollout_engines", c.placement.rollout_engines);
+  integer("placement.engine_restarts", c.placement.engine_restarts);
   text("placement.reference", c.placement.reference);
   text("placement.trainer", c.placement.trainer);
   boolean("logging.progress", c.logging.progress);

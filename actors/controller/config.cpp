@@ -58,6 +58,8 @@ void Config::validate() const {
        "must be 1 with placement.mode \"single_process\" (several engines run as kiln node processes)");
   need(placement.rollout_engines <= a.prompts_per_step, "placement.rollout_engines",
        "must be <= algorithm.prompts_per_step (each engine gets whole prompt groups)");
+  need(placement.engine_restarts >= 0 && placement.engine_restarts <= 20, "placement.engine_restarts",
+       "must be in [0, 20]");
   need(weight_sync.bucket_mib > 0, "weight_sync.bucket_mib", "must be > 0");
   need(task.name == "next_digit" || task.name == "arithmetic" || task.name == "countdown", "task.name",
        "must be \"next_digit\", \"arithmetic\" or \"countdown\"");

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <fstream>
 #include <thread>
 
@@ -74,6 +75,12 @@ Node::Node(const NodeSite& site, const std::string& suffix, const std::string& a
 }
 
 Node::~Node() { stop(); }
+
+bool Node::alive() {
+  int status = 0;
+  if (pid_ > 0 && ::waitpid(pid_, &status, WNOHANG) == pid_) pid_ = -1;  // exited (and reaped)
+  return pid_ > 0;
+}
 
 void Node::stop() {
   if (pid_ <= 0) return;
@@ -154,19 +161,57 @@ trainer::CheckpointState RemoteTrainer::load(const std::filesystem::path& dir) {
 }
 
 RemoteEngines::RemoteEngines(const NodeSite& site, const Config& c)
-    : gw_(site.gateway), group_size_(c.algorithm.samples_per_prompt) {
-  for (int64_t i = 0; i < c.placement.rollout_engines; ++i) {
-    const auto index = std::to_string(i);
-    nodes_.push_back(std::make_unique<Node>(site, i == 0 ? "rollout" : "rollout-" + index, "rollout/" + index,
-                                            i == 0 ? "rollout_node.pid" : "rollout_node_" + index + ".pid"));
-    auto r = gw_.request(make_envelope(RolloutInit{c.model, c.rollout.engine}, Kind::request, "controller",
-                                       nodes_.back()->actor()),
-                         std::chrono::seconds(300))
+    : site_(site),
+      init_{c.model, c.rollout.engine},
+      group_size_(c.algorithm.samples_per_prompt),
+      max_restarts_(c.placement.engine_restarts),
+      nodes_(std::size_t(c.placement.rollout_engines)),
+      restarts_in_a_row_(nodes_.size(), 0) {
+  for (std::size_t i = 0; i < nodes_.size(); ++i) start_node(i);
+}
+
+void RemoteEngines::start_node(std::size_t i) {
+  const auto index = std::to_string(i);
+  nodes_[i].reset();  // a lost node's process is stopped (or reaped) first
+  nodes_[i] = std::make_unique<Node>(site_, i == 0 ? "rollout" : "rollout-" + index, "rollout/" + index,
+                                     i == 0 ? "rollout_node.pid" : "rollout_node_" + index + ".pid");
+  // A restarted node joins at its predecessor's endpoint, which the directory still lists:
+  // until its connection is up, requests fail at once (peer_lost); ask again for up to 300 s.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(300);
+  for (;;) {
+    auto r = site_.gateway.request(make_envelope(init_, Kind::request, "controller", nodes_[i]->actor()),
+                                   std::chrono::seconds(300))
                  .get();
-    if (!r)
-      throw std::runtime_error("the rollout node " + nodes_.back()->actor() + " could not build its engine: " +
+    if (r) return;
+    const bool retry = r.error().code == ErrorCode::peer_lost || r.error().code == ErrorCode::unknown_actor;
+    if (!retry || !nodes_[i]->alive() || std::chrono::steady_clock::now() > deadline)
+      throw std::runtime_error("the rollout node " + nodes_[i]->actor() + " could not build its engine: " +
                                r.error().what());
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
+}
+
+void RemoteEngines::restart(std::size_t i, const std::string& what) {
+  const std::string actor = "rollout/" + std::to_string(i);
+  std::string last = what;
+  while (restarts_in_a_row_[i] < max_restarts_) {
+    const int64_t attempt = ++restarts_in_a_row_[i];
+    const double backoff_s = 0.5 * double(int64_t(1) << (attempt - 1));
+    std::fprintf(stderr, "kiln run: rollout node %s lost (%s); restarting it in %.1f s (%lld of %lld in a row)\n",
+                 actor.c_str(), last.c_str(), backoff_s, (long long)attempt, (long long)max_restarts_);
+    std::this_thread::sleep_for(std::chrono::duration<double>(backoff_s));
+    try {
+      start_node(i);
+      if (loaded_) trainer_->send(*loaded_, {actor});  // the engines' current version
+      return;
+    } catch (const PolicyLost&) {
+      throw;
+    } catch (const std::exception& e) {
+      last = e.what();
+    }
+  }
+  throw std::runtime_error("rollout node " + actor + " lost, restarts used up (placement.engine_restarts = " +
+                           std::to_string(max_restarts_) + " in a row): " + last);
 }
 
 std::vector<rollout::Completion> RemoteEngines::generate(std::vector<rollout::GenerationRequest> requests,
@@ -174,31 +219,38 @@ std::vector<rollout::Completion> RemoteEngines::generate(std::vector<rollout::Ge
   // Whole prompt groups to each engine, contiguous shares; all engines work at once.
   const int64_t groups = int64_t(requests.size()) / group_size_, N = int64_t(nodes_.size());
   std::map<uint64_t, std::vector<int64_t>> prompts;  // by request id
-  std::vector<std::future<Expected<Envelope>>> replies;
-  std::vector<std::size_t> counts;
-  for (int64_t i = 0; i < N; ++i) {
-    RolloutGenerate g;
+  std::vector<RolloutGenerate> shares(nodes_.size());
+  for (int64_t i = 0; i < N; ++i)
     for (int64_t k = groups * i / N * group_size_; k < groups * (i + 1) / N * group_size_; ++k) {
       const auto& q = requests[std::size_t(k)];
       const auto& sp = q.sampling;
       prompts[q.id] = q.prompt;
-      g.requests.push_back({q.id, q.prompt, sp.temperature, sp.top_p, sp.top_k, sp.max_new_tokens, sp.seed,
-                            sp.stop_token_ids});
+      shares[std::size_t(i)].requests.push_back(
+          {q.id, q.prompt, sp.temperature, sp.top_p, sp.top_k, sp.max_new_tokens, sp.seed, sp.stop_token_ids});
     }
-    counts.push_back(g.requests.size());
-    replies.push_back(gw_.request(make_envelope(g, Kind::request, "controller", nodes_[std::size_t(i)]->actor()),
-                                  std::chrono::seconds(900)));
-  }
+  std::vector<std::future<Expected<Envelope>>> replies(nodes_.size());
+  auto send = [&](std::size_t i) {
+    replies[i] = site_.gateway.request(make_envelope(shares[i], Kind::request, "controller", nodes_[i]->actor()),
+                                       std::chrono::seconds(900));
+  };
+  for (std::size_t i = 0; i < nodes_.size(); ++i) send(i);
   std::vector<rollout::Completion> out;
-  for (int64_t i = 0; i < N; ++i) {  // throws on a lost node, naming it
-    const std::string who = "rollout node " + nodes_[std::size_t(i)]->actor();
-    auto r = replies[std::size_t(i)].get();
+  for (std::size_t i = 0; i < nodes_.size();) {  // throws on an engine lost for good, naming it
+    const std::string who = "rollout node " + nodes_[i]->actor();
+    auto r = replies[i].get();
+    if (!r && (r.error().code == ErrorCode::peer_lost || r.error().code == ErrorCode::timeout) && max_restarts_ > 0) {
+      restart(i, r.error().what());  // its share again, from the start: none of it was returned
+      send(i);
+      continue;
+    }
     if (!r) throw std::runtime_error(who + ": " + r.error().what());
     auto res = payload_as<RolloutResult>(*r);
     if (!res) throw std::runtime_error(who + ": " + res.error().what());
-    if (res->completions.size() != r->tensors.size() || res->completions.size() != counts[std::size_t(i)])
+    const std::size_t asked = shares[i].requests.size();
+    if (res->completions.size() != r->tensors.size() || res->completions.size() != asked)
       throw std::runtime_error(who + " answered " + std::to_string(res->completions.size()) + " completions for " +
-                               std::to_string(counts[std::size_t(i)]) + " requests");
+                               std::to_string(asked) + " requests");
+    restarts_in_a_row_[i] = 0;
     for (std::size_t k = 0; k < res->completions.size(); ++k) {
       auto& sp = res->completions[k];
       auto it = prompts.find(sp.id);
@@ -215,21 +267,42 @@ std::vector<rollout::Completion> RemoteEngines::generate(std::vector<rollout::Ge
       c.routed_experts = to_torch(r->tensors[k]).clone();
       out.push_back(std::move(c));
     }
+    ++i;
   }
   std::sort(out.begin(), out.end(), [](const auto& x, const auto& y) { return x.id < y.id; });
   return out;
 }
 
 void RemoteEngines::load(const PolicyWeights& w, TrainerHandle& trainer) {
+  loaded_ = w;  // shares the tensors' bytes (no copy)
+  trainer_ = &trainer;
   std::vector<std::string> targets;
   for (const auto& n : nodes_) targets.push_back(n->actor());
+  auto named = [](const std::string& what) {  // names the engine; say that it is a rollout node
+    return std::runtime_error(what.rfind("rollout node", 0) == 0 ? what : "rollout node " + what);
+  };
   try {
     trainer.send(w, targets);
+    return;
   } catch (const PolicyLost&) {
     throw;
   } catch (const std::exception& e) {
-    const std::string what = e.what();  // names the engine; say that it is a rollout node
-    throw std::runtime_error(what.rfind("rollout node", 0) == 0 ? what : "rollout node " + what);
+    if (max_restarts_ == 0) throw named(e.what());
+    // Engines whose process is gone are restarted (each gets `w` then); the others get `w`
+    // again (the send may have stopped at the lost one; a version sent twice is applied twice).
+    std::vector<std::string> living;
+    bool restarted = false;
+    for (std::size_t i = 0; i < nodes_.size(); ++i)
+      if (nodes_[i]->alive()) living.push_back(nodes_[i]->actor());
+      else restart(i, e.what()), restarted = true;
+    if (!restarted) throw named(e.what());
+    try {
+      if (!living.empty()) trainer.send(w, living);
+    } catch (const PolicyLost&) {
+      throw;
+    } catch (const std::exception& again) {
+      throw named(again.what());
+    }
   }
 }
 

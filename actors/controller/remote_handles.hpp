@@ -10,9 +10,11 @@
 #include <future>
 #include <map>
 #include <memory>
+#include <optional>
 
 #include "actors/controller/config.hpp"
 #include "actors/controller/handles.hpp"
+#include "actors/rollout/messages.hpp"
 #include "messaging/gateway.hpp"
 
 namespace kiln::controller {
@@ -37,6 +39,8 @@ class Node {
   Node(const Node&) = delete;
   Node& operator=(const Node&) = delete;
   const std::string& actor() const { return actor_; }
+  /// The process has not exited (it may still be unresponsive).
+  bool alive();
 
  private:
   void stop();
@@ -68,6 +72,14 @@ class RemoteTrainer : public TrainerHandle {
 
 /// placement.rollout_engines engines, each in a node (rollout/0..N-1); each request's prompt
 /// groups are split into contiguous shares, all engines generate at once.
+///
+/// Supervised: an engine node that is lost (its process died, or it stopped answering: a
+/// `peer_lost` or `timeout`) is restarted, up to placement.engine_restarts times in a row
+/// with backoff 0.5 s, 1 s, 2 s, ... (a share generated in full resets the count). The new
+/// node is built with rollout.init, gets the weights last loaded into the engines from the
+/// trainer, and generates the lost node's share again: the same requests with the same seeds,
+/// so with staleness 0 its completions equal the ones that were lost. Nothing of the lost
+/// share was returned, so no sample is lost or delivered twice.
 class RemoteEngines : public RolloutEngines {
  public:
   RemoteEngines(const NodeSite& site, const Config& config);
@@ -76,9 +88,20 @@ class RemoteEngines : public RolloutEngines {
   void load(const PolicyWeights& w, TrainerHandle& trainer) override;
 
  private:
-  messaging::Gateway& gw_;
+  /// Starts node i and sends it rollout.init (waits for it up to 60 s).
+  void start_node(std::size_t i);
+  /// Replaces lost node i (after `what` went wrong): backoff, a new node, the current weights.
+  /// Throws std::runtime_error naming the engine when the restarts in a row are used up, or
+  /// PolicyLost when the trainer is lost meanwhile.
+  void restart(std::size_t i, const std::string& what);
+  NodeSite site_;
+  messaging::RolloutInit init_;
   int64_t group_size_;
+  int64_t max_restarts_;
   std::vector<std::unique_ptr<Node>> nodes_;
+  std::vector<int64_t> restarts_in_a_row_;
+  std::optional<PolicyWeights> loaded_;  ///< the version last loaded into the engines
+  TrainerHandle* trainer_ = nullptr;     ///< who sent it
 };
 
 /// The reference in a node (ref/0), loaded with the trainer's initial weights.

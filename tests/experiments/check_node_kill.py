@@ -2,8 +2,10 @@
 """Multi-process placement: the same metrics as one process (k = 0, fixed seed, 5 steps), with
 one rollout engine process and with two (prompt groups split between them), with the
 reference policy in its own process too (KL in the loss), and with the trainer in its own
-process as well (the controller holds no model; also with a bf16 policy); killing the rollout node, or the reference
-node, mid-run gives a clear error and a checkpoint, and resuming from it finishes the run
+process as well (the controller holds no model; also with a bf16 policy); killing the rollout
+node mid-run restarts it (the run finishes with the metrics of a run without the kill); with
+its restarts used up (placement.engine_restarts = 1, killed twice; or 0), or killing the
+reference node, gives a clear error and a checkpoint, and resuming from it finishes the run
 with every step trained exactly once; killing the trainer node gives a clear error, and
 resuming from the newest periodic checkpoint runs the lost steps again, each logged once.
 Usage: check_node_kill.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
@@ -49,39 +51,84 @@ if all(ok for ok, _ in checks):
 # 2. kill the rollout node, the reference node, or the trainer node, mid-run (with the trainer in
 # its own process too for the rollout node: its checkpoint is written by the trainer node)
 in_process = ["--set", "placement.reference=process", "--set", "placement.trainer=process"]
-for victim, extra in (("rollout_node", in_process), ("ref_node", ["--set", "placement.reference=process"]),
-                      ("trainer_node", in_process + ["--set", "run.checkpoint_every=2"])):
-    out = f"{work}/killed_{victim}"
-    run = [kiln, "run", *quiet, "--set", "run.steps=12", "--set", "placement.mode=multi_process", *extra,
-           "--set", "rollout.step_delay_ms=150", "--set", "algorithm.prompts_per_step=4", "--set", f"run.output_dir={out}"]
-    p = subprocess.Popen(run, stderr=subprocess.PIPE, text=True)
+common = ["--set", "run.steps=12", "--set", "placement.mode=multi_process", "--set", "algorithm.prompts_per_step=4"]
+base = f"{work}/uninterrupted"
+p = subprocess.run([kiln, "run", *quiet, *common, *in_process, "--set", f"run.output_dir={base}"],
+                   capture_output=True, text=True, timeout=600)
+checks.append((p.returncode == 0, f"uninterrupted 12-step run exits 0 ({p.stderr[-300:]})"))
+
+def wait_rows(out, n):
     deadline = time.time() + 120
     while time.time() < deadline:
-        if os.path.exists(f"{out}/metrics.jsonl") and len(open(f"{out}/metrics.jsonl").read().splitlines()) >= 3:
-            break
+        if os.path.exists(f"{out}/metrics.jsonl") and len(open(f"{out}/metrics.jsonl").read().splitlines()) >= n:
+            return
         time.sleep(0.05)
-    os.kill(int(open(f"{out}/{victim}.pid").read()), signal.SIGKILL)
-    _, err = p.communicate(timeout=120)
+
+def pid_of(out, victim):
+    return int(open(f"{out}/{victim}.pid").read())
+
+# 2a. a rollout node killed mid-run (twice) is restarted, and its share generated again: the
+# run ends as if nothing happened
+out = f"{work}/restarted_rollout_node"
+p = subprocess.Popen([kiln, "run", *quiet, *common, *in_process, "--set", "rollout.step_delay_ms=150",
+                      "--set", f"run.output_dir={out}"], stderr=subprocess.PIPE, text=True)
+for rows in (3, 6):
+    wait_rows(out, rows)
+    os.kill(pid_of(out, "rollout_node"), signal.SIGKILL)
+_, err = p.communicate(timeout=300)
+checks.append((p.returncode == 0, f"restarted rollout node: the run exits 0 (got {p.returncode}: {err.strip()[-300:]})"))
+checks.append((err.count("rollout node rollout/0 lost") == 2 and "restarting it" in err,
+               "restarted rollout node: each loss is reported, naming the engine, with the restart"))
+if p.returncode == 0 and os.path.exists(f"{base}/metrics.jsonl"):
+    a, b = metrics(base), metrics(out)
+    checks.append(([m["step"] for m in b] == list(range(1, 13)), "restarted rollout node: 12 steps, each once"))
+    for x, y in zip(a, b):
+        for k in ("reward_mean", "loss", "grad_norm", "trained_samples", "entropy", "train/rollout logprob abs diff"):
+            checks.append((x[k] == y[k], f"restarted rollout node: step {x['step']} {k}: {y[k]} == uninterrupted {x[k]}"))
+
+# 2b. kill the rollout node with no restarts left (placement.engine_restarts = 1: killed again
+# as soon as it is replaced; or 0), the reference node, or the trainer node, mid-run (with the
+# trainer in its own process too for the rollout node: its checkpoint is written by the trainer node)
+for case, victim, extra in (("rollout_node_restarts_0", "rollout_node", in_process + ["--set", "placement.engine_restarts=0"]),
+                            ("rollout_node_restarts_1", "rollout_node", in_process + ["--set", "placement.engine_restarts=1"]),
+                            ("ref_node", "ref_node", ["--set", "placement.reference=process"]),
+                            ("trainer_node", "trainer_node", in_process + ["--set", "run.checkpoint_every=2"])):
+    out = f"{work}/killed_{case}"
+    run = [kiln, "run", *quiet, *common, *extra, "--set", "rollout.step_delay_ms=150", "--set", f"run.output_dir={out}"]
+    p = subprocess.Popen(run, stderr=subprocess.PIPE, text=True)
+    wait_rows(out, 3)
+    first = pid_of(out, victim)
+    os.kill(first, signal.SIGKILL)
+    if case == "rollout_node_restarts_1":  # its replacement, before it generates anything
+        deadline = time.time() + 60
+        while time.time() < deadline and pid_of(out, victim) == first:
+            time.sleep(0.01)
+        os.kill(pid_of(out, victim), signal.SIGKILL)
+        _, err = p.communicate(timeout=120)
+        checks.append(("restarts used up (placement.engine_restarts = 1 in a row)" in err,
+                       f"{case}: the error says the restarts are used up: {err.strip()[-300:]}"))
+    else:
+        _, err = p.communicate(timeout=120)
     who = {"rollout_node": "rollout node", "ref_node": "reference node", "trainer_node": "trainer node"}[victim]
-    checks.append((p.returncode == 1, f"{victim}: killed run exits 1 (got {p.returncode})"))
-    checks.append((who in err and "disconnected" in err, f"{victim}: the error names the lost {who}: {err.strip()[-300:]}"))
-    checks.append(("resume_from=" in err, f"{victim}: the error says how to continue"))
+    checks.append((p.returncode == 1, f"{case}: killed run exits 1 (got {p.returncode})"))
+    checks.append((who in err and "disconnected" in err, f"{case}: the error names the lost {who}: {err.strip()[-300:]}"))
+    checks.append(("resume_from=" in err, f"{case}: the error says how to continue"))
     ck = err.split("resume_from=")[-1].strip().split()[0] if "resume_from=" in err else ""
     if victim == "trainer_node":  # its policy is gone: the hint names the newest periodic checkpoint
         cks = sorted(d for d in os.listdir(f"{out}/checkpoints") if "." not in d) if os.path.isdir(f"{out}/checkpoints") else []
         logged = [m["step"] for m in metrics(out)]
-        checks.append((bool(cks) and ck == f"{out}/checkpoints/{cks[-1]}", f"{victim}: the hint names the newest checkpoint ({ck})"))
+        checks.append((bool(cks) and ck == f"{out}/checkpoints/{cks[-1]}", f"{case}: the hint names the newest checkpoint ({ck})"))
         # Usually the kill lands a step or more after the newest checkpoint (those rows are
         # dropped on resume); a kill right after a checkpoint loses nothing: both must hold up.
         checks.append((bool(cks) and int(cks[-1].split("_")[1]) <= logged[-1],
-                       f"{victim}: the newest checkpoint {cks[-1:]} is at or before the last logged step (logged {logged})"))
-    checks.append((os.path.exists(f"{ck}/state.json"), f"{victim}: checkpoint {ck} written"))
+                       f"{case}: the newest checkpoint {cks[-1:]} is at or before the last logged step (logged {logged})"))
+    checks.append((os.path.exists(f"{ck}/state.json"), f"{case}: checkpoint {ck} written"))
     if ck:
         r = subprocess.run(run[:-2] + ["--set", f"run.output_dir={out}", "--set", f"run.resume_from={ck}",
                                        "--set", "rollout.step_delay_ms=0"], capture_output=True, text=True, timeout=600)
-        checks.append((r.returncode == 0, f"{victim}: resumed run exits 0 ({r.stderr[-300:]})"))
+        checks.append((r.returncode == 0, f"{case}: resumed run exits 0 ({r.stderr[-300:]})"))
         steps = [m["step"] for m in metrics(out)]
-        checks.append((steps == list(range(1, 13)), f"{victim}: every step trained exactly once across kill and resume: {steps}"))
+        checks.append((steps == list(range(1, 13)), f"{case}: every step trained exactly once across kill and resume: {steps}"))
 for ok, what in checks:
     print(("ok   " if ok else "FAIL ") + what)
 failed = sum(not ok for ok, _ in checks)
