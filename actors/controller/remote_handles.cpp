@@ -167,7 +167,12 @@ RemoteEngines::RemoteEngines(const NodeSite& site, const Config& c)
       max_restarts_(c.placement.engine_restarts),
       nodes_(std::size_t(c.placement.rollout_engines)),
       restarts_in_a_row_(nodes_.size(), 0) {
-  for (std::size_t i = 0; i < nodes_.size(); ++i) start_node(i);
+  for (std::size_t i = 0; i < nodes_.size(); ++i) try {
+      start_node(i);
+    } catch (const std::exception& e) {  // a node that answered with an error is not lost: no restart
+      if (max_restarts_ == 0 || (nodes_[i] && nodes_[i]->alive())) throw;
+      restart(i, e.what());
+    }
 }
 
 void RemoteEngines::start_node(std::size_t i) {

@@ -79,7 +79,8 @@ fs::path newest_checkpoint(const fs::path& run) {
 std::string continue_hint(const fs::path& run) {
   const auto newest = newest_checkpoint(run);
   if (newest.empty())
-    return "kiln run: no checkpoint was written (run.checkpoint_every = 0): start again, with checkpoints\n";
+    return "kiln run: no checkpoint was written (none due yet, or run.checkpoint_every = 0): start again with "
+           "--set run.overwrite=true\n";
   return "kiln run: the steps after it are lost; continue with --set run.resume_from=" + newest.string() + "\n";
 }
 
