@@ -60,10 +60,11 @@ void Group::check_tensor(const torch::Tensor& t, const char* op, const char* arg
 }
 
 void Group::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* op) const {
-  const std::string what = std::string(op) + " on " + where() + " failed: ";
+  const std::string what =
+      std::string(op) + " on " + where() + " (timeout " + std::to_string(timeout_.count()) + " ms) failed: ";
   try {
     if (!work->wait(timeout_))
-      throw CollectiveError(what + "not complete after " + std::to_string(timeout_.count()) + " ms");
+      throw CollectiveError(what + "not complete within the timeout");
   } catch (const c10::Error& e) {
     // what_without_backtrace: c10d's message without the C++ stack of the throw site.
     throw CollectiveError(what + e.what_without_backtrace());

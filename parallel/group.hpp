@@ -9,7 +9,7 @@
 // Tensors must be contiguous and on the group's device.
 // Errors: bad arguments (shape, dtype, device, counts, root) -> std::invalid_argument naming
 // the group and the values. A failed or timed-out collective (a lost peer, a closed
-// connection) -> CollectiveError naming the operation, the group, this rank and c10d's message
+// connection) -> CollectiveError naming the operation, the group, this rank, the timeout and c10d's message
 // (which names the peer's address where Gloo reports it).
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/torch.h>

@@ -4,9 +4,11 @@
     run_workers.py WORKER collectives --world W [--mesh dp=2,ep=2]
         W ranks on 127.0.0.1 (RANK, WORLD_SIZE, MASTER_ADDR, a free MASTER_PORT); every rank
         must exit 0 having passed all of its checks.
-    run_workers.py WORKER kill --world W --victim R
-        W ranks all-reducing in a loop; once all loop, rank R gets SIGKILL. Every other rank
-        must exit (code 3, not killed, not 0) within 30 s, its error naming the world group.
+    run_workers.py WORKER kill --world W --victim R [--signal KILL|STOP]
+        W ranks all-reducing in a loop (collective timeout 10 s); once all loop, rank R gets
+        SIGKILL (its connections close) or SIGSTOP (it hangs with its connections open, so only
+        the timeout can notice). Every other rank must exit (code 3, not killed, not 0) within
+        30 s, its error naming the operation and the world group.
     run_workers.py WORKER torchrun --torchrun PATH [--mesh dp=2,ep=2]
         two torchrun agents (--nnodes 2 --node-rank 0|1 --nproc-per-node 2, c10d rendezvous on
         loopback) run the collectives scenario; prints KILN_TEST_SKIPPED when PATH is absent.
@@ -79,12 +81,11 @@ def run_kill(a, out_dir):
             fail("the ranks did not all reach the loop", [(f"rank {r}", read(l)) for r, (_, l) in enumerate(procs)])
         time.sleep(0.05)
     time.sleep(0.5)  # well inside the loop: every rank is in a collective or about to enter one
-    procs[a.victim][0].send_signal(signal.SIGKILL)
+    procs[a.victim][0].send_signal(getattr(signal, "SIG" + a.signal))
     killed_at = time.monotonic()
     results = {}
     for r, (p, log) in enumerate(procs):
         if r == a.victim:
-            p.wait()
             continue
         try:
             p.wait(timeout=max(0.0, killed_at + DEADLINE_S - time.monotonic()))
@@ -94,6 +95,8 @@ def run_kill(a, out_dir):
             fail(f"rank {r} still runs {DEADLINE_S:.0f} s after rank {a.victim} was killed",
                  [(f"rank {i}", read(l)) for i, (_, l) in enumerate(procs)])
         results[r] = (p.returncode, time.monotonic() - killed_at, read(log))
+    procs[a.victim][0].kill()  # a stopped victim too
+    procs[a.victim][0].wait()
     logs = [(f"rank {r}", text) for r, (_, _, text) in results.items()]
     for r, (code, seconds, text) in results.items():
         error = [l for l in text.splitlines() if ": error: " in l]
@@ -102,7 +105,7 @@ def run_kill(a, out_dir):
         if "group 'world'" not in error[0] or "all_reduce" not in error[0]:
             fail(f"rank {r}'s error does not name the operation and the group: {error[0]}", logs)
         print(f"rank {r}: exit {code} after {seconds:.1f} s: {error[0][:400]}")
-    print(f"ok: every rank but {a.victim} failed within {max(s for _, s, _ in results.values()):.1f} s")
+    print(f"ok: SIG{a.signal} to rank {a.victim}: every other rank failed within {max(s for _, s, _ in results.values()):.1f} s")
 
 
 def run_torchrun(a, out_dir):
@@ -145,6 +148,7 @@ def main():
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--mesh", default="")
     p.add_argument("--victim", type=int, default=1)
+    p.add_argument("--signal", choices=["KILL", "STOP"], default="KILL")
     p.add_argument("--torchrun", default="")
     a = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="kiln_parallel_") as out_dir:
