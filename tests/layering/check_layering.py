@@ -3,9 +3,10 @@
 folders at or below its own layer, so nothing runs upward.
 
     messaging    (wire format, transport, hosting)       includes: messaging
+    parallel     (launch env, c10d process groups)       includes: parallel
     kernels      (CUDA ops + references)                 includes: kernels
-    model        (blocks, packages, checkpoints)         includes: model, kernels, messaging
-    actors       (controller, rollout, trainer, ...)     includes: actors, model, kernels, messaging
+    model        (blocks, packages, checkpoints)         includes: model, kernels, messaging, parallel
+    actors       (controller, rollout, trainer, ...)     includes: actors, model, kernels, messaging, parallel
     experiments  (command line, experiment files, benchmark drivers): anything
 
 Usage: check_layering.py [ROOT]  (default: the repository holding this file). Exit 1 naming each
@@ -15,9 +16,10 @@ import os, re, sys
 
 ALLOWED = {
     "messaging": {"messaging"},
+    "parallel": {"parallel"},
     "kernels": {"kernels"},
-    "model": {"model", "kernels", "messaging"},
-    "actors": {"actors", "model", "kernels", "messaging"},
+    "model": {"model", "kernels", "messaging", "parallel"},
+    "actors": {"actors", "model", "kernels", "messaging", "parallel"},
 }
 # CMake targets defined by a folder above each layer (linking one would run upward).
 UPWARD_TARGETS = {"experiments": re.compile(r"\bkiln_launcher(_model)?\b|\bkiln\b(?!_)")}

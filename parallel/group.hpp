@@ -1,0 +1,88 @@
+#pragma once
+// One process group (c10d backend: ProcessGroupNCCL on CUDA, ProcessGroupGloo on CPU) and the
+// collectives the trainer calls on it. Every call blocks until the collective completed on
+// this rank (CPU) or was enqueued on the current stream (NCCL), within the group's timeout.
+//
+// Shapes: dim 0 is the one collectives split or concatenate; `...` are trailing dims that must
+// agree between input and output. W = the group's size.
+// Dtypes: any c10d supports (tested: float32, int64); input and output dtypes must be equal.
+// Tensors must be contiguous and on the group's device.
+// Errors: bad arguments (shape, dtype, device, counts, root) -> std::invalid_argument naming
+// the group and the values. A failed or timed-out collective (a lost peer, a closed
+// connection) -> CollectiveError naming the operation, the group, this rank, the timeout and c10d's message
+// (which names the peer's address where Gloo reports it).
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace kiln::parallel {
+
+/// A collective failed or timed out: the group can no longer be used.
+class CollectiveError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// The reductions every backend supports.
+enum class ReduceOp { sum, max, min };
+
+/// A process group over `world_ranks` (this rank is world_ranks[rank()]).
+class Group {
+ public:
+  /// `timeout` bounds every collective's wait (milliseconds).
+  Group(std::string name, std::vector<int> world_ranks, int rank, torch::Device device,
+        c10::intrusive_ptr<c10d::Backend> backend, std::chrono::milliseconds timeout);
+
+  /// "world", or a mesh dimension and its world ranks: "ep[2,3]".
+  const std::string& name() const { return name_; }
+  /// This process's rank in the group, 0 <= rank() < size().
+  int rank() const { return rank_; }
+  int size() const { return static_cast<int>(world_ranks_.size()); }
+  /// The world rank of every group rank.
+  const std::vector<int>& world_ranks() const { return world_ranks_; }
+  torch::Device device() const { return device_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+
+  /// In place: `tensor` [...] becomes the elementwise `op` over every rank's `tensor`.
+  void all_reduce(torch::Tensor& tensor, ReduceOp op = ReduceOp::sum);
+
+  /// `input` [W*N, ...] is reduced (sum) over ranks; rank r receives rows [r*N, (r+1)*N) in
+  /// `output` [N, ...].
+  void reduce_scatter(torch::Tensor& output, const torch::Tensor& input);
+
+  /// `output` [W*N, ...] receives every rank's `input` [N, ...], rank r at rows [r*N, (r+1)*N).
+  void all_gather_into_tensor(torch::Tensor& output, const torch::Tensor& input);
+
+  /// Variable-count all-to-all along dim 0: this rank sends rows [off_p, off_p+input_rows[p])
+  /// of `input` [sum(input_rows), ...] to rank p and receives `output_rows[p]` rows from rank
+  /// p into `output` [sum(output_rows), ...], in rank order. Counts may be zero (a rank may
+  /// send or receive nothing); output_rows[p] must equal what p sends here (not checkable
+  /// locally: a mismatch is c10d's error or a hang until the timeout).
+  void all_to_all(torch::Tensor& output, const torch::Tensor& input, const std::vector<int64_t>& output_rows,
+                  const std::vector<int64_t>& input_rows);
+
+  /// In place: every rank's `tensor` [...] becomes group rank `root`'s.
+  void broadcast(torch::Tensor& tensor, int root);
+
+  /// Returns once every rank of the group reached it.
+  void barrier();
+
+ private:
+  void check_tensor(const torch::Tensor& t, const char* op, const char* arg) const;
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* op) const;
+  std::string where() const;
+
+  std::string name_;
+  std::vector<int> world_ranks_;
+  int rank_;
+  torch::Device device_;
+  c10::intrusive_ptr<c10d::Backend> backend_;
+  std::chrono::milliseconds timeout_;
+};
+
+}  // namespace kiln::parallel

@@ -1,0 +1,249 @@
+#include "parallel/launch.hpp"
+
+#include <charconv>
+#include <cstdlib>
+#include <stdexcept>
+
+namespace kiln::parallel {
+
+namespace {
+
+constexpr std::size_t kMaxHosts = 1'000'000;
+
+[[noreturn]] void refuse(const std::string& why) { throw std::invalid_argument("launch: " + why); }
+
+std::string quoted(std::string_view s) { return "'" + std::string(s) + "'"; }
+
+// A decimal integer in [lo, hi], the whole string (no sign, no spaces).
+long long parse_integer(std::string_view text, long long lo, long long hi, const std::string& what) {
+  long long v = 0;
+  const char* end = text.data() + text.size();
+  auto [ptr, ec] = std::from_chars(text.data(), end, v);
+  if (text.empty() || text.front() == '+' || ec == std::errc::invalid_argument || ptr != end)
+    refuse(what + " is not an integer");
+  if (ec == std::errc::result_out_of_range || v < lo || v > hi)
+    refuse(what + " is outside " + std::to_string(lo) + ".." + std::to_string(hi));
+  return v;
+}
+
+struct Env {
+  const EnvLookup& lookup;
+  const char* launcher;
+
+  std::optional<std::string> get(std::string_view name) const { return lookup(name); }
+  std::string describe(std::string_view name, std::string_view value) const {
+    return std::string(name) + "=" + quoted(value) + " (" + launcher + " environment)";
+  }
+  std::string require(std::string_view name) const {
+    auto v = get(name);
+    if (!v) refuse(std::string(name) + " is not set (" + launcher + " environment)");
+    return *v;
+  }
+  int integer(std::string_view name, std::string_view value, int lo, int hi = 1 << 30) const {
+    return static_cast<int>(parse_integer(value, lo, hi, describe(name, value)));
+  }
+  int required_integer(std::string_view name, int lo, int hi = 1 << 30) const {
+    return integer(name, require(name), lo, hi);
+  }
+};
+
+bool parse_bool(const Env& env, std::string_view name, const std::optional<std::string>& value) {
+  if (!value) return false;
+  if (*value == "True" || *value == "true" || *value == "1") return true;
+  if (*value == "False" || *value == "false" || *value == "0") return false;
+  refuse(env.describe(name, *value) + " is not True/False");
+}
+
+// The rank invariants every launcher must meet; names the variables it read them from.
+void check_ranks(const LaunchInfo& info, const char* rank, const char* world, const char* local_rank,
+                 const char* local_world) {
+  const auto n = [](const char* name, int v) { return std::string(name) + "=" + std::to_string(v); };
+  const std::string src = std::string(" (") + launcher_name(info.launcher) + " environment)";
+  if (info.rank >= info.world_size) refuse(n(rank, info.rank) + " is not below " + n(world, info.world_size) + src);
+  if (info.local_rank >= info.local_world_size)
+    refuse(n(local_rank, info.local_rank) + " is not below " + n(local_world, info.local_world_size) + src);
+  if (info.local_world_size > info.world_size)
+    refuse(n(local_world, info.local_world_size) + " is larger than " + n(world, info.world_size) + src);
+  if (info.local_rank > info.rank)
+    refuse(n(local_rank, info.local_rank) + " is larger than " + n(rank, info.rank) + src);
+}
+
+void read_master(const Env& env, LaunchInfo& info) {
+  info.master_addr = env.require("MASTER_ADDR");
+  if (info.master_addr.empty()) refuse(env.describe("MASTER_ADDR", "") + " is empty");
+  info.master_port = env.required_integer("MASTER_PORT", 1, 65535);
+}
+
+LaunchInfo read_torchrun(const Env& env) {
+  LaunchInfo info;
+  info.launcher = Launcher::torchrun;
+  info.rank = env.required_integer("RANK", 0);
+  info.world_size = env.required_integer("WORLD_SIZE", 1);
+  auto local_rank = env.get("LOCAL_RANK"), local_world = env.get("LOCAL_WORLD_SIZE");
+  if (local_rank.has_value() != local_world.has_value())
+    refuse(std::string(local_rank ? "LOCAL_RANK" : "LOCAL_WORLD_SIZE") + " is set but " +
+           (local_rank ? "LOCAL_WORLD_SIZE" : "LOCAL_RANK") + " is not (torchrun environment)");
+  info.local_rank = local_rank ? env.integer("LOCAL_RANK", *local_rank, 0) : info.rank;
+  info.local_world_size = local_world ? env.integer("LOCAL_WORLD_SIZE", *local_world, 1) : info.world_size;
+  read_master(env, info);
+  info.use_agent_store = parse_bool(env, "TORCHELASTIC_USE_AGENT_STORE", env.get("TORCHELASTIC_USE_AGENT_STORE"));
+  check_ranks(info, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE");
+  return info;
+}
+
+LaunchInfo read_slurm(const Env& env) {
+  LaunchInfo info;
+  info.launcher = Launcher::slurm;
+  info.rank = env.required_integer("SLURM_PROCID", 0);
+  info.world_size = env.required_integer("SLURM_NTASKS", 1);
+  info.local_rank = env.required_integer("SLURM_LOCALID", 0);
+  const char* local_world_name = "SLURM_NTASKS_PER_NODE";
+  if (auto per_node = env.get("SLURM_NTASKS_PER_NODE")) {
+    info.local_world_size = env.integer("SLURM_NTASKS_PER_NODE", *per_node, 1);
+  } else {
+    local_world_name = "SLURM_TASKS_PER_NODE";
+    const auto list = expand_slurm_tasks_per_node(env.require("SLURM_TASKS_PER_NODE"), "SLURM_TASKS_PER_NODE");
+    const int node = env.required_integer("SLURM_NODEID", 0);
+    if (static_cast<std::size_t>(node) >= list.size())
+      refuse("SLURM_NODEID=" + std::to_string(node) + " has no entry in " +
+             env.describe("SLURM_TASKS_PER_NODE", *env.get("SLURM_TASKS_PER_NODE")) + ", which names " +
+             std::to_string(list.size()) + " nodes");
+    info.local_world_size = list[node];
+  }
+  if (auto addr = env.get("MASTER_ADDR")) {
+    if (addr->empty()) refuse(env.describe("MASTER_ADDR", "") + " is empty");
+    info.master_addr = *addr;
+  } else {
+    const char* name = env.get("SLURM_JOB_NODELIST") ? "SLURM_JOB_NODELIST" : "SLURM_NODELIST";
+    info.master_addr = expand_slurm_nodelist(env.require(name), name).front();
+  }
+  auto port = env.get("MASTER_PORT");
+  info.master_port = port ? env.integer("MASTER_PORT", *port, 1, 65535) : kDefaultSlurmMasterPort;
+  check_ranks(info, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", local_world_name);
+  return info;
+}
+
+LaunchInfo read_single(const Env& env) {
+  if (auto world = env.get("WORLD_SIZE"); world && *world != "1")
+    refuse(env.describe("WORLD_SIZE", *world) + " is set but RANK is not: set RANK too, or launch with torchrun");
+  if (auto local = env.get("LOCAL_RANK"); local && *local != "0")
+    refuse(env.describe("LOCAL_RANK", *local) + " is set but RANK is not: set RANK too, or launch with torchrun");
+  return LaunchInfo{};
+}
+
+// Splits at commas outside brackets.
+std::vector<std::string_view> split_top_level(std::string_view s, std::string_view source) {
+  std::vector<std::string_view> parts;
+  int depth = 0;
+  std::size_t start = 0;
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '[' && ++depth > 1) refuse(std::string(source) + "=" + quoted(s) + " has a nested '['");
+    if (s[i] == ']' && --depth < 0) refuse(std::string(source) + "=" + quoted(s) + " has a ']' without '['");
+    if (s[i] == ',' && depth == 0) {
+      parts.push_back(s.substr(start, i - start));
+      start = i + 1;
+    }
+  }
+  if (depth != 0) refuse(std::string(source) + "=" + quoted(s) + " has a '[' without ']'");
+  parts.push_back(s.substr(start));
+  return parts;
+}
+
+// "01-03,07" -> 01 02 03 07 (zero padding of the lower bound kept).
+std::vector<std::string> expand_ranges(std::string_view ranges, const std::string& what) {
+  std::vector<std::string> out;
+  std::size_t start = 0;
+  while (start <= ranges.size()) {
+    std::size_t comma = ranges.find(',', start);
+    if (comma == std::string_view::npos) comma = ranges.size();
+    std::string_view item = ranges.substr(start, comma - start);
+    if (item.empty()) refuse(what + " has an empty range");
+    const std::size_t dash = item.find('-');
+    std::string_view lo_text = item.substr(0, dash);
+    std::string_view hi_text = dash == std::string_view::npos ? lo_text : item.substr(dash + 1);
+    const long long lo = parse_integer(lo_text, 0, 999'999'999, what + " (bound " + quoted(lo_text) + ")");
+    const long long hi = parse_integer(hi_text, 0, 999'999'999, what + " (bound " + quoted(hi_text) + ")");
+    if (hi < lo) refuse(what + " has the descending range " + quoted(item));
+    if (static_cast<std::size_t>(hi - lo) >= kMaxHosts) refuse(what + " names more than 1000000 hosts");
+    for (long long v = lo; v <= hi; ++v) {
+      std::string digits = std::to_string(v);
+      if (digits.size() < lo_text.size()) digits.insert(0, lo_text.size() - digits.size(), '0');
+      out.push_back(std::move(digits));
+    }
+    start = comma + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+const char* launcher_name(Launcher launcher) {
+  switch (launcher) {
+    case Launcher::single: return "single";
+    case Launcher::torchrun: return "torchrun";
+    case Launcher::slurm: return "slurm";
+  }
+  return "?";
+}
+
+std::vector<std::string> expand_slurm_nodelist(std::string_view nodelist, std::string_view source) {
+  const std::string what = std::string(source) + "=" + quoted(nodelist);
+  std::vector<std::string> hosts;
+  for (std::string_view item : split_top_level(nodelist, source)) {
+    if (item.empty()) refuse(what + " has an empty host name");
+    // Each bracket group multiplies the names built so far (row-major, like Slurm).
+    std::vector<std::string> names{""};
+    std::size_t pos = 0;
+    while (pos < item.size()) {
+      const std::size_t open = item.find('[', pos);
+      const std::string_view literal = item.substr(pos, open == std::string_view::npos ? item.npos : open - pos);
+      for (auto& n : names) n += literal;
+      if (open == std::string_view::npos) break;
+      const std::size_t close = item.find(']', open);
+      const auto ranges = expand_ranges(item.substr(open + 1, close - open - 1), what);
+      if (names.size() * ranges.size() + hosts.size() > kMaxHosts) refuse(what + " names more than 1000000 hosts");
+      std::vector<std::string> next;
+      next.reserve(names.size() * ranges.size());
+      for (const auto& n : names)
+        for (const auto& r : ranges) next.push_back(n + r);
+      names = std::move(next);
+      pos = close + 1;
+    }
+    hosts.insert(hosts.end(), names.begin(), names.end());
+  }
+  return hosts;
+}
+
+std::vector<int> expand_slurm_tasks_per_node(std::string_view value, std::string_view source) {
+  const std::string what = std::string(source) + "=" + quoted(value);
+  std::vector<int> counts;
+  for (std::string_view item : split_top_level(value, source)) {
+    if (item.empty()) refuse(what + " has an empty entry");
+    std::string_view count_text = item, repeat_text = "1";
+    if (const auto paren = item.find("(x"); paren != std::string_view::npos) {
+      if (item.back() != ')') refuse(what + ": entry " + quoted(item) + " does not end in ')'");
+      count_text = item.substr(0, paren);
+      repeat_text = item.substr(paren + 2, item.size() - paren - 3);
+    }
+    const int count = static_cast<int>(parse_integer(count_text, 1, 1 << 20, what + " (count " + quoted(count_text) + ")"));
+    const auto repeat = parse_integer(repeat_text, 1, kMaxHosts, what + " (repeat " + quoted(repeat_text) + ")");
+    if (counts.size() + static_cast<std::size_t>(repeat) > kMaxHosts) refuse(what + " names more than 1000000 nodes");
+    counts.insert(counts.end(), static_cast<std::size_t>(repeat), count);
+  }
+  return counts;
+}
+
+LaunchInfo read_launch(const EnvLookup& lookup) {
+  if (lookup("RANK")) return read_torchrun(Env{lookup, "torchrun"});
+  if (lookup("SLURM_PROCID")) return read_slurm(Env{lookup, "slurm"});
+  return read_single(Env{lookup, "single-process"});
+}
+
+LaunchInfo read_launch_from_environment() {
+  return read_launch([](std::string_view name) -> std::optional<std::string> {
+    const char* v = std::getenv(std::string(name).c_str());
+    return v ? std::optional<std::string>(v) : std::nullopt;
+  });
+}
+
+}  // namespace kiln::parallel

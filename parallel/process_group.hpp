@@ -1,0 +1,76 @@
+#pragma once
+// A job's process groups: rendezvous through a c10d::TCPStore at the launch's master address,
+// the world group, and one sub-group per device-mesh dimension for this rank. ProcessGroupNCCL
+// when the device is CUDA, ProcessGroupGloo on CPU (the same code path; CPU CI runs it).
+#include "parallel/group.hpp"
+#include "parallel/launch.hpp"
+#include "parallel/mesh.hpp"
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <string>
+
+namespace kiln::parallel {
+
+/// Rendezvous failed: the store could not be served or reached in time.
+class RendezvousError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// Timeouts (milliseconds).
+struct GroupOptions {
+  /// Connecting to the store (rank 0 also waits here for every rank to connect) and creating
+  /// each group (peers exchange addresses through the store).
+  std::chrono::milliseconds store_timeout = std::chrono::minutes(5);
+  /// Every collective's wait; a lost peer surfaces as a CollectiveError after at most this long.
+  std::chrono::milliseconds collective_timeout = std::chrono::minutes(10);
+};
+
+/// Connects to the job's TCPStore at info.master_addr:info.master_port. Rank 0 serves it
+/// (waiting up to `timeout` for every rank to connect) unless info.use_agent_store, when every
+/// rank is a client of the torchrun agent's store. Throws RendezvousError naming the address,
+/// the launcher, this rank and c10d's message.
+c10::intrusive_ptr<c10d::Store> connect_store(const LaunchInfo& info, std::chrono::milliseconds timeout);
+
+/// The world group and this rank's group along each mesh dimension.
+class ProcessGroups {
+ public:
+  /// Rendezvous (connect_store) and the groups. `device` picks the backend: CUDA -> NCCL (this
+  /// process's CUDA device is set to device.index()), CPU -> Gloo (devices from
+  /// GLOO_SOCKET_IFNAME, comma-separated interface names, else the host name's address). Every
+  /// rank must call it with the same mesh, in the same order relative to other ProcessGroups.
+  /// Throws std::invalid_argument for a mesh whose sizes' product is not the world size or a
+  /// CUDA device in a build without NCCL, RendezvousError when the store is not reached.
+  ProcessGroups(const LaunchInfo& info, torch::Device device, std::vector<MeshDim> mesh = {}, GroupOptions options = {});
+  ~ProcessGroups();
+  ProcessGroups(const ProcessGroups&) = delete;
+  ProcessGroups& operator=(const ProcessGroups&) = delete;
+
+  const LaunchInfo& launch() const { return launch_; }
+  const Mesh& mesh() const { return mesh_; }
+  /// Every rank of the job.
+  Group& world() { return *world_; }
+  /// This rank's group along mesh dimension `dim` ("dp", "ep", ...); its group rank is this
+  /// rank's coordinate along `dim`. Throws std::invalid_argument for an unknown dimension.
+  Group& along(const std::string& dim);
+  /// The job's store under the prefix "kiln/" (e.g. to publish each rank's ZeroMQ endpoint).
+  c10d::Store& store() { return *store_; }
+
+ private:
+  std::unique_ptr<Group> make_group(const std::string& name, const std::string& key_prefix, std::vector<int> ranks);
+
+  LaunchInfo launch_;
+  torch::Device device_;
+  Mesh mesh_;
+  GroupOptions options_;
+  c10::intrusive_ptr<c10d::Store> tcp_store_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::unique_ptr<Group> world_;
+  std::map<std::string, std::unique_ptr<Group>> along_;
+};
+
+}  // namespace kiln::parallel
