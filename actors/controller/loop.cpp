@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "actors/controller/grpo.hpp"
+#include "actors/controller/in_flight.hpp"
 #include "actors/controller/metrics.hpp"
 #include "actors/controller/placement.hpp"
 #include "actors/controller/prompts.hpp"
@@ -25,7 +26,7 @@ using messaging::Stopwatch;
 // After a failure at `step`: checkpoint steps 1..trained (with the prompt RNG after them)
 // where the policy lives, say how to continue, exit code 1.
 int stop_with_checkpoint(TrainerHandle& trainer, const fs::path& dir, int64_t step, const std::string& what,
-                         int64_t trained, const std::string& prompt_rng) {
+                         int64_t trained, const std::string& prompt_rng, RolloutStream& rollouts) {
   std::fprintf(stderr, "kiln run: step %lld: %s\n", (long long)step, what.c_str());
   if (trained < 1) {
     std::fprintf(stderr, "kiln run: no step was trained: nothing to checkpoint\n");
@@ -33,7 +34,7 @@ int stop_with_checkpoint(TrainerHandle& trainer, const fs::path& dir, int64_t st
   }
   const auto ck = checkpoint_dir(dir, trained);
   try {
-    trainer.save(ck, {trained, 0, prompt_rng});
+    trainer.save(ck, {trained, 0, prompt_rng, encode_in_flight(rollouts.in_flight(trained, /*wait=*/false))});
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kiln run: cannot save a checkpoint of steps 1..%lld: %s\n%s", (long long)trained, e.what(),
                  continue_hint(dir).c_str());
@@ -47,14 +48,15 @@ int stop_with_checkpoint(TrainerHandle& trainer, const fs::path& dir, int64_t st
 // Ctrl-C (the first): checkpoint steps 1..trained unless that checkpoint exists or this run
 // trained nothing yet, and print the command that continues the run. Exit code 130.
 int stop_on_interrupt(TrainerHandle& trainer, const fs::path& dir, int64_t trained, int64_t first_step,
-                      const std::string& prompt_rng) {
+                      const std::string& prompt_rng, RolloutStream& rollouts) {
   const auto ck = checkpoint_dir(dir, trained);
   if (trained < first_step) {
     std::fprintf(stderr, "kiln run: interrupted before step %lld; nothing new was trained\n", (long long)first_step);
     return 130;
   }
   try {
-    if (!fs::exists(ck / "state.json")) trainer.save(ck, {trained, 0, prompt_rng});
+    if (!fs::exists(ck / "state.json"))
+      trainer.save(ck, {trained, 0, prompt_rng, encode_in_flight(rollouts.in_flight(trained, /*wait=*/true))});
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kiln run: interrupted; cannot save a checkpoint of steps 1..%lld: %s\n%s", (long long)trained,
                  e.what(), continue_hint(dir).c_str());
@@ -67,16 +69,23 @@ int stop_on_interrupt(TrainerHandle& trainer, const fs::path& dir, int64_t train
   return 130;
 }
 
-// Restores the trainer and the prompt RNG from config.run.resume_from; the first step to run.
-int64_t resume(const Config& c, TrainerHandle& trainer, Prompts& prompts) {
+// Restores the trainer, the rollouts in flight and the prompt RNG (after them) from
+// config.run.resume_from; the first step to run.
+int64_t resume(const Config& c, TrainerHandle& trainer, Prompts& prompts, std::vector<Batch>& in_flight) {
   const fs::path ck(c.run.resume_from);
   if (!fs::is_directory(ck)) throw std::invalid_argument("no such checkpoint directory");
   auto state = trainer.load(ck);
+  if (!state.in_flight_rollouts.empty())
+    in_flight = decode_in_flight(state.in_flight_rollouts, state.step, (ck / "in_flight_rollouts.msgpack").string());
+  while (!in_flight.empty() && in_flight.back().step > c.run.steps) in_flight.pop_back();
   try {
-    prompts.restore(state.prompt_rng);
+    prompts.restore(in_flight.empty() ? state.prompt_rng : in_flight.back().rng_after);
   } catch (const std::exception& e) {
     throw std::invalid_argument("state.json in '" + ck.string() + "': " + e.what());
   }
+  if (!in_flight.empty())
+    std::fprintf(stderr, "kiln run: %zu batches of rollouts in flight restored (steps %lld..%lld)\n", in_flight.size(),
+                 (long long)in_flight.front().step, (long long)in_flight.back().step);
   if (state.step >= c.run.steps)
     throw std::invalid_argument("it holds steps 1.." + std::to_string(state.step) + " and run.steps is " +
                                 std::to_string(c.run.steps) + ": nothing to train (raise run.steps to go on)");
@@ -96,6 +105,7 @@ struct Session {
   std::unique_ptr<RunLock> lock;
   Actors actors;
   int64_t first_step = 1;
+  std::vector<Batch> in_flight;  ///< restored from the checkpoint resumed from
 };
 
 // A step's rollouts held on the host: at least ~1 KiB per sequence (request, sampling state,
@@ -133,7 +143,7 @@ int start(Session& s, const Config& c, const std::string& config_toml, const std
   auto& trainer = *s.actors.trainer;
   if (!c.run.resume_from.empty()) {
     try {
-      s.first_step = resume(c, trainer, s.prompts);
+      s.first_step = resume(c, trainer, s.prompts, s.in_flight);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "kiln run: cannot resume from '%s': %s\n", c.run.resume_from.c_str(), e.what());
       return 2;
@@ -180,9 +190,10 @@ int run(const Config& c, const std::string& config_toml) {
         b.rollout_time = t.seconds();
         return b;
       },
-      [&](const PolicyWeights& w) { actors.engines->load(w, trainer); }, first_step, c.run.steps, a.staleness);
+      [&](const PolicyWeights& w) { actors.engines->load(w, trainer); }, first_step, c.run.steps, a.staleness,
+      std::move(s.in_flight));
   for (int64_t step = first_step; step <= c.run.steps; ++step) {
-    if (RunSignals::interrupted()) return stop_on_interrupt(trainer, dir, step - 1, first_step, rng_consumed);
+    if (RunSignals::interrupted()) return stop_on_interrupt(trainer, dir, step - 1, first_step, rng_consumed, rollouts);
     StepRow row{.step = step};
     Batch batch;
     std::vector<std::vector<float>> ref;
@@ -192,7 +203,7 @@ int run(const Config& c, const std::string& config_toml) {
       ref = actors.reference->logprobs(batch.completions);
       row.ref_logprob_time = t.seconds();
     } catch (const std::exception& e) {
-      return stop_with_checkpoint(trainer, dir, step, e.what(), step - 1, rng_consumed);
+      return stop_with_checkpoint(trainer, dir, step, e.what(), step - 1, rng_consumed, rollouts);
     }
     Groups groups;
     try {  // a reward the verifier made non-finite is refused by name
@@ -201,7 +212,7 @@ int run(const Config& c, const std::string& config_toml) {
       row.staleness_histogram = staleness_histogram(batch.completions, trainer.version());
       groups = build_groups(batch.completions, rewards, std::move(ref), a, trainer.version());
     } catch (const std::exception& e) {
-      return stop_with_checkpoint(trainer, dir, step, e.what(), step - 1, rng_consumed);
+      return stop_with_checkpoint(trainer, dir, step, e.what(), step - 1, rng_consumed, rollouts);
     }
     row.filtered_groups = groups.filtered;
     row.stale_dropped_groups = groups.stale_dropped;
@@ -216,7 +227,7 @@ int run(const Config& c, const std::string& config_toml) {
         std::fprintf(stderr, "kiln run: step %lld: %s\n%s", (long long)step, e.what(), continue_hint(dir).c_str());
         return 1;
       } catch (const std::exception& e) {
-        return stop_with_checkpoint(trainer, dir, step, e.what(), step - 1, rng_consumed);
+        return stop_with_checkpoint(trainer, dir, step, e.what(), step - 1, rng_consumed, rollouts);
       }
       if (a.update_delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(a.update_delay_ms));
       try {  // k = 0: into the engines now; k > 0: the rollout thread loads them between decode steps
@@ -234,16 +245,18 @@ int run(const Config& c, const std::string& config_toml) {
     row.policy_version = trainer.version();
     row.elapsed_s = run_clock.seconds();
     log.write(row);
-    if (!sync_error.empty()) return stop_with_checkpoint(trainer, dir, step, sync_error, step, batch.rng_after);
+    if (!sync_error.empty()) return stop_with_checkpoint(trainer, dir, step, sync_error, step, batch.rng_after, rollouts);
     nonfinite_in_a_row = row.train.skipped_nonfinite ? nonfinite_in_a_row + 1 : 0;
     if (a.max_nonfinite_steps > 0 && nonfinite_in_a_row >= a.max_nonfinite_steps)
       return stop_with_checkpoint(trainer, dir, step,
                                   std::to_string(nonfinite_in_a_row) + " steps in a row skipped (algorithm.max_nonfinite_steps): " +
                                       row.train.skip_reason,
-                                  step, batch.rng_after);
+                                  step, batch.rng_after, rollouts);
     if (c.run.checkpoint_every > 0 && step % c.run.checkpoint_every == 0) {
       try {
-        trainer.save(checkpoint_dir(dir, step), {step, 0, batch.rng_after});
+        // k > 0: with the batches generated for the next steps (a resumed run trains on them)
+        trainer.save(checkpoint_dir(dir, step),
+                     {step, 0, batch.rng_after, encode_in_flight(rollouts.in_flight(step, /*wait=*/true))});
       } catch (const std::exception& e) {
         std::fprintf(stderr, "kiln run: step %lld: cannot save a checkpoint: %s\n%s", (long long)step, e.what(),
                      continue_hint(dir).c_str());

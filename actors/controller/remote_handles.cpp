@@ -147,8 +147,13 @@ void RemoteTrainer::send(const PolicyWeights&, const std::vector<std::string>& t
 }
 
 void RemoteTrainer::save(const std::filesystem::path& dir, const trainer::CheckpointState& state) {
-  call(make_envelope(TrainerSave{dir.string(), state.step, state.prompt_rng}, Kind::request, "controller", node_.actor()),
-       kInitTimeout);
+  auto env = make_envelope(TrainerSave{dir.string(), state.step, state.prompt_rng}, Kind::request, "controller",
+                           node_.actor());
+  if (!state.in_flight_rollouts.empty())
+    env.tensors.push_back(Tensor::copy_of(std::string(TrainerSave::kInFlightFrame), DType::uint8,
+                                          {int64_t(state.in_flight_rollouts.size())}, state.in_flight_rollouts.data(),
+                                          state.in_flight_rollouts.size()));
+  call(std::move(env), kInitTimeout);
 }
 
 trainer::CheckpointState RemoteTrainer::load(const std::filesystem::path& dir) {

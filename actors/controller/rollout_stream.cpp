@@ -1,12 +1,19 @@
 #include "actors/controller/rollout_stream.hpp"
 
+#include <algorithm>
 #include <stdexcept>
 
 namespace kiln::controller {
 
-RolloutStream::RolloutStream(Generate generate, Load load, int64_t first, int64_t last, int64_t staleness)
-    : generate_(std::move(generate)), load_(std::move(load)), k_(staleness), consumed_(first - 1) {
-  if (k_ > 0) thread_ = std::thread([this, first, last] { run(first, last); });
+RolloutStream::RolloutStream(Generate generate, Load load, int64_t first, int64_t last, int64_t staleness,
+                             std::vector<Batch> restored)
+    : generate_(std::move(generate)), load_(std::move(load)), k_(staleness), consumed_(first - 1), last_(last) {
+  for (auto& b : restored) {
+    if (b.step != first + int64_t(ready_.size())) throw std::logic_error("restored rollout batches out of order");
+    ready_.push_back(std::move(b));
+  }
+  const int64_t next = first + int64_t(ready_.size());
+  if (k_ > 0) thread_ = std::thread([this, next, last] { run(next, last); });
 }
 
 RolloutStream::~RolloutStream() {
@@ -20,8 +27,16 @@ RolloutStream::~RolloutStream() {
 }
 
 Batch RolloutStream::take(int64_t step) {
-  if (k_ == 0) return generate_(step, [] {});
   std::unique_lock<std::mutex> l(mu_);
+  if (k_ == 0) {
+    if (ready_.empty() || ready_.front().step != step) {
+      l.unlock();
+      return generate_(step, [] {});
+    }
+    Batch b = std::move(ready_.front());  // restored from the checkpoint
+    ready_.pop_front();
+    return b;
+  }
   cv_.wait(l, [&] { return !ready_.empty() || !error_.empty(); });
   if (ready_.empty()) throw std::runtime_error("rollout thread: " + error_);
   Batch b = std::move(ready_.front());
@@ -41,6 +56,15 @@ void RolloutStream::consumed(int64_t step, std::optional<PolicyWeights> weights)
     consumed_ = step;
   }
   cv_.notify_all();
+}
+
+std::vector<Batch> RolloutStream::in_flight(int64_t step, bool wait) {
+  std::unique_lock<std::mutex> l(mu_);
+  const int64_t through = std::min(step + k_, last_);
+  if (wait && k_ > 0)
+    cv_.wait(l, [&] { return done_ || !error_.empty() || (!ready_.empty() && ready_.back().step >= through); });
+  if (ready_.empty() || ready_.front().step != step + 1) return {};
+  return {ready_.begin(), ready_.end()};
 }
 
 void RolloutStream::load_pending() {
@@ -71,8 +95,12 @@ void RolloutStream::run(int64_t first, int64_t last) {
   } catch (const std::exception& e) {
     std::lock_guard<std::mutex> l(mu_);
     error_ = e.what();
-    cv_.notify_all();
   }
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    done_ = true;
+  }
+  cv_.notify_all();
 }
 
 }  // namespace kiln::controller

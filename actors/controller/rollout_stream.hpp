@@ -36,7 +36,10 @@ class RolloutStream {
   using Generate = std::function<Batch(int64_t step, const std::function<void()>& between_steps)>;
   /// Puts a version into the engines (k > 0: on the rollout thread).
   using Load = std::function<void(const PolicyWeights& weights)>;
-  RolloutStream(Generate generate, Load load, int64_t first, int64_t last, int64_t staleness);
+  /// `restored`: batches of steps first, first + 1, ... kept by the checkpoint this run resumes
+  /// from (in_flight.hpp); they are delivered first, generation starts after them.
+  RolloutStream(Generate generate, Load load, int64_t first, int64_t last, int64_t staleness,
+                std::vector<Batch> restored = {});
   ~RolloutStream();
   /// The batch of `step` (k > 0: blocks until generated; batches made before a failure of the
   /// rollout thread are still delivered, the failure surfaces at its own step, rethrown).
@@ -45,6 +48,12 @@ class RolloutStream {
   /// loaded now (throws what Load throws); k > 0: loaded by the rollout thread before its next
   /// decode step.
   void consumed(int64_t step, std::optional<PolicyWeights> weights);
+  /// The batches generated but not taken, for a checkpoint of steps 1..`step`: those of steps
+  /// step + 1, step + 2, ... in order (none unless the first is step + 1). `wait`: first
+  /// waits until the batches through step + k are generated (those whose generation began
+  /// before `step`'s weights existed: a run resumed from the checkpoint could not make them
+  /// again) or the rollout thread has failed or ended.
+  std::vector<Batch> in_flight(int64_t step, bool wait);
 
  private:
   void load_pending();
@@ -57,7 +66,9 @@ class RolloutStream {
   std::deque<Batch> ready_;
   std::optional<PolicyWeights> pending_;
   int64_t consumed_;
+  int64_t last_;
   bool stop_ = false;
+  bool done_ = false;  ///< the rollout thread has ended
   std::string error_;
   std::thread thread_;  // k > 0 only
 };

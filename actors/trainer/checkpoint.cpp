@@ -7,6 +7,10 @@
 
 namespace kiln::trainer {
 
+namespace {
+constexpr const char* kInFlightFile = "in_flight_rollouts.msgpack";
+}
+
 void save_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, Trainer& trainer,
                      const CheckpointState& state) {
   namespace fs = std::filesystem;
@@ -20,6 +24,11 @@ void save_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, 
   torch::save(trainer.optimizer(), (tmp / "optimizer.pt").string());
   // bf16 policies: the fp32 master weights too, or a resumed run would restart from rounded ones.
   if (trainer.uses_master_weights()) torch::save(trainer.master_parameters(), (tmp / "master_weights.pt").string());
+  if (!state.in_flight_rollouts.empty()) {
+    std::ofstream out(tmp / kInFlightFile, std::ios::binary);
+    out.write(state.in_flight_rollouts.data(), std::streamsize(state.in_flight_rollouts.size()));
+    if (!out.flush()) throw std::runtime_error("cannot write '" + (tmp / kInFlightFile).string() + "'");
+  }
   nlohmann::json j{{"step", state.step}, {"policy_version", trainer.version()}, {"prompt_rng", state.prompt_rng}};
   {
     std::ofstream out(tmp / "state.json");
@@ -41,6 +50,11 @@ CheckpointState read_checkpoint_state(const std::filesystem::path& dir) {
     st.prompt_rng = j.at("prompt_rng").get<std::string>();
   } catch (const std::exception& e) {
     throw std::invalid_argument("state.json in '" + dir.string() + "': " + e.what());
+  }
+  if (std::filesystem::exists(dir / kInFlightFile)) {
+    std::ifstream f(dir / kInFlightFile, std::ios::binary);
+    st.in_flight_rollouts.assign(std::istreambuf_iterator<char>(f), {});
+    if (!f && !f.eof()) throw std::invalid_argument("cannot read '" + (dir / kInFlightFile).string() + "'");
   }
   return st;
 }

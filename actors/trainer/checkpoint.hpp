@@ -1,8 +1,9 @@
 #pragma once
 // RL checkpoints of a run (RUN/checkpoints/step_N/): the policy in HF layout (safetensors +
 // config.json: loads in transformers), the AdamW state (optimizer.pt), the fp32 master weights
-// of a bf16 policy (master_weights.pt), and the loop state in state.json (step, policy
-// version, the prompt RNG). Written by `kiln run`'s trainer, in the controller process or in
+// of a bf16 policy (master_weights.pt), the loop state in state.json (step, policy
+// version, the prompt RNG), and the rollouts in flight of an asynchronous run
+// (in_flight_rollouts.msgpack, opaque here: actors/controller/in_flight.hpp). Written by `kiln run`'s trainer, in the controller process or in
 // the trainer actor (actors/trainer/trainer_service.hpp).
 #include <cstdint>
 #include <filesystem>
@@ -17,6 +18,9 @@ struct CheckpointState {
   int64_t step = 0;            ///< steps 1..step are trained
   int64_t policy_version = 0;  ///< optimizer steps taken (steps whose groups were all filtered take none)
   std::string prompt_rng;      ///< the prompt RNG (std::mt19937_64 text form) after step `step`'s prompts
+  /// The rollouts generated for steps after `step` (staleness k > 0), as the controller
+  /// encodes them; "" when none. Stored as DIR/in_flight_rollouts.msgpack.
+  std::string in_flight_rollouts;
 };
 
 /// Writes the checkpoint into `dir`: first into `dir.partial`, renamed to `dir` once complete
@@ -25,8 +29,8 @@ struct CheckpointState {
 void save_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, Trainer& trainer,
                      const CheckpointState& state);
 
-/// Reads DIR/state.json. Throws std::invalid_argument naming the directory when it is missing
-/// or lacks a field.
+/// Reads DIR/state.json (and DIR/in_flight_rollouts.msgpack when present). Throws
+/// std::invalid_argument naming the directory when it is missing or lacks a field.
 CheckpointState read_checkpoint_state(const std::filesystem::path& dir);
 
 /// Loads policy weights, optimizer state and master weights from `dir` into `policy` and

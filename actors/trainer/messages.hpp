@@ -79,10 +79,12 @@ struct TrainerPushed {
   MSGPACK_DEFINE_MAP(policy_version);
 };
 /// Write a checkpoint (actors/trainer/checkpoint.hpp) into `dir` (answered with TrainerPushed:
-/// the saved version).
+/// the saved version). v2: an optional uint8 tensor frame named kInFlightFrame holds the
+/// controller's rollouts in flight (CheckpointState::in_flight_rollouts), written with it.
 struct TrainerSave {
   static constexpr std::string_view kType = "trainer.save";
-  static constexpr uint32_t kVersion = 1;
+  static constexpr uint32_t kVersion = 2;
+  static constexpr std::string_view kInFlightFrame = "in_flight_rollouts";
   std::string dir;
   int64_t step = 0;
   std::string prompt_rng;

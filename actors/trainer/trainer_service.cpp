@@ -142,7 +142,13 @@ Expected<Envelope> TrainerService::handle(const Envelope& request) {
     auto q = payload_as<TrainerSave>(request);  // trainer.save
     if (!q) return q.error();
     if (q->dir.empty()) return make_error(ErrorCode::bad_message, "trainer.save: empty dir");
-    save_checkpoint(q->dir, *s_->policy, *s_->trainer, CheckpointState{q->step, s_->trainer->version(), q->prompt_rng});
+    CheckpointState state{q->step, s_->trainer->version(), q->prompt_rng, {}};
+    for (const auto& t : request.tensors)
+      if (t.name == TrainerSave::kInFlightFrame && t.dtype == messaging::DType::uint8)
+        state.in_flight_rollouts.assign(reinterpret_cast<const char*>(t.data), t.nbytes);
+      else
+        return make_error(ErrorCode::bad_message, "trainer.save: unexpected tensor frame '" + t.name + "'");
+    save_checkpoint(q->dir, *s_->policy, *s_->trainer, state);
     return reply(TrainerPushed{s_->trainer->version()});
   } catch (const c10::Error& e) {  // LibTorch's: without its C++ backtrace
     return make_error(ErrorCode::remote_error, std::string(request.type) + ": " + e.what_without_backtrace());

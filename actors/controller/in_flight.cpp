@@ -1,0 +1,122 @@
+#include "actors/controller/in_flight.hpp"
+
+#include <msgpack.hpp>
+#include <stdexcept>
+
+namespace kiln::controller {
+
+namespace {
+constexpr const char* kFormat = "kiln.in_flight_rollouts";
+constexpr int64_t kVersion = 1;
+
+struct ProblemRecord {
+  std::string prompt, answer;
+  std::vector<int64_t> numbers;
+  int64_t target = 0;
+  MSGPACK_DEFINE_MAP(prompt, answer, numbers, target);
+};
+struct CompletionRecord {
+  uint64_t id = 0;
+  std::vector<int64_t> prompt, tokens;
+  std::vector<float> logprobs, entropies;
+  std::vector<int64_t> policy_versions;
+  std::string finish_reason;
+  double time_to_first_token_s = 0;
+  std::vector<int64_t> routed_experts_shape;  ///< [P + n - 1, L, K], or empty
+  std::vector<int32_t> routed_experts;
+  MSGPACK_DEFINE_MAP(id, prompt, tokens, logprobs, entropies, policy_versions, finish_reason, time_to_first_token_s,
+                     routed_experts_shape, routed_experts);
+};
+struct BatchRecord {
+  int64_t step = 0;
+  std::vector<ProblemRecord> problems;
+  std::vector<CompletionRecord> completions;
+  double rollout_time = 0;
+  std::string rng_after;
+  MSGPACK_DEFINE_MAP(step, problems, completions, rollout_time, rng_after);
+};
+struct File {
+  std::string format;
+  int64_t version = 0;
+  std::vector<BatchRecord> batches;
+  MSGPACK_DEFINE_MAP(format, version, batches);
+};
+}  // namespace
+
+std::string encode_in_flight(const std::vector<Batch>& batches) {
+  if (batches.empty()) return {};
+  File f{kFormat, kVersion, {}};
+  for (const auto& b : batches) {
+    BatchRecord r{b.step, {}, {}, b.rollout_time, b.rng_after};
+    for (const auto& p : b.problems) r.problems.push_back({p.prompt, p.answer, p.numbers, p.target});
+    for (const auto& c : b.completions) {
+      CompletionRecord x{c.id, c.prompt, c.tokens, c.logprobs, c.entropies, c.policy_versions,
+                         rollout::to_string(c.finish_reason), c.time_to_first_token_s, {}, {}};
+      if (c.routed_experts.defined()) {
+        const auto e = c.routed_experts.to(torch::kInt32).contiguous();
+        x.routed_experts_shape = e.sizes().vec();
+        x.routed_experts.assign(e.data_ptr<int32_t>(), e.data_ptr<int32_t>() + e.numel());
+      }
+      r.completions.push_back(std::move(x));
+    }
+    f.batches.push_back(std::move(r));
+  }
+  msgpack::sbuffer out;
+  msgpack::pack(out, f);
+  return {out.data(), out.size()};
+}
+
+std::vector<Batch> decode_in_flight(const std::string& bytes, int64_t after_step, const std::string& source) {
+  auto bad = [&](const std::string& what) { return std::invalid_argument(source + ": " + what); };
+  File f;
+  try {
+    auto h = msgpack::unpack(bytes.data(), bytes.size());
+    h.get().convert(f);
+  } catch (const std::exception& e) {
+    throw bad(std::string("not a readable in-flight rollouts file (") + e.what() + ")");
+  }
+  if (f.format != kFormat || f.version != kVersion)
+    throw bad("format '" + f.format + "' version " + std::to_string(f.version) + ", expected '" + kFormat +
+              "' version " + std::to_string(kVersion));
+  std::vector<Batch> out;
+  for (auto& r : f.batches) {
+    const int64_t want = after_step + 1 + int64_t(out.size());
+    if (r.step != want)
+      throw bad("holds a batch for step " + std::to_string(r.step) + " where step " + std::to_string(want) +
+                " comes next (the checkpoint is of step " + std::to_string(after_step) + ")");
+    Batch b{r.step, {}, {}, r.rollout_time, std::move(r.rng_after)};
+    for (auto& p : r.problems) b.problems.push_back({std::move(p.prompt), std::move(p.answer), std::move(p.numbers), p.target});
+    for (auto& x : r.completions) {
+      const std::string where = "step " + std::to_string(r.step) + " completion " + std::to_string(x.id);
+      const auto n = x.tokens.size();
+      if (x.logprobs.size() != n || x.entropies.size() != n || x.policy_versions.size() != n)
+        throw bad(where + ": " + std::to_string(n) + " tokens but " + std::to_string(x.logprobs.size()) +
+                  " log-probs, " + std::to_string(x.entropies.size()) + " entropies and " +
+                  std::to_string(x.policy_versions.size()) + " policy versions");
+      if (x.finish_reason != "stop" && x.finish_reason != "length")
+        throw bad(where + ": finish_reason '" + x.finish_reason + "' (\"stop\" or \"length\")");
+      rollout::Completion c;
+      c.id = x.id;
+      c.prompt = std::move(x.prompt);
+      c.tokens = std::move(x.tokens);
+      c.logprobs = std::move(x.logprobs);
+      c.entropies = std::move(x.entropies);
+      c.policy_versions = std::move(x.policy_versions);
+      c.finish_reason = x.finish_reason == "stop" ? rollout::FinishReason::stop : rollout::FinishReason::length;
+      c.time_to_first_token_s = x.time_to_first_token_s;
+      if (!x.routed_experts_shape.empty()) {
+        int64_t numel = 1;
+        for (auto d : x.routed_experts_shape) numel = d < 0 ? -1 : numel * d;
+        if (x.routed_experts_shape.size() != 3 || numel != int64_t(x.routed_experts.size()))
+          throw bad(where + ": routed experts of " + std::to_string(x.routed_experts.size()) +
+                    " ids do not fill their shape [P + n - 1, L, K]");
+        c.routed_experts = torch::tensor(x.routed_experts).to(torch::kInt64).reshape(x.routed_experts_shape);
+      }
+      b.completions.push_back(std::move(c));
+    }
+    out.push_back(std::move(b));
+  }
+  return out;
+}
+
+}  // namespace kiln::controller
