@@ -7,8 +7,10 @@
 //   loop:        all-reduces 1 MiB on the world group until a collective fails (run_workers.py
 //                kills one rank meanwhile); exit 3 with the error.
 // Usage: kiln_parallel_worker collectives|loop [--mesh dp=2,ep=2] [--timeout-ms 10000]
+//        [--device cuda]  (tensors on GPU LOCAL_RANK, NCCL; collectives also times a 1 GiB all-reduce)
 #include "parallel/process_group.hpp"
 
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <iostream>
@@ -20,8 +22,12 @@ using namespace kiln::parallel;
 namespace {
 
 int checks = 0, failures = 0;
+torch::Device g_device = torch::kCPU;  // --device cuda: tensors on this rank's GPU, NCCL
 
-void expect_equal(const torch::Tensor& got, const torch::Tensor& want, const std::string& what) {
+torch::Tensor D(const torch::Tensor& t) { return t.to(g_device).contiguous(); }
+
+void expect_equal(const torch::Tensor& got_anywhere, const torch::Tensor& want, const std::string& what) {
+  const auto got = got_anywhere.cpu();
   ++checks;
   if (got.sizes() == want.sizes() && got.scalar_type() == want.scalar_type() && torch::equal(got, want)) return;
   ++failures;
@@ -57,8 +63,8 @@ void check_group(Group& g) {
   const std::string at = g.name() + " rank " + std::to_string(r);
 
   // Membership: every rank's world rank, gathered, is the group's list.
-  auto me = torch::full({1}, int64_t{g.world_ranks()[r]}, torch::kLong);
-  auto members = torch::empty({w}, torch::kLong);
+  auto me = D(torch::full({1}, int64_t{g.world_ranks()[r]}, torch::kLong));
+  auto members = D(torch::empty({w}, torch::kLong));
   g.all_gather_into_tensor(members, me);
   expect_equal(members, torch::tensor(std::vector<int64_t>(g.world_ranks().begin(), g.world_ranks().end())),
                at + " members");
@@ -68,31 +74,31 @@ void check_group(Group& g) {
       const std::string tag = at + " " + c10::toString(dtype) + " rows " + std::to_string(rows) + " ";
       const auto base = pattern(rows, dtype);
 
-      auto sum = base + r;
+      auto sum = D(base + r);
       g.all_reduce(sum, ReduceOp::sum);
       expect_equal(sum, base * w + w * (w - 1) / 2, tag + "all_reduce sum");
-      auto max = base + r;
+      auto max = D(base + r);
       g.all_reduce(max, ReduceOp::max);
       expect_equal(max, base + (w - 1), tag + "all_reduce max");
-      auto min = base + r;
+      auto min = D(base + r);
       g.all_reduce(min, ReduceOp::min);
       expect_equal(min, base, tag + "all_reduce min");
 
       for (int root : {0, w - 1}) {
-        auto t = r == root ? (base + 5).contiguous() : torch::full({rows, 3}, -1, dtype);
+        auto t = D(r == root ? (base + 5).contiguous() : torch::full({rows, 3}, -1, dtype));
         g.broadcast(t, root);
         expect_equal(t, base + 5, tag + "broadcast from " + std::to_string(root));
       }
 
-      auto gathered = torch::full({w * rows, 3}, -7, dtype);
-      g.all_gather_into_tensor(gathered, (base + 1000 * r).contiguous());
+      auto gathered = D(torch::full({w * rows, 3}, -7, dtype));
+      g.all_gather_into_tensor(gathered, D(base + 1000 * r));
       std::vector<torch::Tensor> want_gathered;
       for (int s = 0; s < w; ++s) want_gathered.push_back(base + 1000 * s);
       expect_equal(gathered, torch::cat(want_gathered), tag + "all_gather_into_tensor");
 
       const auto full = pattern(w * rows, dtype);
-      auto scattered = torch::full({rows, 3}, -7, dtype);
-      g.reduce_scatter(scattered, (full + r).contiguous());
+      auto scattered = D(torch::full({rows, 3}, -7, dtype));
+      g.reduce_scatter(scattered, D(full + r));
       expect_equal(scattered, full.slice(0, r * rows, (r + 1) * rows) * w + w * (w - 1) / 2, tag + "reduce_scatter");
     }
     for (int64_t scale : {0, 1, 5, 50000}) {
@@ -105,8 +111,8 @@ void check_group(Group& g) {
         want.push_back(block(p, r, out_rows[p], dtype));
       }
       const auto want_rows = std::accumulate(out_rows.begin(), out_rows.end(), int64_t{0});
-      auto received = torch::full({want_rows, 3}, -7, dtype);
-      g.all_to_all(received, torch::cat(send), out_rows, in_rows);
+      auto received = D(torch::full({want_rows, 3}, -7, dtype));
+      g.all_to_all(received, D(torch::cat(send)), out_rows, in_rows);
       expect_equal(received, torch::cat(want),
                    at + " " + c10::toString(dtype) + " all_to_all scale " + std::to_string(scale));
     }
@@ -143,6 +149,7 @@ int main(int argc, char** argv) {
   options.collective_timeout = std::chrono::seconds(10);
   for (int i = 2; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--mesh")) mesh = parse_mesh(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--device")) g_device = torch::Device(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--timeout-ms")) options.collective_timeout = std::chrono::milliseconds(std::stoll(argv[i + 1]));
     else { std::cerr << "unknown argument " << argv[i] << std::endl; return 2; }
   }
@@ -150,7 +157,8 @@ int main(int argc, char** argv) {
   try {
     const auto info = read_launch_from_environment();
     rank = info.rank;
-    ProcessGroups groups(info, torch::kCPU, mesh, options);
+    if (g_device.is_cuda()) g_device = torch::Device(torch::kCUDA, int8_t(info.local_rank));
+    ProcessGroups groups(info, g_device, mesh, options);
     std::cout << "rank " << rank << " launcher " << launcher_name(info.launcher) << " world " << info.world_size
               << " local " << info.local_rank << "/" << info.local_world_size << " agent_store "
               << info.use_agent_store << std::endl;
@@ -158,6 +166,18 @@ int main(int argc, char** argv) {
       check_group(groups.world());
       for (const auto& dim : groups.mesh().dims()) check_group(groups.along(dim.name));
       std::cout << "rank " << rank << ": " << checks - failures << " of " << checks << " checks passed" << std::endl;
+      if (g_device.is_cuda()) {  // bus bandwidth of a 1 GiB fp32 all-reduce (NCCL's busbw: 2(w-1)/w x bytes / time)
+        auto big = torch::ones({int64_t(1) << 28}, torch::TensorOptions().device(g_device).dtype(torch::kFloat));
+        for (int i = 0; i < 3; ++i) groups.world().all_reduce(big);
+        torch::cuda::synchronize();
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < 10; ++i) groups.world().all_reduce(big);
+        torch::cuda::synchronize();
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 10;
+        const double w = groups.world().size();
+        std::cout << "rank " << rank << ": 1 GiB fp32 all_reduce " << s * 1e3 << " ms, bus bandwidth "
+                  << 2 * (w - 1) / w * double(big.numel()) * 4 / s / 1e9 << " GB/s" << std::endl;
+      }
       return failures ? 1 : 0;
     }
     if (scenario == "loop") {

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Runs kiln_parallel_worker as several processes and checks what they report.
 
-    run_workers.py WORKER collectives --world W [--mesh dp=2,ep=2]
+    run_workers.py WORKER collectives --world W [--mesh dp=2,ep=2] [--device cuda]
         W ranks on 127.0.0.1 (RANK, WORLD_SIZE, MASTER_ADDR, a free MASTER_PORT); every rank
         must exit 0 having passed all of its checks.
     run_workers.py WORKER kill --world W --victim R [--signal KILL|STOP]
@@ -36,7 +36,8 @@ def base_env():
 
 def spawn(worker, args, world, rank, port, out_dir):
     env = base_env()
-    env.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     log = open(os.path.join(out_dir, f"rank{rank}.log"), "w+")
     return subprocess.Popen([worker] + args, env=env, stdout=log, stderr=subprocess.STDOUT), log
 
@@ -57,7 +58,8 @@ def fail(msg, logs=()):
 def run_collectives(a, out_dir):
     port = free_port()
     mesh = ["--mesh", a.mesh] if a.mesh else []
-    procs = [spawn(a.worker, ["collectives"] + mesh, a.world, r, port, out_dir) for r in range(a.world)]
+    device = ["--device", a.device] if a.device != "cpu" else []
+    procs = [spawn(a.worker, ["collectives"] + mesh + device, a.world, r, port, out_dir) for r in range(a.world)]
     t0 = time.monotonic()
     codes = [p.wait(timeout=240) for p, _ in procs]
     logs = [(f"rank {r}", read(log)) for r, (_, log) in enumerate(procs)]
@@ -67,6 +69,9 @@ def run_collectives(a, out_dir):
         if "checks passed" not in text or "MISMATCH" in text:
             fail(f"{name} did not pass every check", logs)
         print(f"{name}: " + [l for l in text.splitlines() if "checks passed" in l][0])
+        for l in text.splitlines():
+            if "all_reduce" in l and "GB/s" in l:
+                print(f"{name}: {l}")
     print(f"ok: world {a.world} mesh {a.mesh or '-'} in {time.monotonic() - t0:.1f} s")
 
 
@@ -146,6 +151,7 @@ def main():
     p.add_argument("worker")
     p.add_argument("scenario", choices=["collectives", "kill", "torchrun"])
     p.add_argument("--world", type=int, default=2)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, NCCL")
     p.add_argument("--mesh", default="")
     p.add_argument("--victim", type=int, default=1)
     p.add_argument("--signal", choices=["KILL", "STOP"], default="KILL")
