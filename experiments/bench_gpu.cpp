@@ -162,6 +162,7 @@ int run_gpu_bench(const GpuBenchOptions& o) {
   eo.max_batch = o.rollout_prompts;
   eo.block_size = 16;
   eo.cache_blocks = o.rollout_prompts * ((o.rollout_prompt_tokens + o.rollout_new_tokens) / 16 + 2);
+  eo.absorbed_decode = o.absorbed_decode;
   rollout::Engine engine(engine_model, eo);
   std::vector<rollout::GenerationRequest> reqs;
   for (int64_t i = 0; i < o.rollout_prompts; ++i) {

@@ -24,6 +24,7 @@ struct GpuBenchOptions {
   int steps = 5, warmup = 2;
   double bucket_mib = 512;
   int64_t rollout_prompts = 32, rollout_prompt_tokens = 256, rollout_new_tokens = 32;
+  bool absorbed_decode = false;  ///< the engine's rollout.absorbed_decode
   std::string json_path, config_dir;
 };
 

@@ -2,8 +2,13 @@
 #include "messaging/stopwatch.hpp"
 
 #include <torch/torch.h>
+#ifdef KILN_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 
 #include "actors/rollout/engine.hpp"
@@ -11,7 +16,125 @@
 
 namespace kiln::experiments {
 
+namespace {
+
+// One (context, batch) point: the engine's median pure-decode step, in seconds, or -1 when the
+// device ran out of memory.
+double decode_step_seconds(const std::shared_ptr<model::CausalLM>& model, int64_t vocab, int64_t context, int64_t batch,
+                           int64_t new_tokens, bool absorbed) {
+  std::vector<rollout::GenerationRequest> reqs;
+  auto ids = torch::randint(3, vocab, {batch, context}, torch::kInt64);
+  for (int64_t i = 0; i < batch; ++i) {
+    rollout::GenerationRequest r;
+    r.id = uint64_t(i);
+    r.prompt.assign(ids[i].data_ptr<int64_t>(), ids[i].data_ptr<int64_t>() + context);
+    r.sampling.max_new_tokens = new_tokens;
+    r.sampling.seed = uint64_t(i);
+    reqs.push_back(std::move(r));
+  }
+  rollout::EngineOptions eo;
+  eo.block_size = 16;
+  eo.max_batch = batch;
+  eo.max_prefill_tokens = std::max<int64_t>(context, 65536);
+  eo.cache_blocks = batch * ((context + new_tokens + 15) / 16);
+  eo.absorbed_decode = absorbed;
+  try {
+    rollout::Engine engine(model, eo);
+    for (auto& r : reqs) engine.submit(std::move(r));
+    std::vector<double> decode;
+    while (engine.has_work()) {
+      const bool pure = engine.waiting() == 0;  // every running sequence has its prompt cached
+      const messaging::Stopwatch t;
+      engine.step();  // ends with the host read of the sampled tokens (synchronised)
+      if (pure) decode.push_back(t.seconds());
+    }
+    if (decode.size() < 3) return 0;
+    std::sort(decode.begin(), decode.end());
+    return decode[decode.size() / 2];
+  } catch (const c10::Error& e) {
+    if (std::string(e.what()).find("out of memory") == std::string::npos) throw;
+    return -1;
+  }
+}
+
+int run_rollout_bench_cuda(const RolloutBenchOptions& o) {
+  if (!torch::cuda::is_available()) {
+    std::fprintf(stderr, "kiln bench rollout: --device cuda: no CUDA device visible\n");
+    return 2;
+  }
+  const torch::Device dev(torch::kCUDA, 0);
+  torch::manual_seed(0);
+  double copy_gbs = 0;
+  {
+    auto src = torch::randn({int64_t(1) << 30}, torch::TensorOptions().device(dev).dtype(torch::kBFloat16));
+    auto dst = torch::empty_like(src);
+    std::vector<double> t;
+    for (int i = 0; i < 8; ++i) {
+      torch::cuda::synchronize();
+      const messaging::Stopwatch s;
+      dst.copy_(src);
+      torch::cuda::synchronize();
+      if (i >= 2) t.push_back(s.seconds());
+    }
+    std::sort(t.begin(), t.end());
+    copy_gbs = 2.0 * double(src.numel()) * 2 / t[t.size() / 2] / 1e9;  // read + write
+  }
+  const auto cfg = model::glm4_moe_lite::flavors::glm47_flash_layers(o.layers);
+  auto model = std::make_shared<model::glm4_moe_lite::Glm4MoeLiteModel>(cfg);
+  model->to(dev);
+  model->to_dtype(torch::kBFloat16);
+  // Bytes a decode step reads: every weight but the embedding table (B rows of it) and the
+  // routed experts (the share a batch touches), in bf16.
+  double dense_bytes = 0, expert_bytes = 0;
+  for (const auto& p : model->named_parameters()) {
+    const double b = double(p.value().numel()) * double(p.value().element_size());
+    if (p.key().rfind("embed", 0) == 0) continue;
+    if (p.key().find(".moe.experts.") != std::string::npos) expert_bytes += b;
+    else dense_bytes += b;
+  }
+  const double E = double(cfg.moe.num_experts), K = double(cfg.moe.top_k);
+  const double cache_entry = double(model->cache_width()) * 2.0 * double(cfg.num_hidden_layers);  // bytes per token
+  std::printf("kiln bench rollout: %s, GLM-4.7-Flash dims, %lld layers, bf16, %lld new tokens per request; copy rate "
+              "%.0f GB/s (read+write), weights %.2f GB (routed experts %.2f GB)\n",
+              torch::cuda::device_count() > 0 ? "CUDA" : "", (long long)o.layers, (long long)o.new_tokens, copy_gbs,
+              (dense_bytes + expert_bytes) / 1e9, expert_bytes / 1e9);
+  std::printf("%8s %6s %10s %12s %12s %11s %12s %12s %11s %9s\n", "context", "batch", "roofline", "expanded",
+              "tok/s", "of_limit", "absorbed", "tok/s", "of_limit", "speedup");
+  (void)decode_step_seconds(model, cfg.vocab_size, 64, 2, 4, false);  // warm-up: kernels, allocator
+  (void)decode_step_seconds(model, cfg.vocab_size, 64, 2, 4, true);
+  for (auto P : o.contexts)
+    for (auto B : o.batch_sizes) {
+      const double touched = E * (1.0 - std::pow(1.0 - K / E, double(B))) / E;
+      const double bytes = dense_bytes + expert_bytes * touched + double(B) * (double(P) + double(o.new_tokens) / 2) * cache_entry;
+      const double limit_s = bytes / (copy_gbs * 1e9);
+      double t[2];
+      for (int a = 0; a < 2; ++a) {
+        t[a] = decode_step_seconds(model, cfg.vocab_size, P, B, o.new_tokens, a == 1);
+#ifdef KILN_CUDA
+        c10::cuda::CUDACachingAllocator::emptyCache();  // the other mode's cache pages and buffers
+#endif
+      }
+      auto cell = [&](double s) {
+        char buf[64];
+        if (s < 0) std::snprintf(buf, sizeof buf, "%12s %12s %11s", "OOM", "-", "-");
+        else std::snprintf(buf, sizeof buf, "%10.2fms %12.0f %10.1f%%", s * 1e3, double(B) / s, 100.0 * limit_s / s);
+        return std::string(buf);
+      };
+      std::printf("%8lld %6lld %8.2fms %s %s %8.2fx\n", (long long)P, (long long)B, limit_s * 1e3, cell(t[0]).c_str(),
+                  cell(t[1]).c_str(), t[0] > 0 && t[1] > 0 ? t[0] / t[1] : 0.0);
+      std::fflush(stdout);
+    }
+  return 0;
+}
+
+}  // namespace
+
 int run_rollout_bench(const RolloutBenchOptions& o) {
+  if (o.device == "cuda") return run_rollout_bench_cuda(o);
+  if (o.device != "cpu") {
+    std::fprintf(stderr, "kiln bench rollout: --device must be cpu or cuda, not '%s'\n", o.device.c_str());
+    return 2;
+  }
   torch::manual_seed(0);
   auto model = std::make_shared<model::glm4_moe_lite::Glm4MoeLiteModel>(model::glm4_moe_lite::flavors::by_name(o.flavor));
   std::printf("kiln bench rollout: glm4_moe_lite/%s, prompt %lld tokens, %lld new tokens per request (no early stop), "

@@ -3,6 +3,15 @@
 // (paged latent cache, continuous batching) for several batch sizes on a glm4_moe_lite
 // flavor, beside a no-cache baseline (every step re-runs the packed forward over all live
 // sequences) measured in the same run on the same requests.
+//
+// `--device cuda`: GLM-4.7-Flash dimensions with `--layers` decoder layers, bf16, random
+// weights; for each context (prompt length) and batch size, the engine's decode step time
+// (median over steps in which every sequence decodes one token) with the cache expanded
+// through kv_b (the training kernels) and with absorbed (latent-space) decode, against the
+// roofline of the same step: bytes of weights read (lm_head, attention, dense MLP, shared
+// experts, and the routed experts a batch of that size touches: E * (1 - (1 - K/E)^B) of E,
+// uniform routing) plus the latent cache read, over the device-to-device copy rate measured in
+// the same run.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -14,6 +23,9 @@ struct RolloutBenchOptions {
   int64_t prompt_tokens = 16;
   int64_t new_tokens = 32;
   std::string flavor = "debug";
+  std::string device = "cpu";                    ///< "cpu" or "cuda"
+  int64_t layers = 4;                            ///< cuda: decoder layers at GLM-4.7-Flash dims
+  std::vector<int64_t> contexts = {1024, 8192};  ///< cuda: prompt lengths
 };
 
 int run_rollout_bench(const RolloutBenchOptions& options);

@@ -129,6 +129,7 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   integer("rollout.block_size", c.rollout.engine.block_size);
   integer("rollout.max_batch", c.rollout.engine.max_batch);
   integer("rollout.step_delay_ms", c.rollout.engine.step_delay_ms);
+  boolean("rollout.absorbed_decode", c.rollout.engine.absorbed_decode);
   real("weight_sync.bucket_mib", c.weight_sync.bucket_mib);
   text("placement.mode", c.placement.mode);
   integer("placement.rollout_engines", c.placement.rollout_engines);

@@ -61,7 +61,13 @@ int main(int argc, char** argv) {
   bench_rollout->add_option("--batch-sizes", ro.batch_sizes, "Batch sizes")->default_str("1 8 32 64")->check(CLI::Range(int64_t(1), int64_t(4096)));
   bench_rollout->add_option("--prompt-tokens", ro.prompt_tokens, "Prompt length")->check(CLI::Range(int64_t(1), int64_t(65536)));
   bench_rollout->add_option("--new-tokens", ro.new_tokens, "Tokens generated per request")->check(CLI::Range(int64_t(1), int64_t(65536)));
-  bench_rollout->add_option("--flavor", ro.flavor, "glm4_moe_lite flavor");
+  bench_rollout->add_option("--flavor", ro.flavor, "glm4_moe_lite flavor (cpu)");
+  bench_rollout->add_option("--device", ro.device, "cpu, or cuda: GLM-4.7-Flash dims, expanded vs absorbed decode vs the roofline")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  bench_rollout->add_option("--layers", ro.layers, "cuda: decoder layers at GLM-4.7-Flash dimensions (first dense)")
+      ->check(CLI::Range(int64_t(2), int64_t(47)));
+  bench_rollout->add_option("--contexts", ro.contexts, "cuda: prompt lengths")->default_str("1024 8192")
+      ->check(CLI::Range(int64_t(1), int64_t(131072)));
   kiln::experiments::GpuBenchOptions go;
   auto* bench_gpu = bench_cmd->add_subcommand("gpu", "bf16 training, log-probs, rollout and weight sync on one CUDA GPU vs its limits");
   bench_gpu->add_option("--layers", go.layers, "Decoder layers at GLM-4.7-Flash dimensions (first dense)")->check(CLI::Range(int64_t(2), int64_t(47)));
@@ -73,6 +79,7 @@ int main(int argc, char** argv) {
   bench_gpu->add_option("--rollout-prompt-tokens", go.rollout_prompt_tokens, "Prompt length")->check(CLI::Range(int64_t(1), int64_t(65536)));
   bench_gpu->add_option("--rollout-new-tokens", go.rollout_new_tokens, "Tokens generated per request")->check(CLI::Range(int64_t(1), int64_t(65536)));
   bench_gpu->add_option("--json", go.json_path, "Write every number as JSON here");
+  bench_gpu->add_flag("--absorbed-decode", go.absorbed_decode, "Rollout decode in latent space (rollout.absorbed_decode)");
   bench_gpu->add_option("--config-dir", go.config_dir, "Write the benchmarked model's HF config.json here");
   auto* model_cmd = app.add_subcommand("model", "Model packages and checkpoints");
   model_cmd->require_subcommand(1);
@@ -106,7 +113,10 @@ int main(int argc, char** argv) {
   }
   if (bench_msg->parsed()) return kiln::experiments::run_messaging_bench(mb);
 #ifdef KILN_WITH_TORCH
-  if (bench_rollout->parsed()) return kiln::experiments::run_rollout_bench(ro);
+  if (bench_rollout->parsed()) {
+    if (ro.device == "cuda" && bench_rollout->get_option("--batch-sizes")->count() == 0) ro.batch_sizes = {1, 32, 128, 256};
+    return kiln::experiments::run_rollout_bench(ro);
+  }
   if (bench_model->parsed()) return kiln::experiments::run_model_bench(mo);
   if (bench_gpu->parsed()) return kiln::experiments::run_gpu_bench(go);
   if (model_list->parsed()) return kiln::experiments::run_model_list(plugin_dir);

@@ -55,6 +55,9 @@ class CausalLM : public torch::nn::Module {
   virtual ForwardOutput forward_cached(const torch::Tensor& ids, const torch::Tensor& positions,
                                        const std::vector<CachedSlice>& slices, std::vector<torch::Tensor>& caches,
                                        bool want_experts) = 0;
+  /// Decode steps of forward_cached in latent space on CUDA too (MLAImpl::set_absorbed_decode);
+  /// off: the training path's kernels over expanded keys and values.
+  virtual void set_absorbed_decode(bool on) = 0;
   virtual int64_t num_layers() const = 0;
   virtual int64_t cache_width() const = 0;
   virtual int64_t vocab_size() const = 0;

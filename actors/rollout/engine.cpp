@@ -50,6 +50,7 @@ Engine::Engine(std::shared_ptr<model::CausalLM> model, EngineOptions options) : 
   if (o_.cache_blocks < 1 || o_.block_size < 1 || o_.max_batch < 1 || o_.max_prefill_tokens < 1 || o_.step_delay_ms < 0)
     throw std::invalid_argument("engine: cache_blocks, block_size, max_batch and max_prefill_tokens must be >= 1, "
                                 "step_delay_ms >= 0");
+  model_->set_absorbed_decode(o_.absorbed_decode);
   auto w = model_->lm_head_weight();
   for (int64_t l = 0; l < model_->num_layers(); ++l)
     caches_.push_back(torch::zeros({o_.cache_blocks, o_.block_size, model_->cache_width()}, w.options()));

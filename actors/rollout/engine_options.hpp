@@ -13,7 +13,11 @@ struct EngineOptions {
   int64_t max_batch = 64;             ///< sequences decoding at once
   int64_t max_prefill_tokens = 8192;  ///< prompt tokens admitted per step
   int64_t step_delay_ms = 0;          ///< testing: sleep after each step that did work (slow rollouts)
-  MSGPACK_DEFINE_MAP(cache_blocks, block_size, max_batch, max_prefill_tokens, step_delay_ms);
+  /// CUDA: decode steps attend in latent space over the cache (CausalLM::set_absorbed_decode)
+  /// instead of expanding every cached latent through kv_b (faster; log-probs further from
+  /// the trainer's). CPU engines always attend in latent space.
+  bool absorbed_decode = false;
+  MSGPACK_DEFINE_MAP(cache_blocks, block_size, max_batch, max_prefill_tokens, step_delay_ms, absorbed_decode);
 };
 
 }  // namespace kiln::rollout

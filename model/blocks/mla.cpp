@@ -1,5 +1,7 @@
 #include "model/blocks/mla.hpp"
 
+#include <algorithm>
+
 #include "kernels/attention.hpp"
 
 namespace kiln::model {
@@ -94,7 +96,8 @@ torch::Tensor MLAImpl::forward_cached(const torch::Tensor& x, const torch::Tenso
     }
   auto slot_t = torch::tensor(new_slots, torch::kInt64).to(x.device());
   flat.index_copy_(0, slot_t, torch::cat({latent, k_rope}, -1).to(cache.scalar_type()));
-  if (x.is_cuda() && cache.scalar_type() == x.scalar_type()) {
+  const bool decode = std::all_of(slices.begin(), slices.end(), [](const CachedSlice& s) { return s.count == 1; });
+  if (x.is_cuda() && cache.scalar_type() == x.scalar_type() && !(absorbed_decode_ && decode)) {
     auto q_full = torch::cat({q_nope, q_rope}, -1);                                            // [N, H, Nd+R]
     if (kernels::varlen_attention_uses_flash(q_full, q_full)) return cached_expanded(q_full, slices, cache);
   }

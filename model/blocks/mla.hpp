@@ -44,15 +44,22 @@ class MLAImpl : public torch::nn::Module {
   /// -> [N, D]. Inference only (no autograd through the cache).
   torch::Tensor forward_cached(const torch::Tensor& x, const torch::Tensor& positions,
                                const std::vector<CachedSlice>& slices, torch::Tensor& cache);
-  /// On CUDA in bf16/fp16, forward_cached does not absorb: it expands the cached latents
-  /// through kv_b and runs the training path's FlashAttention kernel (cached_expanded), so that
-  /// rollout log-probs match training's; elsewhere the absorbed latent-space form above.
+  /// On CUDA in bf16/fp16, forward_cached does not absorb by default: it expands the cached
+  /// latents through kv_b and runs the training path's FlashAttention kernel
+  /// (cached_expanded), so that rollout log-probs match training's (at the cost of a kv_b GEMM
+  /// over every cached token per step); elsewhere the absorbed latent-space form above. With
+  /// set_absorbed_decode(true), steps in which every slice adds one token (decode) take the
+  /// absorbed form on CUDA too, reading each cached latent instead of expanding it; prefill
+  /// keeps FlashAttention. Absorbed decode rounds differently from training (bf16 products in
+  /// another order): rollout log-probs then differ from the trainer's by more.
+  void set_absorbed_decode(bool on) { absorbed_decode_ = on; }
   /// Width of one cache entry: kv_lora_rank + qk_rope_head_dim.
   int64_t cache_width() const { return o_.kv_lora_rank + o_.qk_rope_head_dim; }
 
   torch::nn::Linear q{nullptr};     ///< [H*(N+R), D], when q_lora_rank is null
  private:
   torch::Tensor cached_expanded(const torch::Tensor& q, const std::vector<CachedSlice>& slices, torch::Tensor& cache);
+  bool absorbed_decode_ = false;
 
  public:
   torch::nn::Linear q_a{nullptr};   ///< [Q, D]

@@ -51,6 +51,9 @@ class Glm4MoeLiteModel : public CausalLM {
   void load_hf_tensors(const std::vector<messaging::Tensor>& tensors) override;
   std::vector<messaging::Tensor> hf_state_dict() override;
   std::vector<std::vector<std::string>> weight_sync_groups(bool hf_names = true) const override;
+  void set_absorbed_decode(bool on) override {
+    for (auto& l : layers) l->attn->set_absorbed_decode(on);
+  }
   ForwardOutput forward_cached(const torch::Tensor& ids, const torch::Tensor& positions,
                                const std::vector<CachedSlice>& slices, std::vector<torch::Tensor>& caches,
                                bool want_experts) override;

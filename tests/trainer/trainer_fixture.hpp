@@ -22,8 +22,9 @@ inline std::shared_ptr<model::glm4_moe_lite::Glm4MoeLiteModel> debug_model(uint6
 /// request ids and `even` on even ones.
 inline std::vector<trainer::Sample> generate_samples(std::shared_ptr<model::CausalLM> m,
                                                      const std::vector<rollout::GenerationRequest>& requests,
-                                                     float odd, float even) {
-  rollout::Engine engine(m, rollout::EngineOptions{});
+                                                     float odd, float even,
+                                                     const rollout::EngineOptions& options = {}) {
+  rollout::Engine engine(m, options);
   std::vector<trainer::Sample> out;
   for (auto& c : engine.generate(requests)) {
     trainer::Sample s;
@@ -40,7 +41,8 @@ inline std::vector<trainer::Sample> generate_samples(std::shared_ptr<model::Caus
 /// `count` rollouts (prompts {3+i, 4+i, 5, 6+2i}, 3 + i % 4 new tokens, seed 100 + i), with
 /// advantage +1 on odd ids and -0.5 on even ones.
 inline std::vector<trainer::Sample> rollout_samples(std::shared_ptr<model::CausalLM> m, int count,
-                                                    double temperature = 1.0) {
+                                                    double temperature = 1.0,
+                                                    const rollout::EngineOptions& options = {}) {
   std::vector<rollout::GenerationRequest> reqs;
   for (int i = 0; i < count; ++i) {
     rollout::GenerationRequest r;
@@ -51,7 +53,7 @@ inline std::vector<trainer::Sample> rollout_samples(std::shared_ptr<model::Causa
     r.sampling.temperature = temperature;
     reqs.push_back(r);
   }
-  return generate_samples(m, reqs, 1.0f, -0.5f);
+  return generate_samples(m, reqs, 1.0f, -0.5f, options);
 }
 
 /// Everything a Trainer's step may change, copied: the policy's parameters, the master
