@@ -302,9 +302,14 @@ void RemoteEngines::load(const PolicyWeights& w, TrainerHandle& trainer) {
     // again (the send may have stopped at the lost one; a version sent twice is applied twice).
     std::vector<std::string> living;
     bool restarted = false;
-    for (std::size_t i = 0; i < nodes_.size(); ++i)
-      if (nodes_[i]->alive()) living.push_back(nodes_[i]->actor());
-      else restart(i, e.what()), restarted = true;
+    for (std::size_t i = 0; i < nodes_.size(); ++i) {
+      if (nodes_[i]->alive()) {
+        living.push_back(nodes_[i]->actor());
+        continue;
+      }
+      restart(i, e.what());
+      restarted = true;
+    }
     if (!restarted) throw named(e.what());
     try {
       if (!living.empty()) trainer.send(w, living);
