@@ -47,38 +47,106 @@ torch::Tensor MLAImpl::forward(const torch::Tensor& x, const torch::Tensor& posi
   return o(attn.reshape({T, H * V}));
 }
 
+CachedLayout::CachedLayout(const std::vector<CachedSlice>& slices, int64_t block_size, torch::Device device)
+    : slices_(&slices), block_size_(block_size), device_(device) {
+  std::vector<int64_t> rows;
+  for (const auto& s : slices) {
+    decode_ = decode_ && s.count == 1;
+    for (int64_t j = 0; j < s.count; ++j) {
+      const int64_t pos = s.cached + j;
+      rows.push_back((*s.blocks)[pos / block_size] * block_size + pos % block_size);
+    }
+  }
+  new_slots_ = torch::tensor(rows, torch::kInt64).to(device);
+}
+
+// [B, s_max]: cache row of every position p < s_max of every slice (0 at and past its length),
+// computed on the device from the slices' block tables (one small copy per step).
+torch::Tensor CachedLayout::key_slots_padded(int64_t s_max) const {
+  const int64_t B = int64_t(slices_->size()), BS = block_size_, nb = (s_max + BS - 1) / BS;
+  std::vector<int64_t> table(static_cast<std::size_t>(B * nb), 0), lengths(static_cast<std::size_t>(B), 0);
+  for (int64_t b = 0; b < B; ++b) {
+    const auto& s = (*slices_)[std::size_t(b)];
+    lengths[std::size_t(b)] = s.cached + s.count;
+    const int64_t used = (lengths[std::size_t(b)] + BS - 1) / BS;
+    for (int64_t k = 0; k < used; ++k) table[std::size_t(b * nb + k)] = (*s.blocks)[std::size_t(k)];
+  }
+  auto i64 = [&](const std::vector<int64_t>& v) { return torch::tensor(v, torch::kInt64).to(device_); };
+  auto p = torch::arange(s_max, torch::TensorOptions().dtype(torch::kInt64).device(device_)).view({1, s_max});
+  auto slots = i64(table).view({B, nb}).index_select(1, p.view({-1}).div(BS, "floor")) * BS + p.remainder(BS);
+  return slots.masked_fill(p >= i64(lengths).view({B, 1}), 0);  // [B, s_max]
+}
+
+const CachedLayout::Varlen& CachedLayout::varlen() const {
+  if (varlen_) return *varlen_;
+  Varlen v;
+  std::vector<int64_t> cu_q{0}, cu_k{0};
+  for (const auto& s : *slices_) {
+    cu_q.push_back(cu_q.back() + s.count);
+    cu_k.push_back(cu_k.back() + s.cached + s.count);
+    v.max_q = std::max(v.max_q, s.count);
+    v.max_k = std::max(v.max_k, s.cached + s.count);
+  }
+  auto padded = key_slots_padded(v.max_k);  // [B, max_k]
+  auto p = torch::arange(v.max_k, torch::TensorOptions().dtype(torch::kInt64).device(device_)).view({1, -1});
+  auto lengths = (torch::tensor(cu_k, torch::kInt64).diff()).to(device_).view({-1, 1});
+  v.key_slots = padded.masked_select(p < lengths);  // [Tk], row-major: slices in order
+  v.cu_q = torch::tensor(cu_q, torch::kInt64);
+  v.cu_k = torch::tensor(cu_k, torch::kInt64);
+  varlen_ = std::move(v);
+  return *varlen_;
+}
+
+const CachedLayout::Padded& CachedLayout::padded() const {
+  if (padded_) return *padded_;
+  Padded d;
+  const int64_t B = int64_t(slices_->size());
+  for (const auto& s : *slices_) {
+    d.n_max = std::max(d.n_max, s.count);
+    d.s_max = std::max(d.s_max, s.cached + s.count);
+  }
+  std::vector<int64_t> query_rows(static_cast<std::size_t>(B * d.n_max), 0), cached(static_cast<std::size_t>(B), 0),
+      counts(static_cast<std::size_t>(B), 0), keep;
+  for (int64_t b = 0; b < B; ++b) {
+    const auto& s = (*slices_)[std::size_t(b)];
+    cached[std::size_t(b)] = s.cached;
+    counts[std::size_t(b)] = s.count;
+    for (int64_t j = 0; j < s.count; ++j) {
+      query_rows[std::size_t(b * d.n_max + j)] = s.start + j;
+      keep.push_back(b * d.n_max + j);  // slices cover the step's rows in order
+    }
+  }
+  auto i64 = [&](const std::vector<int64_t>& v) { return torch::tensor(v, torch::kInt64).to(device_); };
+  d.key_slots = key_slots_padded(d.s_max).view({-1});
+  d.query_rows = i64(query_rows);
+  d.cached = i64(cached);
+  d.counts = i64(counts);
+  d.keep = i64(keep);
+  padded_ = std::move(d);
+  return *padded_;
+}
+
 // The training path's arithmetic on cached latents: expand each sequence's latents through
 // kv_b to per-head keys and values (as forward() does for the whole document) and run the
 // same FlashAttention kernel, end-aligned causal. Costs a kv_b GEMM over every cached token per
 // step, but rollout log-probs then follow the trainer's (same roundings, same kernel).
-torch::Tensor MLAImpl::cached_expanded(const torch::Tensor& q, const std::vector<CachedSlice>& slices,
-                                       torch::Tensor& cache) {
+torch::Tensor MLAImpl::cached_expanded(const torch::Tensor& q, const CachedLayout& layout, torch::Tensor& cache) {
   const int64_t H = o_.num_heads, Nd = o_.qk_nope_head_dim, R = o_.qk_rope_head_dim, V = o_.v_head_dim,
-                C = o_.kv_lora_rank, BS = cache.size(1);
-  std::vector<int64_t> slots, cu_q{0}, cu_k{0};
-  int64_t max_q = 0, max_k = 0;
-  for (const auto& s : slices) {
-    const int64_t L = s.cached + s.count;
-    for (int64_t p = 0; p < L; ++p) slots.push_back((*s.blocks)[p / BS] * BS + p % BS);
-    cu_q.push_back(cu_q.back() + s.count);
-    cu_k.push_back(cu_k.back() + L);
-    max_q = std::max(max_q, s.count);
-    max_k = std::max(max_k, L);
-  }
-  const auto dev = q.device();
-  auto kv = cache.view({-1, C + R}).index_select(0, torch::tensor(slots, torch::kInt64).to(dev));  // [Tk, C+R]
+                C = o_.kv_lora_rank;
+  const auto& L = layout.varlen();
+  auto kv = cache.view({-1, C + R}).index_select(0, L.key_slots);                                // [Tk, C+R]
   const int64_t Tk = kv.size(0);
   auto kvb = kv_b(kv.narrow(-1, 0, C)).view({Tk, H, Nd + V});                                     // [Tk, H, Nd+V]
   auto k = torch::cat({kvb.narrow(-1, 0, Nd), kv.narrow(-1, C, R).unsqueeze(1).expand({Tk, H, R})}, -1);
-  auto attn = kernels::varlen_attention_cached(q, k, kvb.narrow(-1, Nd, V), torch::tensor(cu_q), torch::tensor(cu_k),
-                                               o_.softmax_scale, max_q, max_k);                   // [N, H, V]
+  auto attn = kernels::varlen_attention_cached(q, k, kvb.narrow(-1, Nd, V), L.cu_q, L.cu_k, o_.softmax_scale, L.max_q,
+                                               L.max_k);                                          // [N, H, V]
   return o(attn.reshape({q.size(0), H * V}));
 }
 
-torch::Tensor MLAImpl::forward_cached(const torch::Tensor& x, const torch::Tensor& positions,
-                                     const std::vector<CachedSlice>& slices, torch::Tensor& cache) {
+torch::Tensor MLAImpl::forward_cached(const torch::Tensor& x, const torch::Tensor& positions, const CachedLayout& layout,
+                                     torch::Tensor& cache) {
   const int64_t N = x.size(0), H = o_.num_heads, Nd = o_.qk_nope_head_dim, R = o_.qk_rope_head_dim,
-                V = o_.v_head_dim, C = o_.kv_lora_rank, BS = cache.size(1);
+                V = o_.v_head_dim, C = o_.kv_lora_rank;
   auto qs = (q_a ? q_b(q_a_norm(q_a(x))) : q(x)).view({N, H, Nd + R});                        // [N, H, Nd+R]
   auto q_nope = qs.narrow(-1, 0, Nd);
   auto q_rope = apply_rope(qs.narrow(-1, Nd, R), positions, o_.rope_theta, o_.rope_interleave);  // [N, H, R]
@@ -87,66 +155,37 @@ torch::Tensor MLAImpl::forward_cached(const torch::Tensor& x, const torch::Tenso
   auto k_rope = apply_rope(ckv.narrow(-1, C, R).unsqueeze(1), positions, o_.rope_theta, o_.rope_interleave).squeeze(1);
   // Write the new entries into their pages.
   auto flat = cache.view({-1, C + R});                                                         // [blocks*BS, C+R]
-  std::vector<int64_t> new_slots;
-  new_slots.reserve(N);
-  for (const auto& s : slices)
-    for (int64_t j = 0; j < s.count; ++j) {
-      int64_t pos = s.cached + j;
-      new_slots.push_back((*s.blocks)[pos / BS] * BS + pos % BS);
-    }
-  auto slot_t = torch::tensor(new_slots, torch::kInt64).to(x.device());
-  flat.index_copy_(0, slot_t, torch::cat({latent, k_rope}, -1).to(cache.scalar_type()));
-  const bool decode = std::all_of(slices.begin(), slices.end(), [](const CachedSlice& s) { return s.count == 1; });
-  if (x.is_cuda() && cache.scalar_type() == x.scalar_type() && !(absorbed_decode_ && decode)) {
+  flat.index_copy_(0, layout.new_slots(), torch::cat({latent, k_rope}, -1).to(cache.scalar_type()));
+  if (x.is_cuda() && cache.scalar_type() == x.scalar_type() && !(absorbed_decode_ && layout.decode())) {
     auto q_full = torch::cat({q_nope, q_rope}, -1);                                            // [N, H, Nd+R]
-    if (kernels::varlen_attention_uses_flash(q_full, q_full)) return cached_expanded(q_full, slices, cache);
+    if (kernels::varlen_attention_uses_flash(q_full, q_full)) return cached_expanded(q_full, layout, cache);
   }
   // Absorb kv_b: W [H, Nd+V, C] -> key part W_uk [H, Nd, C], value part W_uv [H, V, C].
   auto w = kv_b->weight.view({H, Nd + V, C});
   auto w_uk = w.narrow(1, 0, Nd), w_uv = w.narrow(1, Nd, V);
   auto q_lat = torch::einsum("nhd,hdc->nhc", {q_nope, w_uk});                                 // [N, H, C]
-  // All slices in one padded batch: B slices, up to n_max new tokens and S_max keys each.
-  const int64_t B = int64_t(slices.size());
-  int64_t n_max = 0, s_max = 0;
-  for (const auto& s : slices) {
-    n_max = std::max(n_max, s.count);
-    s_max = std::max(s_max, s.cached + s.count);
-  }
-  std::vector<int64_t> key_slots(B * s_max, 0), query_rows(B * n_max, 0), cached(B), counts(B), lengths(B);
-  for (int64_t b = 0; b < B; ++b) {
-    const auto& s = slices[b];
-    cached[b] = s.cached;
-    counts[b] = s.count;
-    lengths[b] = s.cached + s.count;
-    for (int64_t p = 0; p < lengths[b]; ++p) key_slots[b * s_max + p] = (*s.blocks)[p / BS] * BS + p % BS;
-    for (int64_t j = 0; j < s.count; ++j) query_rows[b * n_max + j] = s.start + j;
-  }
+  // All slices in one padded batch: B slices, up to n_max new tokens and s_max keys each.
+  const auto& P = layout.padded();
+  const int64_t B = int64_t(layout.slices().size()), n_max = P.n_max, s_max = P.s_max;
   auto dev = x.device();
-  auto i64 = [&](const std::vector<int64_t>& v) { return torch::tensor(v, torch::kInt64).to(dev); };
-  auto kv = flat.index_select(0, i64(key_slots)).view({B, s_max, C + R}).to(x.scalar_type());  // [B, S, C+R]
+  auto kv = flat.index_select(0, P.key_slots).view({B, s_max, C + R}).to(x.scalar_type());    // [B, S, C+R]
   auto lat = kv.narrow(-1, 0, C), kr = kv.narrow(-1, C, R);
-  auto rows = i64(query_rows);
-  auto ql = q_lat.index_select(0, rows).view({B, n_max, H, C});                                  // [B, n, H, C]
-  auto qr = q_rope.index_select(0, rows).view({B, n_max, H, R});                                 // [B, n, H, R]
+  auto ql = q_lat.index_select(0, P.query_rows).view({B, n_max, H, C});                         // [B, n, H, C]
+  auto qr = q_rope.index_select(0, P.query_rows).view({B, n_max, H, R});                        // [B, n, H, R]
   auto scores = (torch::einsum("bnhc,bsc->bhns", {ql, lat}) + torch::einsum("bnhr,bsr->bhns", {qr, kr})) *
                 o_.softmax_scale;                                                                // [B, H, n, S]
   // Query j of slice b sits at position cached_b + j and sees keys 0..cached_b + j; padded
   // queries see key 0 only (their rows are dropped below).
   auto jpos = torch::arange(n_max, torch::kInt64).to(dev).view({1, n_max, 1});
   auto kpos = torch::arange(s_max, torch::kInt64).to(dev).view({1, 1, s_max});
-  auto qpos = i64(cached).view({B, 1, 1}) + jpos;                                                 // [B, n, 1]
-  auto padded_q = jpos >= i64(counts).view({B, 1, 1});                                            // [B, n, 1]
+  auto qpos = P.cached.view({B, 1, 1}) + jpos;                                                   // [B, n, 1]
+  auto padded_q = jpos >= P.counts.view({B, 1, 1});                                              // [B, n, 1]
   auto visible = (kpos <= qpos) | (padded_q & (kpos == 0));                                       // [B, n, S]
   scores = scores.masked_fill(~visible.unsqueeze(1), -std::numeric_limits<float>::infinity());
   auto p = torch::softmax(scores.to(torch::kFloat32), -1).to(x.scalar_type());                  // [B, H, n, S]
   auto o_lat = torch::einsum("bhns,bsc->bnhc", {p, lat});                                        // [B, n, H, C]
   auto out = torch::einsum("bnhc,hvc->bnhv", {o_lat, w_uv}).reshape({B * n_max, H * V});        // [B*n, H*V]
-  std::vector<int64_t> keep;
-  keep.reserve(N);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t j = 0; j < counts[b]; ++j) keep.push_back(b * n_max + j);
-  // Slices cover the step's rows in order, so the kept rows are rows 0..N-1.
-  return o(out.index_select(0, i64(keep)));
+  return o(out.index_select(0, P.keep));  // rows 0..N-1
 }
 
 }  // namespace kiln::model

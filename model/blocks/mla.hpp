@@ -27,6 +27,49 @@ struct CachedSlice {
   const std::vector<int64_t>* blocks = nullptr;
 };
 
+/// Where a cached step's tokens and keys sit in the paged cache, as index tensors on the
+/// model's device. Built once per step (CachedLayout(slices, block_size, device)) and shared by
+/// every layer, whose caches are laid out alike; each form is made on first use. Legend: B
+/// slices, N new tokens in all, Tk cached + new tokens in all, n_max / s_max the most new /
+/// total tokens of one slice.
+class CachedLayout {
+ public:
+  CachedLayout(const std::vector<CachedSlice>& slices, int64_t block_size, torch::Device device);
+  const std::vector<CachedSlice>& slices() const { return *slices_; }
+  /// Every slice adds one token (a decode step).
+  bool decode() const { return decode_; }
+  /// [N] int64: the cache rows (block * block_size + offset) the new tokens are written to.
+  const torch::Tensor& new_slots() const { return new_slots_; }
+
+  /// Varlen form (the training kernels): each slice's rows 0..L-1, slices in order.
+  struct Varlen {
+    torch::Tensor key_slots;  ///< [Tk] int64 cache rows
+    torch::Tensor cu_q, cu_k;  ///< [B+1] int64 (host): offsets of the new tokens / the keys
+    int64_t max_q = 0, max_k = 0;
+  };
+  const Varlen& varlen() const;
+
+  /// Padded form (latent-space attention): B x s_max keys, B x n_max queries.
+  struct Padded {
+    int64_t n_max = 0, s_max = 0;
+    torch::Tensor key_slots;   ///< [B*s_max] int64 cache rows (row 0 past a slice's length)
+    torch::Tensor query_rows;  ///< [B*n_max] int64 rows of the step's tokens (0 for padding)
+    torch::Tensor cached, counts;  ///< [B] int64
+    torch::Tensor keep;        ///< [N] int64: the padded rows that are real tokens, in step order
+  };
+  const Padded& padded() const;
+
+ private:
+  torch::Tensor key_slots_padded(int64_t s_max) const;  // [B, s_max], from the block tables
+  const std::vector<CachedSlice>* slices_;
+  int64_t block_size_;
+  torch::Device device_;
+  bool decode_ = true;
+  torch::Tensor new_slots_;
+  mutable std::optional<Varlen> varlen_;
+  mutable std::optional<Padded> padded_;
+};
+
 class MLAImpl : public torch::nn::Module {
  public:
   explicit MLAImpl(const MLAOptions& opt);
@@ -42,8 +85,8 @@ class MLAImpl : public torch::nn::Module {
   /// holding per token the normed latent [C] then the roped shared key [R]; the new tokens'
   /// entries are written into it. Each slice attends causally to its cached and new tokens.
   /// -> [N, D]. Inference only (no autograd through the cache).
-  torch::Tensor forward_cached(const torch::Tensor& x, const torch::Tensor& positions,
-                               const std::vector<CachedSlice>& slices, torch::Tensor& cache);
+  torch::Tensor forward_cached(const torch::Tensor& x, const torch::Tensor& positions, const CachedLayout& layout,
+                               torch::Tensor& cache);
   /// On CUDA in bf16/fp16, forward_cached does not absorb by default: it expands the cached
   /// latents through kv_b and runs the training path's FlashAttention kernel
   /// (cached_expanded), so that rollout log-probs match training's (at the cost of a kv_b GEMM
@@ -58,7 +101,7 @@ class MLAImpl : public torch::nn::Module {
 
   torch::nn::Linear q{nullptr};     ///< [H*(N+R), D], when q_lora_rank is null
  private:
-  torch::Tensor cached_expanded(const torch::Tensor& q, const std::vector<CachedSlice>& slices, torch::Tensor& cache);
+  torch::Tensor cached_expanded(const torch::Tensor& q, const CachedLayout& layout, torch::Tensor& cache);
   bool absorbed_decode_ = false;
 
  public:

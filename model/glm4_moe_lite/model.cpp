@@ -36,9 +36,9 @@ torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const torch::Ten
 }
 
 torch::Tensor DecoderLayerImpl::forward_cached(const torch::Tensor& x, const torch::Tensor& positions,
-                                               const std::vector<CachedSlice>& slices, torch::Tensor& cache,
+                                               const CachedLayout& layout, torch::Tensor& cache,
                                                torch::Tensor* expert_ids_out) {
-  auto h = x + attn->forward_cached(attn_norm(x), positions, slices, cache);
+  auto h = x + attn->forward_cached(attn_norm(x), positions, layout, cache);
   auto y = mlp_norm(h);
   return h + (moe ? moe(y, std::nullopt, expert_ids_out) : mlp(y));
 }
@@ -120,9 +120,10 @@ ForwardOutput Glm4MoeLiteModel::forward_cached(const torch::Tensor& ids, const t
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> ids_per_layer;
   auto x = embed(ids);
+  const CachedLayout layout(slices, caches.front().size(1), ids.device());  // the same pages in every layer
   for (std::size_t l = 0; l < layers.size(); ++l) {
     torch::Tensor chosen;
-    x = layers[l]->forward_cached(x, positions, slices, caches[l], layers[l]->is_moe() && want_experts ? &chosen : nullptr);
+    x = layers[l]->forward_cached(x, positions, layout, caches[l], layers[l]->is_moe() && want_experts ? &chosen : nullptr);
     if (layers[l]->is_moe() && want_experts) ids_per_layer.push_back(chosen);
   }
   ForwardOutput out;

@@ -23,8 +23,8 @@ class DecoderLayerImpl : public torch::nn::Module {
                         int64_t max_seqlen, const std::optional<torch::Tensor>& replay_ids_TK,
                         torch::Tensor* expert_ids_out);
   /// Incremental step (MLAImpl::forward_cached); expert ids as in forward().
-  torch::Tensor forward_cached(const torch::Tensor& x, const torch::Tensor& positions,
-                               const std::vector<CachedSlice>& slices, torch::Tensor& cache,
+  torch::Tensor forward_cached(const torch::Tensor& x, const torch::Tensor& positions, const CachedLayout& layout,
+                               torch::Tensor& cache,
                                torch::Tensor* expert_ids_out);
   bool is_moe() const { return !moe.is_empty(); }
   RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
