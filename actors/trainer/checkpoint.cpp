@@ -7,8 +7,21 @@
 
 namespace kiln::trainer {
 
+namespace {
+// A data-parallel trainer's optimizer state and masters are sharded over its ranks: saving one
+// rank's shard as if it were the whole state, or loading a whole state into a shard, would make
+// a checkpoint that resumes wrong without saying so.
+void refuse_sharded(const Trainer& trainer, const char* what, const std::filesystem::path& dir) {
+  if (const auto* dp = trainer.data_parallel())
+    throw std::invalid_argument(std::string(what) + " '" + dir.string() + "': the trainer is data-parallel (group '" +
+                                dp->name() + "', " + std::to_string(dp->size()) +
+                                " ranks) with sharded optimizer state, and sharded checkpoints are not supported yet");
+}
+}  // namespace
+
 void save_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, Trainer& trainer,
                      const CheckpointState& state) {
+  refuse_sharded(trainer, "save_checkpoint", dir);
   namespace fs = std::filesystem;
   // Written beside the target, then renamed into place: a writer that dies midway leaves a
   // ".partial" directory, never a checkpoint directory that lacks files.
@@ -46,6 +59,7 @@ CheckpointState read_checkpoint_state(const std::filesystem::path& dir) {
 }
 
 CheckpointState load_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, Trainer& trainer) {
+  refuse_sharded(trainer, "load_checkpoint", dir);
   auto st = read_checkpoint_state(dir);
   policy.load_hf_checkpoint(dir.string());
   // LibTorch's errors carry a C++ backtrace: keep the message, name the file.

@@ -21,7 +21,8 @@ struct CheckpointState {
 
 /// Writes the checkpoint into `dir`: first into `dir.partial`, renamed to `dir` once complete
 /// (replacing an older `dir`), so a writer killed midway leaves no incomplete `dir`. Throws
-/// std::runtime_error / std::filesystem::filesystem_error on I/O errors.
+/// std::runtime_error / std::filesystem::filesystem_error on I/O errors, std::invalid_argument
+/// for a data-parallel trainer (sharded checkpoints are not supported yet).
 void save_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, Trainer& trainer,
                      const CheckpointState& state);
 
@@ -33,7 +34,7 @@ CheckpointState read_checkpoint_state(const std::filesystem::path& dir);
 /// `trainer` (whose version becomes the saved one) and returns the loop state. Throws
 /// std::invalid_argument naming the directory and what is missing or does not fit (no
 /// state.json, an unreadable optimizer.pt, a master_weights.pt of another policy, a policy of
-/// other shapes).
+/// other shapes, a data-parallel trainer: sharded checkpoints are not supported yet).
 CheckpointState load_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, Trainer& trainer);
 
 }  // namespace kiln::trainer
