@@ -1,0 +1,243 @@
+// One rank of the data-parallel trainer test (tests/parallel/run_workers.py WORKER run --world W
+// -- CASE starts W of them on 127.0.0.1). Every rank builds the seeded debug model twice: a
+// one-rank Trainer (the world-1 reference, computed on every rank from the same batch) and a
+// Trainer over the dp group (dp = world), feeds both the same deterministic random batches and
+// checks, after every step:
+//   - the metrics are equal on every rank, bit for bit, and equal to the reference's;
+//   - the whole gradient (this rank's shard, all-gathered) equals the reference's;
+//   - every rank's parameters are equal, bit for bit, and equal the reference's;
+// (relative error = ||got - want|| / ||want|| <= 1e-5, fp32). Cases:
+//   token_mean     KL (k3) and entropy terms, old log-probs given, no clipping, 3 steps
+//   sequence_mean  pi_old from the forward (ratio 1), TIS weights, no clipping, 3 steps
+//   clip           gradient-norm clipping active on every step (checked), 3 steps
+//   few_samples    3 samples per step (at world 4 a rank trains on none), 3 steps
+//   nonfinite      a NaN behaviour log-prob: every rank refuses the batch and nothing changes;
+//                  a sample whose loss overflows (-inf), trained by one rank only: every rank
+//                  skips the step and nothing changes anywhere; then 2 more steps stay equal
+// Prints "rank R: X of Y checks passed"; exit 0 when every check passed, 1 otherwise.
+#include <cmath>
+#include <iostream>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <string>
+
+#include "actors/trainer/trainer.hpp"
+#include "parallel/process_group.hpp"
+#include "trainer_fixture.hpp"
+
+using namespace kiln;
+using namespace kiln::trainer;
+
+namespace {
+
+constexpr double kTolerance = 1e-5;
+int checks = 0, failures = 0, rank = -1;
+
+void expect(bool ok, const std::string& what) {
+  ++checks;
+  if (ok) return;
+  ++failures;
+  std::cerr << "rank " << rank << " MISMATCH " << what << std::endl;
+}
+
+double relative_error(const torch::Tensor& got, const torch::Tensor& want) {
+  const double denom = want.to(torch::kFloat64).norm().item<double>();
+  const double diff = (got.to(torch::kFloat64) - want.to(torch::kFloat64)).norm().item<double>();
+  return denom > 0 ? diff / denom : diff;
+}
+
+void expect_close(double got, double want, const std::string& what) {
+  const double err = std::abs(got - want) / std::max(std::abs(want), 1e-12);
+  std::ostringstream s;
+  s << what << ": got " << got << ", one rank " << want << " (relative error " << err << ")";
+  expect(err <= kTolerance || got == want || (std::isnan(got) && std::isnan(want)), s.str());
+}
+
+// Deterministic random samples, the same on every rank: lengths vary, ids in [2, vocab).
+std::vector<Sample> make_batch(uint64_t seed, int count, int64_t vocab, bool with_old) {
+  std::mt19937_64 rng(seed);
+  auto uniform = [&](double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(rng); };
+  auto integer = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  std::vector<Sample> out(static_cast<std::size_t>(count));
+  for (auto& s : out) {
+    for (int64_t k = integer(2, 9); k > 0; --k) s.prompt.push_back(integer(2, vocab - 1));
+    for (int64_t k = integer(1, 12); k > 0; --k) {
+      s.completion.push_back(integer(2, vocab - 1));
+      s.behavior_logprobs.push_back(float(uniform(-6.0, -3.5)));
+      s.ref_logprobs.push_back(float(uniform(-6.0, -3.5)));
+      if (with_old) s.old_logprobs.push_back(float(uniform(-5.2, -4.0)));
+    }
+    s.advantage = float(uniform(-1.5, 1.5));
+  }
+  return out;
+}
+
+// [N] fp32: `pick(i)` of every parameter or master i, flattened in order (zeros where undefined).
+template <typename Pick>
+torch::Tensor flat(const std::vector<torch::Tensor>& tensors, Pick pick) {
+  std::vector<torch::Tensor> parts;
+  for (const auto& t : tensors) {
+    auto v = pick(t);
+    parts.push_back(v.defined() ? v.detach().to(torch::kFloat32).reshape({-1}) : torch::zeros({t.numel()}));
+  }
+  return torch::cat(parts);
+}
+
+struct Pair {
+  parallel::Group& dp;
+  Trainer& one;      // one rank (the reference)
+  Trainer& sharded;  // over dp
+};
+
+// Every rank's `local` [n] fp64, gathered: [W, n].
+torch::Tensor gather_rows(parallel::Group& g, const torch::Tensor& local) {
+  auto out = torch::empty({g.size() * local.size(0)}, local.options());
+  g.all_gather_into_tensor(out, local.contiguous());
+  return out.reshape({g.size(), local.size(0)});
+}
+
+void check_metrics(Pair& p, const StepMetrics& got, const StepMetrics& want, const std::string& at) {
+  const std::vector<double> values{got.loss,    got.pg_loss,  got.kl,         got.clip_fraction,
+                                   got.entropy, got.grad_norm, got.train_rollout_logprob_abs_diff,
+                                   double(got.loss_tokens), double(got.tokens), double(got.micro_batches),
+                                   double(got.skipped_nonfinite), got.lr};
+  // Bit for bit (NaN == NaN): as integers.
+  auto rows = gather_rows(p.dp, torch::tensor(values, torch::kFloat64)).view(torch::kInt64);
+  for (int r = 1; r < p.dp.size(); ++r)
+    expect(torch::equal(rows[r], rows[0]), at + "metrics of rank " + std::to_string(r) + " differ from rank 0's");
+  expect_close(got.loss, want.loss, at + "loss");
+  expect_close(got.pg_loss, want.pg_loss, at + "pg_loss");
+  expect_close(got.kl, want.kl, at + "kl");
+  expect_close(got.clip_fraction, want.clip_fraction, at + "clip_fraction");
+  expect_close(got.entropy, want.entropy, at + "entropy");
+  expect_close(got.grad_norm, want.grad_norm, at + "grad_norm");
+  expect_close(got.train_rollout_logprob_abs_diff, want.train_rollout_logprob_abs_diff, at + "logprob abs diff");
+  expect(got.loss_tokens == want.loss_tokens && got.tokens == want.tokens, at + "token counts differ");
+  expect(got.skipped_nonfinite == want.skipped_nonfinite, at + "skip decision differs from one rank's");
+}
+
+// The whole gradient: shards all-gathered, against the reference's master gradients.
+void check_gradient(Pair& p, const std::string& at) {
+  const auto* sharded = p.sharded.sharded_optimizer();
+  auto full = torch::empty({p.dp.size() * sharded->shard_size()}, torch::kFloat32);
+  p.dp.all_gather_into_tensor(full, sharded->gradient_shard());
+  const auto want = flat(p.one.master_parameters(), [](const torch::Tensor& t) { return t.grad(); });
+  const double err = relative_error(full.narrow(0, 0, sharded->numel()), want);
+  if (rank == 0) std::cout << "measured " << at << "gradient relative error " << err << std::endl;
+  expect(err <= kTolerance, at + "gradient relative error " + std::to_string(err));
+}
+
+void check_parameters(Pair& p, const std::string& at) {
+  auto get = [](const torch::Tensor& t) { return t; };
+  const auto mine = flat(p.sharded.policy().parameters(), get);
+  auto rows = gather_rows(p.dp, mine);
+  for (int r = 1; r < p.dp.size(); ++r)
+    expect(torch::equal(rows[r], rows[0]), at + "parameters of rank " + std::to_string(r) + " differ from rank 0's");
+  const double err = relative_error(mine, flat(p.one.policy().parameters(), get));
+  if (rank == 0) std::cout << "measured " << at << "parameter relative error " << err << std::endl;
+  expect(err <= kTolerance, at + "parameter relative error " + std::to_string(err));
+}
+
+// One step on both trainers, every check.
+StepMetrics step_both(Pair& p, const std::vector<Sample>& batch, const std::string& at) {
+  const auto want = p.one.train_step(batch);
+  const auto got = p.sharded.train_step(batch);
+  check_metrics(p, got, want, at);
+  if (!got.skipped_nonfinite) check_gradient(p, at);
+  check_parameters(p, at);
+  return want;
+}
+
+TrainerConfig config_for(const std::string& name) {
+  TrainerConfig c;
+  c.lr = 1e-3;
+  c.grad_clip = 0;
+  c.logprobs.max_tokens_per_microbatch = 24;  // several micro-batches per rank
+  if (name == "token_mean" || name == "nonfinite") {
+    c.loss.kl_coef = 0.05;
+    c.loss.entropy_coef = 0.01;
+  } else if (name == "sequence_mean") {
+    c.loss.aggregation = "sequence_mean";
+  } else if (name == "clip") {
+    c.grad_clip = 0.05;
+  } else if (name != "few_samples") {
+    throw std::invalid_argument("unknown case '" + name + "'");
+  }
+  return c;
+}
+
+void run_case(parallel::Group& dp, const std::string& name) {
+  const auto c = config_for(name);
+  auto one_model = test::debug_model(7), sharded_model = test::debug_model(7);
+  Trainer one(one_model, c), sharded(sharded_model, c, &dp);
+  Pair p{dp, one, sharded};
+  const int64_t vocab = one_model->vocab_size();
+  const int count = name == "few_samples" ? 3 : 7;
+  const bool with_old = name != "sequence_mean";
+  for (int s = 0; s < 3; ++s) {
+    const auto at = name + " step " + std::to_string(s + 1) + ": ";
+    if (name == "nonfinite" && s == 1) {
+      auto before = test::snapshot(sharded);
+      auto nan_batch = make_batch(100 + s, count, vocab, with_old);
+      nan_batch[4].behavior_logprobs.back() = std::numeric_limits<float>::quiet_NaN();
+      std::string error;
+      try {
+        sharded.train_step(nan_batch);
+      } catch (const std::invalid_argument& e) {
+        error = e.what();
+      }
+      expect(error.find("sample 4 has a non-finite value in behaviour log-probs") != std::string::npos,
+             at + "a NaN behaviour log-prob was not refused by name: '" + error + "'");
+      expect(test::differences(before, test::snapshot(sharded)).empty(), at + "the refused batch changed the trainer");
+
+      // The overflowing sample: the longest completion of the last rank's share (rank 0's at
+      // world 1), so that the other ranks see only finite values of their own.
+      auto huge = make_batch(200 + s, count, vocab, with_old);
+      const auto last_share = split_samples(huge, dp.size()).back();
+      std::size_t longest = last_share.front();
+      for (auto i : last_share)
+        if (huge[i].completion.size() > huge[longest].completion.size()) longest = i;
+      huge[longest].advantage = 3e38f;  // the token sum of -A * ratio overflows on its rank: loss -inf
+      if (rank == 0)
+        std::cout << "overflowing sample " << longest << " (" << huge[longest].completion.size()
+                  << " tokens) is trained by rank " << dp.size() - 1 << std::endl;
+      const auto m = step_both(p, huge, at + "overflow: ");
+      expect(m.skipped_nonfinite, at + "the one-rank reference did not skip the overflowing step");
+      expect(test::differences(before, test::snapshot(sharded)).empty(), at + "the skipped step changed the trainer");
+      if (rank == 0) std::cout << "skipped on every rank: " << m.skip_reason << std::endl;
+    }
+    const auto m = step_both(p, make_batch(uint64_t(10 * s + 1), count, vocab, with_old), at);
+    if (name == "clip")
+      expect(m.grad_norm > c.grad_clip, at + "clipping is not active (grad norm " + std::to_string(m.grad_norm) +
+                                            " <= clip " + std::to_string(c.grad_clip) + "): the case tests nothing");
+    if (rank == 0)
+      std::cout << "measured " << at << "loss " << m.loss << " grad_norm " << m.grad_norm << " kl " << m.kl
+                << " clip_fraction " << m.clip_fraction << " micro_batches " << m.micro_batches << std::endl;
+  }
+  expect(sharded.version() == one.version(), name + ": version differs");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::cerr << "usage: kiln_trainer_dp_worker token_mean|sequence_mean|clip|few_samples|nonfinite" << std::endl;
+    return 2;
+  }
+  try {
+    torch::set_num_threads(1);
+    const auto info = parallel::read_launch_from_environment();
+    rank = info.rank;
+    parallel::GroupOptions options;
+    options.store_timeout = std::chrono::seconds(60);
+    options.collective_timeout = std::chrono::seconds(60);
+    parallel::ProcessGroups groups(info, torch::kCPU, {{"dp", info.world_size}}, options);
+    run_case(groups.along("dp"), argv[1]);
+    std::cout << "rank " << rank << ": " << checks - failures << " of " << checks << " checks passed" << std::endl;
+    return failures ? 1 : 0;
+  } catch (const std::exception& e) {
+    std::cerr << "rank " << rank << ": error: " << e.what() << std::endl;
+    return 3;
+  }
+}
