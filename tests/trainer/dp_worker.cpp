@@ -14,14 +14,22 @@
 //   nonfinite      a NaN behaviour log-prob: every rank refuses the batch and nothing changes;
 //                  a sample whose loss overflows (-inf), trained by one rank only: every rank
 //                  skips the step and nothing changes anywhere; then 2 more steps stay equal
+//   refusals       ranks given different batches all refuse the step, naming the difference,
+//                  and nothing changes (the next step, on equal batches, equals one rank's);
+//                  save_checkpoint and load_checkpoint refuse a data-parallel trainer and
+//                  write nothing
 // Prints "rank R: X of Y checks passed"; exit 0 when every check passed, 1 otherwise.
 #include <cmath>
+#include <filesystem>
 #include <iostream>
 #include <limits>
 #include <random>
 #include <sstream>
 #include <string>
 
+#include <unistd.h>
+
+#include "actors/trainer/checkpoint.hpp"
 #include "actors/trainer/trainer.hpp"
 #include "parallel/process_group.hpp"
 #include "trainer_fixture.hpp"
@@ -161,7 +169,7 @@ TrainerConfig config_for(const std::string& name) {
     c.loss.aggregation = "sequence_mean";
   } else if (name == "clip") {
     c.grad_clip = 0.05;
-  } else if (name != "few_samples") {
+  } else if (name != "few_samples" && name != "refusals") {
     throw std::invalid_argument("unknown case '" + name + "'");
   }
   return c;
@@ -175,6 +183,50 @@ void run_case(parallel::Group& dp, const std::string& name) {
   const int64_t vocab = one_model->vocab_size();
   const int count = name == "few_samples" ? 3 : 7;
   const bool with_old = name != "sequence_mean";
+  if (name == "refusals") {
+    const auto before = test::snapshot(sharded);
+    // Rank 0's batch differs from the others' (at world 1 there are no others: no error):
+    // another batch altogether, then one advantage only (same counts: only the hash differs).
+    for (const char* differs : {"token counts", "content hashes"}) {
+      auto batch = make_batch(rank == 0 || differs == std::string("content hashes") ? 5 : 6, count, vocab, with_old);
+      if (differs == std::string("content hashes") && rank == 0) batch[2].advantage += 0.25f;
+      std::string error;
+      try {
+        sharded.train_step(batch);
+      } catch (const std::invalid_argument& e) {
+        error = e.what();
+      }
+      if (dp.size() == 1) {
+        expect(error.empty(), "one rank's batch was refused: " + error);
+        return;  // (its step was taken)
+      }
+      expect(error.find("were given different batches: their " + std::string(differs)) != std::string::npos &&
+                 error.find(dp.name()) != std::string::npos,
+             std::string("batches whose ") + differs + " differ were not refused naming the group: '" + error + "'");
+      expect(test::differences(before, test::snapshot(sharded)).empty(), "the refused batches changed the trainer");
+      if (rank == 0) std::cout << "refused on every rank: " << error << std::endl;
+    }
+    const auto dir = std::filesystem::temp_directory_path() /
+                     ("kiln_dp_checkpoint_" + std::to_string(::getpid()) + "_" + std::to_string(rank));
+    for (const char* what : {"save_checkpoint", "load_checkpoint"}) {
+      std::string refused;
+      try {
+        if (std::string(what) == "save_checkpoint") save_checkpoint(dir, *sharded_model, sharded, CheckpointState{1, 0, ""});
+        else load_checkpoint(dir, *sharded_model, sharded);
+      } catch (const std::invalid_argument& e) {
+        refused = e.what();
+      }
+      expect(refused.find("sharded checkpoints are not supported yet") != std::string::npos &&
+                 refused.find(what) != std::string::npos && refused.find(dp.name()) != std::string::npos,
+             std::string(what) + " of a data-parallel trainer was not refused by name: '" + refused + "'");
+      if (rank == 0 && !refused.empty()) std::cout << "refused: " << refused << std::endl;
+    }
+    std::filesystem::path partial = dir;
+    partial += ".partial";
+    expect(!std::filesystem::exists(dir) && !std::filesystem::exists(partial), "the refused save wrote " + dir.string());
+    step_both(p, make_batch(1, count, vocab, with_old), "refusals then a step: ");
+    return;
+  }
   for (int s = 0; s < 3; ++s) {
     const auto at = name + " step " + std::to_string(s + 1) + ": ";
     if (name == "nonfinite" && s == 1) {
@@ -222,7 +274,7 @@ void run_case(parallel::Group& dp, const std::string& name) {
 
 int main(int argc, char** argv) {
   if (argc != 2) {
-    std::cerr << "usage: kiln_trainer_dp_worker token_mean|sequence_mean|clip|few_samples|nonfinite" << std::endl;
+    std::cerr << "usage: kiln_trainer_dp_worker token_mean|sequence_mean|clip|few_samples|nonfinite|refusals" << std::endl;
     return 2;
   }
   try {
