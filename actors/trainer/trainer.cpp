@@ -348,7 +348,28 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
 
 StepMetrics Trainer::step(std::vector<Sample> samples) {
   double log_probs_time = 0;
-  if (c_.recompute_old_logprobs) {  // pi_old in its own pass (verl/slime "log_probs")
+  if (c_.recompute_old_logprobs && dp_) {  // each rank its share, then every value everywhere
+    const messaging::Stopwatch t;
+    check_same_batch(*dp_, samples);  // before any rank may throw alone, as in train_step
+    check_samples(samples, policy_->vocab_size(), c_.loss.kl_coef != 0);
+    const auto mine = split_samples(samples, dp_->size())[std::size_t(dp_->rank())];
+    std::vector<Sample> share;
+    for (auto i : mine) share.push_back(samples[i]);
+    auto old = completion_logprobs(*policy_, share, c_.logprobs);
+    // [completion tokens of the batch]: this rank's values at its samples' offsets, 0 elsewhere;
+    // summed over the group (x + 0 = x exactly), every rank holds every sample's values.
+    std::vector<int64_t> offset(samples.size() + 1, 0);
+    for (std::size_t i = 0; i < samples.size(); ++i) offset[i + 1] = offset[i] + int64_t(samples[i].completion.size());
+    auto all = torch::zeros({offset.back()}, torch::kFloat32);
+    for (std::size_t k = 0; k < mine.size(); ++k)
+      all.narrow(0, offset[mine[k]], int64_t(old[k].size())).copy_(torch::tensor(old[k], torch::kFloat32));
+    all = all.to(dp_->device());
+    dp_->all_reduce(all);
+    all = all.to(torch::kCPU).contiguous();
+    const float* v = all.data_ptr<float>();
+    for (std::size_t i = 0; i < samples.size(); ++i) samples[i].old_logprobs.assign(v + offset[i], v + offset[i + 1]);
+    log_probs_time = t.seconds();
+  } else if (c_.recompute_old_logprobs) {  // pi_old in its own pass (verl/slime "log_probs")
     const messaging::Stopwatch t;
     auto old = completion_logprobs(*policy_, samples, c_.logprobs);
     for (std::size_t i = 0; i < samples.size(); ++i) samples[i].old_logprobs = std::move(old[i]);

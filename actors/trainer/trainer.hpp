@@ -67,7 +67,9 @@ class Trainer {
   /// sample counts, token counts or contents differ).
   StepMetrics train_step(const std::vector<Sample>& samples);
   /// The step as the RL loop takes it: pi_old from a separate no-grad pass first when
-  /// config.recompute_old_logprobs (timed as log_probs_time), then train_step.
+  /// config.recompute_old_logprobs (timed as log_probs_time), then train_step. With a
+  /// data-parallel group each rank computes pi_old for its share only (split_samples) and an
+  /// all-reduce hands every rank all of them; the batch is checked first, as train_step does.
   StepMetrics step(std::vector<Sample> samples);
   int64_t version() const { return version_; }   ///< optimizer steps taken
   model::CausalLM& policy() { return *policy_; }

@@ -11,6 +11,10 @@
 //   sequence_mean  pi_old from the forward (ratio 1), TIS weights, no clipping, 3 steps
 //   clip           gradient-norm clipping active on every step (checked), 3 steps
 //   few_samples    3 samples per step (at world 4 a rank trains on none), 3 steps
+//   recompute      pi_old from the separate no-grad pass (Trainer::step; with dp each rank
+//                  computes its share), 3 steps
+//   bf16           a bf16 policy (fp32 masters), 3 steps; equal within 1e-5 at world 1 only (at
+//                  more ranks the one-rank trainer's bf16 gradient sums differ ~3e-3)
 //   nonfinite      a NaN behaviour log-prob: every rank refuses the batch and nothing changes;
 //                  a sample whose loss overflows (-inf), trained by one rank only: every rank
 //                  skips the step and nothing changes anywhere; then 2 more steps stay equal
@@ -147,10 +151,11 @@ void check_parameters(Pair& p, const std::string& at) {
   expect(err <= kTolerance, at + "parameter relative error " + std::to_string(err));
 }
 
-// One step on both trainers, every check.
+// One step on both trainers (Trainer::step, which runs the separate pi_old pass when the
+// config asks for it, else train_step), every check.
 StepMetrics step_both(Pair& p, const std::vector<Sample>& batch, const std::string& at) {
-  const auto want = p.one.train_step(batch);
-  const auto got = p.sharded.train_step(batch);
+  const auto want = p.one.step(batch);
+  const auto got = p.sharded.step(batch);
   check_metrics(p, got, want, at);
   if (!got.skipped_nonfinite) check_gradient(p, at);
   check_parameters(p, at);
@@ -169,7 +174,9 @@ TrainerConfig config_for(const std::string& name) {
     c.loss.aggregation = "sequence_mean";
   } else if (name == "clip") {
     c.grad_clip = 0.05;
-  } else if (name != "few_samples" && name != "refusals") {
+  } else if (name == "recompute") {
+    c.recompute_old_logprobs = true;
+  } else if (name != "few_samples" && name != "refusals" && name != "bf16") {
     throw std::invalid_argument("unknown case '" + name + "'");
   }
   return c;
@@ -178,11 +185,15 @@ TrainerConfig config_for(const std::string& name) {
 void run_case(parallel::Group& dp, const std::string& name) {
   const auto c = config_for(name);
   auto one_model = test::debug_model(7), sharded_model = test::debug_model(7);
+  if (name == "bf16") {  // bf16 parameters, fp32 masters (sharded over dp)
+    one_model->to_dtype(torch::kBFloat16);
+    sharded_model->to_dtype(torch::kBFloat16);
+  }
   Trainer one(one_model, c), sharded(sharded_model, c, &dp);
   Pair p{dp, one, sharded};
   const int64_t vocab = one_model->vocab_size();
   const int count = name == "few_samples" ? 3 : 7;
-  const bool with_old = name != "sequence_mean";
+  const bool with_old = name != "sequence_mean" && name != "recompute";
   if (name == "refusals") {
     const auto before = test::snapshot(sharded);
     // Rank 0's batch differs from the others' (at world 1 there are no others: no error):
@@ -274,7 +285,8 @@ void run_case(parallel::Group& dp, const std::string& name) {
 
 int main(int argc, char** argv) {
   if (argc != 2) {
-    std::cerr << "usage: kiln_trainer_dp_worker token_mean|sequence_mean|clip|few_samples|nonfinite|refusals" << std::endl;
+    std::cerr << "usage: kiln_trainer_dp_worker token_mean|sequence_mean|clip|few_samples|recompute|bf16|nonfinite|refusals"
+              << std::endl;
     return 2;
   }
   try {
