@@ -182,6 +182,54 @@ TrainerConfig config_for(const std::string& name) {
   return c;
 }
 
+// Different batches per rank, then both checkpoint calls: all refused, nothing changed; then a
+// step on equal batches still equals one rank's (no rank was left inside a collective).
+void run_refusals(Pair& p, model::CausalLM& model, int count, int64_t vocab) {
+  const bool with_old = true;
+  const auto before = test::snapshot(p.sharded);
+  // Rank 0's batch differs from the others' (at world 1 there are no others: no error):
+  // another batch altogether, then one advantage only (same counts: only the hash differs).
+  for (const char* differs : {"token counts", "content hashes"}) {
+    auto batch = make_batch(rank == 0 || differs == std::string("content hashes") ? 5 : 6, count, vocab, with_old);
+    if (differs == std::string("content hashes") && rank == 0) batch[2].advantage += 0.25f;
+    std::string error;
+    try {
+      p.sharded.train_step(batch);
+    } catch (const std::invalid_argument& e) {
+      error = e.what();
+    }
+    if (p.dp.size() == 1) {
+      expect(error.empty(), "one rank's batch was refused: " + error);
+      return;  // (its step was taken)
+    }
+    expect(error.find("were given different batches: their " + std::string(differs)) != std::string::npos &&
+               error.find(p.dp.name()) != std::string::npos,
+           std::string("batches whose ") + differs + " differ were not refused naming the group: '" + error + "'");
+    expect(test::differences(before, test::snapshot(p.sharded)).empty(), "the refused batches changed the trainer");
+    if (rank == 0) std::cout << "refused on every rank: " << error << std::endl;
+  }
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("kiln_dp_checkpoint_" + std::to_string(::getpid()) + "_" + std::to_string(rank));
+  for (const char* what : {"save_checkpoint", "load_checkpoint"}) {
+    std::string refused;
+    try {
+      if (std::string(what) == "save_checkpoint") save_checkpoint(dir, model, p.sharded, CheckpointState{1, 0, ""});
+      else load_checkpoint(dir, model, p.sharded);
+    } catch (const std::invalid_argument& e) {
+      refused = e.what();
+    }
+    expect(refused.find("sharded checkpoints are not supported yet") != std::string::npos &&
+               refused.find(what) != std::string::npos && refused.find(p.dp.name()) != std::string::npos,
+           std::string(what) + " of a data-parallel trainer was not refused by name: '" + refused + "'");
+    if (rank == 0 && !refused.empty()) std::cout << "refused: " << refused << std::endl;
+  }
+  std::filesystem::path partial = dir;
+  partial += ".partial";
+  expect(!std::filesystem::exists(dir) && !std::filesystem::exists(partial), "the refused save wrote " + dir.string());
+  step_both(p, make_batch(1, count, vocab, with_old), "refusals then a step: ");
+  return;
+}
+
 void run_case(parallel::Group& dp, const std::string& name) {
   const auto c = config_for(name);
   auto one_model = test::debug_model(7), sharded_model = test::debug_model(7);
@@ -194,50 +242,7 @@ void run_case(parallel::Group& dp, const std::string& name) {
   const int64_t vocab = one_model->vocab_size();
   const int count = name == "few_samples" ? 3 : 7;
   const bool with_old = name != "sequence_mean" && name != "recompute";
-  if (name == "refusals") {
-    const auto before = test::snapshot(sharded);
-    // Rank 0's batch differs from the others' (at world 1 there are no others: no error):
-    // another batch altogether, then one advantage only (same counts: only the hash differs).
-    for (const char* differs : {"token counts", "content hashes"}) {
-      auto batch = make_batch(rank == 0 || differs == std::string("content hashes") ? 5 : 6, count, vocab, with_old);
-      if (differs == std::string("content hashes") && rank == 0) batch[2].advantage += 0.25f;
-      std::string error;
-      try {
-        sharded.train_step(batch);
-      } catch (const std::invalid_argument& e) {
-        error = e.what();
-      }
-      if (dp.size() == 1) {
-        expect(error.empty(), "one rank's batch was refused: " + error);
-        return;  // (its step was taken)
-      }
-      expect(error.find("were given different batches: their " + std::string(differs)) != std::string::npos &&
-                 error.find(dp.name()) != std::string::npos,
-             std::string("batches whose ") + differs + " differ were not refused naming the group: '" + error + "'");
-      expect(test::differences(before, test::snapshot(sharded)).empty(), "the refused batches changed the trainer");
-      if (rank == 0) std::cout << "refused on every rank: " << error << std::endl;
-    }
-    const auto dir = std::filesystem::temp_directory_path() /
-                     ("kiln_dp_checkpoint_" + std::to_string(::getpid()) + "_" + std::to_string(rank));
-    for (const char* what : {"save_checkpoint", "load_checkpoint"}) {
-      std::string refused;
-      try {
-        if (std::string(what) == "save_checkpoint") save_checkpoint(dir, *sharded_model, sharded, CheckpointState{1, 0, ""});
-        else load_checkpoint(dir, *sharded_model, sharded);
-      } catch (const std::invalid_argument& e) {
-        refused = e.what();
-      }
-      expect(refused.find("sharded checkpoints are not supported yet") != std::string::npos &&
-                 refused.find(what) != std::string::npos && refused.find(dp.name()) != std::string::npos,
-             std::string(what) + " of a data-parallel trainer was not refused by name: '" + refused + "'");
-      if (rank == 0 && !refused.empty()) std::cout << "refused: " << refused << std::endl;
-    }
-    std::filesystem::path partial = dir;
-    partial += ".partial";
-    expect(!std::filesystem::exists(dir) && !std::filesystem::exists(partial), "the refused save wrote " + dir.string());
-    step_both(p, make_batch(1, count, vocab, with_old), "refusals then a step: ");
-    return;
-  }
+  if (name == "refusals") return run_refusals(p, *sharded_model, count, vocab);
   for (int s = 0; s < 3; ++s) {
     const auto at = name + " step " + std::to_string(s + 1) + ": ";
     if (name == "nonfinite" && s == 1) {
