@@ -6,6 +6,66 @@
 
 namespace kiln::trainer {
 
+FlatAdamWState read_flat_state(torch::optim::AdamW& adamw, const std::vector<FlatPiece>& pieces, int64_t begin,
+                               int64_t end, std::size_t params) {
+  FlatAdamWState out;
+  out.begin = begin;
+  out.master = torch::zeros({end - begin}, torch::kFloat32);
+  out.exp_avg = torch::zeros({end - begin}, torch::kFloat32);
+  out.exp_avg_sq = torch::zeros({end - begin}, torch::kFloat32);
+  out.steps = torch::full({int64_t(params)}, int64_t{-1}, torch::kInt64);
+  torch::NoGradGuard no_grad;
+  for (const auto& piece : pieces) {
+    const int64_t n = piece.master.numel();
+    // Pieces lie inside [begin, end): they are this holder's own elements.
+    auto at = [&](const torch::Tensor& flat) { return flat.narrow(0, piece.offset - begin, n); };
+    at(out.master).copy_(piece.master.detach().reshape({-1}));
+    auto it = adamw.state().find(piece.master.unsafeGetTensorImpl());
+    if (it == adamw.state().end()) continue;
+    const auto& st = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+    at(out.exp_avg).copy_(st.exp_avg().reshape({-1}));
+    at(out.exp_avg_sq).copy_(st.exp_avg_sq().reshape({-1}));
+    out.steps[int64_t(piece.param)] = st.step();
+  }
+  return out;
+}
+
+void write_flat_state(torch::optim::AdamW& adamw, const std::vector<FlatPiece>& pieces,
+                      const std::vector<FlatAdamWState>& parts) {
+  torch::NoGradGuard no_grad;
+  for (const auto& piece : pieces) {
+    const int64_t n = piece.master.numel(), lo = piece.offset, hi = piece.offset + n;
+    auto master = torch::empty({n}, torch::kFloat32), exp_avg = torch::zeros({n}, torch::kFloat32),
+         exp_avg_sq = torch::zeros({n}, torch::kFloat32);
+    int64_t covered = 0, step = -1;
+    for (const auto& part : parts) {
+      if (piece.param >= std::size_t(part.steps.numel()))
+        throw std::invalid_argument("optimizer state of " + std::to_string(part.steps.numel()) +
+                                    " parameters, the policy has more (parameter " + std::to_string(piece.param) + ")");
+      const int64_t a = std::max(lo, part.begin), b = std::min(hi, part.begin + part.master.numel());
+      if (a >= b) continue;
+      master.narrow(0, a - lo, b - a).copy_(part.master.narrow(0, a - part.begin, b - a));
+      exp_avg.narrow(0, a - lo, b - a).copy_(part.exp_avg.narrow(0, a - part.begin, b - a));
+      exp_avg_sq.narrow(0, a - lo, b - a).copy_(part.exp_avg_sq.narrow(0, a - part.begin, b - a));
+      covered += b - a;
+      step = std::max(step, part.steps[int64_t(piece.param)].item<int64_t>());
+    }
+    if (covered != n)  // parts do not overlap, so this counts each element once
+      throw std::invalid_argument("optimizer state covers " + std::to_string(covered) + " of the " + std::to_string(n) +
+                                  " elements [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                                  ") of parameter " + std::to_string(piece.param));
+    piece.master.copy_(master.view(piece.master.sizes()));
+    const auto key = piece.master.unsafeGetTensorImpl();
+    adamw.state().erase(key);
+    if (step < 0) continue;  // AdamW never stepped it: no state, as torch leaves it
+    auto st = std::make_unique<torch::optim::AdamWParamState>();
+    st->step(step);
+    st->exp_avg(exp_avg.view(piece.master.sizes()).to(piece.master.device()));
+    st->exp_avg_sq(exp_avg_sq.view(piece.master.sizes()).to(piece.master.device()));
+    adamw.state()[key] = std::move(st);
+  }
+}
+
 ShardedAdamW::ShardedAdamW(std::vector<torch::Tensor> params, parallel::Group& group,
                            torch::optim::AdamWOptions options)
     : params_(std::move(params)), group_(group) {
@@ -85,6 +145,13 @@ void ShardedAdamW::step(double lr) {
   torch::NoGradGuard no_grad;
   for (std::size_t i = 0; i < params_.size(); ++i)
     params_[i].copy_(full.narrow(0, offsets_[i], params_[i].numel()).view_as(params_[i]));  // rounds to bf16
+}
+
+std::vector<FlatPiece> ShardedAdamW::pieces() const {
+  std::vector<FlatPiece> out;
+  for (std::size_t k = 0; k < pieces_.size(); ++k)
+    out.push_back(FlatPiece{pieces_[k].param, offsets_[pieces_[k].param] + pieces_[k].param_offset, masters_[k]});
+  return out;
 }
 
 void ShardedAdamW::zero_grad() {

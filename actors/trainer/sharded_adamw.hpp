@@ -16,6 +16,7 @@
 // at most 1) with the norm from the shards' squared sums, all-reduced.
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -23,6 +24,32 @@
 #include "parallel/group.hpp"
 
 namespace kiln::trainer {
+
+/// AdamW's state over flat elements [begin, begin + master.numel()) of the flat parameter index
+/// (above), whatever the world size that held it: what sharded checkpoints store per rank.
+struct FlatAdamWState {
+  int64_t begin = 0;
+  torch::Tensor master, exp_avg, exp_avg_sq;  ///< [end - begin] fp32 (moments 0 where no state)
+  torch::Tensor steps;  ///< [P] int64: each parameter's AdamW step count; -1: none here
+};
+
+/// One AdamW parameter: `master` (fp32, any shape, contiguous) holds flat elements
+/// [offset, offset + master.numel()) of the flat index, inside parameter `param`.
+struct FlatPiece {
+  std::size_t param;
+  int64_t offset;
+  torch::Tensor master;
+};
+
+/// The state of `adamw` over `pieces`, as flat elements [begin, end) of `params` parameters.
+FlatAdamWState read_flat_state(torch::optim::AdamW& adamw, const std::vector<FlatPiece>& pieces, int64_t begin,
+                               int64_t end, std::size_t params);
+/// Sets every piece's master, moments and step count from `parts` (any split of the flat
+/// index: their overlaps with each piece are copied). Throws std::invalid_argument naming the
+/// parameter and the elements when `parts` do not cover a piece, or a part has another
+/// parameter count.
+void write_flat_state(torch::optim::AdamW& adamw, const std::vector<FlatPiece>& pieces,
+                      const std::vector<FlatAdamWState>& parts);
 
 class ShardedAdamW {
  public:
@@ -57,6 +84,12 @@ class ShardedAdamW {
   const torch::Tensor& gradient_shard() const { return grad_shard_; }
   int64_t numel() const { return numel_; }        ///< N
   int64_t shard_size() const { return shard_; }   ///< S
+  /// This rank's flat elements [begin(), end()).
+  int64_t begin() const { return std::min(numel_, group_.rank() * shard_); }
+  int64_t end() const { return std::min(numel_, (group_.rank() + 1) * shard_); }
+  std::size_t num_params() const { return params_.size(); }
+  /// masters() with their flat offsets (for read_flat_state / write_flat_state).
+  std::vector<FlatPiece> pieces() const;
 
  private:
   /// [W*S] fp32 on the group's device: each parameter's `pick` (a tensor of its shape, or

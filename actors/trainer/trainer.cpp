@@ -221,6 +221,44 @@ void Trainer::reload_master_weights() {
   for (auto i : low_precision_) masters_[i].copy_(params_[i]);
 }
 
+std::pair<int64_t, int64_t> Trainer::flat_range() const {
+  if (sharded_) return {sharded_->begin(), sharded_->end()};
+  return {0, flat_numel()};
+}
+
+int64_t Trainer::flat_numel() const {
+  if (sharded_) return sharded_->numel();
+  int64_t n = 0;
+  for (const auto& p : params_) n += p.numel();
+  return n;
+}
+
+namespace {
+// The one-rank optimizer's pieces: each whole master at its parameter's flat offset.
+std::vector<FlatPiece> whole_pieces(const std::vector<torch::Tensor>& masters) {
+  std::vector<FlatPiece> out;
+  int64_t offset = 0;
+  for (std::size_t i = 0; i < masters.size(); ++i) {
+    out.push_back(FlatPiece{i, offset, masters[i]});
+    offset += masters[i].numel();
+  }
+  return out;
+}
+}  // namespace
+
+FlatAdamWState Trainer::flat_optimizer_state() {
+  const auto [begin, end] = flat_range();
+  if (sharded_) return read_flat_state(sharded_->optimizer(), sharded_->pieces(), begin, end, params_.size());
+  return read_flat_state(*optimizer_, whole_pieces(masters_), begin, end, params_.size());
+}
+
+void Trainer::load_flat_optimizer_state(const std::vector<FlatAdamWState>& parts) {
+  if (sharded_) return write_flat_state(sharded_->optimizer(), sharded_->pieces(), parts);
+  write_flat_state(*optimizer_, whole_pieces(masters_), parts);  // fp32 policies: masters are the parameters
+  torch::NoGradGuard no_grad;
+  for (auto i : low_precision_) params_[i].copy_(masters_[i]);
+}
+
 double Trainer::current_lr() const {
   const int64_t s = version_;  // lr of the next step
   if (c_.warmup_steps > 0 && s < c_.warmup_steps) return c_.lr * double(s + 1) / double(c_.warmup_steps);
@@ -325,7 +363,8 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
     auto skip = torch::full({1}, int64_t(!m.skip_reason.empty()), torch::kInt64).to(dp_->device());
     dp_->all_reduce(skip, parallel::ReduceOp::max);
     if (skip.item<int64_t>() && m.skip_reason.empty())
-      m.skip_reason = "another rank of data-parallel group '" + dp_->name() + "' found a non-finite loss or gradient norm";
+      m.skip_reason =
+          "another rank of data-parallel group '" + dp_->name() + "' found a non-finite loss or gradient norm";
   }
   m.skipped_nonfinite = !m.skip_reason.empty();
   if (m.skipped_nonfinite) {  // nothing applied: parameters, AdamW's moments and step count, lr, version

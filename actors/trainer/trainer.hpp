@@ -5,6 +5,7 @@
 // L MoE layers, K experts per token.
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "actors/trainer/losses.hpp"
@@ -91,6 +92,15 @@ class Trainer {
   const ShardedAdamW* sharded_optimizer() const { return sharded_.get(); }
   /// Re-reads the masters from the policy (after its weights were loaded from a checkpoint).
   void reload_master_weights();
+  /// This rank's masters and AdamW state over its flat elements flat_range() (one rank: all
+  /// N of them; the flat index is ShardedAdamW's: parameters() in order, each row-major).
+  FlatAdamWState flat_optimizer_state();
+  /// Sets this rank's masters and AdamW state from `parts` that cover flat_range() (written at
+  /// any world size). Throws std::invalid_argument when they do not cover it.
+  void load_flat_optimizer_state(const std::vector<FlatAdamWState>& parts);
+  /// [begin, end) of the flat index this rank's optimizer holds; flat_numel() = N.
+  std::pair<int64_t, int64_t> flat_range() const;
+  int64_t flat_numel() const;
   void set_version(int64_t v) { version_ = v; }
 
  private:
