@@ -19,9 +19,10 @@
 //                  a sample whose loss overflows (-inf), trained by one rank only: every rank
 //                  skips the step and nothing changes anywhere; then 2 more steps stay equal
 //   refusals       ranks given different batches all refuse the step, naming the difference,
-//                  and nothing changes (the next step, on equal batches, equals one rank's);
-//                  save_checkpoint and load_checkpoint refuse a data-parallel trainer and
-//                  write nothing
+//                  and nothing changes (the next step, on equal batches, equals one rank's)
+//   checkpoint     (even world, mesh x=2 by dp=W/2) sharded checkpoints saved at dp W and
+//                  loaded at dp W/2 and one rank, saved at dp W/2 and one rank and loaded at
+//                  dp W: the next step equals the reference's
 // Prints "rank R: X of Y checks passed"; exit 0 when every check passed, 1 otherwise.
 #include <cmath>
 #include <filesystem>
@@ -30,8 +31,6 @@
 #include <random>
 #include <sstream>
 #include <string>
-
-#include <unistd.h>
 
 #include "actors/trainer/checkpoint.hpp"
 #include "actors/trainer/trainer.hpp"
@@ -151,17 +150,6 @@ void check_parameters(Pair& p, const std::string& at) {
   expect(err <= kTolerance, at + "parameter relative error " + std::to_string(err));
 }
 
-// One step on both trainers (Trainer::step, which runs the separate pi_old pass when the
-// config asks for it, else train_step), every check.
-StepMetrics step_both(Pair& p, const std::vector<Sample>& batch, const std::string& at) {
-  const auto want = p.one.step(batch);
-  const auto got = p.sharded.step(batch);
-  check_metrics(p, got, want, at);
-  if (!got.skipped_nonfinite) check_gradient(p, at);
-  check_parameters(p, at);
-  return want;
-}
-
 TrainerConfig config_for(const std::string& name) {
   TrainerConfig c;
   c.lr = 1e-3;
@@ -182,9 +170,90 @@ TrainerConfig config_for(const std::string& name) {
   return c;
 }
 
-// Different batches per rank, then both checkpoint calls: all refused, nothing changed; then a
-// step on equal batches still equals one rank's (no rank was left inside a collective).
-void run_refusals(Pair& p, model::CausalLM& model, int count, int64_t vocab) {
+// A step already taken by both trainers, every check.
+void check_after_load(Pair& p, const StepMetrics& got, const StepMetrics& want, const std::string& at) {
+  check_metrics(p, got, want, at);
+  check_gradient(p, at);
+  check_parameters(p, at);
+}
+
+// One step on both trainers (Trainer::step, which runs the separate pi_old pass when the
+// config asks for it, else train_step), every check.
+StepMetrics step_both(Pair& p, const std::vector<Sample>& batch, const std::string& at) {
+  const auto want = p.one.step(batch);
+  const auto got = p.sharded.step(batch);
+  check_metrics(p, got, want, at);
+  if (!got.skipped_nonfinite) check_gradient(p, at);
+  check_parameters(p, at);
+  return want;
+}
+
+// Checkpoints between world sizes, on a 2 x W/2 mesh ("x" by "dp"): a dp-W trainer (the world)
+// trains 2 steps and saves; a dp-W/2 trainer (each "dp" group) and a one-rank trainer, both
+// from another initialisation, load it (W -> W/2, W -> 1); step 3 of each equals the one-rank
+// reference's. The dp-W/2 trainers save (one checkpoint per dp group) and the reference saves
+// in the one-rank format; dp-W trainers load each (W/2 -> W, 1 -> W); step 4 equals the
+// reference's.
+void run_checkpoint(parallel::ProcessGroups& groups) {
+  auto& world = groups.world();
+  auto& half = groups.along("dp");
+  const std::string w = "dp" + std::to_string(world.size()), h = "dp" + std::to_string(half.size());
+  const auto c = config_for("token_mean");
+  const char* port = std::getenv("MASTER_PORT");  // one directory for the job, another per job
+  const auto root = std::filesystem::temp_directory_path() / ("kiln_dp_checkpoint_" + std::string(port ? port : "0"));
+  auto ref_model = test::debug_model(7);
+  const int64_t vocab = ref_model->vocab_size();
+  auto batch = [&](int s) { return make_batch(uint64_t(10 * s + 1), 7, vocab, true); };
+  Trainer ref(ref_model, c);
+  auto a_model = test::debug_model(7);
+  Trainer a(a_model, c, &world);
+  for (int s = 0; s < 2; ++s) {
+    const auto b = batch(s);
+    ref.step(b);
+    a.step(b);
+  }
+  save_checkpoint(root / "dp4", *a_model, a, CheckpointState{2, a.version(), "rng"});
+
+  auto b_model = test::debug_model(99), c_model = test::debug_model(99);
+  Trainer b(b_model, c, &half), one(c_model, c);
+  const auto loaded_b = load_checkpoint(root / "dp4", *b_model, b);
+  load_checkpoint(root / "dp4", *c_model, one);
+  expect(loaded_b.step == 2 && b.version() == 2 && one.version() == 2,
+         w + " -> " + h + ", " + w + " -> one rank: step or version not restored");
+  const auto b3 = batch(2);
+  const auto want3 = ref.step(b3);
+  Pair pb{half, ref, b};
+  check_after_load(pb, b.step(b3), want3, w + " -> " + h + " then step 3: ");
+  const auto got3 = one.step(b3);
+  expect_close(got3.loss, want3.loss, w + " -> one rank then step 3: loss");
+  expect_close(got3.grad_norm, want3.grad_norm, w + " -> one rank then step 3: grad_norm");
+  auto get = [](const torch::Tensor& t) { return t; };
+  const double err = relative_error(flat(one.policy().parameters(), get), flat(ref.policy().parameters(), get));
+  if (rank == 0)
+    std::cout << "measured " << w << " -> one rank then step 3: parameter relative error " << err << std::endl;
+  expect(err <= kTolerance, w + " -> one rank then step 3: parameter relative error " + std::to_string(err));
+
+  const auto x = std::to_string(groups.mesh().coords(rank)[0]);
+  save_checkpoint(root / ("dp2_x" + x), *b_model, b, CheckpointState{3, b.version(), "rng"});
+  if (rank == 0) save_checkpoint(root / "one", *ref_model, ref, CheckpointState{3, ref.version(), "rng"});
+  world.barrier();
+  auto d_model = test::debug_model(99), e_model = test::debug_model(99);
+  Trainer d(d_model, c, &world), e(e_model, c, &world);
+  load_checkpoint(root / "dp2_x0", *d_model, d);
+  load_checkpoint(root / "one", *e_model, e);
+  const auto b4 = batch(3);
+  const auto want4 = ref.step(b4);
+  Pair pd{world, ref, d}, pe{world, ref, e};
+  check_after_load(pd, d.step(b4), want4, h + " -> " + w + " then step 4: ");
+  check_after_load(pe, e.step(b4), want4, "one rank -> " + w + " then step 4: ");
+  world.barrier();
+  if (rank == 0) std::filesystem::remove_all(root);
+}
+
+
+// Different batches per rank: all refused, nothing changed; then a step on equal batches still
+// equals one rank's (no rank was left inside a collective).
+void run_refusals(Pair& p, int count, int64_t vocab) {
   const bool with_old = true;
   const auto before = test::snapshot(p.sharded);
   // Rank 0's batch differs from the others' (at world 1 there are no others: no error):
@@ -208,24 +277,6 @@ void run_refusals(Pair& p, model::CausalLM& model, int count, int64_t vocab) {
     expect(test::differences(before, test::snapshot(p.sharded)).empty(), "the refused batches changed the trainer");
     if (rank == 0) std::cout << "refused on every rank: " << error << std::endl;
   }
-  const auto dir = std::filesystem::temp_directory_path() /
-                   ("kiln_dp_checkpoint_" + std::to_string(::getpid()) + "_" + std::to_string(rank));
-  for (const char* what : {"save_checkpoint", "load_checkpoint"}) {
-    std::string refused;
-    try {
-      if (std::string(what) == "save_checkpoint") save_checkpoint(dir, model, p.sharded, CheckpointState{1, 0, ""});
-      else load_checkpoint(dir, model, p.sharded);
-    } catch (const std::invalid_argument& e) {
-      refused = e.what();
-    }
-    expect(refused.find("sharded checkpoints are not supported yet") != std::string::npos &&
-               refused.find(what) != std::string::npos && refused.find(p.dp.name()) != std::string::npos,
-           std::string(what) + " of a data-parallel trainer was not refused by name: '" + refused + "'");
-    if (rank == 0 && !refused.empty()) std::cout << "refused: " << refused << std::endl;
-  }
-  std::filesystem::path partial = dir;
-  partial += ".partial";
-  expect(!std::filesystem::exists(dir) && !std::filesystem::exists(partial), "the refused save wrote " + dir.string());
   step_both(p, make_batch(1, count, vocab, with_old), "refusals then a step: ");
   return;
 }
@@ -242,7 +293,7 @@ void run_case(parallel::Group& dp, const std::string& name) {
   const int64_t vocab = one_model->vocab_size();
   const int count = name == "few_samples" ? 3 : 7;
   const bool with_old = name != "sequence_mean" && name != "recompute";
-  if (name == "refusals") return run_refusals(p, *sharded_model, count, vocab);
+  if (name == "refusals") return run_refusals(p, count, vocab);
   for (int s = 0; s < 3; ++s) {
     const auto at = name + " step " + std::to_string(s + 1) + ": ";
     if (name == "nonfinite" && s == 1) {
@@ -290,7 +341,8 @@ void run_case(parallel::Group& dp, const std::string& name) {
 
 int main(int argc, char** argv) {
   if (argc != 2) {
-    std::cerr << "usage: kiln_trainer_dp_worker token_mean|sequence_mean|clip|few_samples|recompute|bf16|nonfinite|refusals"
+    std::cerr << "usage: kiln_trainer_dp_worker "
+                 "token_mean|sequence_mean|clip|few_samples|recompute|bf16|nonfinite|refusals|checkpoint"
               << std::endl;
     return 2;
   }
@@ -301,8 +353,15 @@ int main(int argc, char** argv) {
     parallel::GroupOptions options;
     options.store_timeout = std::chrono::seconds(60);
     options.collective_timeout = std::chrono::seconds(60);
-    parallel::ProcessGroups groups(info, torch::kCPU, {{"dp", info.world_size}}, options);
-    run_case(groups.along("dp"), argv[1]);
+    const std::string name = argv[1];
+    if (name == "checkpoint" && info.world_size % 2)
+      throw std::invalid_argument("the checkpoint case needs an even world, got " + std::to_string(info.world_size));
+    parallel::ProcessGroups groups(info, torch::kCPU,
+                                   name == "checkpoint" ? std::vector<parallel::MeshDim>{{"x", 2}, {"dp", info.world_size / 2}}
+                                                        : std::vector<parallel::MeshDim>{{"dp", info.world_size}},
+                                   options);
+    if (name == "checkpoint") run_checkpoint(groups);
+    else run_case(groups.along("dp"), name);
     std::cout << "rank " << rank << ": " << checks - failures << " of " << checks << " checks passed" << std::endl;
     return failures ? 1 : 0;
   } catch (const std::exception& e) {
