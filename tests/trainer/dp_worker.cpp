@@ -23,6 +23,8 @@
 //   checkpoint     (even world, mesh x=2 by dp=W/2) sharded checkpoints saved at dp W and
 //                  loaded at dp W/2 and one rank, saved at dp W/2 and one rank and loaded at
 //                  dp W: the next step equals the reference's
+//   checkpoint_bf16  a bf16 policy's sharded checkpoint, reloaded at the same ranks and via a
+//                  one-rank trainer's checkpoint: the next step bit for bit as without them
 // Prints "rank R: X of Y checks passed"; exit 0 when every check passed, 1 otherwise.
 #include <cmath>
 #include <filesystem>
@@ -188,6 +190,59 @@ StepMetrics step_both(Pair& p, const std::vector<Sample>& batch, const std::stri
   return want;
 }
 
+// Checkpoints of a bf16 policy (fp32 masters): a dp-W trainer trains 2 steps and saves; a
+// one-rank trainer loads it and saves in the one-rank format (optimizer.pt, master_weights.pt);
+// a dp-W trainer loads that and another the sharded one, each from another initialisation.
+// Both must take step 3 bit for bit as the uninterrupted trainer does (the same ranks, the same
+// packing: every value is copied, none recomputed).
+void run_checkpoint_bf16(parallel::Group& dp) {
+  const auto c = config_for("token_mean");
+  const char* port = std::getenv("MASTER_PORT");
+  const auto root =
+      std::filesystem::temp_directory_path() / ("kiln_dp_checkpoint_bf16_" + std::string(port ? port : "0"));
+  auto bf16_model = [](uint64_t seed) {
+    auto m = test::debug_model(seed);
+    m->to_dtype(torch::kBFloat16);
+    return m;
+  };
+  auto a_model = bf16_model(7);
+  Trainer a(a_model, c, &dp);
+  const int64_t vocab = a_model->vocab_size();
+  for (int s = 0; s < 2; ++s) a.step(make_batch(uint64_t(10 * s + 1), 7, vocab, true));
+  save_checkpoint(root / "sharded", *a_model, a, CheckpointState{2, a.version(), "rng"});
+  if (dp.rank() == 0) {
+    auto one_model = bf16_model(99);
+    Trainer one(one_model, c);
+    load_checkpoint(root / "sharded", *one_model, one);
+    expect(one.uses_master_weights(), "the bf16 one-rank trainer has no fp32 masters");
+    save_checkpoint(root / "one", *one_model, one, CheckpointState{2, one.version(), "rng"});
+    expect(std::filesystem::exists(root / "one" / "master_weights.pt"), "the one-rank save wrote no master_weights.pt");
+  }
+  dp.barrier();
+  auto b_model = bf16_model(99), e_model = bf16_model(99);
+  Trainer b(b_model, c, &dp), e(e_model, c, &dp);
+  load_checkpoint(root / "sharded", *b_model, b);
+  load_checkpoint(root / "one", *e_model, e);
+  const auto batch = make_batch(21, 7, vocab, true);
+  const auto want = a.step(batch);
+  auto get = [](const torch::Tensor& t) { return t; };
+  const auto want_params = flat(a.policy().parameters(), get);
+  const auto want_masters = flat(a.master_parameters(), get);
+  const std::vector<std::pair<std::string, Trainer*>> loaded{{"sharded -> same ranks", &b},
+                                                              {"sharded -> one rank -> dp", &e}};
+  for (const auto& [name, t] : loaded) {
+    const auto got = t->step(batch);
+    const std::string at = "bf16 " + name + " then step 3: ";
+    expect(got.loss == want.loss && got.grad_norm == want.grad_norm,
+           at + "loss " + std::to_string(got.loss) + " / grad_norm " + std::to_string(got.grad_norm) +
+               " differ from the uninterrupted " + std::to_string(want.loss) + " / " + std::to_string(want.grad_norm));
+    expect(torch::equal(flat(t->policy().parameters(), get), want_params), at + "parameters differ (bit for bit)");
+    expect(torch::equal(flat(t->master_parameters(), get), want_masters), at + "fp32 masters differ (bit for bit)");
+  }
+  dp.barrier();
+  if (rank == 0) std::filesystem::remove_all(root);
+}
+
 // Checkpoints between world sizes, on a 2 x W/2 mesh ("x" by "dp"): a dp-W trainer (the world)
 // trains 2 steps and saves; a dp-W/2 trainer (each "dp" group) and a one-rank trainer, both
 // from another initialisation, load it (W -> W/2, W -> 1); step 3 of each equals the one-rank
@@ -342,7 +397,7 @@ void run_case(parallel::Group& dp, const std::string& name) {
 int main(int argc, char** argv) {
   if (argc != 2) {
     std::cerr << "usage: kiln_trainer_dp_worker "
-                 "token_mean|sequence_mean|clip|few_samples|recompute|bf16|nonfinite|refusals|checkpoint"
+                 "token_mean|sequence_mean|clip|few_samples|recompute|bf16|nonfinite|refusals|checkpoint|checkpoint_bf16"
               << std::endl;
     return 2;
   }
@@ -361,6 +416,7 @@ int main(int argc, char** argv) {
                                                         : std::vector<parallel::MeshDim>{{"dp", info.world_size}},
                                    options);
     if (name == "checkpoint") run_checkpoint(groups);
+    else if (name == "checkpoint_bf16") run_checkpoint_bf16(groups.along("dp"));
     else run_case(groups.along("dp"), name);
     std::cout << "rank " << rank << ": " << checks - failures << " of " << checks << " checks passed" << std::endl;
     return failures ? 1 : 0;
