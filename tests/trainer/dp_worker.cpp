@@ -301,6 +301,24 @@ void run_checkpoint(parallel::ProcessGroups& groups) {
   Pair pd{world, ref, d}, pe{world, ref, e};
   check_after_load(pd, d.step(b4), want4, h + " -> " + w + " then step 4: ");
   check_after_load(pe, e.step(b4), want4, "one rank -> " + w + " then step 4: ");
+  if (rank == 0) {  // the world's checkpoint without the shard of rank 1: refused by name
+    namespace fs = std::filesystem;
+    fs::copy(root / "dp4", root / "broken");
+    char missing[64];
+    std::snprintf(missing, sizeof missing, "optimizer_shard_00001_of_%05d.pt", world.size());
+    fs::remove(root / "broken" / missing);
+    auto f_model = test::debug_model(99);
+    Trainer f(f_model, c);
+    std::string error;
+    try {
+      load_checkpoint(root / "broken", *f_model, f);
+    } catch (const std::invalid_argument& ex) {
+      error = ex.what();
+    }
+    std::cout << "refused: " << error << std::endl;
+    expect(error.find(std::string("lacks ") + missing) != std::string::npos,
+           "a checkpoint lacking a shard was not refused by name: '" + error + "'");
+  }
   world.barrier();
   if (rank == 0) std::filesystem::remove_all(root);
 }
