@@ -87,7 +87,6 @@ class ShardedAdamW {
   /// This rank's flat elements [begin(), end()).
   int64_t begin() const { return std::min(numel_, group_.rank() * shard_); }
   int64_t end() const { return std::min(numel_, (group_.rank() + 1) * shard_); }
-  std::size_t num_params() const { return params_.size(); }
   /// masters() with their flat offsets (for read_flat_state / write_flat_state).
   std::vector<FlatPiece> pieces() const;
 

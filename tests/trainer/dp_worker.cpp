@@ -22,7 +22,7 @@
 //                  and nothing changes (the next step, on equal batches, equals one rank's)
 //   checkpoint     (even world, mesh x=2 by dp=W/2) sharded checkpoints saved at dp W and
 //                  loaded at dp W/2 and one rank, saved at dp W/2 and one rank and loaded at
-//                  dp W: the next step equals the reference's
+//                  dp W: the next step equals the reference's; a shard missing is refused by name
 //   checkpoint_bf16  a bf16 policy's sharded checkpoint, reloaded at the same ranks and via a
 //                  one-rank trainer's checkpoint: the next step bit for bit as without them
 // Prints "rank R: X of Y checks passed"; exit 0 when every check passed, 1 otherwise.
