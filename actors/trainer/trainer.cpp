@@ -1,7 +1,10 @@
 #include "actors/trainer/trainer.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
+#include <numeric>
 #include <stdexcept>
 
 #include "messaging/stopwatch.hpp"
@@ -95,6 +98,59 @@ std::string nonfinite_reason(double loss, double grad_norm) {
   return "";
 }
 
+// Throws, on every rank alike, when the data-parallel ranks were not given the same batch: each
+// would train on its share of a different one, and the step would be no one's. Compares the
+// sample count, the token count and a 62-bit FNV-1a hash of the token ids, log-probs and
+// advantages (maximum and minimum over the group in one all-reduce).
+void check_same_batch(parallel::Group& group, const std::vector<Sample>& samples) {
+  uint64_t hash = 1469598103934665603ull;
+  auto mix = [&](const void* data, std::size_t bytes) {
+    const auto* b = static_cast<const unsigned char*>(data);
+    for (std::size_t k = 0; k < bytes; ++k) hash = (hash ^ b[k]) * 1099511628211ull;
+  };
+  int64_t tokens = 0;
+  for (const auto& s : samples) {
+    tokens += s.tokens();
+    for (const auto* ids : {&s.prompt, &s.completion}) {
+      const auto n = ids->size();
+      mix(&n, sizeof n);
+      mix(ids->data(), n * sizeof(int64_t));
+    }
+    for (const auto* v : {&s.behavior_logprobs, &s.ref_logprobs, &s.old_logprobs}) {
+      const auto n = v->size();
+      mix(&n, sizeof n);
+      mix(v->data(), n * sizeof(float));
+    }
+    mix(&s.advantage, sizeof s.advantage);
+  }
+  const int64_t fields[3] = {int64_t(samples.size()), tokens, int64_t(hash >> 2)};
+  auto t = torch::empty({6}, torch::kInt64);
+  for (int k = 0; k < 3; ++k) {
+    t[k] = fields[k];
+    t[3 + k] = -fields[k];
+  }
+  t = t.to(group.device());
+  group.all_reduce(t, parallel::ReduceOp::max);
+  t = t.to(torch::kCPU);
+  const char* names[3] = {"sample counts", "token counts", "content hashes"};
+  for (int k = 0; k < 3; ++k) {
+    const int64_t hi = t[k].item<int64_t>(), lo = -t[3 + k].item<int64_t>();
+    if (hi != lo)
+      throw std::invalid_argument("train_step: the ranks of data-parallel group '" + group.name() +
+                                  "' were given different batches: their " + names[k] + " range from " +
+                                  std::to_string(lo) + " to " + std::to_string(hi) +
+                                  " (every rank must be given the whole step's samples)");
+  }
+}
+
+// Sums `values` over the group in place (fp64).
+void sum_over(parallel::Group& group, std::vector<double>& values) {
+  auto t = torch::tensor(values, torch::kFloat64).to(group.device());
+  group.all_reduce(t);
+  t = t.to(torch::kCPU).contiguous();
+  std::memcpy(values.data(), t.data_ptr<double>(), values.size() * sizeof(double));
+}
+
 torch::Tensor per_token(const std::vector<Sample>& samples, const std::vector<std::size_t>& idx,
                         const std::vector<float> Sample::*field) {
   std::vector<float> v;
@@ -104,9 +160,16 @@ torch::Tensor per_token(const std::vector<Sample>& samples, const std::vector<st
 }  // namespace
 
 std::vector<std::vector<std::size_t>> plan_micro_batches(const std::vector<Sample>& samples, int64_t max_tokens) {
+  std::vector<std::size_t> all(samples.size());
+  std::iota(all.begin(), all.end(), std::size_t{0});
+  return plan_micro_batches(samples, all, max_tokens);
+}
+
+std::vector<std::vector<std::size_t>> plan_micro_batches(const std::vector<Sample>& samples,
+                                                         const std::vector<std::size_t>& indices, int64_t max_tokens) {
   std::vector<std::vector<std::size_t>> out;
   int64_t in_batch = 0;
-  for (std::size_t i = 0; i < samples.size(); ++i) {
+  for (auto i : indices) {
     const int64_t t = samples[i].tokens();
     if (out.empty() || (in_batch + t > max_tokens && !out.back().empty())) {
       out.emplace_back();
@@ -118,25 +181,82 @@ std::vector<std::vector<std::size_t>> plan_micro_batches(const std::vector<Sampl
   return out;
 }
 
-Trainer::Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config) : policy_(std::move(policy)), c_(config) {
+std::vector<std::vector<std::size_t>> split_samples(const std::vector<Sample>& samples, int ranks) {
+  if (ranks < 1) throw std::invalid_argument("split_samples: ranks must be >= 1, got " + std::to_string(ranks));
+  std::vector<std::size_t> order(samples.size());
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::size_t a, std::size_t b) { return samples[a].tokens() > samples[b].tokens(); });
+  std::vector<std::vector<std::size_t>> out(static_cast<std::size_t>(ranks));
+  std::vector<int64_t> load(static_cast<std::size_t>(ranks), 0);
+  for (auto i : order) {
+    const auto r = std::size_t(std::min_element(load.begin(), load.end()) - load.begin());  // first of the least loaded
+    out[r].push_back(i);
+    load[r] += samples[i].tokens();
+  }
+  for (auto& share : out) std::sort(share.begin(), share.end());
+  return out;
+}
+
+Trainer::Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config, parallel::Group* data_parallel)
+    : policy_(std::move(policy)), c_(config), dp_(data_parallel) {
   c_.validate();
   params_ = policy_->parameters();
-  for (std::size_t i = 0; i < params_.size(); ++i) {
-    if (params_[i].scalar_type() == torch::kFloat32) {
-      masters_.push_back(params_[i]);
-    } else {
-      masters_.push_back(params_[i].detach().to(torch::kFloat32).clone().requires_grad_(true));
-      low_precision_.push_back(i);
-    }
+  for (std::size_t i = 0; i < params_.size(); ++i)
+    if (params_[i].scalar_type() != torch::kFloat32) low_precision_.push_back(i);
+  const auto options = torch::optim::AdamWOptions(c_.lr).betas({c_.beta1, c_.beta2}).weight_decay(c_.weight_decay);
+  if (dp_) {  // fp32 masters and AdamW state of this rank's shard only
+    sharded_ = std::make_unique<ShardedAdamW>(params_, *dp_, options);
+    return;
   }
-  optimizer_ = std::make_unique<torch::optim::AdamW>(
-      masters_,
-      torch::optim::AdamWOptions(c_.lr).betas({c_.beta1, c_.beta2}).weight_decay(c_.weight_decay));
+  for (const auto& p : params_)
+    masters_.push_back(p.scalar_type() == torch::kFloat32 ? p
+                                                          : p.detach().to(torch::kFloat32).clone().requires_grad_(true));
+  optimizer_ = std::make_unique<torch::optim::AdamW>(masters_, options);
 }
 
 void Trainer::reload_master_weights() {
+  if (sharded_) return sharded_->reload_from_parameters();
   torch::NoGradGuard no_grad;
   for (auto i : low_precision_) masters_[i].copy_(params_[i]);
+}
+
+std::pair<int64_t, int64_t> Trainer::flat_range() const {
+  if (sharded_) return {sharded_->begin(), sharded_->end()};
+  return {0, flat_numel()};
+}
+
+int64_t Trainer::flat_numel() const {
+  if (sharded_) return sharded_->numel();
+  int64_t n = 0;
+  for (const auto& p : params_) n += p.numel();
+  return n;
+}
+
+namespace {
+// The one-rank optimizer's pieces: each whole master at its parameter's flat offset.
+std::vector<FlatPiece> whole_pieces(const std::vector<torch::Tensor>& masters) {
+  std::vector<FlatPiece> out;
+  int64_t offset = 0;
+  for (std::size_t i = 0; i < masters.size(); ++i) {
+    out.push_back(FlatPiece{i, offset, masters[i]});
+    offset += masters[i].numel();
+  }
+  return out;
+}
+}  // namespace
+
+FlatAdamWState Trainer::flat_optimizer_state() {
+  const auto [begin, end] = flat_range();
+  if (sharded_) return read_flat_state(sharded_->optimizer(), sharded_->pieces(), begin, end, params_.size());
+  return read_flat_state(*optimizer_, whole_pieces(masters_), begin, end, params_.size());
+}
+
+void Trainer::load_flat_optimizer_state(const std::vector<FlatAdamWState>& parts) {
+  if (sharded_) return write_flat_state(sharded_->optimizer(), sharded_->pieces(), parts);
+  write_flat_state(*optimizer_, whole_pieces(masters_), parts);  // fp32 policies: masters are the parameters
+  torch::NoGradGuard no_grad;
+  for (auto i : low_precision_) params_[i].copy_(masters_[i]);
 }
 
 double Trainer::current_lr() const {
@@ -151,22 +271,34 @@ double Trainer::current_lr() const {
 StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
   auto t0 = std::chrono::steady_clock::now();
   const bool want_ref = c_.loss.kl_coef != 0;
+  if (dp_) check_same_batch(*dp_, samples);  // before any rank may throw alone
   check_samples(samples, policy_->vocab_size(), want_ref);
+  std::vector<std::size_t> mine(samples.size());
+  std::iota(mine.begin(), mine.end(), std::size_t{0});
+  if (dp_) mine = split_samples(samples, dp_->size())[std::size_t(dp_->rank())];
   StepMetrics m;
-  std::vector<float> sample_tokens;
-  for (const auto& s : samples) {
-    m.loss_tokens += int64_t(s.completion.size());
-    m.tokens += s.tokens();
-    sample_tokens.push_back(float(s.completion.size()));
+  std::vector<float> sample_tokens;  // [S] of the whole batch (sequence_mean indexes it by sample)
+  for (const auto& s : samples) sample_tokens.push_back(float(s.completion.size()));
+  // The normaliser counts the whole batch: this rank's share, summed over the group, so that
+  // the ranks' gradients add up to the one-rank gradient.
+  std::vector<double> counts{0, 0, double(mine.size())};  // loss tokens, tokens, samples
+  for (auto i : mine) {
+    counts[0] += double(samples[i].completion.size());
+    counts[1] += double(samples[i].tokens());
   }
+  if (dp_) sum_over(*dp_, counts);
+  m.loss_tokens = int64_t(counts[0]);
+  m.tokens = int64_t(counts[1]);
   const bool given_old = !samples.front().old_logprobs.empty();
   const double normalizer =
-      aggregation_from_string(c_.loss.aggregation) == Aggregation::token_mean ? double(m.loss_tokens) : double(samples.size());
+      aggregation_from_string(c_.loss.aggregation) == Aggregation::token_mean ? counts[0] : counts[2];
   auto sample_tokens_t = torch::tensor(sample_tokens, torch::kFloat32);
-  optimizer_->zero_grad();
-  if (uses_master_weights()) policy_->zero_grad();
-  double abs_diff = 0;
-  for (const auto& idx : plan_micro_batches(samples, c_.logprobs.max_tokens_per_microbatch)) {
+  if (sharded_) sharded_->zero_grad();
+  else optimizer_->zero_grad();
+  if (uses_master_weights() || sharded_) policy_->zero_grad();
+  // This rank's sums: loss, pg, kl, clipped tokens, entropy, |old - behaviour|, micro-batches.
+  std::vector<double> sums(7, 0.0);
+  for (const auto& idx : plan_micro_batches(samples, mine, c_.logprobs.max_tokens_per_microbatch)) {
     auto p = pack(samples, idx, c_.logprobs.routing_replay);
     model::ForwardOptions opts;
     opts.replay_routed_experts = p.replay;
@@ -198,24 +330,50 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
     t.sample_index = torch::tensor(global_index, torch::kInt64).to(dev);
     auto r = policy_loss(t, c_.loss, normalizer, sample_tokens_t.to(dev));
     r.loss.backward();
-    m.loss += r.loss.item<double>();
-    m.pg_loss += r.pg_sum / double(m.loss_tokens);
-    m.kl += r.kl_sum / double(m.loss_tokens);
-    m.clip_fraction += r.clipped_tokens / double(m.loss_tokens);
-    m.entropy += r.entropy_sum / double(m.loss_tokens);
-    abs_diff += (t.old_logprob - t.behavior_logprob).abs().sum().item<double>();
-    ++m.micro_batches;
+    sums[0] += r.loss.item<double>();
+    sums[1] += r.pg_sum;
+    sums[2] += r.kl_sum;
+    sums[3] += r.clipped_tokens;
+    sums[4] += r.entropy_sum;
+    sums[5] += (t.old_logprob - t.behavior_logprob).abs().sum().item<double>();
+    sums[6] += 1;
   }
-  for (auto i : low_precision_)  // bf16 gradients -> fp32 master gradients
-    if (params_[i].grad().defined()) masters_[i].mutable_grad() = params_[i].grad().to(torch::kFloat32);
-  m.grad_norm = c_.grad_clip > 0 ? torch::nn::utils::clip_grad_norm_(masters_, c_.grad_clip)
-                                 : torch::nn::utils::clip_grad_norm_(masters_, 1e30);
+  if (dp_) sum_over(*dp_, sums);
+  const double tokens = double(m.loss_tokens);
+  m.loss = sums[0];
+  m.pg_loss = sums[1] / tokens;
+  m.kl = sums[2] / tokens;
+  m.clip_fraction = sums[3] / tokens;
+  m.entropy = sums[4] / tokens;
+  m.train_rollout_logprob_abs_diff = sums[5] / tokens;
+  m.micro_batches = int64_t(sums[6]);
+  const double max_norm = c_.grad_clip > 0 ? c_.grad_clip : 1e30;
+  if (sharded_) {
+    sharded_->reduce_gradients();
+    policy_->zero_grad();  // the full local gradients are in the shards now
+    m.grad_norm = sharded_->clip_gradients(max_norm);
+  } else {
+    for (auto i : low_precision_)  // bf16 gradients -> fp32 master gradients
+      if (params_[i].grad().defined()) masters_[i].mutable_grad() = params_[i].grad().to(torch::kFloat32);
+    m.grad_norm = torch::nn::utils::clip_grad_norm_(masters_, max_norm);
+  }
   m.lr = current_lr();
   m.skip_reason = nonfinite_reason(m.loss, m.grad_norm);
+  if (dp_) {  // loss and norm are the group's already; the ranks still decide together
+    auto skip = torch::full({1}, int64_t(!m.skip_reason.empty()), torch::kInt64).to(dp_->device());
+    dp_->all_reduce(skip, parallel::ReduceOp::max);
+    if (skip.item<int64_t>() && m.skip_reason.empty())
+      m.skip_reason =
+          "another rank of data-parallel group '" + dp_->name() + "' found a non-finite loss or gradient norm";
+  }
   m.skipped_nonfinite = !m.skip_reason.empty();
   if (m.skipped_nonfinite) {  // nothing applied: parameters, AdamW's moments and step count, lr, version
-    optimizer_->zero_grad();
+    if (sharded_) sharded_->zero_grad();
+    else optimizer_->zero_grad();
     if (uses_master_weights()) policy_->zero_grad();
+  } else if (sharded_) {
+    sharded_->step(m.lr);
+    ++version_;
   } else {
     for (auto& g : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(m.lr);
     optimizer_->step();
@@ -223,14 +381,34 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
     for (auto i : low_precision_) params_[i].copy_(masters_[i]);  // round to the policy's dtype
     ++version_;
   }
-  m.train_rollout_logprob_abs_diff = abs_diff / double(m.loss_tokens);
   m.actor_train_time = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return m;
 }
 
 StepMetrics Trainer::step(std::vector<Sample> samples) {
   double log_probs_time = 0;
-  if (c_.recompute_old_logprobs) {  // pi_old in its own pass (verl/slime "log_probs")
+  if (c_.recompute_old_logprobs && dp_) {  // each rank its share, then every value everywhere
+    const messaging::Stopwatch t;
+    check_same_batch(*dp_, samples);  // before any rank may throw alone, as in train_step
+    check_samples(samples, policy_->vocab_size(), c_.loss.kl_coef != 0);
+    const auto mine = split_samples(samples, dp_->size())[std::size_t(dp_->rank())];
+    std::vector<Sample> share;
+    for (auto i : mine) share.push_back(samples[i]);
+    auto old = completion_logprobs(*policy_, share, c_.logprobs);
+    // [completion tokens of the batch]: this rank's values at its samples' offsets, 0 elsewhere;
+    // summed over the group (x + 0 = x exactly), every rank holds every sample's values.
+    std::vector<int64_t> offset(samples.size() + 1, 0);
+    for (std::size_t i = 0; i < samples.size(); ++i) offset[i + 1] = offset[i] + int64_t(samples[i].completion.size());
+    auto all = torch::zeros({offset.back()}, torch::kFloat32);
+    for (std::size_t k = 0; k < mine.size(); ++k)
+      all.narrow(0, offset[mine[k]], int64_t(old[k].size())).copy_(torch::tensor(old[k], torch::kFloat32));
+    all = all.to(dp_->device());
+    dp_->all_reduce(all);
+    all = all.to(torch::kCPU).contiguous();
+    const float* v = all.data_ptr<float>();
+    for (std::size_t i = 0; i < samples.size(); ++i) samples[i].old_logprobs.assign(v + offset[i], v + offset[i + 1]);
+    log_probs_time = t.seconds();
+  } else if (c_.recompute_old_logprobs) {  // pi_old in its own pass (verl/slime "log_probs")
     const messaging::Stopwatch t;
     auto old = completion_logprobs(*policy_, samples, c_.logprobs);
     for (std::size_t i = 0; i < samples.size(); ++i) samples[i].old_logprobs = std::move(old[i]);

@@ -5,11 +5,14 @@
 // L MoE layers, K experts per token.
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "actors/trainer/losses.hpp"
+#include "actors/trainer/sharded_adamw.hpp"
 #include "actors/trainer/trainer_config.hpp"
 #include "model/causal_lm.hpp"
+#include "parallel/group.hpp"
 
 namespace kiln::trainer {
 
@@ -31,10 +34,26 @@ struct Sample {
 /// Splits samples (by index, in order) into micro-batches of at most `max_tokens` tokens; a
 /// sample longer than max_tokens gets a micro-batch of its own.
 std::vector<std::vector<std::size_t>> plan_micro_batches(const std::vector<Sample>& samples, int64_t max_tokens);
+/// The same over the samples at `indices` (in that order); returns indices into `samples`.
+std::vector<std::vector<std::size_t>> plan_micro_batches(const std::vector<Sample>& samples,
+                                                         const std::vector<std::size_t>& indices, int64_t max_tokens);
+
+/// Splits a step's samples over `ranks` data-parallel ranks, balanced by tokens (prompt +
+/// completion): longest first (ties: lower index), each to the rank with the fewest tokens so
+/// far (ties: lower rank). result[r]: rank r's sample indices, ascending; a rank may get none
+/// when there are fewer samples than ranks. Deterministic: every rank computes the same split.
+std::vector<std::vector<std::size_t>> split_samples(const std::vector<Sample>& samples, int ranks);
 
 class Trainer {
  public:
-  Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config);
+  /// `data_parallel`: none = one rank. Otherwise a group of data-parallel ranks (held by
+  /// reference; it must outlive the trainer) over which every step is split: each rank trains
+  /// on its share of the samples (split_samples), the loss is normalised by the counts of the
+  /// whole batch, gradients and AdamW state are sharded (ShardedAdamW), and a step's loss,
+  /// gradient, metrics and update equal the one-rank step's on the same batch (up to fp32
+  /// summation order). Collective: every rank constructs it, and calls train_step with the
+  /// same samples; the policy's parameters become group rank 0's.
+  Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config, parallel::Group* data_parallel = nullptr);
   /// One optimizer step on `samples` (one PPO epoch: the old policy is the current one, so
   /// the ratio starts at 1 and TIS weighs stale samples by exp(old - behaviour)). Samples with
   /// old_logprobs use those as pi_old (all samples or none).
@@ -43,29 +62,53 @@ class Trainer {
   /// match the completion (ref_logprobs needed when kl_coef != 0), a non-finite advantage or
   /// log-prob. A step whose loss or gradient norm comes out non-finite anyway is skipped
   /// (StepMetrics::skipped_nonfinite), not applied.
+  /// With a data-parallel group: collective; the metrics are the whole batch's, equal on every
+  /// rank; every rank refuses the same batch, and all skip a non-finite step together. Throws
+  /// std::invalid_argument on every rank when the ranks were given different batches (their
+  /// sample counts, token counts or contents differ).
   StepMetrics train_step(const std::vector<Sample>& samples);
   /// The step as the RL loop takes it: pi_old from a separate no-grad pass first when
-  /// config.recompute_old_logprobs (timed as log_probs_time), then train_step.
+  /// config.recompute_old_logprobs (timed as log_probs_time), then train_step. With a
+  /// data-parallel group each rank computes pi_old for its share only (split_samples) and an
+  /// all-reduce hands every rank all of them; the batch is checked first, as train_step does.
   StepMetrics step(std::vector<Sample> samples);
   int64_t version() const { return version_; }   ///< optimizer steps taken
   model::CausalLM& policy() { return *policy_; }
   double current_lr() const;
-  /// Optimizer state for checkpoints (over master_parameters()).
-  torch::optim::AdamW& optimizer() { return *optimizer_; }
+  /// Optimizer state for checkpoints (over master_parameters()); with a data-parallel group
+  /// this rank's shard of it.
+  torch::optim::AdamW& optimizer() { return sharded_ ? sharded_->optimizer() : *optimizer_; }
   /// The tensors AdamW updates: the policy's parameters when they are fp32; fp32 copies of
   /// them (master weights, Micikevicius et al. 2018, arXiv:1710.03740) when the policy holds
   /// bf16/fp16 parameters. Gradients are accumulated in the policy's dtype, copied to the
   /// masters in fp32, clipped and applied there; the policy then gets the rounded masters.
-  const std::vector<torch::Tensor>& master_parameters() const { return masters_; }
+  /// With a data-parallel group: this rank's fp32 master pieces (ShardedAdamW::masters()).
+  const std::vector<torch::Tensor>& master_parameters() const { return sharded_ ? sharded_->masters() : masters_; }
   bool uses_master_weights() const { return !low_precision_.empty(); }
+  /// The data-parallel group, or nullptr (one rank).
+  parallel::Group* data_parallel() const { return dp_; }
+  /// The sharded optimizer (nullptr without a data-parallel group): its gradient shard holds
+  /// this rank's part of the last step's (clipped) gradient.
+  const ShardedAdamW* sharded_optimizer() const { return sharded_.get(); }
   /// Re-reads the masters from the policy (after its weights were loaded from a checkpoint).
   void reload_master_weights();
+  /// This rank's masters and AdamW state over its flat elements flat_range() (one rank: all
+  /// N of them; the flat index is ShardedAdamW's: parameters() in order, each row-major).
+  FlatAdamWState flat_optimizer_state();
+  /// Sets this rank's masters and AdamW state from `parts` that cover flat_range() (written at
+  /// any world size). Throws std::invalid_argument when they do not cover it.
+  void load_flat_optimizer_state(const std::vector<FlatAdamWState>& parts);
+  /// [begin, end) of the flat index this rank's optimizer holds; flat_numel() = N.
+  std::pair<int64_t, int64_t> flat_range() const;
+  int64_t flat_numel() const;
   void set_version(int64_t v) { version_ = v; }
 
  private:
   std::shared_ptr<model::CausalLM> policy_;
   TrainerConfig c_;
-  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  parallel::Group* dp_ = nullptr;
+  std::unique_ptr<torch::optim::AdamW> optimizer_;  ///< one rank
+  std::unique_ptr<ShardedAdamW> sharded_;           ///< data-parallel ranks
   std::vector<torch::Tensor> params_, masters_;  ///< same order; masters_[i] is params_[i] when fp32
   std::vector<std::size_t> low_precision_;       ///< indices with a separate fp32 master
   int64_t version_ = 0;

@@ -1,7 +1,7 @@
 // One rank of a multi-process test of parallel/ (run_workers.py starts W of them, or torchrun
 // does). It reads its place from the launcher's environment, builds the process groups on CPU
 // (Gloo) and then either
-//   collectives: checks every collective of Group exactly (float32 and int64; 0, 1, 7 and
+//   collectives: checks every collective of Group exactly (float32, float64 and int64; 0, 1, 7 and
 //                87382x3 elements, the last over 1 MiB) on the world group and on this rank's
 //                group along each mesh dimension; exit 0 when every check passed, 1 otherwise;
 //   loop:        all-reduces 1 MiB on the world group until a collective fails (run_workers.py
@@ -69,7 +69,7 @@ void check_group(Group& g) {
   expect_equal(members, torch::tensor(std::vector<int64_t>(g.world_ranks().begin(), g.world_ranks().end())),
                at + " members");
 
-  for (auto dtype : {torch::kFloat, torch::kLong}) {
+  for (auto dtype : {torch::kFloat, torch::kDouble, torch::kLong}) {
     for (int64_t rows : {0, 1, 7, 87382}) {
       const std::string tag = at + " " + c10::toString(dtype) + " rows " + std::to_string(rows) + " ";
       const auto base = pattern(rows, dtype);

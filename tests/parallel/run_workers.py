@@ -9,6 +9,10 @@
         SIGKILL (its connections close) or SIGSTOP (it hangs with its connections open, so only
         the timeout can notice). Every other rank must exit (code 3, not killed, not 0) within
         30 s, its error naming the operation and the world group.
+    run_workers.py WORKER run --world W -- ARGS...
+        W ranks of WORKER ARGS on 127.0.0.1 (any worker that checks something and prints
+        "rank R: X of Y checks passed"); every rank must exit 0 with that line and no MISMATCH.
+        Rank 0's other lines (its measurements) are printed.
     run_workers.py WORKER torchrun --torchrun PATH [--mesh dp=2,ep=2]
         two torchrun agents (--nnodes 2 --node-rank 0|1 --nproc-per-node 2, c10d rendezvous on
         loopback) run the collectives scenario; prints KILN_TEST_SKIPPED when PATH is absent.
@@ -56,12 +60,20 @@ def fail(msg, logs=()):
 
 
 def run_collectives(a, out_dir):
+    args = a.worker_args if a.scenario == "run" else ["collectives"] + (["--mesh", a.mesh] if a.mesh else [])
     port = free_port()
-    mesh = ["--mesh", a.mesh] if a.mesh else []
-    device = ["--device", a.device] if a.device != "cpu" else []
-    procs = [spawn(a.worker, ["collectives"] + mesh + device, a.world, r, port, out_dir) for r in range(a.world)]
+    if a.scenario != "run" and a.device != "cpu":
+        args += ["--device", a.device]
+    procs = [spawn(a.worker, args, a.world, r, port, out_dir) for r in range(a.world)]
     t0 = time.monotonic()
-    codes = [p.wait(timeout=240) for p, _ in procs]
+    codes = []
+    for p, _ in procs:
+        try:
+            codes.append(p.wait(timeout=max(0.0, t0 + 240 - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for q, _ in procs:
+                q.kill()
+            codes.append("timeout")
     logs = [(f"rank {r}", read(log)) for r, (_, log) in enumerate(procs)]
     if any(codes):
         fail(f"exit codes {codes}", logs)
@@ -72,7 +84,8 @@ def run_collectives(a, out_dir):
         for l in text.splitlines():
             if "all_reduce" in l and "GB/s" in l:
                 print(f"{name}: {l}")
-    print(f"ok: world {a.world} mesh {a.mesh or '-'} in {time.monotonic() - t0:.1f} s")
+    print("\n".join(l for l in logs[0][1].splitlines() if not l.startswith("rank ")))
+    print(f"ok: world {a.world} {' '.join(args)} in {time.monotonic() - t0:.1f} s")
 
 
 def run_kill(a, out_dir):
@@ -149,16 +162,19 @@ def run_torchrun(a, out_dir):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("worker")
-    p.add_argument("scenario", choices=["collectives", "kill", "torchrun"])
+    p.add_argument("scenario", choices=["collectives", "run", "kill", "torchrun"])
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, NCCL")
     p.add_argument("--mesh", default="")
     p.add_argument("--victim", type=int, default=1)
     p.add_argument("--signal", choices=["KILL", "STOP"], default="KILL")
     p.add_argument("--torchrun", default="")
-    a = p.parse_args()
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    a = p.parse_args(argv[:cut])
+    a.worker_args = argv[cut + 1:]  # run: the worker's arguments
     with tempfile.TemporaryDirectory(prefix="kiln_parallel_") as out_dir:
-        {"collectives": run_collectives, "kill": run_kill, "torchrun": run_torchrun}[a.scenario](a, out_dir)
+        {"collectives": run_collectives, "run": run_collectives, "kill": run_kill, "torchrun": run_torchrun}[a.scenario](a, out_dir)
 
 
 if __name__ == "__main__":

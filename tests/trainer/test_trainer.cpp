@@ -25,6 +25,26 @@ TEST_CASE("micro-batches are planned by token count, in order") {
   CHECK(plan_micro_batches(s, 1).size() == 5);  // too long: one each
 }
 
+TEST_CASE("samples are split over data-parallel ranks by tokens, longest first, every sample once") {
+  std::vector<Sample> s(6);
+  const int completion[6] = {1, 9, 4, 4, 2, 6};  // + 2 prompt tokens: 3, 11, 6, 6, 4, 8
+  for (int i = 0; i < 6; ++i) {
+    s[i].prompt.assign(2, 1);
+    s[i].completion.assign(std::size_t(completion[i]), 2);
+  }
+  // 11 -> r0; 8 -> r1; 6 (#2) -> r1 (14); 6 (#3) -> r0 (17); 4 -> r1 (18); 3 -> r0 (20).
+  const auto two = split_samples(s, 2);
+  CHECK(two == std::vector<std::vector<std::size_t>>{{0, 1, 3}, {2, 4, 5}});
+  CHECK(split_samples(s, 1) == std::vector<std::vector<std::size_t>>{{0, 1, 2, 3, 4, 5}});
+  // More ranks than samples: the last ranks get none.
+  const auto eight = split_samples(s, 8);
+  REQUIRE(eight.size() == 8);
+  CHECK(eight[0] == std::vector<std::size_t>{1});
+  CHECK(eight[6].empty());
+  CHECK(eight[7].empty());
+  CHECK_THROWS_WITH_AS(split_samples(s, 0), "split_samples: ranks must be >= 1, got 0", std::invalid_argument);
+}
+
 TEST_CASE("the trainer's log-probs of rollout samples equal the rollout's behaviour log-probs") {
   auto m = debug_model(4);
   auto samples = rollout_samples(m, 6);

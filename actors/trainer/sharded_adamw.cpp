@@ -1,0 +1,167 @@
+#include "actors/trainer/sharded_adamw.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace kiln::trainer {
+
+FlatAdamWState read_flat_state(torch::optim::AdamW& adamw, const std::vector<FlatPiece>& pieces, int64_t begin,
+                               int64_t end, std::size_t params) {
+  FlatAdamWState out;
+  out.begin = begin;
+  out.master = torch::zeros({end - begin}, torch::kFloat32);
+  out.exp_avg = torch::zeros({end - begin}, torch::kFloat32);
+  out.exp_avg_sq = torch::zeros({end - begin}, torch::kFloat32);
+  out.steps = torch::full({int64_t(params)}, int64_t{-1}, torch::kInt64);
+  torch::NoGradGuard no_grad;
+  for (const auto& piece : pieces) {
+    const int64_t n = piece.master.numel();
+    // Pieces lie inside [begin, end): they are this holder's own elements.
+    auto at = [&](const torch::Tensor& flat) { return flat.narrow(0, piece.offset - begin, n); };
+    at(out.master).copy_(piece.master.detach().reshape({-1}));
+    auto it = adamw.state().find(piece.master.unsafeGetTensorImpl());
+    if (it == adamw.state().end()) continue;
+    const auto& st = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+    at(out.exp_avg).copy_(st.exp_avg().reshape({-1}));
+    at(out.exp_avg_sq).copy_(st.exp_avg_sq().reshape({-1}));
+    out.steps[int64_t(piece.param)] = st.step();
+  }
+  return out;
+}
+
+void write_flat_state(torch::optim::AdamW& adamw, const std::vector<FlatPiece>& pieces,
+                      const std::vector<FlatAdamWState>& parts) {
+  torch::NoGradGuard no_grad;
+  for (const auto& piece : pieces) {
+    const int64_t n = piece.master.numel(), lo = piece.offset, hi = piece.offset + n;
+    auto master = torch::empty({n}, torch::kFloat32), exp_avg = torch::zeros({n}, torch::kFloat32),
+         exp_avg_sq = torch::zeros({n}, torch::kFloat32);
+    int64_t covered = 0, step = -1;
+    for (const auto& part : parts) {
+      if (piece.param >= std::size_t(part.steps.numel()))
+        throw std::invalid_argument("optimizer state of " + std::to_string(part.steps.numel()) +
+                                    " parameters, the policy has more (parameter " + std::to_string(piece.param) + ")");
+      const int64_t a = std::max(lo, part.begin), b = std::min(hi, part.begin + part.master.numel());
+      if (a >= b) continue;
+      master.narrow(0, a - lo, b - a).copy_(part.master.narrow(0, a - part.begin, b - a));
+      exp_avg.narrow(0, a - lo, b - a).copy_(part.exp_avg.narrow(0, a - part.begin, b - a));
+      exp_avg_sq.narrow(0, a - lo, b - a).copy_(part.exp_avg_sq.narrow(0, a - part.begin, b - a));
+      covered += b - a;
+      step = std::max(step, part.steps[int64_t(piece.param)].item<int64_t>());
+    }
+    if (covered != n)  // parts do not overlap, so this counts each element once
+      throw std::invalid_argument("optimizer state covers " + std::to_string(covered) + " of the " + std::to_string(n) +
+                                  " elements [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                                  ") of parameter " + std::to_string(piece.param));
+    piece.master.copy_(master.view(piece.master.sizes()));
+    const auto key = piece.master.unsafeGetTensorImpl();
+    adamw.state().erase(key);
+    if (step < 0) continue;  // AdamW never stepped it: no state, as torch leaves it
+    auto st = std::make_unique<torch::optim::AdamWParamState>();
+    st->step(step);
+    st->exp_avg(exp_avg.view(piece.master.sizes()).to(piece.master.device()));
+    st->exp_avg_sq(exp_avg_sq.view(piece.master.sizes()).to(piece.master.device()));
+    adamw.state()[key] = std::move(st);
+  }
+}
+
+ShardedAdamW::ShardedAdamW(std::vector<torch::Tensor> params, parallel::Group& group,
+                           torch::optim::AdamWOptions options)
+    : params_(std::move(params)), group_(group) {
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].device() != group_.device())
+      throw std::invalid_argument("ShardedAdamW: parameter " + std::to_string(i) + " is on " +
+                                  params_[i].device().str() + ", the data-parallel group '" + group_.name() + "' on " +
+                                  group_.device().str());
+    offsets_.push_back(numel_);
+    numel_ += params_[i].numel();
+  }
+  const int64_t w = group_.size();
+  shard_ = (numel_ + w - 1) / w;
+  // Every rank starts from group rank 0's parameters (fp32 holds bf16/fp16 values exactly).
+  auto flat = flatten([&](std::size_t i) { return params_[i].detach(); });
+  group_.broadcast(flat, 0);
+  {
+    torch::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < params_.size(); ++i)
+      params_[i].copy_(flat.narrow(0, offsets_[i], params_[i].numel()).view_as(params_[i]));
+  }
+  const int64_t begin = group_.rank() * shard_, end = std::min(begin + shard_, numel_);
+  master_shard_ = flat.narrow(0, group_.rank() * shard_, shard_).clone();
+  grad_shard_ = torch::zeros_like(master_shard_);
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const int64_t lo = std::max(begin, offsets_[i]), hi = std::min(end, offsets_[i] + params_[i].numel());
+    if (lo >= hi) continue;
+    pieces_.push_back(Piece{i, lo - offsets_[i], lo - begin, hi - lo});
+    // A view of the shard (a leaf of its own, so AdamW keeps one state per piece).
+    masters_.push_back(master_shard_.narrow(0, lo - begin, hi - lo).detach());
+  }
+  adamw_ = std::make_unique<torch::optim::AdamW>(masters_, options);
+}
+
+template <typename Pick>
+torch::Tensor ShardedAdamW::flatten(Pick pick, std::vector<int64_t>* has) const {
+  auto flat = torch::zeros({group_.size() * shard_}, torch::TensorOptions(torch::kFloat32).device(group_.device()));
+  if (has) has->assign(params_.size(), 0);
+  torch::NoGradGuard no_grad;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const torch::Tensor t = pick(i);
+    if (!t.defined()) continue;
+    flat.narrow(0, offsets_[i], t.numel()).copy_(t.reshape({-1}));  // [shape] -> [numel], to fp32
+    if (has) (*has)[i] = 1;
+  }
+  return flat;
+}
+
+void ShardedAdamW::reduce_gradients() {
+  std::vector<int64_t> has;
+  auto flat = flatten([&](std::size_t i) { return params_[i].grad(); }, &has);  // [W*S]
+  // Which parameters have a gradient on some rank: torch's AdamW skips the others.
+  auto any = torch::tensor(has, torch::kInt64).to(group_.device());
+  group_.all_reduce(any, parallel::ReduceOp::max);
+  any = any.to(torch::kCPU);
+  group_.reduce_scatter(grad_shard_, flat);  // [W*S] summed -> this rank's [S]
+  for (std::size_t k = 0; k < pieces_.size(); ++k)
+    masters_[k].mutable_grad() = any[int64_t(pieces_[k].param)].item<int64_t>()
+                                     ? grad_shard_.narrow(0, pieces_[k].shard_offset, pieces_[k].length)
+                                     : torch::Tensor();
+}
+
+double ShardedAdamW::clip_gradients(double max_norm) {
+  torch::NoGradGuard no_grad;
+  auto squares = grad_shard_.pow(2).sum().reshape({1});  // [1] fp32
+  group_.all_reduce(squares);
+  auto norm = squares.sqrt();
+  grad_shard_.mul_(torch::clamp(max_norm / (norm + 1e-6), std::nullopt, 1.0));
+  return norm.item<double>();
+}
+
+void ShardedAdamW::step(double lr) {
+  for (auto& g : adamw_->param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
+  adamw_->step();
+  auto full = torch::empty({group_.size() * shard_}, master_shard_.options());  // [W*S]
+  group_.all_gather_into_tensor(full, master_shard_);
+  torch::NoGradGuard no_grad;
+  for (std::size_t i = 0; i < params_.size(); ++i)
+    params_[i].copy_(full.narrow(0, offsets_[i], params_[i].numel()).view_as(params_[i]));  // rounds to bf16
+}
+
+std::vector<FlatPiece> ShardedAdamW::pieces() const {
+  std::vector<FlatPiece> out;
+  for (std::size_t k = 0; k < pieces_.size(); ++k)
+    out.push_back(FlatPiece{pieces_[k].param, offsets_[pieces_[k].param] + pieces_[k].param_offset, masters_[k]});
+  return out;
+}
+
+void ShardedAdamW::zero_grad() {
+  grad_shard_.zero_();
+  for (auto& m : masters_) m.mutable_grad() = torch::Tensor();
+}
+
+void ShardedAdamW::reload_from_parameters() {
+  auto flat = flatten([&](std::size_t i) { return params_[i].detach(); });
+  master_shard_.copy_(flat.narrow(0, group_.rank() * shard_, shard_));
+}
+
+}  // namespace kiln::trainer

@@ -1,0 +1,445 @@
+// One rank of the data-parallel trainer test (tests/parallel/run_workers.py WORKER run --world W
+// -- CASE starts W of them on 127.0.0.1). Every rank builds the seeded debug model twice: a
+// one-rank Trainer (the world-1 reference, computed on every rank from the same batch) and a
+// Trainer over the dp group (dp = world), feeds both the same deterministic random batches and
+// checks, after every step:
+//   - the metrics are equal on every rank, bit for bit, and equal to the reference's;
+//   - the whole gradient (this rank's shard, all-gathered) equals the reference's;
+//   - every rank's parameters are equal, bit for bit, and equal the reference's;
+// (relative error = ||got - want|| / ||want|| <= 1e-5, fp32). Cases:
+//   token_mean     KL (k3) and entropy terms, old log-probs given, no clipping, 3 steps
+//   sequence_mean  pi_old from the forward (ratio 1), TIS weights, no clipping, 3 steps
+//   clip           gradient-norm clipping active on every step (checked), 3 steps
+//   few_samples    3 samples per step (at world 4 a rank trains on none), 3 steps
+//   recompute      pi_old from the separate no-grad pass (Trainer::step; with dp each rank
+//                  computes its share), 3 steps
+//   bf16           a bf16 policy (fp32 masters), 3 steps; equal within 1e-5 at world 1 only (at
+//                  more ranks the one-rank trainer's bf16 gradient sums differ ~3e-3)
+//   nonfinite      a NaN behaviour log-prob: every rank refuses the batch and nothing changes;
+//                  a sample whose loss overflows (-inf), trained by one rank only: every rank
+//                  skips the step and nothing changes anywhere; then 2 more steps stay equal
+//   refusals       ranks given different batches all refuse the step, naming the difference,
+//                  and nothing changes (the next step, on equal batches, equals one rank's)
+//   checkpoint     (even world, mesh x=2 by dp=W/2) sharded checkpoints saved at dp W and
+//                  loaded at dp W/2 and one rank, saved at dp W/2 and one rank and loaded at
+//                  dp W: the next step equals the reference's; a shard missing is refused by name
+//   checkpoint_bf16  a bf16 policy's sharded checkpoint, reloaded at the same ranks and via a
+//                  one-rank trainer's checkpoint: the next step bit for bit as without them
+// Prints "rank R: X of Y checks passed"; exit 0 when every check passed, 1 otherwise.
+#include <cmath>
+#include <filesystem>
+#include <iostream>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <string>
+
+#include "actors/trainer/checkpoint.hpp"
+#include "actors/trainer/trainer.hpp"
+#include "parallel/process_group.hpp"
+#include "trainer_fixture.hpp"
+
+using namespace kiln;
+using namespace kiln::trainer;
+
+namespace {
+
+constexpr double kTolerance = 1e-5;
+int checks = 0, failures = 0, rank = -1;
+
+void expect(bool ok, const std::string& what) {
+  ++checks;
+  if (ok) return;
+  ++failures;
+  std::cerr << "rank " << rank << " MISMATCH " << what << std::endl;
+}
+
+double relative_error(const torch::Tensor& got, const torch::Tensor& want) {
+  const double denom = want.to(torch::kFloat64).norm().item<double>();
+  const double diff = (got.to(torch::kFloat64) - want.to(torch::kFloat64)).norm().item<double>();
+  return denom > 0 ? diff / denom : diff;
+}
+
+void expect_close(double got, double want, const std::string& what) {
+  const double err = std::abs(got - want) / std::max(std::abs(want), 1e-12);
+  std::ostringstream s;
+  s << what << ": got " << got << ", one rank " << want << " (relative error " << err << ")";
+  expect(err <= kTolerance || got == want || (std::isnan(got) && std::isnan(want)), s.str());
+}
+
+// Deterministic random samples, the same on every rank: lengths vary, ids in [2, vocab).
+std::vector<Sample> make_batch(uint64_t seed, int count, int64_t vocab, bool with_old) {
+  std::mt19937_64 rng(seed);
+  auto uniform = [&](double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(rng); };
+  auto integer = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  std::vector<Sample> out(static_cast<std::size_t>(count));
+  for (auto& s : out) {
+    for (int64_t k = integer(2, 9); k > 0; --k) s.prompt.push_back(integer(2, vocab - 1));
+    for (int64_t k = integer(1, 12); k > 0; --k) {
+      s.completion.push_back(integer(2, vocab - 1));
+      s.behavior_logprobs.push_back(float(uniform(-6.0, -3.5)));
+      s.ref_logprobs.push_back(float(uniform(-6.0, -3.5)));
+      if (with_old) s.old_logprobs.push_back(float(uniform(-5.2, -4.0)));
+    }
+    s.advantage = float(uniform(-1.5, 1.5));
+  }
+  return out;
+}
+
+// [N] fp32: `pick(i)` of every parameter or master i, flattened in order (zeros where undefined).
+template <typename Pick>
+torch::Tensor flat(const std::vector<torch::Tensor>& tensors, Pick pick) {
+  std::vector<torch::Tensor> parts;
+  for (const auto& t : tensors) {
+    auto v = pick(t);
+    parts.push_back(v.defined() ? v.detach().to(torch::kFloat32).reshape({-1}) : torch::zeros({t.numel()}));
+  }
+  return torch::cat(parts);
+}
+
+struct Pair {
+  parallel::Group& dp;
+  Trainer& one;      // one rank (the reference)
+  Trainer& sharded;  // over dp
+};
+
+// Every rank's `local` [n] fp64, gathered: [W, n].
+torch::Tensor gather_rows(parallel::Group& g, const torch::Tensor& local) {
+  auto out = torch::empty({g.size() * local.size(0)}, local.options());
+  g.all_gather_into_tensor(out, local.contiguous());
+  return out.reshape({g.size(), local.size(0)});
+}
+
+void check_metrics(Pair& p, const StepMetrics& got, const StepMetrics& want, const std::string& at) {
+  const std::vector<double> values{got.loss,    got.pg_loss,  got.kl,         got.clip_fraction,
+                                   got.entropy, got.grad_norm, got.train_rollout_logprob_abs_diff,
+                                   double(got.loss_tokens), double(got.tokens), double(got.micro_batches),
+                                   double(got.skipped_nonfinite), got.lr};
+  // Bit for bit (NaN == NaN): as integers.
+  auto rows = gather_rows(p.dp, torch::tensor(values, torch::kFloat64)).view(torch::kInt64);
+  for (int r = 1; r < p.dp.size(); ++r)
+    expect(torch::equal(rows[r], rows[0]), at + "metrics of rank " + std::to_string(r) + " differ from rank 0's");
+  expect_close(got.loss, want.loss, at + "loss");
+  expect_close(got.pg_loss, want.pg_loss, at + "pg_loss");
+  expect_close(got.kl, want.kl, at + "kl");
+  expect_close(got.clip_fraction, want.clip_fraction, at + "clip_fraction");
+  expect_close(got.entropy, want.entropy, at + "entropy");
+  expect_close(got.grad_norm, want.grad_norm, at + "grad_norm");
+  expect_close(got.train_rollout_logprob_abs_diff, want.train_rollout_logprob_abs_diff, at + "logprob abs diff");
+  expect(got.loss_tokens == want.loss_tokens && got.tokens == want.tokens, at + "token counts differ");
+  expect(got.skipped_nonfinite == want.skipped_nonfinite, at + "skip decision differs from one rank's");
+}
+
+// The whole gradient: shards all-gathered, against the reference's master gradients.
+void check_gradient(Pair& p, const std::string& at) {
+  const auto* sharded = p.sharded.sharded_optimizer();
+  auto full = torch::empty({p.dp.size() * sharded->shard_size()}, torch::kFloat32);
+  p.dp.all_gather_into_tensor(full, sharded->gradient_shard());
+  const auto want = flat(p.one.master_parameters(), [](const torch::Tensor& t) { return t.grad(); });
+  const double err = relative_error(full.narrow(0, 0, sharded->numel()), want);
+  if (rank == 0) std::cout << "measured " << at << "gradient relative error " << err << std::endl;
+  expect(err <= kTolerance, at + "gradient relative error " + std::to_string(err));
+}
+
+void check_parameters(Pair& p, const std::string& at) {
+  auto get = [](const torch::Tensor& t) { return t; };
+  const auto mine = flat(p.sharded.policy().parameters(), get);
+  auto rows = gather_rows(p.dp, mine);
+  for (int r = 1; r < p.dp.size(); ++r)
+    expect(torch::equal(rows[r], rows[0]), at + "parameters of rank " + std::to_string(r) + " differ from rank 0's");
+  const double err = relative_error(mine, flat(p.one.policy().parameters(), get));
+  if (rank == 0) std::cout << "measured " << at << "parameter relative error " << err << std::endl;
+  expect(err <= kTolerance, at + "parameter relative error " + std::to_string(err));
+}
+
+TrainerConfig config_for(const std::string& name) {
+  TrainerConfig c;
+  c.lr = 1e-3;
+  c.grad_clip = 0;
+  c.logprobs.max_tokens_per_microbatch = 24;  // several micro-batches per rank
+  if (name == "token_mean" || name == "nonfinite") {
+    c.loss.kl_coef = 0.05;
+    c.loss.entropy_coef = 0.01;
+  } else if (name == "sequence_mean") {
+    c.loss.aggregation = "sequence_mean";
+  } else if (name == "clip") {
+    c.grad_clip = 0.05;
+  } else if (name == "recompute") {
+    c.recompute_old_logprobs = true;
+  } else if (name != "few_samples" && name != "refusals" && name != "bf16") {
+    throw std::invalid_argument("unknown case '" + name + "'");
+  }
+  return c;
+}
+
+// A step already taken by both trainers, every check.
+void check_after_load(Pair& p, const StepMetrics& got, const StepMetrics& want, const std::string& at) {
+  check_metrics(p, got, want, at);
+  check_gradient(p, at);
+  check_parameters(p, at);
+}
+
+// One step on both trainers (Trainer::step, which runs the separate pi_old pass when the
+// config asks for it, else train_step), every check.
+StepMetrics step_both(Pair& p, const std::vector<Sample>& batch, const std::string& at) {
+  const auto want = p.one.step(batch);
+  const auto got = p.sharded.step(batch);
+  check_metrics(p, got, want, at);
+  if (!got.skipped_nonfinite) check_gradient(p, at);
+  check_parameters(p, at);
+  return want;
+}
+
+// Checkpoints of a bf16 policy (fp32 masters): a dp-W trainer trains 2 steps and saves; a
+// one-rank trainer loads it and saves in the one-rank format (optimizer.pt, master_weights.pt);
+// a dp-W trainer loads that and another the sharded one, each from another initialisation.
+// Both must take step 3 bit for bit as the uninterrupted trainer does (the same ranks, the same
+// packing: every value is copied, none recomputed).
+void run_checkpoint_bf16(parallel::Group& dp) {
+  const auto c = config_for("token_mean");
+  const char* port = std::getenv("MASTER_PORT");
+  const auto root =
+      std::filesystem::temp_directory_path() / ("kiln_dp_checkpoint_bf16_" + std::string(port ? port : "0"));
+  auto bf16_model = [](uint64_t seed) {
+    auto m = test::debug_model(seed);
+    m->to_dtype(torch::kBFloat16);
+    return m;
+  };
+  auto a_model = bf16_model(7);
+  Trainer a(a_model, c, &dp);
+  const int64_t vocab = a_model->vocab_size();
+  for (int s = 0; s < 2; ++s) a.step(make_batch(uint64_t(10 * s + 1), 7, vocab, true));
+  save_checkpoint(root / "sharded", *a_model, a, CheckpointState{2, a.version(), "rng"});
+  if (dp.rank() == 0) {
+    auto one_model = bf16_model(99);
+    Trainer one(one_model, c);
+    load_checkpoint(root / "sharded", *one_model, one);
+    expect(one.uses_master_weights(), "the bf16 one-rank trainer has no fp32 masters");
+    save_checkpoint(root / "one", *one_model, one, CheckpointState{2, one.version(), "rng"});
+    expect(std::filesystem::exists(root / "one" / "master_weights.pt"), "the one-rank save wrote no master_weights.pt");
+  }
+  dp.barrier();
+  auto b_model = bf16_model(99), e_model = bf16_model(99);
+  Trainer b(b_model, c, &dp), e(e_model, c, &dp);
+  load_checkpoint(root / "sharded", *b_model, b);
+  load_checkpoint(root / "one", *e_model, e);
+  const auto batch = make_batch(21, 7, vocab, true);
+  const auto want = a.step(batch);
+  auto get = [](const torch::Tensor& t) { return t; };
+  const auto want_params = flat(a.policy().parameters(), get);
+  const auto want_masters = flat(a.master_parameters(), get);
+  const std::vector<std::pair<std::string, Trainer*>> loaded{{"sharded -> same ranks", &b},
+                                                              {"sharded -> one rank -> dp", &e}};
+  for (const auto& [name, t] : loaded) {
+    const auto got = t->step(batch);
+    const std::string at = "bf16 " + name + " then step 3: ";
+    expect(got.loss == want.loss && got.grad_norm == want.grad_norm,
+           at + "loss " + std::to_string(got.loss) + " / grad_norm " + std::to_string(got.grad_norm) +
+               " differ from the uninterrupted " + std::to_string(want.loss) + " / " + std::to_string(want.grad_norm));
+    expect(torch::equal(flat(t->policy().parameters(), get), want_params), at + "parameters differ (bit for bit)");
+    expect(torch::equal(flat(t->master_parameters(), get), want_masters), at + "fp32 masters differ (bit for bit)");
+  }
+  dp.barrier();
+  if (rank == 0) std::filesystem::remove_all(root);
+}
+
+// Checkpoints between world sizes, on a 2 x W/2 mesh ("x" by "dp"): a dp-W trainer (the world)
+// trains 2 steps and saves; a dp-W/2 trainer (each "dp" group) and a one-rank trainer, both
+// from another initialisation, load it (W -> W/2, W -> 1); step 3 of each equals the one-rank
+// reference's. The dp-W/2 trainers save (one checkpoint per dp group) and the reference saves
+// in the one-rank format; dp-W trainers load each (W/2 -> W, 1 -> W); step 4 equals the
+// reference's.
+void run_checkpoint(parallel::ProcessGroups& groups) {
+  auto& world = groups.world();
+  auto& half = groups.along("dp");
+  const std::string w = "dp" + std::to_string(world.size()), h = "dp" + std::to_string(half.size());
+  const auto c = config_for("token_mean");
+  const char* port = std::getenv("MASTER_PORT");  // one directory for the job, another per job
+  const auto root = std::filesystem::temp_directory_path() / ("kiln_dp_checkpoint_" + std::string(port ? port : "0"));
+  auto ref_model = test::debug_model(7);
+  const int64_t vocab = ref_model->vocab_size();
+  auto batch = [&](int s) { return make_batch(uint64_t(10 * s + 1), 7, vocab, true); };
+  Trainer ref(ref_model, c);
+  auto a_model = test::debug_model(7);
+  Trainer a(a_model, c, &world);
+  for (int s = 0; s < 2; ++s) {
+    const auto b = batch(s);
+    ref.step(b);
+    a.step(b);
+  }
+  save_checkpoint(root / "dp4", *a_model, a, CheckpointState{2, a.version(), "rng"});
+
+  auto b_model = test::debug_model(99), c_model = test::debug_model(99);
+  Trainer b(b_model, c, &half), one(c_model, c);
+  const auto loaded_b = load_checkpoint(root / "dp4", *b_model, b);
+  load_checkpoint(root / "dp4", *c_model, one);
+  expect(loaded_b.step == 2 && b.version() == 2 && one.version() == 2,
+         w + " -> " + h + ", " + w + " -> one rank: step or version not restored");
+  const auto b3 = batch(2);
+  const auto want3 = ref.step(b3);
+  Pair pb{half, ref, b};
+  check_after_load(pb, b.step(b3), want3, w + " -> " + h + " then step 3: ");
+  const auto got3 = one.step(b3);
+  expect_close(got3.loss, want3.loss, w + " -> one rank then step 3: loss");
+  expect_close(got3.grad_norm, want3.grad_norm, w + " -> one rank then step 3: grad_norm");
+  auto get = [](const torch::Tensor& t) { return t; };
+  const double err = relative_error(flat(one.policy().parameters(), get), flat(ref.policy().parameters(), get));
+  if (rank == 0)
+    std::cout << "measured " << w << " -> one rank then step 3: parameter relative error " << err << std::endl;
+  expect(err <= kTolerance, w + " -> one rank then step 3: parameter relative error " + std::to_string(err));
+
+  const auto x = std::to_string(groups.mesh().coords(rank)[0]);
+  save_checkpoint(root / ("dp2_x" + x), *b_model, b, CheckpointState{3, b.version(), "rng"});
+  if (rank == 0) save_checkpoint(root / "one", *ref_model, ref, CheckpointState{3, ref.version(), "rng"});
+  world.barrier();
+  auto d_model = test::debug_model(99), e_model = test::debug_model(99);
+  Trainer d(d_model, c, &world), e(e_model, c, &world);
+  load_checkpoint(root / "dp2_x0", *d_model, d);
+  load_checkpoint(root / "one", *e_model, e);
+  const auto b4 = batch(3);
+  const auto want4 = ref.step(b4);
+  Pair pd{world, ref, d}, pe{world, ref, e};
+  check_after_load(pd, d.step(b4), want4, h + " -> " + w + " then step 4: ");
+  check_after_load(pe, e.step(b4), want4, "one rank -> " + w + " then step 4: ");
+  if (rank == 0) {  // the world's checkpoint without the shard of rank 1: refused by name
+    namespace fs = std::filesystem;
+    fs::copy(root / "dp4", root / "broken");
+    char missing[64];
+    std::snprintf(missing, sizeof missing, "optimizer_shard_00001_of_%05d.pt", world.size());
+    fs::remove(root / "broken" / missing);
+    auto f_model = test::debug_model(99);
+    Trainer f(f_model, c);
+    std::string error;
+    try {
+      load_checkpoint(root / "broken", *f_model, f);
+    } catch (const std::invalid_argument& ex) {
+      error = ex.what();
+    }
+    std::cout << "refused: " << error << std::endl;
+    expect(error.find(std::string("lacks ") + missing) != std::string::npos,
+           "a checkpoint lacking a shard was not refused by name: '" + error + "'");
+  }
+  world.barrier();
+  if (rank == 0) std::filesystem::remove_all(root);
+}
+
+
+// Different batches per rank: all refused, nothing changed; then a step on equal batches still
+// equals one rank's (no rank was left inside a collective).
+void run_refusals(Pair& p, int count, int64_t vocab) {
+  const bool with_old = true;
+  const auto before = test::snapshot(p.sharded);
+  // Rank 0's batch differs from the others' (at world 1 there are no others: no error):
+  // another batch altogether, then one advantage only (same counts: only the hash differs).
+  for (const char* differs : {"token counts", "content hashes"}) {
+    auto batch = make_batch(rank == 0 || differs == std::string("content hashes") ? 5 : 6, count, vocab, with_old);
+    if (differs == std::string("content hashes") && rank == 0) batch[2].advantage += 0.25f;
+    std::string error;
+    try {
+      p.sharded.train_step(batch);
+    } catch (const std::invalid_argument& e) {
+      error = e.what();
+    }
+    if (p.dp.size() == 1) {
+      expect(error.empty(), "one rank's batch was refused: " + error);
+      return;  // (its step was taken)
+    }
+    expect(error.find("were given different batches: their " + std::string(differs)) != std::string::npos &&
+               error.find(p.dp.name()) != std::string::npos,
+           std::string("batches whose ") + differs + " differ were not refused naming the group: '" + error + "'");
+    expect(test::differences(before, test::snapshot(p.sharded)).empty(), "the refused batches changed the trainer");
+    if (rank == 0) std::cout << "refused on every rank: " << error << std::endl;
+  }
+  step_both(p, make_batch(1, count, vocab, with_old), "refusals then a step: ");
+  return;
+}
+
+void run_case(parallel::Group& dp, const std::string& name) {
+  const auto c = config_for(name);
+  auto one_model = test::debug_model(7), sharded_model = test::debug_model(7);
+  if (name == "bf16") {  // bf16 parameters, fp32 masters (sharded over dp)
+    one_model->to_dtype(torch::kBFloat16);
+    sharded_model->to_dtype(torch::kBFloat16);
+  }
+  Trainer one(one_model, c), sharded(sharded_model, c, &dp);
+  Pair p{dp, one, sharded};
+  const int64_t vocab = one_model->vocab_size();
+  const int count = name == "few_samples" ? 3 : 7;
+  const bool with_old = name != "sequence_mean" && name != "recompute";
+  if (name == "refusals") return run_refusals(p, count, vocab);
+  for (int s = 0; s < 3; ++s) {
+    const auto at = name + " step " + std::to_string(s + 1) + ": ";
+    if (name == "nonfinite" && s == 1) {
+      auto before = test::snapshot(sharded);
+      auto nan_batch = make_batch(100 + s, count, vocab, with_old);
+      nan_batch[4].behavior_logprobs.back() = std::numeric_limits<float>::quiet_NaN();
+      std::string error;
+      try {
+        sharded.train_step(nan_batch);
+      } catch (const std::invalid_argument& e) {
+        error = e.what();
+      }
+      expect(error.find("sample 4 has a non-finite value in behaviour log-probs") != std::string::npos,
+             at + "a NaN behaviour log-prob was not refused by name: '" + error + "'");
+      expect(test::differences(before, test::snapshot(sharded)).empty(), at + "the refused batch changed the trainer");
+
+      // The overflowing sample: the longest completion of the last rank's share (rank 0's at
+      // world 1), so that the other ranks see only finite values of their own.
+      auto huge = make_batch(200 + s, count, vocab, with_old);
+      const auto last_share = split_samples(huge, dp.size()).back();
+      std::size_t longest = last_share.front();
+      for (auto i : last_share)
+        if (huge[i].completion.size() > huge[longest].completion.size()) longest = i;
+      huge[longest].advantage = 3e38f;  // the token sum of -A * ratio overflows on its rank: loss -inf
+      if (rank == 0)
+        std::cout << "overflowing sample " << longest << " (" << huge[longest].completion.size()
+                  << " tokens) is trained by rank " << dp.size() - 1 << std::endl;
+      const auto m = step_both(p, huge, at + "overflow: ");
+      expect(m.skipped_nonfinite, at + "the one-rank reference did not skip the overflowing step");
+      expect(test::differences(before, test::snapshot(sharded)).empty(), at + "the skipped step changed the trainer");
+      if (rank == 0) std::cout << "skipped on every rank: " << m.skip_reason << std::endl;
+    }
+    const auto m = step_both(p, make_batch(uint64_t(10 * s + 1), count, vocab, with_old), at);
+    if (name == "clip")
+      expect(m.grad_norm > c.grad_clip, at + "clipping is not active (grad norm " + std::to_string(m.grad_norm) +
+                                            " <= clip " + std::to_string(c.grad_clip) + "): the case tests nothing");
+    if (rank == 0)
+      std::cout << "measured " << at << "loss " << m.loss << " grad_norm " << m.grad_norm << " kl " << m.kl
+                << " clip_fraction " << m.clip_fraction << " micro_batches " << m.micro_batches << std::endl;
+  }
+  expect(sharded.version() == one.version(), name + ": version differs");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::cerr << "usage: kiln_trainer_dp_worker "
+                 "token_mean|sequence_mean|clip|few_samples|recompute|bf16|nonfinite|refusals|checkpoint|checkpoint_bf16"
+              << std::endl;
+    return 2;
+  }
+  try {
+    torch::set_num_threads(1);
+    const auto info = parallel::read_launch_from_environment();
+    rank = info.rank;
+    parallel::GroupOptions options;
+    options.store_timeout = std::chrono::seconds(60);
+    options.collective_timeout = std::chrono::seconds(60);
+    const std::string name = argv[1];
+    if (name == "checkpoint" && info.world_size % 2)
+      throw std::invalid_argument("the checkpoint case needs an even world, got " + std::to_string(info.world_size));
+    parallel::ProcessGroups groups(info, torch::kCPU,
+                                   name == "checkpoint" ? std::vector<parallel::MeshDim>{{"x", 2}, {"dp", info.world_size / 2}}
+                                                        : std::vector<parallel::MeshDim>{{"dp", info.world_size}},
+                                   options);
+    if (name == "checkpoint") run_checkpoint(groups);
+    else if (name == "checkpoint_bf16") run_checkpoint_bf16(groups.along("dp"));
+    else run_case(groups.along("dp"), name);
+    std::cout << "rank " << rank << ": " << checks - failures << " of " << checks << " checks passed" << std::endl;
+    return failures ? 1 : 0;
+  } catch (const std::exception& e) {
+    std::cerr << "rank " << rank << ": error: " << e.what() << std::endl;
+    return 3;
+  }
+}
