@@ -66,7 +66,7 @@ std::string render_chat(std::span<const ChatMessage> messages, const ChatOptions
     if (messages[i].role == "user") last_user = std::ptrdiff_t(i);
   for (std::size_t i = 0; i < messages.size(); ++i) {
     const auto& m = messages[i];
-    if (m.role == "assistant") render_glm47_assistant(out, m.content, std::ptrdiff_t(i) > last_user);
+    if (m.role == "assistant") render_glm47_assistant(out, m.content, !options.clear_thinking || std::ptrdiff_t(i) > last_user);
     else out += "<|" + m.role + "|>" + m.content;
   }
   if (options.add_generation_prompt) out += options.enable_thinking ? "<|assistant|><think>" : "<|assistant|></think>";

@@ -32,6 +32,9 @@ struct ChatOptions {
   ChatFormat format = ChatFormat::glm47;
   bool add_generation_prompt = true;
   bool enable_thinking = true;  ///< glm47 only: false ends the prompt with `</think>`
+  /// glm47 only: false keeps the reasoning of every assistant turn, not just of those after the
+  /// last user turn (the template's `clear_thinking` variable set to false).
+  bool clear_thinking = true;
 };
 
 /// The text the template renders. Throws std::invalid_argument naming the index and role of a

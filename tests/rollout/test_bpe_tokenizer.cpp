@@ -135,7 +135,7 @@ TEST_CASE("bpe tokenizer reads merges in the \"a b\" string form as in the list 
 
 TEST_CASE("GLM chat format renders system user and assistant turns with the ids of HF tokenizers") {
   auto cases = json::parse(read_text(kDir + "chat.json"))["cases"];
-  REQUIRE(cases.size() >= 5);
+  REQUIRE(cases.size() >= 7);
   for (const auto& c : cases) {
     std::vector<kiln::rollout::ChatMessage> messages;
     for (const auto& m : c["messages"]) messages.push_back({m["role"], m["content"]});
@@ -143,6 +143,7 @@ TEST_CASE("GLM chat format renders system user and assistant turns with the ids 
     opt.format = c["format"] == "glm4" ? kiln::rollout::ChatFormat::glm4 : kiln::rollout::ChatFormat::glm47;
     opt.add_generation_prompt = c["add_generation_prompt"];
     opt.enable_thinking = c["enable_thinking"];
+    opt.clear_thinking = c.value("clear_thinking", true);
     INFO("case " << c["format"].get<std::string>() << " " << json(c["text"]).dump());
     CHECK(kiln::rollout::render_chat(messages, opt) == c["text"].get<std::string>());
     auto ids = kiln::rollout::encode_chat(fixture_tokenizer(), messages, opt);
