@@ -76,6 +76,8 @@ struct BpeTokenizer::Impl {
   std::vector<AddedToken> added;
   // Added tokens by first byte, longest first: [0] normalized = false, [1] normalized = true.
   std::array<std::array<std::vector<int32_t>, 256>, 2> added_by_byte;
+  // TemplateProcessing's single-sequence template: ids before and after $A.
+  std::vector<int64_t> template_prefix, template_suffix;
   mutable std::shared_mutex cache_mutex;
   mutable StringMap<std::vector<int32_t>> cache;
 
@@ -230,6 +232,60 @@ void load_added(BpeTokenizer::Impl& t, std::string_view src, const json& list) {
       std::stable_sort(v.begin(), v.end(), [&](int32_t x, int32_t y) { return t.added[std::size_t(x)].content.size() > t.added[std::size_t(y)].content.size(); });
 }
 
+// post_processor: null, ByteLevel (offsets only), TemplateProcessing (ids around a sequence) or
+// a Sequence of them with at most one TemplateProcessing.
+void load_post_processor(BpeTokenizer::Impl& t, std::string_view src, const json& post) {
+  if (post.is_null()) return;
+  std::vector<std::pair<std::string, const json*>> steps;
+  const json& type = field(src, "post_processor", post, "type");
+  if (type == "Sequence") {
+    expect_keys(src, "post_processor", post, {"type", "processors"});
+    const json& list = field(src, "post_processor", post, "processors");
+    if (!list.is_array()) refuse(src, "post_processor.processors", list, "expected a list");
+    for (std::size_t i = 0; i < list.size(); ++i) steps.emplace_back("post_processor.processors[" + std::to_string(i) + "]", &list[i]);
+  } else {
+    steps.emplace_back("post_processor", &post);
+  }
+  bool have_template = false;
+  for (const auto& [path, step] : steps) {
+    const json& ty = field(src, path, *step, "type");
+    if (ty == "ByteLevel") {
+      expect_keys(src, path, *step, {"type", "add_prefix_space", "trim_offsets", "use_regex"});
+      continue;
+    }
+    if (ty != "TemplateProcessing") refuse(src, path + ".type", ty, "is not supported (ByteLevel and TemplateProcessing are)");
+    if (have_template) refuse(src, path, *step, "a second TemplateProcessing is not supported");
+    have_template = true;
+    // "pair" only applies to encoding two sequences together, which kiln does not offer.
+    expect_keys(src, path, *step, {"type", "single", "pair", "special_tokens"});
+    const json& specials = field(src, path, *step, "special_tokens");
+    const json& single = field(src, path, *step, "single");
+    if (!single.is_array()) refuse(src, path + ".single", single, "expected a list");
+    bool seen_sequence = false;
+    for (std::size_t i = 0; i < single.size(); ++i) {
+      std::string ipath = path + ".single[" + std::to_string(i) + "]";
+      const json& piece = single[i];
+      if (piece.contains("Sequence")) {
+        if (seen_sequence || piece["Sequence"].value("id", "") != "A") refuse(src, ipath, piece, "expected one {\"Sequence\": {\"id\": \"A\"}}");
+        seen_sequence = true;
+        continue;
+      }
+      if (!piece.contains("SpecialToken") || !piece["SpecialToken"].contains("id") || !piece["SpecialToken"]["id"].is_string())
+        refuse(src, ipath, piece, "expected {\"SpecialToken\": {\"id\": ...}} or {\"Sequence\": {\"id\": \"A\"}}");
+      std::string name = piece["SpecialToken"]["id"];
+      if (!specials.is_object() || !specials.contains(name) || !specials[name].contains("ids") || !specials[name]["ids"].is_array())
+        refuse(src, path + ".special_tokens", specials, "has no ids for \"" + name + "\" (used by " + ipath + ")");
+      for (const json& id : specials[name]["ids"]) {
+        if (!id.is_number_integer() || id.get<int64_t>() < 0 || std::size_t(id.get<int64_t>()) >= t.tokens.size() ||
+            !t.known[std::size_t(id.get<int64_t>())])
+          refuse(src, path + ".special_tokens[\"" + name + "\"].ids", specials[name]["ids"], "names an id that is no token");
+        (seen_sequence ? t.template_suffix : t.template_prefix).push_back(id.get<int64_t>());
+      }
+    }
+    if (!seen_sequence) refuse(src, path + ".single", single, "has no {\"Sequence\": {\"id\": \"A\"}}");
+  }
+}
+
 // ByteLevel decoder, per token: its characters mapped back to bytes when every one of them is
 // a byte-level character, else the token's own UTF-8 bytes (tokenizers' decoders/byte_level.rs).
 std::string byte_level_bytes(const std::string& token) {
@@ -269,8 +325,7 @@ BpeTokenizer BpeTokenizer::from_json(std::string_view text, std::string_view src
   if (impl->special.size() < impl->tokens.size()) impl->special.resize(impl->tokens.size(), 0);
   const json& decoder = field(src, "(top level)", j, "decoder");
   if (!decoder.is_object() || decoder.value("type", "") != "ByteLevel") refuse(src, "decoder", decoder, "is not supported (only ByteLevel)");
-  if (j.contains("post_processor") && !j["post_processor"].is_null() && j["post_processor"].value("type", "") != "ByteLevel")
-    refuse(src, "post_processor", j["post_processor"], "is not supported (only null or ByteLevel, which changes no id)");
+  load_post_processor(*impl, src, j.value("post_processor", json(nullptr)));
   impl->decoded_bytes.resize(impl->tokens.size());
   for (std::size_t id = 0; id < impl->tokens.size(); ++id)
     if (impl->known[id]) impl->decoded_bytes[id] = byte_level_bytes(impl->tokens[id]);
@@ -359,13 +414,14 @@ void BpeTokenizer::Impl::encode_plain(std::string_view text, std::vector<int64_t
   for (auto piece : pieces) bpe(piece, out, scratch);
 }
 
-std::vector<int64_t> BpeTokenizer::encode(std::string_view text) const {
+std::vector<int64_t> BpeTokenizer::encode(std::string_view text, bool add_special_tokens) const {
   if (auto bad = byte_level::first_invalid_utf8(text); bad != text.size())
     throw std::invalid_argument("BpeTokenizer::encode: the text is not valid UTF-8 at byte " + std::to_string(bad) + " of " +
                                 std::to_string(text.size()));
   const Impl& t = *impl_;
   std::vector<int64_t> out;
   out.reserve(text.size() / 3 + 4);
+  if (add_special_tokens) out = t.template_prefix;
   // Pass `pass` cuts out the added tokens of that pass (leftmost, then longest), handing the text
   // between them to pass + 1; after pass 1 comes the pre-tokenizer and BPE.
   auto cut = [&](auto& self, int pass, std::string_view s) -> void {
@@ -385,6 +441,7 @@ std::vector<int64_t> BpeTokenizer::encode(std::string_view text) const {
     if (last < s.size()) self(self, pass + 1, s.substr(last));
   };
   cut(cut, 0, text);
+  if (add_special_tokens) out.insert(out.end(), t.template_suffix.begin(), t.template_suffix.end());
   return out;
 }
 

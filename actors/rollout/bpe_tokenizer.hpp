@@ -46,9 +46,11 @@ class BpeTokenizer {
   BpeTokenizer& operator=(BpeTokenizer&&) noexcept;
   ~BpeTokenizer();
 
-  /// Token ids of `text` (UTF-8). Thread-safe. Throws std::invalid_argument naming the byte
-  /// offset when `text` is not valid UTF-8 (tokenizers only takes valid strings).
-  std::vector<int64_t> encode(std::string_view text) const;
+  /// Token ids of `text` (UTF-8). Thread-safe. `add_special_tokens`: also add the ids a
+  /// TemplateProcessing post-processor puts around a single sequence (e.g. `[gMASK] <sop> $A`;
+  /// HF's encode does by default, apply_chat_template does not). Throws std::invalid_argument
+  /// naming the byte offset when `text` is not valid UTF-8 (tokenizers only takes valid strings).
+  std::vector<int64_t> encode(std::string_view text, bool add_special_tokens = false) const;
   /// Text of `ids`. Throws std::out_of_range naming an id that is neither in model.vocab nor
   /// an added token (tokenizers would drop it silently).
   std::string decode(std::span<const int64_t> ids, bool skip_special_tokens = false) const;

@@ -5,8 +5,10 @@
 
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <atomic>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "actors/rollout/bpe_tokenizer.hpp"
@@ -100,6 +102,23 @@ TEST_CASE("bpe tokenizer gives the ids of HF tokenizers on every corpus string")
   CHECK(wrong == 0);
 }
 
+TEST_CASE("bpe tokenizer encodes from four threads at once with one shared cache") {
+  // A fresh tokenizer: the threads fill its BPE cache together.
+  auto tok = BpeTokenizer::from_file(kDir + "tokenizer.json");
+  const auto& rows = corpus();
+  std::atomic<std::size_t> wrong{0};
+  std::vector<std::thread> threads;
+  for (std::size_t t = 0; t < 4; ++t)
+    threads.emplace_back([&, t] {
+      for (std::size_t i = t; i < rows.size() + t; ++i) {
+        const auto& r = rows[(i * 7) % rows.size()];
+        if (tok.encode(r.text) != r.ids) ++wrong;
+      }
+    });
+  for (auto& th : threads) th.join();
+  CHECK(wrong == 0);
+}
+
 TEST_CASE("bpe tokenizer decode gives back every corpus string and matches HF decode") {
   const auto& tok = fixture_tokenizer();
   std::size_t round_trip = 0, decode = 0, decode_skip = 0;
@@ -122,7 +141,7 @@ TEST_CASE("bpe tokenizer decodes invalid UTF-8 as tokenizers does: one U+FFFD pe
   }
 }
 
-TEST_CASE("bpe tokenizer reads merges in the \"a b\" string form as in the list form") {
+TEST_CASE("bpe tokenizer reads merges in the left-space-right string form as in the list form") {
   auto j = json::parse(read_text(kDir + "tokenizer.json"));
   REQUIRE(j["model"]["merges"][0].is_array());
   for (auto& m : j["model"]["merges"]) m = m[0].get<std::string>() + " " + m[1].get<std::string>();
@@ -156,6 +175,26 @@ TEST_CASE("GLM chat format renders system user and assistant turns with the ids 
   }
   std::vector<kiln::rollout::ChatMessage> bad{{"user", "hi"}, {"tool", "x"}};
   CHECK_THROWS_WITH_AS(kiln::rollout::render_chat(bad), doctest::Contains("message 1 has role \"tool\""), std::invalid_argument);
+}
+
+TEST_CASE("bpe tokenizer adds the ids of a TemplateProcessing post-processor when asked as HF encode does") {
+  auto tp = json::parse(read_text(kDir + "chat.json"))["template_processing"];
+  auto j = json::parse(read_text(kDir + "tokenizer.json"));
+  j["post_processor"] = tp["post_processor"];
+  auto tok = BpeTokenizer::from_json(j.dump(), "template.json");
+  REQUIRE(tp["cases"].size() >= 3);
+  for (const auto& c : tp["cases"]) {
+    INFO("text " << c["text"].dump());
+    CHECK(tok.encode(c["text"].get<std::string>(), /*add_special_tokens=*/true) == c["ids_with_special"].get<std::vector<int64_t>>());
+    CHECK(tok.encode(c["text"].get<std::string>()) == c["ids"].get<std::vector<int64_t>>());
+  }
+  j["post_processor"]["processors"][1]["special_tokens"].erase("<sop>");
+  CHECK_THROWS_WITH_AS(BpeTokenizer::from_json(j.dump(), "template.json"),
+                       doctest::Contains("has no ids for \"<sop>\" (used by post_processor.processors[1].single[1])"),
+                       std::invalid_argument);
+  j["post_processor"] = {{"type", "RobertaProcessing"}};
+  CHECK_THROWS_WITH_AS(BpeTokenizer::from_json(j.dump(), "template.json"),
+                       doctest::Contains("post_processor.type = \"RobertaProcessing\""), std::invalid_argument);
 }
 
 TEST_CASE("bpe tokenizer refuses unsupported or broken tokenizer.json inputs by name") {
