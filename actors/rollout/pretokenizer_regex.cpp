@@ -120,8 +120,12 @@ void PretokenizerRegex::split(std::string_view text, std::vector<std::string_vie
     const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
     std::size_t s = ov[0], e = ov[1];
     if (e == s) {
-      if (e >= text.size()) break;
-      pos = e + byte_level::utf8_step(text, e).length;
+      // An empty match cuts the text there, as tokenizers' Split does; the search goes on one
+      // character later (as Oniguruma's and Rust's match iterators do).
+      if (s > last) pieces.push_back(text.substr(last, s - last));
+      last = s;
+      if (s >= text.size()) break;
+      pos = s + byte_level::utf8_step(text, s).length;
       continue;
     }
     if (s > last) pieces.push_back(text.substr(last, s - last));

@@ -24,7 +24,7 @@ class PretokenizerRegex {
   ~PretokenizerRegex();
 
   /// Appends to `pieces` the matches in `text` (valid UTF-8) and the non-empty gaps between
-  /// them, in order (tokenizers' Split with behavior Isolated); empty matches split nothing.
+  /// them, in order (tokenizers' Split with behavior Isolated); an empty match is a cut only.
   /// Thread-safe. Throws std::runtime_error when PCRE2 fails (e.g. its match limit).
   void split(std::string_view text, std::vector<std::string_view>& pieces) const;
 

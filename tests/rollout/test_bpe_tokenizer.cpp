@@ -234,7 +234,7 @@ TEST_CASE("bpe tokenizer refuses text that is not UTF-8 and ids it does not know
   CHECK_THROWS_WITH_AS(tok.decode(ids), doctest::Contains(expected.c_str()), std::out_of_range);
 }
 
-TEST_CASE("pre-tokenizer regex spells out the classes PCRE2 and tokenizers disagree on") {
+TEST_CASE("pre-tokenizer regex splits as tokenizers does and spells out the classes PCRE2 and tokenizers disagree on") {
   using kiln::rollout::pcre2_compatible_pattern;
   // U+180E is \s for PCRE2 but not for tokenizers; U+2EBF0 (Unicode 15.1) a letter only for tokenizers.
   kiln::rollout::PretokenizerRegex re(R"(\s+|\p{L}+|[^\s\p{L}]+)", false);
@@ -245,6 +245,14 @@ TEST_CASE("pre-tokenizer regex spells out the classes PCRE2 and tokenizers disag
   CHECK(pieces[1] == " ");
   CHECK(pieces[2] == "\xE1\xA0\x8E");
   CHECK(pieces[3] == "\xF0\xAE\xAF\xB0" "b");
+  for (const auto& c : json::parse(read_text(kDir + "chat.json"))["split_cases"]) {
+    kiln::rollout::PretokenizerRegex r(c["pattern"].get<std::string>(), false);
+    std::vector<std::string_view> got;
+    auto text = c["text"].get<std::string>();
+    r.split(text, got);
+    CHECK_MESSAGE(std::vector<std::string>(got.begin(), got.end()) == c["pieces"].get<std::vector<std::string>>(),
+                  "pattern " << c["pattern"].dump() << " on " << c["text"].dump());
+  }
   CHECK(pcre2_compatible_pattern(R"([]\s])") == R"([]\t-\r\x{20}\x{85}\x{A0}\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}\x{205F}\x{3000}])");
   CHECK(pcre2_compatible_pattern(R"(\\s\d)") == R"(\\s\d)");
   CHECK_THROWS_WITH_AS(pcre2_compatible_pattern(R"([^\S])"), doctest::Contains("\\S inside a character class"), std::invalid_argument);
