@@ -1,19 +1,44 @@
 #include "actors/rollout/chat_template.hpp"
 
+#include <cstdint>
 #include <stdexcept>
 #include <string_view>
+
+#include "actors/rollout/byte_level.hpp"
 
 namespace kiln::rollout {
 
 namespace {
 
-// Python's str.strip() / rstrip('\n') / lstrip('\n') as the template calls them. strip() here
-// removes ASCII whitespace only (Python's also removes Unicode spaces such as U+3000).
-constexpr std::string_view kSpace = " \t\n\r\f\v";
+// Python's str.strip() as the template calls it: removes the characters str.isspace() holds
+// (Python 3.11: \t-\r, \x1c-\x1f, space, U+0085, U+00A0, U+1680, U+2000-U+200A, U+2028, U+2029,
+// U+202F, U+205F, U+3000) from both ends.
+bool python_space(uint32_t cp) {
+  return (cp >= 0x09 && cp <= 0x0D) || (cp >= 0x1C && cp <= 0x20) || cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
+         (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F || cp == 0x3000;
+}
+// The code point of the valid UTF-8 sequence s[i, i + len).
+uint32_t code_point(std::string_view s, std::size_t i, std::size_t len) {
+  uint32_t cp = static_cast<unsigned char>(s[i]);
+  if (len == 1) return cp;
+  cp &= 0xFFu >> (len + 1);
+  for (std::size_t k = 1; k < len; ++k) cp = (cp << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3F);
+  return cp;
+}
 std::string_view strip(std::string_view s) {
-  auto b = s.find_first_not_of(kSpace);
-  if (b == std::string_view::npos) return {};
-  return s.substr(b, s.find_last_not_of(kSpace) - b + 1);
+  // Leading: walk forward. Trailing: the last non-space character's end. Invalid UTF-8 bytes
+  // count as non-space (the text came from the caller; the tokenizer refuses it later).
+  std::size_t begin = s.size(), end = 0;
+  for (std::size_t i = 0; i < s.size();) {
+    auto step = byte_level::utf8_step(s, i);
+    bool space = step.valid && python_space(code_point(s, i, step.length));
+    if (!space) {
+      if (begin == s.size()) begin = i;
+      end = i + step.length;
+    }
+    i += step.length;
+  }
+  return begin == s.size() ? std::string_view{} : s.substr(begin, end - begin);
 }
 std::string_view rstrip_newlines(std::string_view s) {
   while (!s.empty() && s.back() == '\n') s.remove_suffix(1);
