@@ -21,7 +21,7 @@ find_package(ZLIB REQUIRED)
 # (actors/rollout/bpe_tokenizer.cpp). Debian 12 ships no CMake config for it: header + library.
 find_path(PCRE2_INCLUDE_DIR pcre2.h)
 find_library(PCRE2_8_LIBRARY pcre2-8)
-if(NOT PCRE2_INCLUDE_DIR OR NOT PCRE2_8_LIBRARY)
+if(NOT EXISTS "${PCRE2_INCLUDE_DIR}/pcre2.h" OR NOT EXISTS "${PCRE2_8_LIBRARY}")
   message(FATAL_ERROR "PCRE2 not found (pcre2.h: ${PCRE2_INCLUDE_DIR}, libpcre2-8: ${PCRE2_8_LIBRARY}): "
                       "install the Debian package libpcre2-dev (scripts/setup.sh does), or point "
                       "CMAKE_PREFIX_PATH at a prefix holding include/pcre2.h and lib/libpcre2-8.so")
