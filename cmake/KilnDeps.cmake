@@ -17,6 +17,18 @@ find_package(tomlplusplus REQUIRED)
 find_package(CLI11 REQUIRED)
 find_package(nlohmann_json 3.10 REQUIRED)
 find_package(ZLIB REQUIRED)
+# PCRE2 (Debian: libpcre2-dev) runs the pre-tokenizer regex of tokenizer.json files
+# (actors/rollout/bpe_tokenizer.cpp). Debian 12 ships no CMake config for it: header + library.
+find_path(PCRE2_INCLUDE_DIR pcre2.h)
+find_library(PCRE2_8_LIBRARY pcre2-8)
+if(NOT EXISTS "${PCRE2_INCLUDE_DIR}/pcre2.h" OR NOT EXISTS "${PCRE2_8_LIBRARY}")
+  message(FATAL_ERROR "PCRE2 not found (pcre2.h: ${PCRE2_INCLUDE_DIR}, libpcre2-8: ${PCRE2_8_LIBRARY}): "
+                      "install the Debian package libpcre2-dev (scripts/setup.sh does), or point "
+                      "CMAKE_PREFIX_PATH at a prefix holding include/pcre2.h and lib/libpcre2-8.so")
+endif()
+add_library(kiln_pcre2 INTERFACE IMPORTED)
+set_target_properties(kiln_pcre2 PROPERTIES INTERFACE_INCLUDE_DIRECTORIES "${PCRE2_INCLUDE_DIR}"
+                      INTERFACE_LINK_LIBRARIES "${PCRE2_8_LIBRARY}")
 endif()
 
 include(CheckLanguage)

@@ -12,7 +12,7 @@ VENV="$KILN_CACHE/venv"
 TORCH_VERSION="2.11.0"
 DEB_PACKAGES=(build-essential cmake ninja-build ccache pkg-config git python3 python3-venv
   libcaf-dev libzmq3-dev cppzmq-dev libmsgpack-cxx-dev libspdlog-dev doctest-dev
-  libtomlplusplus-dev libcli11-dev nlohmann-json3-dev zlib1g-dev gnuplot-nox libgloo-dev)
+  libtomlplusplus-dev libcli11-dev nlohmann-json3-dev zlib1g-dev gnuplot-nox libgloo-dev libpcre2-dev)
 
 log() { echo "[setup] $*" >&2; }
 
