@@ -127,10 +127,25 @@ int run_rollout_bench_cuda(const RolloutBenchOptions& o) {
   return 0;
 }
 
+int run_rollout_bench_cpu(const RolloutBenchOptions& o);
+
 }  // namespace
 
 int run_rollout_bench(const RolloutBenchOptions& o) {
-  if (o.device == "cuda") return run_rollout_bench_cuda(o);
+  try {
+    return o.device == "cuda" ? run_rollout_bench_cuda(o) : run_rollout_bench_cpu(o);
+  } catch (const c10::Error& e) {  // e.g. a cache that does not fit: without LibTorch's backtrace
+    std::fprintf(stderr, "kiln bench rollout: %s\n", e.what_without_backtrace());
+    return 2;
+  } catch (const std::exception& e) {  // e.g. an unknown flavor
+    std::fprintf(stderr, "kiln bench rollout: %s\n", e.what());
+    return 2;
+  }
+}
+
+namespace {
+
+int run_rollout_bench_cpu(const RolloutBenchOptions& o) {
   if (o.device != "cpu") {
     std::fprintf(stderr, "kiln bench rollout: --device must be cpu or cuda, not '%s'\n", o.device.c_str());
     return 2;
@@ -181,5 +196,7 @@ int run_rollout_bench(const RolloutBenchOptions& o) {
   }
   return 0;
 }
+
+}  // namespace
 
 }  // namespace kiln::experiments

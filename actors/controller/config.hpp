@@ -61,8 +61,9 @@ struct WeightSyncConfig {
 struct PlacementConfig {
   std::string mode = "single_process";   ///< "single_process" | "multi_process" (engines in nodes)
   int64_t rollout_engines = 1;           ///< multi_process: engines, each a kiln node process
-  /// multi_process: restarts of one engine node in a row (a lost node is restarted with
-  /// backoff 0.5 s, 1 s, 2 s, ... and its share regenerated; 0: a lost engine stops the run)
+  /// multi_process: restarts of one engine node in a row, in [0, 20] (a lost node is restarted
+  /// with backoff 0.5 s, 1 s, 2 s, ... up to 30 s, and its share regenerated; 0: a lost engine
+  /// stops the run)
   int64_t engine_restarts = 3;
   std::string reference = "controller";  ///< "controller" | "process": ref/0 in a kiln node
   std::string trainer = "controller";    ///< "controller" | "process": trainer/0 in a kiln node

@@ -23,11 +23,24 @@ namespace {
 namespace fs = std::filesystem;
 using messaging::Stopwatch;
 
+// The newest checkpoint this run wrote or resumed from: a failure with nothing trained since
+// points to it instead of writing it again (it may hold rollouts in flight that are gone now).
+struct LastCheckpoint {
+  int64_t step = 0;
+  fs::path dir;
+};
+
 // After a failure at `step`: checkpoint steps 1..trained (with the prompt RNG after them)
 // where the policy lives, say how to continue, exit code 1.
 int stop_with_checkpoint(TrainerHandle& trainer, const fs::path& dir, int64_t step, const std::string& what,
-                         int64_t trained, const std::string& prompt_rng, RolloutStream& rollouts) {
+                         int64_t trained, const std::string& prompt_rng, RolloutStream& rollouts,
+                         const LastCheckpoint& last) {
   std::fprintf(stderr, "kiln run: step %lld: %s\n", (long long)step, what.c_str());
+  if (trained >= 1 && trained == last.step && !last.dir.empty()) {
+    std::fprintf(stderr, "kiln run: steps 1..%lld are in %s; continue with --set run.resume_from=%s\n",
+                 (long long)trained, last.dir.c_str(), last.dir.c_str());
+    return 1;
+  }
   if (trained < 1) {
     std::fprintf(stderr, "kiln run: no step was trained: nothing to checkpoint\n");
     return 1;
@@ -78,6 +91,20 @@ int64_t resume(const Config& c, TrainerHandle& trainer, Prompts& prompts, std::v
   if (!state.in_flight_rollouts.empty())
     in_flight = decode_in_flight(state.in_flight_rollouts, state.step, (ck / "in_flight_rollouts.msgpack").string());
   while (!in_flight.empty() && in_flight.back().step > c.run.steps) in_flight.pop_back();
+  for (const auto& b : in_flight)  // what the trainer and the staleness bound would trip on later
+    for (const auto& x : b.completions) {
+      const auto where = (ck / "in_flight_rollouts.msgpack").string() + ": step " + std::to_string(b.step) +
+                         " completion " + std::to_string(x.id);
+      for (const auto* ids : {&x.prompt, &x.tokens})
+        for (auto t : *ids)
+          if (t < 0 || t >= trainer.vocab_size())
+            throw std::invalid_argument(where + ": token id " + std::to_string(t) + " outside the vocabulary [0, " +
+                                        std::to_string(trainer.vocab_size()) + ")");
+      for (auto v : x.policy_versions)
+        if (v < 0 || v > state.policy_version)
+          throw std::invalid_argument(where + ": policy version " + std::to_string(v) + " outside [0, " +
+                                      std::to_string(state.policy_version) + "] (the checkpoint's)");
+    }
   try {
     prompts.restore(in_flight.empty() ? state.prompt_rng : in_flight.back().rng_after);
   } catch (const std::exception& e) {
@@ -181,6 +208,8 @@ int run(const Config& c, const std::string& config_toml) {
   const Stopwatch run_clock;
   std::string rng_consumed = prompts.state();  // after the last batch trained: what a checkpoint holds
   int64_t nonfinite_in_a_row = 0;
+  LastCheckpoint last_checkpoint;
+  if (!c.run.resume_from.empty()) last_checkpoint = {first_step - 1, fs::path(c.run.resume_from)};
   RolloutStream rollouts(
       [&](int64_t step, const std::function<void()>& between_steps) {
         const Stopwatch t;
@@ -203,7 +232,7 @@ int run(const Config& c, const std::string& config_toml) {
       ref = actors.reference->logprobs(batch.completions);
       row.ref_logprob_time = t.seconds();
     } catch (const std::exception& e) {
-      return stop_with_checkpoint(trainer, dir, step, e.what(), step - 1, rng_consumed, rollouts);
+      return stop_with_checkpoint(trainer, dir, step, e.what(), step - 1, rng_consumed, rollouts, last_checkpoint);
     }
     Groups groups;
     try {  // a reward the verifier made non-finite is refused by name
@@ -212,7 +241,7 @@ int run(const Config& c, const std::string& config_toml) {
       row.staleness_histogram = staleness_histogram(batch.completions, trainer.version());
       groups = build_groups(batch.completions, rewards, std::move(ref), a, trainer.version());
     } catch (const std::exception& e) {
-      return stop_with_checkpoint(trainer, dir, step, e.what(), step - 1, rng_consumed, rollouts);
+      return stop_with_checkpoint(trainer, dir, step, e.what(), step - 1, rng_consumed, rollouts, last_checkpoint);
     }
     row.filtered_groups = groups.filtered;
     row.stale_dropped_groups = groups.stale_dropped;
@@ -227,7 +256,7 @@ int run(const Config& c, const std::string& config_toml) {
         std::fprintf(stderr, "kiln run: step %lld: %s\n%s", (long long)step, e.what(), continue_hint(dir).c_str());
         return 1;
       } catch (const std::exception& e) {
-        return stop_with_checkpoint(trainer, dir, step, e.what(), step - 1, rng_consumed, rollouts);
+        return stop_with_checkpoint(trainer, dir, step, e.what(), step - 1, rng_consumed, rollouts, last_checkpoint);
       }
       if (a.update_delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(a.update_delay_ms));
       try {  // k = 0: into the engines now; k > 0: the rollout thread loads them between decode steps
@@ -245,18 +274,19 @@ int run(const Config& c, const std::string& config_toml) {
     row.policy_version = trainer.version();
     row.elapsed_s = run_clock.seconds();
     log.write(row);
-    if (!sync_error.empty()) return stop_with_checkpoint(trainer, dir, step, sync_error, step, batch.rng_after, rollouts);
+    if (!sync_error.empty()) return stop_with_checkpoint(trainer, dir, step, sync_error, step, batch.rng_after, rollouts, last_checkpoint);
     nonfinite_in_a_row = row.train.skipped_nonfinite ? nonfinite_in_a_row + 1 : 0;
     if (a.max_nonfinite_steps > 0 && nonfinite_in_a_row >= a.max_nonfinite_steps)
       return stop_with_checkpoint(trainer, dir, step,
                                   std::to_string(nonfinite_in_a_row) + " steps in a row skipped (algorithm.max_nonfinite_steps): " +
                                       row.train.skip_reason,
-                                  step, batch.rng_after, rollouts);
+                                  step, batch.rng_after, rollouts, last_checkpoint);
     if (c.run.checkpoint_every > 0 && step % c.run.checkpoint_every == 0) {
       try {
         // k > 0: with the batches generated for the next steps (a resumed run trains on them)
         trainer.save(checkpoint_dir(dir, step),
                      {step, 0, batch.rng_after, encode_in_flight(rollouts.in_flight(step, /*wait=*/true))});
+        last_checkpoint = {step, checkpoint_dir(dir, step)};
       } catch (const std::exception& e) {
         std::fprintf(stderr, "kiln run: step %lld: cannot save a checkpoint: %s\n%s", (long long)step, e.what(),
                      continue_hint(dir).c_str());

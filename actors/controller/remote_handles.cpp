@@ -206,7 +206,7 @@ void RemoteEngines::restart(std::size_t i, const std::string& what) {
   std::string last = what;
   while (restarts_in_a_row_[i] < max_restarts_) {
     const int64_t attempt = ++restarts_in_a_row_[i];
-    const double backoff_s = 0.5 * double(int64_t(1) << (attempt - 1));
+    const double backoff_s = std::min(30.0, 0.5 * double(int64_t(1) << std::min<int64_t>(attempt - 1, 10)));
     std::fprintf(stderr, "kiln run: rollout node %s lost (%s); restarting it in %.1f s (%lld of %lld in a row)\n",
                  actor.c_str(), last.c_str(), backoff_s, (long long)attempt, (long long)max_restarts_);
     std::this_thread::sleep_for(std::chrono::duration<double>(backoff_s));

@@ -75,7 +75,7 @@ class RemoteTrainer : public TrainerHandle {
 ///
 /// Supervised: an engine node that is lost (its process died, or it stopped answering: a
 /// `peer_lost` or `timeout`) is restarted, up to placement.engine_restarts times in a row
-/// with backoff 0.5 s, 1 s, 2 s, ... (a share generated in full resets the count). The new
+/// with backoff 0.5 s, 1 s, 2 s, ... up to 30 s (a share generated in full resets the count). The new
 /// node is built with rollout.init, gets the weights last loaded into the engines from the
 /// trainer, and generates the lost node's share again: the same requests with the same seeds,
 /// so with staleness 0 its completions equal the ones that were lost. Nothing of the lost

@@ -26,8 +26,12 @@ void write_in_flight(const std::filesystem::path& dir, const std::string& bytes)
   if (!out.flush()) throw std::runtime_error("cannot write '" + (dir / kInFlightFile).string() + "'");
 }
 
-void write_state_json(const std::filesystem::path& dir, int64_t step, int64_t version, const std::string& rng) {
+// `in_flight_bytes`: the size of in_flight_rollouts.msgpack (0: none), so that a reader notices
+// the file missing, emptied or cut short.
+void write_state_json(const std::filesystem::path& dir, int64_t step, int64_t version, const std::string& rng,
+                      std::size_t in_flight_bytes) {
   nlohmann::json j{{"step", step}, {"policy_version", version}, {"prompt_rng", rng}};
+  if (in_flight_bytes > 0) j["in_flight_rollouts_bytes"] = in_flight_bytes;
   std::ofstream out(dir / "state.json");
   out << j.dump(2) << "\n";
   if (!out.flush()) throw std::runtime_error("cannot write '" + (dir / "state.json").string() + "'");
@@ -59,7 +63,7 @@ void save_sharded(const std::filesystem::path& dir, model::CausalLM& policy, Tra
   if (dp.rank() == 0) {
     policy.save_hf_checkpoint(tmp.string(), uint64_t(5) << 30);
     write_in_flight(tmp, state.in_flight_rollouts);
-    write_state_json(tmp, state.step, trainer.version(), state.prompt_rng);
+    write_state_json(tmp, state.step, trainer.version(), state.prompt_rng, state.in_flight_rollouts.size());
   }
   const auto st = trainer.flat_optimizer_state();
   std::vector<torch::Tensor> record{torch::tensor({st.begin, trainer.flat_numel()}, torch::kInt64), st.master,
@@ -151,7 +155,7 @@ void save_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, 
   // bf16 policies: the fp32 master weights too, or a resumed run would restart from rounded ones.
   if (trainer.uses_master_weights()) torch::save(trainer.master_parameters(), (tmp / "master_weights.pt").string());
   write_in_flight(tmp, state.in_flight_rollouts);
-  write_state_json(tmp, state.step, trainer.version(), state.prompt_rng);
+  write_state_json(tmp, state.step, trainer.version(), state.prompt_rng, state.in_flight_rollouts.size());
   fs::remove_all(dir);  // an older checkpoint of the same step (a re-run after a resume)
   fs::rename(tmp, dir);
 }
@@ -160,18 +164,32 @@ CheckpointState read_checkpoint_state(const std::filesystem::path& dir) {
   std::ifstream in(dir / "state.json");
   if (!in) throw std::invalid_argument("no state.json in '" + dir.string() + "'");
   CheckpointState st;
+  uint64_t in_flight_bytes = 0;
   try {
     auto j = nlohmann::json::parse(in);
     st.step = j.at("step").get<int64_t>();
     st.policy_version = j.at("policy_version").get<int64_t>();
     st.prompt_rng = j.at("prompt_rng").get<std::string>();
+    if (j.contains("in_flight_rollouts_bytes")) in_flight_bytes = j.at("in_flight_rollouts_bytes").get<uint64_t>();
   } catch (const std::exception& e) {
     throw std::invalid_argument("state.json in '" + dir.string() + "': " + e.what());
   }
-  if (std::filesystem::exists(dir / kInFlightFile)) {
-    std::ifstream f(dir / kInFlightFile, std::ios::binary);
+  const auto file = dir / kInFlightFile;
+  std::error_code ec;
+  const bool present = std::filesystem::exists(file, ec);
+  if (in_flight_bytes == 0 && present)
+    throw std::invalid_argument("'" + file.string() + "' is not listed in state.json (in_flight_rollouts_bytes)");
+  if (in_flight_bytes > 0) {
+    if (!present || !std::filesystem::is_regular_file(file, ec))
+      throw std::invalid_argument("'" + file.string() + "' is missing (state.json lists " +
+                                  std::to_string(in_flight_bytes) + " bytes of rollouts in flight)");
+    const auto size = std::filesystem::file_size(file, ec);
+    if (ec || size != in_flight_bytes)
+      throw std::invalid_argument("'" + file.string() + "' holds " + std::to_string(size) + " bytes, state.json lists " +
+                                  std::to_string(in_flight_bytes));
+    std::ifstream f(file, std::ios::binary);
     st.in_flight_rollouts.assign(std::istreambuf_iterator<char>(f), {});
-    if (!f && !f.eof()) throw std::invalid_argument("cannot read '" + (dir / kInFlightFile).string() + "'");
+    if (st.in_flight_rollouts.size() != in_flight_bytes) throw std::invalid_argument("cannot read '" + file.string() + "'");
   }
   return st;
 }

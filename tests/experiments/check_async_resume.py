@@ -5,8 +5,9 @@
 its steps 13-14 give the same metrics as A's, bit for bit (in one process, and with the
 trainer in its own node process: the file travels in trainer.save). Without the file (removed
 from a copy) the same resume generates steps 13-14 again with newer weights, and they differ:
-the file is what makes the resume lossless. A truncated file is refused by name; a k = 0
-checkpoint has no such file.
+the file is what makes the resume lossless. A truncated, emptied, missing or garbage file is
+refused by name; a failure right after the resume leaves the checkpoint resumed from as it was
+and names it; a k = 0 checkpoint has no such file.
 Usage: check_async_resume.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
 import json, os, shutil, subprocess, sys
 
@@ -52,21 +53,51 @@ for mode, extra in (("one process", []), ("trainer node", trainer_process)):
         # the counterfactual: the same resume without the file
         shutil.copytree(ck, f"{work}/no_in_flight")
         os.remove(f"{work}/no_in_flight/in_flight_rollouts.msgpack")
+        state = json.load(open(f"{work}/no_in_flight/state.json"))
+        del state["in_flight_rollouts_bytes"]  # as a checkpoint without them says
+        json.dump(state, open(f"{work}/no_in_flight/state.json", "w"))
         c = kiln_run("--set", f"run.output_dir={work}/{tag}_c", "--set", f"run.resume_from={work}/no_in_flight")
         checks.append((c.returncode == 0, f"{mode}: resume without the file exits 0 ({c.stderr[-300:]})"))
         if c.returncode == 0:
             mc = metrics(f"{work}/{tag}_c")
             checks.append((any(ma[s][k] != mc[s][k] for s in (13, 14) for k in KEYS),
                            f"{mode}: without the file, steps 13-14 are generated again and differ from A's"))
-        # a truncated file: refused by name, nothing of the run directory touched
-        shutil.copytree(ck, f"{work}/truncated")
-        path = f"{work}/truncated/in_flight_rollouts.msgpack"
-        data = open(path, "rb").read()
-        open(path, "wb").write(data[: len(data) // 2])
-        t = kiln_run("--set", f"run.output_dir={work}/{tag}_t", "--set", f"run.resume_from={work}/truncated")
-        checks.append((t.returncode == 2 and "in_flight_rollouts.msgpack" in t.stderr and "not a readable" in t.stderr,
-                       f"{mode}: a truncated in-flight file is refused by name ({t.stderr.strip()[-300:]})"))
-        checks.append((not os.path.exists(f"{work}/{tag}_t/metrics.jsonl"), f"{mode}: the refused resume wrote no metrics"))
+        # a truncated, an emptied and a missing file: refused by name (state.json lists the
+        # file's size), nothing of the run directory touched; garbage of the right size too
+        path_ok = f"{ck}/in_flight_rollouts.msgpack"
+        data = open(path_ok, "rb").read()
+        for case, content, expect in (("truncated", data[: len(data) // 2], "holds"), ("emptied", b"", "holds"),
+                                      ("missing", None, "is missing"),
+                                      ("garbage", bytes([0xc1]) * len(data), "not a readable")):
+            shutil.copytree(ck, f"{work}/{case}")
+            path = f"{work}/{case}/in_flight_rollouts.msgpack"
+            if content is None:
+                os.remove(path)
+            else:
+                open(path, "wb").write(content)
+            t = kiln_run("--set", f"run.output_dir={work}/{tag}_{case}", "--set", f"run.resume_from={work}/{case}")
+            checks.append((t.returncode == 2 and "in_flight_rollouts.msgpack" in t.stderr and expect in t.stderr,
+                           f"{mode}: a {case} in-flight file is refused by name ({t.stderr.strip()[-300:]})"))
+            checks.append((not os.path.exists(f"{work}/{tag}_{case}/metrics.jsonl"),
+                           f"{mode}: the refused resume ({case}) wrote no metrics"))
+        # a failure at the first step after the resume (here: the restored behaviour log-probs
+        # made NaN, which the trainer refuses) names the checkpoint resumed from and leaves it as
+        # it was, rollouts in flight included (it used to be written again without them)
+        shutil.copytree(ck, f"{work}/kept")
+        path = f"{work}/kept/in_flight_rollouts.msgpack"
+        raw = bytearray(open(path, "rb").read())
+        at = raw.find(b"logprobs")
+        while at >= 0:  # the first float32 (0xca) of every logprobs array -> NaN, same size
+            f32 = raw.find(b"\xca", at)
+            raw[f32 + 1:f32 + 5] = b"\x7f\xc0\x00\x00"
+            at = raw.find(b"logprobs", f32)
+        open(path, "wb").write(raw)
+        before = {f: open(f"{work}/kept/{f}", "rb").read() for f in os.listdir(f"{work}/kept")}
+        k = kiln_run("--set", f"run.output_dir={work}/kept_run", "--set", f"run.resume_from={work}/kept")
+        after = {f: open(f"{work}/kept/{f}", "rb").read() for f in os.listdir(f"{work}/kept")}
+        checks.append((k.returncode == 1 and f"run.resume_from={work}/kept" in k.stderr,
+                       f"{mode}: a failure right after the resume names the checkpoint it resumed from ({k.stderr.strip()[-300:]})"))
+        checks.append((before == after, f"{mode}: that checkpoint is left as it was"))
 
 sync = kiln_run("--set", "algorithm.staleness=0", "--set", "run.steps=4", "--set", "run.checkpoint_every=2",
                 "--set", f"run.output_dir={work}/sync")
