@@ -108,7 +108,9 @@ int64_t MetricsLog::drop_rows_from(const std::filesystem::path& dir, int64_t fir
       try {
         row_step = json ? nlohmann::json::parse(line).at("step").get<int64_t>() : std::stoll(line);
       } catch (const std::exception&) {
-        row_step = 0;  // not a row of ours: keep it
+        // metrics.jsonl: a line cut short by a run that died mid-write: dropped (the file stays
+        // JSON lines); metrics.tsv: the header, kept
+        row_step = json ? first_step : 0;
       }
       if (row_step < first_step) keep.push_back(line);
       else if (json) ++dropped;

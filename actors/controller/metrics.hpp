@@ -43,8 +43,9 @@ class MetricsLog {
   static void print_progress(const StepRow& row, int64_t steps, int64_t prompts_per_step);
   /// RUN/reward_kl.png from metrics.tsv (says so on stderr if gnuplot fails).
   void plot() const;
-  /// Rows of steps >= first_step removed from RUN/metrics.{jsonl,tsv}; returns how many
-  /// metrics.jsonl rows went.
+  /// Rows of steps >= first_step removed from RUN/metrics.{jsonl,tsv}, and metrics.jsonl lines
+  /// that are not JSON (cut short by a run that died mid-write); returns how many
+  /// metrics.jsonl lines went.
   static int64_t drop_rows_from(const std::filesystem::path& dir, int64_t first_step);
 
  private:

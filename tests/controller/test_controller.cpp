@@ -120,7 +120,7 @@ TEST_CASE("rollout stream: k = 0 generates on demand and loads at once while k =
   }
 }
 
-TEST_CASE("metric rows of steps a resume trains again are dropped and other lines are kept") {
+TEST_CASE("metric rows of steps a resume trains again are dropped and so is a jsonl line cut short") {
   const std::filesystem::path dir = test::scratch_path("metrics-drop");
   std::filesystem::create_directories(dir);
   {
@@ -129,13 +129,17 @@ TEST_CASE("metric rows of steps a resume trains again are dropped and other line
       j << "{\"step\": " << s << "}\n";
       t << s << "\t0.5\t0\n";
     }
-    j << "not json\n";
+    j << "{\"step\": 6, \"rew";  // a run killed mid-write
   }
-  CHECK(MetricsLog::drop_rows_from(dir, 3) == 3);
+  CHECK(MetricsLog::drop_rows_from(dir, 3) == 4);
   std::ifstream j(dir / "metrics.jsonl");
   std::vector<std::string> lines;
   for (std::string l; std::getline(j, l);) lines.push_back(l);
-  CHECK(lines == std::vector<std::string>{"{\"step\": 1}", "{\"step\": 2}", "not json"});
+  CHECK(lines == std::vector<std::string>{"{\"step\": 1}", "{\"step\": 2}"});  // still JSON lines
+  std::ifstream t(dir / "metrics.tsv");
+  lines.clear();
+  for (std::string l; std::getline(t, l);) lines.push_back(l);
+  CHECK(lines == std::vector<std::string>{"1\t0.5\t0", "2\t0.5\t0"});
 }
 
 TEST_CASE("prompts: seeds per run step and request with the same draws after restore and rewards by the verifier") {
