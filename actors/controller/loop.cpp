@@ -88,12 +88,12 @@ int64_t resume(const Config& c, TrainerHandle& trainer, Prompts& prompts, std::v
   const fs::path ck(c.run.resume_from);
   if (!fs::is_directory(ck)) throw std::invalid_argument("no such checkpoint directory");
   auto state = trainer.load(ck);
-  if (!state.in_flight_rollouts.empty())
-    in_flight = decode_in_flight(state.in_flight_rollouts, state.step, (ck / "in_flight_rollouts.msgpack").string());
+  const auto in_flight_file = (ck / trainer::kInFlightRolloutsFile).string();
+  if (!state.in_flight_rollouts.empty()) in_flight = decode_in_flight(state.in_flight_rollouts, state.step, in_flight_file);
   while (!in_flight.empty() && in_flight.back().step > c.run.steps) in_flight.pop_back();
   for (const auto& b : in_flight)  // what the trainer and the staleness bound would trip on later
     for (const auto& x : b.completions) {
-      const auto where = (ck / "in_flight_rollouts.msgpack").string() + ": step " + std::to_string(b.step) +
+      const auto where = in_flight_file + ": step " + std::to_string(b.step) +
                          " completion " + std::to_string(x.id);
       for (const auto* ids : {&x.prompt, &x.tokens})
         for (auto t : *ids)

@@ -9,7 +9,6 @@
 namespace kiln::trainer {
 
 namespace {
-constexpr const char* kInFlightFile = "in_flight_rollouts.msgpack";
 
 // A data-parallel rank's optimizer file: its flat range, masters, moments and step counts.
 std::string shard_file(int rank, int ranks) {
@@ -21,9 +20,9 @@ std::string shard_file(int rank, int ranks) {
 // The controller's rollouts in flight (CheckpointState::in_flight_rollouts), when there are any.
 void write_in_flight(const std::filesystem::path& dir, const std::string& bytes) {
   if (bytes.empty()) return;
-  std::ofstream out(dir / kInFlightFile, std::ios::binary);
+  std::ofstream out(dir / kInFlightRolloutsFile, std::ios::binary);
   out.write(bytes.data(), std::streamsize(bytes.size()));
-  if (!out.flush()) throw std::runtime_error("cannot write '" + (dir / kInFlightFile).string() + "'");
+  if (!out.flush()) throw std::runtime_error("cannot write '" + (dir / kInFlightRolloutsFile).string() + "'");
 }
 
 // `in_flight_bytes`: the size of in_flight_rollouts.msgpack (0: none), so that a reader notices
@@ -174,7 +173,7 @@ CheckpointState read_checkpoint_state(const std::filesystem::path& dir) {
   } catch (const std::exception& e) {
     throw std::invalid_argument("state.json in '" + dir.string() + "': " + e.what());
   }
-  const auto file = dir / kInFlightFile;
+  const auto file = dir / kInFlightRolloutsFile;
   std::error_code ec;
   const bool present = std::filesystem::exists(file, ec);
   if (in_flight_bytes == 0 && present)

@@ -20,6 +20,9 @@
 
 namespace kiln::trainer {
 
+/// The file of CheckpointState::in_flight_rollouts in a checkpoint directory.
+inline constexpr const char* kInFlightRolloutsFile = "in_flight_rollouts.msgpack";
+
 /// The loop state a checkpoint holds beside the weights.
 struct CheckpointState {
   int64_t step = 0;            ///< steps 1..step are trained

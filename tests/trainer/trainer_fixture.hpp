@@ -3,6 +3,8 @@
 // copy of everything an optimizer step may change, to show that a step changed nothing.
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <cmath>
 #include <memory>
 #include <string>
 #include <vector>
@@ -54,6 +56,27 @@ inline std::vector<trainer::Sample> rollout_samples(std::shared_ptr<model::Causa
     reqs.push_back(r);
   }
   return generate_samples(m, reqs, 1.0f, -0.5f, options);
+}
+
+/// |trainer - rollout| per-token log-prob of `samples` under `m` (routing replayed): mean,
+/// max, and the number of tokens.
+struct LogprobGap {
+  double mean = 0, max = 0;
+  int64_t n = 0;
+};
+inline LogprobGap train_rollout_gap(model::CausalLM& m, const std::vector<trainer::Sample>& samples) {
+  auto lp = trainer::completion_logprobs(m, samples, 4096, /*routing_replay=*/true);
+  LogprobGap g;
+  double sum = 0;
+  for (std::size_t i = 0; i < samples.size(); ++i)
+    for (std::size_t j = 0; j < lp[i].size(); ++j) {
+      const double d = std::abs(double(lp[i][j]) - double(samples[i].behavior_logprobs[j]));
+      sum += d;
+      g.max = std::max(g.max, d);
+      ++g.n;
+    }
+  g.mean = sum / double(std::max<int64_t>(1, g.n));
+  return g;
 }
 
 /// Everything a Trainer's step may change, copied: the policy's parameters, the master
