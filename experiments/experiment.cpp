@@ -136,6 +136,10 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   integer("placement.engine_restarts", c.placement.engine_restarts);
   text("placement.reference", c.placement.reference);
   text("placement.trainer", c.placement.trainer);
+  integer("parallel.dp", c.parallel.dp);
+  integer("parallel.master_port", c.parallel.master_port);
+  integer("parallel.store_timeout_s", c.parallel.store_timeout_s);
+  integer("parallel.collective_timeout_s", c.parallel.collective_timeout_s);
   boolean("logging.progress", c.logging.progress);
   boolean("logging.plot", c.logging.plot);
   return f;
@@ -145,7 +149,7 @@ void apply_table(ExperimentConfig& c, const toml::table& root, const std::string
   auto f = fields(c);
   for (auto&& [section, node] : root) {
     std::string s(section.str());
-    if (!node.is_table()) bad(where, s, "must be a [section] (keys live in run, model, task, algorithm, rollout, weight_sync, placement, logging)");
+    if (!node.is_table()) bad(where, s, "must be a [section] (keys live in run, model, task, algorithm, rollout, weight_sync, placement, parallel, logging)");
     for (auto&& [key, value] : *node.as_table()) {
       std::string full = s + "." + std::string(key.str());
       auto it = f.find(full);

@@ -13,11 +13,11 @@
 #include "experiments/bench_gpu.hpp"
 #include "experiments/bench_model.hpp"
 #include "experiments/bench_rollout.hpp"
-#include "actors/controller/loop.hpp"
 #include "actors/reference/ref_service.hpp"
 #include "actors/rollout/rollout_service.hpp"
 #include "actors/trainer/trainer_service.hpp"
 #include "experiments/model_cmd.hpp"
+#include "experiments/ranks.hpp"
 #endif
 
 int main(int argc, char** argv) {
@@ -148,7 +148,7 @@ int main(int argc, char** argv) {
       auto config = experiment.empty() ? kiln::experiments::ExperimentConfig{}
                                        : kiln::experiments::ExperimentConfig::from_file(experiment);
       for (const auto& o : overrides) config.set(o);
-      return kiln::controller::run(config, config.to_toml());
+      return kiln::experiments::run_ranks(config, config.to_toml(), std::vector<std::string>(argv, argv + argc));
     } catch (const std::exception& e) {
       std::fprintf(stderr, "kiln run: %s\n", e.what());
       return 2;

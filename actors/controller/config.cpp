@@ -60,6 +60,16 @@ void Config::validate() const {
        "must be <= algorithm.prompts_per_step (each engine gets whole prompt groups)");
   need(placement.engine_restarts >= 0 && placement.engine_restarts <= 20, "placement.engine_restarts",
        "must be in [0, 20]");
+  const auto& par = parallel;
+  need(par.dp >= 1 && par.dp <= 1024, "parallel.dp", "must be in [1, 1024]");
+  need(par.dp == 1 || placement.trainer == "controller", "parallel.dp",
+       "must be 1 with placement.trainer \"process\" (data-parallel rank 0 is the controller's process)");
+  need(par.dp == 1 || model.device == "cpu" || model.device == "cuda", "model.device",
+       "must be \"cpu\" or \"cuda\" with parallel.dp > 1 (each rank takes the GPU of its LOCAL_RANK)");
+  need(par.master_port >= 0 && par.master_port <= 65535, "parallel.master_port", "must be in [0, 65535] (0: a free port)");
+  need(par.store_timeout_s >= 1 && par.store_timeout_s <= 86400, "parallel.store_timeout_s", "must be in [1, 86400]");
+  need(par.collective_timeout_s >= 1 && par.collective_timeout_s <= 86400, "parallel.collective_timeout_s",
+       "must be in [1, 86400]");
   need(weight_sync.bucket_mib > 0, "weight_sync.bucket_mib", "must be > 0");
   need(task.name == "next_digit" || task.name == "arithmetic" || task.name == "countdown", "task.name",
        "must be \"next_digit\", \"arithmetic\" or \"countdown\"");

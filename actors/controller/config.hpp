@@ -69,6 +69,20 @@ struct PlacementConfig {
   std::string trainer = "controller";    ///< "controller" | "process": trainer/0 in a kiln node
 };
 
+/// The trainer's ranks (docs/parallel.md): one process per rank (per GPU, or per CPU rank),
+/// launched by `kiln run` itself, torchrun or Slurm's srun, meeting through a c10d TCPStore.
+struct ParallelConfig {
+  /// Data-parallel trainer ranks: each trains on its share of a step's samples, gradients and
+  /// AdamW state sharded over them (trainer::Trainer with a dp group); rank 0 also runs the
+  /// controller, the engines and the reference. Under torchrun or srun it must equal the
+  /// launcher's world size; without a launcher `kiln run` starts ranks 1..dp-1 itself.
+  int64_t dp = 1;
+  /// Without a launcher: the TCPStore's port on 127.0.0.1 (0: a free port).
+  int64_t master_port = 0;
+  int64_t store_timeout_s = 300;       ///< rendezvous: every rank connected, each group made
+  int64_t collective_timeout_s = 600;  ///< any collective; a lost rank surfaces within this
+};
+
 struct LoggingConfig {
   bool progress = true;  ///< a line per step on stderr
   bool plot = true;      ///< RUN/reward_kl.png at the end (gnuplot)
@@ -85,6 +99,7 @@ struct Config {
   RolloutConfig rollout;
   WeightSyncConfig weight_sync;
   PlacementConfig placement;
+  ParallelConfig parallel;
   LoggingConfig logging;
 
   /// Checks ranges and combinations; throws std::invalid_argument

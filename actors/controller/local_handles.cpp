@@ -24,8 +24,8 @@ std::vector<trainer::Sample> as_samples(const std::vector<rollout::Completion>& 
 }  // namespace
 
 LocalTrainer::LocalTrainer(std::shared_ptr<model::CausalLM> policy, const trainer::TrainerConfig& config,
-                           messaging::Gateway& gateway, uint64_t bucket_bytes)
-    : policy_(policy), trainer_(std::move(policy), config), gw_(gateway), bucket_bytes_(bucket_bytes) {}
+                           messaging::Gateway& gateway, uint64_t bucket_bytes, parallel::Group* data_parallel)
+    : policy_(policy), trainer_(std::move(policy), config, data_parallel), gw_(gateway), bucket_bytes_(bucket_bytes) {}
 
 trainer::StepMetrics LocalTrainer::train(std::vector<trainer::Sample> samples) { return trainer_.step(std::move(samples)); }
 

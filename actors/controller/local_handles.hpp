@@ -16,9 +16,10 @@ namespace kiln::controller {
 
 class LocalTrainer : public TrainerHandle {
  public:
-  /// `gateway`: where weights are sent from; `bucket_bytes`: weight-sync bucket size.
+  /// `gateway`: where weights are sent from; `bucket_bytes`: weight-sync bucket size;
+  /// `data_parallel`: data-parallel rank 0's group (trainer_ranks.hpp), or none.
   LocalTrainer(std::shared_ptr<model::CausalLM> policy, const trainer::TrainerConfig& config,
-               messaging::Gateway& gateway, uint64_t bucket_bytes);
+               messaging::Gateway& gateway, uint64_t bucket_bytes, parallel::Group* data_parallel = nullptr);
   int64_t version() const override { return trainer_.version(); }
   int64_t vocab_size() const override { return policy_->vocab_size(); }
   trainer::StepMetrics train(std::vector<trainer::Sample> samples) override;

@@ -151,12 +151,13 @@ void check_memory(const AlgorithmConfig& a) {
 
 // Locks the run directory, places the actors, resumes, and brings the engines to the
 // trainer's version. 0, or the exit code of a run that cannot start (reported on stderr).
-int start(Session& s, const Config& c, const std::string& config_toml, const std::string& tag) {
+int start(Session& s, const Config& c, const std::string& config_toml, const std::string& tag,
+          parallel::ProcessGroups* ranks) {
   const fs::path dir(c.run.output_dir);
   try {  // nothing in the run directory changes before the run is known to start
     check_memory(c.algorithm);
     s.lock = std::make_unique<RunLock>(dir, c.run.resume_from, c.run.overwrite);
-    s.actors = place_actors(c, {s.gateway, tag, dir});
+    s.actors = place_actors(c, {s.gateway, tag, dir}, ranks);
     if (s.prompts.vocab_size() > s.actors.trainer->vocab_size())
       throw std::invalid_argument("model vocabulary " + std::to_string(s.actors.trainer->vocab_size()) +
                                   " is smaller than the task tokenizer's " + std::to_string(s.prompts.vocab_size()));
@@ -188,7 +189,7 @@ int start(Session& s, const Config& c, const std::string& config_toml, const std
 }
 }  // namespace
 
-int run(const Config& c, const std::string& config_toml) {
+int run(const Config& c, const std::string& config_toml, parallel::ProcessGroups* ranks) {
   try {
     c.validate();
   } catch (const std::exception& e) {
@@ -199,7 +200,7 @@ int run(const Config& c, const std::string& config_toml) {
   const auto& a = c.algorithm;
   const std::string tag = "/tmp/kiln-run-" + std::to_string(::getpid());
   Session s(c, tag);
-  if (const int rc = start(s, c, config_toml, tag)) return rc;
+  if (const int rc = start(s, c, config_toml, tag, ranks)) return rc;
   auto& trainer = *s.actors.trainer;
   auto& prompts = s.prompts;
   auto& actors = s.actors;

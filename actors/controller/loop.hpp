@@ -8,6 +8,10 @@
 
 #include "actors/controller/config.hpp"
 
+namespace kiln::parallel {
+class ProcessGroups;
+}
+
 namespace kiln::controller {
 
 /// Runs `config` (validated here) into config.run.output_dir, which gets `config_toml` as
@@ -16,6 +20,8 @@ namespace kiln::controller {
 /// (reported on stderr, naming the key or what failed); 1 a run that failed after it started
 /// (a lost node, a failed weight sync): everything trained so far is checkpointed where the
 /// policy still lives, and stderr says how to continue (--set run.resume_from=...).
-int run(const Config& config, const std::string& config_toml);
+/// `ranks`: with config.parallel.dp > 1, rank 0's process groups (experiments/ranks.hpp
+/// starts the ranks and calls this on rank 0); null otherwise.
+int run(const Config& config, const std::string& config_toml, parallel::ProcessGroups* ranks = nullptr);
 
 }  // namespace kiln::controller

@@ -1,16 +1,20 @@
 #include "actors/controller/placement.hpp"
 
 #include "actors/controller/local_handles.hpp"
+#include "actors/controller/trainer_ranks.hpp"
 #include "model/registry.hpp"
 
 namespace kiln::controller {
 
-Actors place_actors(const Config& c, const NodeSite& site) {
+Actors place_actors(const Config& c, const NodeSite& site, parallel::ProcessGroups* ranks) {
   const auto& p = c.placement;
   auto registry = model::Registry::with_plugins();
   Actors a;
   torch::manual_seed(uint64_t(c.run.seed));  // the trainer node seeds its policy the same way
-  if (p.trainer == "process")
+  if (c.parallel.dp > 1) {
+    if (!ranks) throw std::logic_error("parallel.dp > 1 without the ranks' process groups");
+    a.trainer = std::make_unique<DataParallelTrainer>(c, *ranks, site.gateway);
+  } else if (p.trainer == "process")
     a.trainer = std::make_unique<RemoteTrainer>(site, c);
   else
     a.trainer = std::make_unique<LocalTrainer>(registry.build(c.model), c.trainer_for_run(), site.gateway,

@@ -5,12 +5,15 @@
 //   placement.reference  "controller" | "process" (ref/0 in a node)
 //   placement.trainer    "controller" | "process" (trainer/0 in a node; the controller then
 //                        holds no model)
+//   parallel.dp > 1      the trainer over data-parallel ranks, rank 0 in the controller's
+//                        process (trainer_ranks.hpp)
 // The loop only sees the handles.
 #include <memory>
 
 #include "actors/controller/config.hpp"
 #include "actors/controller/handles.hpp"
 #include "actors/controller/remote_handles.hpp"
+#include "parallel/process_group.hpp"
 
 namespace kiln::controller {
 
@@ -24,6 +27,7 @@ struct Actors {
 /// policy (in this process or in its node, the same way), whose initial weights the reference
 /// takes. Throws std::invalid_argument / std::runtime_error naming what failed (a model that
 /// cannot be built, a node that did not start); nodes started before the failure are stopped.
-Actors place_actors(const Config& config, const NodeSite& site);
+/// `ranks`: this process's (rank 0's) process groups when config.parallel.dp > 1, else null.
+Actors place_actors(const Config& config, const NodeSite& site, parallel::ProcessGroups* ranks = nullptr);
 
 }  // namespace kiln::controller

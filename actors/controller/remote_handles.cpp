@@ -13,6 +13,7 @@
 #include "actors/reference/messages.hpp"
 #include "actors/rollout/messages.hpp"
 #include "actors/trainer/messages.hpp"
+#include "actors/trainer/trainer_service.hpp"
 #include "messaging/torch_tensor.hpp"
 
 extern char** environ;
@@ -125,16 +126,7 @@ Envelope RemoteTrainer::call(Envelope request, std::chrono::seconds timeout) {
 }
 
 trainer::StepMetrics RemoteTrainer::train(std::vector<trainer::Sample> samples) {
-  TrainerTrain q;
-  std::vector<torch::Tensor> experts;
-  for (std::size_t i = 0; i < samples.size(); ++i) {
-    auto& s = samples[i];
-    q.samples.push_back({uint64_t(i), std::move(s.prompt), std::move(s.completion), std::move(s.behavior_logprobs),
-                         std::move(s.ref_logprobs), s.advantage});
-    experts.push_back(s.routed_experts);
-  }
-  auto env = make_envelope(q, Kind::request, "controller", node_.actor());
-  env.tensors = expert_frames(experts);
+  auto env = trainer::train_request(samples, "controller", node_.actor());
   auto res = payload_as<TrainerStepResult>(call(std::move(env), std::chrono::seconds(3600)));
   if (!res) throw std::runtime_error(std::string("trainer node: ") + res.error().what());
   version_ = res->policy_version;

@@ -23,11 +23,16 @@ struct TrainerService::State {
   TrainerInit init;
   std::shared_ptr<model::CausalLM> policy;
   std::unique_ptr<Trainer> trainer;
+  parallel::Group* dp = nullptr;
   State(Gateway& g, std::string n) : gw(g), name(std::move(n)) {}
 };
 
 TrainerService::TrainerService(Gateway& gateway, const std::string& name)
     : s_(std::make_unique<State>(gateway, name)) {}
+TrainerService::TrainerService(Gateway& gateway, const std::string& name, parallel::Group* data_parallel)
+    : s_(std::make_unique<State>(gateway, name)) {
+  s_->dp = data_parallel;
+}
 TrainerService::~TrainerService() = default;
 
 namespace {
@@ -98,7 +103,7 @@ Expected<Envelope> TrainerService::handle(const Envelope& request) {
       // As a one-process run builds its policy: the same seed, then the same registry call.
       torch::manual_seed(uint64_t(init->seed));
       auto policy = model::Registry::with_plugins().build(init->model);
-      s_->trainer = std::make_unique<Trainer>(policy, init->trainer);
+      s_->trainer = std::make_unique<Trainer>(policy, init->trainer, s_->dp);
       s_->policy = std::move(policy);
       s_->init = *init;
       return reply(TrainerReady{s_->trainer->version(), s_->policy->vocab_size()});
@@ -155,6 +160,21 @@ Expected<Envelope> TrainerService::handle(const Envelope& request) {
   } catch (const std::exception& e) {
     return make_error(ErrorCode::remote_error, std::string(request.type) + ": " + e.what());
   }
+}
+
+Envelope train_request(const std::vector<Sample>& samples, const std::string& sender, const std::string& receiver) {
+  TrainerTrain q;
+  bool replay = true;
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    const auto& s = samples[i];
+    q.samples.push_back({uint64_t(i), s.prompt, s.completion, s.behavior_logprobs, s.ref_logprobs, s.advantage});
+    replay = replay && s.routed_experts.defined();
+  }
+  auto env = make_envelope(q, Kind::request, sender, receiver);
+  if (replay)  // none when a sample has none: the receiver then routes itself
+    for (std::size_t i = 0; i < samples.size(); ++i)
+      env.tensors.push_back(from_torch("routed_experts." + std::to_string(i), samples[i].routed_experts.contiguous()));
+  return env;
 }
 
 void register_trainer_actor_kind() { messaging::register_service_kind<TrainerService>("trainer"); }

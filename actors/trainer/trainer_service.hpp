@@ -8,12 +8,14 @@
 //   trainer.train         one optimizer step on the given samples; metrics back
 //   trainer.save          write a checkpoint
 // Requests are handled one at a time (one detached actor), so a push never sees a
-// half-updated policy.
+// half-updated policy. A data-parallel rank other than 0 (experiments/ranks.hpp) runs the
+// same service over its dp group: rank 0 sends it the requests it runs itself.
 #include <memory>
 #include <string>
 
 #include "messaging/envelope.hpp"
 #include "actors/trainer/messages.hpp"
+#include "actors/trainer/trainer.hpp"
 
 namespace kiln::messaging {
 class Gateway;
@@ -25,6 +27,9 @@ class TrainerService {
  public:
   /// `gateway`: where trainer.push_weights sends from; `name`: this actor's logical name.
   TrainerService(messaging::Gateway& gateway, const std::string& name);
+  /// A data-parallel rank: trainer.init builds Trainer(policy, config, data_parallel), so
+  /// init, load, train and save are collective over the group (held by reference).
+  TrainerService(messaging::Gateway& gateway, const std::string& name, parallel::Group* data_parallel);
   ~TrainerService();
   /// Errors name what was wrong: a request before trainer.init, a bad setting, a sample whose
   /// sizes do not fit (log-probs vs tokens, routed-experts tensors vs samples), token ids out
@@ -36,6 +41,11 @@ class TrainerService {
   struct State;
   std::unique_ptr<State> s_;
 };
+
+/// The trainer.train request for `samples` (what handle() decodes): routed experts as tensor
+/// frames "routed_experts.i" when every sample has them.
+messaging::Envelope train_request(const std::vector<Sample>& samples, const std::string& sender,
+                                  const std::string& receiver);
 
 /// Registers actor kind "trainer" with kiln node (call once at start-up, before hosting actors).
 void register_trainer_actor_kind();

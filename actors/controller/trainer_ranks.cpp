@@ -1,0 +1,117 @@
+#include "actors/controller/trainer_ranks.hpp"
+
+#include <future>
+
+#include "actors/trainer/messages.hpp"
+#include "actors/trainer/trainer_service.hpp"
+#include "model/registry.hpp"
+
+namespace kiln::controller {
+
+using namespace kiln::messaging;
+
+namespace {
+constexpr auto kRequestTimeout = std::chrono::seconds(600);
+constexpr auto kTrainTimeout = std::chrono::seconds(3600);
+}  // namespace
+
+DataParallelTrainer::DataParallelTrainer(const Config& c, parallel::ProcessGroups& groups, Gateway& gateway)
+    : gw_(gateway), collective_timeout_(std::chrono::seconds(c.parallel.collective_timeout_s)) {
+  auto& store = groups.store();
+  const int world = groups.along("dp").size();
+  for (int r = 1; r < world; ++r) {
+    const std::string key = kTrainerRankEndpointKey + std::to_string(r);
+    try {
+      store.wait({key}, std::chrono::seconds(c.parallel.store_timeout_s));
+      endpoints_.push_back(store.get_to_str(key));
+    } catch (const std::exception& e) {
+      throw std::runtime_error("trainer rank " + std::to_string(r) + " published no endpoint within " +
+                               std::to_string(c.parallel.store_timeout_s) + " s (parallel.store_timeout_s): " + e.what());
+    }
+    actors_.push_back("trainer/" + std::to_string(r));
+    gw_.add_route(actors_.back(), endpoints_.back());
+  }
+  const TrainerInit init{c.model, c.run.seed, c.trainer_for_run(), c.weight_sync.bucket_mib};
+  on_all_ranks(
+      "trainer.init", [&](const std::string& to) { return make_envelope(init, Kind::request, "controller", to); },
+      [&] {
+        // As a one-rank run builds its policy (place_actors seeded it); ranks 1.. do the same.
+        local_ = std::make_unique<LocalTrainer>(model::Registry::with_plugins().build(c.model), c.trainer_for_run(),
+                                                gateway, uint64_t(c.weight_sync.bucket_mib * (1 << 20)),
+                                                &groups.along("dp"));
+      },
+      kRequestTimeout);
+}
+
+void DataParallelTrainer::on_all_ranks(const std::string& what, const std::function<Envelope(const std::string&)>& request,
+                                       const std::function<void()>& here, std::chrono::seconds timeout) {
+  std::vector<std::future<Expected<Envelope>>> answers;
+  for (const auto& to : actors_) answers.push_back(gw_.request(request(to), timeout));
+  std::exception_ptr local_error;
+  bool collective_failed = false;
+  try {
+    here();
+  } catch (const parallel::CollectiveError&) {
+    local_error = std::current_exception();
+    collective_failed = true;
+  } catch (...) {
+    local_error = std::current_exception();
+  }
+  // A rank that is alive answers within the collective timeout once rank 0's part is over
+  // (its collectives fail too when another rank is gone); a dead one at once (peer lost).
+  const auto deadline = std::chrono::steady_clock::now() + collective_timeout_ + std::chrono::seconds(30);
+  std::string lost, failed;
+  for (std::size_t i = 0; i < answers.size(); ++i) {
+    const std::string who = "trainer rank " + std::to_string(i + 1) + " (" + actors_[i] + " at " + endpoints_[i] + ")";
+    if (answers[i].wait_until(deadline) != std::future_status::ready) {
+      lost += (lost.empty() ? "" : "; ") + who + ": no answer to " + what;
+      continue;
+    }
+    auto r = answers[i].get();
+    if (r) continue;
+    if (r.error().code == ErrorCode::remote_error) failed += (failed.empty() ? "" : "; ") + who + ": " + r.error().message;
+    else lost += (lost.empty() ? "" : "; ") + who + " lost: " + r.error().what();
+  }
+  auto local_message = [&]() -> std::string {
+    try {
+      std::rethrow_exception(local_error);
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+  };
+  if (!lost.empty())
+    throw PolicyLost(what + ": " + lost + (local_error ? " (rank 0: " + local_message() + ")" : ""));
+  if (collective_failed)  // every rank answered, yet rank 0's collective failed: the group is broken
+    throw PolicyLost(what + ": rank 0: " + local_message() + (failed.empty() ? "" : "; " + failed));
+  if (local_error) std::rethrow_exception(local_error);  // a refused batch: every rank refused it
+  if (!failed.empty())  // rank 0's part went through and another's did not: the ranks disagree now
+    throw PolicyLost(what + ": " + failed);
+}
+
+trainer::StepMetrics DataParallelTrainer::train(std::vector<trainer::Sample> samples) {
+  trainer::StepMetrics m;
+  on_all_ranks(
+      TrainerTrain::kType.data(), [&](const std::string& to) { return trainer::train_request(samples, "controller", to); },
+      [&] { m = local_->train(samples); }, kTrainTimeout);
+  return m;
+}
+
+void DataParallelTrainer::save(const std::filesystem::path& dir, const trainer::CheckpointState& state) {
+  on_all_ranks(
+      TrainerSave::kType.data(),
+      [&](const std::string& to) {  // rank 0 alone writes the loop state and the rollouts in flight
+        return make_envelope(TrainerSave{dir.string(), state.step, state.prompt_rng}, Kind::request, "controller", to);
+      },
+      [&] { local_->save(dir, state); }, kRequestTimeout);
+}
+
+trainer::CheckpointState DataParallelTrainer::load(const std::filesystem::path& dir) {
+  trainer::CheckpointState state;
+  on_all_ranks(
+      TrainerLoad::kType.data(),
+      [&](const std::string& to) { return make_envelope(TrainerLoad{dir.string()}, Kind::request, "controller", to); },
+      [&] { state = local_->load(dir); }, kRequestTimeout);
+  return state;
+}
+
+}  // namespace kiln::controller

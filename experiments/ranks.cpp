@@ -1,0 +1,263 @@
+#include "experiments/ranks.hpp"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <optional>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "actors/controller/loop.hpp"
+#include "actors/controller/trainer_ranks.hpp"
+#include "actors/trainer/trainer_service.hpp"
+#include "messaging/gateway.hpp"
+#include "parallel/process_group.hpp"
+
+extern char** environ;
+
+namespace kiln::experiments {
+
+namespace {
+
+using controller::kRankDoneKey;
+using controller::kRunOverKey;
+using controller::kTrainerRankEndpointKey;
+
+// Set in the ranks this program starts itself: the pid of rank 0, whose death stops them.
+constexpr const char* kParentVariable = "KILN_RANK_PARENT";
+
+// A TCP port on 127.0.0.1 that was free a moment ago (the store binds it right after).
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) throw std::runtime_error("cannot open a socket to find a free port");
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  ::close(fd);
+  if (!ok) throw std::runtime_error("cannot find a free TCP port on 127.0.0.1 (set parallel.master_port)");
+  return ntohs(a.sin_port);
+}
+
+// Ranks 1..world-1 of a launch without launcher, as torchrun would start them.
+std::vector<pid_t> start_ranks(const parallel::LaunchInfo& info, const std::vector<std::string>& argv) {
+  std::vector<pid_t> pids;
+  for (int r = 1; r < info.world_size; ++r) {
+    std::vector<std::string> env;
+    for (char** e = environ; *e; ++e) env.emplace_back(*e);
+    for (const auto& [k, v] : std::vector<std::pair<std::string, std::string>>{
+             {"RANK", std::to_string(r)},
+             {"WORLD_SIZE", std::to_string(info.world_size)},
+             {"LOCAL_RANK", std::to_string(r)},
+             {"LOCAL_WORLD_SIZE", std::to_string(info.world_size)},
+             {"MASTER_ADDR", info.master_addr},
+             {"MASTER_PORT", std::to_string(info.master_port)},
+             {kParentVariable, std::to_string(::getpid())}})
+      env.push_back(k + "=" + v);
+    std::vector<char*> args, envp;
+    auto argv_copy = argv;
+    for (auto& a : argv_copy) args.push_back(a.data());
+    args.push_back(nullptr);
+    for (auto& e : env) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    posix_spawnattr_t attr;
+    posix_spawnattr_init(&attr);
+    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);  // Ctrl-C reaches rank 0 alone
+    posix_spawnattr_setpgroup(&attr, 0);
+    pid_t pid = -1;
+    const int rc = posix_spawn(&pid, "/proc/self/exe", nullptr, &attr, args.data(), envp.data());
+    posix_spawnattr_destroy(&attr);
+    if (rc != 0) {
+      for (pid_t p : pids) ::kill(p, SIGKILL);
+      throw std::runtime_error("cannot start trainer rank " + std::to_string(r) + ": " + std::strerror(rc));
+    }
+    pids.push_back(pid);
+  }
+  return pids;
+}
+
+// Waits up to `seconds` for the ranks this program started, then kills those left. Returns
+// a description of the ranks that exited with an error ("" when none did).
+std::string reap(const std::vector<pid_t>& pids, int seconds) {
+  std::string failed;
+  for (std::size_t i = 0; i < pids.size(); ++i) {
+    int status = 0;
+    pid_t got = 0;
+    for (int waited = 0; (got = ::waitpid(pids[i], &status, WNOHANG)) == 0 && waited < seconds * 20; ++waited)
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (got == 0) {
+      ::kill(pids[i], SIGKILL);
+      ::waitpid(pids[i], &status, 0);
+      failed += " rank " + std::to_string(i + 1) + " (pid " + std::to_string(pids[i]) + ") did not exit: killed;";
+    } else if (got == pids[i] && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
+      failed += " rank " + std::to_string(i + 1) + " (pid " + std::to_string(pids[i]) + ") " +
+                (WIFSIGNALED(status) ? "killed by signal " + std::to_string(WTERMSIG(status))
+                                     : "exit code " + std::to_string(WEXITSTATUS(status))) + ";";
+    }
+  }
+  return failed;
+}
+
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+}
+
+// Ranks other than 0: trainer/R served until rank 0 says the run is over.
+int serve_trainer_rank(parallel::ProcessGroups& groups) {
+  const auto& info = groups.launch();
+  const std::string r = std::to_string(info.rank);
+  const std::string me = "kiln run: trainer rank " + r;
+  // Reachable from rank 0: loopback for a job on one host's loopback, else every interface,
+  // announced under KILN_ADVERTISE_ADDR or this host's name.
+  const bool local = is_loopback(info.master_addr);
+  std::unique_ptr<messaging::Gateway> gw;
+  std::string endpoint;
+  try {
+    gw = std::make_unique<messaging::Gateway>(
+        messaging::Gateway::Options{"trainer-rank-" + r, local ? "tcp://127.0.0.1:0" : "tcp://0.0.0.0:0"});
+    endpoint = gw->endpoint();
+    if (!local) {
+      std::string host;
+      if (const char* a = std::getenv("KILN_ADVERTISE_ADDR"); a && *a) host = a;
+      else {
+        char name[256] = {};
+        ::gethostname(name, sizeof name - 1);
+        host = name;
+      }
+      endpoint = "tcp://" + host + endpoint.substr(endpoint.rfind(':'));
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\n", me.c_str(), e.what());
+    return 2;
+  }
+  trainer::TrainerService service(*gw, "trainer/" + r, &groups.along("dp"));
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<messaging::Envelope> queue;
+  gw->serve("trainer/" + r, [&](messaging::Envelope e) {  // on the gateway thread: queue only
+    std::lock_guard<std::mutex> l(mu);
+    queue.push_back(std::move(e));
+    cv.notify_one();
+  });
+  auto& store = groups.store();
+  try {
+    store.set(kTrainerRankEndpointKey + r, endpoint);
+    for (;;) {
+      std::optional<messaging::Envelope> request;
+      {
+        std::unique_lock<std::mutex> l(mu);
+        cv.wait_for(l, std::chrono::milliseconds(200), [&] { return !queue.empty(); });
+        if (!queue.empty()) {
+          request = std::move(queue.front());
+          queue.pop_front();
+        }
+      }
+      if (request) {  // the same request rank 0 runs itself, collectively
+        auto answer = service.handle(*request);
+        if (answer) {
+          gw->reply(*request, std::move(*answer));
+        } else {
+          std::fprintf(stderr, "%s: %s\n", me.c_str(), answer.error().what().c_str());
+          gw->reply_error(*request, answer.error());
+        }
+        continue;
+      }
+      if (store.check({kRunOverKey})) {
+        const int rc = std::stoi(store.get_to_str(kRunOverKey));
+        store.set(kRankDoneKey + r, "1");
+        return rc;
+      }
+    }
+  } catch (const std::exception& e) {  // the store lives in rank 0 (or the torchrun agent)
+    std::fprintf(stderr, "%s: lost rank 0 (its store at %s:%d): %s\n", me.c_str(), info.master_addr.c_str(),
+                 info.master_port, e.what());
+    return 1;
+  }
+}
+
+}  // namespace
+
+int run_ranks(const controller::Config& c, const std::string& config_toml, const std::vector<std::string>& argv) {
+  try {
+    c.validate();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kiln run: %s\n", e.what());
+    return 2;
+  }
+  parallel::LaunchInfo info;
+  try {
+    info = parallel::read_launch_from_environment();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kiln run: %s\n", e.what());
+    return 2;
+  }
+  const int dp = int(c.parallel.dp);
+  if (info.launcher == parallel::Launcher::single && dp == 1) return controller::run(c, config_toml);
+  std::vector<pid_t> started;
+  if (info.launcher == parallel::Launcher::single) {
+    try {
+      info = {parallel::Launcher::single, 0, dp, 0, dp, "127.0.0.1",
+              c.parallel.master_port > 0 ? int(c.parallel.master_port) : free_port(), false};
+      started = start_ranks(info, argv);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "kiln run: %s\n", e.what());
+      return 2;
+    }
+  } else if (info.world_size != dp) {
+    std::fprintf(stderr, "kiln run: parallel.dp = %d, but %s started %d ranks (they must be equal)\n", dp,
+                 parallel::launcher_name(info.launcher), info.world_size);
+    return 2;
+  }
+  const std::string who = "kiln run: rank " + std::to_string(info.rank);
+  if (info.rank != 0) {
+    ::signal(SIGINT, SIG_IGN);  // rank 0 handles Ctrl-C and tells the others
+    if (const char* parent = std::getenv(kParentVariable)) {
+      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (std::to_string(::getppid()) != parent) return 1;  // rank 0 died before this rank started
+    }
+  }
+  const torch::Device device =
+      c.model.device == "cpu" ? torch::Device(torch::kCPU) : torch::Device(torch::kCUDA, int8_t(info.local_rank));
+  std::unique_ptr<parallel::ProcessGroups> groups;
+  try {
+    groups = std::make_unique<parallel::ProcessGroups>(
+        info, device, std::vector<parallel::MeshDim>{{"dp", dp}},
+        parallel::GroupOptions{std::chrono::seconds(c.parallel.store_timeout_s),
+                               std::chrono::seconds(c.parallel.collective_timeout_s)});
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\n", who.c_str(), e.what());
+    if (!started.empty()) reap(started, 0);
+    return 2;
+  }
+  if (info.rank != 0) return serve_trainer_rank(*groups);
+  const int rc = controller::run(c, config_toml, groups.get());
+  // Tell the other ranks; give them a moment to see it before the store (served here) goes.
+  try {
+    auto& store = groups->store();
+    store.set(kRunOverKey, std::to_string(rc));
+    std::vector<std::string> done;
+    for (int r = 1; r < dp; ++r) done.push_back(kRankDoneKey + std::to_string(r));
+    store.wait(done, std::chrono::seconds(10));
+  } catch (const std::exception& e) {  // a rank that is gone (the run said so already)
+    std::fprintf(stderr, "%s: not every rank confirmed the end of the run: %s\n", who.c_str(), e.what());
+  }
+  if (const auto failed = reap(started, 10); !failed.empty()) {
+    std::fprintf(stderr, "%s: trainer ranks ended badly:%s\n", who.c_str(), failed.c_str());
+    return rc == 0 ? 1 : rc;
+  }
+  return rc;
+}
+
+}  // namespace kiln::experiments

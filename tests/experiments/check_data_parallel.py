@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""The data-parallel trainer through `kiln run` (parallel.dp; Gloo on CPU):
+1. dp 1, 2 and 4 (ranks started by kiln run itself), 5 RL steps of the default experiment:
+   steps 1 and 2 give the same metrics (relative error <= 1e-4: the same rollouts, then the
+   rollouts of the policy each trained, synced from rank 0); steps 3-5 stay close (entropy
+   within 1e-3, KL within 5%) but are not equal: a few sampled tokens differ once fp32
+   summation order (which rank adds which gradient) has moved the weights by ~1e-6 relative;
+   a second dp-2 run equals the first bit for bit.
+2. torchrun --nnodes 2 --node-rank 0|1 --nproc-per-node 2 on loopback (c10d rendezvous) gives
+   the metrics of the dp-4 run started by kiln run, bit for bit.
+3. A checkpoint written at dp 2 (step 2), resumed at dp 1, 2 and 4: step 3 equals the
+   uninterrupted dp-2 run's (dp 2: bit for bit; 1 and 4: relative error <= 1e-4).
+4. Rank 1 killed mid-run (SIGKILL): rank 0 exits 1 within 60 s naming trainer rank 1; every
+   process of the job is gone; resuming from the newest checkpoint finishes the run.
+5. parallel.dp = 3 under a launch of 2 ranks, and placement.trainer = "process" with dp 2, are
+   refused by name.
+Usage: check_data_parallel.py PATH_TO_KILN WORK_DIR PATH_TO_TORCHRUN. Prints "N passed, M failed"."""
+import json, os, shutil, signal, socket, subprocess, sys, time
+
+kiln, work, torchrun = sys.argv[1], sys.argv[2], sys.argv[3]
+shutil.rmtree(work, ignore_errors=True)
+os.makedirs(work)
+quiet = ["--set", "logging.plot=false", "--set", "logging.progress=false"]
+env = dict(os.environ, OMP_NUM_THREADS="1")
+for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
+    env.pop(v, None)
+checks = []
+TIMING = ("time", "elapsed", "per_s")
+
+
+def metrics(d):
+    return [json.loads(l) for l in open(f"{d}/metrics.jsonl")]
+
+
+def numbers(row):
+    out = {}
+    for k, v in row.items():
+        if any(t in k for t in TIMING):
+            continue
+        if isinstance(v, dict):
+            out.update({f"{k}.{kk}": vv for kk, vv in v.items()})
+        elif isinstance(v, (int, float)):
+            out[k] = float(v)
+    return out
+
+
+def close(a, b, rel):
+    return abs(a - b) <= rel * max(1.0, abs(a), abs(b))
+
+
+def run(name, *args, timeout=600):
+    p = subprocess.run([kiln, "run", *quiet, "--set", f"run.output_dir={work}/{name}", *args],
+                       capture_output=True, text=True, timeout=timeout, env=env)
+    checks.append((p.returncode == 0, f"{name} exits 0 ({p.returncode}: {p.stderr[-400:]})"))
+    return p
+
+
+# 1. dp 1, 2, 4
+for dp in (1, 2, 4):
+    run(f"dp{dp}", "--set", "run.steps=5", "--set", f"parallel.dp={dp}")
+run("dp2_again", "--set", "run.steps=5", "--set", "parallel.dp=2")
+if all(ok for ok, _ in checks):
+    base = [numbers(r) for r in metrics(f"{work}/dp1")]
+    for dp in (2, 4):
+        got = [numbers(r) for r in metrics(f"{work}/dp{dp}")]
+        checks.append((len(got) == len(base) == 5, f"dp {dp}: 5 steps logged"))
+        for step, (x, y) in enumerate(zip(base, got), 1):
+            if step <= 2:
+                bad = [f"{k} {x[k]} vs {y.get(k)}" for k in x if k not in y or not close(x[k], y[k], 1e-4)]
+                checks.append((not bad, f"dp {dp} step {step}: every metric equals dp 1's within 1e-4 {bad[:4]}"))
+            else:
+                checks.append((close(x["entropy"], y["entropy"], 1e-3), f"dp {dp} step {step}: entropy {y['entropy']} ~ {x['entropy']}"))
+                checks.append((abs(x["kl"] - y["kl"]) <= 0.05 * abs(x["kl"]) + 1e-6, f"dp {dp} step {step}: kl {y['kl']} ~ {x['kl']}"))
+    a, b = metrics(f"{work}/dp2"), metrics(f"{work}/dp2_again")
+    checks.append(([numbers(r) for r in a] == [numbers(r) for r in b], "dp 2 twice: the same metrics bit for bit"))
+
+# 2. torchrun, two agents of two ranks on loopback
+if not os.path.exists(torchrun):
+    print(f"KILN_TEST_SKIPPED: no torchrun at {torchrun}")
+    sys.exit(0)
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+port = s.getsockname()[1]
+s.close()
+agents = []
+for node in range(2):
+    log = open(f"{work}/torchrun_node{node}.log", "w+")
+    cmd = [torchrun, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0", "--no-python", kiln, "run", *quiet,
+           "--set", "run.steps=5", "--set", "parallel.dp=4", "--set", f"run.output_dir={work}/torchrun"]
+    agents.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+codes = []
+for p, _ in agents:
+    try:
+        codes.append(p.wait(timeout=600))
+    except subprocess.TimeoutExpired:
+        p.kill()
+        codes.append("timeout")
+logs = ""
+for _, log in agents:
+    log.seek(0)
+    logs += log.read()
+checks.append((codes == [0, 0], f"torchrun agents exit 0 ({codes}: {logs[-600:]})"))
+if codes == [0, 0] and os.path.exists(f"{work}/dp4/metrics.jsonl"):
+    a, b = metrics(f"{work}/dp4"), metrics(f"{work}/torchrun")
+    checks.append(([numbers(r) for r in a] == [numbers(r) for r in b],
+                   "torchrun 2 nodes x 2 ranks: the metrics of dp 4 in one launch, bit for bit"))
+
+# 3. checkpoint at dp 2, resumed at dp 1, 2, 4
+run("ckpt", "--set", "run.steps=3", "--set", "parallel.dp=2", "--set", "run.checkpoint_every=2")
+step2 = f"{work}/ckpt/checkpoints/step_000002"
+shards = sorted(f for f in os.listdir(step2) if f.startswith("optimizer_shard")) if os.path.isdir(step2) else []
+checks.append((shards == ["optimizer_shard_00000_of_00002.pt", "optimizer_shard_00001_of_00002.pt"], f"dp 2 wrote one optimizer shard per rank {shards}"))
+for dp in (1, 2, 4):
+    run(f"resume_dp{dp}", "--set", "run.steps=3", "--set", f"parallel.dp={dp}", "--set", f"run.resume_from={step2}")
+if all(ok for ok, _ in checks):
+    want = numbers(metrics(f"{work}/ckpt")[2])
+    for dp in (1, 2, 4):
+        rows = metrics(f"{work}/resume_dp{dp}")
+        got = numbers(rows[-1])
+        checks.append((rows[-1]["step"] == 3, f"resumed at dp {dp}: step 3 logged"))
+        if dp == 2:
+            checks.append((got == want, f"resumed at dp 2: step 3 equals the uninterrupted run's bit for bit"))
+        else:
+            bad = [f"{k} {want[k]} vs {got.get(k)}" for k in want if k not in got or not close(want[k], got[k], 1e-4)]
+            checks.append((not bad, f"resumed at dp {dp}: step 3 equals the dp-2 run's within 1e-4 {bad[:4]}"))
+
+# 4. rank 1 killed mid-run
+kill_dir = f"{work}/kill"
+p = subprocess.Popen([kiln, "run", *quiet, "--set", "run.steps=40", "--set", "parallel.dp=2", "--set", "run.checkpoint_every=2",
+                      "--set", "algorithm.update_delay_ms=150", "--set", f"run.output_dir={kill_dir}"],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+deadline = time.monotonic() + 300
+while time.monotonic() < deadline and p.poll() is None:
+    if os.path.exists(f"{kill_dir}/metrics.jsonl") and len(open(f"{kill_dir}/metrics.jsonl").read().splitlines()) >= 5:
+        break
+    time.sleep(0.05)
+children = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+checks.append((len(children) >= 1, f"rank 0 started rank 1 as its child ({children})"))
+victim = None
+for c in children:
+    try:
+        if b"RANK=1\x00" in open(f"/proc/{c}/environ", "rb").read():
+            victim = int(c)
+    except OSError:
+        pass
+checks.append((victim is not None, "found rank 1's process"))
+if victim:
+    os.kill(victim, signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        out, err = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+    took = time.monotonic() - t0
+    checks.append((p.returncode == 1, f"rank 0 exits 1 after rank 1 is killed ({p.returncode}: {err[-500:]})"))
+    checks.append((took < 60, f"... within 60 s ({took:.1f} s)"))
+    checks.append(("trainer rank 1" in err, "... naming trainer rank 1"))
+    alive = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+    checks.append((not alive, f"no process of the job is left ({alive})"))
+    done = sorted(int(d.split("_")[1]) for d in os.listdir(f"{kill_dir}/checkpoints") if d.startswith("step_") and "." not in d)
+    checks.append((len(done) >= 1, f"checkpoints before the kill: {done}"))
+    if done:
+        r = run("kill", "--set", "run.steps=8", "--set", "parallel.dp=2", "--set", "run.checkpoint_every=2",
+                "--set", f"run.resume_from={kill_dir}/checkpoints/step_{done[-1]:06d}")
+        steps = [m["step"] for m in metrics(kill_dir)]
+        checks.append((steps == list(range(1, 9)), f"resumed: steps 1..8 logged once each ({steps})"))
+
+# 5. refusals
+def refused(args, fragment, extra_env=None):
+    e = dict(env, **(extra_env or {}))
+    p = subprocess.run([kiln, "run", *quiet, "--set", f"run.output_dir={work}/refused", *args], capture_output=True,
+                       text=True, timeout=120, env=e)
+    checks.append((p.returncode == 2 and fragment in p.stderr, f"refused ({p.returncode}) naming '{fragment}': {p.stderr[-300:]}"))
+
+refused(["--set", "parallel.dp=3"], "parallel.dp = 3, but torchrun started 2 ranks",
+        {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+refused(["--set", "parallel.dp=2", "--set", "placement.mode=multi_process", "--set", "placement.reference=process",
+         "--set", "placement.trainer=process"], "parallel.dp")
+refused(["--set", "parallel.dp=0"], "parallel.dp")
+
+failed = [w for ok, w in checks if not ok]
+for w in failed:
+    print("FAIL:", w)
+print(f"{len(checks) - len(failed)} passed, {len(failed)} failed")
+sys.exit(1 if failed else 0)
