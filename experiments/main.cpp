@@ -12,6 +12,7 @@
 #ifdef KILN_WITH_TORCH
 #include "experiments/bench_gpu.hpp"
 #include "experiments/bench_model.hpp"
+#include "experiments/bench_parallel.hpp"
 #include "experiments/bench_rollout.hpp"
 #include "actors/reference/ref_service.hpp"
 #include "actors/rollout/rollout_service.hpp"
@@ -81,6 +82,14 @@ int main(int argc, char** argv) {
   bench_gpu->add_option("--json", go.json_path, "Write every number as JSON here");
   bench_gpu->add_flag("--absorbed-decode", go.absorbed_decode, "Rollout decode in latent space (rollout.absorbed_decode)");
   bench_gpu->add_option("--config-dir", go.config_dir, "Write the benchmarked model's HF config.json here");
+  kiln::experiments::ParallelBenchOptions po;
+  auto* bench_parallel = bench_cmd->add_subcommand(
+      "parallel", "Data-parallel trainer step on CUDA GPUs (NCCL) vs one GPU; one process per GPU (torchrun)");
+  bench_parallel->add_option("--layers", po.layers, "Decoder layers at GLM-4.7-Flash dimensions (first dense)")->check(CLI::Range(int64_t(2), int64_t(47)));
+  bench_parallel->add_option("--tokens", po.tokens, "Tokens trained per GPU per step")->check(CLI::Range(int64_t(16), int64_t(1) << 20));
+  bench_parallel->add_option("--docs", po.docs, "Samples per GPU per step")->check(CLI::Range(int64_t(1), int64_t(4096)));
+  bench_parallel->add_option("--steps", po.steps, "Timed steps (median shown)")->check(CLI::Range(1, 100));
+  bench_parallel->add_option("--json", po.json_path, "Write every number as JSON here");
   auto* model_cmd = app.add_subcommand("model", "Model packages and checkpoints");
   model_cmd->require_subcommand(1);
   std::string plugin_dir, package = "glm4_moe_lite", from, to;
@@ -119,6 +128,7 @@ int main(int argc, char** argv) {
   }
   if (bench_model->parsed()) return kiln::experiments::run_model_bench(mo);
   if (bench_gpu->parsed()) return kiln::experiments::run_gpu_bench(go);
+  if (bench_parallel->parsed()) return kiln::experiments::run_parallel_bench(po);
   if (model_list->parsed()) return kiln::experiments::run_model_list(plugin_dir);
   if (model_logits->parsed()) {
     std::vector<std::vector<int64_t>> docs(1);
