@@ -131,11 +131,13 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   integer("rollout.step_delay_ms", c.rollout.engine.step_delay_ms);
   boolean("rollout.absorbed_decode", c.rollout.engine.absorbed_decode);
   real("weight_sync.bucket_mib", c.weight_sync.bucket_mib);
+  text("weight_sync.transport", c.weight_sync.transport);
   text("placement.mode", c.placement.mode);
   integer("placement.rollout_engines", c.placement.rollout_engines);
   integer("placement.engine_restarts", c.placement.engine_restarts);
   text("placement.reference", c.placement.reference);
   text("placement.trainer", c.placement.trainer);
+  text("placement.rollout_device", c.placement.rollout_device);
   integer("parallel.dp", c.parallel.dp);
   integer("parallel.master_port", c.parallel.master_port);
   integer("parallel.store_timeout_s", c.parallel.store_timeout_s);

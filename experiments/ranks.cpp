@@ -1,11 +1,8 @@
 #include "experiments/ranks.hpp"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -35,21 +32,6 @@ using controller::kTrainerRankEndpointKey;
 
 // Set in the ranks this program starts itself: the pid of rank 0, whose death stops them.
 constexpr const char* kParentVariable = "KILN_RANK_PARENT";
-
-// A TCP port on 127.0.0.1 that was free a moment ago (the store binds it right after).
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) throw std::runtime_error("cannot open a socket to find a free port");
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof a;
-  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
-                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
-  ::close(fd);
-  if (!ok) throw std::runtime_error("cannot find a free TCP port on 127.0.0.1 (set parallel.master_port)");
-  return ntohs(a.sin_port);
-}
 
 // Ranks 1..world-1 of a launch without launcher, as torchrun would start them.
 std::vector<pid_t> start_ranks(const parallel::LaunchInfo& info, const std::vector<std::string>& argv) {
@@ -209,7 +191,7 @@ int run_ranks(const controller::Config& c, const std::string& config_toml, const
   if (info.launcher == parallel::Launcher::single) {
     try {
       info = {parallel::Launcher::single, 0, dp, 0, dp, "127.0.0.1",
-              c.parallel.master_port > 0 ? int(c.parallel.master_port) : free_port(), false};
+              c.parallel.master_port > 0 ? int(c.parallel.master_port) : parallel::free_loopback_port(), false};
       started = start_ranks(info, argv);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "kiln run: %s\n", e.what());

@@ -1,5 +1,10 @@
 #include "parallel/launch.hpp"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <charconv>
 #include <cstdlib>
 #include <stdexcept>
@@ -244,6 +249,20 @@ LaunchInfo read_launch_from_environment() {
     const char* v = std::getenv(std::string(name).c_str());
     return v ? std::optional<std::string>(v) : std::nullopt;
   });
+}
+
+int free_loopback_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) throw std::runtime_error("cannot open a socket to find a free TCP port");
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  ::close(fd);
+  if (!ok) throw std::runtime_error("cannot find a free TCP port on 127.0.0.1");
+  return ntohs(a.sin_port);
 }
 
 }  // namespace kiln::parallel

@@ -56,6 +56,10 @@ LaunchInfo read_launch(const EnvLookup& env);
 /// read_launch over this process's environment (getenv).
 LaunchInfo read_launch_from_environment();
 
+/// A TCP port on 127.0.0.1 that was free a moment ago (for a store this process serves next).
+/// Throws std::runtime_error when the system hands out none.
+int free_loopback_port();
+
 /// Expands a Slurm host list: "gpu[01-03,07],cpu5" -> gpu01 gpu02 gpu03 gpu07 cpu5. Keeps the
 /// zero padding of each range; several bracket groups in one name multiply
 /// ("r[1-2]n[1-2]" -> r1n1 r1n2 r2n1 r2n2). `source` names the variable in errors. Throws

@@ -88,7 +88,8 @@ ProcessGroups::ProcessGroups(const LaunchInfo& info, torch::Device device, std::
     throw std::invalid_argument("process groups on " + device_.str() + ": only CPU (Gloo) and CUDA (NCCL) are supported");
   tcp_store_ = connect_store(info, options_.store_timeout);
   store_ = c10::make_intrusive<c10d::PrefixStore>("kiln", tcp_store_);
-  const std::string prefix = "pg/" + std::to_string(generations++) + "/" + mesh_.describe() + "/";
+  const int generation = options_.generation ? *options_.generation : generations++;
+  const std::string prefix = "pg/" + std::to_string(generation) + "/" + mesh_.describe() + "/";
 
   std::vector<int> all(info.world_size);
   for (int r = 0; r < info.world_size; ++r) all[r] = r;

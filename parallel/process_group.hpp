@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <map>
+#include <optional>
 #include <memory>
 #include <string>
 
@@ -28,6 +29,11 @@ struct GroupOptions {
   std::chrono::milliseconds store_timeout = std::chrono::minutes(5);
   /// Every collective's wait; a lost peer surfaces as a CollectiveError after at most this long.
   std::chrono::milliseconds collective_timeout = std::chrono::minutes(10);
+  /// n in the groups' store keys "kiln/pg/<n>/...". Unset: the number of ProcessGroups this
+  /// process made before (every rank must then make the same sequence of them). Set it when
+  /// the members are programs that make different numbers of groups (e.g. the trainer and
+  /// the engines of a collective weight sync), to the same value on every member.
+  std::optional<int> generation;
 };
 
 /// Connects to the job's TCPStore at info.master_addr:info.master_port. Rank 0 serves it

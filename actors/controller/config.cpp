@@ -35,13 +35,16 @@ void Config::validate() const {
   need(rollout.backend == "engine", "rollout.backend", "must be \"engine\" (the in-process engine is the only backend so far)");
   need(placement.mode == "single_process" || placement.mode == "multi_process", "placement.mode",
        "must be \"single_process\" or \"multi_process\" (rollout engine in a kiln node child process)");
-  need(model.device == "cpu" || model.device == "cuda" ||
-           (model.device.rfind("cuda:", 0) == 0 && model.device.size() > 5 &&
-            model.device.find_first_not_of("0123456789", 5) == std::string::npos),
-       "model.device", "must be \"cpu\", \"cuda\" or \"cuda:N\"");
+  auto is_device = [](const std::string& d) {
+    return d == "cpu" || d == "cuda" ||
+           (d.rfind("cuda:", 0) == 0 && d.size() > 5 && d.find_first_not_of("0123456789", 5) == std::string::npos);
+  };
+  need(is_device(model.device), "model.device", "must be \"cpu\", \"cuda\" or \"cuda:N\"");
+  need(placement.rollout_device.empty() || is_device(placement.rollout_device), "placement.rollout_device",
+       "must be \"\" (model.device), \"cpu\", \"cuda\" or \"cuda:N\"");
+  need(placement.rollout_device.empty() || placement.mode == "multi_process", "placement.rollout_device",
+       "needs placement.mode \"multi_process\" (engines in their own processes)");
   need(model.dtype == "fp32" || model.dtype == "bf16", "model.dtype", "must be \"fp32\" or \"bf16\"");
-  need(placement.mode == "single_process" || model.device == "cpu", "model.device",
-       "must be \"cpu\" with placement.mode \"multi_process\" (remote engines run on the CPU so far)");
   need(placement.reference == "controller" || placement.reference == "process", "placement.reference",
        "must be \"controller\" or \"process\"");
   need(placement.reference == "controller" || placement.mode == "multi_process", "placement.reference",
@@ -71,6 +74,19 @@ void Config::validate() const {
   need(par.collective_timeout_s >= 1 && par.collective_timeout_s <= 86400, "parallel.collective_timeout_s",
        "must be in [1, 86400]");
   need(weight_sync.bucket_mib > 0, "weight_sync.bucket_mib", "must be > 0");
+  need(weight_sync.transport == "messages" || weight_sync.transport == "collective", "weight_sync.transport",
+       "must be \"messages\" or \"collective\"");
+  if (weight_sync.transport == "collective") {
+    need(placement.mode == "multi_process" && placement.trainer == "controller", "weight_sync.transport",
+         "\"collective\" needs placement.mode \"multi_process\" and placement.trainer \"controller\" (the trainer "
+         "broadcasts to engine processes)");
+    need(a.staleness == 0, "weight_sync.transport",
+         "\"collective\" needs algorithm.staleness = 0 (it broadcasts the trainer's live weights)");
+    const auto& r = placement.rollout_device.empty() ? model.device : placement.rollout_device;
+    need((r == "cpu") == (model.device == "cpu"), "placement.rollout_device",
+         "must be a GPU when model.device is one, and \"cpu\" when it is \"cpu\", for weight_sync.transport "
+         "\"collective\" (NCCL between GPUs, Gloo between CPU processes)");
+  }
   need(task.name == "next_digit" || task.name == "arithmetic" || task.name == "countdown", "task.name",
        "must be \"next_digit\", \"arithmetic\" or \"countdown\"");
 }

@@ -55,6 +55,10 @@ struct RolloutConfig {
 
 struct WeightSyncConfig {
   double bucket_mib = 64;
+  /// "messages": buckets as ZeroMQ messages (any placement); "collective": a c10d broadcast
+  /// group of the trainer and the engine nodes (NCCL between GPUs, Gloo on CPU;
+  /// weight_sync/collective.hpp), multi_process with the trainer in the controller only.
+  std::string transport = "messages";
 };
 
 /// Where each actor runs: in the controller's process, or in `kiln node` child processes.
@@ -67,6 +71,8 @@ struct PlacementConfig {
   int64_t engine_restarts = 3;
   std::string reference = "controller";  ///< "controller" | "process": ref/0 in a kiln node
   std::string trainer = "controller";    ///< "controller" | "process": trainer/0 in a kiln node
+  /// multi_process: the engines' device ("cpu", "cuda", "cuda:N"); "": model.device
+  std::string rollout_device;
 };
 
 /// The trainer's ranks (docs/parallel.md): one process per rank (per GPU, or per CPU rank),

@@ -13,6 +13,7 @@
 #include "actors/rollout/backend.hpp"
 #include "actors/trainer/checkpoint.hpp"
 #include "actors/trainer/trainer.hpp"
+#include "actors/weight_sync/collective.hpp"
 #include "messaging/tensor.hpp"
 
 namespace kiln::controller {
@@ -47,6 +48,17 @@ class TrainerHandle {
   /// receiver before it applies them). Throws std::runtime_error naming the target that failed.
   /// Safe to call from another thread than train().
   virtual void send(const PolicyWeights& w, const std::vector<std::string>& targets) = 0;
+  /// Collective weight sync (weight_sync.transport = "collective"): the device of the policy
+  /// this process holds, which the broadcast group runs on. Throws std::logic_error for a
+  /// trainer whose policy lives in another process.
+  virtual torch::Device policy_device() const {
+    throw std::logic_error("collective weight sync needs the trainer in the controller's process");
+  }
+  /// Broadcasts the current version over `sender`'s group to its engines
+  /// (weight_sync/collective.hpp). Throws std::runtime_error naming an engine that failed.
+  virtual void send_collective(weight_sync::CollectiveSender&) {
+    throw std::logic_error("collective weight sync needs the trainer in the controller's process");
+  }
   /// Writes a checkpoint of the policy, the optimizer and `state` (step, prompt RNG; the
   /// policy version is the trainer's own) into `dir` (actors/trainer/checkpoint.hpp).
   virtual void save(const std::filesystem::path& dir, const trainer::CheckpointState& state) = 0;

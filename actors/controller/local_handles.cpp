@@ -45,6 +45,10 @@ void LocalTrainer::send(const PolicyWeights& w, const std::vector<std::string>& 
   }
 }
 
+void LocalTrainer::send_collective(weight_sync::CollectiveSender& sender) {
+  sender.send(*policy_, trainer_.version(), bucket_bytes_, policy_->weight_sync_groups(/*hf_names=*/false));
+}
+
 void LocalTrainer::save(const std::filesystem::path& dir, const trainer::CheckpointState& state) {
   auto s = state;
   s.policy_version = trainer_.version();

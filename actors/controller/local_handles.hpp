@@ -25,6 +25,8 @@ class LocalTrainer : public TrainerHandle {
   trainer::StepMetrics train(std::vector<trainer::Sample> samples) override;
   PolicyWeights weights(bool copy) override;
   void send(const PolicyWeights& w, const std::vector<std::string>& targets) override;
+  torch::Device policy_device() const override { return policy_->lm_head_weight().device(); }
+  void send_collective(weight_sync::CollectiveSender& sender) override;
   void save(const std::filesystem::path& dir, const trainer::CheckpointState& state) override;
   trainer::CheckpointState load(const std::filesystem::path& dir) override;
 

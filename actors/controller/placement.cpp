@@ -20,7 +20,7 @@ Actors place_actors(const Config& c, const NodeSite& site, parallel::ProcessGrou
     a.trainer = std::make_unique<LocalTrainer>(registry.build(c.model), c.trainer_for_run(), site.gateway,
                                                uint64_t(c.weight_sync.bucket_mib * (1 << 20)));
   if (p.mode == "multi_process")
-    a.engines = std::make_unique<RemoteEngines>(site, c);
+    a.engines = std::make_unique<RemoteEngines>(site, c, *a.trainer);
   else
     a.engines = std::make_unique<LocalEngine>(registry.build(c.model), c.rollout.engine, site.gateway);
   if (p.reference == "process")

@@ -157,19 +157,43 @@ trainer::CheckpointState RemoteTrainer::load(const std::filesystem::path& dir) {
   return state;
 }
 
-RemoteEngines::RemoteEngines(const NodeSite& site, const Config& c)
+RemoteEngines::RemoteEngines(const NodeSite& site, const Config& c, TrainerHandle& trainer)
     : site_(site),
       init_{c.model, c.rollout.engine},
       group_size_(c.algorithm.samples_per_prompt),
       max_restarts_(c.placement.engine_restarts),
       nodes_(std::size_t(c.placement.rollout_engines)),
       restarts_in_a_row_(nodes_.size(), 0) {
+  if (!c.placement.rollout_device.empty()) init_.model.device = c.placement.rollout_device;
+  trainer_ = &trainer;
+  if (c.weight_sync.transport == "collective")
+    collective_ = std::make_unique<weight_sync::CollectiveSender>(site.gateway, trainer.policy_device(),
+                                                                  std::chrono::seconds(c.parallel.store_timeout_s));
   for (std::size_t i = 0; i < nodes_.size(); ++i) try {
       start_node(i);
     } catch (const std::exception& e) {  // a node that answered with an error is not lost: no restart
       if (max_restarts_ == 0 || (nodes_[i] && nodes_[i]->alive())) throw;
       restart(i, e.what());
     }
+  if (collective_) {
+    collective_->connect(actors());
+    regroup_ = false;
+  }
+}
+
+std::vector<std::string> RemoteEngines::actors() const {
+  std::vector<std::string> out;
+  for (const auto& n : nodes_) out.push_back(n->actor());
+  return out;
+}
+
+void RemoteEngines::push(const PolicyWeights& w, const std::vector<std::string>& targets) {
+  if (!collective_) return trainer_->send(w, targets);
+  if (regroup_ || collective_->engines().empty()) {  // a replaced engine, or a failed broadcast: a new group
+    collective_->connect(actors());
+    regroup_ = false;
+  }
+  trainer_->send_collective(*collective_);
 }
 
 void RemoteEngines::start_node(std::size_t i) {
@@ -204,7 +228,8 @@ void RemoteEngines::restart(std::size_t i, const std::string& what) {
     std::this_thread::sleep_for(std::chrono::duration<double>(backoff_s));
     try {
       start_node(i);
-      if (loaded_) trainer_->send(*loaded_, {actor});  // the engines' current version
+      regroup_ = true;
+      if (loaded_) push(*loaded_, {actor});  // the engines' current version
       return;
     } catch (const PolicyLost&) {
       throw;
@@ -278,17 +303,17 @@ std::vector<rollout::Completion> RemoteEngines::generate(std::vector<rollout::Ge
 void RemoteEngines::load(const PolicyWeights& w, TrainerHandle& trainer) {
   loaded_ = w;  // shares the tensors' bytes (no copy)
   trainer_ = &trainer;
-  std::vector<std::string> targets;
-  for (const auto& n : nodes_) targets.push_back(n->actor());
+  const auto targets = actors();
   auto named = [](const std::string& what) {  // names the engine; say that it is a rollout node
     return std::runtime_error(what.rfind("rollout node", 0) == 0 ? what : "rollout node " + what);
   };
   try {
-    trainer.send(w, targets);
+    push(w, targets);
     return;
   } catch (const PolicyLost&) {
     throw;
   } catch (const std::exception& e) {
+    if (collective_) regroup_ = true;  // the group is broken by a failed broadcast
     if (max_restarts_ == 0) throw named(e.what());
     // Engines whose process is gone are restarted (each gets `w` then); the others get `w`
     // again (the send may have stopped at the lost one; a version sent twice is applied twice).
@@ -304,7 +329,7 @@ void RemoteEngines::load(const PolicyWeights& w, TrainerHandle& trainer) {
     }
     if (!restarted) throw named(e.what());
     try {
-      if (!living.empty()) trainer.send(w, living);
+      if (!living.empty() && !collective_) push(w, living);  // collective: restart() sent it to all
     } catch (const PolicyLost&) {
       throw;
     } catch (const std::exception& again) {

@@ -80,9 +80,13 @@ class RemoteTrainer : public TrainerHandle {
 /// trainer, and generates the lost node's share again: the same requests with the same seeds,
 /// so with staleness 0 its completions equal the ones that were lost. Nothing of the lost
 /// share was returned, so no sample is lost or delivered twice.
+/// With weight_sync.transport = "collective" the weights go over a c10d broadcast group (NCCL
+/// between GPUs, Gloo on CPU: weight_sync/collective.hpp) of the trainer and every engine,
+/// formed once the engines are up and formed again after an engine restart.
 class RemoteEngines : public RolloutEngines {
  public:
-  RemoteEngines(const NodeSite& site, const Config& config);
+  /// `trainer`: for collective weight sync, the device of its policy.
+  RemoteEngines(const NodeSite& site, const Config& config, TrainerHandle& trainer);
   std::vector<rollout::Completion> generate(std::vector<rollout::GenerationRequest> requests,
                                             const std::function<void()>& between_steps) override;
   void load(const PolicyWeights& w, TrainerHandle& trainer) override;
@@ -94,7 +98,13 @@ class RemoteEngines : public RolloutEngines {
   /// Throws std::runtime_error naming the engine when the restarts in a row are used up, or
   /// PolicyLost when the trainer is lost meanwhile.
   void restart(std::size_t i, const std::string& what);
+  /// `w` into the engines `targets` (collective: into every engine, forming the group first
+  /// when an engine was replaced).
+  void push(const PolicyWeights& w, const std::vector<std::string>& targets);
+  std::vector<std::string> actors() const;
   NodeSite site_;
+  std::unique_ptr<weight_sync::CollectiveSender> collective_;
+  bool regroup_ = false;  ///< an engine was replaced since the group formed
   messaging::RolloutInit init_;
   int64_t group_size_;
   int64_t max_restarts_;

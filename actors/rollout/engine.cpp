@@ -178,6 +178,11 @@ void Engine::update_weights(const std::vector<messaging::Tensor>& hf_tensors, in
   version_ = version;
 }
 
+void Engine::weights_written(int64_t version) {
+  if (!paused_) throw std::logic_error("engine: weights_written() between decode steps only: pause() first");
+  version_ = version;
+}
+
 std::vector<Completion> generate_without_cache(model::CausalLM& model, const std::vector<GenerationRequest>& requests,
                                                int64_t version) {
   torch::NoGradGuard no_grad;

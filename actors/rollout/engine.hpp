@@ -32,6 +32,10 @@ class Engine : public RolloutBackend {
   bool paused() const override { return paused_; }
   void update_weights(const std::vector<messaging::Tensor>& hf_tensors, int64_t version) override;
   int64_t policy_version() const override { return version_; }
+  /// The model's weights were written in place (collective weight sync,
+  /// weight_sync/collective.hpp): the engine now holds `version`. Between decode steps only:
+  /// throws std::logic_error unless paused.
+  void weights_written(int64_t version);
 
   int64_t free_blocks() const { return int64_t(free_.size()); }
   std::size_t waiting() const { return waiting_.size(); }

@@ -1,6 +1,7 @@
 #include "actors/rollout/rollout_service.hpp"
 
 #include "actors/rollout/engine.hpp"
+#include "actors/weight_sync/collective.hpp"
 #include "actors/weight_sync/service.hpp"
 #include "messaging/hosting.hpp"
 #include "actors/rollout/messages.hpp"
@@ -16,6 +17,7 @@ struct RolloutService::State {
   std::shared_ptr<model::CausalLM> model;
   std::unique_ptr<Engine> engine;
   std::unique_ptr<weight_sync::ReceiverService> weights;
+  weight_sync::CollectiveReceiver collective;  ///< weight_sync.join_group / weight_sync.collective
 };
 
 RolloutService::RolloutService() : s_(std::make_unique<State>()) {
@@ -39,8 +41,21 @@ Expected<Envelope> RolloutService::handle(const Envelope& request) {
     }
     if (request.type == WeightSyncBucket::kType || request.type == WeightSyncCommit::kType)
       return s_->weights->handle(request);
+    if (request.type == WeightSyncJoinGroup::kType || request.type == WeightSyncCollective::kType) {
+      if (!s_->engine) return make_error(ErrorCode::remote_error, request.type + " before rollout.init");
+      if (request.type == WeightSyncJoinGroup::kType)
+        return s_->collective.join(request, s_->model->lm_head_weight().device());
+      s_->engine->pause();  // requests are handled one at a time: we are between generations
+      auto r = s_->collective.receive(request, *s_->model);
+      if (r) s_->engine->weights_written(payload_as<WeightSyncAck>(*r)->version);
+      s_->engine->resume();
+      return r;
+    }
     if (request.type == RolloutGenerate::kType) {
       if (!s_->engine) return make_error(ErrorCode::remote_error, "rollout.generate before rollout.init");
+      if (s_->collective.torn())
+        return make_error(ErrorCode::remote_error, "rollout.generate: the engine's weights mix two versions (a "
+                                                   "collective weight sync failed part-way); load a version first");
       auto g = payload_as<RolloutGenerate>(request);
       if (!g) return g.error();
       for (const auto& r : g->requests) {

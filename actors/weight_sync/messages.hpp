@@ -38,7 +38,37 @@ struct WeightSyncAck {
   MSGPACK_DEFINE_MAP(version, tensors);
 };
 
+/// Collective weight sync (SGLang's init_weights_update_group): join the broadcast group whose
+/// c10d TCPStore is served by the trainer at host:port, as `rank` of `world` (rank 0: the
+/// trainer; NCCL when the engine is on CUDA, Gloo on CPU); `generation` names the group (a
+/// new one after an engine restart). Leaves a previous group. Answered with WeightSyncAck
+/// (version -1) once the group is formed.
+struct WeightSyncJoinGroup {
+  static constexpr std::string_view kType = "weight_sync.join_group";
+  static constexpr uint32_t kVersion = 1;
+  std::string host;
+  int64_t port = 0, rank = 0, world = 0, generation = 0;
+  int64_t timeout_ms = 300000;  ///< forming the group and every broadcast
+  MSGPACK_DEFINE_MAP(host, port, rank, world, generation, timeout_ms);
+};
+/// Collective weight sync (SGLang's update_weights_from_distributed): version `version` arrives
+/// from rank 0 of the joined group as one broadcast per bucket (a flat byte buffer of
+/// bucket_bytes[b] holding the tensors buckets[b], kiln names, in order, each nbytes[i] bytes
+/// in the engine model's own layout and dtype), each followed by a broadcast of the bucket's
+/// checksums (int64, kernels/checksum.hpp). The engine checks each bucket before writing it
+/// into its weights in place. Answered with WeightSyncAck once every bucket is in; an error
+/// names the tensors that were missing, of another size or whose checksum differed.
+struct WeightSyncCollective {
+  static constexpr std::string_view kType = "weight_sync.collective";
+  static constexpr uint32_t kVersion = 1;
+  int64_t version = 0;
+  std::vector<std::vector<std::string>> buckets;
+  std::vector<int64_t> bucket_bytes;
+  std::vector<int64_t> nbytes;  ///< per tensor, in bucket order
+  MSGPACK_DEFINE_MAP(version, buckets, bucket_bytes, nbytes);
+};
+
 /// Every type above is spoken by a program that includes this header.
-inline const bool kWeightSyncMessages = declare_message_types<WeightSyncBucket, WeightSyncCommit, WeightSyncAck>();
+inline const bool kWeightSyncMessages = declare_message_types<WeightSyncBucket, WeightSyncCommit, WeightSyncAck, WeightSyncJoinGroup, WeightSyncCollective>();
 
 }  // namespace kiln::messaging
