@@ -115,8 +115,8 @@ Records read_records(const fs::path& file) {
       r.intact = false;
       break;
     }
-    const uint64_t n = get_le(&bytes[at], 8);
-    if (bytes.size() - at - 12 < n + 4 ||
+    const uint64_t n = get_le(&bytes[at], 8), left = bytes.size() - at - 12;
+    if (n > left || left - n < 4 ||  // (n + 4 could wrap)
         uint32_t(get_le(&bytes[at + 12 + n], 4)) != masked_crc32c({&bytes[at + 12], std::size_t(n)})) {
       r.intact = false;
       break;
