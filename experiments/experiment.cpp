@@ -95,6 +95,11 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   integer("task.min_digits", c.task.min_digits);
   integer("task.max_digits", c.task.max_digits);
   text("task.operators", c.task.operators);
+  text("task.path", c.task.path);
+  text("task.prompt_field", c.task.prompt_field);
+  text("task.answer_field", c.task.answer_field);
+  text("task.tokenizer", c.task.tokenizer);
+  text("task.chat_template", c.task.chat_template);
   auto& a = c.algorithm;
   integer("algorithm.prompts_per_step", a.prompts_per_step);
   integer("algorithm.samples_per_prompt", a.samples_per_prompt);

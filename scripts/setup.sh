@@ -3,8 +3,9 @@
 # else on success but the LibTorch CMake prefix path (last line of stdout).
 #  - Debian packages (apt-get, needs root or sudo)
 #  - a Python virtual environment with torch==2.11.0 (+ pyzmq, msgpack, numpy for the
-#    interop tests) in ${KILN_CACHE:-~/.cache/kiln}/venv, outside the checkout, so that
-#    every clone on this machine reuses it.
+#    interop tests, tensorboard to read the runs' event files in a test) in
+#    ${KILN_CACHE:-~/.cache/kiln}/venv, outside the checkout, so that every clone on this
+#    machine reuses it.
 set -euo pipefail
 
 KILN_CACHE="${KILN_CACHE:-$HOME/.cache/kiln}"
@@ -40,5 +41,6 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.s
 fi
 "$VENV/bin/python" -c "import zmq, msgpack, numpy" 2>/dev/null || \
   "$VENV/bin/pip" install -q pyzmq msgpack numpy >&2
+"$VENV/bin/python" -c "import tensorboard" 2>/dev/null || "$VENV/bin/pip" install -q tensorboard >&2
 
 "$VENV/bin/python" -c "import torch.utils; print(torch.utils.cmake_prefix_path)"

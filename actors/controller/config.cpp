@@ -87,8 +87,17 @@ void Config::validate() const {
          "must be a GPU when model.device is one, and \"cpu\" when it is \"cpu\", for weight_sync.transport "
          "\"collective\" (NCCL between GPUs, Gloo between CPU processes)");
   }
-  need(task.name == "next_digit" || task.name == "arithmetic" || task.name == "countdown", "task.name",
-       "must be \"next_digit\", \"arithmetic\" or \"countdown\"");
+  need(task.name == "next_digit" || task.name == "arithmetic" || task.name == "countdown" || task.name == "jsonl",
+       "task.name", "must be \"next_digit\", \"arithmetic\", \"countdown\" or \"jsonl\"");
+  need(task.name != "jsonl" || !task.path.empty(), "task.path", "must name a JSONL file with task.name \"jsonl\"");
+  need(task.name == "jsonl" || task.path.empty(), "task.path",
+       "is read by task.name \"jsonl\" only (task.name is \"" + task.name + "\")");
+  need(!task.prompt_field.empty(), "task.prompt_field", "must not be empty");
+  need(!task.answer_field.empty(), "task.answer_field", "must not be empty");
+  need(task.chat_template == "glm47" || task.chat_template == "glm4" || task.chat_template == "none",
+       "task.chat_template", "must be \"glm47\", \"glm4\" or \"none\" (got \"" + task.chat_template + "\")");
+  need(task.chat_template == "none" || !task.tokenizer.empty(), "task.chat_template",
+       "\"" + task.chat_template + "\" needs task.tokenizer (a tokenizer.json with the chat markers as tokens)");
 }
 
 trainer::TrainerConfig Config::trainer_for_run() const {

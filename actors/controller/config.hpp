@@ -26,9 +26,18 @@ struct RunConfig {
 };
 
 struct TaskConfig {
-  std::string name = "next_digit";             ///< "next_digit" | "arithmetic" | "countdown"
+  std::string name = "next_digit";             ///< "next_digit" | "arithmetic" | "countdown" | "jsonl"
   int64_t min_digits = 1, max_digits = 1;      ///< arithmetic
   std::string operators = "+";                 ///< arithmetic
+  std::string path;                            ///< jsonl: the dataset, one JSON object per line
+  std::string prompt_field = "question";       ///< jsonl: the prompt's field (a string)
+  std::string answer_field = "answer";         ///< jsonl: the answer's field (GSM8K: "... #### 72")
+  /// A model's tokenizer.json; empty: the character tokenizer (its alphabet grown by the
+  /// characters of a jsonl dataset's prompts).
+  std::string tokenizer;
+  /// How prompts are formatted: "glm47" | "glm4" (a user turn and the generation prompt; needs
+  /// `tokenizer`) | "none" (the text as it is).
+  std::string chat_template = "none";
 };
 
 /// The controller's part of the algorithm: prompts, sampling, GRPO groups, staleness.

@@ -159,8 +159,12 @@ int start(Session& s, const Config& c, const std::string& config_toml, const std
     s.lock = std::make_unique<RunLock>(dir, c.run.resume_from, c.run.overwrite);
     s.actors = place_actors(c, {s.gateway, tag, dir}, ranks);
     if (s.prompts.vocab_size() > s.actors.trainer->vocab_size())
-      throw std::invalid_argument("model vocabulary " + std::to_string(s.actors.trainer->vocab_size()) +
-                                  " is smaller than the task tokenizer's " + std::to_string(s.prompts.vocab_size()));
+      throw std::invalid_argument("the vocabulary of " + s.prompts.tokenizer_source() + " (" +
+                                  std::to_string(s.prompts.vocab_size()) + " ids) does not fit the model's (" +
+                                  std::to_string(s.actors.trainer->vocab_size()) + " ids, " +
+                                  (c.model.checkpoint.empty() ? "model.flavor '" + c.model.flavor + "'"
+                                                              : "model.checkpoint '" + c.model.checkpoint + "'") +
+                                  ")");
   } catch (const c10::Error& e) {  // LibTorch's (an allocation that failed): without its backtrace
     std::fprintf(stderr, "kiln run: %s\n", e.what_without_backtrace());
     return 2;

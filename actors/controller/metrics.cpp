@@ -1,5 +1,6 @@
 #include "actors/controller/metrics.hpp"
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <nlohmann/json.hpp>
@@ -30,7 +31,8 @@ void summarize(StepRow& row, const std::vector<float>& rewards, const std::vecto
                                  .item<double>();
 }
 
-MetricsLog::MetricsLog(const std::filesystem::path& dir, int64_t first_step) : dir_(dir) {
+MetricsLog::MetricsLog(const std::filesystem::path& dir, int64_t first_step)
+    : dir_(dir), events_(dir / "tensorboard", first_step) {
   if (first_step > 1) {
     const int64_t dropped = drop_rows_from(dir, first_step);
     if (dropped > 0)
@@ -73,6 +75,7 @@ void MetricsLog::write(const StepRow& row) {
   j["policy_version"] = row.policy_version;
   j["elapsed_s"] = row.elapsed_s;
   jsonl_ << j.dump() << "\n" << std::flush;
+  events_.write(j, std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
   tsv_ << row.step << "\t" << row.reward_mean << "\t" << row.kl << "\n" << std::flush;
 }
 

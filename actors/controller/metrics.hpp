@@ -1,6 +1,7 @@
 #pragma once
 // Per-step metrics of a run: one JSON object per line in RUN/metrics.jsonl (every key below),
-// step / reward mean / KL in RUN/metrics.tsv for the plot (RUN/reward_kl.png, gnuplot), and a
+// the same numbers as TensorBoard scalars in RUN/tensorboard/ (tensorboard.hpp), step /
+// reward mean / KL in RUN/metrics.tsv for the plot (RUN/reward_kl.png, gnuplot), and a
 // progress line on stderr. Names follow the field (verl, slime): rollout_time,
 // ref_logprob_time, log_probs_time, actor_train_time, update_weights_time (seconds).
 #include <cstdint>
@@ -10,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "actors/controller/tensorboard.hpp"
 #include "actors/rollout/backend.hpp"
 #include "actors/trainer/trainer_config.hpp"
 
@@ -36,8 +38,11 @@ void summarize(StepRow& row, const std::vector<float>& rewards, const std::vecto
 class MetricsLog {
  public:
   /// Opens RUN/metrics.{jsonl,tsv}: appended to when `first_step` > 1 (a resume), after
-  /// dropping rows of steps >= first_step (steps a resume trains again); else truncated.
+  /// dropping rows of steps >= first_step (steps a resume trains again); else truncated. Starts
+  /// a new TensorBoard event file in RUN/tensorboard (the events of steps >= first_step
+  /// dropped from the earlier ones: tensorboard::EventWriter).
   MetricsLog(const std::filesystem::path& dir, int64_t first_step);
+  /// One row in metrics.jsonl and metrics.tsv, and its numbers as one TensorBoard event.
   void write(const StepRow& row);
   /// "step 3/100  reward 0.125 ±0.331  kl ..." on stderr.
   static void print_progress(const StepRow& row, int64_t steps, int64_t prompts_per_step);
@@ -51,6 +56,7 @@ class MetricsLog {
  private:
   std::filesystem::path dir_;
   std::ofstream jsonl_, tsv_;
+  tensorboard::EventWriter events_;
 };
 
 }  // namespace kiln::controller

@@ -1,28 +1,92 @@
 #include "actors/controller/prompts.hpp"
 
+#include <algorithm>
+#include <cstdio>
 #include <sstream>
 #include <stdexcept>
+
+#include "actors/rollout/dataset.hpp"
+#include "actors/rollout/hf_tokenizer.hpp"
 
 namespace kiln::controller {
 
 namespace {
-std::unique_ptr<rollout::Task> build_task(const TaskConfig& t) {
+std::unique_ptr<rollout::Task> build_task(const TaskConfig& t, std::vector<rollout::TextRecord> records) {
   if (t.name == "arithmetic")
     return std::make_unique<rollout::ArithmeticTask>(
         rollout::ArithmeticOptions{int(t.min_digits), int(t.max_digits), t.operators});
+  if (t.name == "jsonl") return std::make_unique<rollout::JsonlTask>(std::move(records));
   return rollout::make_task(t.name);
+}
+
+// The character tokenizer's default alphabet, then every other character of the prompts in
+// byte order: the ids depend on the dataset's characters only, not on its order. A byte
+// outside printable ASCII (but tab and newline) is refused: that needs a real tokenizer.
+std::string char_alphabet(const std::vector<rollout::TextRecord>& records, const std::string& path) {
+  std::string alphabet = rollout::CharTokenizer::kDefaultAlphabet;
+  bool seen[256] = {};
+  for (const auto& r : records)
+    for (char ch : r.prompt) {
+      const auto c = static_cast<unsigned char>(ch);
+      if ((c < 0x20 && c != '\t' && c != '\n') || c >= 0x7f) {
+        char code[8];
+        std::snprintf(code, sizeof code, "0x%02X", c);
+        throw std::invalid_argument("task.path: dataset '" + path + "' line " + std::to_string(r.line) + ": byte " +
+                                    code + " is not printable ASCII, which the character tokenizer cannot encode; set "
+                                    "task.tokenizer to the model's tokenizer.json");
+      }
+      seen[c] = true;
+    }
+  for (int c = 0; c < 256; ++c)
+    if (seen[c] && alphabet.find(char(c)) == std::string::npos) alphabet += char(c);
+  return alphabet;
+}
+
+std::unique_ptr<rollout::Tokenizer> build_tokenizer(const TaskConfig& t, const std::vector<rollout::TextRecord>& records) {
+  if (t.tokenizer.empty()) return std::make_unique<rollout::CharTokenizer>(char_alphabet(records, t.path));
+  const auto where = "task.tokenizer '" + t.tokenizer + "': ";
+  try {
+    return std::make_unique<rollout::HfTokenizer>(rollout::BpeTokenizer::from_file(t.tokenizer),
+                                                  rollout::chat_format_from_string(t.chat_template));
+  } catch (const std::exception& e) {
+    throw std::invalid_argument(where + e.what());
+  }
+}
+
+std::vector<rollout::TextRecord> load_records(const TaskConfig& t) {
+  if (t.name != "jsonl") return {};
+  try {
+    return rollout::load_jsonl_text(t.path, t.prompt_field, t.answer_field);
+  } catch (const std::exception& e) {
+    throw std::invalid_argument("task.path: " + std::string(e.what()));
+  }
 }
 }  // namespace
 
-Prompts::Prompts(const Config& config) : c_(config), task_(build_task(config.task)), rng_(uint64_t(config.run.seed)) {}
+Prompts::Prompts(const Config& config) : c_(config), rng_(uint64_t(config.run.seed)) {
+  auto records = load_records(c_.task);
+  tokenizer_ = build_tokenizer(c_.task, records);
+  for (const auto& r : records) {  // every prompt encodes (a bad one is named now, not at its step)
+    try {
+      tokenizer_->encode_prompt(r.prompt);
+    } catch (const std::exception& e) {
+      throw std::invalid_argument("task.path: dataset '" + c_.task.path + "' line " + std::to_string(r.line) + ": " +
+                                  tokenizer_source() + " cannot encode the prompt: " + e.what());
+    }
+  }
+  task_ = build_task(c_.task, std::move(records));
+}
+
+std::string Prompts::tokenizer_source() const {
+  return c_.task.tokenizer.empty() ? "the character tokenizer" : "task.tokenizer '" + c_.task.tokenizer + "'";
+}
 
 Prompts::Draw Prompts::draw(int64_t step) {
   const auto& a = c_.algorithm;
   Draw d;
   for (int64_t p = 0; p < a.prompts_per_step; ++p) {
     d.problems.push_back(task_->sample(rng_));
-    auto prompt = tokenizer_.encode(d.problems.back().prompt);
-    prompt.insert(prompt.begin(), tokenizer_.bos_id());
+    const auto prompt = tokenizer_->encode_prompt(d.problems.back().prompt);
     for (int64_t j = 0; j < a.samples_per_prompt; ++j) {
       rollout::GenerationRequest r;
       r.id = uint64_t(p * a.samples_per_prompt + j);
@@ -31,7 +95,7 @@ Prompts::Draw Prompts::draw(int64_t step) {
       r.sampling.top_p = a.top_p;
       r.sampling.top_k = a.top_k;
       r.sampling.max_new_tokens = a.max_new_tokens;
-      r.sampling.stop_token_ids = tokenizer_.eos_ids();
+      r.sampling.stop_token_ids = tokenizer_->eos_ids();
       r.sampling.seed = uint64_t(c_.run.seed) * 1000003u + uint64_t(step) * 7919u + r.id;
       d.requests.push_back(std::move(r));
     }
@@ -47,7 +111,7 @@ std::vector<float> Prompts::rewards(const std::vector<rollout::Problem>& problem
     std::vector<int64_t> text_ids = comp.tokens;
     if (comp.finish_reason == rollout::FinishReason::stop) text_ids.pop_back();  // the stop token is no text
     const auto& problem = problems.at(comp.id / uint64_t(c_.algorithm.samples_per_prompt));
-    out.push_back(float(task_->reward(problem, tokenizer_.decode(text_ids))));
+    out.push_back(float(task_->reward(problem, tokenizer_->decode(text_ids))));
   }
   return out;
 }

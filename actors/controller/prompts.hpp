@@ -2,6 +2,8 @@
 // The run's task: prompts drawn from it for each step (as generation requests, n per prompt,
 // each with its own sampling seed) and the verifier's rewards for the completions. The
 // prompt RNG's state is part of a checkpoint, so that a resumed run draws the same prompts.
+// The task's tokenizer (task.tokenizer: a tokenizer.json with task.chat_template, else the
+// character tokenizer) turns prompt text into ids and completions back into text.
 #include <memory>
 #include <random>
 #include <string>
@@ -16,7 +18,10 @@ namespace kiln::controller {
 
 class Prompts {
  public:
-  /// Throws std::invalid_argument for an unknown task.
+  /// Builds the task and its tokenizer. Throws std::invalid_argument for an unknown task, and,
+  /// naming the key (task.path, task.tokenizer) and the file (and line), for a dataset or a
+  /// tokenizer.json that cannot be read or used, or a dataset prompt the tokenizer cannot
+  /// encode.
   Prompts(const Config& config);
   struct Draw {
     std::vector<rollout::Problem> problems;             ///< [prompts_per_step]
@@ -32,12 +37,14 @@ class Prompts {
   /// std::invalid_argument for text that is not such a state.
   std::string state() const;
   void restore(const std::string& state);
-  int64_t vocab_size() const { return tokenizer_.vocab_size(); }
+  int64_t vocab_size() const { return tokenizer_->vocab_size(); }
+  /// "task.tokenizer 'PATH'" or "the character tokenizer" (for messages).
+  std::string tokenizer_source() const;
 
  private:
   const Config& c_;
   std::unique_ptr<rollout::Task> task_;
-  rollout::CharTokenizer tokenizer_;
+  std::unique_ptr<rollout::Tokenizer> tokenizer_;
   std::mt19937_64 rng_;
 };
 

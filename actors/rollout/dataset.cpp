@@ -3,6 +3,8 @@
 #include <fstream>
 #include <stdexcept>
 
+#include "actors/rollout/math_verifier.hpp"
+
 namespace kiln::rollout {
 
 std::vector<PromptRecord> load_jsonl_prompts(const std::string& path, int64_t vocab_size) {
@@ -40,6 +42,39 @@ std::vector<PromptRecord> load_jsonl_prompts(const std::string& path, int64_t vo
     r.extra = std::move(j);
     out.push_back(std::move(r));
   }
+  return out;
+}
+
+std::vector<TextRecord> load_jsonl_text(const std::string& path, const std::string& prompt_field,
+                                        const std::string& answer_field) {
+  std::ifstream in(path);
+  if (!in) throw std::invalid_argument("dataset '" + path + "': cannot open");
+  std::vector<TextRecord> out;
+  std::string line;
+  for (int64_t n = 1; std::getline(in, line); ++n) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const auto where = "dataset '" + path + "' line " + std::to_string(n) + ": ";
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const std::exception& e) {
+      throw std::invalid_argument(where + "invalid JSON: " + e.what());
+    }
+    if (!j.is_object()) throw std::invalid_argument(where + "expected a JSON object, got " + std::string(j.type_name()));
+    for (const auto* field : {&prompt_field, &answer_field}) {
+      if (!j.contains(*field)) throw std::invalid_argument(where + "field '" + *field + "' is missing");
+      if (!j[*field].is_string())
+        throw std::invalid_argument(where + "field '" + *field + "' must be a string, got " +
+                                    std::string(j[*field].type_name()));
+    }
+    TextRecord r{j[prompt_field].get<std::string>(), j[answer_field].get<std::string>(), n};
+    if (r.prompt.find_first_not_of(" \t\r\n") == std::string::npos)
+      throw std::invalid_argument(where + "field '" + prompt_field + "' is empty");
+    if (reference_answer(r.answer).empty())
+      throw std::invalid_argument(where + "field '" + answer_field + "' holds no final answer (empty, or nothing after its last '####')");
+    out.push_back(std::move(r));
+  }
+  if (out.empty()) throw std::invalid_argument("dataset '" + path + "': holds no records (an empty file)");
   return out;
 }
 

@@ -5,6 +5,8 @@
 #include <numeric>
 #include <stdexcept>
 
+#include "actors/rollout/math_verifier.hpp"
+
 namespace kiln::rollout {
 
 namespace {
@@ -230,6 +232,20 @@ Problem NextDigitTask::sample(std::mt19937_64& rng) const {
 
 double NextDigitTask::reward(const Problem& problem, std::string_view completion) const {
   return trim(completion) == problem.answer ? 1.0 : 0.0;
+}
+
+JsonlTask::JsonlTask(std::vector<TextRecord> records) : records_(std::move(records)) {
+  if (records_.empty()) throw std::invalid_argument("jsonl task: the dataset holds no records");
+  for (const auto& r : records_) references_.push_back(reference_answer(r.answer));
+}
+
+Problem JsonlTask::sample(std::mt19937_64& rng) const {
+  const std::size_t i = std::size_t(rng() % uint64_t(records_.size()));
+  return Problem{records_[i].prompt, references_[i], {}, 0};
+}
+
+double JsonlTask::reward(const Problem& problem, std::string_view completion) const {
+  return math_reward(completion, problem.answer);
 }
 
 std::unique_ptr<Task> make_task(const std::string& name) {

@@ -8,6 +8,8 @@
 #include <string_view>
 #include <vector>
 
+#include "actors/rollout/dataset.hpp"
+
 namespace kiln::rollout {
 
 struct Problem {
@@ -74,6 +76,24 @@ class NextDigitTask : public Task {
   double reward(const Problem& problem, std::string_view completion) const override;
 };
 
+/// Word problems from a text dataset (dataset.hpp's load_jsonl_text): a sample is a record
+/// drawn uniformly with the run's prompt RNG; its answer the record's reference answer
+/// (math_verifier.hpp). Reward 1 when the completion's final answer (the last \boxed{...}, else
+/// the last number) matches it, else 0.
+class JsonlTask : public Task {
+ public:
+  /// Throws std::invalid_argument for no records.
+  explicit JsonlTask(std::vector<TextRecord> records);
+  std::string name() const override { return "jsonl"; }
+  Problem sample(std::mt19937_64& rng) const override;
+  double reward(const Problem& problem, std::string_view completion) const override;
+  std::size_t size() const { return records_.size(); }
+
+ private:
+  std::vector<TextRecord> records_;
+  std::vector<std::string> references_;  ///< reference_answer of each record's answer
+};
+
 /// Result of checking a countdown expression (exposed for tests).
 struct ExpressionCheck {
   bool well_formed = false;   ///< parsed, numbers allowed, no division by zero, no overflow
@@ -82,8 +102,8 @@ struct ExpressionCheck {
 };
 ExpressionCheck check_countdown_expression(std::string_view text, const std::vector<int64_t>& numbers);
 
-/// Builds a task by name ("next_digit", "arithmetic", "countdown"); throws std::invalid_argument listing
-/// the names.
+/// Builds a built-in task by name ("next_digit", "arithmetic", "countdown"); throws
+/// std::invalid_argument listing the names (a "jsonl" task needs its dataset: JsonlTask).
 std::unique_ptr<Task> make_task(const std::string& name);
 
 }  // namespace kiln::rollout

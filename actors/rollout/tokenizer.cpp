@@ -27,6 +27,12 @@ std::vector<int64_t> CharTokenizer::encode(std::string_view text) const {
   return ids;
 }
 
+std::vector<int64_t> CharTokenizer::encode_prompt(std::string_view text) const {
+  auto ids = encode(text);
+  ids.insert(ids.begin(), bos_id());
+  return ids;
+}
+
 std::string CharTokenizer::decode(std::span<const int64_t> ids) const {
   std::string out;
   for (auto id : ids) {
