@@ -4,6 +4,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "actors/trainer/fused_adamw.hpp"
+
 namespace kiln::trainer {
 
 FlatAdamWState read_flat_state(torch::optim::AdamW& adamw, const std::vector<FlatPiece>& pieces, int64_t begin,
@@ -139,12 +141,13 @@ double ShardedAdamW::clip_gradients(double max_norm) {
 
 void ShardedAdamW::step(double lr) {
   for (auto& g : adamw_->param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
-  adamw_->step();
+  fused_adamw_step(*adamw_);
   auto full = torch::empty({group_.size() * shard_}, master_shard_.options());  // [W*S]
   group_.all_gather_into_tensor(full, master_shard_);
-  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> from;
   for (std::size_t i = 0; i < params_.size(); ++i)
-    params_[i].copy_(full.narrow(0, offsets_[i], params_[i].numel()).view_as(params_[i]));  // rounds to bf16
+    from.push_back(full.narrow(0, offsets_[i], params_[i].numel()).view_as(params_[i]));
+  copy_tensors(params_, from);  // rounds to bf16, one launch
 }
 
 std::vector<FlatPiece> ShardedAdamW::pieces() const {

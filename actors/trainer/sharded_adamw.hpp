@@ -9,9 +9,10 @@
 // W data-parallel ranks, S = ceil(N / W) elements per shard; rank r owns flat elements
 // [r*S, min((r+1)*S, N)) (the last shard's tail past N is padding, always 0).
 //
-// Numerics: the update is LibTorch's AdamW, run on one tensor per (parameter, shard) piece,
-// so each element sees exactly the one-rank AdamW arithmetic (elementwise, per-parameter step
-// counts; a parameter with no gradient on any rank is skipped as torch skips it). Gradient
+// Numerics: the update is LibTorch's fused AdamW kernel (at::_fused_adamw_, fused_adamw.hpp)
+// over torch::optim::AdamW's state, one tensor per (parameter, shard) piece, so each element
+// sees exactly the one-rank AdamW arithmetic (elementwise, per-parameter step counts; a
+// parameter with no gradient on any rank is skipped as torch skips it). Gradient
 // clipping follows torch::nn::utils::clip_grad_norm_ (coefficient max_norm / (norm + 1e-6),
 // at most 1) with the norm from the shards' squared sums, all-reduced.
 #include <torch/torch.h>
@@ -68,8 +69,9 @@ class ShardedAdamW {
   /// Collective. The L2 norm of the whole (summed) gradient; the shard is scaled by
   /// min(1, max_norm / (norm + 1e-6)). Returns the norm (NaN or inf when a gradient is).
   double clip_gradients(double max_norm);
-  /// Collective. One AdamW step at `lr` on this rank's masters, then every parameter is
-  /// all-gathered from the shards (rounded to the parameter's dtype).
+  /// Collective. One AdamW step at `lr` on this rank's masters (fused_adamw_step), then every
+  /// parameter is all-gathered from the shards (rounded to the parameter's dtype, one
+  /// at::_foreach_copy_).
   void step(double lr);
   /// Drops the shard's gradient (a skipped step).
   void zero_grad();

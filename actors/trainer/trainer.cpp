@@ -7,6 +7,7 @@
 #include <numeric>
 #include <stdexcept>
 
+#include "actors/trainer/fused_adamw.hpp"
 #include "messaging/stopwatch.hpp"
 #include "model/blocks/logprobs.hpp"
 
@@ -353,9 +354,15 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
     policy_->zero_grad();  // the full local gradients are in the shards now
     m.grad_norm = sharded_->clip_gradients(max_norm);
   } else {
-    for (auto i : low_precision_)  // bf16 gradients -> fp32 master gradients
-      if (params_[i].grad().defined()) masters_[i].mutable_grad() = params_[i].grad().to(torch::kFloat32);
-    m.grad_norm = torch::nn::utils::clip_grad_norm_(masters_, max_norm);
+    std::vector<torch::Tensor> to, from;  // bf16 gradients -> fp32 master gradients, one launch
+    for (auto i : low_precision_)
+      if (params_[i].grad().defined()) {
+        masters_[i].mutable_grad() = torch::empty_like(masters_[i]);
+        to.push_back(masters_[i].grad());
+        from.push_back(params_[i].grad());
+      }
+    copy_tensors(to, from);
+    m.grad_norm = clip_grad_norm(masters_, max_norm);
   }
   m.lr = current_lr();
   m.skip_reason = nonfinite_reason(m.loss, m.grad_norm);
@@ -376,9 +383,13 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
     ++version_;
   } else {
     for (auto& g : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(m.lr);
-    optimizer_->step();
-    torch::NoGradGuard no_grad;
-    for (auto i : low_precision_) params_[i].copy_(masters_[i]);  // round to the policy's dtype
+    fused_adamw_step(*optimizer_);
+    std::vector<torch::Tensor> to, from;  // round to the policy's dtype, one launch
+    for (auto i : low_precision_) {
+      to.push_back(params_[i]);
+      from.push_back(masters_[i]);
+    }
+    copy_tensors(to, from);
     ++version_;
   }
   m.actor_train_time = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

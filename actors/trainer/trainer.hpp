@@ -1,6 +1,8 @@
 #pragma once
 // The trainer core: dynamic micro-batching, per-token log-probs of the policy, the RL loss
-// (losses.hpp), AdamW with gradient-norm clipping and a learning-rate schedule, routing replay.
+// (losses.hpp), AdamW with gradient-norm clipping and a learning-rate schedule (the update in
+// multi-tensor launches: LibTorch's fused at::_fused_adamw_ over torch::optim::AdamW's state,
+// fused_adamw.hpp), routing replay.
 // Plain class: the trainer actor drives it. Legend: P prompt tokens, n completion tokens,
 // L MoE layers, K experts per token.
 #include <memory>
@@ -81,7 +83,8 @@ class Trainer {
   /// The tensors AdamW updates: the policy's parameters when they are fp32; fp32 copies of
   /// them (master weights, Micikevicius et al. 2018, arXiv:1710.03740) when the policy holds
   /// bf16/fp16 parameters. Gradients are accumulated in the policy's dtype, copied to the
-  /// masters in fp32, clipped and applied there; the policy then gets the rounded masters.
+  /// masters in fp32 (one at::_foreach_copy_), clipped (clip_grad_norm) and applied there
+  /// (fused_adamw_step); the policy then gets the rounded masters (one at::_foreach_copy_).
   /// With a data-parallel group: this rank's fp32 master pieces (ShardedAdamW::masters()).
   const std::vector<torch::Tensor>& master_parameters() const { return sharded_ ? sharded_->masters() : masters_; }
   bool uses_master_weights() const { return !low_precision_.empty(); }

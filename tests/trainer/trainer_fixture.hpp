@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -18,6 +19,41 @@ namespace kiln::test {
 inline std::shared_ptr<model::glm4_moe_lite::Glm4MoeLiteModel> debug_model(uint64_t seed) {
   torch::manual_seed(int64_t(seed));
   return std::make_shared<model::glm4_moe_lite::Glm4MoeLiteModel>(model::glm4_moe_lite::flavors::debug());
+}
+
+/// A GLM-4.7-Flash-shaped model smaller than debug() (about 6k parameters: one dense layer, one
+/// MoE layer of 4 experts top-2 + 1 shared), for checked-in checkpoints that must stay small.
+inline model::glm4_moe_lite::Glm4MoeLiteConfig tiny_config() {
+  auto c = model::glm4_moe_lite::flavors::debug();
+  c.vocab_size = 32;
+  c.hidden_size = 16;
+  c.intermediate_size = 16;
+  c.num_hidden_layers = 2;
+  c.moe_layers = {false, true};
+  c.attention = model::glm4_moe_lite::AttentionConfig{2, 8, 8, 8, 4, 8, 10000.0, true};
+  c.moe = model::glm4_moe_lite::MoEConfig{4, 2, 1, 1, 8, 1, true, 1.8};
+  c.validate();
+  return c;
+}
+
+/// `count` samples from a std::mt19937_64 seeded with `seed` (the same on every build and
+/// machine): prompts of 2-6 and completions of 1-8 token ids in [2, vocab), behaviour
+/// log-probs in [-4, -2], advantages in [-1.5, 1.5]. No routed experts (no replay).
+inline std::vector<trainer::Sample> random_samples(uint64_t seed, int count, int64_t vocab) {
+  std::mt19937_64 rng(seed);
+  // The draws by hand (not std:: distributions, whose algorithms are the library's choice).
+  auto integer = [&](int64_t lo, int64_t hi) { return lo + int64_t(rng() % uint64_t(hi - lo + 1)); };
+  auto uniform = [&](double lo, double hi) { return lo + (hi - lo) * double(rng() >> 11) * 0x1.0p-53; };
+  std::vector<trainer::Sample> out(static_cast<std::size_t>(count));
+  for (auto& s : out) {
+    for (int64_t k = integer(2, 6); k > 0; --k) s.prompt.push_back(integer(2, vocab - 1));
+    for (int64_t k = integer(1, 8); k > 0; --k) {
+      s.completion.push_back(integer(2, vocab - 1));
+      s.behavior_logprobs.push_back(float(uniform(-4.0, -2.0)));
+    }
+    s.advantage = float(uniform(-1.5, 1.5));
+  }
+  return out;
 }
 
 /// The in-process engine's completions of `requests` as samples, with advantage `odd` on odd

@@ -1,0 +1,134 @@
+#include "actors/trainer/fused_adamw.hpp"
+
+#include <ATen/ops/_foreach_copy.h>
+#include <ATen/ops/_foreach_mul.h>
+#include <ATen/ops/_foreach_norm.h>
+#include <ATen/ops/_fused_adamw.h>
+
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+
+namespace kiln::trainer {
+
+namespace {
+
+// What one multi-tensor launch may take: tensors of one device and dtype (torch groups the same
+// way, Optimizer._group_tensors_by_device_and_dtype; a mixed list would take the slow path or
+// be refused). The key orders devices by (type, index).
+using GroupKey = std::tuple<int, int, int>;  // device type, device index, dtype
+GroupKey key_of(const torch::Tensor& t) { return {int(t.device().type()), int(t.device().index()), int(t.scalar_type())}; }
+
+std::string describe(const torch::Tensor& t) {
+  std::string shape = "[";
+  for (auto d : t.sizes()) shape += (shape.size() > 1 ? ", " : "") + std::to_string(d);
+  return shape + "] " + std::string(c10::toString(t.scalar_type())) + " on " + t.device().str();
+}
+
+// Refuses `what` of parameter `index` when it does not match the parameter in shape, dtype and
+// device: the fused kernel would read it as the parameter's elements.
+void check_like(const torch::Tensor& p, const torch::Tensor& t, std::size_t index, const char* what) {
+  if (t.sizes() == p.sizes() && t.scalar_type() == p.scalar_type() && t.device() == p.device() && !t.is_sparse())
+    return;
+  throw std::invalid_argument("fused_adamw_step: parameter " + std::to_string(index) + " is " + describe(p) + ", its " +
+                              what + " is " + (t.is_sparse() ? "sparse " : "") + describe(t));
+}
+
+struct AdamWLists {
+  std::vector<torch::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps;
+};
+
+}  // namespace
+
+void fused_adamw_step(torch::optim::AdamW& adamw) {
+  torch::NoGradGuard no_grad;
+  auto& state = adamw.state();
+  for (auto& group : adamw.param_groups()) {
+    const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
+    std::map<GroupKey, AdamWLists> lists;
+    // The step counts as fp32 scalars on each device, one tensor per distinct count (usually
+    // one: every parameter stepped as often); the kernel only reads them.
+    std::map<std::tuple<int, int, int64_t>, torch::Tensor> step_tensors;
+    for (std::size_t i = 0; i < group.params().size(); ++i) {
+      const auto& p = group.params()[i];
+      const auto& g = p.grad();
+      if (!g.defined()) continue;  // as torch::optim::AdamW::step: no update, no state
+      check_like(p, g, i, "gradient");
+      auto it = state.find(p.unsafeGetTensorImpl());
+      if (it == state.end()) {  // as torch creates it
+        auto st = std::make_unique<torch::optim::AdamWParamState>();
+        st->step(0);
+        st->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+        st->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+        if (o.amsgrad()) st->max_exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+        it = state.emplace(p.unsafeGetTensorImpl(), std::move(st)).first;
+      }
+      auto& st = static_cast<torch::optim::AdamWParamState&>(*it->second);
+      check_like(p, st.exp_avg(), i, "exp_avg");
+      check_like(p, st.exp_avg_sq(), i, "exp_avg_sq");
+      if (o.amsgrad()) check_like(p, st.max_exp_avg_sq(), i, "max_exp_avg_sq");
+      st.step(st.step() + 1);  // the caller increments, the kernel reads (torch's _fused_adam)
+      auto& step = step_tensors[{int(p.device().type()), int(p.device().index()), st.step()}];
+      if (!step.defined()) step = torch::full({}, double(st.step()), torch::TensorOptions(torch::kFloat32).device(p.device()));
+      auto& l = lists[key_of(p)];
+      l.params.push_back(p);
+      l.grads.push_back(g);
+      l.exp_avgs.push_back(st.exp_avg());
+      l.exp_avg_sqs.push_back(st.exp_avg_sq());
+      if (o.amsgrad()) l.max_exp_avg_sqs.push_back(st.max_exp_avg_sq());
+      l.steps.push_back(step);
+    }
+    const auto [beta1, beta2] = o.betas();
+    for (auto& [key, l] : lists)
+      at::_fused_adamw_(l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, l.max_exp_avg_sqs, l.steps, o.lr(), beta1, beta2,
+                        o.weight_decay(), o.eps(), o.amsgrad(), /*maximize=*/false);
+  }
+}
+
+double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : params)
+    if (p.grad().defined()) grads.push_back(p.grad());
+  if (grads.empty()) return 0.0;
+  // Per-tensor norms, one launch per group, back in the parameters' order (the order in which
+  // torch's clip_grad_norm_ stacks them).
+  std::map<GroupKey, std::vector<std::size_t>> groups;
+  for (std::size_t i = 0; i < grads.size(); ++i) groups[key_of(grads[i])].push_back(i);
+  std::vector<torch::Tensor> norms(grads.size());
+  for (const auto& [key, idx] : groups) {
+    std::vector<torch::Tensor> members;
+    for (auto i : idx) members.push_back(grads[i]);
+    auto n = at::_foreach_norm(members, 2);
+    for (std::size_t k = 0; k < idx.size(); ++k) norms[idx[k]] = n[k].to(grads.front().device());
+  }
+  auto total = norms.size() == 1 ? norms[0] : torch::stack(norms).norm(2);
+  // torch's coefficient, as torch computes it (fp32 on the device).
+  auto coef = torch::clamp(max_norm / (total + 1e-6), std::nullopt, 1.0);
+  auto host = torch::stack({total.to(coef.scalar_type()), coef}).to(torch::kCPU, torch::kFloat64);
+  const double total_norm = host[0].item<double>(), clip = host[1].item<double>();
+  if (clip < 1.0)  // also 0 for an infinite norm, as torch multiplies; NaN compares false
+    for (const auto& [key, idx] : groups) {
+      std::vector<torch::Tensor> members;
+      for (auto i : idx) members.push_back(grads[i]);
+      at::_foreach_mul_(members, coef.to(members.front().device()));
+    }
+  return total_norm;
+}
+
+void copy_tensors(const std::vector<torch::Tensor>& dst, const std::vector<torch::Tensor>& src) {
+  if (dst.size() != src.size())
+    throw std::invalid_argument("copy_tensors: " + std::to_string(dst.size()) + " destinations, " +
+                                std::to_string(src.size()) + " sources");
+  torch::NoGradGuard no_grad;
+  std::map<std::pair<GroupKey, GroupKey>, std::pair<std::vector<torch::Tensor>, std::vector<torch::Tensor>>> groups;
+  for (std::size_t i = 0; i < dst.size(); ++i) {
+    auto& [d, s] = groups[{key_of(dst[i]), key_of(src[i])}];
+    d.push_back(dst[i]);
+    s.push_back(src[i]);
+  }
+  for (auto& [key, lists] : groups) at::_foreach_copy_(lists.first, lists.second);
+}
+
+}  // namespace kiln::trainer
