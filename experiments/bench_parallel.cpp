@@ -8,10 +8,16 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstdio>
+#include <deque>
 #include <fstream>
+#include <mutex>
 
 #include "actors/trainer/trainer.hpp"
+#include "actors/weight_sync/collective.hpp"
+#include "actors/weight_sync/messages.hpp"
+#include "messaging/gateway.hpp"
 #include "experiments/bench_model.hpp"
 #include "messaging/stopwatch.hpp"
 #include "model/glm4_moe_lite/model.hpp"
@@ -127,6 +133,60 @@ int run_parallel_bench(const ParallelBenchOptions& o) {
     dp_s = median_seconds(o.warmup, o.steps, [&] { (void)tr.train_step(all); });
     dp_peak = peak_gib(gpu);
   }
+  // Collective weight sync: rank 0 sends, every other rank receives as an engine would.
+  double sync_s = 0, copy_s = 0;
+  uint64_t sync_bytes = 0;
+  if (world > 1) {
+    auto& store = groups->store();
+    auto model = build();
+    messaging::Gateway gw({"bench-rank-" + std::to_string(rank), "tcp://127.0.0.1:0"});
+    const int versions = o.warmup + o.steps;
+    if (rank != 0) {
+      weight_sync::CollectiveReceiver rx;
+      std::mutex mu;
+      std::condition_variable cv;
+      std::deque<messaging::Envelope> q;
+      const std::string me = "engine/" + std::to_string(rank);
+      gw.serve(me, [&](messaging::Envelope e) {
+        std::lock_guard<std::mutex> l(mu);
+        q.push_back(std::move(e));
+        cv.notify_one();
+      });
+      store.set("bench_engine/" + std::to_string(rank), gw.endpoint());
+      for (int handled = 0; handled < versions + 1; ++handled) {  // join, then every version
+        std::unique_lock<std::mutex> l(mu);
+        cv.wait(l, [&] { return !q.empty(); });
+        auto e = std::move(q.front());
+        q.pop_front();
+        l.unlock();
+        auto r = e.type == messaging::WeightSyncJoinGroup::kType ? rx.join(e, dev) : rx.receive(e, *model);
+        if (r) gw.reply(e, std::move(*r));
+        else gw.reply_error(e, r.error());
+      }
+    } else {
+      std::vector<std::string> engines;
+      for (int r = 1; r < world; ++r) {
+        const std::string key = "bench_engine/" + std::to_string(r);
+        store.wait({key});
+        engines.push_back("engine/" + std::to_string(r));
+        gw.add_route(engines.back(), store.get_to_str(key));
+      }
+      weight_sync::CollectiveSender tx(gw, dev, std::chrono::seconds(300));
+      tx.connect(engines);
+      int64_t version = 0;
+      const auto bucket = uint64_t(o.bucket_mib * (1 << 20));
+      const auto travel = model->weight_sync_groups(/*hf_names=*/false);
+      sync_s = median_seconds(o.warmup, o.steps, [&] { sync_bytes = tx.send(*model, ++version, bucket, travel).bytes; });
+      auto src = torch::empty({int64_t(sync_bytes)}, torch::TensorOptions().dtype(torch::kUInt8).device(dev));
+      auto dst = torch::empty_like(src, torch::TensorOptions().device(torch::Device(torch::kCUDA, int8_t((gpu + 1) % torch::cuda::device_count()))));
+      copy_s = median_seconds(o.warmup, o.steps, [&] {
+        dst.copy_(src);
+        torch::cuda::synchronize(dst.device().index());
+      });
+    }
+    store.set("bench_sync_done/" + std::to_string(rank), "1");
+    for (int r = 0; r < world; ++r) store.wait({"bench_sync_done/" + std::to_string(r)});
+  }
   // Every rank's figures to rank 0.
   auto mine = torch::tensor({double(share_tokens) / one_s, one_peak, double(share_tokens) / dp_s, dp_peak, one_s, dp_s},
                             torch::TensorOptions().dtype(torch::kFloat64))
@@ -159,6 +219,17 @@ int run_parallel_bench(const ParallelBenchOptions& o) {
                           {"one_gpu_step_s", v[4].item<double>()}, {"dp_step_s", v[5].item<double>()}});
   }
   J["dp_over_one_gpu"] = sum_dp / sum_one;
+  if (world > 1) {
+    const double sync_gbs = double(sync_bytes) / sync_s / 1e9, copy_gbs = double(sync_bytes) / copy_s / 1e9;
+    J["weight_sync_bytes"] = sync_bytes;
+    J["weight_sync_s"] = sync_s;
+    J["weight_sync_gbs"] = sync_gbs;
+    J["plain_copy_gpu0_to_gpu1_gbs"] = copy_gbs;
+    std::printf("collective weight sync (NCCL broadcast to %d rank(s), %.0f MiB buckets, checksums on): %.2f GB in "
+                "%.1f ms = %.0f GB/s; plain copy GPU %d -> GPU %d of the same bytes: %.0f GB/s; sync / copy = %.2f\n",
+                world - 1, o.bucket_mib, double(sync_bytes) / 1e9, sync_s * 1e3, sync_gbs, gpu,
+                (gpu + 1) % int(torch::cuda::device_count()), copy_gbs, sync_gbs / copy_gbs);
+  }
   std::printf("mean: dp %.0f tokens/s per GPU = %.3f x one GPU (%.0f); whole node %.0f tokens/s\n", sum_dp / world,
               sum_dp / sum_one, sum_one / world, sum_dp);
   if (!o.json_path.empty()) std::ofstream(o.json_path) << J.dump(2) << "\n";

@@ -10,6 +10,10 @@
 //    reduce-scattered and AdamW state sharded over the ranks, parameters all-gathered) on
 //    world x `tokens` tokens, so each GPU trains `tokens`: tokens/s per GPU, its ratio to the
 //    one-GPU figure, peak allocated memory.
+//  - collective weight sync (weight_sync/collective.hpp): rank 0's policy broadcast over NCCL to
+//    ranks 1.. (each holding an engine's copy of the model on its GPU, receiving through
+//    CollectiveReceiver as a rollout node does), checksums on: GB/s against a plain copy of the
+//    same bytes from GPU 0 to GPU 1 in the same run.
 // Rank 0 prints a table (each rank's figures) and with json_path writes them as JSON.
 #include <cstdint>
 #include <string>
@@ -21,6 +25,7 @@ struct ParallelBenchOptions {
   int64_t tokens = 8192;  ///< trained per GPU per step
   int64_t docs = 8;       ///< samples per GPU per step (prompt: half of each, completion: the rest)
   int steps = 5, warmup = 2;
+  double bucket_mib = 512;  ///< collective weight sync bucket size
   std::string json_path;
 };
 

@@ -1,6 +1,9 @@
 #include "model/causal_lm.hpp"
 
+#include <stdexcept>
+
 #include "model/blocks/logprobs.hpp"
+#include "parallel/group.hpp"
 
 namespace kiln::model {
 
@@ -10,6 +13,12 @@ torch::Tensor CausalLM::logits(const ForwardOutput& out) {
 
 torch::Tensor CausalLM::token_logprobs(const ForwardOutput& out, const torch::Tensor& targets, int64_t chunk) {
   return model::token_logprobs(out.hidden, lm_head_weight(), targets, chunk);
+}
+
+void CausalLM::set_expert_parallel(parallel::Group* ep) {
+  if (!ep || ep->size() == 1) return;
+  throw std::invalid_argument("this model has no expert parallel (asked for ep group '" + ep->name() + "' of " +
+                              std::to_string(ep->size()) + " ranks)");
 }
 
 }  // namespace kiln::model

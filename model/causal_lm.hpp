@@ -10,6 +10,10 @@
 #include "model/blocks/basic.hpp"
 #include "model/blocks/mla.hpp"
 
+namespace kiln::parallel {
+class Group;
+}
+
 namespace kiln::model {
 
 struct ForwardOptions {
@@ -61,6 +65,20 @@ class CausalLM : public torch::nn::Module {
   virtual int64_t num_layers() const = 0;
   virtual int64_t cache_width() const = 0;
   virtual int64_t vocab_size() const = 0;
+
+  /// Expert parallel for the routed experts (blocks/moe_ep.hpp) over `ep` (held by reference;
+  /// it must outlive the model): every MoE layer keeps ep rank j's experts [j*E/P, (j+1)*E/P)
+  /// (its grouped tensors sliced along E, the same parameter objects). Call it once the full
+  /// weights are in place and equal on the ep ranks. Afterwards forward (and its backward) is
+  /// collective over `ep`, as is hf_state_dict (it gathers the full experts); loading HF
+  /// weights is refused. nullptr or one rank: no-op. Throws std::invalid_argument when the
+  /// model has no expert parallel, E is not a multiple of P, or it was set already.
+  virtual void set_expert_parallel(parallel::Group* ep);
+  /// The ep group, or nullptr.
+  virtual parallel::Group* expert_parallel() const { return nullptr; }
+  /// The routed experts' grouped tensors (with expert parallel: this rank's slices), a subset
+  /// of parameters(), in parameters() order. None by default.
+  virtual std::vector<torch::Tensor> routed_expert_parameters() { return {}; }
 
   /// Casts parameters to `dtype`, keeping what must stay fp32 (router bias) in fp32.
   virtual void to_dtype(torch::Dtype dtype) = 0;

@@ -137,10 +137,20 @@ FlatAdamWState read_whole_optimizer(const std::filesystem::path& dir, Trainer& t
   return read_flat_state(adamw, pieces, 0, offset, masters.size());
 }
 
+// Expert-parallel trainers hold a slice of the experts and two flat indices (dense, experts);
+// their checkpoints are not written yet: refused by name, before anything is read or written.
+void refuse_expert_parallel(const Trainer& trainer, const char* what, const std::filesystem::path& dir) {
+  if (const auto* ep = trainer.expert_parallel().experts)
+    throw std::invalid_argument(std::string(what) + " '" + dir.string() + "': the trainer is expert-parallel (ep group '" +
+                                ep->name() + "', " + std::to_string(ep->size()) +
+                                " ranks), whose checkpoints kiln does not write or load yet");
+}
+
 }  // namespace
 
 void save_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, Trainer& trainer,
                      const CheckpointState& state) {
+  refuse_expert_parallel(trainer, "save_checkpoint", dir);
   if (auto* dp = trainer.data_parallel()) return save_sharded(dir, policy, trainer, state, *dp);
   namespace fs = std::filesystem;
   // Written beside the target, then renamed into place: a writer that dies midway leaves a
@@ -194,6 +204,7 @@ CheckpointState read_checkpoint_state(const std::filesystem::path& dir) {
 }
 
 CheckpointState load_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, Trainer& trainer) {
+  refuse_expert_parallel(trainer, "load_checkpoint", dir);
   auto st = read_checkpoint_state(dir);
   policy.load_hf_checkpoint(dir.string());
   const int shards = shard_count(dir);

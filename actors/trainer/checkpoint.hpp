@@ -38,7 +38,8 @@ struct CheckpointState {
 /// std::runtime_error / std::filesystem::filesystem_error on I/O errors. With a data-parallel
 /// trainer: collective over its group (every rank calls it with the same `dir`, on a filesystem
 /// they share); a rank that fails leaves the others to fail at the next barrier by the
-/// group's collective timeout.
+/// group's collective timeout. An expert-parallel trainer is refused (std::invalid_argument
+/// naming expert parallel and the ep group), as by load_checkpoint.
 void save_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, Trainer& trainer,
                      const CheckpointState& state);
 

@@ -130,12 +130,21 @@ void ShardedAdamW::reduce_gradients() {
                                      : torch::Tensor();
 }
 
-double ShardedAdamW::clip_gradients(double max_norm) {
+torch::Tensor ShardedAdamW::shard_squared_norm() const {
   torch::NoGradGuard no_grad;
-  auto squares = grad_shard_.pow(2).sum().reshape({1});  // [1] fp32
+  return grad_shard_.pow(2).sum().reshape({1});  // [1] fp32
+}
+
+void ShardedAdamW::scale_gradients(const torch::Tensor& coefficient) {
+  torch::NoGradGuard no_grad;
+  grad_shard_.mul_(coefficient);
+}
+
+double ShardedAdamW::clip_gradients(double max_norm) {
+  auto squares = shard_squared_norm();
   group_.all_reduce(squares);
   auto norm = squares.sqrt();
-  grad_shard_.mul_(torch::clamp(max_norm / (norm + 1e-6), std::nullopt, 1.0));
+  scale_gradients(torch::clamp(max_norm / (norm + 1e-6), std::nullopt, 1.0));
   return norm.item<double>();
 }
 

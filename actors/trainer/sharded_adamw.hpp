@@ -69,6 +69,11 @@ class ShardedAdamW {
   /// Collective. The L2 norm of the whole (summed) gradient; the shard is scaled by
   /// min(1, max_norm / (norm + 1e-6)). Returns the norm (NaN or inf when a gradient is).
   double clip_gradients(double max_norm);
+  /// Not collective: [1] fp32, the squared L2 norm of this rank's gradient shard (the parts
+  /// of a norm over several optimizers, e.g. dense and expert-parallel ones).
+  torch::Tensor shard_squared_norm() const;
+  /// Not collective: the shard's gradient times `coefficient` ([1] fp32).
+  void scale_gradients(const torch::Tensor& coefficient);
   /// Collective. One AdamW step at `lr` on this rank's masters (fused_adamw_step), then every
   /// parameter is all-gathered from the shards (rounded to the parameter's dtype, one
   /// at::_foreach_copy_).

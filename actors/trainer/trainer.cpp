@@ -152,6 +152,24 @@ void sum_over(parallel::Group& group, std::vector<double>& values) {
   std::memcpy(values.data(), t.data_ptr<double>(), values.size() * sizeof(double));
 }
 
+// Expert parallel: how many micro-batches this rank runs, the most of any rank of the model's
+// ep group (an all-reduce), so that every rank enters the MoE's all-to-alls equally often;
+// without expert parallel its own count.
+std::size_t micro_batch_count(model::CausalLM& m, std::size_t mine) {
+  auto* ep = m.expert_parallel();
+  if (!ep) return mine;
+  auto t = torch::full({1}, int64_t(mine), torch::kInt64).to(ep->device());
+  ep->all_reduce(t, parallel::ReduceOp::max);
+  return std::size_t(t.to(torch::kCPU).item<int64_t>());
+}
+
+// The padding micro-batch of an expert-parallel rank with fewer micro-batches than the others:
+// one document of two tokens (id 0). Its hidden states [2, D] take part in every all-to-all;
+// the caller multiplies whatever it derives from them by 0.
+torch::Tensor padding_forward(model::CausalLM& m) {
+  return m.forward(model::PackedBatch::from_documents({{0, 0}})).hidden;
+}
+
 torch::Tensor per_token(const std::vector<Sample>& samples, const std::vector<std::size_t>& idx,
                         const std::vector<float> Sample::*field) {
   std::vector<float> v;
@@ -216,7 +234,47 @@ Trainer::Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config, 
   optimizer_ = std::make_unique<torch::optim::AdamW>(masters_, options);
 }
 
+Trainer::Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config, parallel::Group& data_parallel,
+                 ExpertParallel expert_parallel)
+    : policy_(std::move(policy)), c_(config), dp_(&data_parallel), ep_(expert_parallel) {
+  c_.validate();
+  if (!ep_.experts || !ep_.replicas)
+    throw std::invalid_argument(std::string("Trainer: expert parallel needs both groups, got no ") +
+                                (ep_.experts ? "replicas (dp) group" : "experts (ep) group"));
+  if (int64_t(ep_.experts->size()) * ep_.replicas->size() != dp_->size())
+    throw std::invalid_argument("Trainer: ep group '" + ep_.experts->name() + "' (" +
+                                std::to_string(ep_.experts->size()) + " ranks) times replicas group '" +
+                                ep_.replicas->name() + "' (" + std::to_string(ep_.replicas->size()) +
+                                " ranks) is not the data-parallel group '" + dp_->name() + "' (" +
+                                std::to_string(dp_->size()) + " ranks)");
+  if (policy_->expert_parallel())
+    throw std::invalid_argument("Trainer: the policy is expert-parallel already (ep group '" +
+                                policy_->expert_parallel()->name() + "'): give the trainer the whole model");
+  {  // every rank's full experts become data-parallel rank 0's before each keeps its slice
+    torch::NoGradGuard no_grad;
+    for (auto& w : policy_->routed_expert_parameters()) {
+      auto t = w.detach().to(torch::kFloat32).contiguous();  // fp32 holds bf16/fp16 exactly
+      dp_->broadcast(t, 0);
+      w.copy_(t);
+    }
+  }
+  policy_->set_expert_parallel(ep_.experts);
+  params_ = policy_->parameters();
+  for (std::size_t i = 0; i < params_.size(); ++i)
+    if (params_[i].scalar_type() != torch::kFloat32) low_precision_.push_back(i);
+  std::vector<torch::Tensor> dense, experts = policy_->routed_expert_parameters();
+  for (const auto& p : params_) {
+    const bool expert = std::any_of(experts.begin(), experts.end(),
+                                    [&](const torch::Tensor& e) { return e.is_same(p); });
+    if (!expert) dense.push_back(p);
+  }
+  const auto options = torch::optim::AdamWOptions(c_.lr).betas({c_.beta1, c_.beta2}).weight_decay(c_.weight_decay);
+  sharded_ = std::make_unique<ShardedAdamW>(dense, *dp_, options);  // makes the dense parameters rank 0's
+  expert_sharded_ = std::make_unique<ShardedAdamW>(experts, *ep_.replicas, options);
+}
+
 void Trainer::reload_master_weights() {
+  if (expert_sharded_) expert_sharded_->reload_from_parameters();
   if (sharded_) return sharded_->reload_from_parameters();
   torch::NoGradGuard no_grad;
   for (auto i : low_precision_) masters_[i].copy_(params_[i]);
@@ -296,10 +354,17 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
   auto sample_tokens_t = torch::tensor(sample_tokens, torch::kFloat32);
   if (sharded_) sharded_->zero_grad();
   else optimizer_->zero_grad();
+  if (expert_sharded_) expert_sharded_->zero_grad();
   if (uses_master_weights() || sharded_) policy_->zero_grad();
   // This rank's sums: loss, pg, kl, clipped tokens, entropy, |old - behaviour|, micro-batches.
   std::vector<double> sums(7, 0.0);
-  for (const auto& idx : plan_micro_batches(samples, mine, c_.logprobs.max_tokens_per_microbatch)) {
+  auto plan = plan_micro_batches(samples, mine, c_.logprobs.max_tokens_per_microbatch);
+  plan.resize(micro_batch_count(*policy_, plan.size()));  // expert parallel: padded to the ep group's most
+  for (const auto& idx : plan) {
+    if (idx.empty()) {  // padding: the all-to-alls of a forward and backward, gradients + 0
+      (padding_forward(*policy_).sum() * 0).backward();
+      continue;
+    }
     auto p = pack(samples, idx, c_.logprobs.routing_replay);
     model::ForwardOptions opts;
     opts.replay_routed_experts = p.replay;
@@ -349,7 +414,24 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
   m.train_rollout_logprob_abs_diff = sums[5] / tokens;
   m.micro_batches = int64_t(sums[6]);
   const double max_norm = c_.grad_clip > 0 ? c_.grad_clip : 1e30;
-  if (sharded_) {
+  if (expert_sharded_) {
+    // The one-rank trainer has a gradient for every expert tensor (every layer sees the
+    // batch's tokens); a slice no row reached on this rank has none yet: it is zero.
+    for (auto& w : policy_->routed_expert_parameters())
+      if (!w.grad().defined()) w.mutable_grad() = torch::zeros_like(w);
+    sharded_->reduce_gradients();
+    expert_sharded_->reduce_gradients();
+    policy_->zero_grad();
+    // One norm over the whole model: dense shards (over all ranks) plus expert shards (over
+    // their replicas, each ep slice once): the world sum of both squared sums.
+    auto squares = sharded_->shard_squared_norm() + expert_sharded_->shard_squared_norm();  // [1]
+    dp_->all_reduce(squares);
+    auto norm = squares.sqrt();
+    const auto coefficient = torch::clamp(max_norm / (norm + 1e-6), std::nullopt, 1.0);
+    sharded_->scale_gradients(coefficient);
+    expert_sharded_->scale_gradients(coefficient);
+    m.grad_norm = norm.item<double>();
+  } else if (sharded_) {
     sharded_->reduce_gradients();
     policy_->zero_grad();  // the full local gradients are in the shards now
     m.grad_norm = sharded_->clip_gradients(max_norm);
@@ -377,9 +459,11 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
   if (m.skipped_nonfinite) {  // nothing applied: parameters, AdamW's moments and step count, lr, version
     if (sharded_) sharded_->zero_grad();
     else optimizer_->zero_grad();
+    if (expert_sharded_) expert_sharded_->zero_grad();
     if (uses_master_weights()) policy_->zero_grad();
   } else if (sharded_) {
     sharded_->step(m.lr);
+    if (expert_sharded_) expert_sharded_->step(m.lr);
     ++version_;
   } else {
     for (auto& g : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(m.lr);
@@ -435,7 +519,13 @@ std::vector<std::vector<float>> completion_logprobs(model::CausalLM& model, cons
                                                     double temperature) {
   torch::NoGradGuard no_grad;
   std::vector<std::vector<float>> out(samples.size());
-  for (const auto& idx : plan_micro_batches(samples, max_tokens_per_microbatch)) {
+  auto plan = plan_micro_batches(samples, max_tokens_per_microbatch);
+  plan.resize(micro_batch_count(model, plan.size()));  // expert parallel: padded to the ep group's most
+  for (const auto& idx : plan) {
+    if (idx.empty()) {  // padding: the MoE's all-to-alls only
+      padding_forward(model);
+      continue;
+    }
     auto p = pack(samples, idx, routing_replay);
     model::ForwardOptions opts;
     opts.replay_routed_experts = p.replay;

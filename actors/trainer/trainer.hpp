@@ -46,6 +46,12 @@ std::vector<std::vector<std::size_t>> plan_micro_batches(const std::vector<Sampl
 /// when there are fewer samples than ranks. Deterministic: every rank computes the same split.
 std::vector<std::vector<std::size_t>> split_samples(const std::vector<Sample>& samples, int ranks);
 
+/// The expert-parallel dimensions of a dp x ep mesh the trainer spans (Trainer's constructor).
+struct ExpertParallel {
+  parallel::Group* experts = nullptr;   ///< "ep": the ranks that split the routed experts
+  parallel::Group* replicas = nullptr;  ///< "dp": the ranks that hold the same experts
+};
+
 class Trainer {
  public:
   /// `data_parallel`: none = one rank. Otherwise a group of data-parallel ranks (held by
@@ -56,6 +62,24 @@ class Trainer {
   /// summation order). Collective: every rank constructs it, and calls train_step with the
   /// same samples; the policy's parameters become group rank 0's.
   Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config, parallel::Group* data_parallel = nullptr);
+  /// Expert parallel (docs/parallel.md, torchtitan's dp x ep mesh: ep borrows ranks from data
+  /// parallel). `data_parallel` spans all W = dp * ep ranks: it splits the batch, and the dense
+  /// (non-expert) parameters are replicated on it with their gradients and AdamW state sharded
+  /// over it, as above. The policy's routed experts are split over `expert_parallel.experts`
+  /// (CausalLM::set_expert_parallel, once every parameter became data_parallel rank 0's);
+  /// their gradients are summed, and their fp32 masters and AdamW state sharded, over
+  /// `expert_parallel.replicas` (the ranks holding the same experts: a second ShardedAdamW).
+  /// The clipping norm covers dense and expert gradients together. Every rank runs as many
+  /// micro-batches as the rank of its ep group with the most (padding with a forward and
+  /// backward of a 2-token document whose loss is multiplied by 0), so that the MoE's
+  /// all-to-alls match even on a rank with no sample. A step equals the one-rank step on the
+  /// same batch (up to fp32 summation order). Collective over data_parallel. Checkpoints are
+  /// refused (save_checkpoint / load_checkpoint name expert parallel); the full HF weights
+  /// come from policy().hf_state_dict(), collective over ep. Throws std::invalid_argument
+  /// when a group is missing, ep size * replicas size != data_parallel size, or the policy
+  /// refuses the split (CausalLM::set_expert_parallel).
+  Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config, parallel::Group& data_parallel,
+          ExpertParallel expert_parallel);
   /// One optimizer step on `samples` (one PPO epoch: the old policy is the current one, so
   /// the ratio starts at 1 and TIS weighs stale samples by exp(old - behaviour)). Samples with
   /// old_logprobs use those as pi_old (all samples or none).
@@ -78,7 +102,7 @@ class Trainer {
   model::CausalLM& policy() { return *policy_; }
   double current_lr() const;
   /// Optimizer state for checkpoints (over master_parameters()); with a data-parallel group
-  /// this rank's shard of it.
+  /// this rank's shard of it; with expert parallel the dense parameters' shard.
   torch::optim::AdamW& optimizer() { return sharded_ ? sharded_->optimizer() : *optimizer_; }
   /// The tensors AdamW updates: the policy's parameters when they are fp32; fp32 copies of
   /// them (master weights, Micikevicius et al. 2018, arXiv:1710.03740) when the policy holds
@@ -91,8 +115,14 @@ class Trainer {
   /// The data-parallel group, or nullptr (one rank).
   parallel::Group* data_parallel() const { return dp_; }
   /// The sharded optimizer (nullptr without a data-parallel group): its gradient shard holds
-  /// this rank's part of the last step's (clipped) gradient.
+  /// this rank's part of the last step's (clipped) gradient. With expert parallel: of the
+  /// dense parameters only (parameters() without routed_expert_parameters(), in order).
   const ShardedAdamW* sharded_optimizer() const { return sharded_.get(); }
+  /// With expert parallel: the optimizer of this rank's expert slices (routed_expert_parameters()
+  /// in order), sharded over expert_parallel().replicas; otherwise nullptr.
+  const ShardedAdamW* expert_optimizer() const { return expert_sharded_.get(); }
+  /// The expert-parallel groups (both nullptr without expert parallel).
+  const ExpertParallel& expert_parallel() const { return ep_; }
   /// Re-reads the masters from the policy (after its weights were loaded from a checkpoint).
   void reload_master_weights();
   /// This rank's masters and AdamW state over its flat elements flat_range() (one rank: all
@@ -111,14 +141,18 @@ class Trainer {
   TrainerConfig c_;
   parallel::Group* dp_ = nullptr;
   std::unique_ptr<torch::optim::AdamW> optimizer_;  ///< one rank
-  std::unique_ptr<ShardedAdamW> sharded_;           ///< data-parallel ranks
+  std::unique_ptr<ShardedAdamW> sharded_;           ///< data-parallel ranks (dense only with EP)
+  std::unique_ptr<ShardedAdamW> expert_sharded_;    ///< expert parallel: this rank's expert slices
+  ExpertParallel ep_;
   std::vector<torch::Tensor> params_, masters_;  ///< same order; masters_[i] is params_[i] when fp32
   std::vector<std::size_t> low_precision_;       ///< indices with a separate fp32 master
   int64_t version_ = 0;
 };
 
 /// Per-completion-token log-probs of `samples` under `model` (no grad), e.g. the reference
-/// policy: result[i] has samples[i].completion.size() values.
+/// policy: result[i] has samples[i].completion.size() values. An expert-parallel model
+/// (model.expert_parallel()): collective over its ep group, every rank running as many
+/// forward passes as the rank with the most micro-batches (samples may be empty).
 std::vector<std::vector<float>> completion_logprobs(model::CausalLM& model, const std::vector<Sample>& samples,
                                                     int64_t max_tokens_per_microbatch, bool routing_replay,
                                                     double temperature = 1.0);

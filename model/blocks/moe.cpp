@@ -1,6 +1,10 @@
 #include "model/blocks/moe.hpp"
 
+#include <stdexcept>
+#include <string>
+
 #include "kernels/moe.hpp"
+#include "model/blocks/moe_ep.hpp"
 
 namespace kiln::model {
 
@@ -87,9 +91,36 @@ torch::Tensor MoEImpl::forward(const torch::Tensor& x, const std::optional<torch
   auto r = router(x, replay_ids_TK, validate_replay);
   if (expert_ids_out) *expert_ids_out = r.expert_ids;
   auto d = dispatch(x, r, router->options().num_experts);
-  auto y = combine(experts(d.x, d.counts), d, x.size(0));
+  torch::Tensor rows;  // [T*K, D] expert outputs in d's order
+  if (ep_) {
+    auto rd = dispatch_to_ranks(d, *ep_);
+    auto y_local = experts(rd.x, rd.counts);  // [R, D]
+    // With no local rows the experts return a tensor cut off from rd.x: keep it connected,
+    // or this rank would skip both all-to-alls' backward that the others enter.
+    if (rd.x.size(0) == 0) y_local = rd.x * 0;
+    rows = return_to_ranks(y_local, rd, *ep_);
+  } else {
+    rows = experts(d.x, d.counts);
+  }
+  auto y = combine(rows, d, x.size(0));
   if (shared) y = y + shared(x);
   return y;
+}
+
+void MoEImpl::set_expert_parallel(parallel::Group* ep) {
+  if (!ep || ep->size() == 1) return;
+  const int64_t E = router->options().num_experts, P = ep->size();
+  if (ep_ || experts->w_gate_up_EFD.size(0) != E)
+    throw std::invalid_argument("set_expert_parallel: the experts are already sliced (" +
+                                std::to_string(experts->w_gate_up_EFD.size(0)) + " of " + std::to_string(E) + ")");
+  if (E % P != 0)
+    throw std::invalid_argument("set_expert_parallel: " + std::to_string(E) + " experts do not split over the " +
+                                std::to_string(P) + " ranks of ep group '" + ep->name() + "'");
+  const int64_t El = E / P, first = ep->rank() * El;
+  torch::NoGradGuard no_grad;
+  for (auto* w : {&experts->w_gate_up_EFD, &experts->w_down_EDF})
+    w->set_data(w->narrow(0, first, El).clone());  // [E, ...] -> [El, ...], the same parameter
+  ep_ = ep;
 }
 
 }  // namespace kiln::model

@@ -5,10 +5,16 @@
 // Semantics match transformers' Glm4MoeLiteTopkRouter / Glm4MoeLiteExperts (DeepSeek-V3,
 // arXiv:2412.19437 §2.1.2: sigmoid scores, score-correction bias for choosing only,
 // group-limited selection, normalised weights times routed_scaling_factor).
-// Legend: T tokens, D hidden, E experts, K top-k, F expert intermediate, G groups.
+// Expert parallel (moe_ep.hpp): MoEImpl::set_expert_parallel keeps this rank's slice of the
+// experts; dispatch then continues to the owning ranks and back (all-to-all).
+// Legend: T tokens, D hidden, E experts, K top-k, F expert intermediate, G groups, P ep ranks.
 #include <optional>
 
 #include "model/blocks/basic.hpp"
+
+namespace kiln::parallel {
+class Group;
+}
 
 namespace kiln::model {
 
@@ -79,12 +85,25 @@ torch::Tensor combine(const torch::Tensor& rows, const Dispatched& d, int64_t nu
 class MoEImpl : public torch::nn::Module {
  public:
   MoEImpl(const RouterOptions& o, int64_t expert_intermediate, int64_t n_shared_experts);
-  /// x: [T, D] -> [T, D]; *expert_ids_out gets the [T, K] choice (or the replayed ids).
+  /// x: [T, D] -> [T, D]; *expert_ids_out gets the [T, K] choice (or the replayed ids; ids
+  /// are global, in [0, E), with or without expert parallel). With expert parallel: collective
+  /// over the ep group in forward and backward (moe_ep.hpp), whatever T is.
   torch::Tensor forward(const torch::Tensor& x, const std::optional<torch::Tensor>& replay_ids_TK,
                         torch::Tensor* expert_ids_out, bool validate_replay = true);
+  /// Expert parallel over `ep` (held by reference; it must outlive the module): keeps experts
+  /// [j*E/P, (j+1)*E/P) of ep rank j, slicing experts->w_gate_up_EFD / w_down_EDF along E in
+  /// place (same parameter objects, now [E/P, ...]): call it once the full weights are in
+  /// place. The router stays whole. nullptr or a group of one rank: no-op. Throws
+  /// std::invalid_argument when E is not a multiple of P or the experts are already sliced.
+  void set_expert_parallel(parallel::Group* ep);
+  /// The ep group, or nullptr.
+  parallel::Group* expert_parallel() const { return ep_; }
   TopKRouter router{nullptr};
   GroupedExperts experts{nullptr};
   SwiGLU shared{nullptr};  ///< null when n_shared_experts == 0
+
+ private:
+  parallel::Group* ep_ = nullptr;
 };
 TORCH_MODULE(MoE);
 

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "model/checkpoint/safetensors.hpp"
+#include "parallel/group.hpp"
 #include "model/glm4_moe_lite/state_dict_adapter.hpp"
 
 namespace kiln::model::glm4_moe_lite {
@@ -134,7 +135,36 @@ ForwardOutput Glm4MoeLiteModel::forward_cached(const torch::Tensor& ids, const t
   return out;
 }
 
+void Glm4MoeLiteModel::set_expert_parallel(parallel::Group* ep) {
+  if (!ep || ep->size() == 1) return;
+  if (ep_) throw std::invalid_argument("set_expert_parallel: already set (ep group '" + ep_->name() + "')");
+  if (config_.moe.num_experts % ep->size() != 0)  // before any layer is sliced
+    throw std::invalid_argument("set_expert_parallel: " + std::to_string(config_.moe.num_experts) +
+                                " experts do not split over the " + std::to_string(ep->size()) + " ranks of ep group '" +
+                                ep->name() + "'");
+  for (auto& layer : layers)
+    if (layer->is_moe()) layer->moe->set_expert_parallel(ep);
+  ep_ = ep;
+}
+
+std::vector<torch::Tensor> Glm4MoeLiteModel::routed_expert_parameters() {
+  std::vector<torch::Tensor> out;
+  for (auto& layer : layers)
+    if (layer->is_moe()) {
+      out.push_back(layer->moe->experts->w_gate_up_EFD);
+      out.push_back(layer->moe->experts->w_down_EDF);
+    }
+  return out;
+}
+
+void Glm4MoeLiteModel::refuse_load_under_expert_parallel(const char* what) const {
+  if (ep_)
+    throw std::invalid_argument(std::string(what) + ": the model's experts are split over ep group '" + ep_->name() +
+                                "' (expert parallel): load the full weights before set_expert_parallel");
+}
+
 void Glm4MoeLiteModel::load_hf_tensors(const std::vector<messaging::Tensor>& tensors) {
+  refuse_load_under_expert_parallel("load_hf_tensors");
   load_hf_state_dict(*this, tensors);
 }
 
@@ -155,6 +185,7 @@ void Glm4MoeLiteModel::to_dtype(torch::Dtype dtype) {
 }
 
 void Glm4MoeLiteModel::load_hf_checkpoint(const std::string& dir) {
+  refuse_load_under_expert_parallel("load_hf_checkpoint");
   auto ckpt = checkpoint::Checkpoint::open(dir);
   load_hf_state_dict(*this, ckpt);
 }

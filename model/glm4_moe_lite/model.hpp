@@ -46,10 +46,16 @@ class Glm4MoeLiteModel : public CausalLM {
   int64_t num_moe_layers() const override { return config_.num_moe_layers(); }
   int64_t experts_per_token() const override { return config_.moe.top_k; }
   void load_hf_checkpoint(const std::string& dir) override;
+  /// With expert parallel: collective over the ep group, as hf_state_dict.
   void save_hf_checkpoint(const std::string& dir, uint64_t max_shard_bytes) override;
   void to_dtype(torch::Dtype dtype) override;
   void load_hf_tensors(const std::vector<messaging::Tensor>& tensors) override;
+  /// With expert parallel: collective over the ep group (each grouped expert tensor is
+  /// gathered, gather_experts), the full HF state on every ep rank.
   std::vector<messaging::Tensor> hf_state_dict() override;
+  void set_expert_parallel(parallel::Group* ep) override;
+  parallel::Group* expert_parallel() const override { return ep_; }
+  std::vector<torch::Tensor> routed_expert_parameters() override;
   std::vector<std::vector<std::string>> weight_sync_groups(bool hf_names = true) const override;
   void set_absorbed_decode(bool on) override {
     for (auto& l : layers) l->attn->set_absorbed_decode(on);
@@ -67,7 +73,9 @@ class Glm4MoeLiteModel : public CausalLM {
   torch::nn::Linear lm_head{nullptr};
 
  private:
+  void refuse_load_under_expert_parallel(const char* what) const;
   Glm4MoeLiteConfig config_;
+  parallel::Group* ep_ = nullptr;
 };
 
 /// Reads DIR/config.json, builds the model and loads DIR's weights. Throws

@@ -5,6 +5,7 @@
 #include <set>
 
 #include "messaging/torch_tensor.hpp"
+#include "model/blocks/moe_ep.hpp"
 #include "model/glm4_moe_lite/model.hpp"
 
 namespace kiln::model::glm4_moe_lite {
@@ -242,9 +243,14 @@ std::vector<messaging::Tensor> to_hf_state_dict(Glm4MoeLiteModel& model) {
   auto add = [&](const std::string& key, const torch::Tensor& t) {
     out.push_back(messaging::from_torch(key, t.detach().to(torch::kCPU).contiguous()));
   };
-  for (const auto& [name, t] : kiln_tensors(model)) {
+  for (const auto& [name, local] : kiln_tensors(model)) {
     auto s = source_of(name);
-    if (s.kind == Source::Kind::direct) add(s.hf, t);
+    if (s.kind == Source::Kind::direct) add(s.hf, local);
+    // Expert parallel: the full [E, ...] tensor from every ep rank's slice (collective, in
+    // kiln_tensors order on every rank).
+    const torch::Tensor t = s.kind != Source::Kind::direct && model.expert_parallel()
+                                ? gather_experts(local, *model.expert_parallel())
+                                : local;
     for (int64_t e = 0; s.kind == Source::Kind::gate_up && e < E; ++e) {  // split
       add(expert_key(s.layer, e, "gate_proj"), t[e].narrow(0, 0, F));
       add(expert_key(s.layer, e, "up_proj"), t[e].narrow(0, F, F));

@@ -51,7 +51,8 @@ void load_hf_state_dict(Glm4MoeLiteModel& model, const HfTensorSource& src);
 void load_hf_state_dict(Glm4MoeLiteModel& model, checkpoint::Checkpoint& ckpt);
 void load_hf_state_dict(Glm4MoeLiteModel& model, const std::vector<messaging::Tensor>& tensors);
 
-/// The model's weights under HF names (experts split per expert), on CPU, contiguous.
+/// The model's weights under HF names (experts split per expert), on CPU, contiguous. With expert
+/// parallel: collective over the ep group (the full experts gathered on every ep rank).
 std::vector<messaging::Tensor> to_hf_state_dict(Glm4MoeLiteModel& model);
 
 }  // namespace kiln::model::glm4_moe_lite
