@@ -1,5 +1,6 @@
 // Checksum (and copy) in one pass: 16-byte loads, per-thread uint64 sums, one atomic per block.
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAException.h>
 
 #include <algorithm>
@@ -56,6 +57,7 @@ __global__ void __launch_bounds__(kThreads) checksum_copy_kernel(const uint16_t*
 }  // namespace
 
 void checksum_copy(const void* src, void* dst, int64_t halves, at::Tensor& out, bool zero) {
+  const c10::cuda::CUDAGuard guard(out.device());  // launch on the tensors' GPU, not the current one
   if (zero) out.zero_();
   if (halves == 0) return;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;

@@ -1,5 +1,6 @@
 // Fused log-prob / entropy over the vocabulary: one block per row.
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAException.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -163,6 +164,7 @@ void dispatch(at::ScalarType t, at::ScalarType k, F f) {
 void logprob_forward(const at::Tensor& z, const at::Tensor& targets, at::Tensor& logp, at::Tensor& lse,
                      at::Tensor* entropy, at::Tensor* mean_z, at::Tensor* keep, at::Tensor* keep_lse,
                      at::Tensor* keep_mean_z, at::ScalarType model_dtype) {
+  const c10::cuda::CUDAGuard guard(z.device());  // launch on the tensors' GPU, not the current one
   const int64_t n = z.size(0), V = z.size(1);
   if (n == 0) return;
   auto stream = at::cuda::getCurrentCUDAStream();
@@ -180,6 +182,7 @@ void logprob_forward(const at::Tensor& z, const at::Tensor& targets, at::Tensor&
 
 void logprob_backward(const at::Tensor& z, const at::Tensor& targets, const at::Tensor& lse, const at::Tensor& g_lp,
                       const at::Tensor* g_ent, const at::Tensor* mean_z, at::Tensor& dz) {
+  const c10::cuda::CUDAGuard guard(z.device());  // launch on the tensors' GPU, not the current one
   const int64_t n = z.size(0), V = z.size(1);
   if (n == 0) return;
   auto stream = at::cuda::getCurrentCUDAStream();

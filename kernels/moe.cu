@@ -1,5 +1,6 @@
 // Router top-k: sigmoid + score-correction bias + K rounds of warp arg-max, one warp per token.
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAException.h>
 
 #include "kernels/moe_cuda.hpp"
@@ -43,6 +44,7 @@ __global__ void router_topk_kernel(const float* __restrict__ logits, const float
 }  // namespace
 
 void router_topk(const at::Tensor& logits, const at::Tensor& bias, at::Tensor& ids) {
+  const c10::cuda::CUDAGuard guard(logits.device());  // launch on the tensors' GPU, not the current one
   const int64_t T = logits.size(0);
   const int E = int(logits.size(1)), K = int(ids.size(1));
   TORCH_CHECK(E <= 32 * kMaxPerLane, "router_topk: at most ", 32 * kMaxPerLane, " experts, got ", E);

@@ -1,6 +1,7 @@
 // Fused RMSNorm kernels: one block per row, fp32 accumulation, warp-shuffle reductions.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
 #include <c10/cuda/CUDAException.h>
@@ -106,6 +107,7 @@ void dispatch(at::ScalarType t, F f) {
 }  // namespace
 
 void rms_norm_forward(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& y, at::Tensor& rstd) {
+  const c10::cuda::CUDAGuard guard(x.device());  // launch on the tensors' GPU, not the current one
   RmsNormParams p{x.data_ptr(), w.data_ptr(), nullptr, y.data_ptr(), rstd.data_ptr<float>(), nullptr,
                   x.size(0), x.size(1), float(eps)};
   if (p.rows == 0) return;
@@ -118,6 +120,7 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& w, double eps, at::
 
 void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, const at::Tensor& rstd,
                        at::Tensor& dx, at::Tensor& dw_fp32) {
+  const c10::cuda::CUDAGuard guard(x.device());  // launch on the tensors' GPU, not the current one
   if (x.size(0) == 0) return;
   const size_t smem = size_t(x.size(1)) * sizeof(float);
   TORCH_CHECK(smem <= 48 * 1024, "rms_norm backward: D = ", x.size(1), " over the kernel's limit of 12288");
