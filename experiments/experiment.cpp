@@ -144,6 +144,7 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   text("placement.trainer", c.placement.trainer);
   text("placement.rollout_device", c.placement.rollout_device);
   integer("parallel.dp", c.parallel.dp);
+  integer("parallel.ep", c.parallel.ep);
   integer("parallel.master_port", c.parallel.master_port);
   integer("parallel.store_timeout_s", c.parallel.store_timeout_s);
   integer("parallel.collective_timeout_s", c.parallel.collective_timeout_s);

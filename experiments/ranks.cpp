@@ -124,7 +124,7 @@ int serve_trainer_rank(parallel::ProcessGroups& groups) {
     std::fprintf(stderr, "%s: %s\n", me.c_str(), e.what());
     return 2;
   }
-  trainer::TrainerService service(*gw, "trainer/" + r, &groups.along("dp"));
+  trainer::TrainerService service(*gw, "trainer/" + r, &groups);
   std::mutex mu;
   std::condition_variable cv;
   std::deque<messaging::Envelope> queue;
@@ -185,21 +185,21 @@ int run_ranks(const controller::Config& c, const std::string& config_toml, const
     std::fprintf(stderr, "kiln run: %s\n", e.what());
     return 2;
   }
-  const int dp = int(c.parallel.dp);
-  if (info.launcher == parallel::Launcher::single && dp == 1) return controller::run(c, config_toml);
+  const int dp = int(c.parallel.dp), ep = int(c.parallel.ep), world = dp * ep;
+  if (info.launcher == parallel::Launcher::single && world == 1) return controller::run(c, config_toml);
   std::vector<pid_t> started;
   if (info.launcher == parallel::Launcher::single) {
     try {
-      info = {parallel::Launcher::single, 0, dp, 0, dp, "127.0.0.1",
+      info = {parallel::Launcher::single, 0, world, 0, world, "127.0.0.1",
               c.parallel.master_port > 0 ? int(c.parallel.master_port) : parallel::free_loopback_port(), false};
       started = start_ranks(info, argv);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "kiln run: %s\n", e.what());
       return 2;
     }
-  } else if (info.world_size != dp) {
-    std::fprintf(stderr, "kiln run: parallel.dp = %d, but %s started %d ranks (they must be equal)\n", dp,
-                 parallel::launcher_name(info.launcher), info.world_size);
+  } else if (info.world_size != world) {
+    std::fprintf(stderr, "kiln run: parallel.dp x parallel.ep = %d x %d = %d, but %s started %d ranks (they must be equal)\n",
+                 dp, ep, world, parallel::launcher_name(info.launcher), info.world_size);
     return 2;
   }
   const std::string who = "kiln run: rank " + std::to_string(info.rank);
@@ -215,7 +215,7 @@ int run_ranks(const controller::Config& c, const std::string& config_toml, const
   std::unique_ptr<parallel::ProcessGroups> groups;
   try {
     groups = std::make_unique<parallel::ProcessGroups>(
-        info, device, std::vector<parallel::MeshDim>{{"dp", dp}},
+        info, device, std::vector<parallel::MeshDim>{{"dp", dp}, {"ep", ep}},
         parallel::GroupOptions{std::chrono::seconds(c.parallel.store_timeout_s),
                                std::chrono::seconds(c.parallel.collective_timeout_s)});
   } catch (const std::exception& e) {
@@ -230,7 +230,7 @@ int run_ranks(const controller::Config& c, const std::string& config_toml, const
     auto& store = groups->store();
     store.set(kRunOverKey, std::to_string(rc));
     std::vector<std::string> done;
-    for (int r = 1; r < dp; ++r) done.push_back(kRankDoneKey + std::to_string(r));
+    for (int r = 1; r < world; ++r) done.push_back(kRankDoneKey + std::to_string(r));
     store.wait(done, std::chrono::seconds(10));
   } catch (const std::exception& e) {  // a rank that is gone (the run said so already)
     std::fprintf(stderr, "%s: not every rank confirmed the end of the run: %s\n", who.c_str(), e.what());

@@ -92,6 +92,11 @@ struct ParallelConfig {
   /// controller, the engines and the reference. Under torchrun or srun it must equal the
   /// launcher's world size; without a launcher `kiln run` starts ranks 1..dp-1 itself.
   int64_t dp = 1;
+  /// Expert-parallel ranks per data-parallel replica: the routed experts split over `ep` ranks
+  /// (all-to-all dispatch), the job then has dp x ep ranks, each training its share of the
+  /// batch (torchtitan's mesh: ep borrows ranks from data parallel). Checkpoints of an
+  /// expert-parallel trainer are not written yet (run.checkpoint_every must be 0).
+  int64_t ep = 1;
   /// Without a launcher: the TCPStore's port on 127.0.0.1 (0: a free port).
   int64_t master_port = 0;
   int64_t store_timeout_s = 300;       ///< rendezvous: every rank connected, each group made

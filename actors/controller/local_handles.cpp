@@ -24,13 +24,14 @@ std::vector<trainer::Sample> as_samples(const std::vector<rollout::Completion>& 
 }  // namespace
 
 LocalTrainer::LocalTrainer(std::shared_ptr<model::CausalLM> policy, const trainer::TrainerConfig& config,
-                           messaging::Gateway& gateway, uint64_t bucket_bytes, parallel::Group* data_parallel)
-    : policy_(policy), trainer_(std::move(policy), config, data_parallel), gw_(gateway), bucket_bytes_(bucket_bytes) {}
+                           messaging::Gateway& gateway, uint64_t bucket_bytes, parallel::ProcessGroups* ranks)
+    : policy_(policy), trainer_(trainer::make_trainer(std::move(policy), config, ranks)), gw_(gateway),
+      bucket_bytes_(bucket_bytes) {}
 
-trainer::StepMetrics LocalTrainer::train(std::vector<trainer::Sample> samples) { return trainer_.step(std::move(samples)); }
+trainer::StepMetrics LocalTrainer::train(std::vector<trainer::Sample> samples) { return trainer_->step(std::move(samples)); }
 
 PolicyWeights LocalTrainer::weights(bool copy) {
-  PolicyWeights w{trainer_.version(), {}};
+  PolicyWeights w{trainer_->version(), {}};
   for (auto& t : policy_->hf_state_dict())
     w.tensors.push_back(copy ? messaging::Tensor::copy_of(t.name, t.dtype, t.shape, t.data, t.nbytes) : t);
   return w;
@@ -46,17 +47,17 @@ void LocalTrainer::send(const PolicyWeights& w, const std::vector<std::string>& 
 }
 
 void LocalTrainer::send_collective(weight_sync::CollectiveSender& sender) {
-  sender.send(*policy_, trainer_.version(), bucket_bytes_, policy_->weight_sync_groups(/*hf_names=*/false));
+  sender.send(*policy_, trainer_->version(), bucket_bytes_, policy_->weight_sync_groups(/*hf_names=*/false));
 }
 
 void LocalTrainer::save(const std::filesystem::path& dir, const trainer::CheckpointState& state) {
   auto s = state;
-  s.policy_version = trainer_.version();
-  trainer::save_checkpoint(dir, *policy_, trainer_, s);
+  s.policy_version = trainer_->version();
+  trainer::save_checkpoint(dir, *policy_, *trainer_, s);
 }
 
 trainer::CheckpointState LocalTrainer::load(const std::filesystem::path& dir) {
-  return trainer::load_checkpoint(dir, *policy_, trainer_);
+  return trainer::load_checkpoint(dir, *policy_, *trainer_);
 }
 
 LocalEngine::LocalEngine(std::shared_ptr<model::CausalLM> model, const rollout::EngineOptions& options,

@@ -17,10 +17,10 @@ namespace kiln::controller {
 class LocalTrainer : public TrainerHandle {
  public:
   /// `gateway`: where weights are sent from; `bucket_bytes`: weight-sync bucket size;
-  /// `data_parallel`: data-parallel rank 0's group (trainer_ranks.hpp), or none.
+  /// `ranks`: trainer rank 0's process groups (trainer_ranks.hpp), or none (one rank).
   LocalTrainer(std::shared_ptr<model::CausalLM> policy, const trainer::TrainerConfig& config,
-               messaging::Gateway& gateway, uint64_t bucket_bytes, parallel::Group* data_parallel = nullptr);
-  int64_t version() const override { return trainer_.version(); }
+               messaging::Gateway& gateway, uint64_t bucket_bytes, parallel::ProcessGroups* ranks = nullptr);
+  int64_t version() const override { return trainer_->version(); }
   int64_t vocab_size() const override { return policy_->vocab_size(); }
   trainer::StepMetrics train(std::vector<trainer::Sample> samples) override;
   PolicyWeights weights(bool copy) override;
@@ -32,7 +32,7 @@ class LocalTrainer : public TrainerHandle {
 
  private:
   std::shared_ptr<model::CausalLM> policy_;
-  trainer::Trainer trainer_;
+  std::unique_ptr<trainer::Trainer> trainer_;
   messaging::Gateway& gw_;
   uint64_t bucket_bytes_;
 };

@@ -11,8 +11,8 @@ Actors place_actors(const Config& c, const NodeSite& site, parallel::ProcessGrou
   auto registry = model::Registry::with_plugins();
   Actors a;
   torch::manual_seed(uint64_t(c.run.seed));  // the trainer node seeds its policy the same way
-  if (c.parallel.dp > 1) {
-    if (!ranks) throw std::logic_error("parallel.dp > 1 without the ranks' process groups");
+  if (c.parallel.dp * c.parallel.ep > 1) {
+    if (!ranks) throw std::logic_error("several trainer ranks without their process groups");
     a.trainer = std::make_unique<DataParallelTrainer>(c, *ranks, site.gateway);
   } else if (p.trainer == "process")
     a.trainer = std::make_unique<RemoteTrainer>(site, c);

@@ -16,9 +16,11 @@ constexpr auto kTrainTimeout = std::chrono::seconds(3600);
 }  // namespace
 
 DataParallelTrainer::DataParallelTrainer(const Config& c, parallel::ProcessGroups& groups, Gateway& gateway)
-    : gw_(gateway), collective_timeout_(std::chrono::seconds(c.parallel.collective_timeout_s)) {
+    : gw_(gateway),
+      collective_timeout_(std::chrono::seconds(c.parallel.collective_timeout_s)),
+      expert_parallel_(groups.along("ep").size() > 1) {
   auto& store = groups.store();
-  const int world = groups.along("dp").size();
+  const int world = groups.world().size();
   for (int r = 1; r < world; ++r) {
     const std::string key = kTrainerRankEndpointKey + std::to_string(r);
     try {
@@ -37,8 +39,7 @@ DataParallelTrainer::DataParallelTrainer(const Config& c, parallel::ProcessGroup
       [&] {
         // As a one-rank run builds its policy (place_actors seeded it); ranks 1.. do the same.
         local_ = std::make_unique<LocalTrainer>(model::Registry::with_plugins().build(c.model), c.trainer_for_run(),
-                                                gateway, uint64_t(c.weight_sync.bucket_mib * (1 << 20)),
-                                                &groups.along("dp"));
+                                                gateway, uint64_t(c.weight_sync.bucket_mib * (1 << 20)), &groups);
       },
       kRequestTimeout);
 }
@@ -94,6 +95,17 @@ trainer::StepMetrics DataParallelTrainer::train(std::vector<trainer::Sample> sam
       TrainerTrain::kType.data(), [&](const std::string& to) { return trainer::train_request(samples, "controller", to); },
       [&] { m = local_->train(samples); }, kTrainTimeout);
   return m;
+}
+
+PolicyWeights DataParallelTrainer::weights(bool copy) {
+  if (!expert_parallel_) return local_->weights(copy);
+  PolicyWeights w;
+  const TrainerGatherWeights q{local_->version()};
+  on_all_ranks(
+      TrainerGatherWeights::kType.data(),
+      [&](const std::string& to) { return make_envelope(q, Kind::request, "controller", to); },
+      [&] { w = local_->weights(copy); }, kRequestTimeout);
+  return w;
 }
 
 void DataParallelTrainer::save(const std::filesystem::path& dir, const trainer::CheckpointState& state) {

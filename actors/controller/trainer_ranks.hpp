@@ -1,13 +1,16 @@
 #pragma once
-// The data-parallel trainer as the controller sees it (parallel.dp > 1). Rank 0 trains in the
-// controller's process (a LocalTrainer over the dp group) and drives ranks 1..dp-1, each a
+// The trainer over several ranks as the controller sees it (parallel.dp x parallel.ep > 1).
+// Rank 0 trains in the controller's process (a LocalTrainer over the ranks' mesh: data
+// parallel, or expert parallel when ep > 1) and drives ranks 1..W-1, each a
 // TrainerService in its own process (experiments/ranks.hpp, actor trainer/R): every request
 // that changes the policy (init, train, load, save) goes to every other rank first, then all
 // of them run it together, meeting in the group's collectives. ZeroMQ carries the requests,
 // c10d (Gloo on CPU, NCCL on CUDA) the tensors. Each rank publishes its ZeroMQ endpoint in the
 // job's TCPStore (key kTrainerRankEndpointKey + R), so the actor graph needs no second
-// rendezvous. Rank 0 holds the whole policy (ZeRO-2: only gradients and AdamW state are
-// sharded), so weights for the engines and the reference come from it alone.
+// rendezvous. Rank 0 holds the whole dense policy (ZeRO-2: only gradients and AdamW state are
+// sharded), so weights for the engines and the reference come from it; with expert parallel
+// every rank takes part in gathering the full experts (trainer.gather_weights) while rank 0
+// reads them.
 #include <chrono>
 #include <memory>
 #include <string>
@@ -27,7 +30,7 @@ inline constexpr const char* kRankDoneKey = "rank_done/";
 
 class DataParallelTrainer : public TrainerHandle {
  public:
-  /// `groups`: rank 0's process groups with mesh dimension "dp" (held by reference). Waits up to
+  /// `groups`: rank 0's process groups with mesh dimensions "dp" and "ep" (held by reference). Waits up to
   /// config.parallel.store_timeout_s for every rank's endpoint, sends each trainer.init, then
   /// builds rank 0's policy (seeded as a one-rank run) and trainer; every rank's parameters
   /// become rank 0's. Throws std::runtime_error naming a rank that published no endpoint or
@@ -40,7 +43,8 @@ class DataParallelTrainer : public TrainerHandle {
   /// longer agree); rank 0's own refusal of the batch as LocalTrainer does (every rank
   /// refuses it alike).
   trainer::StepMetrics train(std::vector<trainer::Sample> samples) override;
-  PolicyWeights weights(bool copy) override { return local_->weights(copy); }
+  /// Expert parallel: collective over the ranks (they gather the full experts with rank 0).
+  PolicyWeights weights(bool copy) override;
   void send(const PolicyWeights& w, const std::vector<std::string>& targets) override { local_->send(w, targets); }
   torch::Device policy_device() const override { return local_->policy_device(); }
   void send_collective(weight_sync::CollectiveSender& sender) override { local_->send_collective(sender); }
@@ -60,6 +64,7 @@ class DataParallelTrainer : public TrainerHandle {
   messaging::Gateway& gw_;
   std::vector<std::string> actors_, endpoints_;  ///< [R - 1]: trainer/R and where it listens
   std::chrono::milliseconds collective_timeout_;
+  bool expert_parallel_ = false;
   std::unique_ptr<LocalTrainer> local_;
 };
 

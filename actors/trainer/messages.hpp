@@ -91,7 +91,17 @@ struct TrainerSave {
   MSGPACK_DEFINE_MAP(dir, step, prompt_rng);
 };
 
+/// To a trainer rank other than 0 of an expert-parallel trainer (experiments/ranks.hpp): take
+/// part in gathering the full experts while rank 0 reads the policy's HF weights (its
+/// hf_state_dict is collective over ep). Answered with TrainerPushed.
+struct TrainerGatherWeights {
+  static constexpr std::string_view kType = "trainer.gather_weights";
+  static constexpr uint32_t kVersion = 1;
+  int64_t version = 0;  ///< the version rank 0 reads (checked)
+  MSGPACK_DEFINE_MAP(version);
+};
+
 /// Every type above is spoken by a program that includes this header.
-inline const bool kTrainerMessages = declare_message_types<TrainerInit, TrainerReady, TrainerLoad, TrainerTrain, TrainerStepResult, TrainerPushWeights, TrainerPushed, TrainerSave>();
+inline const bool kTrainerMessages = declare_message_types<TrainerInit, TrainerReady, TrainerLoad, TrainerTrain, TrainerStepResult, TrainerPushWeights, TrainerPushed, TrainerSave, TrainerGatherWeights>();
 
 }  // namespace kiln::messaging

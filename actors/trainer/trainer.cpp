@@ -217,6 +217,15 @@ std::vector<std::vector<std::size_t>> split_samples(const std::vector<Sample>& s
   return out;
 }
 
+std::unique_ptr<Trainer> make_trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config,
+                                      parallel::ProcessGroups* ranks) {
+  if (!ranks) return std::make_unique<Trainer>(std::move(policy), std::move(config));
+  auto& ep = ranks->along("ep");
+  if (ep.size() == 1) return std::make_unique<Trainer>(std::move(policy), std::move(config), &ranks->along("dp"));
+  return std::make_unique<Trainer>(std::move(policy), std::move(config), ranks->world(),
+                                   ExpertParallel{&ep, &ranks->along("dp")});
+}
+
 Trainer::Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config, parallel::Group* data_parallel)
     : policy_(std::move(policy)), c_(config), dp_(data_parallel) {
   c_.validate();

@@ -15,6 +15,7 @@
 #include "actors/trainer/trainer_config.hpp"
 #include "model/causal_lm.hpp"
 #include "parallel/group.hpp"
+#include "parallel/process_group.hpp"
 
 namespace kiln::trainer {
 
@@ -148,6 +149,13 @@ class Trainer {
   std::vector<std::size_t> low_precision_;       ///< indices with a separate fp32 master
   int64_t version_ = 0;
 };
+
+/// The trainer of this rank of `ranks`' mesh (dimensions "dp" and "ep"; kiln run's trainer
+/// ranks): without ranks, one rank; with ep of size 1, data parallel over "dp"; else expert
+/// parallel over the world with the experts split over "ep" and replicated over "dp".
+/// Collective over `ranks` (as the constructors are).
+std::unique_ptr<Trainer> make_trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config,
+                                      parallel::ProcessGroups* ranks);
 
 /// Per-completion-token log-probs of `samples` under `model` (no grad), e.g. the reference
 /// policy: result[i] has samples[i].completion.size() values. An expert-parallel model

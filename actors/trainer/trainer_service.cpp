@@ -23,15 +23,15 @@ struct TrainerService::State {
   TrainerInit init;
   std::shared_ptr<model::CausalLM> policy;
   std::unique_ptr<Trainer> trainer;
-  parallel::Group* dp = nullptr;
+  parallel::ProcessGroups* ranks = nullptr;
   State(Gateway& g, std::string n) : gw(g), name(std::move(n)) {}
 };
 
 TrainerService::TrainerService(Gateway& gateway, const std::string& name)
     : s_(std::make_unique<State>(gateway, name)) {}
-TrainerService::TrainerService(Gateway& gateway, const std::string& name, parallel::Group* data_parallel)
+TrainerService::TrainerService(Gateway& gateway, const std::string& name, parallel::ProcessGroups* ranks)
     : s_(std::make_unique<State>(gateway, name)) {
-  s_->dp = data_parallel;
+  s_->ranks = ranks;
 }
 TrainerService::~TrainerService() = default;
 
@@ -103,13 +103,14 @@ Expected<Envelope> TrainerService::handle(const Envelope& request) {
       // As a one-process run builds its policy: the same seed, then the same registry call.
       torch::manual_seed(uint64_t(init->seed));
       auto policy = model::Registry::with_plugins().build(init->model);
-      s_->trainer = std::make_unique<Trainer>(policy, init->trainer, s_->dp);
+      s_->trainer = make_trainer(policy, init->trainer, s_->ranks);
       s_->policy = std::move(policy);
       s_->init = *init;
       return reply(TrainerReady{s_->trainer->version(), s_->policy->vocab_size()});
     }
     const bool known = request.type == TrainerLoad::kType || request.type == TrainerTrain::kType ||
-                       request.type == TrainerPushWeights::kType || request.type == TrainerSave::kType;
+                       request.type == TrainerPushWeights::kType || request.type == TrainerSave::kType ||
+                       request.type == TrainerGatherWeights::kType;
     if (!known)
       return make_error(ErrorCode::unknown_type,
                         "actor '" + request.receiver + "' does not handle '" + request.type + "'");
@@ -127,6 +128,16 @@ Expected<Envelope> TrainerService::handle(const Envelope& request) {
       if (!samples) return samples.error();
       auto m = s_->trainer->step(std::move(*samples));
       return reply(TrainerStepResult{m, s_->trainer->version()});
+    }
+    if (request.type == TrainerGatherWeights::kType) {
+      auto q = payload_as<TrainerGatherWeights>(request);
+      if (!q) return q.error();
+      if (q->version != s_->trainer->version())
+        return make_error(ErrorCode::remote_error, "trainer.gather_weights: rank 0 reads version " +
+                                                       std::to_string(q->version) + ", this rank holds " +
+                                                       std::to_string(s_->trainer->version()));
+      (void)s_->policy->hf_state_dict();  // this rank's part of the gather; rank 0 keeps the result
+      return reply(TrainerPushed{s_->trainer->version()});
     }
     if (request.type == TrainerPushWeights::kType) {
       auto q = payload_as<TrainerPushWeights>(request);

@@ -27,9 +27,10 @@ class TrainerService {
  public:
   /// `gateway`: where trainer.push_weights sends from; `name`: this actor's logical name.
   TrainerService(messaging::Gateway& gateway, const std::string& name);
-  /// A data-parallel rank: trainer.init builds Trainer(policy, config, data_parallel), so
-  /// init, load, train and save are collective over the group (held by reference).
-  TrainerService(messaging::Gateway& gateway, const std::string& name, parallel::Group* data_parallel);
+  /// A trainer rank of kiln run (experiments/ranks.hpp): trainer.init builds make_trainer(policy,
+  /// config, ranks), so init, load, train, save and trainer.gather_weights are collective over
+  /// the ranks (held by reference).
+  TrainerService(messaging::Gateway& gateway, const std::string& name, parallel::ProcessGroups* ranks);
   ~TrainerService();
   /// Errors name what was wrong: a request before trainer.init, a bad setting, a sample whose
   /// sizes do not fit (log-probs vs tokens, routed-experts tensors vs samples), token ids out

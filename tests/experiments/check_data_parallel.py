@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""The data-parallel trainer through `kiln run` (parallel.dp; Gloo on CPU):
-1. dp 1, 2 and 4 (ranks started by kiln run itself), 5 RL steps of the default experiment:
+"""The trainer over several ranks through `kiln run` (parallel.dp, parallel.ep; Gloo on CPU):
+1. dp 1, 2 and 4, ep 2 (dp 1) and dp 2 x ep 2 (ranks started by kiln run itself), 5 RL steps of
+   the default experiment:
    steps 1 and 2 give the same metrics (relative error <= 1e-4: the same rollouts, then the
    rollouts of the policy each trained, synced from rank 0); steps 3-5 stay close (entropy
    within 1e-3, KL within 5%) but are not equal: a few sampled tokens differ once fp32
@@ -59,10 +60,12 @@ def run(name, *args, timeout=600):
 for dp in (1, 2, 4):
     run(f"dp{dp}", "--set", "run.steps=5", "--set", f"parallel.dp={dp}")
 run("dp2_again", "--set", "run.steps=5", "--set", "parallel.dp=2")
+run("ep2", "--set", "run.steps=5", "--set", "parallel.ep=2")
+run("dp2_ep2", "--set", "run.steps=5", "--set", "parallel.dp=2", "--set", "parallel.ep=2")
 if all(ok for ok, _ in checks):
     base = [numbers(r) for r in metrics(f"{work}/dp1")]
-    for dp in (2, 4):
-        got = [numbers(r) for r in metrics(f"{work}/dp{dp}")]
+    for dp in (2, 4, "ep2", "dp2_ep2"):
+        got = [numbers(r) for r in metrics(f"{work}/{dp if isinstance(dp, str) else f'dp{dp}'}")]
         checks.append((len(got) == len(base) == 5, f"dp {dp}: 5 steps logged"))
         for step, (x, y) in enumerate(zip(base, got), 1):
             if step <= 2:
@@ -174,11 +177,12 @@ def refused(args, fragment, extra_env=None):
                        text=True, timeout=120, env=e)
     checks.append((p.returncode == 2 and fragment in p.stderr, f"refused ({p.returncode}) naming '{fragment}': {p.stderr[-300:]}"))
 
-refused(["--set", "parallel.dp=3"], "parallel.dp = 3, but torchrun started 2 ranks",
+refused(["--set", "parallel.dp=3"], "parallel.dp x parallel.ep = 3 x 1 = 3, but torchrun started 2 ranks",
         {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
 refused(["--set", "parallel.dp=2", "--set", "placement.mode=multi_process", "--set", "placement.reference=process",
          "--set", "placement.trainer=process"], "parallel.dp")
 refused(["--set", "parallel.dp=0"], "parallel.dp")
+refused(["--set", "parallel.ep=2", "--set", "run.checkpoint_every=2"], "run.checkpoint_every")
 
 failed = [w for ok, w in checks if not ok]
 for w in failed:
