@@ -2,6 +2,7 @@
 
 #include <future>
 #include <map>
+#include <algorithm>
 #include <stdexcept>
 
 #include "actors/weight_sync/messages.hpp"
@@ -191,60 +192,79 @@ Expected<Envelope> CollectiveReceiver::receive(const Envelope& request, torch::n
   auto named = named_tensors(model);
   torch::NoGradGuard no_grad;
   const auto device = named.empty() ? torch::Device(torch::kCPU) : named.begin()->second.device();
+  // 1. The plan against this model, on the host, before anything arrives: every tensor known
+  // here, of the same size, inside its bucket. A bad plan is still received (the broadcasts
+  // must go on for the group to stay usable) but nothing of it is written.
   std::string bad;
+  std::vector<std::vector<std::pair<int64_t, torch::Tensor>>> places(p->buckets.size());  // (offset, own tensor)
   std::size_t k = 0;
-  bool wrote = false;
+  for (std::size_t b = 0; b < p->buckets.size(); ++b) {
+    int64_t offset = 0;
+    for (const auto& name : p->buckets[b]) {
+      const int64_t n = p->nbytes[k++];
+      auto it = named.find(name);
+      if (it == named.end()) bad += (bad.empty() ? "" : ", ") + name + " (unknown to this engine)";
+      else if (nbytes(it->second) != n || offset + n > p->bucket_bytes[b])
+        bad += (bad.empty() ? "" : ", ") + name + " (" + std::to_string(n) + " bytes sent, " +
+               std::to_string(nbytes(it->second)) + " here)";
+      else places[b].emplace_back(offset, it->second);
+      offset += aligned(n);
+    }
+  }
+  // 2. Every bucket, checked and written on the device without a host read in between (so the
+  // next broadcast is posted at once): a tensor is overwritten only while `ok` holds, i.e.
+  // this bucket and every one before it matched the sender's checksums.
+  std::vector<torch::Tensor> same(p->buckets.size());
   try {
     auto& world = group_->world();
+    auto ok = torch::ones({}, torch::TensorOptions().dtype(torch::kBool).device(device));
     for (std::size_t b = 0; b < p->buckets.size(); ++b) {
       auto buffer = torch::empty({p->bucket_bytes[b]}, torch::TensorOptions().dtype(torch::kUInt8).device(device));
       auto want = torch::empty({int64_t(p->buckets[b].size())}, torch::TensorOptions().dtype(torch::kInt64).device(device));
       world.broadcast(buffer, 0);
       world.broadcast(want, 0);
-      if (!bad.empty()) {  // a bucket before failed: receive the rest, write nothing more
-        k += p->buckets[b].size();
-        continue;
-      }
-      // Each tensor's place, checked against this model first.
-      std::vector<std::pair<torch::Tensor, torch::Tensor>> writes;  // (received view, own tensor)
-      int64_t offset = 0;
-      for (const auto& name : p->buckets[b]) {
-        const int64_t n = p->nbytes[k++];
-        auto it = named.find(name);
-        if (it == named.end()) bad += (bad.empty() ? "" : ", ") + name + " (unknown to this engine)";
-        else if (nbytes(it->second) != n || offset + n > p->bucket_bytes[b])
-          bad += (bad.empty() ? "" : ", ") + name + " (" + std::to_string(n) + " bytes sent, " +
-                 std::to_string(nbytes(it->second)) + " here)";
-        else writes.emplace_back(slot(buffer, offset, it->second), it->second);
-        offset += aligned(n);
-      }
       if (!bad.empty()) continue;
       auto got = torch::zeros_like(want);
-      for (std::size_t i = 0; i < writes.size(); ++i) {
+      std::vector<torch::Tensor> received;
+      for (std::size_t i = 0; i < places[b].size(); ++i) {
+        received.push_back(slot(buffer, places[b][i].first, places[b][i].second));
         auto acc = got[int64_t(i)];
-        kernels::checksum_add(writes[i].first, acc);
+        kernels::checksum_add(received.back(), acc);
       }
-      auto same = torch::eq(got, want).to(torch::kCPU);
-      for (std::size_t i = 0; i < writes.size(); ++i)
-        if (!same[int64_t(i)].item<bool>()) bad += (bad.empty() ? "" : ", ") + p->buckets[b][i] + " (checksum differs)";
-      if (!bad.empty()) continue;
-      for (auto& [received, own] : writes) own.copy_(received);
-      wrote = true;
+      same[b] = torch::eq(got, want);
+      ok = ok.logical_and(same[b].all());
+      for (std::size_t i = 0; i < received.size(); ++i) {
+        auto& own = places[b][i].second;
+        at::where_out(own, ok, received[i], own);  // own stays as it was unless ok
+      }
     }
     if (device.is_cuda()) torch::cuda::synchronize(device.index());
   } catch (const std::exception& e) {  // the group is broken (a lost trainer): join again first
     group_.reset();
-    torn_ = torn_ || wrote;
+    torn_ = true;  // some buckets may have been written before the failure
     return make_error(ErrorCode::remote_error, "weight_sync.collective of version " + std::to_string(p->version) +
-                                                   ": " + e.what());
+                                                   ": " + e.what() + " (the engine holds a mix of versions until one arrives whole)");
+  }
+  if (!bad.empty())
+    return make_error(ErrorCode::remote_error, "weight_sync.collective of version " + std::to_string(p->version) +
+                                                   ": not applied: " + bad);
+  // 3. One host read: which buckets matched.
+  std::size_t first_failed = p->buckets.size();
+  for (std::size_t b = 0; b < p->buckets.size(); ++b) {
+    auto s_b = same[b].to(torch::kCPU);
+    for (std::size_t i = 0; i < p->buckets[b].size(); ++i)
+      if (!s_b[int64_t(i)].item<bool>()) {
+        bad += (bad.empty() ? "" : ", ") + p->buckets[b][i] + " (checksum differs)";
+        first_failed = std::min(first_failed, b);
+      }
   }
   if (!bad.empty()) {
-    torn_ = torn_ || wrote;
-    return make_error(ErrorCode::remote_error, "weight_sync.collective of version " + std::to_string(p->version) +
-                                                   ": not applied: " + bad +
-                                                   (wrote ? " (earlier buckets were written: the engine holds a mix "
-                                                            "of versions until one arrives whole)"
-                                                          : ""));
+    torn_ = torn_ || first_failed > 0;
+    return make_error(ErrorCode::remote_error,
+                      "weight_sync.collective of version " + std::to_string(p->version) + ": not applied: " + bad +
+                          (first_failed > 0 ? " (the buckets before it were written: the engine holds a mix of "
+                                              "versions until one arrives whole)"
+                                            : ""));
   }
   torn_ = false;
   return make_envelope(WeightSyncAck{p->version, int64_t(tensors)}, Kind::reply, request.receiver, request.sender);
