@@ -80,6 +80,9 @@ class RolloutEngines {
   /// decode steps: sequences in flight continue with the new weights). Throws
   /// std::runtime_error naming the engine that failed.
   virtual void load(const PolicyWeights& w, TrainerHandle& trainer) = 0;
+  /// Whether load() reads PolicyWeights::tensors; false when the trainer sends the engines its
+  /// own tensors (collective weight sync), so the HF-named copy need not be made.
+  virtual bool needs_tensors() const { return true; }
 };
 
 /// The frozen reference policy (the run's initial weights) for the KL term and metric.

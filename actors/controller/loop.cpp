@@ -120,6 +120,12 @@ int64_t resume(const Config& c, TrainerHandle& trainer, Prompts& prompts, std::v
   return state.step + 1;
 }
 
+// The current version as the engines take it: with its HF-named tensors unless they get the
+// trainer's own (collective weight sync).
+PolicyWeights engine_weights(Actors& a, bool copy) {
+  return a.engines->needs_tensors() ? a.trainer->weights(copy) : PolicyWeights{a.trainer->version(), {}};
+}
+
 // What a run holds from start to end; start() fills it.
 struct Session {
   Session(const Config& c, const std::string& tag)
@@ -184,7 +190,7 @@ int start(Session& s, const Config& c, const std::string& config_toml, const std
   if (c.run.overwrite && c.run.resume_from.empty()) fs::remove_all(dir / "checkpoints");  // the replaced run's
   std::ofstream(dir / "config.toml") << config_toml;
   try {  // the engines start from the trainer's current version (initial, or resumed)
-    s.actors.engines->load(trainer.weights(false), trainer);
+    s.actors.engines->load(engine_weights(s.actors, false), trainer);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kiln run: %s\n", e.what());
     return 1;
@@ -267,7 +273,7 @@ int run(const Config& c, const std::string& config_toml, parallel::ProcessGroups
       try {  // k = 0: into the engines now; k > 0: the rollout thread loads them between decode steps
         const Stopwatch t;
         if (row.train.skipped_nonfinite) rollouts.consumed(step, std::nullopt);
-        else rollouts.consumed(step, trainer.weights(/*copy=*/a.staleness > 0));
+        else rollouts.consumed(step, engine_weights(actors, /*copy=*/a.staleness > 0));
         row.update_weights_time = t.seconds();
       } catch (const std::exception& e) {  // the step is trained: log it, checkpoint it, then stop
         sync_error = e.what();

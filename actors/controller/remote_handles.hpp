@@ -90,6 +90,7 @@ class RemoteEngines : public RolloutEngines {
   std::vector<rollout::Completion> generate(std::vector<rollout::GenerationRequest> requests,
                                             const std::function<void()>& between_steps) override;
   void load(const PolicyWeights& w, TrainerHandle& trainer) override;
+  bool needs_tensors() const override { return !collective_; }
 
  private:
   /// Starts node i and sends it rollout.init (waits for it up to 60 s).

@@ -211,13 +211,11 @@ Expected<Envelope> CollectiveReceiver::receive(const Envelope& request, torch::n
       offset += aligned(n);
     }
   }
-  // 2. Every bucket, checked and written on the device without a host read in between (so the
-  // next broadcast is posted at once): a tensor is overwritten only while `ok` holds, i.e.
-  // this bucket and every one before it matched the sender's checksums.
-  std::vector<torch::Tensor> same(p->buckets.size());
+  // 2. Every bucket, checked (one host read of its checksums' comparison) and then written in
+  // place; after a bucket that failed, the rest are received and dropped.
+  std::size_t written = 0;
   try {
     auto& world = group_->world();
-    auto ok = torch::ones({}, torch::TensorOptions().dtype(torch::kBool).device(device));
     for (std::size_t b = 0; b < p->buckets.size(); ++b) {
       auto buffer = torch::empty({p->bucket_bytes[b]}, torch::TensorOptions().dtype(torch::kUInt8).device(device));
       auto want = torch::empty({int64_t(p->buckets[b].size())}, torch::TensorOptions().dtype(torch::kInt64).device(device));
@@ -231,40 +229,28 @@ Expected<Envelope> CollectiveReceiver::receive(const Envelope& request, torch::n
         auto acc = got[int64_t(i)];
         kernels::checksum_add(received.back(), acc);
       }
-      same[b] = torch::eq(got, want);
-      ok = ok.logical_and(same[b].all());
-      for (std::size_t i = 0; i < received.size(); ++i) {
-        auto& own = places[b][i].second;
-        at::where_out(own, ok, received[i], own);  // own stays as it was unless ok
-      }
+      auto same = torch::eq(got, want).to(torch::kCPU);
+      for (std::size_t i = 0; i < received.size(); ++i)
+        if (!same[int64_t(i)].item<bool>()) bad += (bad.empty() ? "" : ", ") + p->buckets[b][i] + " (checksum differs)";
+      if (!bad.empty()) continue;
+      for (std::size_t i = 0; i < received.size(); ++i) places[b][i].second.copy_(received[i]);
+      ++written;
     }
     if (device.is_cuda()) torch::cuda::synchronize(device.index());
   } catch (const std::exception& e) {  // the group is broken (a lost trainer): join again first
     group_.reset();
-    torn_ = true;  // some buckets may have been written before the failure
+    torn_ = torn_ || written > 0;
     return make_error(ErrorCode::remote_error, "weight_sync.collective of version " + std::to_string(p->version) +
-                                                   ": " + e.what() + " (the engine holds a mix of versions until one arrives whole)");
-  }
-  if (!bad.empty())
-    return make_error(ErrorCode::remote_error, "weight_sync.collective of version " + std::to_string(p->version) +
-                                                   ": not applied: " + bad);
-  // 3. One host read: which buckets matched.
-  std::size_t first_failed = p->buckets.size();
-  for (std::size_t b = 0; b < p->buckets.size(); ++b) {
-    auto s_b = same[b].to(torch::kCPU);
-    for (std::size_t i = 0; i < p->buckets[b].size(); ++i)
-      if (!s_b[int64_t(i)].item<bool>()) {
-        bad += (bad.empty() ? "" : ", ") + p->buckets[b][i] + " (checksum differs)";
-        first_failed = std::min(first_failed, b);
-      }
+                                                   ": " + e.what() +
+                                                   (written > 0 ? " (the engine holds a mix of versions until one arrives whole)" : ""));
   }
   if (!bad.empty()) {
-    torn_ = torn_ || first_failed > 0;
+    torn_ = torn_ || written > 0;
     return make_error(ErrorCode::remote_error,
                       "weight_sync.collective of version " + std::to_string(p->version) + ": not applied: " + bad +
-                          (first_failed > 0 ? " (the buckets before it were written: the engine holds a mix of "
-                                              "versions until one arrives whole)"
-                                            : ""));
+                          (written > 0 ? " (the buckets before it were written: the engine holds a mix of "
+                                         "versions until one arrives whole)"
+                                       : ""));
   }
   torn_ = false;
   return make_envelope(WeightSyncAck{p->version, int64_t(tensors)}, Kind::reply, request.receiver, request.sender);

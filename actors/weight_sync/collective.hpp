@@ -14,9 +14,9 @@
 // Check: the sender computes each tensor's checksum (kernels/checksum.hpp) in the same pass as
 // it packs the bucket, and broadcasts the bucket's checksums [n] int64 after it; the engine
 // recomputes them over what it received and writes the bucket into its weights in place only
-// when all match (and all earlier buckets did), on the device, with one host read per version
-// (so the engine posts each next broadcast at once). A version that fails part-way leaves the
-// earlier buckets written: the
+// when all match (one host read per bucket; a variant checking on the device with one host read
+// per version, each tensor written through a `where`, measured 15-20% slower on two H200s). A
+// version that fails part-way leaves the earlier buckets written: the
 // receiver then reports itself torn() until a version arrives whole (the rollout actor
 // refuses to generate meanwhile), so no rollout ever runs on a mix of two versions unnoticed.
 #include <chrono>
