@@ -171,7 +171,7 @@ int run_parallel_bench(const ParallelBenchOptions& o) {
         engines.push_back("engine/" + std::to_string(r));
         gw.add_route(engines.back(), store.get_to_str(key));
       }
-      weight_sync::CollectiveSender tx(gw, dev, std::chrono::seconds(300));
+      weight_sync::CollectiveSender tx(gw, dev, std::chrono::seconds(300), std::chrono::seconds(300));
       tx.connect(engines);
       int64_t version = 0;
       const auto bucket = uint64_t(o.bucket_mib * (1 << 20));

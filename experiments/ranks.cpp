@@ -71,10 +71,12 @@ std::vector<pid_t> start_ranks(const parallel::LaunchInfo& info, const std::vect
 }
 
 // Waits up to `seconds` for the ranks this program started, then kills those left. Returns
-// a description of the ranks that exited with an error ("" when none did).
-std::string reap(const std::vector<pid_t>& pids, int seconds) {
+// a description of the ranks that did not exit with `expected` (rank 0's own exit code, which
+// they were told to take), "" when all did.
+std::string reap(const std::vector<pid_t>& pids, int seconds, int expected) {
   std::string failed;
   for (std::size_t i = 0; i < pids.size(); ++i) {
+    if (pids[i] <= 0) continue;  // reaped already
     int status = 0;
     pid_t got = 0;
     for (int waited = 0; (got = ::waitpid(pids[i], &status, WNOHANG)) == 0 && waited < seconds * 20; ++waited)
@@ -83,7 +85,7 @@ std::string reap(const std::vector<pid_t>& pids, int seconds) {
       ::kill(pids[i], SIGKILL);
       ::waitpid(pids[i], &status, 0);
       failed += " rank " + std::to_string(i + 1) + " (pid " + std::to_string(pids[i]) + ") did not exit: killed;";
-    } else if (got == pids[i] && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
+    } else if (got == pids[i] && !(WIFEXITED(status) && WEXITSTATUS(status) == expected)) {
       failed += " rank " + std::to_string(i + 1) + " (pid " + std::to_string(pids[i]) + ") " +
                 (WIFSIGNALED(status) ? "killed by signal " + std::to_string(WTERMSIG(status))
                                      : "exit code " + std::to_string(WEXITSTATUS(status))) + ";";
@@ -187,6 +189,11 @@ int run_ranks(const controller::Config& c, const std::string& config_toml, const
   }
   const int dp = int(c.parallel.dp), ep = int(c.parallel.ep), world = dp * ep;
   if (info.launcher == parallel::Launcher::single && world == 1) return controller::run(c, config_toml);
+  if (c.model.device != "cpu" && !torch::cuda::is_available()) {
+    std::fprintf(stderr, "kiln run: model.device = \"%s\" with %d trainer ranks, but no CUDA device is visible\n",
+                 c.model.device.c_str(), world);
+    return 2;
+  }
   std::vector<pid_t> started;
   if (info.launcher == parallel::Launcher::single) {
     try {
@@ -207,7 +214,10 @@ int run_ranks(const controller::Config& c, const std::string& config_toml, const
     ::signal(SIGINT, SIG_IGN);  // rank 0 handles Ctrl-C and tells the others
     if (const char* parent = std::getenv(kParentVariable)) {
       ::prctl(PR_SET_PDEATHSIG, SIGTERM);
-      if (std::to_string(::getppid()) != parent) return 1;  // rank 0 died before this rank started
+      if (std::to_string(::getppid()) != parent) {  // rank 0 died before this rank started
+        std::fprintf(stderr, "kiln run: rank %d: rank 0 (pid %s), which started it, is gone\n", info.rank, parent);
+        return 1;
+      }
     }
   }
   const torch::Device device =
@@ -220,22 +230,36 @@ int run_ranks(const controller::Config& c, const std::string& config_toml, const
                                std::chrono::seconds(c.parallel.collective_timeout_s)});
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s: %s\n", who.c_str(), e.what());
-    if (!started.empty()) reap(started, 0);
+    if (!started.empty()) reap(started, 0, 0);
     return 2;
   }
   if (info.rank != 0) return serve_trainer_rank(*groups);
   const int rc = controller::run(c, config_toml, groups.get());
-  // Tell the other ranks; give them a moment to see it before the store (served here) goes.
+  // Tell the other ranks; give them up to 10 s to see it before the store (served here) goes.
+  // Ranks this process started and that are gone already (a lost rank) are not waited for.
   try {
     auto& store = groups->store();
     store.set(kRunOverKey, std::to_string(rc));
-    std::vector<std::string> done;
-    for (int r = 1; r < world; ++r) done.push_back(kRankDoneKey + std::to_string(r));
-    store.wait(done, std::chrono::seconds(10));
-  } catch (const std::exception& e) {  // a rank that is gone (the run said so already)
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    for (int r = 1; r < world; ++r) {
+      const std::string key = kRankDoneKey + std::to_string(r);
+      const bool mine = std::size_t(r - 1) < started.size();
+      while (!store.check({key}) && std::chrono::steady_clock::now() < deadline) {
+        if (mine && ::kill(started[std::size_t(r - 1)], 0) != 0) break;
+        int status = 0;
+        if (mine && ::waitpid(started[std::size_t(r - 1)], &status, WNOHANG) == started[std::size_t(r - 1)]) {
+          started[std::size_t(r - 1)] = -1;  // reaped: gone before it could confirm (reported by the run)
+          break;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+    }
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "%s: not every rank confirmed the end of the run: %s\n", who.c_str(), e.what_without_backtrace());
+  } catch (const std::exception& e) {
     std::fprintf(stderr, "%s: not every rank confirmed the end of the run: %s\n", who.c_str(), e.what());
   }
-  if (const auto failed = reap(started, 10); !failed.empty()) {
+  if (const auto failed = reap(started, 10, rc); !failed.empty()) {
     std::fprintf(stderr, "%s: trainer ranks ended badly:%s\n", who.c_str(), failed.c_str());
     return rc == 0 ? 1 : rc;
   }

@@ -66,13 +66,22 @@ std::vector<rollout::TextRecord> load_records(const TaskConfig& t) {
 Prompts::Prompts(const Config& config) : c_(config), rng_(uint64_t(config.run.seed)) {
   auto records = load_records(c_.task);
   tokenizer_ = build_tokenizer(c_.task, records);
-  for (const auto& r : records) {  // every prompt encodes (a bad one is named now, not at its step)
+  // Every prompt encodes and fits the engine's cache with its completion (a bad one is named
+  // now, before the run directory changes, not at its step).
+  const int64_t cache_tokens = c_.rollout.engine.cache_blocks * c_.rollout.engine.block_size;
+  for (const auto& r : records) {
+    std::size_t tokens = 0;
     try {
-      tokenizer_->encode_prompt(r.prompt);
+      tokens = tokenizer_->encode_prompt(r.prompt).size();
     } catch (const std::exception& e) {
       throw std::invalid_argument("task.path: dataset '" + c_.task.path + "' line " + std::to_string(r.line) + ": " +
                                   tokenizer_source() + " cannot encode the prompt: " + e.what());
     }
+    if (int64_t(tokens) + c_.algorithm.max_new_tokens > cache_tokens)
+      throw std::invalid_argument("task.path: dataset '" + c_.task.path + "' line " + std::to_string(r.line) +
+                                  ": the prompt is " + std::to_string(tokens) + " tokens; with algorithm.max_new_tokens " +
+                                  std::to_string(c_.algorithm.max_new_tokens) + " it does not fit the engine's cache of " +
+                                  std::to_string(cache_tokens) + " tokens (rollout.cache_blocks x rollout.block_size)");
   }
   task_ = build_task(c_.task, std::move(records));
 }

@@ -168,7 +168,8 @@ RemoteEngines::RemoteEngines(const NodeSite& site, const Config& c, TrainerHandl
   trainer_ = &trainer;
   if (c.weight_sync.transport == "collective")
     collective_ = std::make_unique<weight_sync::CollectiveSender>(site.gateway, trainer.policy_device(),
-                                                                  std::chrono::seconds(c.parallel.store_timeout_s));
+                                                                  std::chrono::seconds(c.parallel.store_timeout_s),
+                                                                  std::chrono::seconds(c.parallel.collective_timeout_s));
   for (std::size_t i = 0; i < nodes_.size(); ++i) try {
       start_node(i);
     } catch (const std::exception& e) {  // a node that answered with an error is not lost: no restart

@@ -291,6 +291,9 @@ BpeTokenizer BpeTokenizer::from_json(std::string_view text, std::string_view src
 }
 
 BpeTokenizer BpeTokenizer::from_file(const std::filesystem::path& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw std::runtime_error("BpeTokenizer: " + path.string() + " is a directory (give its tokenizer.json)");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw std::runtime_error("BpeTokenizer: cannot open " + path.string());
   std::stringstream ss;

@@ -1,5 +1,6 @@
 #include "actors/rollout/dataset.hpp"
 
+#include <filesystem>
 #include <fstream>
 #include <stdexcept>
 
@@ -47,8 +48,13 @@ std::vector<PromptRecord> load_jsonl_prompts(const std::string& path, int64_t vo
 
 std::vector<TextRecord> load_jsonl_text(const std::string& path, const std::string& prompt_field,
                                         const std::string& answer_field) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw std::invalid_argument("dataset '" + path + "': is a directory (give a .jsonl file)");
   std::ifstream in(path);
-  if (!in) throw std::invalid_argument("dataset '" + path + "': cannot open");
+  if (!in)
+    throw std::invalid_argument("dataset '" + path + "': cannot open (looked for " +
+                                std::filesystem::absolute(path, ec).string() + ")");
   std::vector<TextRecord> out;
   std::string line;
   for (int64_t n = 1; std::getline(in, line); ++n) {

@@ -35,20 +35,22 @@ torch::Tensor slot(const torch::Tensor& buffer, int64_t offset, const torch::Ten
 
 std::unique_ptr<parallel::ProcessGroups> make_group(const std::string& host, int port, int rank, int world,
                                                     int64_t generation, torch::Device device,
-                                                    std::chrono::milliseconds timeout) {
+                                                    std::chrono::milliseconds timeout,
+                                                    std::chrono::milliseconds collective_timeout) {
   parallel::LaunchInfo info;
   info.rank = rank;
   info.world_size = world;
   info.master_addr = host;
   info.master_port = port;
   return std::make_unique<parallel::ProcessGroups>(info, device, std::vector<parallel::MeshDim>{},
-                                                   parallel::GroupOptions{timeout, timeout, int(generation)});
+                                                   parallel::GroupOptions{timeout, collective_timeout, int(generation)});
 }
 
 }  // namespace
 
-CollectiveSender::CollectiveSender(Gateway& gateway, torch::Device device, std::chrono::milliseconds timeout)
-    : gw_(gateway), device_(device), timeout_(timeout) {}
+CollectiveSender::CollectiveSender(Gateway& gateway, torch::Device device, std::chrono::milliseconds timeout,
+                                   std::chrono::milliseconds collective_timeout)
+    : gw_(gateway), device_(device), timeout_(timeout), collective_timeout_(collective_timeout) {}
 CollectiveSender::~CollectiveSender() = default;
 
 void CollectiveSender::connect(const std::vector<std::string>& engines) {
@@ -59,12 +61,13 @@ void CollectiveSender::connect(const std::vector<std::string>& engines) {
   ++generation_;
   std::vector<std::future<Expected<Envelope>>> answers;
   for (std::size_t i = 0; i < engines.size(); ++i) {
-    WeightSyncJoinGroup j{"127.0.0.1", port, int64_t(i) + 1, world, generation_, timeout_.count()};
+    WeightSyncJoinGroup j{"127.0.0.1", port, int64_t(i) + 1, world, generation_, timeout_.count(),
+                          collective_timeout_.count()};
     answers.push_back(gw_.request(make_envelope(j, Kind::request, "controller", engines[i]), timeout_));
   }
   std::string failed, mine;
   try {
-    group_ = make_group("127.0.0.1", port, 0, world, generation_, device_, timeout_);
+    group_ = make_group("127.0.0.1", port, 0, world, generation_, device_, timeout_, collective_timeout_);
   } catch (const std::exception& e) {
     mine = e.what();
   }
@@ -164,14 +167,15 @@ CollectiveReceiver::~CollectiveReceiver() = default;
 Expected<Envelope> CollectiveReceiver::join(const Envelope& request, torch::Device device) {
   auto j = payload_as<WeightSyncJoinGroup>(request);
   if (!j) return j.error();
-  if (j->rank < 1 || j->rank >= j->world || j->port < 1 || j->port > 65535 || j->timeout_ms < 1)
+  if (j->rank < 1 || j->rank >= j->world || j->port < 1 || j->port > 65535 || j->timeout_ms < 1 ||
+      j->collective_timeout_ms < 1)
     return make_error(ErrorCode::bad_message, "weight_sync.join_group: rank " + std::to_string(j->rank) + " of " +
                                                   std::to_string(j->world) + ", port " + std::to_string(j->port) +
                                                   ", timeout " + std::to_string(j->timeout_ms) + " ms: out of range");
   group_.reset();
   try {
     group_ = make_group(j->host, int(j->port), int(j->rank), int(j->world), j->generation, device,
-                        std::chrono::milliseconds(j->timeout_ms));
+                        std::chrono::milliseconds(j->timeout_ms), std::chrono::milliseconds(j->collective_timeout_ms));
   } catch (const std::exception& e) {
     return make_error(ErrorCode::remote_error, std::string("weight_sync.join_group: ") + e.what());
   }

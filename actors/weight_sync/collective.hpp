@@ -45,8 +45,10 @@ inline constexpr int64_t kAlign = 16;  ///< byte alignment of each tensor inside
 class CollectiveSender {
  public:
   /// `device`: the policy's device, with its index (NCCL on CUDA, Gloo on CPU); `timeout`:
-  /// forming the group, every broadcast and every engine's answer.
-  CollectiveSender(messaging::Gateway& gateway, torch::Device device, std::chrono::milliseconds timeout);
+  /// forming the group (every engine joining); `collective_timeout`: every broadcast (a lost
+  /// or stopped engine fails a version within it), also the engines'.
+  CollectiveSender(messaging::Gateway& gateway, torch::Device device, std::chrono::milliseconds timeout,
+                   std::chrono::milliseconds collective_timeout);
   ~CollectiveSender();
   /// (Re)forms the group with the engine actors `engines` (ranks 1..N in this order; any
   /// previous group is left): serves a c10d TCPStore on a free loopback port (the engines are
@@ -63,7 +65,7 @@ class CollectiveSender {
  private:
   messaging::Gateway& gw_;
   torch::Device device_;
-  std::chrono::milliseconds timeout_;
+  std::chrono::milliseconds timeout_, collective_timeout_;
   std::vector<std::string> engines_;
   int64_t generation_ = 0;
   std::unique_ptr<parallel::ProcessGroups> group_;

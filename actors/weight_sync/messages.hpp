@@ -45,11 +45,12 @@ struct WeightSyncAck {
 /// (version -1) once the group is formed.
 struct WeightSyncJoinGroup {
   static constexpr std::string_view kType = "weight_sync.join_group";
-  static constexpr uint32_t kVersion = 1;
+  static constexpr uint32_t kVersion = 2;
   std::string host;
   int64_t port = 0, rank = 0, world = 0, generation = 0;
-  int64_t timeout_ms = 300000;  ///< forming the group and every broadcast
-  MSGPACK_DEFINE_MAP(host, port, rank, world, generation, timeout_ms);
+  int64_t timeout_ms = 300000;             ///< forming the group
+  int64_t collective_timeout_ms = 600000;  ///< every broadcast (v2)
+  MSGPACK_DEFINE_MAP(host, port, rank, world, generation, timeout_ms, collective_timeout_ms);
 };
 /// Collective weight sync (SGLang's update_weights_from_distributed): version `version` arrives
 /// from rank 0 of the joined group as one broadcast per bucket (a flat byte buffer of

@@ -119,6 +119,11 @@ empty = dataset_file("empty.jsonl", "")
 refused("empty file", [*jsonl, "--set", f"task.path={empty}"], f"dataset '{empty}': holds no records")
 refused("missing file", [*jsonl, "--set", f"task.path={work}/nowhere.jsonl"], "nowhere.jsonl': cannot open")
 refused("no path", jsonl, "key 'task.path'")
+os.makedirs(f"{work}/a_directory.jsonl", exist_ok=True)
+refused("a directory", [*jsonl, "--set", f"task.path={work}/a_directory.jsonl"], "a_directory.jsonl': is a directory")
+long_prompt = dataset_file("long_prompt.jsonl", good + '{"question": "' + "1 + " * 5000 + '1?", "answer": "#### 5001"}\n')
+refused("prompt longer than the cache", [*jsonl, "--set", f"task.path={long_prompt}", "--set", "rollout.cache_blocks=64"],
+        "line 2: the prompt is", "does not fit the engine's cache of 1024 tokens")
 refused("prompt field", [*jsonl, "--set", f"task.path={dataset}", "--set", "task.prompt_field=problem"],
         "line 1: field 'problem' is missing")
 unicode = dataset_file("unicode.jsonl", good + '{"question": "Caf\\u00e9: 2 + 2?", "answer": "#### 4"}\n')

@@ -61,7 +61,7 @@ TEST_CASE("collective weight sync: checked buckets land, a bad one and those aft
   weight_sync::CollectiveReceiver rx;
   Net engine(0.f);
   auto join = std::async(std::launch::async, [&] {
-    return rx.join(make_envelope(WeightSyncJoinGroup{"127.0.0.1", port, 1, 2, 7, 30000}, Kind::request, "t", "e"),
+    return rx.join(make_envelope(WeightSyncJoinGroup{"127.0.0.1", port, 1, 2, 7, 30000, 30000}, Kind::request, "t", "e"),
                    torch::kCPU);
   });
   auto g = sender_group(port);
@@ -121,7 +121,7 @@ TEST_CASE("collective weight sync: a receive before joining, and a malformed pla
   auto r = rx.receive(make_envelope(plan(1), Kind::request, "t", "e"), engine);
   REQUIRE_FALSE(r);
   CHECK(r.error().message.find("before weight_sync.join_group") != std::string::npos);
-  auto j = rx.join(make_envelope(WeightSyncJoinGroup{"127.0.0.1", 0, 1, 2, 1, 1000}, Kind::request, "t", "e"), torch::kCPU);
+  auto j = rx.join(make_envelope(WeightSyncJoinGroup{"127.0.0.1", 0, 1, 2, 1, 1000, 1000}, Kind::request, "t", "e"), torch::kCPU);
   REQUIRE_FALSE(j);
   CHECK(j.error().message.find("port 0") != std::string::npos);
 }
