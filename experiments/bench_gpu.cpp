@@ -17,41 +17,12 @@
 #include "actors/rollout/engine.hpp"
 #include "actors/trainer/trainer.hpp"
 #include "actors/weight_sync/device_sync.hpp"
+#include "experiments/bench_cuda.hpp"
 #include "experiments/bench_model.hpp"
 #include "model/blocks/logprobs.hpp"
 #include "model/glm4_moe_lite/model.hpp"
 
 namespace kiln::experiments {
-
-namespace {
-
-// Median seconds of `steps` runs after `warmup` runs, the device synchronised around each.
-template <class F>
-double median_seconds(int warmup, int steps, F fn) {
-  for (int i = 0; i < warmup; ++i) fn();
-  torch::cuda::synchronize();
-  std::vector<double> t;
-  for (int i = 0; i < steps; ++i) {
-    const messaging::Stopwatch t0;
-    fn();
-    torch::cuda::synchronize();
-    t.push_back(t0.seconds());
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
-
-#ifdef KILN_CUDA
-void reset_peak() { c10::cuda::CUDACachingAllocator::resetPeakStats(0); }
-double peak_gib() {
-  auto s = c10::cuda::CUDACachingAllocator::getDeviceStats(0);
-  return double(s.allocated_bytes[0].peak) / double(1ull << 30);
-}
-#else
-void reset_peak() {}
-double peak_gib() { return 0; }
-#endif
-}  // namespace
 
 int run_gpu_bench(const GpuBenchOptions& o) {
   if (!torch::cuda::is_available()) {

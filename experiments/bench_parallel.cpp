@@ -1,9 +1,6 @@
 #include "experiments/bench_parallel.hpp"
 
 #include <torch/torch.h>
-#ifdef KILN_CUDA
-#include <c10/cuda/CUDACachingAllocator.h>
-#endif
 
 #include <nlohmann/json.hpp>
 
@@ -18,41 +15,14 @@
 #include "actors/weight_sync/collective.hpp"
 #include "actors/weight_sync/messages.hpp"
 #include "messaging/gateway.hpp"
+#include "experiments/bench_cuda.hpp"
 #include "experiments/bench_model.hpp"
-#include "messaging/stopwatch.hpp"
 #include "model/glm4_moe_lite/model.hpp"
 #include "parallel/process_group.hpp"
 
 namespace kiln::experiments {
 
 namespace {
-
-#ifdef KILN_CUDA
-void reset_peak(int device) { c10::cuda::CUDACachingAllocator::resetPeakStats(c10::DeviceIndex(device)); }
-double peak_gib(int device) {
-  auto s = c10::cuda::CUDACachingAllocator::getDeviceStats(c10::DeviceIndex(device));
-  return double(s.allocated_bytes[0].peak) / double(1ull << 30);
-}
-#else
-void reset_peak(int) {}
-double peak_gib(int) { return 0; }
-#endif
-
-// Median seconds of `steps` calls after `warmup`, the device synchronised around each.
-template <class F>
-double median_seconds(int warmup, int steps, F fn) {
-  for (int i = 0; i < warmup; ++i) fn();
-  torch::cuda::synchronize();
-  std::vector<double> t;
-  for (int i = 0; i < steps; ++i) {
-    const messaging::Stopwatch t0;
-    fn();
-    torch::cuda::synchronize();
-    t.push_back(t0.seconds());
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
 
 // `docs` samples of tokens/docs tokens each (first half prompt), random ids, seeded by `seed`.
 std::vector<trainer::Sample> make_samples(int64_t docs, int64_t tokens, int64_t vocab, uint64_t seed) {
@@ -70,6 +40,69 @@ std::vector<trainer::Sample> make_samples(int64_t docs, int64_t tokens, int64_t 
     s.advantage = adv[d].item<float>();
   }
   return out;
+}
+
+struct WeightSyncTimes {
+  double sync_s = 0, copy_s = 0;  ///< rank 0's: the collective sync, a plain GPU-to-GPU copy
+  uint64_t bytes = 0;
+};
+
+// Rank 0 broadcasts `model` through a CollectiveSender to ranks 1.., each receiving into its own
+// copy through a CollectiveReceiver as a rollout node does; then rank 0 copies the same bytes
+// from its GPU to the next one. Collective over `groups`; the times are rank 0's.
+WeightSyncTimes time_weight_sync(parallel::ProcessGroups& groups, std::shared_ptr<model::CausalLM> model,
+                                 const ParallelBenchOptions& o, torch::Device dev) {
+  const int rank = groups.launch().rank, world = groups.launch().world_size, gpu = groups.launch().local_rank;
+  auto& store = groups.store();
+  WeightSyncTimes t;
+  messaging::Gateway gw({"bench-rank-" + std::to_string(rank), "tcp://127.0.0.1:0"});
+  const int versions = o.warmup + o.steps;
+  if (rank != 0) {
+    weight_sync::CollectiveReceiver rx;
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<messaging::Envelope> q;
+    gw.serve("engine/" + std::to_string(rank), [&](messaging::Envelope e) {
+      std::lock_guard<std::mutex> l(mu);
+      q.push_back(std::move(e));
+      cv.notify_one();
+    });
+    store.set("bench_engine/" + std::to_string(rank), gw.endpoint());
+    for (int handled = 0; handled < versions + 1; ++handled) {  // join, then every version
+      std::unique_lock<std::mutex> l(mu);
+      cv.wait(l, [&] { return !q.empty(); });
+      auto e = std::move(q.front());
+      q.pop_front();
+      l.unlock();
+      auto r = e.type == messaging::WeightSyncJoinGroup::kType ? rx.join(e, dev) : rx.receive(e, *model);
+      if (r) gw.reply(e, std::move(*r));
+      else gw.reply_error(e, r.error());
+    }
+  } else {
+    std::vector<std::string> engines;
+    for (int r = 1; r < world; ++r) {
+      const std::string key = "bench_engine/" + std::to_string(r);
+      store.wait({key});
+      engines.push_back("engine/" + std::to_string(r));
+      gw.add_route(engines.back(), store.get_to_str(key));
+    }
+    weight_sync::CollectiveSender tx(gw, dev, std::chrono::seconds(300), std::chrono::seconds(300));
+    tx.connect(engines);
+    int64_t version = 0;
+    const auto bucket = uint64_t(o.bucket_mib * (1 << 20));
+    const auto travel = model->weight_sync_groups(/*hf_names=*/false);
+    t.sync_s = median_seconds(o.warmup, o.steps, [&] { t.bytes = tx.send(*model, ++version, bucket, travel).bytes; });
+    auto src = torch::empty({int64_t(t.bytes)}, torch::TensorOptions().dtype(torch::kUInt8).device(dev));
+    const torch::Device next(torch::kCUDA, int8_t((gpu + 1) % int(torch::cuda::device_count())));
+    auto dst = torch::empty_like(src, torch::TensorOptions().device(next));
+    t.copy_s = median_seconds(o.warmup, o.steps, [&] {
+      dst.copy_(src);
+      torch::cuda::synchronize(dst.device().index());
+    });
+  }
+  store.set("bench_sync_done/" + std::to_string(rank), "1");
+  for (int r = 0; r < world; ++r) store.wait({"bench_sync_done/" + std::to_string(r)});
+  return t;
 }
 
 }  // namespace
@@ -134,59 +167,8 @@ int run_parallel_bench(const ParallelBenchOptions& o) {
     dp_peak = peak_gib(gpu);
   }
   // Collective weight sync: rank 0 sends, every other rank receives as an engine would.
-  double sync_s = 0, copy_s = 0;
-  uint64_t sync_bytes = 0;
-  if (world > 1) {
-    auto& store = groups->store();
-    auto model = build();
-    messaging::Gateway gw({"bench-rank-" + std::to_string(rank), "tcp://127.0.0.1:0"});
-    const int versions = o.warmup + o.steps;
-    if (rank != 0) {
-      weight_sync::CollectiveReceiver rx;
-      std::mutex mu;
-      std::condition_variable cv;
-      std::deque<messaging::Envelope> q;
-      const std::string me = "engine/" + std::to_string(rank);
-      gw.serve(me, [&](messaging::Envelope e) {
-        std::lock_guard<std::mutex> l(mu);
-        q.push_back(std::move(e));
-        cv.notify_one();
-      });
-      store.set("bench_engine/" + std::to_string(rank), gw.endpoint());
-      for (int handled = 0; handled < versions + 1; ++handled) {  // join, then every version
-        std::unique_lock<std::mutex> l(mu);
-        cv.wait(l, [&] { return !q.empty(); });
-        auto e = std::move(q.front());
-        q.pop_front();
-        l.unlock();
-        auto r = e.type == messaging::WeightSyncJoinGroup::kType ? rx.join(e, dev) : rx.receive(e, *model);
-        if (r) gw.reply(e, std::move(*r));
-        else gw.reply_error(e, r.error());
-      }
-    } else {
-      std::vector<std::string> engines;
-      for (int r = 1; r < world; ++r) {
-        const std::string key = "bench_engine/" + std::to_string(r);
-        store.wait({key});
-        engines.push_back("engine/" + std::to_string(r));
-        gw.add_route(engines.back(), store.get_to_str(key));
-      }
-      weight_sync::CollectiveSender tx(gw, dev, std::chrono::seconds(300), std::chrono::seconds(300));
-      tx.connect(engines);
-      int64_t version = 0;
-      const auto bucket = uint64_t(o.bucket_mib * (1 << 20));
-      const auto travel = model->weight_sync_groups(/*hf_names=*/false);
-      sync_s = median_seconds(o.warmup, o.steps, [&] { sync_bytes = tx.send(*model, ++version, bucket, travel).bytes; });
-      auto src = torch::empty({int64_t(sync_bytes)}, torch::TensorOptions().dtype(torch::kUInt8).device(dev));
-      auto dst = torch::empty_like(src, torch::TensorOptions().device(torch::Device(torch::kCUDA, int8_t((gpu + 1) % torch::cuda::device_count()))));
-      copy_s = median_seconds(o.warmup, o.steps, [&] {
-        dst.copy_(src);
-        torch::cuda::synchronize(dst.device().index());
-      });
-    }
-    store.set("bench_sync_done/" + std::to_string(rank), "1");
-    for (int r = 0; r < world; ++r) store.wait({"bench_sync_done/" + std::to_string(r)});
-  }
+  WeightSyncTimes sync;
+  if (world > 1) sync = time_weight_sync(*groups, build(), o, dev);
   // Every rank's figures to rank 0.
   auto mine = torch::tensor({double(share_tokens) / one_s, one_peak, double(share_tokens) / dp_s, dp_peak, one_s, dp_s},
                             torch::TensorOptions().dtype(torch::kFloat64))
@@ -220,14 +202,14 @@ int run_parallel_bench(const ParallelBenchOptions& o) {
   }
   J["dp_over_one_gpu"] = sum_dp / sum_one;
   if (world > 1) {
-    const double sync_gbs = double(sync_bytes) / sync_s / 1e9, copy_gbs = double(sync_bytes) / copy_s / 1e9;
-    J["weight_sync_bytes"] = sync_bytes;
-    J["weight_sync_s"] = sync_s;
+    const double sync_gbs = double(sync.bytes) / sync.sync_s / 1e9, copy_gbs = double(sync.bytes) / sync.copy_s / 1e9;
+    J["weight_sync_bytes"] = sync.bytes;
+    J["weight_sync_s"] = sync.sync_s;
     J["weight_sync_gbs"] = sync_gbs;
     J["plain_copy_gpu0_to_gpu1_gbs"] = copy_gbs;
     std::printf("collective weight sync (NCCL broadcast to %d rank(s), %.0f MiB buckets, checksums on): %.2f GB in "
                 "%.1f ms = %.0f GB/s; plain copy GPU %d -> GPU %d of the same bytes: %.0f GB/s; sync / copy = %.2f\n",
-                world - 1, o.bucket_mib, double(sync_bytes) / 1e9, sync_s * 1e3, sync_gbs, gpu,
+                world - 1, o.bucket_mib, double(sync.bytes) / 1e9, sync.sync_s * 1e3, sync_gbs, gpu,
                 (gpu + 1) % int(torch::cuda::device_count()), copy_gbs, sync_gbs / copy_gbs);
   }
   std::printf("mean: dp %.0f tokens/s per GPU = %.3f x one GPU (%.0f); whole node %.0f tokens/s\n", sum_dp / world,

@@ -37,35 +37,14 @@
 #include "actors/trainer/checkpoint.hpp"
 #include "actors/trainer/trainer.hpp"
 #include "parallel/process_group.hpp"
+#include "rank_checks.hpp"
 #include "trainer_fixture.hpp"
 
 using namespace kiln;
 using namespace kiln::trainer;
+using namespace kiln::test::rank_checks;
 
 namespace {
-
-constexpr double kTolerance = 1e-5;
-int checks = 0, failures = 0, rank = -1;
-
-void expect(bool ok, const std::string& what) {
-  ++checks;
-  if (ok) return;
-  ++failures;
-  std::cerr << "rank " << rank << " MISMATCH " << what << std::endl;
-}
-
-double relative_error(const torch::Tensor& got, const torch::Tensor& want) {
-  const double denom = want.to(torch::kFloat64).norm().item<double>();
-  const double diff = (got.to(torch::kFloat64) - want.to(torch::kFloat64)).norm().item<double>();
-  return denom > 0 ? diff / denom : diff;
-}
-
-void expect_close(double got, double want, const std::string& what) {
-  const double err = std::abs(got - want) / std::max(std::abs(want), 1e-12);
-  std::ostringstream s;
-  s << what << ": got " << got << ", one rank " << want << " (relative error " << err << ")";
-  expect(err <= kTolerance || got == want || (std::isnan(got) && std::isnan(want)), s.str());
-}
 
 // Deterministic random samples, the same on every rank: lengths vary, ids in [2, vocab).
 std::vector<Sample> make_batch(uint64_t seed, int count, int64_t vocab, bool with_old) {
