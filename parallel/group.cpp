@@ -142,7 +142,9 @@ void Group::all_to_all(torch::Tensor& output, const torch::Tensor& input, const 
   wait(backend_->alltoall_base(output, in, out_rows, in_rows, opts), "all_to_all");
 }
 
-void Group::broadcast(torch::Tensor& tensor, int root) {
+void Group::broadcast(torch::Tensor& tensor, int root) { wait(start_broadcast(tensor, root), "broadcast"); }
+
+c10::intrusive_ptr<c10d::Work> Group::start_broadcast(torch::Tensor& tensor, int root) {
   check_tensor(tensor, "broadcast", "tensor");
   if (root < 0 || root >= size())
     throw std::invalid_argument("broadcast on " + where() + ": root " + std::to_string(root) + " is not a rank of it");
@@ -150,7 +152,11 @@ void Group::broadcast(torch::Tensor& tensor, int root) {
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   opts.timeout = timeout_;
-  wait(backend_->broadcast(tensors, opts), "broadcast");
+  try {
+    return backend_->broadcast(tensors, opts);
+  } catch (const c10::Error& e) {
+    throw CollectiveError("broadcast on " + where() + " failed to start: " + e.what_without_backtrace());
+  }
 }
 
 void Group::barrier() {

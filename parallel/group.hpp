@@ -1,7 +1,10 @@
 #pragma once
 // One process group (c10d backend: ProcessGroupNCCL on CUDA, ProcessGroupGloo on CPU) and the
-// collectives the trainer calls on it. Every call blocks until the collective completed on
-// this rank (CPU) or was enqueued on the current stream (NCCL), within the group's timeout.
+// collectives the trainer calls on it. Every call blocks the calling thread until the
+// collective completed on this rank, within the group's timeout (ProcessGroupNCCL waits on the
+// host when given a timeout, polling every 1 ms; the current stream also waits for it). The
+// start_* calls return at once instead, so that a pipeline can queue the next collective (and
+// the work around it) before it waits for the previous one.
 //
 // Shapes: dim 0 is the one collectives split or concatenate; `...` are trailing dims that must
 // agree between input and output. W = the group's size.
@@ -68,6 +71,16 @@ class Group {
 
   /// In place: every rank's `tensor` [...] becomes group rank `root`'s.
   void broadcast(torch::Tensor& tensor, int root);
+
+  /// Starts broadcast(tensor, root) and returns without waiting: the collective runs in the
+  /// backend (NCCL: on its stream, after the work queued on the current stream so far). Neither
+  /// read, write nor free `tensor` before finish() returned for the result. Same arguments and
+  /// errors as broadcast() (bad arguments are thrown here, failures by finish()).
+  c10::intrusive_ptr<c10d::Work> start_broadcast(torch::Tensor& tensor, int root);
+  /// Waits for a started collective `op` ("broadcast", ...) as the blocking calls do: returns
+  /// once it completed on this rank; throws CollectiveError when it failed or the group's
+  /// timeout passed.
+  void finish(const c10::intrusive_ptr<c10d::Work>& work, const char* op) const { wait(work, op); }
 
   /// Returns once every rank of the group reached it.
   void barrier();

@@ -1,7 +1,9 @@
 #include "actors/weight_sync/collective.hpp"
 
+#include <deque>
 #include <future>
 #include <map>
+#include <set>
 #include <algorithm>
 #include <stdexcept>
 
@@ -26,11 +28,52 @@ std::map<std::string, torch::Tensor> named_tensors(torch::nn::Module& m) {
   return out;
 }
 
+// One bucket on the wire: its bytes and its tensors' checksums, each broadcast from rank 0.
+struct InFlight {
+  torch::Tensor buffer, sums;  // [bucket bytes] uint8, [tensors] int64
+  c10::intrusive_ptr<c10d::Work> buffer_work, sums_work;
+  void start(parallel::Group& g) {
+    buffer_work = g.start_broadcast(buffer, 0);
+    sums_work = g.start_broadcast(sums, 0);
+  }
+  void finish(parallel::Group& g) const {
+    g.finish(buffer_work, "broadcast");
+    g.finish(sums_work, "broadcast");
+  }
+};
+
 int64_t nbytes(const torch::Tensor& t) { return t.numel() * int64_t(t.element_size()); }
 
 // `t`'s place in a bucket buffer, viewed in its dtype and shape.
 torch::Tensor slot(const torch::Tensor& buffer, int64_t offset, const torch::Tensor& like) {
   return buffer.narrow(0, offset, nbytes(like)).view(like.scalar_type()).view(like.sizes());
+}
+
+// The names of `named` in the order the sender packs them (travel_units of the sorted names).
+std::vector<std::string> packing_order(const std::map<std::string, torch::Tensor>& named, const TravelGroups& groups) {
+  std::vector<std::string> names, out;
+  for (const auto& [name, t] : named) names.push_back(name);
+  for (const auto& unit : travel_units(names, groups))
+    for (auto i : unit) out.push_back(names[i]);
+  return out;
+}
+
+// Checks `experts` against `named` and returns its names as a set; throws std::invalid_argument
+// naming a tensor the model lacks.
+std::set<std::string> expert_set(const std::map<std::string, torch::Tensor>& named, const ExpertSlices& experts) {
+  std::set<std::string> out;
+  for (const auto& n : experts.names) {
+    if (!named.count(n)) throw std::invalid_argument("collective weight sync: expert tensor '" + n + "' is not the model's");
+    out.insert(n);
+  }
+  return out;
+}
+
+// The whole [P*El, ...] shape of an expert slice [El, ...] over P ranks.
+std::vector<int64_t> whole_shape(const torch::Tensor& slice, int ranks) {
+  auto shape = slice.sizes().vec();
+  shape[0] *= ranks;
+  return shape;
 }
 
 std::unique_ptr<parallel::ProcessGroups> make_group(const std::string& host, int port, int rank, int world,
@@ -84,7 +127,7 @@ void CollectiveSender::connect(const std::vector<std::string>& engines) {
 }
 
 DeviceSyncStats CollectiveSender::send(torch::nn::Module& model, int64_t version, uint64_t bucket_bytes,
-                                       const TravelGroups& groups) {
+                                       const TravelGroups& groups, const ExpertSlices* experts) {
   if (!group_) throw std::logic_error("collective weight sync: send() before connect()");
   auto named = named_tensors(model);
   std::vector<std::string> names;
@@ -94,11 +137,15 @@ DeviceSyncStats CollectiveSender::send(torch::nn::Module& model, int64_t version
                                   ", the group on " + device_.str());
     names.push_back(name);
   }
+  const auto gathered = experts && experts->ep ? expert_set(named, *experts) : std::set<std::string>{};
+  const int ranks = gathered.empty() ? 1 : experts->ep->size();
+  // Bytes the engines receive of a tensor: an expert slice stands for all ranks' slices.
+  auto sent_bytes = [&](const std::string& name) { return nbytes(named[name]) * (gathered.count(name) ? ranks : 1); };
   WeightSyncCollective plan{version, {{}}, {}, {}};
   int64_t in_bucket = 0;
   for (const auto& unit : travel_units(names, groups)) {
     int64_t bytes = 0;
-    for (auto i : unit) bytes += aligned(nbytes(named[names[i]]));
+    for (auto i : unit) bytes += aligned(sent_bytes(names[i]));
     if (!plan.buckets.back().empty() && uint64_t(in_bucket + bytes) > bucket_bytes) {
       plan.bucket_bytes.push_back(in_bucket);
       plan.buckets.emplace_back();
@@ -106,7 +153,7 @@ DeviceSyncStats CollectiveSender::send(torch::nn::Module& model, int64_t version
     }
     for (auto i : unit) {
       plan.buckets.back().push_back(names[i]);
-      plan.nbytes.push_back(nbytes(named[names[i]]));
+      plan.nbytes.push_back(sent_bytes(names[i]));
     }
     in_bucket += bytes;
   }
@@ -121,23 +168,40 @@ DeviceSyncStats CollectiveSender::send(torch::nn::Module& model, int64_t version
   std::string mine;
   try {
     auto& world = group_->world();
+    // Pipelined: bucket b+1 is packed (on the current stream) and its broadcast queued while
+    // bucket b's is on the wire; the host waits for b only then. Two buckets in flight at most.
+    std::deque<InFlight> flight;
     for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
-      auto buffer = torch::empty({plan.bucket_bytes[b]}, torch::TensorOptions().dtype(torch::kUInt8).device(device_));
-      auto sums = torch::zeros({int64_t(plan.buckets[b].size())}, torch::TensorOptions().dtype(torch::kInt64).device(device_));
+      InFlight f;
+      f.buffer = torch::empty({plan.bucket_bytes[b]}, torch::TensorOptions().dtype(torch::kUInt8).device(device_));
+      f.sums = torch::zeros({int64_t(plan.buckets[b].size())}, torch::TensorOptions().dtype(torch::kInt64).device(device_));
       int64_t offset = 0;
       for (std::size_t i = 0; i < plan.buckets[b].size(); ++i) {
-        const auto& src = named[plan.buckets[b][i]];
-        auto dst = slot(buffer, offset, src);
-        auto acc = sums[int64_t(i)];
-        kernels::copy_with_checksum_add(dst, src.contiguous(), acc);  // pack and checksum in one pass
-        offset += aligned(nbytes(src));
-        st.bytes += uint64_t(nbytes(src));
+        const auto& name = plan.buckets[b][i];
+        const auto& src = named[name];
+        auto acc = f.sums[int64_t(i)];
+        const int64_t n = plan.nbytes[std::size_t(st.tensors)];
+        if (gathered.count(name)) {  // every ep rank's slice, straight into the bucket
+          auto dst = f.buffer.narrow(0, offset, n).view(src.scalar_type()).view(whole_shape(src, ranks));
+          experts->ep->all_gather_into_tensor(dst, src.contiguous());
+          kernels::checksum_add(dst, acc);
+        } else {
+          auto dst = slot(f.buffer, offset, src);
+          kernels::copy_with_checksum_add(dst, src.contiguous(), acc);  // pack and checksum in one pass
+        }
+        offset += aligned(n);
+        st.bytes += uint64_t(n);
         ++st.tensors;
       }
-      world.broadcast(buffer, 0);
-      world.broadcast(sums, 0);
+      f.start(world);
+      flight.push_back(std::move(f));
+      if (flight.size() == 2) {
+        flight.front().finish(world);
+        flight.pop_front();
+      }
       ++st.buckets;
     }
+    for (auto& f : flight) f.finish(world);
     if (device_.is_cuda()) torch::cuda::synchronize(device_.index());
   } catch (const std::exception& e) {
     mine = e.what();
@@ -159,6 +223,19 @@ DeviceSyncStats CollectiveSender::send(torch::nn::Module& model, int64_t version
   st.seconds = t0.seconds();
   st.verified = true;
   return st;
+}
+
+void join_expert_gathers(torch::nn::Module& model, const ExpertSlices& experts, const TravelGroups& groups) {
+  if (!experts.ep || experts.ep->size() == 1) return;
+  const auto named = named_tensors(model);
+  const auto gathered = expert_set(named, experts);
+  torch::NoGradGuard no_grad;
+  for (const auto& name : packing_order(named, groups)) {
+    if (!gathered.count(name)) continue;
+    const auto& src = named.at(name);
+    auto whole = torch::empty(whole_shape(src, experts.ep->size()), src.options());
+    experts.ep->all_gather_into_tensor(whole, src.contiguous());
+  }
 }
 
 CollectiveReceiver::CollectiveReceiver() = default;
@@ -220,20 +297,31 @@ Expected<Envelope> CollectiveReceiver::receive(const Envelope& request, torch::n
   std::size_t written = 0;
   try {
     auto& world = group_->world();
+    // Pipelined: bucket b+1's broadcast is queued before bucket b is checked and written, so
+    // the trainer sends it meanwhile. Two buckets in flight at most.
+    auto post = [&](std::size_t b) {
+      InFlight f;
+      f.buffer = torch::empty({p->bucket_bytes[b]}, torch::TensorOptions().dtype(torch::kUInt8).device(device));
+      f.sums = torch::empty({int64_t(p->buckets[b].size())}, torch::TensorOptions().dtype(torch::kInt64).device(device));
+      f.start(world);
+      return f;
+    };
+    std::deque<InFlight> flight;
+    if (!p->buckets.empty()) flight.push_back(post(0));
     for (std::size_t b = 0; b < p->buckets.size(); ++b) {
-      auto buffer = torch::empty({p->bucket_bytes[b]}, torch::TensorOptions().dtype(torch::kUInt8).device(device));
-      auto want = torch::empty({int64_t(p->buckets[b].size())}, torch::TensorOptions().dtype(torch::kInt64).device(device));
-      world.broadcast(buffer, 0);
-      world.broadcast(want, 0);
+      if (b + 1 < p->buckets.size()) flight.push_back(post(b + 1));
+      InFlight f = std::move(flight.front());
+      flight.pop_front();
+      f.finish(world);
       if (!bad.empty()) continue;
-      auto got = torch::zeros_like(want);
+      auto got = torch::zeros_like(f.sums);
       std::vector<torch::Tensor> received;
       for (std::size_t i = 0; i < places[b].size(); ++i) {
-        received.push_back(slot(buffer, places[b][i].first, places[b][i].second));
+        received.push_back(slot(f.buffer, places[b][i].first, places[b][i].second));
         auto acc = got[int64_t(i)];
         kernels::checksum_add(received.back(), acc);
       }
-      auto same = torch::eq(got, want).to(torch::kCPU);
+      auto same = torch::eq(got, f.sums).to(torch::kCPU);
       for (std::size_t i = 0; i < received.size(); ++i)
         if (!same[int64_t(i)].item<bool>()) bad += (bad.empty() ? "" : ", ") + p->buckets[b][i] + " (checksum differs)";
       if (!bad.empty()) continue;

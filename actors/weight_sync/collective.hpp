@@ -34,12 +34,29 @@ namespace kiln::messaging {
 class Gateway;
 }
 namespace kiln::parallel {
+class Group;
 class ProcessGroups;
 }
 
 namespace kiln::weight_sync {
 
 inline constexpr int64_t kAlign = 16;  ///< byte alignment of each tensor inside a bucket
+
+/// An expert-parallel trainer's side: the model's tensors called `names` are this rank's
+/// slices [E/P, ...] (dim 0) of tensors whose whole [E, ...] the engines hold (ep rank j's
+/// slice at rows [j*E/P, (j+1)*E/P)); each is all-gathered over `ep` into its place in the
+/// bucket as the bucket is packed, so no rank ever holds all experts at once outside a bucket.
+/// Every rank of `ep` takes part: the sender (ep rank 0) in CollectiveSender::send, the others
+/// in join_expert_gathers, both in the order the buckets are packed.
+struct ExpertSlices {
+  parallel::Group* ep = nullptr;
+  std::vector<std::string> names;
+};
+
+/// The ranks of `experts.ep` other than the sender's, while it sends `model` with the same
+/// `groups`: each expert slice's all-gather, in the sender's packing order (the gathered
+/// tensors are dropped). Throws parallel::CollectiveError when a gather fails.
+void join_expert_gathers(torch::nn::Module& model, const ExpertSlices& experts, const TravelGroups& groups = {});
 
 /// The trainer's side (in the process that holds the policy).
 class CollectiveSender {
@@ -57,9 +74,13 @@ class CollectiveSender {
   void connect(const std::vector<std::string>& engines);
   /// Broadcasts `model`'s parameters and buffers as `version` to the connected engines in
   /// buckets of about `bucket_bytes` (`groups`' members in one bucket each, kiln names).
+  /// Pipelined: bucket b+1 is packed and its broadcast queued while bucket b's is on the wire.
+  /// With `experts` (an expert-parallel trainer, this rank ep rank 0): those tensors are sent
+  /// whole, gathered over the ep group (collective over it, see ExpertSlices).
   /// Returns once every engine checked and wrote every bucket. Throws std::runtime_error naming
   /// each engine that failed and its error, std::logic_error when not connected.
-  DeviceSyncStats send(torch::nn::Module& model, int64_t version, uint64_t bucket_bytes, const TravelGroups& groups = {});
+  DeviceSyncStats send(torch::nn::Module& model, int64_t version, uint64_t bucket_bytes, const TravelGroups& groups = {},
+                       const ExpertSlices* experts = nullptr);
   const std::vector<std::string>& engines() const { return engines_; }
 
  private:

@@ -89,6 +89,16 @@ void check_group(Group& g) {
         g.broadcast(t, root);
         expect_equal(t, base + 5, tag + "broadcast from " + std::to_string(root));
       }
+      {  // two broadcasts in flight at once (start_broadcast), finished in order
+        auto a = D(r == 0 ? (base + 7).contiguous() : torch::full({rows, 3}, -1, dtype));
+        auto b = D(r == w - 1 ? (base + 9).contiguous() : torch::full({rows, 3}, -1, dtype));
+        auto wa = g.start_broadcast(a, 0);
+        auto wb = g.start_broadcast(b, w - 1);
+        g.finish(wa, "broadcast");
+        g.finish(wb, "broadcast");
+        expect_equal(a, base + 7, tag + "start_broadcast from 0");
+        expect_equal(b, base + 9, tag + "start_broadcast from " + std::to_string(w - 1) + " queued behind it");
+      }
 
       auto gathered = D(torch::full({w * rows, 3}, -7, dtype));
       g.all_gather_into_tensor(gathered, D(base + 1000 * r));
