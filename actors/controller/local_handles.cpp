@@ -1,5 +1,7 @@
 #include "actors/controller/local_handles.hpp"
 
+#include "actors/trainer/trainer_service.hpp"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -47,7 +49,8 @@ void LocalTrainer::send(const PolicyWeights& w, const std::vector<std::string>& 
 }
 
 void LocalTrainer::send_collective(weight_sync::CollectiveSender& sender) {
-  sender.send(*policy_, trainer_->version(), bucket_bytes_, policy_->weight_sync_groups(/*hf_names=*/false));
+  const auto experts = trainer::sync_expert_slices(*policy_, *trainer_);  // none without expert parallel
+  sender.send(*policy_, trainer_->version(), bucket_bytes_, policy_->weight_sync_groups(/*hf_names=*/false), &experts);
 }
 
 void LocalTrainer::save(const std::filesystem::path& dir, const trainer::CheckpointState& state) {

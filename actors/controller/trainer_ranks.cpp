@@ -108,6 +108,15 @@ PolicyWeights DataParallelTrainer::weights(bool copy) {
   return w;
 }
 
+void DataParallelTrainer::send_collective(weight_sync::CollectiveSender& sender) {
+  if (!expert_parallel_) return local_->send_collective(sender);
+  const TrainerSyncExperts q{local_->version()};
+  on_all_ranks(
+      TrainerSyncExperts::kType.data(),
+      [&](const std::string& to) { return make_envelope(q, Kind::request, "controller", to); },
+      [&] { local_->send_collective(sender); }, kRequestTimeout);
+}
+
 void DataParallelTrainer::save(const std::filesystem::path& dir, const trainer::CheckpointState& state) {
   on_all_ranks(
       TrainerSave::kType.data(),

@@ -47,7 +47,9 @@ class DataParallelTrainer : public TrainerHandle {
   PolicyWeights weights(bool copy) override;
   void send(const PolicyWeights& w, const std::vector<std::string>& targets) override { local_->send(w, targets); }
   torch::Device policy_device() const override { return local_->policy_device(); }
-  void send_collective(weight_sync::CollectiveSender& sender) override { local_->send_collective(sender); }
+  /// Expert parallel: collective over the ranks (they gather the experts into rank 0's buckets,
+  /// trainer.sync_experts).
+  void send_collective(weight_sync::CollectiveSender& sender) override;
   /// Collective: every rank writes its optimizer shard into `dir` (one filesystem the ranks
   /// share), rank 0 the policy and the loop state (trainer/checkpoint.hpp).
   void save(const std::filesystem::path& dir, const trainer::CheckpointState& state) override;

@@ -101,7 +101,17 @@ struct TrainerGatherWeights {
   MSGPACK_DEFINE_MAP(version);
 };
 
+/// To a trainer rank other than 0 of an expert-parallel trainer: take part in the expert
+/// all-gathers of a collective weight sync while rank 0 sends the policy to the engines
+/// (weight_sync::join_expert_gathers). Answered with TrainerPushed.
+struct TrainerSyncExperts {
+  static constexpr std::string_view kType = "trainer.sync_experts";
+  static constexpr uint32_t kVersion = 1;
+  int64_t version = 0;  ///< the version rank 0 sends (checked)
+  MSGPACK_DEFINE_MAP(version);
+};
+
 /// Every type above is spoken by a program that includes this header.
-inline const bool kTrainerMessages = declare_message_types<TrainerInit, TrainerReady, TrainerLoad, TrainerTrain, TrainerStepResult, TrainerPushWeights, TrainerPushed, TrainerSave, TrainerGatherWeights>();
+inline const bool kTrainerMessages = declare_message_types<TrainerInit, TrainerReady, TrainerLoad, TrainerTrain, TrainerStepResult, TrainerPushWeights, TrainerPushed, TrainerSave, TrainerGatherWeights, TrainerSyncExperts>();
 
 }  // namespace kiln::messaging

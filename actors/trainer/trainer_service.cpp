@@ -110,7 +110,7 @@ Expected<Envelope> TrainerService::handle(const Envelope& request) {
     }
     const bool known = request.type == TrainerLoad::kType || request.type == TrainerTrain::kType ||
                        request.type == TrainerPushWeights::kType || request.type == TrainerSave::kType ||
-                       request.type == TrainerGatherWeights::kType;
+                       request.type == TrainerGatherWeights::kType || request.type == TrainerSyncExperts::kType;
     if (!known)
       return make_error(ErrorCode::unknown_type,
                         "actor '" + request.receiver + "' does not handle '" + request.type + "'");
@@ -137,6 +137,17 @@ Expected<Envelope> TrainerService::handle(const Envelope& request) {
                                                        std::to_string(q->version) + ", this rank holds " +
                                                        std::to_string(s_->trainer->version()));
       (void)s_->policy->hf_state_dict();  // this rank's part of the gather; rank 0 keeps the result
+      return reply(TrainerPushed{s_->trainer->version()});
+    }
+    if (request.type == TrainerSyncExperts::kType) {
+      auto q = payload_as<TrainerSyncExperts>(request);
+      if (!q) return q.error();
+      if (q->version != s_->trainer->version())
+        return make_error(ErrorCode::remote_error, "trainer.sync_experts: rank 0 sends version " +
+                                                       std::to_string(q->version) + ", this rank holds " +
+                                                       std::to_string(s_->trainer->version()));
+      weight_sync::join_expert_gathers(*s_->policy, sync_expert_slices(*s_->policy, *s_->trainer),
+                                       s_->policy->weight_sync_groups(/*hf_names=*/false));
       return reply(TrainerPushed{s_->trainer->version()});
     }
     if (request.type == TrainerPushWeights::kType) {
@@ -171,6 +182,17 @@ Expected<Envelope> TrainerService::handle(const Envelope& request) {
   } catch (const std::exception& e) {
     return make_error(ErrorCode::remote_error, std::string(request.type) + ": " + e.what());
   }
+}
+
+weight_sync::ExpertSlices sync_expert_slices(model::CausalLM& policy, const Trainer& trainer) {
+  weight_sync::ExpertSlices out;
+  out.ep = trainer.expert_parallel().experts;
+  if (!out.ep) return out;
+  const auto experts = policy.routed_expert_parameters();
+  for (const auto& p : policy.named_parameters())
+    for (const auto& e : experts)
+      if (e.is_same(p.value())) out.names.push_back(p.key());
+  return out;
 }
 
 Envelope train_request(const std::vector<Sample>& samples, const std::string& sender, const std::string& receiver) {

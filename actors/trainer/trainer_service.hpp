@@ -16,6 +16,7 @@
 #include "messaging/envelope.hpp"
 #include "actors/trainer/messages.hpp"
 #include "actors/trainer/trainer.hpp"
+#include "actors/weight_sync/collective.hpp"
 
 namespace kiln::messaging {
 class Gateway;
@@ -45,6 +46,11 @@ class TrainerService {
 
 /// The trainer.train request for `samples` (what handle() decodes): routed experts as tensor
 /// frames "routed_experts.i" when every sample has them.
+/// The policy's routed-expert slices of an expert-parallel `trainer` by their kiln names, for
+/// the collective weight sync (every ep rank gathers them in its packing order); none (no ep
+/// group) without expert parallel.
+weight_sync::ExpertSlices sync_expert_slices(model::CausalLM& policy, const Trainer& trainer);
+
 messaging::Envelope train_request(const std::vector<Sample>& samples, const std::string& sender,
                                   const std::string& receiver);
 
