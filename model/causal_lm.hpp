@@ -47,6 +47,16 @@ class CausalLM : public torch::nn::Module {
   virtual void load_hf_tensors(const std::vector<messaging::Tensor>& tensors) = 0;
   /// The weights under HF names (CPU, contiguous; grouped tensors split as HF lays them out).
   virtual std::vector<messaging::Tensor> hf_state_dict() = 0;
+  /// The HF-named weights this rank holds, for a checkpoint that every rank writes a part of
+  /// (no gather): with expert parallel, the routed experts of this rank's slice under their
+  /// global HF names (expert ids j*E/P ...), and the other weights when `with_dense`; without
+  /// expert parallel, hf_state_dict() when `with_dense`, else nothing. Not collective.
+  virtual std::vector<messaging::Tensor> hf_state_dict_local(bool with_dense) {
+    return with_dense ? hf_state_dict() : std::vector<messaging::Tensor>{};
+  }
+  /// Writes DIR/config.json, the HF config of this model (what save_hf_checkpoint writes beside
+  /// the weights). Throws checkpoint::CheckpointError when it cannot be written.
+  virtual void save_hf_config(const std::string& dir) = 0;
   /// Tensors an inference engine may fuse, which weight sync must therefore deliver in one
   /// bucket: groups of name patterns, `{}` standing for the layer index, under HF names
   /// (hf_state_dict) or kiln's (named_parameters). None by default.

@@ -70,10 +70,6 @@ void Config::validate() const {
        "and parallel.ep must be 1 with placement.trainer \"process\" (trainer rank 0 is the controller's process)");
   need(par.dp * par.ep == 1 || model.device == "cpu" || model.device == "cuda", "model.device",
        "must be \"cpu\" or \"cuda\" with several trainer ranks (each rank takes the GPU of its LOCAL_RANK)");
-  need(par.ep == 1 || run.checkpoint_every == 0, "run.checkpoint_every",
-       "must be 0 with parallel.ep > 1 (checkpoints of an expert-parallel trainer are not written yet)");
-  need(par.ep == 1 || weight_sync.transport == "messages", "weight_sync.transport",
-       "must be \"messages\" with parallel.ep > 1 (the collective sync sends rank 0's tensors, whose experts are a slice)");
   need(par.master_port >= 0 && par.master_port <= 65535, "parallel.master_port", "must be in [0, 65535] (0: a free port)");
   need(par.store_timeout_s >= 1 && par.store_timeout_s <= 86400, "parallel.store_timeout_s", "must be in [1, 86400]");
   need(par.collective_timeout_s >= 1 && par.collective_timeout_s <= 86400, "parallel.collective_timeout_s",

@@ -6,6 +6,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "model/checkpoint/safetensors.hpp"
+
 namespace kiln::trainer {
 
 namespace {
@@ -46,9 +48,43 @@ void load_file(const std::filesystem::path& dir, const std::string& file, T& int
   }
 }
 
-// Collective over the trainer's data-parallel group: rank 0 writes the policy (every rank holds
-// all of it) and state.json, every rank its optimizer shard; the directory is renamed into
-// place once every rank has written. The ranks must share the filesystem that holds `dir`.
+std::string shard_ranges_file(int rank, int ranks) {
+  auto name = shard_file(rank, ranks);
+  return name.substr(0, name.size() - 3) + ".json";
+}
+
+// The HF export of an expert-parallel policy, written without a gather: file k of P holds ep
+// rank k's experts (and, for k = 0, every other tensor), written by the rank of that ep
+// coordinate whose replica coordinate is 0.
+std::string hf_part_file(int k, int parts) {
+  char name[64];
+  std::snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", k + 1, parts);
+  return name;
+}
+
+// model.safetensors.index.json over the HF parts in `dir`, from their headers.
+void write_hf_index(const std::filesystem::path& dir, int parts) {
+  nlohmann::json map = nlohmann::json::object();
+  uint64_t total = 0;
+  for (int k = 0; k < parts; ++k) {
+    const auto file = hf_part_file(k, parts);
+    const auto f = checkpoint::SafetensorsFile::open((dir / file).string());
+    for (const auto& [name, info] : f.tensors()) {
+      map[name] = file;
+      total += info.end - info.begin;
+    }
+  }
+  std::ofstream out(dir / "model.safetensors.index.json");
+  out << nlohmann::json{{"metadata", {{"total_size", total}}}, {"weight_map", map}}.dump(2) << "\n";
+  if (!out.flush()) throw std::runtime_error("cannot write '" + (dir / "model.safetensors.index.json").string() + "'");
+}
+
+// Collective over the trainer's group (all its ranks, on a filesystem they share): the policy in
+// HF layout (data parallel: by rank 0, which holds all of it; expert parallel: a file per ep
+// rank, from the ranks of replica 0, no gather), config.json, state.json and the buffers by
+// rank 0, and every rank's optimizer parts (optimizer_shard_R_of_W.pt, their ranges of the
+// whole model's flat index in optimizer_shard_R_of_W.json). The directory is renamed into
+// place once every rank has written.
 void save_sharded(const std::filesystem::path& dir, model::CausalLM& policy, Trainer& trainer,
                   const CheckpointState& state, parallel::Group& dp) {
   namespace fs = std::filesystem;
@@ -59,42 +95,109 @@ void save_sharded(const std::filesystem::path& dir, model::CausalLM& policy, Tra
     fs::create_directories(tmp);
   }
   dp.barrier();
-  if (dp.rank() == 0) {
+  const auto& ep = trainer.expert_parallel();
+  if (ep.experts) {
+    if (ep.replicas->rank() == 0)
+      checkpoint::write_safetensors((tmp / hf_part_file(ep.experts->rank(), ep.experts->size())).string(),
+                                    policy.hf_state_dict_local(/*with_dense=*/ep.experts->rank() == 0));
+    if (dp.rank() == 0) policy.save_hf_config(tmp.string());
+  } else if (dp.rank() == 0) {
     policy.save_hf_checkpoint(tmp.string(), uint64_t(5) << 30);
+  }
+  if (dp.rank() == 0) {
+    std::vector<torch::Tensor> buffers;
+    for (const auto& b : policy.buffers()) buffers.push_back(b.detach().cpu());
+    torch::save(buffers, (tmp / "buffers.pt").string());
     write_in_flight(tmp, state.in_flight_rollouts);
     write_state_json(tmp, state.step, trainer.version(), state.prompt_rng, state.in_flight_rollouts.size());
   }
-  const auto st = trainer.flat_optimizer_state();
-  std::vector<torch::Tensor> record{torch::tensor({st.begin, trainer.flat_numel()}, torch::kInt64), st.master,
-                                    st.exp_avg, st.exp_avg_sq, st.steps};
+  const auto parts = trainer.optimizer_state_parts();
+  const int64_t params = int64_t(policy.parameters().size());
+  // One steps tensor per file: each part's counts merged (a parameter's count is the same in
+  // every part that touches it).
+  auto steps = torch::full({params}, int64_t{-1}, torch::kInt64);
+  for (const auto& p : parts) steps = torch::maximum(steps, p.steps);
+  std::vector<torch::Tensor> record{torch::tensor({int64_t{2}, trainer.optimizer_numel(), params, int64_t(parts.size())}),
+                                    steps};
+  nlohmann::json ranges = nlohmann::json::array();
+  for (const auto& p : parts) {
+    record.insert(record.end(), {torch::tensor({p.begin}), p.master, p.exp_avg, p.exp_avg_sq});
+    ranges.push_back({p.begin, p.begin + p.master.numel()});
+  }
   torch::save(record, (tmp / shard_file(dp.rank(), dp.size())).string());
+  {
+    std::ofstream out(tmp / shard_ranges_file(dp.rank(), dp.size()));
+    out << nlohmann::json{{"numel", trainer.optimizer_numel()}, {"params", params}, {"ranges", ranges}}.dump() << "\n";
+    if (!out.flush()) throw std::runtime_error("cannot write '" + (tmp / shard_ranges_file(dp.rank(), dp.size())).string() + "'");
+  }
   dp.barrier();
   if (dp.rank() == 0) {
+    if (ep.experts) write_hf_index(tmp, ep.experts->size());
     fs::remove_all(dir);
     fs::rename(tmp, dir);
   }
   dp.barrier();  // no rank returns before the checkpoint exists
 }
 
-// The optimizer shards of `dir` that overlap this rank's flat range, written by W ranks.
+// The ranges of the whole model's flat index rank `r` of `ranks` wrote: from its .json (format
+// 2), or, for format 1 (data-parallel shards of kiln before expert-parallel checkpoints), the
+// rank's equal share of the N elements.
+std::vector<std::pair<int64_t, int64_t>> shard_ranges(const std::filesystem::path& dir, int r, int ranks, int64_t n) {
+  const auto file = dir / shard_ranges_file(r, ranks);
+  std::vector<std::pair<int64_t, int64_t>> out;
+  if (!std::filesystem::exists(file)) {
+    const int64_t per = (n + ranks - 1) / ranks;
+    out.emplace_back(std::min(n, r * per), std::min(n, (r + 1) * per));
+    return out;
+  }
+  try {
+    std::ifstream in(file);
+    auto j = nlohmann::json::parse(in);
+    if (j.at("numel").get<int64_t>() != n)
+      throw std::invalid_argument("it is of a policy of " + std::to_string(j.at("numel").get<int64_t>()) +
+                                  " elements, this one has " + std::to_string(n));
+    for (const auto& range : j.at("ranges")) out.emplace_back(range.at(0).get<int64_t>(), range.at(1).get<int64_t>());
+  } catch (const std::exception& e) {
+    throw std::invalid_argument(file.filename().string() + " in '" + dir.string() + "': " + e.what());
+  }
+  return out;
+}
+
+// The optimizer parts of `dir` (written by `ranks` ranks) that overlap what this rank holds.
 std::vector<FlatAdamWState> read_shards(const std::filesystem::path& dir, Trainer& trainer, int ranks) {
-  const int64_t n = trainer.flat_numel(), per = (n + ranks - 1) / ranks;
-  const auto [begin, end] = trainer.flat_range();
+  const int64_t n = trainer.optimizer_numel(), params = int64_t(trainer.policy().parameters().size());
+  const auto mine = trainer.optimizer_ranges();
+  auto overlaps = [&](const std::vector<std::pair<int64_t, int64_t>>& theirs) {
+    for (const auto& [a, b] : theirs)
+      for (const auto& [c, d] : mine)
+        if (a < d && c < b) return true;
+    return false;
+  };
   std::vector<FlatAdamWState> parts;
   for (int r = 0; r < ranks; ++r) {
-    if (std::min(n, (r + 1) * per) <= begin || std::min(n, r * per) >= end) continue;
+    if (!overlaps(shard_ranges(dir, r, ranks, n))) continue;
     const auto file = shard_file(r, ranks);
     std::vector<torch::Tensor> record;
     load_file(dir, file, record);
-    if (record.size() != 5 || record[0].numel() != 2)
-      throw std::invalid_argument(file + " in '" + dir.string() + "' holds " + std::to_string(record.size()) +
-                                  " tensors, not an optimizer shard's 5");
-    if (record[0][1].item<int64_t>() != n || record[4].numel() != int64_t(trainer.policy().parameters().size()))
-      throw std::invalid_argument(file + " in '" + dir.string() + "' is of a policy of " +
-                                  std::to_string(record[0][1].item<int64_t>()) + " elements in " +
-                                  std::to_string(record[4].numel()) + " parameters, this one has " + std::to_string(n) +
-                                  " in " + std::to_string(trainer.policy().parameters().size()));
-    parts.push_back(FlatAdamWState{record[0][0].item<int64_t>(), record[1], record[2], record[3], record[4]});
+    auto bad = [&](const std::string& why) {
+      return std::invalid_argument(file + " in '" + dir.string() + "' " + why);
+    };
+    if (record.size() == 5 && record[0].numel() == 2) {  // format 1: one part
+      record = {torch::tensor({int64_t{2}, record[0][1].item<int64_t>(), record[4].numel(), int64_t{1}}), record[4],
+                record[0][0].reshape({1}), record[1], record[2], record[3]};
+    }
+    if (record.size() < 2 || record[0].numel() != 4 || record[0][0].item<int64_t>() != 2)
+      throw bad("is not an optimizer shard of kiln (" + std::to_string(record.size()) + " tensors)");
+    const int64_t count = record[0][3].item<int64_t>();
+    if (int64_t(record.size()) != 2 + 4 * count) throw bad("is cut short: " + std::to_string(record.size()) + " tensors for " + std::to_string(count) + " parts");
+    if (record[0][1].item<int64_t>() != n || record[0][2].item<int64_t>() != params)
+      throw bad("is of a policy of " + std::to_string(record[0][1].item<int64_t>()) + " elements in " +
+                std::to_string(record[0][2].item<int64_t>()) + " parameters, this one has " + std::to_string(n) +
+                " in " + std::to_string(params));
+    for (int64_t k = 0; k < count; ++k) {
+      const auto* t = &record[std::size_t(2 + 4 * k)];
+      parts.push_back(FlatAdamWState{t[0].item<int64_t>(), t[1], t[2], t[3], record[1]});
+    }
   }
   return parts;
 }
@@ -137,20 +240,10 @@ FlatAdamWState read_whole_optimizer(const std::filesystem::path& dir, Trainer& t
   return read_flat_state(adamw, pieces, 0, offset, masters.size());
 }
 
-// Expert-parallel trainers hold a slice of the experts and two flat indices (dense, experts);
-// their checkpoints are not written yet: refused by name, before anything is read or written.
-void refuse_expert_parallel(const Trainer& trainer, const char* what, const std::filesystem::path& dir) {
-  if (const auto* ep = trainer.expert_parallel().experts)
-    throw std::invalid_argument(std::string(what) + " '" + dir.string() + "': the trainer is expert-parallel (ep group '" +
-                                ep->name() + "', " + std::to_string(ep->size()) +
-                                " ranks), whose checkpoints kiln does not write or load yet");
-}
-
 }  // namespace
 
 void save_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, Trainer& trainer,
                      const CheckpointState& state) {
-  refuse_expert_parallel(trainer, "save_checkpoint", dir);
   if (auto* dp = trainer.data_parallel()) return save_sharded(dir, policy, trainer, state, *dp);
   namespace fs = std::filesystem;
   // Written beside the target, then renamed into place: a writer that dies midway leaves a
@@ -204,14 +297,32 @@ CheckpointState read_checkpoint_state(const std::filesystem::path& dir) {
 }
 
 CheckpointState load_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, Trainer& trainer) {
-  refuse_expert_parallel(trainer, "load_checkpoint", dir);
   auto st = read_checkpoint_state(dir);
-  policy.load_hf_checkpoint(dir.string());
   const int shards = shard_count(dir);
-  if (shards > 0) {  // written by `shards` data-parallel ranks: this rank's range of their state
-    trainer.load_flat_optimizer_state(read_shards(dir, trainer, shards));
+  if (trainer.expert_parallel().experts) {
+    // The weights come from the masters (load_optimizer_state_parts), the buffers from rank 0's file.
+    if (shards == 0)
+      throw std::invalid_argument("'" + dir.string() +
+                                  "' was written by one trainer rank: an expert-parallel trainer resumes from sharded "
+                                  "checkpoints only (written with parallel.dp or parallel.ep > 1); resume it at one rank "
+                                  "or with data parallel, whose next checkpoint an expert-parallel run resumes");
+    if (std::filesystem::exists(dir / "buffers.pt")) {
+      std::vector<torch::Tensor> saved;
+      load_file(dir, "buffers.pt", saved);
+      auto buffers = policy.buffers();
+      if (saved.size() != buffers.size())
+        throw std::invalid_argument("buffers.pt in '" + dir.string() + "' holds " + std::to_string(saved.size()) +
+                                    " tensors, the policy has " + std::to_string(buffers.size()) + " buffers");
+      torch::NoGradGuard no_grad;
+      for (std::size_t i = 0; i < saved.size(); ++i) buffers[i].copy_(saved[i]);
+    }
+  } else {
+    policy.load_hf_checkpoint(dir.string());
+  }
+  if (shards > 0) {  // written by `shards` ranks: the parts of their state this rank holds
+    trainer.load_optimizer_state_parts(read_shards(dir, trainer, shards));
   } else if (trainer.data_parallel()) {  // a one-rank checkpoint: this rank's range of it
-    trainer.load_flat_optimizer_state({read_whole_optimizer(dir, trainer)});
+    trainer.load_optimizer_state_parts({read_whole_optimizer(dir, trainer)});
   } else {
     load_file(dir, "optimizer.pt", trainer.optimizer());
     trainer.reload_master_weights();

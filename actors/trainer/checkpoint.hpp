@@ -6,12 +6,21 @@
 // (in_flight_rollouts.msgpack, opaque here: actors/controller/in_flight.hpp). Written by `kiln run`'s trainer, in the controller process or in
 // the trainer actor (actors/trainer/trainer_service.hpp).
 //
-// A data-parallel trainer (Trainer with a dp group of W ranks) writes a sharded checkpoint
-// instead: the same policy and state.json (by dp rank 0; every rank holds the whole policy)
-// and, in place of optimizer.pt and master_weights.pt, one optimizer_shard_R_of_W.pt per rank
-// (its flat range, fp32 masters, AdamW moments and each parameter's step count: a
-// FlatAdamWState), with no gather of the optimizer state anywhere. Either kind loads into
-// either trainer at any world size: each rank reads the shards that overlap its own range.
+// A trainer over W ranks (data parallel, expert parallel or both) writes a sharded checkpoint
+// instead, every rank its own part, with no gather of the model or its state anywhere:
+//  - the policy in HF layout: by rank 0 when every rank holds all of it (data parallel);
+//    with expert parallel over P ranks, model-0000k-of-0000P.safetensors by the replica-0 rank
+//    of ep rank k (its experts under their global HF names; k = 0 also every other tensor) and
+//    model.safetensors.index.json: transformers loads it as any sharded checkpoint;
+//  - the buffers (buffers.pt), config.json and state.json by rank 0;
+//  - in place of optimizer.pt and master_weights.pt, optimizer_shard_R_of_W.pt per rank: the
+//    fp32 masters, AdamW moments and step counts of what rank R holds, as parts of the whole
+//    model's flat index (Trainer::optimizer_state_parts: parameters() of the unsplit model in
+//    order, routed experts with all E experts), their ranges in optimizer_shard_R_of_W.json.
+// Either kind loads into any trainer (one rank, dp, dp x ep) at any world size and mesh: each
+// rank reads the parts that overlap what it holds (resharding). An expert-parallel trainer
+// takes its weights from the masters and buffers.pt (it never reads the whole HF export), so
+// it resumes from sharded checkpoints only.
 #include <cstdint>
 #include <filesystem>
 #include <string>
@@ -38,8 +47,7 @@ struct CheckpointState {
 /// std::runtime_error / std::filesystem::filesystem_error on I/O errors. With a data-parallel
 /// trainer: collective over its group (every rank calls it with the same `dir`, on a filesystem
 /// they share); a rank that fails leaves the others to fail at the next barrier by the
-/// group's collective timeout. An expert-parallel trainer is refused (std::invalid_argument
-/// naming expert parallel and the ep group), as by load_checkpoint.
+/// group's collective timeout.
 void save_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, Trainer& trainer,
                      const CheckpointState& state);
 
@@ -51,9 +59,9 @@ CheckpointState read_checkpoint_state(const std::filesystem::path& dir);
 /// `trainer` (whose version becomes the saved one) and returns the loop state. Throws
 /// std::invalid_argument naming the directory and what is missing or does not fit (no
 /// state.json, an unreadable optimizer.pt, a master_weights.pt of another policy, a policy of
-/// other shapes, optimizer shards missing or of another policy). Sharded checkpoints (written
-/// by W data-parallel ranks) load into a one-rank or data-parallel trainer of any size, and a
-/// one-rank checkpoint into a data-parallel trainer.
+/// other shapes, optimizer shards missing, cut short or of another policy, a one-rank checkpoint
+/// given to an expert-parallel trainer). With a group: collective (the parameters are gathered
+/// from the ranks' masters).
 CheckpointState load_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, Trainer& trainer);
 
 }  // namespace kiln::trainer

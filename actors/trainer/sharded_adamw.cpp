@@ -151,8 +151,17 @@ double ShardedAdamW::clip_gradients(double max_norm) {
 void ShardedAdamW::step(double lr) {
   for (auto& g : adamw_->param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
   fused_adamw_step(*adamw_);
-  auto full = torch::empty({group_.size() * shard_}, master_shard_.options());  // [W*S]
-  group_.all_gather_into_tensor(full, master_shard_);
+  gather_parameters();
+}
+
+void ShardedAdamW::gather_parameters() {
+  // In the parameters' dtype when they share one: rounding is elementwise, so rounding the
+  // shard before the gather gives the same values for half the bytes (bf16).
+  auto dtype = params_.empty() ? torch::kFloat32 : params_[0].scalar_type();
+  for (const auto& p : params_)
+    if (p.scalar_type() != dtype) dtype = torch::kFloat32;
+  auto full = torch::empty({group_.size() * shard_}, master_shard_.options().dtype(dtype));  // [W*S]
+  group_.all_gather_into_tensor(full, dtype == torch::kFloat32 ? master_shard_ : master_shard_.to(dtype));
   std::vector<torch::Tensor> from;
   for (std::size_t i = 0; i < params_.size(); ++i)
     from.push_back(full.narrow(0, offsets_[i], params_[i].numel()).view_as(params_[i]));

@@ -75,9 +75,13 @@ class ShardedAdamW {
   /// Not collective: the shard's gradient times `coefficient` ([1] fp32).
   void scale_gradients(const torch::Tensor& coefficient);
   /// Collective. One AdamW step at `lr` on this rank's masters (fused_adamw_step), then every
-  /// parameter is all-gathered from the shards (rounded to the parameter's dtype, one
-  /// at::_foreach_copy_).
+  /// parameter is all-gathered from the shards (gather_parameters).
   void step(double lr);
+  /// Collective. Every parameter all-gathered from the ranks' masters, rounded to its dtype
+  /// (before the gather when all parameters share a dtype: bf16 moves half the bytes of fp32;
+  /// one at::_foreach_copy_ after it): what step() does after the update; after masters were
+  /// loaded from a checkpoint.
+  void gather_parameters();
   /// Drops the shard's gradient (a skipped step).
   void zero_grad();
   /// Re-reads this rank's masters from the parameters (after they were loaded).
@@ -90,6 +94,8 @@ class ShardedAdamW {
   /// [S] fp32: this rank's shard of the summed (after clip_gradients: clipped) gradient.
   const torch::Tensor& gradient_shard() const { return grad_shard_; }
   int64_t numel() const { return numel_; }        ///< N
+  /// The flat offset of parameter `i` (of the constructor's `params`).
+  int64_t param_offset(std::size_t i) const { return offsets_.at(i); }
   int64_t shard_size() const { return shard_; }   ///< S
   /// This rank's flat elements [begin(), end()).
   int64_t begin() const { return std::min(numel_, group_.rank() * shard_); }

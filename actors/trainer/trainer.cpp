@@ -232,6 +232,10 @@ Trainer::Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config, 
   params_ = policy_->parameters();
   for (std::size_t i = 0; i < params_.size(); ++i)
     if (params_[i].scalar_type() != torch::kFloat32) low_precision_.push_back(i);
+  for (const auto& p : params_) {
+    global_offset_.push_back(global_numel_);
+    global_numel_ += p.numel();
+  }
   const auto options = torch::optim::AdamWOptions(c_.lr).betas({c_.beta1, c_.beta2}).weight_decay(c_.weight_decay);
   if (dp_) {  // fp32 masters and AdamW state of this rank's shard only
     sharded_ = std::make_unique<ShardedAdamW>(params_, *dp_, options);
@@ -271,12 +275,22 @@ Trainer::Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config, 
   params_ = policy_->parameters();
   for (std::size_t i = 0; i < params_.size(); ++i)
     if (params_[i].scalar_type() != torch::kFloat32) low_precision_.push_back(i);
+  global_offset_.assign(params_.size(), 0);
   std::vector<torch::Tensor> dense, experts = policy_->routed_expert_parameters();
-  for (const auto& p : params_) {
-    const bool expert = std::any_of(experts.begin(), experts.end(),
-                                    [&](const torch::Tensor& e) { return e.is_same(p); });
-    if (!expert) dense.push_back(p);
+  std::vector<bool> is_expert(params_.size(), false);
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const auto& p = params_[i];
+    is_expert[i] = std::any_of(experts.begin(), experts.end(), [&](const torch::Tensor& e) { return e.is_same(p); });
+    (is_expert[i] ? expert_index_ : dense_index_).push_back(i);
+    if (!is_expert[i]) dense.push_back(p);
   }
+  // The whole model's flat index: an expert slice stands for ep size slices of its shape.
+  int64_t offset = 0;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    global_offset_[i] = offset + (is_expert[i] ? ep_.experts->rank() * params_[i].numel() : 0);
+    offset += params_[i].numel() * (is_expert[i] ? ep_.experts->size() : 1);
+  }
+  global_numel_ = offset;
   const auto options = torch::optim::AdamWOptions(c_.lr).betas({c_.beta1, c_.beta2}).weight_decay(c_.weight_decay);
   sharded_ = std::make_unique<ShardedAdamW>(dense, *dp_, options);  // makes the dense parameters rank 0's
   expert_sharded_ = std::make_unique<ShardedAdamW>(experts, *ep_.replicas, options);
@@ -287,18 +301,6 @@ void Trainer::reload_master_weights() {
   if (sharded_) return sharded_->reload_from_parameters();
   torch::NoGradGuard no_grad;
   for (auto i : low_precision_) masters_[i].copy_(params_[i]);
-}
-
-std::pair<int64_t, int64_t> Trainer::flat_range() const {
-  if (sharded_) return {sharded_->begin(), sharded_->end()};
-  return {0, flat_numel()};
-}
-
-int64_t Trainer::flat_numel() const {
-  if (sharded_) return sharded_->numel();
-  int64_t n = 0;
-  for (const auto& p : params_) n += p.numel();
-  return n;
 }
 
 namespace {
@@ -312,18 +314,58 @@ std::vector<FlatPiece> whole_pieces(const std::vector<torch::Tensor>& masters) {
   }
   return out;
 }
+
+// Runs of `pieces` (in flat order) that follow each other without a gap: [begin, end).
+std::vector<std::pair<int64_t, int64_t>> runs_of(const std::vector<FlatPiece>& pieces) {
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  for (const auto& p : pieces) {
+    const int64_t lo = p.offset, hi = p.offset + p.master.numel();
+    if (!runs.empty() && runs.back().second == lo) runs.back().second = hi;
+    else runs.emplace_back(lo, hi);
+  }
+  return runs;
+}
 }  // namespace
 
-FlatAdamWState Trainer::flat_optimizer_state() {
-  const auto [begin, end] = flat_range();
-  if (sharded_) return read_flat_state(sharded_->optimizer(), sharded_->pieces(), begin, end, params_.size());
-  return read_flat_state(*optimizer_, whole_pieces(masters_), begin, end, params_.size());
+std::vector<Trainer::GlobalPieces> Trainer::global_pieces() {
+  if (!sharded_) return {{optimizer_.get(), whole_pieces(masters_)}};
+  if (!expert_sharded_) return {{&sharded_->optimizer(), sharded_->pieces()}};  // the same index
+  // Expert parallel: each optimizer's own index translated into the whole model's.
+  auto translate = [&](ShardedAdamW& opt, const std::vector<std::size_t>& index) {
+    GlobalPieces g{&opt.optimizer(), {}};
+    for (const auto& p : opt.pieces()) {
+      const std::size_t i = index[p.param];
+      g.pieces.push_back(FlatPiece{i, global_offset_[i] + (p.offset - opt.param_offset(p.param)), p.master});
+    }
+    return g;
+  };
+  return {translate(*sharded_, dense_index_), translate(*expert_sharded_, expert_index_)};
 }
 
-void Trainer::load_flat_optimizer_state(const std::vector<FlatAdamWState>& parts) {
-  if (sharded_) return write_flat_state(sharded_->optimizer(), sharded_->pieces(), parts);
-  write_flat_state(*optimizer_, whole_pieces(masters_), parts);  // fp32 policies: masters are the parameters
-  torch::NoGradGuard no_grad;
+std::vector<FlatAdamWState> Trainer::optimizer_state_parts() {
+  std::vector<FlatAdamWState> parts;
+  for (auto& g : global_pieces())
+    for (const auto& [begin, end] : runs_of(g.pieces)) {
+      std::vector<FlatPiece> inside;
+      for (const auto& p : g.pieces)
+        if (p.offset >= begin && p.offset < end) inside.push_back(p);
+      parts.push_back(read_flat_state(*g.optimizer, inside, begin, end, params_.size()));
+    }
+  return parts;
+}
+
+std::vector<std::pair<int64_t, int64_t>> Trainer::optimizer_ranges() {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (auto& g : global_pieces())
+    for (const auto& r : runs_of(g.pieces)) out.push_back(r);
+  return out;
+}
+
+void Trainer::load_optimizer_state_parts(const std::vector<FlatAdamWState>& parts) {
+  for (auto& g : global_pieces()) write_flat_state(*g.optimizer, g.pieces, parts);
+  if (expert_sharded_) expert_sharded_->gather_parameters();
+  if (sharded_) return sharded_->gather_parameters();
+  torch::NoGradGuard no_grad;  // fp32 policies: the masters are the parameters
   for (auto i : low_precision_) params_[i].copy_(masters_[i]);
 }
 

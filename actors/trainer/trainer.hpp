@@ -126,15 +126,21 @@ class Trainer {
   const ExpertParallel& expert_parallel() const { return ep_; }
   /// Re-reads the masters from the policy (after its weights were loaded from a checkpoint).
   void reload_master_weights();
-  /// This rank's masters and AdamW state over its flat elements flat_range() (one rank: all
-  /// N of them; the flat index is ShardedAdamW's: parameters() in order, each row-major).
-  FlatAdamWState flat_optimizer_state();
-  /// Sets this rank's masters and AdamW state from `parts` that cover flat_range() (written at
-  /// any world size). Throws std::invalid_argument when they do not cover it.
-  void load_flat_optimizer_state(const std::vector<FlatAdamWState>& parts);
-  /// [begin, end) of the flat index this rank's optimizer holds; flat_numel() = N.
-  std::pair<int64_t, int64_t> flat_range() const;
-  int64_t flat_numel() const;
+  /// Checkpoints address the optimizer state by the whole model's flat index: parameters() of
+  /// the unsplit model in order, each row-major, the routed experts' grouped tensors with all E
+  /// experts (ShardedAdamW's index when nothing is split); N = optimizer_numel().
+  /// This rank's fp32 masters and AdamW state as parts of that index (one rank: one part over
+  /// all N; data parallel: its shard; expert parallel: a part per run of its dense and expert
+  /// shards), each with the step counts of the parameters it touches (-1 elsewhere).
+  std::vector<FlatAdamWState> optimizer_state_parts();
+  /// Sets this rank's masters and AdamW state from `parts` (written at any world size and mesh,
+  /// covering optimizer_ranges()), then the parameters from the masters (rounded to their
+  /// dtype; with a group: collective, every rank's shards all-gathered). Throws
+  /// std::invalid_argument when `parts` do not cover what this rank holds.
+  void load_optimizer_state_parts(const std::vector<FlatAdamWState>& parts);
+  /// The [begin, end) runs of the whole model's flat index this rank's optimizer holds.
+  std::vector<std::pair<int64_t, int64_t>> optimizer_ranges();
+  int64_t optimizer_numel() const { return global_numel_; }
   void set_version(int64_t v) { version_ = v; }
 
  private:
@@ -148,6 +154,17 @@ class Trainer {
   std::vector<torch::Tensor> params_, masters_;  ///< same order; masters_[i] is params_[i] when fp32
   std::vector<std::size_t> low_precision_;       ///< indices with a separate fp32 master
   int64_t version_ = 0;
+  // The whole model's flat index (optimizer_state_parts): where params_[i] (this rank's slice
+  // of it, with expert parallel) starts; N. Expert parallel: params_ indices of the dense and
+  // the expert optimizers' parameters, in their order.
+  std::vector<int64_t> global_offset_;
+  int64_t global_numel_ = 0;
+  std::vector<std::size_t> dense_index_, expert_index_;
+  struct GlobalPieces {
+    torch::optim::AdamW* optimizer;
+    std::vector<FlatPiece> pieces;  ///< param: index in parameters(); offset: in the whole model's index
+  };
+  std::vector<GlobalPieces> global_pieces();
 };
 
 /// The trainer of this rank of `ranks`' mesh (dimensions "dp" and "ep"; kiln run's trainer

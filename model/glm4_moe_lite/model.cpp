@@ -169,6 +169,9 @@ void Glm4MoeLiteModel::load_hf_tensors(const std::vector<messaging::Tensor>& ten
 }
 
 std::vector<messaging::Tensor> Glm4MoeLiteModel::hf_state_dict() { return to_hf_state_dict(*this); }
+std::vector<messaging::Tensor> Glm4MoeLiteModel::hf_state_dict_local(bool with_dense) {
+  return to_hf_state_dict_local(*this, with_dense);
+}
 std::vector<std::vector<std::string>> Glm4MoeLiteModel::weight_sync_groups(bool hf_names) const {
   return glm4_moe_lite::weight_sync_groups(hf_names);
 }
@@ -192,6 +195,10 @@ void Glm4MoeLiteModel::load_hf_checkpoint(const std::string& dir) {
 
 void Glm4MoeLiteModel::save_hf_checkpoint(const std::string& dir, uint64_t max_shard_bytes) {
   checkpoint::write_checkpoint(dir, to_hf_state_dict(*this), max_shard_bytes);
+  save_hf_config(dir);
+}
+
+void Glm4MoeLiteModel::save_hf_config(const std::string& dir) {
   std::ofstream out(std::filesystem::path(dir) / "config.json");
   out << config_.to_hf_json().dump(2) << "\n";
   if (!out) throw checkpoint::CheckpointError("writing config.json in '" + dir + "' failed");

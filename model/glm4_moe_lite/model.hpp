@@ -53,6 +53,8 @@ class Glm4MoeLiteModel : public CausalLM {
   /// With expert parallel: collective over the ep group (each grouped expert tensor is
   /// gathered, gather_experts), the full HF state on every ep rank.
   std::vector<messaging::Tensor> hf_state_dict() override;
+  std::vector<messaging::Tensor> hf_state_dict_local(bool with_dense) override;
+  void save_hf_config(const std::string& dir) override;
   void set_expert_parallel(parallel::Group* ep) override;
   parallel::Group* expert_parallel() const override { return ep_; }
   std::vector<torch::Tensor> routed_expert_parameters() override;

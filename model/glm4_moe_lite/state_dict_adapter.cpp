@@ -237,27 +237,43 @@ void load_hf_state_dict(Glm4MoeLiteModel& model, const HfTensorSource& ckpt) {
   }
 }
 
-std::vector<messaging::Tensor> to_hf_state_dict(Glm4MoeLiteModel& model) {
-  const int64_t E = model.config().moe.num_experts, F = model.config().moe.expert_intermediate_size;
+namespace {
+// HF tensors of the model: the non-expert ones when `with_dense`; the routed experts split per
+// expert, either whole (`gather`: with expert parallel every ep rank's slice gathered, a
+// collective) or this rank's slice only, under their global ids.
+std::vector<messaging::Tensor> hf_tensors(Glm4MoeLiteModel& model, bool with_dense, bool gather) {
+  const int64_t F = model.config().moe.expert_intermediate_size;
+  auto* ep = model.expert_parallel();
   std::vector<messaging::Tensor> out;
   auto add = [&](const std::string& key, const torch::Tensor& t) {
     out.push_back(messaging::from_torch(key, t.detach().to(torch::kCPU).contiguous()));
   };
   for (const auto& [name, local] : kiln_tensors(model)) {
     auto s = source_of(name);
-    if (s.kind == Source::Kind::direct) add(s.hf, local);
-    // Expert parallel: the full [E, ...] tensor from every ep rank's slice (collective, in
-    // kiln_tensors order on every rank).
-    const torch::Tensor t = s.kind != Source::Kind::direct && model.expert_parallel()
-                                ? gather_experts(local, *model.expert_parallel())
-                                : local;
-    for (int64_t e = 0; s.kind == Source::Kind::gate_up && e < E; ++e) {  // split
-      add(expert_key(s.layer, e, "gate_proj"), t[e].narrow(0, 0, F));
-      add(expert_key(s.layer, e, "up_proj"), t[e].narrow(0, F, F));
+    if (s.kind == Source::Kind::direct) {
+      if (with_dense) add(s.hf, local);
+      continue;
     }
-    for (int64_t e = 0; s.kind == Source::Kind::down && e < E; ++e) add(expert_key(s.layer, e, "down_proj"), t[e]);
+    // Expert parallel: the full [E, ...] tensor from every ep rank's slice (collective, in
+    // kiln_tensors order on every rank), or this rank's experts [first, first + El).
+    const bool whole = gather && ep;
+    const torch::Tensor t = whole ? gather_experts(local, *ep) : local;
+    const int64_t first = ep && !whole ? ep->rank() * local.size(0) : 0;
+    for (int64_t e = 0; s.kind == Source::Kind::gate_up && e < t.size(0); ++e) {  // split
+      add(expert_key(s.layer, first + e, "gate_proj"), t[e].narrow(0, 0, F));
+      add(expert_key(s.layer, first + e, "up_proj"), t[e].narrow(0, F, F));
+    }
+    for (int64_t e = 0; s.kind == Source::Kind::down && e < t.size(0); ++e)
+      add(expert_key(s.layer, first + e, "down_proj"), t[e]);
   }
   return out;
+}
+}  // namespace
+
+std::vector<messaging::Tensor> to_hf_state_dict(Glm4MoeLiteModel& model) { return hf_tensors(model, true, true); }
+
+std::vector<messaging::Tensor> to_hf_state_dict_local(Glm4MoeLiteModel& model, bool with_dense) {
+  return hf_tensors(model, with_dense, false);
 }
 
 }  // namespace kiln::model::glm4_moe_lite

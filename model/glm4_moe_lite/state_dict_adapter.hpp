@@ -54,5 +54,9 @@ void load_hf_state_dict(Glm4MoeLiteModel& model, const std::vector<messaging::Te
 /// The model's weights under HF names (experts split per expert), on CPU, contiguous. With expert
 /// parallel: collective over the ep group (the full experts gathered on every ep rank).
 std::vector<messaging::Tensor> to_hf_state_dict(Glm4MoeLiteModel& model);
+/// The part of to_hf_state_dict this rank holds, without a collective: with expert parallel
+/// over P ranks, ep rank j's experts [j*E/P, (j+1)*E/P) under those global ids, plus every
+/// other tensor when `with_dense`; without expert parallel, all of it when `with_dense`.
+std::vector<messaging::Tensor> to_hf_state_dict_local(Glm4MoeLiteModel& model, bool with_dense);
 
 }  // namespace kiln::model::glm4_moe_lite

@@ -18,9 +18,14 @@
 //   clip         gradient-norm clipping active on every step (one norm over dense + experts)
 //   no_samples   W - 1 samples a step: a rank trains on none (padding micro-batches)
 //   recompute    pi_old from the separate no-grad pass (each rank its share, padded), replayed
-//   refusals     save_checkpoint / load_checkpoint refuse an expert-parallel trainer by name
+//   checkpoint   after 2 steps a checkpoint (each rank its part, no gather): resumed at one rank,
+//                at the same mesh and data-parallel over the world, its weights (and its HF
+//                export's) equal the trainer's; step 3 equals the continued trainer's (the same
+//                mesh: bit for bit)
 // Prints "rank R: X of Y checks passed"; exit 0 when every check passed, 1 otherwise.
 #include <algorithm>
+#include <cstdlib>
+#include <filesystem>
 #include <cmath>
 #include <iostream>
 #include <numeric>
@@ -210,44 +215,82 @@ TrainerConfig config_for(const std::string& name) {
     // AdamW's first step on an embedding element whose gradient (1.4e-8) is near AdamW's eps,
     // where fp32 noise of 4e-10 moves the update by 3% (the dp trainer measures 2.8e-6 there).
     c.logprobs.routing_replay = true;
-  } else if (name != "no_samples" && name != "refusals") {
+  } else if (name == "checkpoint") {
+    c.logprobs.routing_replay = true;
+  } else if (name != "no_samples") {
     throw std::invalid_argument("unknown case '" + name + "'");
   }
   return c;
 }
 
-void run_refusals(Trainer& ep, model::CausalLM& m) {
-  for (const char* what : {"save_checkpoint", "load_checkpoint"}) {
-    std::string error;
-    try {
-      if (what == std::string("save_checkpoint")) save_checkpoint("/nonexistent/kiln_ep", m, ep, CheckpointState{});
-      else load_checkpoint("/nonexistent/kiln_ep", m, ep);
-    } catch (const std::invalid_argument& e) {
-      error = e.what();
-    }
-    if (rank == 0) std::cout << "refused: " << error << std::endl;
-    expect(error.find(std::string(what)) != std::string::npos && error.find("expert-parallel") != std::string::npos &&
-               error.find(ep.expert_parallel().experts->name()) != std::string::npos,
-           std::string(what) + " of an expert-parallel trainer was not refused naming it: '" + error + "'");
+// The policy's parameters, dense ones then experts, each in parameters() order (reference_flat's
+// layout) for a trainer whose policy holds all of them (one rank, data parallel).
+torch::Tensor whole_policy(model::CausalLM& m) {
+  auto experts = m.routed_expert_parameters();
+  std::vector<torch::Tensor> dense, expert;
+  for (const auto& p : m.parameters())
+    (contains(experts, p) ? expert : dense).push_back(p.detach().to(torch::kFloat32).reshape({-1}));
+  dense.insert(dense.end(), expert.begin(), expert.end());
+  return torch::cat(dense);
+}
+
+// Two steps of the expert-parallel trainer, a checkpoint (every rank writes its part: its HF
+// experts, its optimizer parts), then step 3 four ways: the trainer continued, and trainers of
+// other weights resumed from the checkpoint at one rank, at the same mesh, and data-parallel
+// over the whole world.
+void run_checkpoint(Groups& g, const TrainerConfig& c) {
+  namespace fs = std::filesystem;
+  auto ep_model = test::debug_model(7);
+  Trainer ep(ep_model, c, g.world, ExpertParallel{&g.ep, &g.dp});
+  std::vector<std::vector<Sample>> batches;
+  for (int s = 0; s < 3; ++s) batches.push_back(make_batch(uint64_t(10 * s + 1), 7, *ep_model, true, "random"));
+  for (int s = 0; s < 2; ++s) (void)ep.step(batches[std::size_t(s)]);
+  const char* port = std::getenv("MASTER_PORT");
+  const fs::path dir = fs::temp_directory_path() / ("kiln_ep_checkpoint_" + std::string(port ? port : "0"));
+  save_checkpoint(dir, *ep_model, ep, CheckpointState{2, ep.version(), "rng", ""});
+  const auto saved = whole_parameters(g, ep);
+
+  auto one_model = test::debug_model(99), same_model = test::debug_model(99), dp_model = test::debug_model(99);
+  Trainer one(one_model, c), same(same_model, c, g.world, ExpertParallel{&g.ep, &g.dp}), dp(dp_model, c, &g.world);
+  for (auto* t : {&one, &same, &dp}) {
+    const auto st = load_checkpoint(dir, t->policy(), *t);
+    expect(st.step == 2 && t->version() == ep.version(), "checkpoint: step or version not resumed");
   }
-  std::string error;
-  try {
-    m.load_hf_tensors({});
-  } catch (const std::invalid_argument& e) {
-    error = e.what();
+  expect(torch::equal(whole_policy(*one_model), saved), "checkpoint: one rank's resumed weights differ");
+  expect(torch::equal(whole_policy(*dp_model), saved), "checkpoint: the data-parallel resumed weights differ");
+  expect(torch::equal(whole_parameters(g, same), saved), "checkpoint: the same mesh's resumed weights differ");
+  {  // the HF export alone (model-0000k-of-0000P.safetensors, one per ep rank, and its index)
+    auto hf = test::debug_model(99);
+    hf->load_hf_checkpoint(dir.string());
+    expect(torch::equal(whole_policy(*hf), saved), "checkpoint: the HF export's weights differ");
   }
-  expect(error.find("expert parallel") != std::string::npos,
-         "loading HF weights into a sliced model was not refused naming expert parallel: '" + error + "'");
+
+  const auto want = one.step(batches[2]);
+  const auto got = ep.step(batches[2]);
+  check_step(g, one, ep, got, want, "checkpoint: step 3 continued vs resumed at one rank: ");
+  const auto again = same.step(batches[2]);
+  expect(again.loss == got.loss && again.grad_norm == got.grad_norm && again.entropy == got.entropy,
+         "checkpoint: step 3 resumed at the same mesh differs from the continued one");
+  expect(torch::equal(whole_parameters(g, same), whole_parameters(g, ep)),
+         "checkpoint: parameters after step 3 resumed at the same mesh differ from the continued ones");
+  const auto dpm = dp.step(batches[2]);
+  expect_close(dpm.loss, want.loss, "checkpoint: step 3 resumed data-parallel: loss");
+  expect_close(dpm.grad_norm, want.grad_norm, "checkpoint: step 3 resumed data-parallel: grad_norm");
+  const double err = relative_error(whole_policy(*dp_model), whole_policy(*one_model));
+  if (rank == 0) std::cout << "measured checkpoint: parameters after step 3 resumed data-parallel vs one rank: relative error " << err << std::endl;
+  expect(err <= kTolerance, "checkpoint: parameters after step 3 resumed data-parallel: relative error " + std::to_string(err));
+  g.world.barrier();
+  if (rank == 0) fs::remove_all(dir);
 }
 
 void run_case(Groups& g, const std::string& name) {
   const auto c = config_for(name);
+  if (name == "checkpoint") return run_checkpoint(g, c);
   auto one_model = test::debug_model(7), ep_model = test::debug_model(7);
   Trainer one(one_model, c), ep(ep_model, c, g.world, ExpertParallel{&g.ep, &g.dp});
   const int64_t E = one_model->config().moe.num_experts;
   expect(ep_model->routed_expert_parameters().front().size(0) == E / g.ep.size(),
          "the expert slices are not E / ep = " + std::to_string(E / g.ep.size()) + " experts");
-  if (name == "refusals") return run_refusals(ep, *ep_model);
   const int count = name == "no_samples" ? g.world.size() - 1 : 7;
   const bool with_old = name != "recompute";
   const std::string routing = name == "replay" || name == "recompute" ? "random" : name == "skewed" ? "skewed" : "";
@@ -269,7 +312,7 @@ void run_case(Groups& g, const std::string& name) {
 
 int main(int argc, char** argv) {
   if (argc != 3) {
-    std::cerr << "usage: kiln_trainer_ep_worker token_mean|replay|skewed|clip|no_samples|recompute|refusals EP"
+    std::cerr << "usage: kiln_trainer_ep_worker token_mean|replay|skewed|clip|no_samples|recompute|checkpoint EP"
               << std::endl;
     return 2;
   }
