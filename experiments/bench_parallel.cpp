@@ -10,6 +10,7 @@
 #include <deque>
 #include <fstream>
 #include <mutex>
+#include <tuple>
 
 #include "actors/trainer/trainer.hpp"
 #include "actors/weight_sync/collective.hpp"
@@ -118,10 +119,16 @@ int run_parallel_bench(const ParallelBenchOptions& o) {
   }
   parallel::LaunchInfo info;
   std::unique_ptr<parallel::ProcessGroups> groups;
+  int ep = 1;
   try {
     info = parallel::read_launch_from_environment();
-    groups = std::make_unique<parallel::ProcessGroups>(info, torch::Device(torch::kCUDA, int8_t(info.local_rank)),
-                                                       std::vector<parallel::MeshDim>{{"dp", info.world_size}});
+    ep = o.ep == 0 ? info.world_size : int(o.ep);
+    if (info.world_size % ep != 0)
+      throw std::invalid_argument("--ep " + std::to_string(ep) + " does not divide the world size " +
+                                  std::to_string(info.world_size));
+    groups = std::make_unique<parallel::ProcessGroups>(
+        info, torch::Device(torch::kCUDA, int8_t(info.local_rank)),
+        std::vector<parallel::MeshDim>{{"dp", info.world_size / ep}, {"ep", ep}});
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kiln bench parallel: %s\n", e.what());
     return 2;
@@ -148,34 +155,46 @@ int run_parallel_bench(const ParallelBenchOptions& o) {
   int64_t share_tokens = 0;
   for (const auto& s : share) share_tokens += s.tokens();
 
-  double one_s = 0, one_peak = 0, dp_s = 0, dp_peak = 0;
-  {
-    auto policy = build();
-    trainer::Trainer tr(policy, tc);
-    reset_peak(gpu);
-    one_s = median_seconds(o.warmup, o.steps, [&] { (void)tr.train_step(share); });
-    one_peak = peak_gib(gpu);
-  }
+  // Median step time and peak memory of a trainer `make()` builds over a fresh policy, on
+  // `samples`; the GPU's cache emptied afterwards so that each measurement starts alike.
+  auto measure = [&](auto make, const std::vector<trainer::Sample>& samples) {
+    std::pair<double, double> r;
+    {
+      auto tr = make(build());
+      reset_peak(gpu);
+      r.first = median_seconds(o.warmup, o.steps, [&] { (void)tr->train_step(samples); });
+      r.second = peak_gib(gpu);
+    }
 #ifdef KILN_CUDA
-  c10::cuda::CUDACachingAllocator::emptyCache();
+    c10::cuda::CUDACachingAllocator::emptyCache();
 #endif
-  {
-    auto policy = build();
-    trainer::Trainer tr(policy, tc, &groups->along("dp"));
-    reset_peak(gpu);
-    dp_s = median_seconds(o.warmup, o.steps, [&] { (void)tr.train_step(all); });
-    dp_peak = peak_gib(gpu);
-  }
+    return r;
+  };
+  const auto [one_s, one_peak] =
+      measure([&](auto p) { return std::make_unique<trainer::Trainer>(std::move(p), tc); }, share);
+  const auto [dp_s, dp_peak] =
+      measure([&](auto p) { return std::make_unique<trainer::Trainer>(std::move(p), tc, &groups->world()); }, all);
+  // Expert parallel over ep ranks (the dense weights data-parallel over all of them).
+  double ep_s = 0, ep_peak = 0;
+  if (ep > 1)
+    std::tie(ep_s, ep_peak) = measure(
+        [&](auto p) {
+          return std::make_unique<trainer::Trainer>(std::move(p), tc, groups->world(),
+                                                    trainer::ExpertParallel{&groups->along("ep"), &groups->along("dp")});
+        },
+        all);
   // Collective weight sync: rank 0 sends, every other rank receives as an engine would.
   WeightSyncTimes sync;
   if (world > 1) sync = time_weight_sync(*groups, build(), o, dev);
   // Every rank's figures to rank 0.
-  auto mine = torch::tensor({double(share_tokens) / one_s, one_peak, double(share_tokens) / dp_s, dp_peak, one_s, dp_s},
+  constexpr int kFigures = 9;
+  auto mine = torch::tensor({double(share_tokens) / one_s, one_peak, double(share_tokens) / dp_s, dp_peak, one_s, dp_s,
+                             ep > 1 ? double(share_tokens) / ep_s : 0.0, ep_peak, ep_s},
                             torch::TensorOptions().dtype(torch::kFloat64))
                   .to(dev);
-  auto every = torch::empty({world * 6}, mine.options());
+  auto every = torch::empty({world * kFigures}, mine.options());
   groups->world().all_gather_into_tensor(every, mine);
-  every = every.cpu().view({world, 6});
+  every = every.cpu().view({world, kFigures});
   if (rank != 0) return 0;
   const double flops_per_token = 3.0 * glm4_forward_flops(cfg, o.docs, o.tokens / o.docs) / double(o.tokens);
   nlohmann::json J;
@@ -186,20 +205,28 @@ int run_parallel_bench(const ParallelBenchOptions& o) {
   std::printf("kiln bench parallel: GLM-4.7-Flash dims, %lld layers, bf16 + fp32 masters + AdamW, %d GPUs (NCCL), "
               "%lld tokens per GPU per step, median of %d steps\n",
               (long long)o.layers, world, (long long)o.tokens, o.steps);
-  std::printf("%-5s | %-22s %-10s | %-22s %-10s | %s\n", "rank", "one GPU tokens/s", "peak GiB", "dp tokens/s per GPU",
-              "peak GiB", "dp / one GPU");
-  double sum_one = 0, sum_dp = 0;
+  std::printf("%-5s | %-17s %-8s | %-20s %-8s %-7s | %-20s %-8s %s\n", "rank", "one GPU tokens/s", "peak GiB",
+              "dp tokens/s per GPU", "peak GiB", "/ one", ep > 1 ? "ep tokens/s per GPU" : "", ep > 1 ? "peak GiB" : "",
+              ep > 1 ? "/ one" : "");
+  double sum_one = 0, sum_dp = 0, sum_ep = 0;
   for (int r = 0; r < world; ++r) {
     auto v = every[r];
-    const double one = v[0].item<double>(), dp = v[2].item<double>();
+    const double one = v[0].item<double>(), dp = v[2].item<double>(), epv = v[6].item<double>();
     sum_one += one;
     sum_dp += dp;
-    std::printf("%-5d | %-22.0f %-10.1f | %-22.0f %-10.1f | %.3f\n", r, one, v[1].item<double>(), dp,
-                v[3].item<double>(), dp / one);
+    sum_ep += epv;
+    std::printf("%-5d | %-17.0f %-8.1f | %-20.0f %-8.1f %-7.3f", r, one, v[1].item<double>(), dp, v[3].item<double>(),
+                dp / one);
+    if (ep > 1) std::printf(" | %-20.0f %-8.1f %.3f", epv, v[7].item<double>(), epv / one);
+    std::printf("\n");
     J["ranks"].push_back({{"one_gpu_tokens_per_s", one}, {"one_gpu_peak_gib", v[1].item<double>()},
                           {"dp_tokens_per_s_per_gpu", dp}, {"dp_peak_gib", v[3].item<double>()},
-                          {"one_gpu_step_s", v[4].item<double>()}, {"dp_step_s", v[5].item<double>()}});
+                          {"one_gpu_step_s", v[4].item<double>()}, {"dp_step_s", v[5].item<double>()},
+                          {"ep_tokens_per_s_per_gpu", epv}, {"ep_peak_gib", v[7].item<double>()},
+                          {"ep_step_s", v[8].item<double>()}});
   }
+  J["ep"] = ep;
+  if (ep > 1) J["ep_over_one_gpu"] = sum_ep / sum_one;
   J["dp_over_one_gpu"] = sum_dp / sum_one;
   if (world > 1) {
     const double sync_gbs = double(sync.bytes) / sync.sync_s / 1e9, copy_gbs = double(sync.bytes) / sync.copy_s / 1e9;
@@ -214,6 +241,10 @@ int run_parallel_bench(const ParallelBenchOptions& o) {
   }
   std::printf("mean: dp %.0f tokens/s per GPU = %.3f x one GPU (%.0f); whole node %.0f tokens/s\n", sum_dp / world,
               sum_dp / sum_one, sum_one / world, sum_dp);
+  if (ep > 1)
+    std::printf("mean: ep %d (dense weights data-parallel over %d ranks) %.0f tokens/s per GPU = %.3f x one GPU; whole "
+                "node %.0f tokens/s\n",
+                ep, world, sum_ep / world, sum_ep / sum_one, sum_ep);
   if (!o.json_path.empty()) std::ofstream(o.json_path) << J.dump(2) << "\n";
   return 0;
 }

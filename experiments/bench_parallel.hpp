@@ -10,6 +10,9 @@
 //    reduce-scattered and AdamW state sharded over the ranks, parameters all-gathered) on
 //    world x `tokens` tokens, so each GPU trains `tokens`: tokens/s per GPU, its ratio to the
 //    one-GPU figure, peak allocated memory.
+//  - expert parallel over `ep` ranks (0: all of them; a mesh dp x ep with dp = world / ep, the
+//    dense weights data-parallel over every rank, as `kiln run --set parallel.ep=...` trains):
+//    the same step, samples and figures as data parallel;
 //  - collective weight sync (weight_sync/collective.hpp): rank 0's policy broadcast over NCCL to
 //    ranks 1.. (each holding an engine's copy of the model on its GPU, receiving through
 //    CollectiveReceiver as a rollout node does), checksums on: GB/s against a plain copy of the
@@ -25,6 +28,7 @@ struct ParallelBenchOptions {
   int64_t tokens = 8192;  ///< trained per GPU per step
   int64_t docs = 8;       ///< samples per GPU per step (prompt: half of each, completion: the rest)
   int steps = 5, warmup = 2;
+  int64_t ep = 0;          ///< expert-parallel ranks (0: the world size; 1: no EP measurement)
   double bucket_mib = 512;  ///< collective weight sync bucket size
   std::string json_path;
 };
