@@ -135,6 +135,7 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   integer("rollout.max_batch", c.rollout.engine.max_batch);
   integer("rollout.step_delay_ms", c.rollout.engine.step_delay_ms);
   boolean("rollout.absorbed_decode", c.rollout.engine.absorbed_decode);
+  boolean("rollout.share_prompts", c.rollout.engine.share_prompts);
   real("weight_sync.bucket_mib", c.weight_sync.bucket_mib);
   text("weight_sync.transport", c.weight_sync.transport);
   text("placement.mode", c.placement.mode);
@@ -215,7 +216,8 @@ std::string ExperimentConfig::to_toml() const {
     auto dot = key.find('.');
     auto s = key.substr(0, dot);
     if (s != section) {
-      out += (out.empty() ? "" : "\n") + std::string("[") + s + "]\n";
+      if (!out.empty()) out += '\n';
+      out.append("[").append(s).append("]\n");
       section = s;
     }
     out += key.substr(dot + 1) + " = " + field.show() + "\n";

@@ -55,6 +55,23 @@ Engine::Engine(std::shared_ptr<model::CausalLM> model, EngineOptions options) : 
   for (int64_t l = 0; l < model_->num_layers(); ++l)
     caches_.push_back(torch::zeros({o_.cache_blocks, o_.block_size, model_->cache_width()}, w.options()));
   for (int64_t b = o_.cache_blocks - 1; b >= 0; --b) free_.push_back(b);
+  refs_.assign(std::size_t(o_.cache_blocks), 0);
+}
+
+Engine::Sequence* Engine::prompt_holder(const Sequence& s, const std::vector<std::unique_ptr<Sequence>>& admitted) const {
+  if (!o_.share_prompts) return nullptr;
+  for (const auto* list : {&admitted, &running_})
+    for (const auto& h : *list) {
+      const bool through = list == &admitted ? h->cached == 0 || h->prompt_version == version_ : h->prompt_version == version_;
+      if (through && h->request.prompt == s.request.prompt) return h.get();
+    }
+  return nullptr;
+}
+
+void Engine::release(Sequence& s) {
+  for (auto b : s.blocks)
+    if (--refs_[std::size_t(b)] == 0) free_.push_back(b);
+  s.blocks.clear();
 }
 
 void Engine::submit(GenerationRequest request) {
@@ -82,25 +99,36 @@ std::vector<Completion> Engine::step() {
   if (paused_) return {};
   // Admit waiting requests (FIFO) while pages, batch slots and the prefill budget allow.
   std::vector<std::unique_ptr<Sequence>> admitted;
+  std::vector<std::pair<Sequence*, Sequence*>> sharing;  // (sequence, the holder of its prompt)
   int64_t prefill_budget = o_.max_prefill_tokens;
   while (!waiting_.empty() && int64_t(running_.size() + admitted.size()) < o_.max_batch) {
     auto& s = *waiting_.front();
     const int64_t P = int64_t(s.request.prompt.size());
     const int64_t need = (P + s.request.sampling.max_new_tokens + o_.block_size - 1) / o_.block_size;
-    if (need > int64_t(free_.size())) break;                  // waits for pages
-    if (P > prefill_budget && !admitted.empty()) break;        // next step
-    for (int64_t i = 0; i < need; ++i) {
+    Sequence* holder = prompt_holder(s, admitted);
+    const int64_t shared = holder ? P / o_.block_size : 0;  // full prompt pages taken by reference
+    if (need - shared > int64_t(free_.size())) break;         // waits for pages
+    if (!holder && P > prefill_budget && !admitted.empty()) break;  // next step
+    for (int64_t i = 0; i < shared; ++i) {
+      s.blocks.push_back(holder->blocks[std::size_t(i)]);
+      ++refs_[std::size_t(s.blocks.back())];
+    }
+    for (int64_t i = shared; i < need; ++i) {
       s.blocks.push_back(free_.back());
+      refs_[std::size_t(free_.back())] = 1;
       free_.pop_back();
     }
-    prefill_budget -= P;
+    if (holder) sharing.emplace_back(&s, holder);
+    else prefill_budget -= P;
     admitted.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
   }
-  std::vector<Sequence*> batch;
+  std::vector<Sequence*> batch;  // through the model this step
   for (auto& s : running_) batch.push_back(s.get());
-  for (auto& s : admitted) batch.push_back(s.get());
-  if (batch.empty()) return {};
+  for (auto& s : admitted)
+    if (std::none_of(sharing.begin(), sharing.end(), [&](const auto& p) { return p.first == s.get(); }))
+      batch.push_back(s.get());
+  if (batch.empty() && sharing.empty()) return {};
 
   // One forward for all: running sequences feed their last token, admitted ones their prompt.
   std::vector<int64_t> ids, pos;
@@ -119,17 +147,46 @@ std::vector<Completion> Engine::step() {
     slices.push_back({start, int64_t(ids.size()) - start, s->cached, &s->blocks});
   }
   auto device = model_->lm_head_weight().device();
-  auto out = model_->forward_cached(torch::tensor(ids, torch::kInt64).to(device), torch::tensor(pos, torch::kInt64).to(device),
-                                    slices, caches_, /*want_experts=*/true);
-  std::vector<int64_t> last;
-  for (const auto& sl : slices) last.push_back(sl.start + sl.count - 1);
-  torch::Tensor logits;
-  {
-    torch::NoGradGuard no_grad;
-    auto h = out.hidden.index_select(0, torch::tensor(last, torch::kInt64).to(device));
-    logits = model::lm_logits(h, model_->lm_head_weight());  // [B, V] fp32, as the trainer's; stays on the device
+  torch::NoGradGuard no_grad;
+  const auto& head = model_->lm_head_weight();  // [V, D]
+  torch::Tensor h = torch::empty({0, head.size(1)}, head.options()), experts;  // [B, D], [rows, L, K]
+  if (!batch.empty()) {
+    auto out = model_->forward_cached(torch::tensor(ids, torch::kInt64).to(device),
+                                      torch::tensor(pos, torch::kInt64).to(device), slices, caches_,
+                                      /*want_experts=*/true);
+    std::vector<int64_t> last;
+    for (const auto& sl : slices) last.push_back(sl.start + sl.count - 1);
+    h = out.hidden.index_select(0, torch::tensor(last, torch::kInt64).to(device));
+    experts = out.routed_experts.to(torch::kCPU);
   }
-  auto experts = out.routed_experts.to(torch::kCPU);
+  for (std::size_t i = 0; i < batch.size(); ++i) {
+    auto* s = batch[i];
+    s->expert_rows.push_back(experts.narrow(0, slices[i].start, slices[i].count));
+    if (s->cached == 0) {  // its prompt went through the model: what sharers of it reuse
+      prefilled_tokens_ += slices[i].count;
+      s->prompt_version = version_;
+      s->prompt_hidden = h[int64_t(i)];
+      s->prompt_experts = s->expert_rows.back();
+    }
+    s->cached += slices[i].count;
+  }
+  // Sharers: the holder's prompt (prefilled above or before), their partial last page copied.
+  std::vector<torch::Tensor> rows{h};
+  for (auto [s, holder] : sharing) {
+    const int64_t P = int64_t(s->request.prompt.size()), page = P / o_.block_size;
+    if (P % o_.block_size != 0)
+      for (auto& cache : caches_) cache[s->blocks[std::size_t(page)]].copy_(cache[holder->blocks[std::size_t(page)]]);
+    s->prompt_version = version_;
+    s->prompt_hidden = holder->prompt_hidden;
+    s->prompt_experts = holder->prompt_experts;
+    s->expert_rows.push_back(s->prompt_experts);
+    s->cached = P;
+    rows.push_back(s->prompt_hidden.unsqueeze(0));
+    batch.push_back(s);
+    ++shared_prompts_;
+  }
+  // [B, V] fp32, as the trainer's; stays on the device
+  auto logits = model::lm_logits(sharing.empty() ? h : torch::cat(rows, 0), model_->lm_head_weight());
 
   std::vector<const SamplingParams*> params;
   std::vector<at::Generator*> gens;
@@ -141,8 +198,6 @@ std::vector<Completion> Engine::step() {
   std::vector<Completion> done;
   for (std::size_t i = 0; i < batch.size(); ++i) {
     auto* s = batch[i];
-    s->expert_rows.push_back(experts.narrow(0, slices[i].start, slices[i].count));
-    s->cached += slices[i].count;
     record(s->out, sampled[i], version_);
     if (s->out.tokens.size() == 1)
       s->out.time_to_first_token_s = std::chrono::duration<double>(Clock::now() - s->submitted).count();
@@ -155,7 +210,7 @@ std::vector<Completion> Engine::step() {
       continue;
     }
     s.out.routed_experts = torch::cat(s.expert_rows, 0);  // [P + n - 1, L, K]
-    for (auto b : s.blocks) free_.push_back(b);
+    release(s);
     done.push_back(std::move(s.out));
     it = running_.erase(it);
   }

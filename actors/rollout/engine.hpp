@@ -4,6 +4,16 @@
 // per token and layer), continuous batching (requests join while others decode; finished ones
 // free their pages), and a hard bound on cache memory: a request is admitted only when pages
 // for its prompt plus max_new_tokens are free, otherwise it waits in FIFO order.
+//
+// Shared prompts (EngineOptions::share_prompts, SGLang's and vLLM's prefix caching for the
+// case RL needs: the n samples of a GRPO group): a request whose prompt equals that of a
+// sequence prefilled at the current weights version (in this step's prefill or running) is
+// not prefilled. It takes that sequence's full prompt pages by reference (pages are
+// reference-counted, freed when the last holder finishes), copies the partial last page into
+// a page of its own before its first decode (copy-on-write: decoding writes only positions
+// >= P), reuses the prompt's routed experts and the hidden state of its last token, and
+// samples its first token from those logits with its own generator: its output equals the
+// unshared run's with the same seed.
 #include <chrono>
 #include <deque>
 #include <memory>
@@ -38,6 +48,9 @@ class Engine : public RolloutBackend {
   void weights_written(int64_t version);
 
   int64_t free_blocks() const { return int64_t(free_.size()); }
+  /// Prompt tokens run through prefill so far, and prompts shared instead (not prefilled).
+  int64_t prefilled_tokens() const { return prefilled_tokens_; }
+  int64_t shared_prompts() const { return shared_prompts_; }
   std::size_t waiting() const { return waiting_.size(); }
   std::size_t running() const { return running_.size(); }
 
@@ -50,13 +63,24 @@ class Engine : public RolloutBackend {
     std::vector<torch::Tensor> expert_rows;  // [rows, L, K] pieces
     int64_t cached = 0;                      // tokens whose latents are in the cache
     std::chrono::steady_clock::time_point submitted;
+    // After its prompt went through the model (prefill or shared): the version of the weights
+    // that did it (-1: not yet), the hidden state of the last prompt token [D] and the
+    // prompt's routed experts [P, L, K].
+    int64_t prompt_version = -1;
+    torch::Tensor prompt_hidden, prompt_experts;
   };
   bool finished(Sequence& s) const;
+  /// A sequence of running_ or `admitted` whose prompt equals s's and went (or goes, this
+  /// step) through the model at the current version; nullptr when none.
+  Sequence* prompt_holder(const Sequence& s, const std::vector<std::unique_ptr<Sequence>>& admitted) const;
+  void release(Sequence& s);  ///< its pages, each freed when no other sequence holds it
 
   std::shared_ptr<model::CausalLM> model_;
   EngineOptions o_;
   std::vector<torch::Tensor> caches_;  // per layer [blocks, block_size, width]
   std::vector<int64_t> free_;
+  std::vector<int32_t> refs_;  // per page: sequences holding it
+  int64_t prefilled_tokens_ = 0, shared_prompts_ = 0;
   std::deque<std::unique_ptr<Sequence>> waiting_;
   std::vector<std::unique_ptr<Sequence>> running_;
   bool paused_ = false;

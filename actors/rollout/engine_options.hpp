@@ -17,7 +17,12 @@ struct EngineOptions {
   /// instead of expanding every cached latent through kv_b (faster; log-probs further from
   /// the trainer's). CPU engines always attend in latent space.
   bool absorbed_decode = false;
-  MSGPACK_DEFINE_MAP(cache_blocks, block_size, max_batch, max_prefill_tokens, step_delay_ms, absorbed_decode);
+  /// Requests with the same prompt (the samples of a GRPO group) prefill it once: the others
+  /// share its full cache pages and copy its last, partial page (copy-on-write at the first
+  /// generated token), and sample their first token from the same logits with their own seed.
+  bool share_prompts = true;
+  MSGPACK_DEFINE_MAP(cache_blocks, block_size, max_batch, max_prefill_tokens, step_delay_ms, absorbed_decode,
+                     share_prompts);
 };
 
 }  // namespace kiln::rollout

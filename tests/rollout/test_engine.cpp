@@ -3,6 +3,8 @@
 // weight updates between decode steps.
 #include <doctest/doctest.h>
 
+#include <map>
+
 #include "actors/rollout/engine.hpp"
 #include "model/blocks/logprobs.hpp"
 #include "model/glm4_moe_lite/model.hpp"
@@ -204,4 +206,83 @@ TEST_CASE("weights are updated between decode steps, and tokens carry the versio
   auto fresh = engine.generate({request(2, {3, 4, 5}, 6, 0.0)})[0];
   auto ref = Engine(other, small_cache()).generate({request(2, {3, 4, 5}, 6, 0.0)})[0];
   CHECK(fresh.tokens == ref.tokens);
+}
+
+namespace {
+// Completions by request id.
+std::map<uint64_t, Completion> by_id(std::vector<Completion> v) {
+  std::map<uint64_t, Completion> out;
+  for (auto& c : v) out[c.id] = std::move(c);
+  return out;
+}
+
+void check_same_outputs(const std::map<uint64_t, Completion>& got, const std::map<uint64_t, Completion>& want) {
+  REQUIRE(got.size() == want.size());
+  for (const auto& [id, w] : want) {
+    const auto& g = got.at(id);
+    CHECK_MESSAGE(g.tokens == w.tokens, "request " << id);
+    REQUIRE(g.logprobs.size() == w.logprobs.size());
+    for (std::size_t i = 0; i < w.logprobs.size(); ++i) CHECK(g.logprobs[i] == doctest::Approx(w.logprobs[i]).epsilon(1e-5));
+    CHECK(torch::equal(g.routed_experts, w.routed_experts));
+  }
+}
+}  // namespace
+
+TEST_CASE("a GRPO group of 8 samples of a 2048-token prompt prefills it once, and the outputs equal the unshared run's") {
+  auto m = debug_model();
+  std::vector<int64_t> prompt;
+  for (int64_t i = 0; i < 2048; ++i) prompt.push_back(3 + (i * 7919) % (m->vocab_size() - 3));
+  prompt.push_back(5);  // 2049 tokens: the last page is partial (copied per sample)
+  std::vector<GenerationRequest> group;
+  for (uint64_t i = 0; i < 8; ++i) group.push_back(request(i, prompt, 12, 1.0, 100 + i));
+  EngineOptions o;
+  o.cache_blocks = 8 * 130 + 8;
+  o.block_size = 16;
+  o.max_batch = 8;
+  o.max_prefill_tokens = 4 * 2049;
+  o.share_prompts = false;
+  Engine unshared(m, o);
+  const auto want = by_id(unshared.generate(group));
+  CHECK(unshared.prefilled_tokens() == 8 * 2049);
+  CHECK(unshared.shared_prompts() == 0);
+  o.share_prompts = true;
+  Engine shared(m, o);
+  const auto got = by_id(shared.generate(group));
+  CHECK(shared.prefilled_tokens() == 2049);  // once
+  CHECK(shared.shared_prompts() == 7);
+  check_same_outputs(got, want);
+  CHECK(shared.free_blocks() == o.cache_blocks);  // every shared page freed once, by its last holder
+  // The samples differ from each other (their own seeds), or sharing would prove little.
+  CHECK(got.at(0).tokens != got.at(1).tokens);
+}
+
+TEST_CASE("a group split over steps shares the prompt of a running sequence and a weight update stops the sharing") {
+  auto m = debug_model();
+  std::vector<int64_t> prompt{3, 4, 5, 6, 7, 8, 9};  // 7 tokens: one full page of 4, one partial
+  EngineOptions o = small_cache();
+  o.max_batch = 2;  // 2 at a time: the later ones join while the first decode
+  std::vector<GenerationRequest> group;
+  for (uint64_t i = 0; i < 5; ++i) group.push_back(request(i, prompt, 6 + int64_t(i), 1.0, 7 + i));
+  o.share_prompts = false;
+  const auto want = by_id(Engine(m, o).generate(group));
+  o.share_prompts = true;
+  Engine shared(m, o);
+  const auto got = by_id(shared.generate(group));
+  CHECK(shared.prefilled_tokens() == 7);
+  CHECK(shared.shared_prompts() == 4);
+  check_same_outputs(got, want);
+  CHECK(shared.free_blocks() == o.cache_blocks);
+
+  // After a weight update the cached prompt is of the old weights: the next request prefills.
+  Engine e(m, o);
+  e.submit(request(1, prompt, 20, 1.0, 1));
+  (void)e.step();  // prefilled at version 0, decoding
+  e.pause();
+  e.update_weights(m->hf_state_dict(), 1);
+  e.resume();
+  e.submit(request(2, prompt, 4, 1.0, 2));
+  while (e.has_work()) (void)e.step();
+  CHECK(e.prefilled_tokens() == 14);
+  CHECK(e.shared_prompts() == 0);
+  CHECK(e.free_blocks() == o.cache_blocks);
 }
