@@ -57,6 +57,49 @@ double decode_step_seconds(const std::shared_ptr<model::CausalLM>& model, int64_
   }
 }
 
+// A GRPO group: `n` samples (own seeds) of one `prompt`-token prompt, `new_tokens` each, with
+// rollout.share_prompts off and on, on the same model: prompt tokens prefilled, mean time to
+// first token and the wall time of the whole group, printed as a table.
+void group_sharing(const std::shared_ptr<model::CausalLM>& model, int64_t prompt, int64_t n, int64_t new_tokens) {
+  std::vector<rollout::GenerationRequest> group;
+  auto ids = torch::randint(3, model->vocab_size(), {prompt}, torch::kInt64);
+  for (int64_t i = 0; i < n; ++i) {
+    rollout::GenerationRequest r;
+    r.id = uint64_t(i);
+    r.prompt.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + prompt);
+    r.sampling.max_new_tokens = new_tokens;
+    r.sampling.seed = uint64_t(1000 + i);
+    group.push_back(std::move(r));
+  }
+  std::printf("GRPO group: %lld samples of one %lld-token prompt, %lld new tokens each\n", (long long)n,
+              (long long)prompt, (long long)new_tokens);
+  std::printf("%14s %16s %12s %10s %14s\n", "share_prompts", "prefilled_tok", "mean_ttft", "group_s", "same_tokens");
+  std::vector<std::vector<int64_t>> first;
+  for (bool share : {false, true}) {
+    rollout::EngineOptions eo;
+    eo.block_size = 16;
+    eo.max_batch = n;
+    eo.max_prefill_tokens = n * prompt;
+    eo.cache_blocks = n * ((prompt + new_tokens + 15) / 16);
+    eo.share_prompts = share;
+    rollout::Engine engine(model, eo);
+    const messaging::Stopwatch t;
+    auto done = engine.generate(group);
+    const double s = t.seconds();
+    double ttft = 0;
+    std::sort(done.begin(), done.end(), [](const auto& a, const auto& b) { return a.id < b.id; });
+    std::vector<std::vector<int64_t>> tokens;
+    for (const auto& c : done) {
+      ttft += c.time_to_first_token_s / double(done.size());
+      tokens.push_back(c.tokens);
+    }
+    if (!share) first = tokens;
+    std::printf("%14s %16lld %11.4fs %9.3fs %14s\n", share ? "on" : "off", (long long)engine.prefilled_tokens(), ttft, s,
+                share ? (tokens == first ? "yes" : "NO") : "-");
+    std::fflush(stdout);
+  }
+}
+
 int run_rollout_bench_cuda(const RolloutBenchOptions& o) {
   if (!torch::cuda::is_available()) {
     std::fprintf(stderr, "kiln bench rollout: --device cuda: no CUDA device visible\n");
@@ -124,6 +167,7 @@ int run_rollout_bench_cuda(const RolloutBenchOptions& o) {
                   cell(t[1]).c_str(), t[0] > 0 && t[1] > 0 ? t[0] / t[1] : 0.0);
       std::fflush(stdout);
     }
+  group_sharing(model, 2048, 8, o.new_tokens);
   return 0;
 }
 
@@ -194,6 +238,7 @@ int run_rollout_bench_cpu(const RolloutBenchOptions& o) {
                 ref_ttft, ref_s / engine_s);
     std::fflush(stdout);
   }
+  group_sharing(model, 2048, 8, o.new_tokens);
   return 0;
 }
 

@@ -12,6 +12,10 @@
 // experts, and the routed experts a batch of that size touches: E * (1 - (1 - K/E)^B) of E,
 // uniform routing) plus the latent cache read, over the device-to-device copy rate measured in
 // the same run.
+//
+// Both devices then time a GRPO group (8 samples of one 2048-token prompt) with
+// rollout.share_prompts off and on: prompt tokens prefilled, time to first token, the group's
+// wall time, and whether the samples are the same tokens.
 #include <cstdint>
 #include <string>
 #include <vector>
