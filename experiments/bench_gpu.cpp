@@ -90,6 +90,25 @@ int run_gpu_bench(const GpuBenchOptions& o) {
   J["peak_memory_gib"] = fb_peak;
   J["model_tflop_per_step"] = flops / 1e12;
   policy->zero_grad();
+  // The same with activation checkpointing per layer (algorithm.activation_checkpointing): the
+  // speed/memory trade, MFU still counted on the model's 3x forward FLOPs (not the recompute).
+  double fb_ckpt = 0, fb_ckpt_peak = 0;
+  if (o.activation_checkpointing) {
+    policy->set_activation_checkpointing(true);
+    reset_peak();
+    fb_ckpt = median_seconds(o.warmup, o.steps, [&] {
+      policy->zero_grad();
+      auto out = policy->forward(batch);
+      auto lp = policy->token_logprobs(out, targets, 4096);
+      (-lp.sum() / double(o.tokens - o.docs)).backward();
+    });
+    fb_ckpt_peak = peak_gib();
+    policy->set_activation_checkpointing(false);
+    policy->zero_grad();
+    J["checkpointed_train_tokens_per_s"] = double(o.tokens) / fb_ckpt;
+    J["checkpointed_mfu"] = flops / fb_ckpt / (gemm_tflops * 1e12);
+    J["checkpointed_peak_memory_gib"] = fb_ckpt_peak;
+  }
 
   // log_probs_time: no-grad forward + log-probs of the same micro-batch
   double lpt = median_seconds(o.warmup, o.steps, [&] {
@@ -228,6 +247,9 @@ int run_gpu_bench(const GpuBenchOptions& o) {
   std::printf("  measured limits: bf16 GEMM %.0f TFLOP/s, D2D copy %.0f GB/s (read+write)\n", gemm_tflops, copy_gbs);
   std::printf("  forward+backward     %8.3f s  %9.0f tokens/s  MFU %.1f%%  peak %.1f GiB\n", fb, double(o.tokens) / fb,
               100.0 * J["mfu"].get<double>(), fb_peak);
+  if (o.activation_checkpointing)
+    std::printf("  forward+backward, activation checkpointing %8.3f s  %9.0f tokens/s  MFU %.1f%%  peak %.1f GiB\n",
+                fb_ckpt, double(o.tokens) / fb_ckpt, 100.0 * J["checkpointed_mfu"].get<double>(), fb_ckpt_peak);
   std::printf("  trainer step (AdamW) %8.3f s  %9.0f tokens/s  peak %.1f GiB\n", J["trainer_step_s"].get<double>(),
               J["trainer_step_tokens_per_s"].get<double>(), J["trainer_step_peak_memory_gib"].get<double>());
   std::printf("  log_probs_time       %8.3f s  (decoder forward %.3f s; log-prob head fwd+bwd %.3f s)\n", lpt,

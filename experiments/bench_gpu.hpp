@@ -4,6 +4,8 @@
 //  - the machine's limits, measured: bf16 GEMM TFLOP/s (8192^3) and device-to-device copy GB/s;
 //  - forward+backward over one packed micro-batch (`docs` documents, `tokens` in all): train
 //    tokens/s, MFU against the measured GEMM rate, peak allocated memory;
+//  - with activation_checkpointing: the same forward+backward with checkpointing per layer
+//    (tokens/s, MFU on the model's FLOPs, peak memory: the speed/memory trade);
 //  - a full trainer step (bf16 policy, fp32 master weights + AdamW) on the same tokens;
 //  - log_probs_time: the no-grad forward + per-token log-probs of the same micro-batch;
 //  - update_weights_time: device-to-device weight sync into a rollout engine's model, with and
@@ -25,6 +27,7 @@ struct GpuBenchOptions {
   double bucket_mib = 512;
   int64_t rollout_prompts = 32, rollout_prompt_tokens = 256, rollout_new_tokens = 32;
   bool absorbed_decode = false;  ///< the engine's rollout.absorbed_decode
+  bool activation_checkpointing = false;  ///< also forward+backward with checkpointing per layer
   std::string json_path, config_dir;
 };
 

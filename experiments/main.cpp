@@ -81,6 +81,7 @@ int main(int argc, char** argv) {
   bench_gpu->add_option("--rollout-new-tokens", go.rollout_new_tokens, "Tokens generated per request")->check(CLI::Range(int64_t(1), int64_t(65536)));
   bench_gpu->add_option("--json", go.json_path, "Write every number as JSON here");
   bench_gpu->add_flag("--absorbed-decode", go.absorbed_decode, "Rollout decode in latent space (rollout.absorbed_decode)");
+  bench_gpu->add_flag("--activation-checkpointing", go.activation_checkpointing, "Also time forward+backward with activation checkpointing per layer");
   bench_gpu->add_option("--config-dir", go.config_dir, "Write the benchmarked model's HF config.json here");
   kiln::experiments::ParallelBenchOptions po;
   auto* bench_parallel = bench_cmd->add_subcommand(

@@ -90,6 +90,12 @@ class CausalLM : public torch::nn::Module {
   /// of parameters(), in parameters() order. None by default.
   virtual std::vector<torch::Tensor> routed_expert_parameters() { return {}; }
 
+  /// Activation checkpointing per decoder layer (blocks/activation_checkpoint.hpp) in forward()
+  /// with gradients on: each layer keeps only its input, and runs again in the backward.
+  /// Same loss and gradients; less memory, one more forward of the layers per step.
+  void set_activation_checkpointing(bool on) { checkpoint_layers_ = on; }
+  bool activation_checkpointing() const { return checkpoint_layers_; }
+
   /// Casts parameters to `dtype`, keeping what must stay fp32 (router bias) in fp32.
   virtual void to_dtype(torch::Dtype dtype) = 0;
 
@@ -97,6 +103,8 @@ class CausalLM : public torch::nn::Module {
   torch::Tensor logits(const ForwardOutput& out);
   /// [T] fp32 log-probs of targets (see blocks/logprobs.hpp), never [T, V] in fp32.
   torch::Tensor token_logprobs(const ForwardOutput& out, const torch::Tensor& targets, int64_t chunk = 1024);
+ protected:
+  bool checkpoint_layers_ = false;  ///< set_activation_checkpointing
 };
 
 }  // namespace kiln::model

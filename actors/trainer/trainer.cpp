@@ -229,6 +229,7 @@ std::unique_ptr<Trainer> make_trainer(std::shared_ptr<model::CausalLM> policy, T
 Trainer::Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config, parallel::Group* data_parallel)
     : policy_(std::move(policy)), c_(config), dp_(data_parallel) {
   c_.validate();
+  policy_->set_activation_checkpointing(c_.activation_checkpointing);
   params_ = policy_->parameters();
   for (std::size_t i = 0; i < params_.size(); ++i)
     if (params_[i].scalar_type() != torch::kFloat32) low_precision_.push_back(i);
@@ -251,6 +252,7 @@ Trainer::Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config, 
                  ExpertParallel expert_parallel)
     : policy_(std::move(policy)), c_(config), dp_(&data_parallel), ep_(expert_parallel) {
   c_.validate();
+  policy_->set_activation_checkpointing(c_.activation_checkpointing);
   if (!ep_.experts || !ep_.replicas)
     throw std::invalid_argument(std::string("Trainer: expert parallel needs both groups, got no ") +
                                 (ep_.experts ? "replicas (dp) group" : "experts (ep) group"));

@@ -50,9 +50,13 @@ struct TrainerConfig {
   /// pi_old from a separate no-grad pass before the update (verl/slime "recompute old
   /// log-prob", timed as log_probs_time) instead of the training forward's detached values.
   bool recompute_old_logprobs = false;
+  /// Activation checkpointing per decoder layer (CausalLM::set_activation_checkpointing): the
+  /// policy's layers keep only their inputs and run again in the backward (long packs in less
+  /// memory, one more forward of the layers per step; the same loss and gradients).
+  bool activation_checkpointing = false;
   PolicyLossConfig loss;
   MSGPACK_DEFINE_MAP(logprobs, lr, weight_decay, beta1, beta2, grad_clip, lr_schedule, warmup_steps, total_steps,
-                     min_lr_ratio, recompute_old_logprobs, loss);
+                     min_lr_ratio, recompute_old_logprobs, activation_checkpointing, loss);
 
   /// What a field is called where the settings came from, for error messages: e.g.
   /// "experiment: key 'algorithm.lr'" for "lr". Default: "trainer config: lr".

@@ -1,5 +1,7 @@
 #include "model/glm4_moe_lite/model.hpp"
 
+#include "model/blocks/activation_checkpoint.hpp"
+
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -100,7 +102,18 @@ ForwardOutput Glm4MoeLiteModel::forward(const PackedBatch& batch, const ForwardO
     std::optional<torch::Tensor> replay;
     torch::Tensor chosen;
     if (layer->is_moe() && replay_all) replay = replay_all->select(1, moe_index);  // [T, K]
-    x = layer(x, positions, cu_dev, max_seqlen, replay, layer->is_moe() && want_ids ? &chosen : nullptr);
+    const bool want_chosen = layer->is_moe() && want_ids;
+    if (checkpoint_layers_) {  // the recomputation in the backward writes the same ids again
+      auto out_ids = std::make_shared<torch::Tensor>();
+      x = checkpointed(
+          [l = layer.ptr(), positions, cu_dev, max_seqlen, replay, out_ids, want_chosen](const torch::Tensor& in) {
+            return l->forward(in, positions, cu_dev, max_seqlen, replay, want_chosen ? out_ids.get() : nullptr);
+          },
+          x);
+      chosen = *out_ids;
+    } else {
+      x = layer(x, positions, cu_dev, max_seqlen, replay, want_chosen ? &chosen : nullptr);
+    }
     if (layer->is_moe()) {
       if (want_ids) ids.push_back(chosen);
       ++moe_index;

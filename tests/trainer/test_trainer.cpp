@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include "../test_util.hpp"
+#include "model/blocks/activation_checkpoint.hpp"
 #include "trainer_fixture.hpp"
 
 using namespace kiln;
@@ -104,6 +105,88 @@ TEST_CASE("1, 2 and many micro-batches give the same update") {
   for (int k : {1, 2})
     for (const auto& p : models[k]->named_parameters())
       CHECK_MESSAGE(torch::allclose(p.value().grad(), p0[p.key()].grad(), 1e-4, 1e-7), p.key());
+}
+
+TEST_CASE("checkpointed() runs f without a graph and again in the backward with the plain call's gradients") {
+  torch::manual_seed(0);
+  auto w = torch::randn({5, 5}, torch::requires_grad());
+  auto x0 = torch::randn({3, 5}, torch::requires_grad());
+  int calls = 0;
+  auto f = [&](const torch::Tensor& in) {
+    ++calls;
+    return torch::tanh(torch::mm(in, w)).pow(2);
+  };
+  auto plain = f(x0 * 2).sum();
+  plain.backward();
+  auto gw = w.grad().clone(), gx = x0.grad().clone();
+  w.mutable_grad().zero_();
+  x0.mutable_grad().zero_();
+  calls = 0;
+  auto y = model::checkpointed(f, x0 * 2);
+  CHECK(calls == 1);
+  CHECK(y.grad_fn() != nullptr);
+  y.sum().backward();
+  CHECK(calls == 2);  // recomputed once in the backward
+  CHECK(torch::allclose(w.grad(), gw, 1e-6, 1e-8));
+  CHECK(torch::allclose(x0.grad(), gx, 1e-6, 1e-8));
+  calls = 0;
+  {
+    torch::NoGradGuard ng;
+    (void)model::checkpointed(f, x0);  // no grad: a plain call
+  }
+  CHECK(calls == 1);
+}
+
+TEST_CASE("activation checkpointing gives the same loss and gradients and routed experts with replay and without") {
+  for (bool replay : {true, false}) {
+    auto base = debug_model(9);
+    auto samples = rollout_samples(base, 6);  // routed experts from the rollout
+    std::vector<std::shared_ptr<model::glm4_moe_lite::Glm4MoeLiteModel>> models;
+    std::vector<StepMetrics> metrics;
+    for (bool checkpointing : {false, true}) {
+      auto m = debug_model(9);
+      TrainerConfig c;
+      c.logprobs.max_tokens_per_microbatch = 40;  // several micro-batches, packed documents
+      c.logprobs.routing_replay = replay;
+      c.loss.entropy_coef = 0.01;
+      c.activation_checkpointing = checkpointing;
+      Trainer t(m, c);
+      CHECK(m->activation_checkpointing() == checkpointing);
+      metrics.push_back(t.train_step(samples));
+      models.push_back(m);
+    }
+    CAPTURE(replay);
+    CHECK(metrics[1].micro_batches > 1);
+    CHECK(metrics[1].loss == metrics[0].loss);  // the same forward, bit for bit
+    CHECK(metrics[1].entropy == metrics[0].entropy);
+    CHECK(metrics[1].grad_norm == doctest::Approx(metrics[0].grad_norm).epsilon(1e-6));
+    auto p0 = models[0]->named_parameters();
+    for (const auto& p : models[1]->named_parameters()) {
+      CHECK_MESSAGE(p.value().grad().defined() == p0[p.key()].grad().defined(), p.key());
+      if (p.value().grad().defined())
+        CHECK_MESSAGE(torch::allclose(p.value().grad(), p0[p.key()].grad(), 1e-5, 1e-8), p.key());
+      CHECK_MESSAGE(torch::equal(p.value(), p0[p.key()]), p.key() << ": the update differs");
+    }
+  }
+  // The routed experts a checkpointed forward reports are the plain forward's.
+  auto m = debug_model(3);
+  auto samples = rollout_samples(m, 2);
+  std::vector<std::vector<int64_t>> docs;
+  for (const auto& s : samples) {
+    docs.push_back(s.prompt);
+    docs.back().insert(docs.back().end(), s.completion.begin(), s.completion.end());
+  }
+  auto batch = model::PackedBatch::from_documents(docs);
+  model::ForwardOptions o;
+  o.return_routed_experts = true;
+  auto plain = m->forward(batch, o);
+  m->set_activation_checkpointing(true);
+  auto checked = m->forward(batch, o);
+  CHECK(torch::equal(plain.routed_experts, checked.routed_experts));
+  CHECK(torch::equal(plain.hidden, checked.hidden));
+  checked.hidden.sum().backward();  // the recomputation runs and fills the gradients
+  for (const auto& p : m->named_parameters())
+    if (p.key().find("embed") != std::string::npos) CHECK(p.value().grad().defined());
 }
 
 TEST_CASE("updates raise the advantage-weighted log-prob of the completions (the PG objective)") {
