@@ -114,7 +114,7 @@ if codes == [0, 0] and os.path.exists(f"{work}/dp4/metrics.jsonl"):
 # 3. checkpoint at dp 2, resumed at dp 1, 2, 4
 run("ckpt", "--set", "run.steps=3", "--set", "parallel.dp=2", "--set", "run.checkpoint_every=2")
 step2 = f"{work}/ckpt/checkpoints/step_000002"
-shards = sorted(f for f in os.listdir(step2) if f.startswith("optimizer_shard")) if os.path.isdir(step2) else []
+shards = sorted(f for f in os.listdir(step2) if f.startswith("optimizer_shard") and f.endswith(".pt")) if os.path.isdir(step2) else []
 checks.append((shards == ["optimizer_shard_00000_of_00002.pt", "optimizer_shard_00001_of_00002.pt"], f"dp 2 wrote one optimizer shard per rank {shards}"))
 for dp in (1, 2, 4):
     run(f"resume_dp{dp}", "--set", "run.steps=3", "--set", f"parallel.dp={dp}", "--set", f"run.resume_from={step2}")
