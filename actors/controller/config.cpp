@@ -44,6 +44,10 @@ void Config::validate() const {
        "must be \"\" (model.device), \"cpu\", \"cuda\" or \"cuda:N\"");
   need(placement.rollout_device.empty() || placement.mode == "multi_process", "placement.rollout_device",
        "needs placement.mode \"multi_process\" (engines in their own processes)");
+  need(placement.reference_device.empty() || is_device(placement.reference_device), "placement.reference_device",
+       "must be \"\" (model.device), \"cpu\", \"cuda\" or \"cuda:N\"");
+  need(placement.reference_device.empty() || placement.reference == "process", "placement.reference_device",
+       "needs placement.reference \"process\" (the reference in its own process)");
   need(model.dtype == "fp32" || model.dtype == "bf16", "model.dtype", "must be \"fp32\" or \"bf16\"");
   need(placement.reference == "controller" || placement.reference == "process", "placement.reference",
        "must be \"controller\" or \"process\"");
@@ -72,8 +76,6 @@ void Config::validate() const {
        "must be \"cpu\" or \"cuda\" with several trainer ranks (each rank takes the GPU of its LOCAL_RANK)");
   need(par.ep == 1 || run.checkpoint_every == 0, "run.checkpoint_every",
        "must be 0 with parallel.ep > 1 (checkpoints of an expert-parallel trainer are not written yet)");
-  need(par.ep == 1 || weight_sync.transport == "messages", "weight_sync.transport",
-       "must be \"messages\" with parallel.ep > 1 (the collective sync sends rank 0's tensors, whose experts are a slice)");
   need(par.master_port >= 0 && par.master_port <= 65535, "parallel.master_port", "must be in [0, 65535] (0: a free port)");
   need(par.store_timeout_s >= 1 && par.store_timeout_s <= 86400, "parallel.store_timeout_s", "must be in [1, 86400]");
   need(par.collective_timeout_s >= 1 && par.collective_timeout_s <= 86400, "parallel.collective_timeout_s",

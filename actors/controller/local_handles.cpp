@@ -5,6 +5,9 @@
 #include <algorithm>
 #include <chrono>
 
+#include "actors/trainer/trainer_service.hpp"
+#include "kernels/device_memory.hpp"
+
 namespace kiln::controller {
 
 namespace {
@@ -28,7 +31,11 @@ LocalTrainer::LocalTrainer(std::shared_ptr<model::CausalLM> policy, const traine
     : policy_(policy), trainer_(trainer::make_trainer(std::move(policy), config, ranks)), gw_(gateway),
       bucket_bytes_(bucket_bytes) {}
 
-trainer::StepMetrics LocalTrainer::train(std::vector<trainer::Sample> samples) { return trainer_->step(std::move(samples)); }
+trainer::StepMetrics LocalTrainer::train(std::vector<trainer::Sample> samples) {
+  auto m = trainer_->step(std::move(samples));
+  m.peak_memory_gib = {kernels::take_peak_memory_gib(policy_device())};  // this process's, since its last step
+  return m;
+}
 
 PolicyWeights LocalTrainer::weights(bool copy) {
   PolicyWeights w{trainer_->version(), {}};
@@ -47,7 +54,8 @@ void LocalTrainer::send(const PolicyWeights& w, const std::vector<std::string>& 
 }
 
 void LocalTrainer::send_collective(weight_sync::CollectiveSender& sender) {
-  sender.send(*policy_, trainer_->version(), bucket_bytes_, policy_->weight_sync_groups(/*hf_names=*/false));
+  sender.send(*policy_, trainer_->version(), bucket_bytes_, policy_->weight_sync_groups(/*hf_names=*/false),
+              trainer::sliced_experts(*policy_));
 }
 
 void LocalTrainer::save(const std::filesystem::path& dir, const trainer::CheckpointState& state) {

@@ -47,7 +47,9 @@ class DataParallelTrainer : public TrainerHandle {
   PolicyWeights weights(bool copy) override;
   void send(const PolicyWeights& w, const std::vector<std::string>& targets) override { local_->send(w, targets); }
   torch::Device policy_device() const override { return local_->policy_device(); }
-  void send_collective(weight_sync::CollectiveSender& sender) override { local_->send_collective(sender); }
+  /// With expert parallel, collective over the ranks: each joins the experts' gathers as rank 0
+  /// packs them (trainer.gather_weights, collective).
+  void send_collective(weight_sync::CollectiveSender& sender) override;
   /// Collective: every rank writes its optimizer shard into `dir` (one filesystem the ranks
   /// share), rank 0 the policy and the loop state (trainer/checkpoint.hpp).
   void save(const std::filesystem::path& dir, const trainer::CheckpointState& state) override;
@@ -57,8 +59,9 @@ class DataParallelTrainer : public TrainerHandle {
 
  private:
   /// Sends `request` to every other rank, runs `here` in this process, then waits for every
-  /// answer; throws as train() says, `what` naming the request.
-  void on_all_ranks(const std::string& what, const std::function<messaging::Envelope(const std::string& actor)>& request,
+  /// answer; returns the answers of ranks 1..R-1 in rank order; throws as train() says, `what`
+  /// naming the request.
+  std::vector<messaging::Envelope> on_all_ranks(const std::string& what, const std::function<messaging::Envelope(const std::string& actor)>& request,
                     const std::function<void()>& here, std::chrono::seconds timeout);
 
   messaging::Gateway& gw_;

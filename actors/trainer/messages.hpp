@@ -59,7 +59,7 @@ struct TrainerTrain {
 };
 struct TrainerStepResult {
   static constexpr std::string_view kType = "trainer.step_result";
-  static constexpr uint32_t kVersion = 2;
+  static constexpr uint32_t kVersion = 3;  // 3: metrics.peak_memory_gib
   trainer::StepMetrics metrics;
   int64_t policy_version = 0;  ///< after the step
   MSGPACK_DEFINE_MAP(metrics, policy_version);
@@ -93,12 +93,15 @@ struct TrainerSave {
 
 /// To a trainer rank other than 0 of an expert-parallel trainer (experiments/ranks.hpp): take
 /// part in gathering the full experts while rank 0 reads the policy's HF weights (its
-/// hf_state_dict is collective over ep). Answered with TrainerPushed.
+/// hf_state_dict is collective over ep) or, with `collective`, sends them to the engines
+/// (weight_sync::CollectiveSender::send gathers each expert tensor as it packs it:
+/// weight_sync::join_gathers). Answered with TrainerPushed.
 struct TrainerGatherWeights {
   static constexpr std::string_view kType = "trainer.gather_weights";
-  static constexpr uint32_t kVersion = 1;
-  int64_t version = 0;  ///< the version rank 0 reads (checked)
-  MSGPACK_DEFINE_MAP(version);
+  static constexpr uint32_t kVersion = 2;  // 2: collective
+  int64_t version = 0;      ///< the version rank 0 reads (checked)
+  bool collective = false;  ///< the collective weight sync's order, not hf_state_dict's
+  MSGPACK_DEFINE_MAP(version, collective);
 };
 
 /// Every type above is spoken by a program that includes this header.

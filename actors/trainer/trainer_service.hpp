@@ -15,6 +15,7 @@
 
 #include "messaging/envelope.hpp"
 #include "actors/trainer/messages.hpp"
+#include "actors/weight_sync/collective.hpp"
 #include "actors/trainer/trainer.hpp"
 
 namespace kiln::messaging {
@@ -47,6 +48,10 @@ class TrainerService {
 /// frames "routed_experts.i" when every sample has them.
 messaging::Envelope train_request(const std::vector<Sample>& samples, const std::string& sender,
                                   const std::string& receiver);
+
+/// `policy`'s routed experts as the collective weight sync sends them: with expert parallel,
+/// this rank's slices, gathered whole over its ep group (model::gather_experts); none otherwise.
+weight_sync::SlicedTensors sliced_experts(model::CausalLM& policy);
 
 /// Registers actor kind "trainer" with kiln node (call once at start-up, before hosting actors).
 void register_trainer_actor_kind();

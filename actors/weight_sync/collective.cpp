@@ -28,6 +28,10 @@ std::map<std::string, torch::Tensor> named_tensors(torch::nn::Module& m) {
 
 int64_t nbytes(const torch::Tensor& t) { return t.numel() * int64_t(t.element_size()); }
 
+bool is_slice(const torch::Tensor& t, const SlicedTensors& sliced) {
+  return std::any_of(sliced.slices.begin(), sliced.slices.end(), [&](const torch::Tensor& s) { return s.is_same(t); });
+}
+
 // `t`'s place in a bucket buffer, viewed in its dtype and shape.
 torch::Tensor slot(const torch::Tensor& buffer, int64_t offset, const torch::Tensor& like) {
   return buffer.narrow(0, offset, nbytes(like)).view(like.scalar_type()).view(like.sizes());
@@ -83,8 +87,23 @@ void CollectiveSender::connect(const std::vector<std::string>& engines) {
   engines_ = engines;
 }
 
+std::vector<std::string> send_order(torch::nn::Module& model, const TravelGroups& groups) {
+  std::vector<std::string> names, out;
+  for (const auto& [name, t] : named_tensors(model)) names.push_back(name);
+  for (const auto& unit : travel_units(names, groups))
+    for (auto i : unit) out.push_back(names[i]);
+  return out;
+}
+
+void join_gathers(torch::nn::Module& model, const TravelGroups& groups, const SlicedTensors& sliced) {
+  torch::NoGradGuard no_grad;
+  auto named = named_tensors(model);
+  for (const auto& name : send_order(model, groups))
+    if (is_slice(named[name], sliced)) (void)sliced.gather(named[name]);
+}
+
 DeviceSyncStats CollectiveSender::send(torch::nn::Module& model, int64_t version, uint64_t bucket_bytes,
-                                       const TravelGroups& groups) {
+                                       const TravelGroups& groups, const SlicedTensors& sliced) {
   if (!group_) throw std::logic_error("collective weight sync: send() before connect()");
   auto named = named_tensors(model);
   std::vector<std::string> names;
@@ -94,11 +113,13 @@ DeviceSyncStats CollectiveSender::send(torch::nn::Module& model, int64_t version
                                   ", the group on " + device_.str());
     names.push_back(name);
   }
+  // Bytes of a tensor as it travels: a slice goes whole (sliced.ranks of them).
+  auto travel_bytes = [&](const torch::Tensor& t) { return nbytes(t) * (is_slice(t, sliced) ? sliced.ranks : 1); };
   WeightSyncCollective plan{version, {{}}, {}, {}};
   int64_t in_bucket = 0;
   for (const auto& unit : travel_units(names, groups)) {
     int64_t bytes = 0;
-    for (auto i : unit) bytes += aligned(nbytes(named[names[i]]));
+    for (auto i : unit) bytes += aligned(travel_bytes(named[names[i]]));
     if (!plan.buckets.back().empty() && uint64_t(in_bucket + bytes) > bucket_bytes) {
       plan.bucket_bytes.push_back(in_bucket);
       plan.buckets.emplace_back();
@@ -106,7 +127,7 @@ DeviceSyncStats CollectiveSender::send(torch::nn::Module& model, int64_t version
     }
     for (auto i : unit) {
       plan.buckets.back().push_back(names[i]);
-      plan.nbytes.push_back(nbytes(named[names[i]]));
+      plan.nbytes.push_back(travel_bytes(named[names[i]]));
     }
     in_bucket += bytes;
   }
@@ -126,7 +147,8 @@ DeviceSyncStats CollectiveSender::send(torch::nn::Module& model, int64_t version
       auto sums = torch::zeros({int64_t(plan.buckets[b].size())}, torch::TensorOptions().dtype(torch::kInt64).device(device_));
       int64_t offset = 0;
       for (std::size_t i = 0; i < plan.buckets[b].size(); ++i) {
-        const auto& src = named[plan.buckets[b][i]];
+        const auto& held = named[plan.buckets[b][i]];
+        const auto src = is_slice(held, sliced) ? sliced.gather(held) : held;  // [E/P, ...] -> [E, ...]
         auto dst = slot(buffer, offset, src);
         auto acc = sums[int64_t(i)];
         kernels::copy_with_checksum_add(dst, src.contiguous(), acc);  // pack and checksum in one pass

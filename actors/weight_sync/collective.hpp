@@ -20,6 +20,7 @@
 // receiver then reports itself torn() until a version arrives whole (the rollout actor
 // refuses to generate meanwhile), so no rollout ever runs on a mix of two versions unnoticed.
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -41,6 +42,24 @@ namespace kiln::weight_sync {
 
 inline constexpr int64_t kAlign = 16;  ///< byte alignment of each tensor inside a bucket
 
+/// Tensors a trainer rank holds as slices of larger ones: with expert parallel, each rank's
+/// [E/P, ...] slice of a grouped expert tensor. The sender gathers each whole (`gather`,
+/// collective over the P ranks holding its slices: each of them calls join_gathers meanwhile)
+/// just before packing it, so that at most one whole tensor exists at a time; the engines get
+/// whole tensors [E, ...] under the same names.
+struct SlicedTensors {
+  std::vector<torch::Tensor> slices;  ///< by identity: parameters of the model sent
+  int64_t ranks = 1;                  ///< P: a whole tensor is P slices, concatenated along dim 0
+  std::function<torch::Tensor(const torch::Tensor& slice)> gather;  ///< slice [E/P, ...] -> [E, ...]
+};
+
+/// `model`'s tensor names in the order CollectiveSender::send packs them (sorted, then each
+/// travel group's members moved together: travel_units).
+std::vector<std::string> send_order(torch::nn::Module& model, const TravelGroups& groups = {});
+/// What every other rank holding slices runs while the sender sends `model` with the same
+/// `groups` and `sliced`: sliced.gather of each slice, in send_order (the results dropped).
+void join_gathers(torch::nn::Module& model, const TravelGroups& groups, const SlicedTensors& sliced);
+
 /// The trainer's side (in the process that holds the policy).
 class CollectiveSender {
  public:
@@ -57,9 +76,12 @@ class CollectiveSender {
   void connect(const std::vector<std::string>& engines);
   /// Broadcasts `model`'s parameters and buffers as `version` to the connected engines in
   /// buckets of about `bucket_bytes` (`groups`' members in one bucket each, kiln names).
-  /// Returns once every engine checked and wrote every bucket. Throws std::runtime_error naming
-  /// each engine that failed and its error, std::logic_error when not connected.
-  DeviceSyncStats send(torch::nn::Module& model, int64_t version, uint64_t bucket_bytes, const TravelGroups& groups = {});
+  /// Tensors in `sliced` go whole (gathered one at a time; the other ranks holding slices must
+  /// call join_gathers meanwhile). Returns once every engine checked and wrote every bucket.
+  /// Throws std::runtime_error naming each engine that failed and its error, std::logic_error
+  /// when not connected.
+  DeviceSyncStats send(torch::nn::Module& model, int64_t version, uint64_t bucket_bytes, const TravelGroups& groups = {},
+                       const SlicedTensors& sliced = {});
   const std::vector<std::string>& engines() const { return engines_; }
 
  private:
