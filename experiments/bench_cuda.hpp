@@ -2,13 +2,11 @@
 // Timing and memory helpers shared by the CUDA benchmarks (bench_gpu.cpp, bench_parallel.cpp).
 // Needs a CUDA device when called; the peak-memory figures are 0 in a build without KILN_CUDA.
 #include <torch/torch.h>
-#ifdef KILN_CUDA
-#include <c10/cuda/CUDACachingAllocator.h>
-#endif
 
 #include <algorithm>
 #include <vector>
 
+#include "kernels/device_memory.hpp"
 #include "messaging/stopwatch.hpp"
 
 namespace kiln::experiments {
@@ -29,22 +27,9 @@ double median_seconds(int warmup, int steps, F fn) {
   return t[t.size() / 2];
 }
 
-/// Resets / reads the peak of memory allocated on CUDA device `device` (GiB).
-inline void reset_peak(int device = 0) {
-#ifdef KILN_CUDA
-  c10::cuda::CUDACachingAllocator::resetPeakStats(c10::DeviceIndex(device));
-#else
-  (void)device;
-#endif
-}
-inline double peak_gib(int device = 0) {
-#ifdef KILN_CUDA
-  auto s = c10::cuda::CUDACachingAllocator::getDeviceStats(c10::DeviceIndex(device));
-  return double(s.allocated_bytes[0].peak) / double(1ull << 30);
-#else
-  (void)device;
-  return 0;
-#endif
-}
+/// Resets / reads the peak of memory allocated on CUDA device `device` (GiB;
+/// kernels/device_memory.hpp: 0 in a build without KILN_CUDA).
+inline void reset_peak(int device = 0) { kernels::reset_peak_memory(torch::Device(torch::kCUDA, int8_t(device))); }
+inline double peak_gib(int device = 0) { return kernels::peak_memory_gib(torch::Device(torch::kCUDA, int8_t(device))); }
 
 }  // namespace kiln::experiments

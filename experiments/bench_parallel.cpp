@@ -1,6 +1,9 @@
 #include "experiments/bench_parallel.hpp"
 
 #include <torch/torch.h>
+#ifdef KILN_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 
 #include <nlohmann/json.hpp>
 

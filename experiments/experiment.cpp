@@ -145,6 +145,7 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   text("placement.reference", c.placement.reference);
   text("placement.trainer", c.placement.trainer);
   text("placement.rollout_device", c.placement.rollout_device);
+  text("placement.reference_device", c.placement.reference_device);
   integer("parallel.dp", c.parallel.dp);
   integer("parallel.ep", c.parallel.ep);
   integer("parallel.master_port", c.parallel.master_port);

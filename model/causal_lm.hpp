@@ -9,6 +9,7 @@
 #include "messaging/tensor.hpp"
 #include "model/blocks/basic.hpp"
 #include "model/blocks/mla.hpp"
+#include "model/blocks/moe.hpp"
 
 namespace kiln::parallel {
 class Group;
@@ -86,6 +87,9 @@ class CausalLM : public torch::nn::Module {
   virtual void set_expert_parallel(parallel::Group* ep);
   /// The ep group, or nullptr.
   virtual parallel::Group* expert_parallel() const { return nullptr; }
+  /// The routed experts this model holds: all ({0, 1}) unless it was built holding one ep
+  /// rank's (a package's from_hf_dir_experts) or set_expert_parallel sliced them.
+  virtual ExpertSlice expert_slice() const { return {}; }
   /// The routed experts' grouped tensors (with expert parallel: this rank's slices), a subset
   /// of parameters(), in parameters() order. None by default.
   virtual std::vector<torch::Tensor> routed_expert_parameters() { return {}; }

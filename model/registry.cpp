@@ -24,6 +24,9 @@ Registry Registry::with_builtins() {
     return std::make_shared<glm4_moe_lite::Glm4MoeLiteModel>(glm4_moe_lite::flavors::by_name(flavor));
   };
   glm.from_hf_dir = [](const std::string& dir) -> std::shared_ptr<CausalLM> { return glm4_moe_lite::from_hf_dir(dir); };
+  glm.from_hf_dir_experts = [](const std::string& dir, ExpertSlice experts) -> std::shared_ptr<CausalLM> {
+    return glm4_moe_lite::from_hf_dir(dir, experts);
+  };
   r.add_builtin(std::move(glm));
   return r;
 }
@@ -57,16 +60,22 @@ std::shared_ptr<CausalLM> Registry::build(const std::string& package, const std:
   return checkpoint_dir.empty() ? p.build_flavor(flavor) : p.from_hf_dir(checkpoint_dir);
 }
 
-std::shared_ptr<CausalLM> Registry::build(const ModelSpec& spec) const {
+std::shared_ptr<CausalLM> Registry::build(const ModelSpec& spec, ExpertSlice experts) const {
   if (spec.dtype != "fp32" && spec.dtype != "bf16")
     throw std::invalid_argument("dtype must be fp32 or bf16, got '" + spec.dtype + "'");
   if (spec.device != "cpu" && !torch::cuda::is_available())
     throw std::invalid_argument("model device is \"" + spec.device + "\" but no CUDA device is visible" +
                                 " (is this a CUDA build of LibTorch on a GPU machine?)");
   const torch::Device device(spec.device);  // throws on a malformed device string
-  auto m = build(spec.package, spec.flavor, spec.checkpoint);
-  m->to(device);
+  const auto& package = find(spec.package);
+  auto m = experts.ranks > 1 && !spec.checkpoint.empty() && package.from_hf_dir_experts
+               ? package.from_hf_dir_experts(spec.checkpoint, experts)
+               : build(spec.package, spec.flavor, spec.checkpoint);
+  // Cast on the host, then move: moving first would hold the fp32 model on the device (4
+  // bytes a parameter: 120 GB for GLM-4.7-Flash, more than a GPU that already holds a trainer
+  // rank has free). The cast goes parameter by parameter, so the host holds one copy at a time.
   m->to_dtype(spec.dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32);
+  m->to(device);
   return m;
 }
 

@@ -26,6 +26,10 @@ struct ModelPackage {
   std::function<std::shared_ptr<CausalLM>(const std::string& flavor)> build_flavor;
   /// Builds a model from an HF checkpoint directory (config.json + safetensors).
   std::function<std::shared_ptr<CausalLM>(const std::string& dir)> from_hf_dir;
+  /// Optional: from an HF checkpoint directory, holding (and reading) only `experts`' routed
+  /// experts: an expert-parallel rank's share, so that no rank holds the whole model. Null: the
+  /// package loads the whole model and set_expert_parallel slices it.
+  std::function<std::shared_ptr<CausalLM>(const std::string& dir, ExpertSlice experts)> from_hf_dir_experts;
 };
 
 class Registry {
@@ -51,10 +55,13 @@ class Registry {
   /// its flavor `flavor`. Throws as find(), build_flavor and from_hf_dir do.
   std::shared_ptr<CausalLM> build(const std::string& package, const std::string& flavor,
                                   const std::string& checkpoint_dir) const;
-  /// spec's model (as above), moved to spec.device and cast to spec.dtype. Throws
+  /// spec's model (as above), moved to spec.device and cast to spec.dtype. `experts` (an
+  /// expert-parallel rank's share, ranks > 1): from an HF checkpoint, only those routed experts
+  /// are built and read when the package has from_hf_dir_experts (model.expert_slice() says
+  /// what was built; otherwise the whole model, for set_expert_parallel to slice). Throws
   /// std::invalid_argument naming the field for a dtype other than fp32/bf16 or a CUDA device
   /// that is not visible, and what build() throws.
-  std::shared_ptr<CausalLM> build(const ModelSpec& spec) const;
+  std::shared_ptr<CausalLM> build(const ModelSpec& spec, ExpertSlice experts = {}) const;
 
   /// The package called `name`: user packages first, then built-ins. Throws
   /// std::invalid_argument naming both places it looked and what each holds.

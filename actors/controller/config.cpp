@@ -44,6 +44,10 @@ void Config::validate() const {
        "must be \"\" (model.device), \"cpu\", \"cuda\" or \"cuda:N\"");
   need(placement.rollout_device.empty() || placement.mode == "multi_process", "placement.rollout_device",
        "needs placement.mode \"multi_process\" (engines in their own processes)");
+  need(placement.reference_device.empty() || is_device(placement.reference_device), "placement.reference_device",
+       "must be \"\" (model.device), \"cpu\", \"cuda\" or \"cuda:N\"");
+  need(placement.reference_device.empty() || placement.reference == "process", "placement.reference_device",
+       "needs placement.reference \"process\" (the reference in its own process)");
   need(model.dtype == "fp32" || model.dtype == "bf16", "model.dtype", "must be \"fp32\" or \"bf16\"");
   need(placement.reference == "controller" || placement.reference == "process", "placement.reference",
        "must be \"controller\" or \"process\"");

@@ -82,6 +82,8 @@ struct PlacementConfig {
   std::string trainer = "controller";    ///< "controller" | "process": trainer/0 in a kiln node
   /// multi_process: the engines' device ("cpu", "cuda", "cuda:N"); "": model.device
   std::string rollout_device;
+  /// reference = "process": the reference node's device ("cpu", "cuda", "cuda:N"); "": model.device
+  std::string reference_device;
 };
 
 /// The trainer's ranks (docs/parallel.md): one process per rank (per GPU, or per CPU rank),

@@ -7,6 +7,9 @@
 #include <algorithm>
 #include <chrono>
 
+#include "actors/trainer/trainer_service.hpp"
+#include "kernels/device_memory.hpp"
+
 namespace kiln::controller {
 
 namespace {
@@ -30,7 +33,11 @@ LocalTrainer::LocalTrainer(std::shared_ptr<model::CausalLM> policy, const traine
     : policy_(policy), trainer_(trainer::make_trainer(std::move(policy), config, ranks)), gw_(gateway),
       bucket_bytes_(bucket_bytes) {}
 
-trainer::StepMetrics LocalTrainer::train(std::vector<trainer::Sample> samples) { return trainer_->step(std::move(samples)); }
+trainer::StepMetrics LocalTrainer::train(std::vector<trainer::Sample> samples) {
+  auto m = trainer_->step(std::move(samples));
+  m.peak_memory_gib = {kernels::take_peak_memory_gib(policy_device())};  // this process's, since its last step
+  return m;
+}
 
 PolicyWeights LocalTrainer::weights(bool copy) {
   PolicyWeights w{trainer_->version(), {}};

@@ -72,6 +72,10 @@ void MetricsLog::write(const StepRow& row) {
   j["actor_train_time"] = m.actor_train_time;
   j["update_weights_time"] = row.update_weights_time;
   j["train_tokens_per_s"] = m.actor_train_time > 0 ? double(m.tokens) / m.actor_train_time : 0.0;
+  // Each trainer rank's peak device memory since its previous step (GiB): CUDA allocator
+  // peak, or the process's peak RSS on CPU (kernels/device_memory.hpp).
+  for (std::size_t r = 0; r < m.peak_memory_gib.size(); ++r)
+    j["peak_memory_gib_rank_" + std::to_string(r)] = m.peak_memory_gib[r];
   j["policy_version"] = row.policy_version;
   j["elapsed_s"] = row.elapsed_s;
   jsonl_ << j.dump() << "\n" << std::flush;

@@ -341,7 +341,9 @@ void RemoteEngines::load(const PolicyWeights& w, TrainerHandle& trainer) {
 
 RemoteReference::RemoteReference(const NodeSite& site, const Config& c, TrainerHandle& initial)
     : gw_(site.gateway), routing_replay_(c.trainer.logprobs.routing_replay), node_(site, "ref", "ref/0", "ref_node.pid") {
-  auto r = gw_.request(make_envelope(RefInit{c.model, c.trainer.logprobs}, Kind::request, "controller", node_.actor()),
+  auto spec = c.model;
+  if (!c.placement.reference_device.empty()) spec.device = c.placement.reference_device;
+  auto r = gw_.request(make_envelope(RefInit{spec, c.trainer.logprobs}, Kind::request, "controller", node_.actor()),
                        std::chrono::seconds(300))
                .get();
   if (!r) throw std::runtime_error(std::string("the reference node could not build its model: ") + r.error().what());

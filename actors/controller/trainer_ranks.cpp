@@ -38,13 +38,13 @@ DataParallelTrainer::DataParallelTrainer(const Config& c, parallel::ProcessGroup
       "trainer.init", [&](const std::string& to) { return make_envelope(init, Kind::request, "controller", to); },
       [&] {
         // As a one-rank run builds its policy (place_actors seeded it); ranks 1.. do the same.
-        local_ = std::make_unique<LocalTrainer>(model::Registry::with_plugins().build(c.model), c.trainer_for_run(),
+        local_ = std::make_unique<LocalTrainer>(model::Registry::with_plugins().build(c.model, trainer::expert_slice_of(&groups)), c.trainer_for_run(),
                                                 gateway, uint64_t(c.weight_sync.bucket_mib * (1 << 20)), &groups);
       },
       kRequestTimeout);
 }
 
-void DataParallelTrainer::on_all_ranks(const std::string& what, const std::function<Envelope(const std::string&)>& request,
+std::vector<Envelope> DataParallelTrainer::on_all_ranks(const std::string& what, const std::function<Envelope(const std::string&)>& request,
                                        const std::function<void()>& here, std::chrono::seconds timeout) {
   std::vector<std::future<Expected<Envelope>>> answers;
   for (const auto& to : actors_) answers.push_back(gw_.request(request(to), timeout));
@@ -62,6 +62,7 @@ void DataParallelTrainer::on_all_ranks(const std::string& what, const std::funct
   // (its collectives fail too when another rank is gone); a dead one at once (peer lost).
   const auto deadline = std::chrono::steady_clock::now() + collective_timeout_ + std::chrono::seconds(30);
   std::string lost, failed;
+  std::vector<Envelope> replies;
   for (std::size_t i = 0; i < answers.size(); ++i) {
     const std::string who = "trainer rank " + std::to_string(i + 1) + " (" + actors_[i] + " at " + endpoints_[i] + ")";
     if (answers[i].wait_until(deadline) != std::future_status::ready) {
@@ -69,7 +70,10 @@ void DataParallelTrainer::on_all_ranks(const std::string& what, const std::funct
       continue;
     }
     auto r = answers[i].get();
-    if (r) continue;
+    if (r) {
+      replies.push_back(std::move(*r));
+      continue;
+    }
     if (r.error().code == ErrorCode::remote_error) failed += (failed.empty() ? "" : "; ") + who + ": " + r.error().message;
     else lost += (lost.empty() ? "" : "; ") + who + " lost: " + r.error().what();
   }
@@ -87,13 +91,18 @@ void DataParallelTrainer::on_all_ranks(const std::string& what, const std::funct
   if (local_error) std::rethrow_exception(local_error);  // a refused batch: every rank refused it
   if (!failed.empty())  // rank 0's part went through and another's did not: the ranks disagree now
     throw PolicyLost(what + ": " + failed);
+  return replies;
 }
 
 trainer::StepMetrics DataParallelTrainer::train(std::vector<trainer::Sample> samples) {
   trainer::StepMetrics m;
-  on_all_ranks(
+  const auto replies = on_all_ranks(
       TrainerTrain::kType.data(), [&](const std::string& to) { return trainer::train_request(samples, "controller", to); },
       [&] { m = local_->train(samples); }, kTrainTimeout);
+  for (const auto& reply : replies) {  // each rank's own peak memory, in rank order after rank 0's
+    auto r = payload_as<TrainerStepResult>(reply);
+    m.peak_memory_gib.push_back(r && r->metrics.peak_memory_gib.size() == 1 ? r->metrics.peak_memory_gib[0] : -1.0);
+  }
   return m;
 }
 

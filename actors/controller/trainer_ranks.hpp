@@ -59,8 +59,9 @@ class DataParallelTrainer : public TrainerHandle {
 
  private:
   /// Sends `request` to every other rank, runs `here` in this process, then waits for every
-  /// answer; throws as train() says, `what` naming the request.
-  void on_all_ranks(const std::string& what, const std::function<messaging::Envelope(const std::string& actor)>& request,
+  /// answer; returns the answers of ranks 1..R-1 in rank order; throws as train() says, `what`
+  /// naming the request.
+  std::vector<messaging::Envelope> on_all_ranks(const std::string& what, const std::function<messaging::Envelope(const std::string& actor)>& request,
                     const std::function<void()>& here, std::chrono::seconds timeout);
 
   messaging::Gateway& gw_;

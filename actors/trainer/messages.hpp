@@ -59,7 +59,7 @@ struct TrainerTrain {
 };
 struct TrainerStepResult {
   static constexpr std::string_view kType = "trainer.step_result";
-  static constexpr uint32_t kVersion = 2;
+  static constexpr uint32_t kVersion = 3;  // 3: metrics.peak_memory_gib
   trainer::StepMetrics metrics;
   int64_t policy_version = 0;  ///< after the step
   MSGPACK_DEFINE_MAP(metrics, policy_version);
@@ -93,7 +93,8 @@ struct TrainerSave {
 
 /// To a trainer rank other than 0 of an expert-parallel trainer (experiments/ranks.hpp): take
 /// part in gathering the full experts while rank 0 reads the policy's HF weights (its
-/// hf_state_dict is collective over ep). Answered with TrainerPushed.
+/// hf_state_dict is collective over ep; the other ranks drop what they gather on the device).
+/// Answered with TrainerPushed.
 struct TrainerGatherWeights {
   static constexpr std::string_view kType = "trainer.gather_weights";
   static constexpr uint32_t kVersion = 1;

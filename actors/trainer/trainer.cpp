@@ -226,6 +226,12 @@ std::unique_ptr<Trainer> make_trainer(std::shared_ptr<model::CausalLM> policy, T
                                    ExpertParallel{&ep, &ranks->along("dp")});
 }
 
+model::ExpertSlice expert_slice_of(parallel::ProcessGroups* ranks) {
+  if (!ranks) return {};
+  auto& ep = ranks->along("ep");
+  return {ep.rank(), ep.size()};
+}
+
 Trainer::Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config, parallel::Group* data_parallel)
     : policy_(std::move(policy)), c_(config), dp_(data_parallel) {
   c_.validate();
@@ -265,11 +271,16 @@ Trainer::Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config, 
   if (policy_->expert_parallel())
     throw std::invalid_argument("Trainer: the policy is expert-parallel already (ep group '" +
                                 policy_->expert_parallel()->name() + "'): give the trainer the whole model");
-  {  // every rank's full experts become data-parallel rank 0's before each keeps its slice
+  // A policy built holding this ep rank's experts only (an HF checkpoint read per rank:
+  // model::Registry::build with expert_slice_of) takes its replicas' rank 0's; a whole one,
+  // data-parallel rank 0's, before each rank keeps its slice (set_expert_parallel).
+  const bool sliced = policy_->expert_slice().ranks > 1;
+  {
     torch::NoGradGuard no_grad;
+    auto& source = sliced ? *ep_.replicas : *dp_;
     for (auto& w : policy_->routed_expert_parameters()) {
       auto t = w.detach().to(torch::kFloat32).contiguous();  // fp32 holds bf16/fp16 exactly
-      dp_->broadcast(t, 0);
+      source.broadcast(t, 0);
       w.copy_(t);
     }
   }

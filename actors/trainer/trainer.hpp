@@ -67,7 +67,9 @@ class Trainer {
   /// parallel). `data_parallel` spans all W = dp * ep ranks: it splits the batch, and the dense
   /// (non-expert) parameters are replicated on it with their gradients and AdamW state sharded
   /// over it, as above. The policy's routed experts are split over `expert_parallel.experts`
-  /// (CausalLM::set_expert_parallel, once every parameter became data_parallel rank 0's);
+  /// (CausalLM::set_expert_parallel, once every parameter became data_parallel rank 0's; a
+  /// policy built holding this ep rank's experts only, expert_slice(), keeps them, made equal
+  /// to expert_parallel.replicas rank 0's);
   /// their gradients are summed, and their fp32 masters and AdamW state sharded, over
   /// `expert_parallel.replicas` (the ranks holding the same experts: a second ShardedAdamW).
   /// The clipping norm covers dense and expert gradients together. Every rank runs as many
@@ -173,6 +175,10 @@ class Trainer {
 /// Collective over `ranks` (as the constructors are).
 std::unique_ptr<Trainer> make_trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config,
                                       parallel::ProcessGroups* ranks);
+/// The routed experts this rank of `ranks`' mesh keeps ({ep rank, ep size}; all without
+/// ranks): what to build its policy with (model::Registry::build), so that a rank loading an
+/// HF checkpoint reads only its own experts.
+model::ExpertSlice expert_slice_of(parallel::ProcessGroups* ranks);
 
 /// Per-completion-token log-probs of `samples` under `model` (no grad), e.g. the reference
 /// policy: result[i] has samples[i].completion.size() values. An expert-parallel model

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include <msgpack.hpp>
 
@@ -78,9 +79,14 @@ struct StepMetrics {
   /// state (moments, step count, lr) and no version; loss and grad_norm above show the values.
   bool skipped_nonfinite = false;
   std::string skip_reason;  ///< why, e.g. "loss is inf"; empty when the step was taken
+  /// Peak device memory of each trainer rank (index = rank) since its previous step, GiB
+  /// (kernels::take_peak_memory_gib on the policy's device): filled by whoever runs the
+  /// trainer (the controller's handles, TrainerService), not by Trainer::step; a rank's own
+  /// answer holds its value alone (-1: a rank whose answer held none).
+  std::vector<double> peak_memory_gib;
   MSGPACK_DEFINE_MAP(loss, pg_loss, kl, clip_fraction, grad_norm, lr, entropy, train_rollout_logprob_abs_diff,
                      micro_batches, tokens, loss_tokens, actor_train_time, log_probs_time, skipped_nonfinite,
-                     skip_reason);
+                     skip_reason, peak_memory_gib);
 };
 
 }  // namespace kiln::trainer

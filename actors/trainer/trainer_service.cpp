@@ -1,5 +1,8 @@
 #include "actors/trainer/trainer_service.hpp"
 
+#include "kernels/device_memory.hpp"
+#include "model/blocks/moe_ep.hpp"
+
 #include <torch/torch.h>
 
 #include <chrono>
@@ -102,7 +105,7 @@ Expected<Envelope> TrainerService::handle(const Envelope& request) {
       }
       // As a one-process run builds its policy: the same seed, then the same registry call.
       torch::manual_seed(uint64_t(init->seed));
-      auto policy = model::Registry::with_plugins().build(init->model);
+      auto policy = model::Registry::with_plugins().build(init->model, expert_slice_of(s_->ranks));
       s_->trainer = make_trainer(policy, init->trainer, s_->ranks);
       s_->policy = std::move(policy);
       s_->init = *init;
@@ -127,6 +130,7 @@ Expected<Envelope> TrainerService::handle(const Envelope& request) {
       auto samples = to_samples(request, *q, s_->policy->vocab_size(), s_->init.trainer.loss.kl_coef > 0);
       if (!samples) return samples.error();
       auto m = s_->trainer->step(std::move(*samples));
+      m.peak_memory_gib = {kernels::take_peak_memory_gib(s_->policy->lm_head_weight().device())};
       return reply(TrainerStepResult{m, s_->trainer->version()});
     }
     if (request.type == TrainerGatherWeights::kType) {
@@ -136,7 +140,13 @@ Expected<Envelope> TrainerService::handle(const Envelope& request) {
         return make_error(ErrorCode::remote_error, "trainer.gather_weights: rank 0 reads version " +
                                                        std::to_string(q->version) + ", this rank holds " +
                                                        std::to_string(s_->trainer->version()));
-      (void)s_->policy->hf_state_dict();  // this rank's part of the gather; rank 0 keeps the result
+      if (auto* ep = s_->policy->expert_parallel()) {
+        // hf_state_dict's gathers, in its order (to_hf_state_dict gathers routed_expert_parameters()
+        // as it meets them in parameters() order), each dropped on the device: only rank 0
+        // keeps the host copy of the whole model (~60 GB at full size).
+        torch::NoGradGuard no_grad;
+        for (const auto& w : s_->policy->routed_expert_parameters()) (void)model::gather_experts(w, *ep);
+      }
       return reply(TrainerPushed{s_->trainer->version()});
     }
     if (request.type == TrainerSyncExperts::kType) {

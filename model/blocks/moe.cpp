@@ -80,9 +80,21 @@ torch::Tensor combine(const torch::Tensor& rows, const Dispatched& d, int64_t nu
   return torch::zeros({num_tokens, rows.size(1)}, rows.options()).index_add(0, d.token_index, weighted);
 }
 
-MoEImpl::MoEImpl(const RouterOptions& o, int64_t expert_intermediate, int64_t n_shared_experts) {
+void check_expert_slice(const ExpertSlice& slice, int64_t num_experts, const std::string& where) {
+  if (slice.ranks < 1 || slice.rank < 0 || slice.rank >= slice.ranks)
+    throw std::invalid_argument(where + ": expert slice rank " + std::to_string(slice.rank) + " of " +
+                                std::to_string(slice.ranks) + " ranks is not a rank of them");
+  if (num_experts % slice.ranks != 0)
+    throw std::invalid_argument(where + ": " + std::to_string(num_experts) + " experts do not split over " +
+                                std::to_string(slice.ranks) + " expert-parallel ranks");
+}
+
+MoEImpl::MoEImpl(const RouterOptions& o, int64_t expert_intermediate, int64_t n_shared_experts, ExpertSlice slice)
+    : slice_(slice) {
+  check_expert_slice(slice, o.num_experts, "MoE");
   router = register_module("router", TopKRouter(o));
-  experts = register_module("experts", GroupedExperts(o.num_experts, o.hidden, expert_intermediate));
+  experts = register_module("experts",
+                            GroupedExperts(o.num_experts / slice.ranks, o.hidden, expert_intermediate));
   if (n_shared_experts > 0) shared = register_module("shared", SwiGLU(o.hidden, expert_intermediate * n_shared_experts));
 }
 
@@ -110,6 +122,15 @@ torch::Tensor MoEImpl::forward(const torch::Tensor& x, const std::optional<torch
 void MoEImpl::set_expert_parallel(parallel::Group* ep) {
   if (!ep || ep->size() == 1) return;
   const int64_t E = router->options().num_experts, P = ep->size();
+  if (!ep_ && slice_.ranks > 1) {  // built holding one rank's experts: they must be ep's rank's
+    if (slice_.ranks != P || slice_.rank != ep->rank())
+      throw std::invalid_argument("set_expert_parallel: the layer holds the experts of rank " +
+                                  std::to_string(slice_.rank) + " of " + std::to_string(slice_.ranks) +
+                                  ", but this process is rank " + std::to_string(ep->rank()) + " of ep group '" +
+                                  ep->name() + "' (" + std::to_string(P) + " ranks)");
+    ep_ = ep;
+    return;
+  }
   if (ep_ || experts->w_gate_up_EFD.size(0) != E)
     throw std::invalid_argument("set_expert_parallel: the experts are already sliced (" +
                                 std::to_string(experts->w_gate_up_EFD.size(0)) + " of " + std::to_string(E) + ")");
@@ -121,6 +142,7 @@ void MoEImpl::set_expert_parallel(parallel::Group* ep) {
   for (auto* w : {&experts->w_gate_up_EFD, &experts->w_down_EDF})
     w->set_data(w->narrow(0, first, El).clone());  // [E, ...] -> [El, ...], the same parameter
   ep_ = ep;
+  slice_ = {ep->rank(), P};
 }
 
 }  // namespace kiln::model

@@ -18,6 +18,13 @@ class Group;
 
 namespace kiln::model {
 
+/// Which routed experts a model (or MoE layer) holds: rank `rank` of `ranks` keeps experts
+/// [rank*E/ranks, (rank+1)*E/ranks), as ep rank `rank` of an ep group of `ranks` ranks does
+/// (moe_ep.hpp). {0, 1}: all of them.
+struct ExpertSlice {
+  int64_t rank = 0, ranks = 1;
+};
+
 struct RouterOptions {
   int64_t hidden = 0, num_experts = 0, top_k = 0, n_group = 1, topk_group = 1;
   bool norm_topk_prob = true;
@@ -84,7 +91,10 @@ torch::Tensor combine(const torch::Tensor& rows, const Dispatched& d, int64_t nu
 /// n_shared * F), as Glm4MoeLiteMoE.
 class MoEImpl : public torch::nn::Module {
  public:
-  MoEImpl(const RouterOptions& o, int64_t expert_intermediate, int64_t n_shared_experts);
+  /// `slice`: build only those routed experts (grouped tensors [E/ranks, ...]), e.g. to load a
+  /// checkpoint's share of an ep rank without ever holding all E. Throws std::invalid_argument
+  /// when E is not a multiple of slice.ranks or slice.rank is outside [0, slice.ranks).
+  MoEImpl(const RouterOptions& o, int64_t expert_intermediate, int64_t n_shared_experts, ExpertSlice slice = {});
   /// x: [T, D] -> [T, D]; *expert_ids_out gets the [T, K] choice (or the replayed ids; ids
   /// are global, in [0, E), with or without expert parallel). With expert parallel: collective
   /// over the ep group in forward and backward (moe_ep.hpp), whatever T is.
@@ -93,18 +103,27 @@ class MoEImpl : public torch::nn::Module {
   /// Expert parallel over `ep` (held by reference; it must outlive the module): keeps experts
   /// [j*E/P, (j+1)*E/P) of ep rank j, slicing experts->w_gate_up_EFD / w_down_EDF along E in
   /// place (same parameter objects, now [E/P, ...]): call it once the full weights are in
-  /// place. The router stays whole. nullptr or a group of one rank: no-op. Throws
-  /// std::invalid_argument when E is not a multiple of P or the experts are already sliced.
+  /// place. The router stays whole. A layer built with a slice keeps it: `ep` must then be
+  /// slice.ranks ranks and this process its rank slice.rank (nothing is sliced). nullptr or a
+  /// group of one rank: no-op. Throws std::invalid_argument when E is not a multiple of P, the
+  /// experts are already sliced, or a built slice does not match `ep`.
   void set_expert_parallel(parallel::Group* ep);
   /// The ep group, or nullptr.
   parallel::Group* expert_parallel() const { return ep_; }
+  /// The routed experts this layer holds.
+  ExpertSlice expert_slice() const { return slice_; }
   TopKRouter router{nullptr};
   GroupedExperts experts{nullptr};
   SwiGLU shared{nullptr};  ///< null when n_shared_experts == 0
 
  private:
   parallel::Group* ep_ = nullptr;
+  ExpertSlice slice_;
 };
 TORCH_MODULE(MoE);
+
+/// Throws std::invalid_argument (prefixed by `where`) unless `slice` splits `num_experts`
+/// evenly and its rank lies in [0, ranks).
+void check_expert_slice(const ExpertSlice& slice, int64_t num_experts, const std::string& where);
 
 }  // namespace kiln::model

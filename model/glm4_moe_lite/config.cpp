@@ -22,7 +22,11 @@ int64_t Glm4MoeLiteConfig::num_moe_layers() const {
 namespace {
 struct IntRange {
   int64_t lo, hi;
-  std::string str() const { return "[" + std::to_string(lo) + ", " + std::to_string(hi) + "]"; }
+  std::string str() const {
+    std::string out = "[";
+    out.append(std::to_string(lo)).append(", ").append(std::to_string(hi)).append("]");
+    return out;
+  }
 };
 
 // Sane ranges of the integer fields, by HF name. Wide enough for every published model of this
@@ -130,7 +134,10 @@ const std::set<std::string> kIgnored = {
     "tie_word_embeddings", "id2label", "label2id", "partial_rotary_factor", "head_dim", "ep_size",
     "moe_layer_freq", "first_k_dense_replace", "topk_method", "scoring_func", "rope_scaling", "rope_theta",
     "rope_parameters", "hidden_act", "attention_bias", "num_key_value_heads", "eos_token_id", "bos_token_id",
-    "quantization_config", "use_qk_norm", "aux_loss_alpha", "seq_aux", "num_nextn_predict_layers"};
+    "quantization_config", "use_qk_norm", "aux_loss_alpha", "seq_aux", "num_nextn_predict_layers",
+    // transformers >= 5.24 writes it: whether forward returns the router logits (for an
+    // auxiliary loss), not part of the model's math.
+    "output_router_logits"};
 
 // Nests at most `levels` arrays or objects deep (the check recurses at most that far).
 bool shallow(const json& v, int levels) {

@@ -12,7 +12,7 @@
 
 namespace kiln::model::glm4_moe_lite {
 
-DecoderLayerImpl::DecoderLayerImpl(const Glm4MoeLiteConfig& c, int64_t index) {
+DecoderLayerImpl::DecoderLayerImpl(const Glm4MoeLiteConfig& c, int64_t index, ExpertSlice experts) {
   const auto& a = c.attention;
   attn_norm = register_module("attn_norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
   attn = register_module("attn", MLA(MLAOptions{c.hidden_size, a.num_heads, a.q_lora_rank, a.kv_lora_rank,
@@ -23,7 +23,7 @@ DecoderLayerImpl::DecoderLayerImpl(const Glm4MoeLiteConfig& c, int64_t index) {
     const auto& m = c.moe;
     moe = register_module("moe", MoE(RouterOptions{c.hidden_size, m.num_experts, m.top_k, m.n_group, m.topk_group,
                                                     m.norm_topk_prob, m.routed_scaling_factor},
-                                     m.expert_intermediate_size, m.n_shared_experts));
+                                     m.expert_intermediate_size, m.n_shared_experts, experts));
   } else {
     mlp = register_module("mlp", SwiGLU(c.hidden_size, c.intermediate_size));
   }
@@ -46,18 +46,21 @@ torch::Tensor DecoderLayerImpl::forward_cached(const torch::Tensor& x, const tor
   return h + (moe ? moe(y, std::nullopt, expert_ids_out) : mlp(y));
 }
 
-Glm4MoeLiteModel::Glm4MoeLiteModel(Glm4MoeLiteConfig config) : config_(std::move(config)) {
+Glm4MoeLiteModel::Glm4MoeLiteModel(Glm4MoeLiteConfig config, ExpertSlice experts, bool random_init)
+    : config_(std::move(config)), experts_(experts) {
   config_.validate();
+  check_expert_slice(experts_, config_.moe.num_experts, "glm4_moe_lite");
   embed = register_module("embed", torch::nn::Embedding(config_.vocab_size, config_.hidden_size));
   torch::nn::ModuleList list;
   for (int64_t i = 0; i < config_.num_hidden_layers; ++i) {
-    layers.push_back(DecoderLayer(config_, i));
+    layers.push_back(DecoderLayer(config_, i, experts_));
     list->push_back(layers.back());
   }
   register_module("layers", list);
   norm = register_module("norm", RMSNorm(config_.hidden_size, config_.rms_norm_eps));
   lm_head = register_module("lm_head",
                             torch::nn::Linear(torch::nn::LinearOptions(config_.hidden_size, config_.vocab_size).bias(false)));
+  if (!random_init) return;
   torch::NoGradGuard no_grad;
   for (auto& p : named_parameters()) {
     const auto& name = p.key();
@@ -158,6 +161,7 @@ void Glm4MoeLiteModel::set_expert_parallel(parallel::Group* ep) {
   for (auto& layer : layers)
     if (layer->is_moe()) layer->moe->set_expert_parallel(ep);
   ep_ = ep;
+  experts_ = {ep->rank(), ep->size()};
 }
 
 std::vector<torch::Tensor> Glm4MoeLiteModel::routed_expert_parameters() {
@@ -217,7 +221,7 @@ void Glm4MoeLiteModel::save_hf_config(const std::string& dir) {
   if (!out) throw checkpoint::CheckpointError("writing config.json in '" + dir + "' failed");
 }
 
-std::shared_ptr<Glm4MoeLiteModel> from_hf_dir(const std::string& dir) {
+std::shared_ptr<Glm4MoeLiteModel> from_hf_dir(const std::string& dir, ExpertSlice experts) {
   auto path = std::filesystem::path(dir) / "config.json";
   std::ifstream in(path);
   if (!in) throw std::invalid_argument("no config.json in '" + dir + "'");
@@ -227,7 +231,8 @@ std::shared_ptr<Glm4MoeLiteModel> from_hf_dir(const std::string& dir) {
   } catch (const std::exception& e) {
     throw std::invalid_argument("config.json (" + path.string() + ") is not valid JSON: " + e.what());
   }
-  auto model = std::make_shared<Glm4MoeLiteModel>(Glm4MoeLiteConfig::from_hf_json(j, path.string()));
+  auto model = std::make_shared<Glm4MoeLiteModel>(Glm4MoeLiteConfig::from_hf_json(j, path.string()), experts,
+                                                  /*random_init=*/false);  // every weight is read below
   model->load_hf_checkpoint(dir);
   return model;
 }

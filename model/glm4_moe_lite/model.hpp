@@ -16,7 +16,8 @@ namespace kiln::model::glm4_moe_lite {
 
 class DecoderLayerImpl : public torch::nn::Module {
  public:
-  DecoderLayerImpl(const Glm4MoeLiteConfig& c, int64_t index);
+  /// `experts`: the routed experts a MoE layer holds (MoEImpl).
+  DecoderLayerImpl(const Glm4MoeLiteConfig& c, int64_t index, ExpertSlice experts = {});
   /// x: [T, D] -> [T, D]. cu_seqlens [B+1] (any device, int32/int64), max_seqlen its longest
   /// document (0: read off cu_seqlens). For MoE layers, replay/expert_ids_out as in MoEImpl::forward.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cu_seqlens,
@@ -37,8 +38,15 @@ TORCH_MODULE(DecoderLayer);
 class Glm4MoeLiteModel : public CausalLM {
  public:
   /// Builds the model with weights drawn as transformers' _init_weights does (normal, std
-  /// 0.02; norms 1; router bias 0) from torch's current RNG. fp32 on CPU.
-  explicit Glm4MoeLiteModel(Glm4MoeLiteConfig config);
+  /// 0.02; norms 1; router bias 0) from torch's current RNG. fp32 on CPU. `experts`: only
+  /// those routed experts are built (each MoE layer's grouped tensors [E/ranks, ...]); such a
+  /// model loads HF weights (only its experts' tensors are read) and takes part in expert
+  /// parallel over a group whose rank it is (set_expert_parallel). Throws
+  /// std::invalid_argument for a config that fails validate() or a slice that does not split E.
+  /// `random_init` false: the weights are left as the modules make them (mostly zeros), for a
+  /// model whose every weight is loaded next (from_hf_dir: the normal draw of ~30e9 fp32
+  /// values cost a minute per process at full size).
+  explicit Glm4MoeLiteModel(Glm4MoeLiteConfig config, ExpertSlice experts = {}, bool random_init = true);
   const Glm4MoeLiteConfig& config() const { return config_; }
 
   ForwardOutput forward(const PackedBatch& batch, const ForwardOptions& options = {}) override;
@@ -57,6 +65,7 @@ class Glm4MoeLiteModel : public CausalLM {
   void save_hf_config(const std::string& dir) override;
   void set_expert_parallel(parallel::Group* ep) override;
   parallel::Group* expert_parallel() const override { return ep_; }
+  ExpertSlice expert_slice() const override { return experts_; }
   std::vector<torch::Tensor> routed_expert_parameters() override;
   std::vector<std::vector<std::string>> weight_sync_groups(bool hf_names = true) const override;
   void set_absorbed_decode(bool on) override {
@@ -78,10 +87,13 @@ class Glm4MoeLiteModel : public CausalLM {
   void refuse_load_under_expert_parallel(const char* what) const;
   Glm4MoeLiteConfig config_;
   parallel::Group* ep_ = nullptr;
+  ExpertSlice experts_;
 };
 
-/// Reads DIR/config.json, builds the model and loads DIR's weights. Throws
-/// std::invalid_argument (config) or checkpoint::CheckpointError (weights).
-std::shared_ptr<Glm4MoeLiteModel> from_hf_dir(const std::string& dir);
+/// Reads DIR/config.json, builds the model and loads DIR's weights; with `experts`, only those
+/// routed experts are built and read (an ep rank's share: the other experts' bytes are never
+/// read from the memory-mapped files). Throws std::invalid_argument (config, slice) or
+/// checkpoint::CheckpointError (weights).
+std::shared_ptr<Glm4MoeLiteModel> from_hf_dir(const std::string& dir, ExpertSlice experts = {});
 
 }  // namespace kiln::model::glm4_moe_lite

@@ -217,22 +217,28 @@ void load_hf_state_dict(Glm4MoeLiteModel& model, const HfTensorSource& ckpt) {
     }
     throw CheckpointError(msg);
   }
+  // The routed experts this model holds: [e0, e0 + El) (all E unless built as an ep rank's
+  // share); every expert's key was checked above, only these are read.
+  const auto slice = model.expert_slice();
+  const int64_t El = E / slice.ranks, e0 = slice.rank * El;
   torch::NoGradGuard no_grad;
   for (auto& [name, param] : kiln_tensors(model)) {
     auto s = source_of(name);
     if (s.kind == Source::Kind::direct) {
       param.copy_(read(ckpt, s.hf, param.sizes()));
     } else if (s.kind == Source::Kind::gate_up) {
-      if (grouped(s.layer, "gate_up_proj")) param.copy_(read(ckpt, grouped_key(s.layer, "gate_up_proj"), param.sizes()));
+      if (grouped(s.layer, "gate_up_proj"))  // [E, 2F, D] -> this model's [El, 2F, D]
+        param.copy_(read(ckpt, grouped_key(s.layer, "gate_up_proj"), {E, 2 * F, D}).narrow(0, e0, El));
       else
-        for (int64_t e = 0; e < E; ++e) {  // fuse: [2F, D] = cat(gate [F, D], up [F, D])
-          param[e].narrow(0, 0, F).copy_(read(ckpt, expert_key(s.layer, e, "gate_proj"), {F, D}));
-          param[e].narrow(0, F, F).copy_(read(ckpt, expert_key(s.layer, e, "up_proj"), {F, D}));
+        for (int64_t e = e0; e < e0 + El; ++e) {  // fuse: [2F, D] = cat(gate [F, D], up [F, D])
+          param[e - e0].narrow(0, 0, F).copy_(read(ckpt, expert_key(s.layer, e, "gate_proj"), {F, D}));
+          param[e - e0].narrow(0, F, F).copy_(read(ckpt, expert_key(s.layer, e, "up_proj"), {F, D}));
         }
     } else {
-      if (grouped(s.layer, "down_proj")) param.copy_(read(ckpt, grouped_key(s.layer, "down_proj"), param.sizes()));
+      if (grouped(s.layer, "down_proj"))  // [E, D, F] -> [El, D, F]
+        param.copy_(read(ckpt, grouped_key(s.layer, "down_proj"), {E, D, F}).narrow(0, e0, El));
       else
-        for (int64_t e = 0; e < E; ++e) param[e].copy_(read(ckpt, expert_key(s.layer, e, "down_proj"), {D, F}));
+        for (int64_t e = e0; e < e0 + El; ++e) param[e - e0].copy_(read(ckpt, expert_key(s.layer, e, "down_proj"), {D, F}));
     }
   }
 }
@@ -248,6 +254,11 @@ std::vector<messaging::Tensor> hf_tensors(Glm4MoeLiteModel& model, bool with_den
   auto add = [&](const std::string& key, const torch::Tensor& t) {
     out.push_back(messaging::from_torch(key, t.detach().to(torch::kCPU).contiguous()));
   };
+  if (model.expert_slice().ranks > 1 && !model.expert_parallel())
+    throw std::logic_error("glm4_moe_lite: the model holds the routed experts of rank " +
+                           std::to_string(model.expert_slice().rank) + " of " +
+                           std::to_string(model.expert_slice().ranks) +
+                           " only and has no ep group to gather the others over (set_expert_parallel first)");
   for (const auto& [name, local] : kiln_tensors(model)) {
     auto s = source_of(name);
     if (s.kind == Source::Kind::direct) {

@@ -44,7 +44,9 @@ struct HfTensorSource {
 };
 
 /// Copies every tensor the model needs from `src` (shape checked on every copy, cast to the
-/// parameter's dtype). Throws checkpoint::CheckpointError listing all missing keys and all
+/// parameter's dtype). A model holding one ep rank's routed experts (expert_slice()) reads only
+/// those experts' tensors (a grouped [E, ...] tensor narrowed to them), though every expert's
+/// key must be there. Throws checkpoint::CheckpointError listing all missing keys and all
 /// unexpected ones (keys of layers >= num_hidden_layers, the MTP layer, are neither read nor
 /// reported), or naming a tensor whose shape or dtype does not fit.
 void load_hf_state_dict(Glm4MoeLiteModel& model, const HfTensorSource& src);
@@ -52,7 +54,8 @@ void load_hf_state_dict(Glm4MoeLiteModel& model, checkpoint::Checkpoint& ckpt);
 void load_hf_state_dict(Glm4MoeLiteModel& model, const std::vector<messaging::Tensor>& tensors);
 
 /// The model's weights under HF names (experts split per expert), on CPU, contiguous. With expert
-/// parallel: collective over the ep group (the full experts gathered on every ep rank).
+/// parallel: collective over the ep group (the full experts gathered on every ep rank). Throws
+/// std::logic_error for a model holding a slice of the experts without an ep group.
 std::vector<messaging::Tensor> to_hf_state_dict(Glm4MoeLiteModel& model);
 /// The part of to_hf_state_dict this rank holds, without a collective: with expert parallel
 /// over P ranks, ep rank j's experts [j*E/P, (j+1)*E/P) under those global ids, plus every

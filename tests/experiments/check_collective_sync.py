@@ -5,7 +5,8 @@ c10d group.
 1. Two engine nodes, 5 steps: every metric equal to the same run with weight sync over ZeroMQ
    messages (the engines hold the same weights bit for bit, or their rollouts would differ);
    also with the trainer over two data-parallel ranks (parallel.dp = 2), and over two
-   expert-parallel ranks (parallel.ep = 2: rank 0's buckets hold the experts all-gathered).
+   expert-parallel ranks (parallel.ep = 2: rank 0 gathers each expert tensor from both ranks as
+   it packs it), where each rank's peak memory is logged every step.
 2. An engine node killed mid-run (twice): it is restarted, every engine joins a new group, and
    the run ends with the metrics of the uninterrupted run.
 3. Refused by name: collective with one process, with staleness > 0, with a trainer node, a
@@ -54,7 +55,9 @@ if run("messages_dp2", *steps, *dp) and run("collective_dp2", *steps, *dp, *coll
     same("messages_dp2", "collective_dp2", "collective vs messages, trainer over 2 ranks")
 ep = ["--set", "parallel.ep=2", "--set", "placement.reference=process"]
 if run("messages_ep2", *steps, *ep) and run("collective_ep2", *steps, *ep, *collective):
-    same("messages_ep2", "collective_ep2", "collective vs messages, expert-parallel trainer (experts gathered into the buckets)")
+    same("messages_ep2", "collective_ep2", "collective vs messages, trainer over 2 expert-parallel ranks")
+    peaks = [(m.get("peak_memory_gib_rank_0", 0), m.get("peak_memory_gib_rank_1", 0)) for m in metrics(f"{work}/collective_ep2")]
+    checks.append((all(a > 0 and b > 0 for a, b in peaks), f"ep2: each trainer rank's peak memory logged every step {peaks}"))
 
 # 2. an engine killed twice mid-run
 twelve = ["--set", "run.steps=12", "--set", "rollout.step_delay_ms=150"]

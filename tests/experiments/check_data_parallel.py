@@ -28,7 +28,7 @@ env = dict(os.environ, OMP_NUM_THREADS="1")
 for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
     env.pop(v, None)
 checks = []
-TIMING = ("time", "elapsed", "per_s")
+TIMING = ("time", "elapsed", "per_s", "peak_memory")  # measurements, not results
 
 
 def metrics(d):

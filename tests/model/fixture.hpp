@@ -12,7 +12,10 @@
 
 namespace kiln::test {
 
-inline std::string fixture_dir() { return std::string(KILN_FIXTURES_DIR) + "/glm4_moe_lite_tiny"; }
+inline std::string fixture_dir() {
+  std::string dir = KILN_FIXTURES_DIR;
+  return dir.append("/glm4_moe_lite_tiny");
+}
 
 /// A tensor of expected.safetensors (copied out of the mapping).
 inline torch::Tensor expected(const std::string& name) {

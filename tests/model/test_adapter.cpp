@@ -1,6 +1,6 @@
 // The glm4_moe_lite state-dict adapter on the transformers fixture checkpoint: coverage of
 // every key, MTP layer never read, missing/unexpected keys listed, wrong dtype or shape named,
-// and save -> load round trips.
+// save -> load round trips, and the loads of one expert-parallel rank (its own experts only).
 #include <doctest/doctest.h>
 
 #include <fstream>
@@ -8,6 +8,7 @@
 #include <set>
 
 #include "fixture.hpp"
+#include "messaging/torch_tensor.hpp"
 #include "model/glm4_moe_lite/model.hpp"
 #include "model/glm4_moe_lite/state_dict_adapter.hpp"
 
@@ -150,7 +151,63 @@ TEST_CASE("the package declares which tensors weight sync keeps in one bucket, u
   for (bool as_hf : {true, false})
     for (const auto& group : model->weight_sync_groups(as_hf))
       for (auto pattern : group) {
-        pattern.replace(pattern.find("{}"), 2, "0");
+        const auto at = pattern.find("{}");
+        REQUIRE(at != std::string::npos);
+        pattern.replace(at, 2, "0");
         CHECK_MESSAGE((as_hf ? hf_names : kiln_names).count(pattern), pattern);
       }
+}
+
+namespace {
+// Every parameter of `sliced` (rank `rank` of `ranks`' experts) equals `whole`'s: dense ones
+// as they are, grouped experts as their rows [rank*E/ranks, (rank+1)*E/ranks).
+void check_slice_of(glm4_moe_lite::Glm4MoeLiteModel& sliced, glm4_moe_lite::Glm4MoeLiteModel& whole, int64_t rank,
+                    int64_t ranks) {
+  const auto experts = whole.routed_expert_parameters(), mine = sliced.routed_expert_parameters();
+  REQUIRE(experts.size() == mine.size());
+  const int64_t El = whole.config().moe.num_experts / ranks;
+  for (std::size_t i = 0; i < experts.size(); ++i) {
+    REQUIRE(mine[i].size(0) == El);
+    CHECK(torch::equal(mine[i], experts[i].narrow(0, rank * El, El)));
+  }
+  auto w = whole.named_parameters();
+  for (const auto& p : sliced.named_parameters())
+    if (p.key().find(".moe.experts.") == std::string::npos) CHECK_MESSAGE(torch::equal(p.value(), w[p.key()]), p.key());
+  CHECK(sliced.expert_slice().rank == rank);
+  CHECK(sliced.expert_slice().ranks == ranks);
+}
+}  // namespace
+
+TEST_CASE("an expert-parallel rank's load holds and reads only its own experts, from per-expert or grouped keys") {
+  auto whole = glm4_moe_lite::from_hf_dir(test::fixture_dir());  // 8 experts, per-expert HF keys
+  for (int64_t ranks : {2, 4, 8})
+    for (int64_t rank = 0; rank < ranks; ++rank) {
+      auto sliced = glm4_moe_lite::from_hf_dir(test::fixture_dir(), ExpertSlice{rank, ranks});
+      check_slice_of(*sliced, *whole, rank, ranks);
+    }
+  // transformers' grouped layout: mlp.experts.gate_up_proj [E, 2F, D], mlp.experts.down_proj [E, D, F]
+  auto dir = test::scratch_dir("grouped_experts");
+  std::vector<messaging::Tensor> tensors;
+  for (const auto& t : whole->hf_state_dict())
+    if (t.name.find(".mlp.experts.") == std::string::npos) tensors.push_back(t);
+  const auto& layers = whole->layers;
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    if (!layers[l]->is_moe()) continue;
+    const auto prefix = "model.layers." + std::to_string(l) + ".mlp.experts.";
+    tensors.push_back(messaging::from_torch(prefix + "gate_up_proj", layers[l]->moe->experts->w_gate_up_EFD.detach().clone()));
+    tensors.push_back(messaging::from_torch(prefix + "down_proj", layers[l]->moe->experts->w_down_EDF.detach().clone()));
+  }
+  checkpoint::write_checkpoint(dir, tensors, 64 * 1024);
+  fs::copy_file(fs::path(test::fixture_dir()) / "config.json", fs::path(dir) / "config.json");
+  for (int64_t rank = 0; rank < 4; ++rank) {
+    auto sliced = glm4_moe_lite::from_hf_dir(dir, ExpertSlice{rank, 4});
+    check_slice_of(*sliced, *whole, rank, 4);
+  }
+  CHECK_THROWS_WITH_AS(glm4_moe_lite::from_hf_dir(dir, ExpertSlice{0, 3}),
+                       doctest::Contains("8 experts do not split over 3 expert-parallel ranks"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(glm4_moe_lite::from_hf_dir(dir, ExpertSlice{2, 2}),
+                       doctest::Contains("expert slice rank 2 of 2 ranks"), std::invalid_argument);
+  // A slice cannot give the whole HF state without an ep group to gather the others over.
+  auto sliced = glm4_moe_lite::from_hf_dir(dir, ExpertSlice{1, 2});
+  CHECK_THROWS_WITH_AS(sliced->hf_state_dict(), doctest::Contains("rank 1 of 2 only"), std::logic_error);
 }

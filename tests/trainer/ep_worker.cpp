@@ -22,6 +22,10 @@
 //                at the same mesh and data-parallel over the world, its weights (and its HF
 //                export's) equal the trainer's; step 3 equals the continued trainer's (the same
 //                mesh: bit for bit)
+//   hf_load      an HF checkpoint (the seeded model, written by rank 0) read per rank, each rank
+//                building and reading only its ep rank's experts (model::Registry::build with
+//                expert_slice_of), gives the trainer the same parameters, bit for bit, as the
+//                whole model read and then sliced, and the same first step
 // Prints "rank R: X of Y checks passed"; exit 0 when every check passed, 1 otherwise.
 #include <algorithm>
 #include <cstdlib>
@@ -37,6 +41,7 @@
 #include "actors/trainer/trainer.hpp"
 #include "messaging/torch_tensor.hpp"
 #include "model/blocks/moe_ep.hpp"
+#include "model/registry.hpp"
 #include "parallel/process_group.hpp"
 #include "rank_checks.hpp"
 #include "trainer_fixture.hpp"
@@ -283,6 +288,51 @@ void run_checkpoint(Groups& g, const TrainerConfig& c) {
   if (rank == 0) fs::remove_all(dir);
 }
 
+// Parameters by name, bit for bit (experts: this rank's slices).
+void expect_same_parameters(model::CausalLM& got, model::CausalLM& want, const std::string& at) {
+  auto w = want.named_parameters();
+  for (const auto& p : got.named_parameters()) {
+    const auto* other = w.find(p.key());
+    expect(other && other->sizes() == p.value().sizes() && torch::equal(*other, p.value()),
+           at + "parameter '" + p.key() + "' differs from the whole model's, read then sliced");
+  }
+  expect(got.named_parameters().size() == w.size(), at + "the parameter counts differ");
+}
+
+void run_hf_load(Groups& g, parallel::ProcessGroups& groups) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("kiln_ep_hf_load_" + std::string(std::getenv("MASTER_PORT") ? std::getenv("MASTER_PORT") : "0"));
+  if (rank == 0) {
+    std::filesystem::remove_all(dir);
+    test::debug_model(7)->save_hf_checkpoint(dir.string(), 1 << 14);  // several shards
+  }
+  g.world.barrier();
+  const auto c = config_for("replay");
+  model::ModelSpec spec;
+  spec.checkpoint = dir.string();
+  const auto registry = model::Registry::with_builtins();
+  auto whole = registry.build(spec);
+  auto sliced = registry.build(spec, expert_slice_of(&groups));
+  const int64_t E = 8, El = E / g.ep.size();
+  expect(whole->routed_expert_parameters().front().size(0) == E, "the whole model does not hold all 8 experts");
+  expect(sliced->routed_expert_parameters().front().size(0) == El &&
+             sliced->expert_slice().rank == g.ep.rank() && sliced->expert_slice().ranks == g.ep.size(),
+         "the model read per rank does not hold ep rank " + std::to_string(g.ep.rank()) + "'s " + std::to_string(El) +
+             " experts");
+  Trainer from_whole(whole, c, g.world, ExpertParallel{&g.ep, &g.dp});
+  Trainer from_slice(sliced, c, g.world, ExpertParallel{&g.ep, &g.dp});
+  expect_same_parameters(*sliced, *whole, "hf_load at start: ");
+  const auto batch = make_batch(11, 7, *whole, true, "random");
+  const auto want = from_whole.step(batch);
+  const auto got = from_slice.step(batch);
+  expect(got.loss == want.loss && got.grad_norm == want.grad_norm,
+         "hf_load step 1: loss/grad norm " + std::to_string(got.loss) + "/" + std::to_string(got.grad_norm) +
+             " differ from the whole model's " + std::to_string(want.loss) + "/" + std::to_string(want.grad_norm));
+  expect_same_parameters(*sliced, *whole, "hf_load after step 1: ");
+  g.world.barrier();
+  if (rank == 0) std::filesystem::remove_all(dir);
+}
+
 void run_case(Groups& g, const std::string& name) {
   const auto c = config_for(name);
   if (name == "checkpoint") return run_checkpoint(g, c);
@@ -312,7 +362,7 @@ void run_case(Groups& g, const std::string& name) {
 
 int main(int argc, char** argv) {
   if (argc != 3) {
-    std::cerr << "usage: kiln_trainer_ep_worker token_mean|replay|skewed|clip|no_samples|recompute|checkpoint EP"
+    std::cerr << "usage: kiln_trainer_ep_worker token_mean|replay|skewed|clip|no_samples|recompute|checkpoint|hf_load EP"
               << std::endl;
     return 2;
   }
@@ -329,7 +379,8 @@ int main(int argc, char** argv) {
     options.collective_timeout = std::chrono::seconds(60);
     parallel::ProcessGroups groups(info, torch::kCPU, {{"dp", info.world_size / ep}, {"ep", ep}}, options);
     Groups g{groups.world(), groups.along("dp"), groups.along("ep")};
-    run_case(g, argv[1]);
+    if (std::string(argv[1]) == "hf_load") run_hf_load(g, groups);
+    else run_case(g, argv[1]);
     std::cout << "rank " << rank << ": " << checks - failures << " of " << checks << " checks passed" << std::endl;
     return failures ? 1 : 0;
   } catch (const std::exception& e) {
