@@ -11,7 +11,7 @@ import os, shutil, sys
 import openai
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_util import start_server, stop_server
+from serve_util import http, start_server, stop_server
 from tiny_vocab import write_tiny_vocab2048
 
 kiln, work = sys.argv[1], sys.argv[2]
@@ -58,8 +58,12 @@ try:
             lambda cl: cl.chat.completions.create(model="kiln", messages=[{"role": "user", "content": "hi"}]))
     refused(client, "an unknown field", "bogus",
             lambda cl: cl.completions.create(model="kiln", prompt="1", extra_body={"bogus": 1}))
-    refused(client, "temperature NaN", "JSON",
-            lambda cl: cl.completions.create(model="kiln", prompt="1", temperature=float("nan")))
+    refused(client, "temperature -1", "temperature", lambda cl: cl.completions.create(model="kiln", prompt="1", temperature=-1))
+    # NaN and Infinity are not JSON (the openai client refuses to send them): sent as raw bytes
+    s, r = http(url, "/v1/completions", raw=b'{"model": "kiln", "prompt": "1", "temperature": NaN}')
+    check(s == 400 and "not valid JSON" in r["error"]["message"], f"temperature NaN: 400, not JSON ({s}: {r})")
+    s, r = http(url, "/v1/chat/completions", raw=b'{"model": "kiln", "messages": [], "top_p": Infinity}')
+    check(s == 400 and "not valid JSON" in r["error"]["message"], f"top_p Infinity: 400, not JSON ({s}: {r})")
     refused(client, "top_p 2", "top_p", lambda cl: cl.completions.create(model="kiln", prompt="1", top_p=2))
     refused(client, "max_tokens 0", "max_tokens", lambda cl: cl.completions.create(model="kiln", prompt="1", max_tokens=0))
     refused(client, "an over-long prompt", "context",
