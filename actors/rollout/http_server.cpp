@@ -1,6 +1,7 @@
 #include "actors/rollout/http_server.hpp"
 
 #include <signal.h>
+#include <sys/socket.h>
 
 #include <chrono>
 #include <cstdio>
@@ -213,11 +214,19 @@ int serve_http(EngineLoop& loop, std::shared_ptr<model::CausalLM> model, const T
   svr.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr) {
     answer_error(res, 500, "internal error");
   });
+  int listening = -1;  // the listening socket, whose backlog is raised below
+  svr.set_socket_options([&listening](socket_t sock) {
+    httplib::default_socket_options(sock);
+    listening = sock;
+  });
   const int port = options.port == 0 ? svr.bind_to_any_port(options.host) : svr.bind_to_port(options.host, options.port) ? options.port : -1;
   if (port <= 0) {
     std::fprintf(stderr, "kiln serve: cannot listen on %s:%d\n", options.host.c_str(), options.port);
     return 1;
   }
+  // cpp-httplib 0.11 listens with a backlog of 5: a burst of clients beyond it is refused or
+  // reset. listen() again on the same socket sets the backlog to what the system allows.
+  if (listening >= 0) ::listen(listening, SOMAXCONN);
   if (!options.port_file.empty()) {  // whole or not at all: written aside, then renamed
     const auto tmp = options.port_file + ".partial";
     std::ofstream(tmp) << port << "\n";
