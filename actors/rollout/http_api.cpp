@@ -88,43 +88,41 @@ bool flag(const json& j, const std::string& where) {
 }
 }  // namespace
 
-void parse_sampling_params(const json& j, const std::string& where, const ApiLimits& limits, SamplingParams& p) {
-  if (!j.is_object()) bad(where, "must be an object");
-  only_keys(j, where, kSamplingFields);
-  p = SamplingParams{};
-  p.max_new_tokens = 128;  // SGLang's default
-  auto field = [&](const char* k) { return where + "." + k; };
-  if (j.contains("max_new_tokens") && !j["max_new_tokens"].is_null()) {
-    p.max_new_tokens = integer(j["max_new_tokens"], field("max_new_tokens"));
-    if (p.max_new_tokens < 1) bad(field("max_new_tokens"), "must be >= 1, got " + std::to_string(p.max_new_tokens));
+namespace api {
+
+void sampling_fields(const json& j, const std::string& where, const ApiLimits& limits, const char* max_tokens_key,
+                     const char* seed_key, SamplingParams& p) {
+  auto field = [&](const std::string& k) { return where + "." + k; };
+  auto has = [&](const char* k) { return j.contains(k) && !j[k].is_null(); };
+  if (has(max_tokens_key)) {
+    p.max_new_tokens = integer(j[max_tokens_key], field(max_tokens_key));
+    if (p.max_new_tokens < 1) bad(field(max_tokens_key), "must be >= 1, got " + std::to_string(p.max_new_tokens));
   }
-  if (j.contains("temperature") && !j["temperature"].is_null()) {
+  if (has("temperature")) {
     p.temperature = number(j["temperature"], field("temperature"));
     if (p.temperature < 0) bad(field("temperature"), "must be >= 0 (0: greedy), got " + j["temperature"].dump());
   }
-  if (j.contains("top_p") && !j["top_p"].is_null()) {
+  if (has("top_p")) {
     p.top_p = number(j["top_p"], field("top_p"));
     if (!(p.top_p > 0 && p.top_p <= 1)) bad(field("top_p"), "must be in (0, 1], got " + j["top_p"].dump());
   }
-  if (j.contains("top_k") && !j["top_k"].is_null()) {
+  if (has("top_k")) {
     const int64_t k = integer(j["top_k"], field("top_k"));
     if (k != -1 && k < 1) bad(field("top_k"), "must be -1 (the whole vocabulary) or >= 1, got " + std::to_string(k));
     p.top_k = k == -1 || k >= limits.vocab_size ? 0 : k;  // kiln's 0: off
   }
-  if (j.contains("n") && !j["n"].is_null() && integer(j["n"], field("n")) != 1)
-    bad(field("n"), "must be 1 (send the prompt n times, each with its own sampling_seed)");
-  if (j.contains("sampling_seed") && !j["sampling_seed"].is_null()) {
-    const auto& s = j["sampling_seed"];
-    if (!s.is_number_integer() || (s.is_number_integer() && !s.is_number_unsigned() && s.get<int64_t>() < 0))
-      bad(field("sampling_seed"), "must be an integer in [0, 2^64), got " + s.dump());
+  if (has("n") && integer(j["n"], field("n")) != 1)
+    bad(field("n"), "must be 1 (send the prompt n times, each with a seed of its own)");
+  if (has(seed_key)) {
+    const auto& s = j[seed_key];
+    if (!s.is_number_integer() || (!s.is_number_unsigned() && s.get<int64_t>() < 0))
+      bad(field(seed_key), "must be an integer in [0, 2^64), got " + s.dump());
     p.seed = s.get<uint64_t>();
   } else {
     static thread_local std::mt19937_64 rng{std::random_device{}()};
     p.seed = rng();
   }
-  if (j.contains("stop_token_ids") && !j["stop_token_ids"].is_null())
-    p.stop_token_ids = token_ids(j["stop_token_ids"], field("stop_token_ids"), limits.vocab_size);
-  if (j.contains("stop") && !j["stop"].is_null()) {
+  if (has("stop")) {
     const auto& s = j["stop"];
     std::vector<std::string> texts;
     if (s.is_string()) texts.push_back(s.get<std::string>());
@@ -145,8 +143,20 @@ void parse_sampling_params(const json& j, const std::string& where, const ApiLim
       }
     }
   }
+}
+
+}  // namespace api
+
+void parse_sampling_params(const json& j, const std::string& where, const ApiLimits& limits, SamplingParams& p) {
+  if (!j.is_object()) bad(where, "must be an object");
+  only_keys(j, where, kSamplingFields);
+  p = SamplingParams{};
+  p.max_new_tokens = 128;  // SGLang's default
+  sampling_fields(j, where, limits, "max_new_tokens", "sampling_seed", p);
+  if (j.contains("stop_token_ids") && !j["stop_token_ids"].is_null())
+    p.stop_token_ids = token_ids(j["stop_token_ids"], where + ".stop_token_ids", limits.vocab_size);
   for (const char* k : {"ignore_eos", "skip_special_tokens", "no_stop_trim"})  // kiln never stops on its own
-    if (j.contains(k) && !j[k].is_null()) boolean(j[k], field(k));
+    if (j.contains(k) && !j[k].is_null()) boolean(j[k], where + "." + k);
 }
 
 NativeGenerate parse_generate(std::string_view body, const ApiLimits& limits) {

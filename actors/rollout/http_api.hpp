@@ -90,6 +90,12 @@ double number(const nlohmann::json& j, const std::string& where);  ///< finite o
 bool boolean(const nlohmann::json& j, const std::string& where);
 /// A list of token ids, each in [0, vocab).
 std::vector<int64_t> token_ids(const nlohmann::json& j, const std::string& where, int64_t vocab);
+/// The sampling keys SGLang's and OpenAI's requests share, read into `p` where present: the
+/// token bound under `max_tokens_key` (>= 1), temperature (finite, >= 0), top_p (0, 1], top_k
+/// (-1: off, or >= 1), n (1 only), the seed under `seed_key` (in [0, 2^64); a random one when
+/// absent), stop (strings, encoded with limits.tokenizer into stop sequences).
+void sampling_fields(const nlohmann::json& j, const std::string& where, const ApiLimits& limits,
+                     const char* max_tokens_key, const char* seed_key, SamplingParams& p);
 }  // namespace api
 
 /// Standard base64 (RFC 4648, with padding) of `bytes`, and back; decode throws

@@ -5,7 +5,6 @@
 #include <atomic>
 #include <chrono>
 #include <ctime>
-#include <random>
 
 #include "actors/rollout/serve_context.hpp"
 
@@ -28,50 +27,19 @@ struct OpenAiRequest {
 // The sampling keys both endpoints share, into `p` (defaults: OpenAI's max_tokens 16, temperature 1).
 void sampling(const json& j, const std::string& what, ServeContext& c, SamplingParams& p, bool& stream, bool& usage) {
   auto field = [&](const char* k) { return what + "." + k; };
-  p.max_new_tokens = 16;
-  if (j.contains("max_tokens") && !j["max_tokens"].is_null()) p.max_new_tokens = integer(j["max_tokens"], field("max_tokens"));
-  if (j.contains("max_completion_tokens") && !j["max_completion_tokens"].is_null())
+  p.max_new_tokens = 16;  // OpenAI's default
+  sampling_fields(j, what, c.limits, "max_tokens", "seed", p);
+  if (j.contains("max_completion_tokens") && !j["max_completion_tokens"].is_null()) {
     p.max_new_tokens = integer(j["max_completion_tokens"], field("max_completion_tokens"));
-  if (p.max_new_tokens < 1) bad(field("max_tokens"), "must be >= 1, got " + std::to_string(p.max_new_tokens));
-  if (j.contains("temperature") && !j["temperature"].is_null()) {
-    p.temperature = number(j["temperature"], field("temperature"));
-    if (p.temperature < 0) bad(field("temperature"), "must be >= 0, got " + j["temperature"].dump());
+    if (p.max_new_tokens < 1) bad(field("max_completion_tokens"), "must be >= 1, got " + std::to_string(p.max_new_tokens));
   }
-  if (j.contains("top_p") && !j["top_p"].is_null()) {
-    p.top_p = number(j["top_p"], field("top_p"));
-    if (!(p.top_p > 0 && p.top_p <= 1)) bad(field("top_p"), "must be in (0, 1], got " + j["top_p"].dump());
-  }
-  if (j.contains("top_k") && !j["top_k"].is_null()) {
-    const int64_t k = integer(j["top_k"], field("top_k"));
-    if (k != -1 && k < 1) bad(field("top_k"), "must be -1 (off) or >= 1, got " + std::to_string(k));
-    p.top_k = k == -1 ? 0 : k;
-  }
-  if (j.contains("n") && !j["n"].is_null() && integer(j["n"], field("n")) != 1) bad(field("n"), "must be 1");
   for (const char* k : {"presence_penalty", "frequency_penalty"})
     if (j.contains(k) && !j[k].is_null() && number(j[k], field(k)) != 0) bad(field(k), "must be 0 (kiln applies no penalties)");
   if (j.contains("logit_bias") && !j["logit_bias"].is_null() && !j["logit_bias"].empty())
     bad(field("logit_bias"), "is not supported by kiln serve");
   if (j.contains("user") && !j["user"].is_null() && !j["user"].is_string()) bad(field("user"), "must be a string");
   if (j.contains("model") && !j["model"].is_null() && !j["model"].is_string()) bad(field("model"), "must be a string");
-  static thread_local std::mt19937_64 rng{std::random_device{}()};
-  p.seed = rng();
-  if (j.contains("seed") && !j["seed"].is_null()) p.seed = uint64_t(integer(j["seed"], field("seed")));
   p.stop_token_ids = c.tokenizer->eos_ids();  // the model's end tokens end a completion
-  if (j.contains("stop") && !j["stop"].is_null()) {
-    const auto& s = j["stop"];
-    std::vector<std::string> texts;
-    if (s.is_string()) texts.push_back(s.get<std::string>());
-    else if (s.is_array())
-      for (std::size_t i = 0; i < s.size(); ++i) {
-        if (!s[i].is_string()) bad(field("stop") + "[" + std::to_string(i) + "]", "must be a string");
-        texts.push_back(s[i].get<std::string>());
-      }
-    else bad(field("stop"), "must be a string or a list of strings");
-    for (const auto& t : texts) {
-      if (t.empty()) bad(field("stop"), "must not hold an empty string");
-      p.stop_sequences.push_back(c.tokenizer->encode(t));
-    }
-  }
   stream = j.contains("stream") && !j["stream"].is_null() && boolean(j["stream"], field("stream"));
   usage = false;
   if (j.contains("stream_options") && !j["stream_options"].is_null()) {
@@ -131,7 +99,9 @@ OpenAiRequest parse_completion(std::string_view body, ServeContext& c) {
   for (std::size_t i = 0; i < prompts.size(); ++i) {
     GenerationRequest q{0, std::move(prompts[i]), p};
     q.sampling.seed = p.seed + i;  // one seed for the request: prompt i samples with seed + i
-    check_fits(c, q, "/v1/completions.prompt" + (prompts.size() > 1 ? "[" + std::to_string(i) + "]" : std::string()));
+    std::string where = "/v1/completions.prompt";
+    if (prompts.size() > 1) where.append("[").append(std::to_string(i)).append("]");  // (operator+ trips GCC 12's -Wstringop-overflow)
+    check_fits(c, q, where);
     r.requests.push_back(std::move(q));
   }
   return r;

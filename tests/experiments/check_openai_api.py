@@ -6,24 +6,16 @@ pieces join to the whole answer for the same seed), /v1/models; bad input (unkno
 non-finite or out-of-range values, over-long prompts, bad roles, a chat without a template) gets
 a 400 naming the field, and the server goes on serving.
 Usage: check_openai_api.py PATH_TO_KILN WORK_DIR (with the venv's python). Prints "N passed, M failed"."""
-import os, shutil, sys
+import os, sys
 
 import openai
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_util import http, start_server, stop_server
+from serve_util import Checks, http, stop_server
 from tiny_vocab import write_tiny_vocab2048
 
 kiln, work = sys.argv[1], sys.argv[2]
 root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-shutil.rmtree(work, ignore_errors=True)
-os.makedirs(work)
-checks = []
-servers = []
-
-
-def check(ok, what):
-    checks.append((bool(ok), what))
 
 
 def refused(client, what, field, call):
@@ -34,9 +26,8 @@ def refused(client, what, field, call):
         check(e.status_code == 400 and field in str(e), f"{what}: 400 naming '{field}' ({str(e)[:200]})")
 
 
-try:
-    proc, url = start_server(kiln, work, "plain")
-    servers.append(proc)
+with Checks(work) as check:
+    proc, url = check.server(kiln, "plain")
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
     models = client.models.list()
     check(len(models.data) == 1 and models.data[0].id, f"/v1/models lists the model ({models.data})")
@@ -78,9 +69,8 @@ try:
     ckpt = os.path.join(work, "tiny_vocab2048")
     write_tiny_vocab2048(root, ckpt)
     tokenizer = os.path.join(root, "tests/fixtures/bpe_tokenizer/tokenizer.json")
-    proc, url = start_server(kiln, work, "chat", ["--set", f"model.checkpoint={ckpt}", "--set", f"task.tokenizer={tokenizer}",
+    proc, url = check.server(kiln, "chat", ["--set", f"model.checkpoint={ckpt}", "--set", f"task.tokenizer={tokenizer}",
                                                   "--set", "task.chat_template=glm47"])
-    servers.append(proc)
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
     messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2 + 3?"}]
     whole = client.chat.completions.create(model="kiln", messages=messages, max_tokens=12, seed=5)
@@ -105,13 +95,3 @@ try:
             lambda cl: cl.chat.completions.create(model="kiln", messages=messages, frequency_penalty=1.0))
     again = client.chat.completions.create(model="kiln", messages=messages, max_tokens=12, seed=5)
     check(again.choices[0].message.content == m.message.content, "after the refusals the chat answers as before")
-except Exception as e:  # a check that could not go on fails, the ones before it are reported
-    checks.append((False, f"stopped early: {type(e).__name__}: {e}"))
-finally:
-    for s in servers:
-        stop_server(s)
-for ok, what in checks:
-    print(("ok   " if ok else "FAIL ") + what)
-failed = sum(not ok for ok, _ in checks)
-print(f"{len(checks) - failed} passed, {failed} failed")
-sys.exit(1 if failed else 0)

@@ -9,21 +9,13 @@ serving; a client that disconnects has its sequence cancelled and its cache page
 /update_weights_from_disk loads a checkpoint (the server then samples as one started from it)
 and refuses one that does not fit, naming a tensor.
 Usage: check_serve_api.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
-import base64, json, os, shutil, socket, subprocess, sys, threading, time
+import base64, json, os, socket, subprocess, sys, threading, time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_util import http, start_server, stop_server
+from serve_util import Checks, http, stop_server
 from tiny_vocab import write_tiny_vocab2048
 
 kiln, work = sys.argv[1], sys.argv[2]
-shutil.rmtree(work, ignore_errors=True)
-os.makedirs(work)
-checks = []
-servers = []
-
-
-def check(ok, what):
-    checks.append((bool(ok), what))
 
 
 def gen(url, ids, seed, n=8, **extra):
@@ -38,9 +30,8 @@ def bad(url, path, body=None, raw=None, field=""):
     check(s == 400 and field in msg, f"{path} {raw or json.dumps(body)[:80]}: 400 naming '{field}' (got {s}: {msg[:160]})")
 
 
-try:
-    proc, url = start_server(kiln, work, "server")
-    servers.append(proc)
+with Checks(work) as check:
+    proc, url = check.server(kiln, "server")
     s, _ = http(url, "/health")
     check(s == 200, "/health answers 200")
     s, info = http(url, "/get_model_info")
@@ -121,8 +112,7 @@ try:
     stop_server(proc)
 
     # 4. a client that disconnects: its sequence is cancelled, its pages freed
-    slow, slow_url = start_server(kiln, work, "slow", ["--set", "rollout.step_delay_ms=100"])
-    servers.append(slow)
+    slow, slow_url = check.server(kiln, "slow", ["--set", "rollout.step_delay_ms=100"])
     port = int(slow_url.rsplit(":", 1)[1])
     body = json.dumps({"input_ids": [2, 5, 6], "sampling_params": {"max_new_tokens": 500}}).encode()
     sock = socket.create_connection(("127.0.0.1", port))
@@ -179,10 +169,8 @@ try:
     cks = sorted(os.listdir(f"{run_dir}/checkpoints")) if os.path.isdir(f"{run_dir}/checkpoints") else []
     ck = f"{run_dir}/checkpoints/{cks[-1]}" if cks else ""
     check(p.returncode == 0 and os.path.isdir(ck), f"a one-step run leaves an HF checkpoint ({p.stderr[-200:]})")
-    fresh, fresh_url = start_server(kiln, work, "fresh")
-    servers.append(fresh)
-    loaded, loaded_url = start_server(kiln, work, "from_checkpoint", ["--set", f"model.checkpoint={ck}"])
-    servers.append(loaded)
+    fresh, fresh_url = check.server(kiln, "fresh")
+    loaded, loaded_url = check.server(kiln, "from_checkpoint", ["--set", f"model.checkpoint={ck}"])
     greedy = {"input_ids": prompts[:4], "return_logprob": True,
               "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
     s, r = http(fresh_url, "/update_weights_from_disk", {"model_path": ck, "weight_version": "1"})
@@ -198,13 +186,3 @@ try:
     check(s == 400 and ".weight" in msg, f"a checkpoint of another model is refused naming a tensor ({s}: {msg[:200]})")
     _, again = http(fresh_url, "/generate", greedy)
     check(all(close(a, b) for a, b in zip(want, again)), "after the refused update the server serves as before")
-except Exception as e:  # a check that could not go on fails, the ones before it are reported
-    checks.append((False, f"stopped early: {type(e).__name__}: {e}"))
-finally:
-    for s in servers:
-        stop_server(s)
-for ok, what in checks:
-    print(("ok   " if ok else "FAIL ") + what)
-failed = sum(not ok for ok, _ in checks)
-print(f"{len(checks) - failed} passed, {failed} failed")
-sys.exit(1 if failed else 0)

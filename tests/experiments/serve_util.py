@@ -1,5 +1,5 @@
 """Shared by the `kiln serve` checks: start a server on a free loopback port, talk JSON to it."""
-import json, os, subprocess, time, urllib.error, urllib.request
+import json, os, shutil, subprocess, sys, time, urllib.error, urllib.request
 
 
 def start_server(kiln, work, name, extra=()):
@@ -42,3 +42,41 @@ def http(url, path, body=None, raw=None, timeout=120):
         return status, json.loads(text)
     except ValueError:
         return status, text
+
+
+class Checks:
+    """A check script's results and the servers it starts. `with Checks(work) as check:` empties
+    WORK, runs the body (`check(ok, what)` records a result); at its end, or at an exception
+    (recorded as a failed check: the ones before it are still reported), the servers are stopped,
+    every result is printed with the count, and the script exits 1 if any failed."""
+
+    def __init__(self, work):
+        shutil.rmtree(work, ignore_errors=True)
+        os.makedirs(work)
+        self.work, self.results, self.servers = work, [], []
+
+    def __call__(self, ok, what):
+        self.results.append((bool(ok), what))
+
+    def all_ok(self):
+        return all(ok for ok, _ in self.results)
+
+    def server(self, kiln, name, extra=()):
+        """start_server, stopped at the end."""
+        p, url = start_server(kiln, self.work, name, extra)
+        self.servers.append(p)
+        return p, url
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, trace):
+        if error is not None:
+            self(False, f"stopped early: {kind.__name__}: {error}")
+        for p in self.servers:
+            stop_server(p)
+        for ok, what in self.results:
+            print(("ok   " if ok else "FAIL ") + what)
+        failed = sum(not ok for ok, _ in self.results)
+        print(f"{len(self.results) - failed} passed, {failed} failed")
+        sys.exit(1 if failed else 0)
