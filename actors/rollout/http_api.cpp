@@ -32,19 +32,19 @@ void only_keys(const json& j, const std::string& where, const std::vector<std::s
 
 int64_t integer(const json& j, const std::string& where) {
   if (j.is_number_unsigned() && j.get<uint64_t>() > uint64_t(INT64_MAX)) bad(where, "must be an integer below 2^63");
-  if (!j.is_number_integer()) bad(where, "must be an integer, got " + j.dump());
+  if (!j.is_number_integer()) bad(where, "must be an integer, got " + json_text(j));
   return j.get<int64_t>();
 }
 
 double number(const json& j, const std::string& where) {
-  if (!j.is_number()) bad(where, "must be a number, got " + j.dump());
+  if (!j.is_number()) bad(where, "must be a number, got " + json_text(j));
   const double v = j.get<double>();
-  if (!std::isfinite(v)) bad(where, "must be a finite number, got " + j.dump());
+  if (!std::isfinite(v)) bad(where, "must be a finite number, got " + json_text(j));
   return v;
 }
 
 bool boolean(const json& j, const std::string& where) {
-  if (!j.is_boolean()) bad(where, "must be true or false, got " + j.dump());
+  if (!j.is_boolean()) bad(where, "must be true or false, got " + json_text(j));
   return j.get<bool>();
 }
 
@@ -100,11 +100,11 @@ void sampling_fields(const json& j, const std::string& where, const ApiLimits& l
   }
   if (has("temperature")) {
     p.temperature = number(j["temperature"], field("temperature"));
-    if (p.temperature < 0) bad(field("temperature"), "must be >= 0 (0: greedy), got " + j["temperature"].dump());
+    if (p.temperature < 0) bad(field("temperature"), "must be >= 0 (0: greedy), got " + json_text(j["temperature"]));
   }
   if (has("top_p")) {
     p.top_p = number(j["top_p"], field("top_p"));
-    if (!(p.top_p > 0 && p.top_p <= 1)) bad(field("top_p"), "must be in (0, 1], got " + j["top_p"].dump());
+    if (!(p.top_p > 0 && p.top_p <= 1)) bad(field("top_p"), "must be in (0, 1], got " + json_text(j["top_p"]));
   }
   if (has("top_k")) {
     const int64_t k = integer(j["top_k"], field("top_k"));
@@ -116,7 +116,7 @@ void sampling_fields(const json& j, const std::string& where, const ApiLimits& l
   if (has(seed_key)) {
     const auto& s = j[seed_key];
     if (!s.is_number_integer() || (!s.is_number_unsigned() && s.get<int64_t>() < 0))
-      bad(field(seed_key), "must be an integer in [0, 2^64), got " + s.dump());
+      bad(field(seed_key), "must be an integer in [0, 2^64), got " + json_text(s));
     p.seed = s.get<uint64_t>();
   } else {
     static thread_local std::mt19937_64 rng{std::random_device{}()};
@@ -292,8 +292,10 @@ json parse_object(std::string_view body, const std::string& what, const std::vec
   return j;
 }
 
+std::string json_text(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
 std::string error_body(int status, const std::string& message) {
-  return json{{"error", {{"message", message}, {"code", status}}}}.dump();
+  return json_text(json{{"error", {{"message", message}, {"code", status}}}});
 }
 
 namespace {

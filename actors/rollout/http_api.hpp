@@ -75,6 +75,10 @@ nlohmann::json generate_output(const Completion& c, const std::string& rid, cons
 /// an unknown key (named).
 nlohmann::json parse_object(std::string_view body, const std::string& what, const std::vector<std::string>& allowed);
 
+/// `j` as JSON text; invalid UTF-8 in a string (a client's bytes, a partial token) becomes
+/// U+FFFD instead of throwing.
+std::string json_text(const nlohmann::json& j);
+
 /// The JSON body of an error answer: {"error": {"message", "code": status}} (SGLang's shape).
 std::string error_body(int status, const std::string& message);
 

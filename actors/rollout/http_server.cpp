@@ -18,7 +18,7 @@ using nlohmann::json;
 
 void answer(httplib::Response& res, int status, const json& body) {
   res.status = status;
-  res.set_content(body.dump(), "application/json");
+  res.set_content(json_text(body), "application/json");
 }
 
 void answer_error(httplib::Response& res, int status, const std::string& message) {
@@ -73,7 +73,7 @@ void generate(ServeContext& c, const httplib::Request& req, httplib::Response& r
       }
       out.push_back(generate_output(*done, g->rids[i], *g, c.tokenizer, latency));
     }
-    const auto body = (g->batch ? out : out[0]).dump();
+    const auto body = json_text(g->batch ? out : out[0]);
     sink.write(body.data(), body.size());
     sink.done();
     return true;
@@ -169,7 +169,7 @@ void register_routes(httplib::Server& svr, ServeContext& c) {
         char* end = nullptr;
         const long long parsed = text.empty() ? -1 : std::strtoll(text.c_str(), &end, 10);
         if (text.empty() || *end != '\0' || parsed < 0)
-          throw ApiError(400, "/update_weights_from_disk.weight_version: kiln's versions are integers >= 0, got " + v.dump());
+          throw ApiError(400, "/update_weights_from_disk.weight_version: kiln's versions are integers >= 0, got " + json_text(v));
         version = parsed;
       }
       const bool abort = j.value("abort_all_requests", false), keep_pause = j.value("keep_pause", false);

@@ -232,8 +232,8 @@ void serve_openai(ServeContext& c, const httplib::Request& req, httplib::Respons
         choices.push_back(std::move(choice));
         done.push_back(std::move(*d));
       }
-      const auto body = json{{"id", id}, {"object", object}, {"created", created}, {"model", model},
-                             {"choices", choices}, {"usage", usage_of(done)}}.dump();
+      const auto body = json_text(json{{"id", id}, {"object", object}, {"created", created}, {"model", model},
+                             {"choices", choices}, {"usage", usage_of(done)}});
       sink.write(body.data(), body.size());
       sink.done();
       return true;
@@ -247,8 +247,8 @@ void serve_openai(ServeContext& c, const httplib::Request& req, httplib::Respons
                                                             size_t, httplib::DataSink& sink) {
     const std::string object = chat ? "chat.completion.chunk" : "text_completion";
     auto event = [&](const json& choice) {
-      const auto text = "data: " + json{{"id", id}, {"object", object}, {"created", created}, {"model", model},
-                                        {"choices", json::array({choice})}}.dump() + "\n\n";
+      const auto text = "data: " + json_text(json{{"id", id}, {"object", object}, {"created", created}, {"model", model},
+                                        {"choices", json::array({choice})}}) + "\n\n";
       return sink.write(text.data(), text.size());
     };
     std::vector<Completion> done;
@@ -298,8 +298,8 @@ void serve_openai(ServeContext& c, const httplib::Request& req, httplib::Respons
       done.push_back(std::move(*d));
     }
     if (r->include_usage) {
-      const auto text = "data: " + json{{"id", id}, {"object", object}, {"created", created}, {"model", model},
-                                        {"choices", json::array()}, {"usage", usage_of(done)}}.dump() + "\n\n";
+      const auto text = "data: " + json_text(json{{"id", id}, {"object", object}, {"created", created}, {"model", model},
+                                        {"choices", json::array()}, {"usage", usage_of(done)}}) + "\n\n";
       sink.write(text.data(), text.size());
     }
     sink.write("data: [DONE]\n\n", 14);

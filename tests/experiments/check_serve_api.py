@@ -9,7 +9,7 @@ serving; a client that disconnects has its sequence cancelled and its cache page
 /update_weights_from_disk loads a checkpoint (the server then samples as one started from it)
 and refuses one that does not fit, naming a tensor.
 Usage: check_serve_api.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
-import base64, json, os, socket, subprocess, sys, threading, time
+import base64, json, os, random, socket, subprocess, sys, threading, time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serve_util import Checks, http, stop_server
@@ -106,6 +106,36 @@ with Checks(work) as check:
     bad(url, "/pause_generation", {"mode": "sideways"}, field="mode")
     bad(url, "/update_weights_from_disk", {}, field="model_path")
     bad(url, "/update_weights_from_disk", {"model_path": f"{work}/nowhere"}, field="not a directory")
+    # 300 random mutations of a valid body (bytes flipped, dropped, cut; seeded): each answered
+    # 200 or 400 with a message, never a 5xx or a closed connection
+    rng = random.Random(16)
+    valid = json.dumps({"input_ids": [[2, 5, 6], [7, 8]], "return_logprob": True, "return_routed_experts": True,
+                        "sampling_params": [{"max_new_tokens": 3, "temperature": 0.5, "top_p": 0.9, "top_k": 5,
+                                             "sampling_seed": 1, "stop_token_ids": [1]}, {"max_new_tokens": 2}]}).encode()
+    answers = {}
+    for _ in range(300):
+        b = bytearray(valid)
+        for _ in range(rng.randint(1, 4)):
+            if len(b) < 2:
+                break
+            i = rng.randrange(len(b))
+            op = rng.random()
+            if op < 0.5:
+                b[i] = rng.choice(b'0123456789-.e[]{}",:truefalsnul \x00\xff')
+            elif op < 0.8:
+                del b[i]
+            else:
+                b = b[:i]
+        try:
+            status, answer = http(url, "/generate", raw=bytes(b), timeout=60)
+            ok = status == 200 or (status == 400 and isinstance(answer, dict) and answer["error"]["message"])
+            answers[status] = answers.get(status, 0) + 1
+        except Exception as e:
+            ok, status = False, repr(e)
+        if not ok:
+            check(False, f"mutated body {bytes(b)[:120]!r}: {status}")
+            break
+    check(set(answers) <= {200, 400} and sum(answers.values()) == 300, f"300 mutated bodies: only 200 and 400 answers ({answers})")
     s, _ = http(url, "/health")
     s2, r = gen(url, prompt, 7)
     check(s == 200 and s2 == 200 and r["output_ids"] == out, "after the bad requests the server serves as before")
