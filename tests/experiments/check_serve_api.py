@@ -166,6 +166,23 @@ with Checks(work) as check:
     check(after["running_requests"] == 0 and after["free_cache_blocks"] == after["cache_blocks"],
           f"its client gone, the sequence is cancelled and every page is free within 10 s ({after})")
     check("disconnected" in open(f"{work}/slow.log").read(), "the server logs the disconnect")
+    # the same for a streamed OpenAI completion (server-sent events), gone after its first event
+    body = json.dumps({"model": "kiln", "prompt": [2, 5, 6], "max_tokens": 500, "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+    first = b""
+    while b"data: " not in first:
+        first += sock.recv(4096)
+    streaming = server_info()
+    sock.close()
+    deadline = time.time() + 10
+    while time.time() < deadline and server_info()["running_requests"] != 0:
+        time.sleep(0.05)
+    after = server_info()
+    check(streaming["running_requests"] == 1 and after["running_requests"] == 0 and
+          after["free_cache_blocks"] == after["cache_blocks"],
+          f"a streaming client gone after its first event: cancelled and its pages freed ({streaming} -> {after})")
 
     # 5. pause (in_place) holds requests until continue; mode abort ends them
     s, _ = http(slow_url, "/pause_generation", {"mode": "in_place"})
