@@ -33,21 +33,16 @@ GenerationRequest request(uint64_t id, std::vector<int64_t> prompt, int64_t max_
   return r;
 }
 
-EngineOptions four_pages_of_four() {
+// A cache of `blocks` pages of 4 tokens, 8 sequences at once.
+EngineOptions cache_of(int64_t blocks) {
   EngineOptions o;
-  o.cache_blocks = 4;
+  o.cache_blocks = blocks;
   o.block_size = 4;
   o.max_batch = 8;
   return o;
 }
 
-EngineOptions small_cache() {
-  EngineOptions o;
-  o.cache_blocks = 64;
-  o.block_size = 4;
-  o.max_batch = 8;
-  return o;
-}
+EngineOptions small_cache() { return cache_of(64); }
 }  // namespace
 
 TEST_CASE("sampled tokens' log-probs and routed experts equal the packed forward's (fp32)") {
@@ -166,7 +161,7 @@ TEST_CASE("stops: any of several end ids finishes with 'stop' and keeps the toke
 
 TEST_CASE("the cache bound queues requests, and a request that can never fit is refused by name") {
   auto m = debug_model();
-  Engine engine(m, four_pages_of_four());
+  Engine engine(m, cache_of(4));
   // Each needs ceil((3 + 5) / 4) = 2 pages: two run, two wait.
   for (uint64_t i = 1; i <= 4; ++i) engine.submit(request(i, {3, 4, 5}, 5));
   engine.step();
@@ -187,7 +182,7 @@ TEST_CASE("the cache bound queues requests, and a request that can never fit is 
 
 TEST_CASE("a cancelled request frees its pages and never finishes, and progress shows a running one's tokens") {
   auto m = debug_model();
-  Engine engine(m, four_pages_of_four());
+  Engine engine(m, cache_of(4));
   for (uint64_t i = 1; i <= 3; ++i) engine.submit(request(i, {3, 4, 5}, 5));  // 2 pages each: two run, one waits
   engine.step();
   engine.step();
