@@ -26,6 +26,21 @@ if(NOT EXISTS "${PCRE2_INCLUDE_DIR}/pcre2.h" OR NOT EXISTS "${PCRE2_8_LIBRARY}")
                       "install the Debian package libpcre2-dev (scripts/setup.sh does), or point "
                       "CMAKE_PREFIX_PATH at a prefix holding include/pcre2.h and lib/libpcre2-8.so")
 endif()
+# cpp-httplib (Debian: libcpp-httplib-dev, 0.11) serves `kiln serve` and carries the HTTP rollout
+# backend's requests. Debian ships it compiled (libcpp-httplib.so) with OpenSSL, zlib and brotli
+# support: the header must see the same feature macros (its cpp-httplib.pc's Cflags) to match
+# the library, and finds those libraries' headers beside its own. Header + library, as for PCRE2,
+# so that scripts/offline_build.sh's prefix works without pkg-config.
+find_path(HTTPLIB_INCLUDE_DIR httplib.h)
+find_library(HTTPLIB_LIBRARY cpp-httplib)
+if(NOT EXISTS "${HTTPLIB_INCLUDE_DIR}/httplib.h" OR NOT EXISTS "${HTTPLIB_LIBRARY}")
+  message(FATAL_ERROR "cpp-httplib not found (httplib.h: ${HTTPLIB_INCLUDE_DIR}, libcpp-httplib: ${HTTPLIB_LIBRARY}): "
+                      "install the Debian package libcpp-httplib-dev (scripts/setup.sh does)")
+endif()
+add_library(kiln_httplib INTERFACE IMPORTED)
+set_target_properties(kiln_httplib PROPERTIES INTERFACE_INCLUDE_DIRECTORIES "${HTTPLIB_INCLUDE_DIR}"
+                      INTERFACE_LINK_LIBRARIES "${HTTPLIB_LIBRARY};Threads::Threads"
+                      INTERFACE_COMPILE_DEFINITIONS "CPPHTTPLIB_OPENSSL_SUPPORT;CPPHTTPLIB_ZLIB_SUPPORT;CPPHTTPLIB_BROTLI_SUPPORT")
 add_library(kiln_pcre2 INTERFACE IMPORTED)
 set_target_properties(kiln_pcre2 PROPERTIES INTERFACE_INCLUDE_DIRECTORIES "${PCRE2_INCLUDE_DIR}"
                       INTERFACE_LINK_LIBRARIES "${PCRE2_8_LIBRARY}")

@@ -79,6 +79,26 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
               },
               [&ref] { return toml_quoted(ref); }};
   };
+  auto text_list = [&](const std::string& key, std::vector<std::string>& ref) {
+    f[key] = {[&ref, key](const toml::node& n, const std::string& w) {
+                if (n.is_string()) {  // one item
+                  ref = {n.as_string()->get()};
+                  return;
+                }
+                if (!n.is_array()) bad(w, key, "must be a list of strings, e.g. [\"a\", \"b\"]");
+                std::vector<std::string> v;
+                for (const auto& x : *n.as_array()) {
+                  if (!x.is_string()) bad(w, key, "must be a list of strings, e.g. [\"a\", \"b\"]");
+                  v.push_back(x.as_string()->get());
+                }
+                ref = std::move(v);
+              },
+              [&ref] {
+                std::string out = "[";
+                for (std::size_t i = 0; i < ref.size(); ++i) out += (i ? ", " : "") + toml_quoted(ref[i]);
+                return out + "]";
+              }};
+  };
   text("run.name", c.run.name);
   text("run.output_dir", c.run.output_dir);
   integer("run.seed", c.run.seed);
@@ -137,6 +157,10 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   integer("rollout.step_delay_ms", c.rollout.engine.step_delay_ms);
   boolean("rollout.absorbed_decode", c.rollout.engine.absorbed_decode);
   boolean("rollout.share_prompts", c.rollout.engine.share_prompts);
+  text_list("rollout.urls", c.rollout.urls);
+  integer("rollout.http_timeout_s", c.rollout.http_timeout_s);
+  integer("rollout.http_retry_s", c.rollout.http_retry_s);
+  text("rollout.weights_dir", c.rollout.weights_dir);
   real("weight_sync.bucket_mib", c.weight_sync.bucket_mib);
   text("weight_sync.transport", c.weight_sync.transport);
   text("placement.mode", c.placement.mode);

@@ -1,4 +1,4 @@
-// The kiln command line: `kiln node`, `kiln bench messaging`, `kiln run`.
+// The kiln command line: `kiln node`, `kiln bench ...`, `kiln model ...`, `kiln serve`, `kiln run`.
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <string>
@@ -14,11 +14,13 @@
 #include "experiments/bench_model.hpp"
 #include "experiments/bench_parallel.hpp"
 #include "experiments/bench_rollout.hpp"
+#include "experiments/bench_serve.hpp"
 #include "actors/reference/ref_service.hpp"
 #include "actors/rollout/rollout_service.hpp"
 #include "actors/trainer/trainer_service.hpp"
 #include "experiments/model_cmd.hpp"
 #include "experiments/ranks.hpp"
+#include "experiments/serve.hpp"
 #endif
 
 int main(int argc, char** argv) {
@@ -69,6 +71,13 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t(2), int64_t(47)));
   bench_rollout->add_option("--contexts", ro.contexts, "cuda: prompt lengths")->default_str("1024 8192")
       ->check(CLI::Range(int64_t(1), int64_t(131072)));
+  kiln::experiments::ServeBenchOptions so;
+  auto* bench_serve = bench_cmd->add_subcommand("serve", "kiln serve's requests/s and tokens/s vs the in-process engine");
+  bench_serve->add_option("--clients", so.clients, "Concurrent clients")->default_str("1 16 64")->check(CLI::Range(int64_t(1), int64_t(1024)));
+  bench_serve->add_option("--requests", so.requests, "Requests per measurement")->check(CLI::Range(int64_t(1), int64_t(100000)));
+  bench_serve->add_option("--prompt-tokens", so.prompt_tokens, "Prompt length")->check(CLI::Range(int64_t(1), int64_t(4096)));
+  bench_serve->add_option("--new-tokens", so.new_tokens, "Tokens generated per request")->check(CLI::Range(int64_t(1), int64_t(4096)));
+  bench_serve->add_option("--flavor", so.flavor, "glm4_moe_lite flavor (cpu)");
   kiln::experiments::GpuBenchOptions go;
   auto* bench_gpu = bench_cmd->add_subcommand("gpu", "bf16 training, log-probs, rollout and weight sync on one CUDA GPU vs its limits");
   bench_gpu->add_option("--layers", go.layers, "Decoder layers at GLM-4.7-Flash dimensions (first dense)")->check(CLI::Range(int64_t(2), int64_t(47)));
@@ -112,6 +121,18 @@ int main(int argc, char** argv) {
   model_logits->add_option("--out", logits_out, "Output .safetensors")->required();
 #endif
 
+#ifdef KILN_WITH_TORCH
+  kiln::experiments::ServeCommand sv;
+  auto* serve_cmd = app.add_subcommand("serve", "Serve an experiment's rollout engine over HTTP (SGLang's native API)");
+  serve_cmd->add_option("experiment", sv.experiment, "Experiment file (TOML; its [model], [rollout], [task] keys); none: the default");
+  serve_cmd->add_option("--set", sv.overrides, "Override a key: section.key=value (repeatable)");
+  serve_cmd->add_option("--host", sv.host, "Address to listen on")->default_val("127.0.0.1");
+  serve_cmd->add_option("--port", sv.port, "Port (0: a free one)")->default_val(30000)->check(CLI::Range(0, 65535));
+  serve_cmd->add_option("--port-file", sv.port_file, "Write the bound port here once listening");
+  serve_cmd->add_option("--threads", sv.threads, "HTTP worker threads (requests handled at once)")
+      ->default_val(128)->check(CLI::Range(1, 4096));
+#endif
+
   auto* run_cmd = app.add_subcommand("run", "Run an experiment (the RL loop)");
   std::string experiment;
   std::vector<std::string> overrides;
@@ -129,6 +150,7 @@ int main(int argc, char** argv) {
     if (ro.device == "cuda" && bench_rollout->get_option("--batch-sizes")->count() == 0) ro.batch_sizes = {1, 32, 128, 256};
     return kiln::experiments::run_rollout_bench(ro);
   }
+  if (bench_serve->parsed()) return kiln::experiments::run_serve_bench(so);
   if (bench_model->parsed()) return kiln::experiments::run_model_bench(mo);
   if (bench_gpu->parsed()) return kiln::experiments::run_gpu_bench(go);
   if (bench_parallel->parsed()) return kiln::experiments::run_parallel_bench(po);
@@ -153,6 +175,7 @@ int main(int argc, char** argv) {
     }
     return kiln::experiments::run_model_logits(package, from, docs, logits_out, plugin_dir);
   }
+  if (serve_cmd->parsed()) return kiln::experiments::run_serve(sv);
   if (model_resave->parsed()) return kiln::experiments::run_model_resave(package, from, to, shard_mib, plugin_dir);
 #endif
   if (run_cmd->parsed()) {

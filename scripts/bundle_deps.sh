@@ -10,7 +10,7 @@ set -euo pipefail
 OUT="$(realpath -m "${1:-kiln-deps-$(dpkg --print-architecture).tar}")"
 # What kiln links or includes (scripts/setup.sh's list without the toolchain and python).
 PACKAGES=(libcaf-dev libzmq3-dev cppzmq-dev libmsgpack-cxx-dev libspdlog-dev doctest-dev
-  libtomlplusplus-dev libcli11-dev nlohmann-json3-dev zlib1g-dev libgloo-dev libpcre2-dev)
+  libtomlplusplus-dev libcli11-dev nlohmann-json3-dev zlib1g-dev libgloo-dev libpcre2-dev libcpp-httplib-dev)
 # The node's own C/C++ runtime and compiler are used; never ship Debian's copies of them.
 SKIP='^(libc6|libc6-dev|libc-dev-bin|linux-libc-dev|libcrypt1|libcrypt-dev|gcc-[0-9]+-base|libgcc-s1|libgcc-[0-9]+-dev|libstdc\+\+6|libstdc\+\+-[0-9]+-dev|libasan[0-9]+|libtsan[0-9]+|liblsan[0-9]+|libubsan[0-9]+|libatomic1|libgomp1|libitm1|libquadmath0|rpcsvc-proto)$'
 # Headers and archives for linking the libraries above statically: kiln links them shared.

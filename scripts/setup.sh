@@ -3,7 +3,8 @@
 # else on success but the LibTorch CMake prefix path (last line of stdout).
 #  - Debian packages (apt-get, needs root or sudo)
 #  - a Python virtual environment with torch==2.11.0 (+ pyzmq, msgpack, numpy for the
-#    interop tests, tensorboard to read the runs' event files in a test) in
+#    interop tests, tensorboard to read the runs' event files in a test, openai to talk to
+#    kiln serve's OpenAI-compatible endpoints in a test) in
 #    ${KILN_CACHE:-~/.cache/kiln}/venv, outside the checkout, so that every clone on this
 #    machine reuses it.
 set -euo pipefail
@@ -13,7 +14,7 @@ VENV="$KILN_CACHE/venv"
 TORCH_VERSION="2.11.0"
 DEB_PACKAGES=(build-essential cmake ninja-build ccache pkg-config git python3 python3-venv
   libcaf-dev libzmq3-dev cppzmq-dev libmsgpack-cxx-dev libspdlog-dev doctest-dev
-  libtomlplusplus-dev libcli11-dev nlohmann-json3-dev zlib1g-dev gnuplot-nox libgloo-dev libpcre2-dev)
+  libtomlplusplus-dev libcli11-dev nlohmann-json3-dev zlib1g-dev gnuplot-nox libgloo-dev libpcre2-dev libcpp-httplib-dev)
 
 log() { echo "[setup] $*" >&2; }
 
@@ -42,5 +43,6 @@ fi
 "$VENV/bin/python" -c "import zmq, msgpack, numpy" 2>/dev/null || \
   "$VENV/bin/pip" install -q pyzmq msgpack numpy >&2
 "$VENV/bin/python" -c "import tensorboard" 2>/dev/null || "$VENV/bin/pip" install -q tensorboard >&2
+"$VENV/bin/python" -c "import openai" 2>/dev/null || "$VENV/bin/pip" install -q openai >&2
 
 "$VENV/bin/python" -c "import torch.utils; print(torch.utils.cmake_prefix_path)"

@@ -32,7 +32,26 @@ void Config::validate() const {
   need(a.max_new_tokens < cache_tokens, "algorithm.max_new_tokens",
        std::to_string(a.max_new_tokens) + " cannot fit the engine's cache of " + std::to_string(cache_tokens) +
            " tokens with a prompt (rollout.cache_blocks x rollout.block_size)");
-  need(rollout.backend == "engine", "rollout.backend", "must be \"engine\" (the in-process engine is the only backend so far)");
+  need(rollout.backend == "engine" || rollout.backend == "http", "rollout.backend",
+       "must be \"engine\" (kiln's engine) or \"http\" (servers at rollout.urls)");
+  if (rollout.backend == "http") {
+    need(!rollout.urls.empty(), "rollout.urls", "must list at least one server with rollout.backend \"http\"");
+    for (const auto& u : rollout.urls)
+      need(u.rfind("http://", 0) == 0 && u.size() > 7, "rollout.urls",
+           "must hold http://HOST:PORT addresses, got \"" + u + "\"");
+    need(int64_t(rollout.urls.size()) <= a.prompts_per_step, "rollout.urls",
+         "must list at most algorithm.prompts_per_step servers (each gets whole prompt groups)");
+    need(placement.trainer == "controller", "placement.trainer",
+         "must be \"controller\" with rollout.backend \"http\" (the controller writes the weights the servers load)");
+    need(placement.rollout_engines == 1, "placement.rollout_engines",
+         "must be 1 with rollout.backend \"http\" (the servers at rollout.urls are the engines)");
+    need(weight_sync.transport == "messages", "weight_sync.transport",
+         "must be \"messages\" with rollout.backend \"http\" (servers load each version from disk)");
+    need(rollout.http_timeout_s >= 1, "rollout.http_timeout_s", "must be >= 1");
+    need(rollout.http_retry_s >= 0, "rollout.http_retry_s", "must be >= 0");
+  } else {
+    need(rollout.urls.empty(), "rollout.urls", "is read by rollout.backend \"http\" only");
+  }
   need(placement.mode == "single_process" || placement.mode == "multi_process", "placement.mode",
        "must be \"single_process\" or \"multi_process\" (rollout engine in a kiln node child process)");
   auto is_device = [](const std::string& d) {

@@ -6,6 +6,7 @@
 // lists every key. Torch-free.
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "actors/rollout/engine_options.hpp"
 #include "actors/trainer/trainer_config.hpp"
@@ -58,8 +59,20 @@ struct AlgorithmConfig {
 };
 
 struct RolloutConfig {
-  std::string backend = "engine";  ///< the in-process LibTorch engine (the only backend so far)
+  /// "engine": kiln's LibTorch engine, in this process or in kiln node processes (placement);
+  /// "http": servers speaking SGLang's native API at `urls` (`kiln serve`, or SGLang itself:
+  /// actors/controller/http_engines.hpp, docs/serving.md)
+  std::string backend = "engine";
   rollout::EngineOptions engine{1024, 16, 512};
+  std::vector<std::string> urls;  ///< http: the servers, e.g. "http://127.0.0.1:30000"
+  /// http: seconds one /generate may take, retries included (a dead server is reported then)
+  int64_t http_timeout_s = 900;
+  /// http: seconds a server may be unreachable (connection refused or lost) before it counts as
+  /// lost; requests are retried with backoff meanwhile
+  int64_t http_retry_s = 30;
+  /// http: where each policy version is written (HF layout) for the servers'
+  /// /update_weights_from_disk; they must see it at the same path. "": RUN/rollout_weights
+  std::string weights_dir;
 };
 
 struct WeightSyncConfig {

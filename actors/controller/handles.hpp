@@ -8,6 +8,7 @@
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "actors/rollout/backend.hpp"
@@ -66,6 +67,16 @@ class TrainerHandle {
   /// std::invalid_argument naming what is missing or does not fit.
   virtual trainer::CheckpointState load(const std::filesystem::path& dir) = 0;
 };
+
+/// Contiguous shares [begin, end) of `requests` requests for `engines` engines, whole prompt
+/// groups of `group_size` each (share i: groups G*i/N .. G*(i+1)/N).
+inline std::vector<std::pair<std::size_t, std::size_t>> prompt_group_shares(std::size_t requests, int64_t group_size,
+                                                                            std::size_t engines) {
+  const std::size_t G = requests / std::size_t(group_size), N = engines, g = std::size_t(group_size);
+  std::vector<std::pair<std::size_t, std::size_t>> out;
+  for (std::size_t i = 0; i < N; ++i) out.emplace_back(G * i / N * g, G * (i + 1) / N * g);
+  return out;
+}
 
 /// The rollout engines: generate completions, take new weights.
 class RolloutEngines {

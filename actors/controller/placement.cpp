@@ -1,5 +1,6 @@
 #include "actors/controller/placement.hpp"
 
+#include "actors/controller/http_engines.hpp"
 #include "actors/controller/local_handles.hpp"
 #include "actors/controller/trainer_ranks.hpp"
 #include "model/registry.hpp"
@@ -19,7 +20,9 @@ Actors place_actors(const Config& c, const NodeSite& site, parallel::ProcessGrou
   else
     a.trainer = std::make_unique<LocalTrainer>(registry.build(c.model), c.trainer_for_run(), site.gateway,
                                                uint64_t(c.weight_sync.bucket_mib * (1 << 20)));
-  if (p.mode == "multi_process")
+  if (c.rollout.backend == "http")
+    a.engines = std::make_unique<HttpEngines>(c, site.dir, a.trainer->vocab_size());
+  else if (p.mode == "multi_process")
     a.engines = std::make_unique<RemoteEngines>(site, c, *a.trainer);
   else
     a.engines = std::make_unique<LocalEngine>(registry.build(c.model), c.rollout.engine, site.gateway);

@@ -5,6 +5,7 @@
 //   placement.reference  "controller" | "process" (ref/0 in a node)
 //   placement.trainer    "controller" | "process" (trainer/0 in a node; the controller then
 //                        holds no model)
+//   rollout.backend      "http": the engines are servers at rollout.urls (http_engines.hpp)
 //   parallel.dp > 1      the trainer over data-parallel ranks, rank 0 in the controller's
 //                        process (trainer_ranks.hpp)
 // The loop only sees the handles.

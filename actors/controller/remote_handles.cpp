@@ -245,15 +245,15 @@ void RemoteEngines::restart(std::size_t i, const std::string& what) {
 std::vector<rollout::Completion> RemoteEngines::generate(std::vector<rollout::GenerationRequest> requests,
                                                          const std::function<void()>&) {
   // Whole prompt groups to each engine, contiguous shares; all engines work at once.
-  const int64_t groups = int64_t(requests.size()) / group_size_, N = int64_t(nodes_.size());
+  const auto bounds = prompt_group_shares(requests.size(), group_size_, nodes_.size());
   std::map<uint64_t, std::vector<int64_t>> prompts;  // by request id
   std::vector<RolloutGenerate> shares(nodes_.size());
-  for (int64_t i = 0; i < N; ++i)
-    for (int64_t k = groups * i / N * group_size_; k < groups * (i + 1) / N * group_size_; ++k) {
-      const auto& q = requests[std::size_t(k)];
+  for (std::size_t i = 0; i < nodes_.size(); ++i)
+    for (std::size_t k = bounds[i].first; k < bounds[i].second; ++k) {
+      const auto& q = requests[k];
       const auto& sp = q.sampling;
       prompts[q.id] = q.prompt;
-      shares[std::size_t(i)].requests.push_back(
+      shares[i].requests.push_back(
           {q.id, q.prompt, sp.temperature, sp.top_p, sp.top_k, sp.max_new_tokens, sp.seed, sp.stop_token_ids});
     }
   std::vector<std::future<Expected<Envelope>>> replies(nodes_.size());

@@ -46,7 +46,8 @@ int64_t cache_bytes(const EngineOptions& o, const model::CausalLM& m, torch::Dty
   return o.cache_blocks * o.block_size * m.num_layers() * m.cache_width() * int64_t(c10::elementSize(dtype));
 }
 
-Engine::Engine(std::shared_ptr<model::CausalLM> model, EngineOptions options) : model_(std::move(model)), o_(options) {
+Engine::Engine(std::shared_ptr<model::CausalLM> model, EngineOptions options)
+    : model_(std::move(model)), o_(options), vocab_size_(model_->vocab_size()) {
   if (o_.cache_blocks < 1 || o_.block_size < 1 || o_.max_batch < 1 || o_.max_prefill_tokens < 1 || o_.step_delay_ms < 0)
     throw std::invalid_argument("engine: cache_blocks, block_size, max_batch and max_prefill_tokens must be >= 1, "
                                 "step_delay_ms >= 0");
@@ -74,14 +75,18 @@ void Engine::release(Sequence& s) {
   s.blocks.clear();
 }
 
-void Engine::submit(GenerationRequest request) {
-  check_request(request, model_->vocab_size());
+void Engine::check(const GenerationRequest& request) const {
+  check_request(request, vocab_size_);
   const int64_t need = (int64_t(request.prompt.size()) + request.sampling.max_new_tokens + o_.block_size - 1) / o_.block_size;
   if (need > o_.cache_blocks)
     throw std::invalid_argument("request " + std::to_string(request.id) + " needs " + std::to_string(need) +
                                 " cache pages (prompt " + std::to_string(request.prompt.size()) + " + max_new_tokens " +
                                 std::to_string(request.sampling.max_new_tokens) + " tokens), the whole cache has " +
-                                std::to_string(o_.cache_blocks));
+                                std::to_string(o_.cache_blocks) + " of " + std::to_string(o_.block_size) + " tokens");
+}
+
+void Engine::submit(GenerationRequest request) {
+  check(request);
   auto s = std::make_unique<Sequence>(Sequence{std::move(request), {}, make_generator(0), {}, {}, 0, Clock::now()});
   s->generator = make_generator(s->request.sampling.seed);
   s->out.id = s->request.id;
@@ -236,6 +241,27 @@ void Engine::update_weights(const std::vector<messaging::Tensor>& hf_tensors, in
 void Engine::weights_written(int64_t version) {
   if (!paused_) throw std::logic_error("engine: weights_written() between decode steps only: pause() first");
   version_ = version;
+}
+
+const Completion* Engine::progress(uint64_t id) const {
+  for (const auto& s : running_)
+    if (s->request.id == id) return &s->out;
+  return nullptr;
+}
+
+bool Engine::cancel(uint64_t id) {
+  for (auto it = waiting_.begin(); it != waiting_.end(); ++it)
+    if ((*it)->request.id == id) {
+      waiting_.erase(it);  // holds no pages yet
+      return true;
+    }
+  for (auto it = running_.begin(); it != running_.end(); ++it)
+    if ((*it)->request.id == id) {
+      release(**it);  // pages others share stay theirs
+      running_.erase(it);
+      return true;
+    }
+  return false;
 }
 
 std::vector<Completion> generate_without_cache(model::CausalLM& model, const std::vector<GenerationRequest>& requests,

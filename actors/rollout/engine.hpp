@@ -34,6 +34,11 @@ class Engine : public RolloutBackend {
   /// The cache is allocated here, on the model's device, in the model's dtype.
   Engine(std::shared_ptr<model::CausalLM> model, EngineOptions options);
   void submit(GenerationRequest request) override;
+  /// What submit() checks first: a prompt of ids in the vocabulary, valid sampling parameters
+  /// (SamplingParams::validate), prompt + max_new_tokens within the whole cache. Throws
+  /// std::invalid_argument naming the request and the fault. Reads only settings fixed at
+  /// construction: callable from any thread.
+  void check(const GenerationRequest& request) const;
   std::vector<Completion> step() override;
   std::vector<Completion> generate(std::vector<GenerationRequest> requests) override;
   bool has_work() const override { return !waiting_.empty() || !running_.empty(); }
@@ -46,11 +51,18 @@ class Engine : public RolloutBackend {
   /// weight_sync/collective.hpp): the engine now holds `version`. Between decode steps only:
   /// throws std::logic_error unless paused.
   void weights_written(int64_t version);
+  /// Drops request `id` (waiting or running; a client that went away): its cache pages are
+  /// free again and it never finishes. Returns whether it was there. Between steps only.
+  bool cancel(uint64_t id);
 
+  /// The tokens (and their log-probs, entropies, versions) request `id` has generated so far,
+  /// while it runs; nullptr when it waits or is unknown. Between steps only.
+  const Completion* progress(uint64_t id) const;
   int64_t free_blocks() const { return int64_t(free_.size()); }
   /// Prompt tokens run through prefill so far, and prompts shared instead (not prefilled).
   int64_t prefilled_tokens() const { return prefilled_tokens_; }
   int64_t shared_prompts() const { return shared_prompts_; }
+  const EngineOptions& options() const { return o_; }
   std::size_t waiting() const { return waiting_.size(); }
   std::size_t running() const { return running_.size(); }
 
@@ -77,6 +89,7 @@ class Engine : public RolloutBackend {
 
   std::shared_ptr<model::CausalLM> model_;
   EngineOptions o_;
+  int64_t vocab_size_;
   std::vector<torch::Tensor> caches_;  // per layer [blocks, block_size, width]
   std::vector<int64_t> free_;
   std::vector<int32_t> refs_;  // per page: sequences holding it

@@ -6,7 +6,10 @@ fits that tokenizer (tests/fixtures/glm4_moe_lite_tiny with its embedding and ou
 to 2048, written here); bad datasets and settings are refused at start, naming the key, the
 file and the line, with the run directory left untouched.
 Usage: check_jsonl_task.py PATH_TO_KILN WORK_DIR (run from anywhere). Prints "N passed, M failed"."""
-import json, os, random, shutil, struct, subprocess, sys
+import json, os, shutil, subprocess, sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tiny_vocab import write_tiny_vocab2048
 
 kiln, work = sys.argv[1], sys.argv[2]
 root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -21,46 +24,10 @@ def run(*args):
     return subprocess.run([kiln, "run", *args, *quiet], capture_output=True, text=True, timeout=600, cwd=root)
 
 
-def read_safetensors(path):
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-        data = f.read()
-    header.pop("__metadata__", None)
-    return {k: (v["dtype"], v["shape"], data[v["data_offsets"][0]:v["data_offsets"][1]]) for k, v in header.items()}
-
-
-def write_safetensors(path, tensors):
-    header, blobs, at = {}, [], 0
-    for k, (dtype, shape, blob) in tensors.items():
-        header[k] = {"dtype": dtype, "shape": shape, "data_offsets": [at, at + len(blob)]}
-        blobs.append(blob)
-        at += len(blob)
-    h = json.dumps(header).encode()
-    h += b" " * (-len(h) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
-
-
 # A tiny checkpoint with a vocabulary of 2048 (the fixture tokenizer has 2005 ids): the
 # transformers-made fixture, its embedding and lm_head rows 96.. drawn from N(0, 0.02).
-fixture = os.path.join(root, "tests/fixtures/glm4_moe_lite_tiny")
 ckpt = os.path.join(work, "tiny_vocab2048")
-os.makedirs(ckpt)
-tensors = {}
-for name in sorted(os.listdir(fixture)):
-    if name.startswith("model-") and name.endswith(".safetensors"):
-        tensors.update(read_safetensors(os.path.join(fixture, name)))
-rng = random.Random(0)
-for key in ["model.embed_tokens.weight", "lm_head.weight"]:
-    dtype, shape, blob = tensors[key]
-    assert dtype == "F32" and shape[0] == 96, (key, dtype, shape)
-    extra = struct.pack(f"<{(2048 - 96) * shape[1]}f", *(rng.gauss(0, 0.02) for _ in range((2048 - 96) * shape[1])))
-    tensors[key] = (dtype, [2048, shape[1]], blob + extra)
-write_safetensors(os.path.join(ckpt, "model.safetensors"), tensors)
-config = json.load(open(os.path.join(fixture, "config.json")))
-config["vocab_size"] = 2048
-json.dump(config, open(os.path.join(ckpt, "config.json"), "w"), indent=2)
+write_tiny_vocab2048(root, ckpt)
 
 checks = []
 

@@ -92,6 +92,37 @@ TEST_CASE("the trainer in a process needs every model out of the controller") {
   CHECK(c.to_toml().find("trainer = \"process\"") != std::string::npos);
 }
 
+TEST_CASE("rollout.backend http: rollout.urls as a list or one string round-trips and is checked by name") {
+  ExperimentConfig c;
+  c.set("rollout.backend=http");
+  CHECK_THROWS_WITH_AS(c.validate(), doctest::Contains("'rollout.urls' must list at least one server"), std::invalid_argument);
+  c.set("rollout.urls=http://127.0.0.1:30000");
+  CHECK(c.rollout.urls == std::vector<std::string>{"http://127.0.0.1:30000"});
+  CHECK_NOTHROW(c.validate());
+  c.set("rollout.urls=[\"http://a:1\", \"http://b:2\"]");
+  CHECK(c.rollout.urls == std::vector<std::string>{"http://a:1", "http://b:2"});
+  const auto toml = c.to_toml();
+  CHECK(toml.find("urls = [\"http://a:1\", \"http://b:2\"]") != std::string::npos);
+  ExperimentConfig again;
+  for (const auto& line : {std::string("rollout.backend=http"), std::string("rollout.urls=[\"http://a:1\", \"http://b:2\"]")})
+    again.set(line);
+  CHECK(again.to_toml() == toml);
+  CHECK_THROWS_WITH_AS(c.set("rollout.urls=[1, 2]"), doctest::Contains("'rollout.urls' must be a list of strings"),
+                       std::invalid_argument);
+  c.set("rollout.urls=[\"ftp://a:1\"]");
+  CHECK_THROWS_WITH_AS(c.validate(), doctest::Contains("http://HOST:PORT"), std::invalid_argument);
+  c.set("rollout.urls=[\"http://a:1\"]");
+  c.set("placement.mode=multi_process");
+  c.set("placement.reference=process");
+  c.set("placement.trainer=process");
+  CHECK_THROWS_WITH_AS(c.validate(), doctest::Contains("'placement.trainer' must be \"controller\" with rollout.backend"),
+                       std::invalid_argument);
+  ExperimentConfig engine;
+  engine.set("rollout.urls=[\"http://a:1\"]");
+  CHECK_THROWS_WITH_AS(engine.validate(), doctest::Contains("'rollout.urls' is read by rollout.backend \"http\" only"),
+                       std::invalid_argument);
+}
+
 TEST_CASE("max_new_tokens that cannot fit the engine's cache with a prompt is refused before the run") {
   ExperimentConfig c;
   c.set("algorithm.max_new_tokens=1000000");

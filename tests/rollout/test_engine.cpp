@@ -1,6 +1,6 @@
 // The in-process rollout engine: exact behaviour log-probs and routed experts against the
-// packed forward, cache vs full recompute, seeds, temperature, stops, the cache bound, and
-// weight updates between decode steps.
+// packed forward, cache vs full recompute, seeds, temperature, stops, the cache bound,
+// cancelled requests, and weight updates between decode steps.
 #include <doctest/doctest.h>
 
 #include <map>
@@ -35,13 +35,16 @@ GenerationRequest request(uint64_t id, std::vector<int64_t> prompt, int64_t max_
   return r;
 }
 
-EngineOptions small_cache() {
+// A cache of `blocks` pages of 4 tokens, 8 sequences at once.
+EngineOptions cache_of(int64_t blocks) {
   EngineOptions o;
-  o.cache_blocks = 64;
+  o.cache_blocks = blocks;
   o.block_size = 4;
   o.max_batch = 8;
   return o;
 }
+
+EngineOptions small_cache() { return cache_of(64); }
 }  // namespace
 
 TEST_CASE("sampled tokens' log-probs and routed experts equal the packed forward's (fp32)") {
@@ -160,11 +163,7 @@ TEST_CASE("stops: any of several end ids finishes with 'stop' and keeps the toke
 
 TEST_CASE("the cache bound queues requests, and a request that can never fit is refused by name") {
   auto m = debug_model();
-  EngineOptions o;
-  o.cache_blocks = 4;
-  o.block_size = 4;
-  o.max_batch = 8;
-  Engine engine(m, o);
+  Engine engine(m, cache_of(4));
   // Each needs ceil((3 + 5) / 4) = 2 pages: two run, two wait.
   for (uint64_t i = 1; i <= 4; ++i) engine.submit(request(i, {3, 4, 5}, 5));
   engine.step();
@@ -181,6 +180,28 @@ TEST_CASE("the cache bound queues requests, and a request that can never fit is 
   CHECK_THROWS_WITH_AS(engine.submit(request(10, {}, 4)), doctest::Contains("empty prompt"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(engine.submit(request(11, {3, 4000}, 4)), doctest::Contains("outside the vocabulary"),
                        std::invalid_argument);
+}
+
+TEST_CASE("a cancelled request frees its pages and never finishes, and progress shows a running one's tokens") {
+  auto m = debug_model();
+  Engine engine(m, cache_of(4));
+  for (uint64_t i = 1; i <= 3; ++i) engine.submit(request(i, {3, 4, 5}, 5));  // 2 pages each: two run, one waits
+  engine.step();
+  engine.step();
+  REQUIRE(engine.progress(1) != nullptr);
+  CHECK(engine.progress(1)->tokens.size() == 2);
+  CHECK(engine.progress(3) == nullptr);  // waiting
+  CHECK(engine.cancel(1));               // running: its pages are free again
+  CHECK(engine.free_blocks() == 2);
+  CHECK(engine.cancel(3));  // waiting
+  CHECK_FALSE(engine.cancel(3));
+  CHECK(engine.running() == 1);
+  CHECK(engine.waiting() == 0);
+  std::vector<uint64_t> done;
+  while (engine.has_work())
+    for (auto& c : engine.step()) done.push_back(c.id);
+  CHECK(done == std::vector<uint64_t>{2});
+  CHECK(engine.free_blocks() == 4);
 }
 
 TEST_CASE("weights are updated between decode steps, and tokens carry the version that made them") {
@@ -272,6 +293,20 @@ TEST_CASE("a group split over steps shares the prompt of a running sequence and 
   CHECK(shared.shared_prompts() == 4);
   check_same_outputs(got, want);
   CHECK(shared.free_blocks() == o.cache_blocks);
+
+  // The holder of a shared prompt cancelled mid-run: the others finish, every page is freed once.
+  {
+    Engine e(m, o);
+    for (auto r : group) e.submit(r);
+    (void)e.step();
+    (void)e.step();
+    REQUIRE(e.cancel(0));
+    std::vector<Completion> rest;
+    while (e.has_work())
+      for (auto& c : e.step()) rest.push_back(std::move(c));
+    CHECK(rest.size() == group.size() - 1);
+    CHECK(e.free_blocks() == o.cache_blocks);
+  }
 
   // After a weight update the cached prompt is of the old weights: the next request prefills.
   Engine e(m, o);

@@ -1,0 +1,253 @@
+#include "actors/rollout/http_server.hpp"
+
+#include <signal.h>
+#include <sys/socket.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "actors/rollout/serve_context.hpp"
+#include "model/checkpoint/safetensors.hpp"
+
+namespace kiln::rollout {
+
+using nlohmann::json;
+
+void answer(httplib::Response& res, int status, const json& body) {
+  res.status = status;
+  res.set_content(json_text(body), "application/json");
+}
+
+void answer_error(httplib::Response& res, int status, const std::string& message) {
+  res.status = status;
+  res.set_content(error_body(status, message), "application/json");
+}
+
+bool client_alive(ServeContext& c, const std::vector<uint64_t>& ids, httplib::DataSink& sink, const char* what,
+                  const char* heartbeat) {
+  if (sink.is_writable() && sink.write(heartbeat, std::strlen(heartbeat))) return true;
+  for (auto id : ids) c.loop.cancel(id);
+  std::fprintf(stderr, "kiln serve: a %s client disconnected; its %zu requests are cancelled\n", what, ids.size());
+  return false;
+}
+
+namespace {
+using Clock = std::chrono::steady_clock;
+
+// Waits for `tickets` while the client is there (a space every second checks that it is).
+// Returns false (its requests cancelled) once the client is gone.
+bool wait_while_connected(ServeContext& c, const std::vector<std::shared_ptr<Ticket>>& tickets,
+                          const std::vector<uint64_t>& ids, httplib::DataSink& sink) {
+  auto last_beat = Clock::now();
+  for (std::size_t i = 0; i < tickets.size();) {
+    if (tickets[i]->wait_for(std::chrono::milliseconds(100))) {
+      ++i;
+      continue;
+    }
+    if (Clock::now() - last_beat < std::chrono::seconds(1)) continue;
+    last_beat = Clock::now();
+    if (!client_alive(c, ids, sink, "/generate")) return false;
+  }
+  return true;
+}
+
+void generate(ServeContext& c, const httplib::Request& req, httplib::Response& res) {
+  auto g = std::make_shared<NativeGenerate>(parse_generate(req.body, c.limits));
+  auto ids = std::make_shared<std::vector<uint64_t>>();
+  const auto start = Clock::now();
+  auto tickets = std::make_shared<std::vector<std::shared_ptr<Ticket>>>(c.loop.submit(g->requests, *ids));
+  res.set_chunked_content_provider("application/json", [&c, g, tickets, ids, start](size_t, httplib::DataSink& sink) {
+    if (!wait_while_connected(c, *tickets, *ids, sink)) return false;
+    const double latency = std::chrono::duration<double>(Clock::now() - start).count();
+    json out = json::array();
+    for (std::size_t i = 0; i < tickets->size(); ++i) {
+      auto done = (*tickets)[i]->completion();
+      if (!done) {  // the status line is out already: the error travels in the body
+        const auto body = error_body(500, "/generate: prompt " + std::to_string(i) + ": " + (*tickets)[i]->error());
+        sink.write(body.data(), body.size());
+        sink.done();
+        return true;
+      }
+      out.push_back(generate_output(*done, g->rids[i], *g, c.tokenizer, latency));
+    }
+    const auto body = json_text(g->batch ? out : out[0]);
+    sink.write(body.data(), body.size());
+    sink.done();
+    return true;
+  });
+}
+
+std::string weight_version(ServeContext& c) { return std::to_string(c.loop.status().policy_version); }
+
+void register_routes(httplib::Server& svr, ServeContext& c) {
+  auto health = [](const httplib::Request&, httplib::Response& res) { res.status = 200; };
+  svr.Get("/health", health);
+  svr.Get("/health_generate", health);
+  svr.Get("/get_model_info", [&c](const httplib::Request&, httplib::Response& res) {
+    guarded(res, [&] {
+      answer(res, 200,
+             {{"model_path", c.options.model_path},
+              {"tokenizer_path", c.options.tokenizer_path.empty() ? json(nullptr) : json(c.options.tokenizer_path)},
+              {"is_generation", true},
+              {"weight_version", weight_version(c)},
+              {"vocab_size", c.limits.vocab_size},
+              {"num_moe_layers", c.model->num_moe_layers()},
+              {"experts_per_token", c.model->experts_per_token()},
+              {"context_tokens", c.limits.context_tokens}});
+    });
+  });
+  svr.Get("/get_server_info", [&c](const httplib::Request&, httplib::Response& res) {
+    guarded(res, [&] {
+      const auto s = c.loop.status();
+      const auto& o = c.loop.engine().options();
+      answer(res, 200,
+             {{"running_requests", s.running}, {"waiting_requests", s.waiting}, {"free_cache_blocks", s.free_blocks},
+              {"cache_blocks", o.cache_blocks}, {"block_size", o.block_size}, {"max_batch", o.max_batch},
+              {"paused", s.paused}, {"weight_version", std::to_string(s.policy_version)}});
+    });
+  });
+  svr.Get("/get_weight_version", [&c](const httplib::Request&, httplib::Response& res) {
+    guarded(res, [&] { answer(res, 200, {{"weight_version", weight_version(c)}}); });
+  });
+  svr.Post("/generate", [&c](const httplib::Request& req, httplib::Response& res) {
+    guarded(res, [&] { generate(c, req, res); });
+  });
+  svr.Post("/pause_generation", [&c](const httplib::Request& req, httplib::Response& res) {
+    guarded(res, [&] {
+      const auto j = parse_object(req.body, "/pause_generation", {"mode"});
+      std::string mode = "abort";  // SGLang's default
+      if (j.contains("mode")) {
+        if (!j["mode"].is_string()) throw ApiError(400, "/pause_generation.mode: must be a string");
+        mode = j["mode"].get<std::string>();
+      }
+      if (mode != "abort" && mode != "retract" && mode != "in_place")
+        throw ApiError(400, "/pause_generation.mode: must be \"abort\", \"retract\" or \"in_place\", got \"" + mode + "\"");
+      int64_t aborted = 0;
+      if (mode == "abort") aborted = c.loop.abort_all("aborted by /pause_generation");
+      // retract and in_place alike: sequences keep their cache and continue after /continue_generation
+      c.loop.call([](Engine& e) { e.pause(); });
+      answer(res, 200, {{"success", true}, {"message", "paused (" + mode + ")"}, {"num_aborted_requests", aborted}});
+    });
+  });
+  svr.Post("/continue_generation", [&c](const httplib::Request& req, httplib::Response& res) {
+    guarded(res, [&] {
+      parse_object(req.body, "/continue_generation", {"torch_empty_cache"});
+      c.loop.call([](Engine& e) { e.resume(); });
+      answer(res, 200, {{"success", true}, {"message", "continued"}});
+    });
+  });
+  svr.Post("/flush_cache", [&c](const httplib::Request& req, httplib::Response& res) {
+    guarded(res, [&] {
+      const auto s = c.loop.status();
+      if (s.running + s.waiting > 0)
+        throw ApiError(400, "/flush_cache: " + std::to_string(s.running + s.waiting) +
+                                " requests are in flight (kiln keeps no prefix cache; pages free as sequences end)");
+      res.status = 200;
+      res.set_content("Cache flushed.", "text/plain");
+    });
+  });
+  svr.Post("/update_weights_from_disk", [&c](const httplib::Request& req, httplib::Response& res) {
+    guarded(res, [&] { 
+      const auto j = parse_object(req.body, "/update_weights_from_disk",
+                                  {"model_path", "load_format", "weight_version", "abort_all_requests", "flush_cache",
+                                   "keep_pause", "is_async", "torch_empty_cache", "recapture_cuda_graph", "token_step"});
+      if (!j.contains("model_path") || !j["model_path"].is_string() || j["model_path"].get<std::string>().empty())
+        throw ApiError(400, "/update_weights_from_disk.model_path: must name an HF checkpoint directory");
+      const auto path = j["model_path"].get<std::string>();
+      if (!std::filesystem::is_directory(path))
+        throw ApiError(400, "/update_weights_from_disk.model_path: '" + path + "' is not a directory");
+      if (j.contains("load_format") && !j["load_format"].is_null() &&
+          (!j["load_format"].is_string() || (j["load_format"] != "auto" && j["load_format"] != "safetensors")))
+        throw ApiError(400, "/update_weights_from_disk.load_format: kiln reads \"safetensors\" (or \"auto\")");
+      std::optional<int64_t> version;
+      if (j.contains("weight_version") && !j["weight_version"].is_null()) {
+        const auto& v = j["weight_version"];
+        std::string text = v.is_string() ? v.get<std::string>() : v.is_number_integer() ? v.dump() : "";
+        char* end = nullptr;
+        const long long parsed = text.empty() ? -1 : std::strtoll(text.c_str(), &end, 10);
+        if (text.empty() || *end != '\0' || parsed < 0)
+          throw ApiError(400, "/update_weights_from_disk.weight_version: kiln's versions are integers >= 0, got " + json_text(v));
+        version = parsed;
+      }
+      const bool abort = j.value("abort_all_requests", false), keep_pause = j.value("keep_pause", false);
+      if (abort) c.loop.abort_all("aborted by /update_weights_from_disk");
+      const auto model = c.model;
+      int64_t in_flight = 0;
+      try {  // a checkpoint that does not fit is the client's fault: 400, naming the tensor
+        in_flight = c.loop.call([&](Engine& e) {
+          const bool was_paused = e.paused();
+          e.pause();
+          try {
+            model->load_hf_checkpoint(path);  // checks every name, shape and dtype first
+          } catch (...) {
+            if (!was_paused) e.resume();
+            throw;
+          }
+          e.weights_written(version ? *version : e.policy_version() + 1);
+          if (!was_paused && !keep_pause) e.resume();
+          return int64_t(e.running() + e.waiting());
+        });
+      } catch (const checkpoint::CheckpointError& e) {
+        throw ApiError(400, std::string("/update_weights_from_disk.model_path: ") + e.what());
+      }
+      answer(res, 200, {{"success", true},
+                        {"message", "loaded '" + path + "' as weight version " + weight_version(c)},
+                        {"num_paused_requests", in_flight}});
+    });
+  });
+}
+}  // namespace
+
+int serve_http(EngineLoop& loop, std::shared_ptr<model::CausalLM> model, const Tokenizer* tokenizer,
+               const ServeOptions& options) {
+  const auto& o = loop.engine().options();
+  ServeContext c{loop, model, tokenizer, options, {model->vocab_size(), o.cache_blocks * o.block_size, tokenizer}};
+  httplib::Server svr;
+  const int threads = options.threads;
+  svr.new_task_queue = [threads] { return new httplib::ThreadPool(std::size_t(threads)); };
+  svr.set_payload_max_length(std::size_t(256) << 20);
+  register_routes(svr, c);
+  register_openai_routes(svr, c);
+  svr.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr) {
+    answer_error(res, 500, "internal error");
+  });
+  int listening = -1;  // the listening socket, whose backlog is raised below
+  svr.set_socket_options([&listening](socket_t sock) {
+    httplib::default_socket_options(sock);
+    listening = sock;
+  });
+  const int port = options.port == 0 ? svr.bind_to_any_port(options.host) : svr.bind_to_port(options.host, options.port) ? options.port : -1;
+  if (port <= 0) {
+    std::fprintf(stderr, "kiln serve: cannot listen on %s:%d\n", options.host.c_str(), options.port);
+    return 1;
+  }
+  // cpp-httplib 0.11 listens with a backlog of 5: a burst of clients beyond it is refused or
+  // reset. listen() again on the same socket sets the backlog to what the system allows.
+  if (listening >= 0) ::listen(listening, SOMAXCONN);
+  if (!options.port_file.empty()) {  // whole or not at all: written aside, then renamed
+    const auto tmp = options.port_file + ".partial";
+    std::ofstream(tmp) << port << "\n";
+    std::filesystem::rename(tmp, options.port_file);
+  }
+  std::fprintf(stderr, "kiln serve: listening on http://%s:%d\n", options.host.c_str(), port);
+  std::thread waiter([&svr, &loop] {
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    int sig = 0;
+    sigwait(&set, &sig);
+    loop.abort_all("the server is stopping");  // handlers waiting for samples answer, so the pool can stop
+    svr.stop();
+  });
+  svr.listen_after_bind();
+  pthread_kill(waiter.native_handle(), SIGTERM);  // listening ended without a signal: end the waiter too
+  waiter.join();
+  std::fprintf(stderr, "kiln serve: stopped\n");
+  return 0;
+}
+
+}  // namespace kiln::rollout

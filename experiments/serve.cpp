@@ -1,0 +1,71 @@
+#include "experiments/serve.hpp"
+
+#include <signal.h>
+
+#include <cstdio>
+
+#include "actors/rollout/engine_loop.hpp"
+#include "actors/rollout/hf_tokenizer.hpp"
+#include "actors/rollout/http_server.hpp"
+#include "experiments/experiment.hpp"
+#include "model/registry.hpp"
+
+namespace kiln::experiments {
+
+int run_serve(const ServeCommand& command) {
+  // SIGINT and SIGTERM reach serve_http's sigwait only: blocked before any thread starts.
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  signal(SIGPIPE, SIG_IGN);  // a client gone mid-answer is a failed write, not a dead server
+  std::shared_ptr<model::CausalLM> model;
+  std::unique_ptr<rollout::Tokenizer> tokenizer;
+  const rollout::HfTokenizer* hf = nullptr;  // the tokenizer when it is a tokenizer.json (chats need one)
+  std::unique_ptr<rollout::EngineLoop> loop;
+  ExperimentConfig c;
+  try {
+    if (!command.experiment.empty()) c = ExperimentConfig::from_file(command.experiment);
+    for (const auto& o : command.overrides) c.set(o);
+    c.validate();
+    torch::manual_seed(uint64_t(c.run.seed));  // the flavor's initial weights equal kiln run's initial policy
+    model = model::Registry::with_plugins().build(c.model);
+    if (c.task.tokenizer.empty()) {
+      tokenizer = std::make_unique<rollout::CharTokenizer>();
+    } else {
+      try {
+        auto t = std::make_unique<rollout::HfTokenizer>(rollout::BpeTokenizer::from_file(c.task.tokenizer),
+                                                        rollout::chat_format_from_string(c.task.chat_template));
+        hf = t.get();
+        tokenizer = std::move(t);
+      } catch (const std::exception& e) {
+        throw std::invalid_argument("task.tokenizer '" + c.task.tokenizer + "': " + e.what());
+      }
+    }
+    if (tokenizer->vocab_size() > model->vocab_size())
+      throw std::invalid_argument("the tokenizer's vocabulary (" + std::to_string(tokenizer->vocab_size()) +
+                                  " ids) does not fit the model's (" + std::to_string(model->vocab_size()) + ")");
+    loop = std::make_unique<rollout::EngineLoop>(std::make_unique<rollout::Engine>(model, c.rollout.engine));
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "kiln serve: %s\n", e.what_without_backtrace());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kiln serve: %s\n", e.what());
+    return 2;
+  }
+  rollout::ServeOptions o;
+  o.host = command.host;
+  o.port = command.port;
+  o.port_file = command.port_file;
+  o.threads = command.threads;
+  o.model_path = c.model.checkpoint.empty() ? c.model.package + ":" + c.model.flavor : c.model.checkpoint;
+  o.tokenizer_path = c.task.tokenizer.empty() ? "kiln:character" : c.task.tokenizer;
+  if (hf && c.task.chat_template != "none") {
+    const rollout::ChatOptions chat{*rollout::chat_format_from_string(c.task.chat_template)};
+    o.chat = [hf, chat](std::span<const rollout::ChatMessage> m) { return rollout::encode_chat(hf->bpe(), m, chat); };
+  }
+  return rollout::serve_http(*loop, model, tokenizer.get(), o);
+}
+
+}  // namespace kiln::experiments
