@@ -18,6 +18,42 @@ std::string IntRange::str() const {
   return s;
 }
 
+IntRanges common_int_ranges() {
+  return {
+      {"vocab_size", {1, 1 << 22}},
+      {"hidden_size", {1, 1 << 16}},
+      {"intermediate_size", {1, 1 << 18}},
+      {"moe_intermediate_size", {1, 1 << 18}},
+      {"num_hidden_layers", {1, 1024}},
+      {"num_attention_heads", {1, 1024}},
+      {"num_key_value_heads", {1, 1024}},
+      {"n_routed_experts", {1, 4096}},
+      {"num_experts_per_tok", {1, 4096}},
+      {"n_shared_experts", {0, 64}},
+      {"n_group", {1, 4096}},
+      {"topk_group", {1, 4096}},
+      {"kv_lora_rank", {1, 1 << 16}},
+      {"q_lora_rank", {1, 1 << 16}},
+      {"qk_nope_head_dim", {1, 4096}},
+      {"v_head_dim", {1, 4096}},
+      {"max_position_embeddings", {1, int64_t(1) << 30}},
+      {"bos_token_id", {0, (1 << 22) - 1}},
+      {"eos_token_id", {0, (1 << 22) - 1}},
+  };
+}
+
+IntRanges with_ranges(IntRanges base, const IntRanges& extra) {
+  for (const auto& [k, v] : extra) base.insert_or_assign(k, v);
+  return base;
+}
+
+void check_token_ids(const std::string& field, const std::vector<int64_t>& ids, int64_t vocab_size,
+                     const std::function<void(const std::string&, const std::string&)>& bad) {
+  for (auto id : ids)
+    if (id < 0 || id >= vocab_size)
+      bad(field, std::to_string(id) + " is outside the vocabulary [0, " + std::to_string(vocab_size - 1) + "]");
+}
+
 IntRange range_of(const IntRanges& ranges, const std::string& field) {
   auto it = ranges.find(field);
   assert(it != ranges.end() && "every integer field read or validated has a range in its package's table");
@@ -87,6 +123,17 @@ std::string FieldReader::string(const char* f, const std::string& fallback) cons
   if (!has(f)) return fallback;
   if (!j[f].is_string()) bad(f, "must be a string, got " + show(j[f]));
   return j[f].get<std::string>();
+}
+
+std::vector<int64_t> FieldReader::integer_list(const char* f) const {
+  std::vector<int64_t> out;
+  if (!has(f)) return out;
+  const auto& e = j[f];
+  if (e.is_number_integer()) out.push_back(integer_value(f, e));
+  else if (e.is_array()) {
+    for (const auto& x : e) out.push_back(integer_value(f, x));
+  } else bad(f, "must be an integer or a list of integers, got " + show(e));
+  return out;
 }
 
 }  // namespace kiln::model::config_json

@@ -3,9 +3,11 @@
 // package's config parser uses (no LibTorch). Errors are std::invalid_argument
 // "config.json (SOURCE): field 'x': why".
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -18,6 +20,19 @@ struct IntRange {
 };
 /// Integer ranges by HF field name: every integer field a package reads has one.
 using IntRanges = std::map<std::string, IntRange>;
+
+/// Ranges of the fields both GLM families (and DeepSeek-V3) share: sizes, MLA ranks and heads,
+/// routing, token ids. Wide enough for every published model of them (the largest,
+/// DeepSeek-V3: vocab 129k, hidden 7168, 256 experts, 128 heads, 61 layers; GLM-5.3-Flash: 288
+/// experts) with room to spare; narrow enough that no product of them overflows int64 and a
+/// typo (2^31, 2^63-1) is named here, not by the allocator or as a negative dimension.
+IntRanges common_int_ranges();
+/// `base` with `extra` added (an entry of `extra` replaces base's).
+IntRanges with_ranges(IntRanges base, const IntRanges& extra);
+
+/// Each id in [0, vocab_size): else bad(field, "ID is outside the vocabulary [0, V-1]").
+void check_token_ids(const std::string& field, const std::vector<int64_t>& ids, int64_t vocab_size,
+                     const std::function<void(const std::string&, const std::string&)>& bad);
 
 /// The range of `field` in `ranges` (asserts that it has one: a missing entry is a bug).
 IntRange range_of(const IntRanges& ranges, const std::string& field);
@@ -52,6 +67,9 @@ struct FieldReader {
   double number(const char* f, std::optional<double> fallback = std::nullopt) const;
   bool boolean(const char* f, bool fallback) const;
   std::string string(const char* f, const std::string& fallback) const;
+  /// An integer or a list of integers (e.g. eos_token_id), each range-checked as field `f`;
+  /// absent or null: empty.
+  std::vector<int64_t> integer_list(const char* f) const;
   /// A reader of the object `sub` (a nested field), same source, ranges and message; its
   /// fields are named `sub_prefix` + name in messages.
   FieldReader nested(const nlohmann::json& sub, const std::string& sub_prefix = "") const {

@@ -23,14 +23,19 @@ struct MoEConfig {
   bool norm_topk_prob = true;
   double routed_scaling_factor = 1.0;
 
-  /// Checks the fields against each other (n_group divides the experts, topk_group <= n_group,
-  /// >= 2 experts per group when grouped, top_k fits in the kept groups, a finite factor > 0);
-  /// calls bad(HF field name, why), which must throw, for the first fault.
-  void check_consistency(const std::function<void(const std::string&, const std::string&)>& bad) const;
+  /// Checks each integer field against `ranges` (by HF name) and the fields against each
+  /// other (n_group divides the experts, topk_group <= n_group, >= 2 experts per group when
+  /// grouped, top_k fits in the kept groups, a finite factor > 0); calls bad(HF field name,
+  /// why), which must throw, for the first fault.
+  void validate(const config_json::IntRanges& ranges,
+                const std::function<void(const std::string&, const std::string&)>& bad) const;
   /// Reads the HF fields n_routed_experts, num_experts_per_tok, moe_intermediate_size,
   /// n_shared_experts, routed_scaling_factor (required), n_group, topk_group (default 1),
-  /// norm_topk_prob (default true). Throws as FieldReader does.
+  /// norm_topk_prob (default true); refuses scoring_func other than "sigmoid" and topk_method
+  /// other than "noaux_tc". Throws as FieldReader does.
   static MoEConfig from_hf_fields(const config_json::FieldReader& r);
+  /// Writes the fields from_hf_fields reads into `j`.
+  void to_hf_fields(nlohmann::json& j) const;
 };
 
 }  // namespace kiln::model

@@ -25,37 +25,15 @@ namespace {
 using config_json::IntRange;
 using config_json::IntRanges;
 
-// Sane ranges of the integer fields, by HF name. Wide enough for every published model of this
-// family and of DeepSeek-V3's (the largest, DeepSeek-V3: vocab 129k, hidden 7168, 256 experts,
-// 128 heads, 61 layers) with room to spare; narrow enough that no product of them overflows
-// int64 and a typo (2^31, 2^63-1) is named here, not by the allocator or as a negative
-// dimension in LibTorch.
+// Sane ranges of the integer fields, by HF name: the shared ones (config_json.hpp says why
+// these bounds) and this family's RoPE dims and legacy dense-layer count.
 const IntRanges& int_ranges() {
-  static const IntRanges r = {
-      {"vocab_size", {1, 1 << 22}},
-      {"hidden_size", {1, 1 << 16}},
-      {"intermediate_size", {1, 1 << 18}},
-      {"moe_intermediate_size", {1, 1 << 18}},
-      {"num_hidden_layers", {1, 1024}},
-      {"num_attention_heads", {1, 1024}},
-      {"num_key_value_heads", {1, 1024}},
-      {"n_routed_experts", {1, 4096}},
-      {"num_experts_per_tok", {1, 4096}},
-      {"n_shared_experts", {0, 64}},
-      {"n_group", {1, 4096}},
-      {"topk_group", {1, 4096}},
-      {"kv_lora_rank", {1, 1 << 16}},
-      {"q_lora_rank", {1, 1 << 16}},
-      {"qk_nope_head_dim", {1, 4096}},
+  static const IntRanges r = config_json::with_ranges(config_json::common_int_ranges(), {
       {"qk_rope_head_dim", {2, 4096}},
-      {"v_head_dim", {1, 4096}},
       {"qk_head_dim", {3, 8192}},
       {"head_dim", {2, 4096}},
-      {"max_position_embeddings", {1, int64_t(1) << 30}},
       {"first_k_dense_replace", {0, 1024}},
-      {"bos_token_id", {0, (1 << 22) - 1}},
-      {"eos_token_id", {0, (1 << 22) - 1}},
-  };
+  });
   return r;
 }
 
@@ -81,17 +59,9 @@ void Glm4MoeLiteConfig::validate() const {
   in_range("qk_nope_head_dim", attention.qk_nope_head_dim);
   in_range("qk_rope_head_dim", attention.qk_rope_head_dim);
   in_range("v_head_dim", attention.v_head_dim);
-  in_range("n_routed_experts", moe.num_experts);
-  in_range("num_experts_per_tok", moe.top_k);
-  in_range("n_group", moe.n_group);
-  in_range("topk_group", moe.topk_group);
-  in_range("moe_intermediate_size", moe.expert_intermediate_size);
-  in_range("n_shared_experts", moe.n_shared_experts);
-  for (auto id : eos_token_ids)
-    if (id < 0 || id >= vocab_size)
-      bad("eos_token_id", std::to_string(id) + " is outside the vocabulary [0, " + std::to_string(vocab_size - 1) + "]");
-  if (bos_token_id < 0 || bos_token_id >= vocab_size)
-    bad("bos_token_id", std::to_string(bos_token_id) + " is outside the vocabulary [0, " + std::to_string(vocab_size - 1) + "]");
+  moe.validate(int_ranges(), bad);
+  config_json::check_token_ids("eos_token_id", eos_token_ids, vocab_size, bad);
+  config_json::check_token_ids("bos_token_id", {bos_token_id}, vocab_size, bad);
   if (tie_word_embeddings)
     bad("tie_word_embeddings", "tied embeddings are not supported: kiln builds a separate lm_head (GLM-4.7-Flash unties them)");
   if (attention.qk_rope_head_dim % 2)
@@ -102,7 +72,6 @@ void Glm4MoeLiteConfig::validate() const {
   if (int64_t(moe_layers.size()) != num_hidden_layers)
     bad("mlp_layer_types", "has " + std::to_string(moe_layers.size()) + " entries for " +
                                std::to_string(num_hidden_layers) + " layers");
-  moe.check_consistency(bad);
 }
 
 namespace {
@@ -158,14 +127,7 @@ Glm4MoeLiteConfig Glm4MoeLiteConfig::from_hf_json(const json& j, const std::stri
   c.max_position_embeddings = r.integer("max_position_embeddings", 202752);
   c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);  // true is refused by validate()
   c.bos_token_id = r.integer("bos_token_id", 0);
-  if (r.has("eos_token_id")) {
-    const auto& e = j["eos_token_id"];
-    c.eos_token_ids.clear();
-    if (e.is_number_integer()) c.eos_token_ids.push_back(r.integer_value("eos_token_id", e));
-    else if (e.is_array()) {
-      for (const auto& x : e) c.eos_token_ids.push_back(r.integer_value("eos_token_id", x));
-    } else r.bad("eos_token_id", "must be an integer or a list of integers, got " + show(e));
-  }
+  if (r.has("eos_token_id")) c.eos_token_ids = r.integer_list("eos_token_id");
 
   auto& a = c.attention;
   a.num_heads = r.integer("num_attention_heads");
@@ -211,8 +173,6 @@ Glm4MoeLiteConfig Glm4MoeLiteConfig::from_hf_json(const json& j, const std::stri
     r.bad("partial_rotary_factor", "only 1.0 is supported");
   if (r.string("hidden_act", "silu") != "silu") r.bad("hidden_act", "only 'silu' (SwiGLU) is supported");
   if (r.boolean("attention_bias", false)) r.bad("attention_bias", "biased attention projections are not supported");
-  if (r.string("scoring_func", "sigmoid") != "sigmoid") r.bad("scoring_func", "only 'sigmoid' routing is supported");
-  if (r.string("topk_method", "noaux_tc") != "noaux_tc") r.bad("topk_method", "only 'noaux_tc' is supported");
 
   c.moe = MoEConfig::from_hf_fields(r);
 
@@ -250,22 +210,15 @@ json Glm4MoeLiteConfig::to_hf_json() const {
   j["vocab_size"] = vocab_size;
   j["hidden_size"] = hidden_size;
   j["intermediate_size"] = intermediate_size;
-  j["moe_intermediate_size"] = moe.expert_intermediate_size;
   j["num_hidden_layers"] = num_hidden_layers;
   j["num_attention_heads"] = attention.num_heads;
   j["num_key_value_heads"] = attention.num_heads;
-  j["n_shared_experts"] = moe.n_shared_experts;
-  j["n_routed_experts"] = moe.num_experts;
-  j["routed_scaling_factor"] = moe.routed_scaling_factor;
   j["kv_lora_rank"] = attention.kv_lora_rank;
   j["q_lora_rank"] = attention.q_lora_rank ? json(*attention.q_lora_rank) : json(nullptr);
   j["qk_rope_head_dim"] = attention.qk_rope_head_dim;
   j["v_head_dim"] = attention.v_head_dim;
   j["qk_nope_head_dim"] = attention.qk_nope_head_dim;
-  j["n_group"] = moe.n_group;
-  j["topk_group"] = moe.topk_group;
-  j["num_experts_per_tok"] = moe.top_k;
-  j["norm_topk_prob"] = moe.norm_topk_prob;
+  moe.to_hf_fields(j);
   j["hidden_act"] = "silu";
   j["max_position_embeddings"] = max_position_embeddings;
   j["rms_norm_eps"] = rms_norm_eps;

@@ -6,6 +6,7 @@
 
 #include "messaging/torch_tensor.hpp"
 #include "model/blocks/moe_ep.hpp"
+#include "model/key_table.hpp"
 #include "model/glm4_moe_lite/model.hpp"
 
 namespace kiln::model::glm4_moe_lite {
@@ -60,26 +61,6 @@ struct Source {
   int64_t layer = -1;  // experts: the layer index
 };
 
-std::string fill(const std::string& pattern, const std::string& layer) {
-  auto p = pattern.find("{}");
-  return p == std::string::npos ? pattern : pattern.substr(0, p) + layer + pattern.substr(p + 2);
-}
-
-std::regex pattern_regex(const std::string& pattern) {
-  std::string r;
-  for (std::size_t i = 0; i < pattern.size(); ++i) {
-    if (pattern.compare(i, 2, "{}") == 0) {
-      r += "(\\d+)";
-      ++i;
-    } else if (pattern[i] == '.') {
-      r += "\\.";
-    } else {
-      r += pattern[i];
-    }
-  }
-  return std::regex(r);
-}
-
 Source source_of(const std::string& internal) {
   static const std::regex gate_up("layers\\.(\\d+)\\.moe\\.experts\\.w_gate_up_EFD");
   static const std::regex down("layers\\.(\\d+)\\.moe\\.experts\\.w_down_EDF");
@@ -92,7 +73,7 @@ Source source_of(const std::string& internal) {
   if (std::regex_match(internal, m, gate_up)) return {Source::Kind::gate_up, "", std::stoll(m[1])};
   if (std::regex_match(internal, m, down)) return {Source::Kind::down, "", std::stoll(m[1])};
   for (const auto& [re, rule] : rules)
-    if (std::regex_match(internal, m, re)) return {Source::Kind::direct, fill(rule->hf, m.size() > 1 ? m[1].str() : ""), -1};
+    if (std::regex_match(internal, m, re)) return {Source::Kind::direct, fill_pattern(rule->hf, m.size() > 1 ? m[1].str() : ""), -1};
   // Every parameter the model registers has a rule: a miss is a kiln bug, not bad input.
   throw std::logic_error("glm4_moe_lite adapter: no HF name for kiln tensor '" + internal + "'");
 }
@@ -111,30 +92,8 @@ std::vector<std::pair<std::string, torch::Tensor>> kiln_tensors(Glm4MoeLiteModel
   return out;
 }
 
-// Layer index of an HF key "model.layers.{i}....", or -1.
-int64_t hf_layer(const std::string& key) {
-  static const std::string prefix = "model.layers.";
-  if (key.compare(0, prefix.size(), prefix) != 0) return -1;
-  auto end = key.find('.', prefix.size());
-  try {
-    return std::stoll(key.substr(prefix.size(), end - prefix.size()));
-  } catch (...) {
-    return -1;
-  }
-}
-
 torch::Tensor read(const HfTensorSource& src, const std::string& key, at::IntArrayRef shape) {
-  auto t = messaging::to_torch(src.get(key));
-  if (t.sizes() != shape) {
-    std::ostringstream s;
-    s << src.where << ": tensor '" << key << "' has shape " << t.sizes() << ", the model needs "
-      << shape;
-    throw CheckpointError(s.str());
-  }
-  if (!t.is_floating_point())
-    throw CheckpointError(src.where + ": tensor '" + key + "' has integer dtype " +
-                          std::string(c10::toString(t.scalar_type())) + ", expected a floating-point weight");
-  return t;
+  return checked(src.where, key, messaging::to_torch(src.get(key)), shape);
 }
 }  // namespace
 
@@ -202,7 +161,7 @@ void load_hf_state_dict(Glm4MoeLiteModel& model, const HfTensorSource& ckpt) {
   }
   std::vector<std::string> unexpected;
   for (const auto& k : ckpt.names())
-    if (!consumed.count(k) && hf_layer(k) < cfg.num_hidden_layers) unexpected.push_back(k);
+    if (!consumed.count(k) && layer_of(k, "model.layers.") < cfg.num_hidden_layers) unexpected.push_back(k);
   if (!missing.empty() || !unexpected.empty()) {
     std::string msg = ckpt.where + " does not fit glm4_moe_lite (" +
                       std::to_string(cfg.num_hidden_layers) + " layers):";

@@ -21,34 +21,13 @@ int64_t Glm5NextConfig::num_moe_layers() const {
 }
 
 namespace {
-// Sane ranges of the integer fields, by HF name: wide enough for every published model of the
-// family (GLM-5.3-Flash: vocab 155k, hidden 4096, 288 experts, 64 heads, 45 layers) with room
-// to spare; narrow enough that no product of them overflows int64 and a typo (2^31) is named
-// here, not by the allocator.
+// Sane ranges of the integer fields, by HF name: the shared ones (config_json.hpp says why these
+// bounds) and this family's: NoPE dims, KDA, indexer, mHC, MTP, FP8 block.
 const IntRanges& int_ranges() {
-  static const IntRanges r = {
-      {"vocab_size", {1, 1 << 22}},
-      {"hidden_size", {1, 1 << 16}},
-      {"intermediate_size", {1, 1 << 18}},
-      {"moe_intermediate_size", {1, 1 << 18}},
-      {"num_hidden_layers", {1, 1024}},
-      {"num_attention_heads", {1, 1024}},
-      {"num_key_value_heads", {1, 1024}},
-      {"n_routed_experts", {1, 4096}},
-      {"num_experts_per_tok", {1, 4096}},
-      {"n_shared_experts", {0, 64}},
-      {"n_group", {1, 4096}},
-      {"topk_group", {1, 4096}},
-      {"kv_lora_rank", {1, 1 << 16}},
-      {"q_lora_rank", {1, 1 << 16}},
-      {"qk_nope_head_dim", {1, 4096}},
+  static const IntRanges r = config_json::with_ranges(config_json::common_int_ranges(), {
       {"qk_rope_head_dim", {0, 4096}},
-      {"v_head_dim", {1, 4096}},
       {"qk_head_dim", {1, 8192}},
       {"head_dim", {0, 4096}},
-      {"max_position_embeddings", {1, int64_t(1) << 30}},
-      {"bos_token_id", {0, (1 << 22) - 1}},
-      {"eos_token_id", {0, (1 << 22) - 1}},
       {"pad_token_id", {0, (1 << 22) - 1}},
       {"linear_head_dim", {1, 4096}},
       {"linear_num_heads", {1, 1024}},
@@ -63,7 +42,7 @@ const IntRanges& int_ranges() {
       {"hc_sinkhorn_iters", {1, 1000}},
       {"num_nextn_predict_layers", {0, 16}},
       {"weight_block_size", {1, 1 << 16}},
-  };
+  });
   return r;
 }
 
@@ -185,18 +164,9 @@ void read_text(const config_json::FieldReader& r, Glm5NextConfig& c) {
   c.pad_token_id = r.j.contains("pad_token_id") ? (r.has("pad_token_id") ? std::optional(r.integer("pad_token_id"))
                                                                           : std::nullopt)
                                                 : std::optional<int64_t>(154820);
-  c.eos_token_ids.clear();
-  if (r.has("eos_token_id")) {
-    const auto& e = r.j["eos_token_id"];
-    if (e.is_number_integer()) c.eos_token_ids.push_back(r.integer_value("eos_token_id", e));
-    else if (e.is_array()) {
-      for (const auto& x : e) c.eos_token_ids.push_back(r.integer_value("eos_token_id", x));
-    } else r.bad("eos_token_id", "must be an integer or a list of integers, got " + config_json::show(e));
-  }
+  c.eos_token_ids = r.integer_list("eos_token_id");
   if (r.string("hidden_act", "silu") != "silu") r.bad("hidden_act", "only 'silu' (SwiGLU) is supported");
   if (r.boolean("attention_bias", false)) r.bad("attention_bias", "biased attention projections are not supported");
-  if (r.string("scoring_func", "sigmoid") != "sigmoid") r.bad("scoring_func", "only 'sigmoid' routing is supported");
-  if (r.string("topk_method", "noaux_tc") != "noaux_tc") r.bad("topk_method", "only 'noaux_tc' is supported");
 
   auto& a = c.attention;
   a.num_heads = r.integer("num_attention_heads");
@@ -293,23 +263,13 @@ void Glm5NextConfig::validate() const {
   in_range("index_kpool", indexer.kpool);
   in_range("hc_mult", hc.streams);
   in_range("hc_sinkhorn_iters", hc.sinkhorn_iters);
-  in_range("n_routed_experts", moe.num_experts);
-  in_range("num_experts_per_tok", moe.top_k);
-  in_range("n_group", moe.n_group);
-  in_range("topk_group", moe.topk_group);
-  in_range("moe_intermediate_size", moe.expert_intermediate_size);
-  in_range("n_shared_experts", moe.n_shared_experts);
   if (fp8_weight_block) {
     in_range("weight_block_size", fp8_weight_block->first);
     in_range("weight_block_size", fp8_weight_block->second);
   }
-  const std::string vocab = "[0, " + std::to_string(vocab_size - 1) + "]";
-  for (auto id : eos_token_ids)
-    if (id < 0 || id >= vocab_size) invalid("eos_token_id", std::to_string(id) + " is outside the vocabulary " + vocab);
-  if (bos_token_id && (*bos_token_id < 0 || *bos_token_id >= vocab_size))
-    invalid("bos_token_id", std::to_string(*bos_token_id) + " is outside the vocabulary " + vocab);
-  if (pad_token_id && (*pad_token_id < 0 || *pad_token_id >= vocab_size))
-    invalid("pad_token_id", std::to_string(*pad_token_id) + " is outside the vocabulary " + vocab);
+  config_json::check_token_ids("eos_token_id", eos_token_ids, vocab_size, invalid);
+  if (bos_token_id) config_json::check_token_ids("bos_token_id", {*bos_token_id}, vocab_size, invalid);
+  if (pad_token_id) config_json::check_token_ids("pad_token_id", {*pad_token_id}, vocab_size, invalid);
   if (tie_word_embeddings)
     invalid("tie_word_embeddings", "tied embeddings are not supported: kiln builds a separate lm_head (GLM-5.3-Flash unties them)");
   if (!(rms_norm_eps > 0 && rms_norm_eps < 1)) invalid("rms_norm_eps", "must be in (0, 1), got " + std::to_string(rms_norm_eps));
@@ -335,7 +295,7 @@ void Glm5NextConfig::validate() const {
       invalid("indexer_types", "layer " + std::to_string(i) +
                                    " is a shared sparse-attention layer but layer " + (i == 0 ? std::string("-1 does not exist") : std::to_string(i - 1) + " is not a sparse-attention layer with a full indexer"));
   }
-  moe.check_consistency(invalid);
+  moe.validate(int_ranges(), invalid);
 }
 
 Glm5NextConfig Glm5NextConfig::from_hf_json(const json& j, const std::string& source) {
@@ -380,17 +340,10 @@ json Glm5NextConfig::to_hf_json() const {
   t["vocab_size"] = vocab_size;
   t["hidden_size"] = hidden_size;
   t["intermediate_size"] = intermediate_size;
-  t["moe_intermediate_size"] = moe.expert_intermediate_size;
   t["num_hidden_layers"] = num_hidden_layers;
   t["num_attention_heads"] = attention.num_heads;
   t["num_key_value_heads"] = attention.num_heads;
-  t["n_shared_experts"] = moe.n_shared_experts;
-  t["n_routed_experts"] = moe.num_experts;
-  t["routed_scaling_factor"] = moe.routed_scaling_factor;
-  t["n_group"] = moe.n_group;
-  t["topk_group"] = moe.topk_group;
-  t["num_experts_per_tok"] = moe.top_k;
-  t["norm_topk_prob"] = moe.norm_topk_prob;
+  moe.to_hf_fields(t);
   t["kv_lora_rank"] = attention.kv_lora_rank;
   t["q_lora_rank"] = attention.q_lora_rank;
   t["qk_rope_head_dim"] = 0;

@@ -129,27 +129,11 @@ TEST_CASE("kda layer: gradients of parameters and input match finite differences
     auto r = torch::randn({9, 6}, torch::kDouble);
     auto loss_of = [&] { return (m->forward(x, lengths) * r).sum(); };
     loss_of().backward();
-    std::vector<std::pair<std::string, torch::Tensor>> probes = {
-        {"x", x}, {"q_proj", m->q_proj->weight}, {"k_conv", m->k_conv}, {"v_proj", m->v_proj->weight},
-        {"A_log", m->A_log}, {"dt_bias", m->dt_bias}, {"f_b_proj", m->f_b_proj->weight}, {"b_proj", m->b_proj->weight},
-        {"g_b_proj", m->g_b_proj->weight}, {"o_norm", m->o_norm}, {"o_proj", m->o_proj->weight}};
-    for (auto& [name, p] : probes) {
-      CAPTURE(name);
-      auto flat = p.detach().view({-1});
-      auto grad = p.grad().view({-1});
-      for (int64_t i : {int64_t(0), flat.numel() / 2, flat.numel() - 1}) {
-        CAPTURE(i);
-        const double h = 1e-6, orig = flat[i].item<double>();
-        torch::NoGradGuard ng;
-        flat[i] = orig + h;
-        const double up = loss_of().item<double>();
-        flat[i] = orig - h;
-        const double down = loss_of().item<double>();
-        flat[i] = orig;
-        const double fd = (up - down) / (2 * h), ad = grad[i].item<double>();
-        CHECK(std::abs(fd - ad) <= 1e-6 * std::max(1.0, std::abs(fd)));
-      }
-    }
+    kiln::test::glm5::check_finite_differences(
+        loss_of, {{"x", x}, {"q_proj", m->q_proj->weight}, {"k_conv", m->k_conv}, {"v_proj", m->v_proj->weight},
+                  {"A_log", m->A_log}, {"dt_bias", m->dt_bias}, {"f_b_proj", m->f_b_proj->weight},
+                  {"b_proj", m->b_proj->weight}, {"g_b_proj", m->g_b_proj->weight}, {"o_norm", m->o_norm},
+                  {"o_proj", m->o_proj->weight}});
   }
 }
 

@@ -1,0 +1,66 @@
+#pragma once
+// GLM-5.3-Flash's text model, single device (transformers 5.17's Glm5NextTextModel + lm_head):
+// embeddings copied into S hyper-connection streams; per layer an attention site (mHC ->
+// RMSNorm -> Kimi Delta Attention or sparse attention -> mHC expand) and an MLP site (mHC ->
+// RMSNorm -> clamped SwiGLU or MoE -> mHC expand); the mean of the streams, final RMSNorm,
+// untied lm_head. The MTP layer is not built. Not yet a CausalLM (no cached decoding, no
+// save): the packed forward the parity test checks.
+// Legend: T packed tokens, D hidden, S streams, V vocabulary, L MoE layers, K experts per token.
+#include <optional>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "model/blocks/basic.hpp"
+#include "model/blocks/moe.hpp"
+#include "model/glm5_next/config.hpp"
+#include "model/glm5_next/hyper_connection.hpp"
+#include "model/glm5_next/kda.hpp"
+#include "model/glm5_next/sparse_attention.hpp"
+
+namespace kiln::model::glm5_next {
+
+class DecoderLayerImpl : public torch::nn::Module {
+ public:
+  DecoderLayerImpl(const Glm5NextConfig& c, int64_t layer);
+  /// streams: [T, S, D] -> [T, S, D]. topk: in, the previous sparse layer's selection (a shared
+  /// layer reads it); out, this layer's selection if it is a sparse layer. expert_ids: [T, K]
+  /// of a MoE layer, if asked.
+  torch::Tensor forward(const torch::Tensor& streams, const torch::Tensor& cu_seqlens, torch::Tensor& topk,
+                        torch::Tensor* expert_ids);
+
+  HyperConnection attn_hc{nullptr}, ffn_hc{nullptr};
+  RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};  ///< HF input_layernorm, post_attention_layernorm
+  KimiDeltaAttention kda{nullptr};                ///< linear-attention layers
+  SparseAttention attn{nullptr};                  ///< sparse-attention layers
+  SwiGLU mlp{nullptr};                            ///< dense layers
+  MoE moe{nullptr};                               ///< sparse (MoE) layers
+};
+TORCH_MODULE(DecoderLayer);
+
+struct Glm5NextOutput {
+  torch::Tensor hidden;          ///< [T, D] after the final norm
+  torch::Tensor routed_experts;  ///< [T, L, K] int64 (descending biased score), if asked
+};
+
+class Glm5NextModelImpl : public torch::nn::Module {
+ public:
+  explicit Glm5NextModelImpl(const Glm5NextConfig& c);
+  /// Packed forward; no state, window or attention crosses a document boundary. Throws
+  /// std::invalid_argument for a malformed batch.
+  Glm5NextOutput forward(const PackedBatch& batch, bool return_routed_experts = false);
+  /// [T, V] logits.
+  torch::Tensor logits(const Glm5NextOutput& out) { return lm_head(out.hidden); }
+  const Glm5NextConfig& config() const { return c_; }
+
+  torch::nn::Embedding embed{nullptr};  ///< [V, D]
+  std::vector<DecoderLayer> layers;
+  RMSNorm norm{nullptr};
+  torch::nn::Linear lm_head{nullptr};   ///< [V, D]
+
+ private:
+  Glm5NextConfig c_;
+};
+TORCH_MODULE(Glm5NextModel);
+
+}  // namespace kiln::model::glm5_next

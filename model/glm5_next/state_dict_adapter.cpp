@@ -1,0 +1,195 @@
+#include "model/glm5_next/state_dict_adapter.hpp"
+
+#include <set>
+
+#include "messaging/torch_tensor.hpp"
+#include "model/fp8_blocks.hpp"
+#include "model/glm5_next/model.hpp"
+
+namespace kiln::model::glm5_next {
+
+using checkpoint::CheckpointError;
+
+#define KILN_T "model.language_model."
+#define KILN_L KILN_T "layers.{}."
+const std::vector<KeyRule> kKeyTable = {
+    {KILN_T "embed_tokens.weight", "embed.weight"},
+    {KILN_T "norm.weight", "norm.weight"},
+    {"lm_head.weight", "lm_head.weight"},
+    {KILN_L "hc_attn_fn", "layers.{}.attn_hc.fn"},
+    {KILN_L "hc_attn_base", "layers.{}.attn_hc.base"},
+    {KILN_L "hc_attn_scale", "layers.{}.attn_hc.scale"},
+    {KILN_L "hc_ffn_fn", "layers.{}.ffn_hc.fn"},
+    {KILN_L "hc_ffn_base", "layers.{}.ffn_hc.base"},
+    {KILN_L "hc_ffn_scale", "layers.{}.ffn_hc.scale"},
+    {KILN_L "input_layernorm.weight", "layers.{}.attn_norm.weight"},
+    {KILN_L "post_attention_layernorm.weight", "layers.{}.mlp_norm.weight"},
+    // Kimi Delta Attention layers
+    {KILN_L "self_attn.q_proj.weight", "layers.{}.kda.q_proj.weight"},
+    {KILN_L "self_attn.k_proj.weight", "layers.{}.kda.k_proj.weight"},
+    {KILN_L "self_attn.v_proj.weight", "layers.{}.kda.v_proj.weight"},
+    {KILN_L "self_attn.q_conv1d.weight", "layers.{}.kda.q_conv"},
+    {KILN_L "self_attn.k_conv1d.weight", "layers.{}.kda.k_conv"},
+    {KILN_L "self_attn.v_conv1d.weight", "layers.{}.kda.v_conv"},
+    {KILN_L "self_attn.f_a_proj.weight", "layers.{}.kda.f_a_proj.weight"},
+    {KILN_L "self_attn.f_b_proj.weight", "layers.{}.kda.f_b_proj.weight"},
+    {KILN_L "self_attn.dt_bias", "layers.{}.kda.dt_bias"},
+    {KILN_L "self_attn.A_log", "layers.{}.kda.A_log"},
+    {KILN_L "self_attn.b_proj.weight", "layers.{}.kda.b_proj.weight"},
+    {KILN_L "self_attn.g_a_proj.weight", "layers.{}.kda.g_a_proj.weight"},
+    {KILN_L "self_attn.g_b_proj.weight", "layers.{}.kda.g_b_proj.weight"},
+    {KILN_L "self_attn.o_norm.weight", "layers.{}.kda.o_norm"},
+    {KILN_L "self_attn.o_proj.weight", "layers.{}.kda.o_proj.weight"},
+    // sparse-attention layers
+    {KILN_L "self_attn.q_a_proj.weight", "layers.{}.attn.q_a.weight"},
+    {KILN_L "self_attn.q_a_layernorm.weight", "layers.{}.attn.q_a_norm.weight"},
+    {KILN_L "self_attn.q_b_proj.weight", "layers.{}.attn.q_b.weight"},
+    {KILN_L "self_attn.kv_a_proj_with_mqa.weight", "layers.{}.attn.kv_a.weight"},
+    {KILN_L "self_attn.kv_a_layernorm.weight", "layers.{}.attn.kv_a_norm.weight"},
+    {KILN_L "self_attn.kv_b_proj.weight", "layers.{}.attn.kv_b.weight"},
+    {KILN_L "self_attn.o_proj.weight", "layers.{}.attn.o.weight"},
+    {KILN_L "self_attn.indexer.wq_b.weight", "layers.{}.attn.indexer.wq_b.weight"},
+    {KILN_L "self_attn.indexer.wk.weight", "layers.{}.attn.indexer.wk.weight"},
+    {KILN_L "self_attn.indexer.k_norm.weight", "layers.{}.attn.indexer.k_norm.weight"},
+    {KILN_L "self_attn.indexer.k_norm.bias", "layers.{}.attn.indexer.k_norm.bias"},
+    {KILN_L "self_attn.indexer.weights_proj.weight", "layers.{}.attn.indexer.weights_proj.weight"},
+    {KILN_L "self_attn.indexer.index_kpool_compress_ape", "layers.{}.attn.indexer.compress_ape"},
+    {KILN_L "self_attn.indexer.index_kpool_compress_gate", "layers.{}.attn.indexer.compress_gate"},
+    // dense MLPs
+    {KILN_L "mlp.gate_proj.weight", "layers.{}.mlp.gate.weight"},
+    {KILN_L "mlp.up_proj.weight", "layers.{}.mlp.up.weight"},
+    {KILN_L "mlp.down_proj.weight", "layers.{}.mlp.down.weight"},
+    // MoE (routed experts: the fuse below)
+    {KILN_L "mlp.gate.weight", "layers.{}.moe.router.weight"},
+    {KILN_L "mlp.gate.e_score_correction_bias", "layers.{}.moe.router.e_score_correction_bias"},
+    {KILN_L "mlp.shared_experts.gate_proj.weight", "layers.{}.moe.shared.gate.weight"},
+    {KILN_L "mlp.shared_experts.up_proj.weight", "layers.{}.moe.shared.up.weight"},
+    {KILN_L "mlp.shared_experts.down_proj.weight", "layers.{}.moe.shared.down.weight"},
+};
+
+namespace {
+const std::string kLayers = KILN_T "layers.";
+#undef KILN_L
+#undef KILN_T
+
+// One kiln tensor and where its bytes live in an HF checkpoint.
+struct Source {
+  enum class Kind { direct, gate_up, down } kind = Kind::direct;
+  std::string hf;      // direct: the HF key
+  int64_t layer = -1;  // experts: the layer index
+};
+
+Source source_of(const std::string& internal) {
+  static const std::regex gate_up("layers\\.(\\d+)\\.moe\\.experts\\.w_gate_up_EFD");
+  static const std::regex down("layers\\.(\\d+)\\.moe\\.experts\\.w_down_EDF");
+  static const auto rules = [] {
+    std::vector<std::pair<std::regex, const KeyRule*>> v;
+    for (const auto& r : kKeyTable) v.emplace_back(pattern_regex(r.internal), &r);
+    return v;
+  }();
+  std::smatch m;
+  if (std::regex_match(internal, m, gate_up)) return {Source::Kind::gate_up, "", std::stoll(m[1])};
+  if (std::regex_match(internal, m, down)) return {Source::Kind::down, "", std::stoll(m[1])};
+  for (const auto& [re, rule] : rules)
+    if (std::regex_match(internal, m, re)) return {Source::Kind::direct, fill_pattern(rule->hf, m.size() > 1 ? m[1].str() : ""), -1};
+  // Every tensor the model registers has a rule: a miss is a kiln bug, not bad input.
+  throw std::logic_error("glm5_next adapter: no HF name for kiln tensor '" + internal + "'");
+}
+
+std::string expert_key(int64_t layer, int64_t e, const char* proj) {
+  return kLayers + std::to_string(layer) + ".mlp.experts." + std::to_string(e) + "." + proj + ".weight";
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> kiln_tensors(Glm5NextModelImpl& model) {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (auto& p : model.named_parameters()) out.emplace_back(p.key(), p.value());
+  for (auto& b : model.named_buffers()) out.emplace_back(b.key(), b.value());
+  return out;
+}
+
+// The HF keys kiln tensor `name` is read from.
+std::vector<std::string> hf_keys(const Source& s, int64_t experts) {
+  if (s.kind == Source::Kind::direct) return {s.hf};
+  std::vector<std::string> keys;
+  for (int64_t e = 0; e < experts; ++e) {
+    if (s.kind == Source::Kind::gate_up) {
+      keys.push_back(expert_key(s.layer, e, "gate_proj"));
+      keys.push_back(expert_key(s.layer, e, "up_proj"));
+    } else {
+      keys.push_back(expert_key(s.layer, e, "down_proj"));
+    }
+  }
+  return keys;
+}
+}  // namespace
+
+std::vector<std::string> required_hf_keys(Glm5NextModelImpl& model) {
+  std::vector<std::string> keys;
+  for (const auto& [name, t] : kiln_tensors(model))
+    for (auto& k : hf_keys(source_of(name), model.config().moe.num_experts)) keys.push_back(k);
+  return keys;
+}
+
+void load_hf_state_dict(Glm5NextModelImpl& model, checkpoint::Checkpoint& ckpt) {
+  const auto& cfg = model.config();
+  const int64_t E = cfg.moe.num_experts, F = cfg.moe.expert_intermediate_size, D = cfg.hidden_size;
+  const auto block = cfg.fp8_weight_block.value_or(std::pair<int64_t, int64_t>{128, 128});
+  const std::string where = "checkpoint '" + ckpt.dir() + "'";
+  std::set<std::string> consumed;
+  std::vector<std::string> missing;
+  auto need = [&](const std::string& k) {
+    consumed.insert(k);
+    if (!ckpt.contains(k)) missing.push_back(k);
+    if (ckpt.contains(k + "_scale_inv")) consumed.insert(k + "_scale_inv");
+  };
+  for (const auto& [name, t] : kiln_tensors(model))
+    for (const auto& k : hf_keys(source_of(name), E)) need(k);
+  std::vector<std::string> unexpected;
+  for (const auto& k : ckpt.names())
+    if (!consumed.count(k) && k.rfind("model.visual.", 0) != 0 && layer_of(k, kLayers) < cfg.num_hidden_layers)
+      unexpected.push_back(k);
+  if (!missing.empty() || !unexpected.empty()) {
+    std::string msg = where + " does not fit glm5_next (" + std::to_string(cfg.num_hidden_layers) + " layers):";
+    if (!missing.empty()) {
+      msg += " missing " + std::to_string(missing.size()) + " key(s):";
+      for (const auto& k : missing) msg += " " + k;
+      msg += ";";
+    }
+    if (!unexpected.empty()) {
+      msg += " unexpected " + std::to_string(unexpected.size()) + " key(s):";
+      for (const auto& k : unexpected) msg += " " + k;
+    }
+    throw CheckpointError(msg);
+  }
+  // A tensor as stored, FP8 dequantised with its block scales.
+  auto read = [&](const std::string& key, at::IntArrayRef shape) {
+    auto t = messaging::to_torch(ckpt.get(key));
+    if (t.scalar_type() == torch::kFloat8_e4m3fn) {
+      if (!ckpt.contains(key + "_scale_inv"))
+        throw CheckpointError(where + ": FP8 tensor '" + key + "' has no '" + key + "_scale_inv'");
+      try {
+        t = dequantize_fp8_blocks(t, messaging::to_torch(ckpt.get(key + "_scale_inv")), block.first, block.second,
+                                  torch::kFloat);
+      } catch (const std::invalid_argument& e) {
+        throw CheckpointError(where + ": tensor '" + key + "': " + e.what());
+      }
+    }
+    return checked(where, key, t, shape);
+  };
+  torch::NoGradGuard no_grad;
+  for (auto& [name, param] : kiln_tensors(model)) {
+    auto s = source_of(name);
+    if (s.kind == Source::Kind::direct) {
+      param.copy_(read(s.hf, param.sizes()));
+    } else if (s.kind == Source::Kind::gate_up) {
+      for (int64_t e = 0; e < E; ++e) {  // fuse: [2F, D] = cat(gate [F, D], up [F, D])
+        param[e].narrow(0, 0, F).copy_(read(expert_key(s.layer, e, "gate_proj"), {F, D}));
+        param[e].narrow(0, F, F).copy_(read(expert_key(s.layer, e, "up_proj"), {F, D}));
+      }
+    } else {
+      for (int64_t e = 0; e < E; ++e) param[e].copy_(read(expert_key(s.layer, e, "down_proj"), {D, F}));
+    }
+  }
+}
+
+}  // namespace kiln::model::glm5_next

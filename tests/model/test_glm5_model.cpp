@@ -1,0 +1,171 @@
+// The glm5_next text model against transformers 5.17 on the fixture: the KPool indexer's
+// selection, logits, routed experts, loss and gradients of sampled parameters; the adapter's
+// key coverage and FP8 loading.
+#include <doctest/doctest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <map>
+#include <vector>
+
+#include "../scratch.hpp"
+#include "glm5_fixture.hpp"
+#include "model/fp8_blocks.hpp"
+#include "model/glm5_next/model.hpp"
+#include "model/glm5_next/state_dict_adapter.hpp"
+
+using namespace kiln::model;
+using namespace kiln::model::glm5_next;
+using kiln::test::glm5::expected;
+using kiln::test::glm5::fixture_dir;
+using kiln::test::glm5::max_diff;
+
+namespace {
+double rel_diff(const torch::Tensor& a, const torch::Tensor& b) { return max_diff(a, b) / b.abs().max().item<double>(); }
+
+Glm5NextModel fixture_model() {
+  Glm5NextModel m(flavors::debug());
+  auto ckpt = kiln::checkpoint::Checkpoint::open(fixture_dir());
+  load_hf_state_dict(*m, ckpt);
+  return m;
+}
+
+PackedBatch fixture_batch() { return PackedBatch{expected("input_ids"), expected("position_ids"), expected("cu_seqlens")}; }
+
+// Each row's selected positions, sorted (-1 first): a selection is a set.
+torch::Tensor as_sets(const torch::Tensor& idx) { return std::get<0>(idx.sort(-1)); }
+}  // namespace
+
+TEST_CASE("sparse attention: the KPool indexer selects the tokens transformers' Glm5NextTextIndexer selects") {
+  auto m = fixture_model();
+  torch::NoGradGuard ng;
+  // Layer 1's input: its attention site's collapsed streams through input_layernorm.
+  auto& layer = m->layers[1];
+  auto h = layer->attn_norm(expected("attn_hc.1.collapsed"));
+  auto q_resid = layer->attn->q_a_norm(layer->attn->q_a(h));
+  auto sel = layer->attn->indexer(h, q_resid, expected("cu_seqlens"));
+  auto ref = expected("topk_indices.1");
+  REQUIRE(sel.sizes() == ref.sizes());
+  CHECK(torch::equal(as_sets(sel), as_sets(ref)));
+  // Short contexts are dense causal: a query before topk tokens sees every earlier token.
+  auto cu = expected("cu_seqlens");
+  for (int64_t t = 0; t < 4; ++t) {
+    auto row = sel[t];
+    CHECK(row.ge(0).sum().item<int64_t>() == t + 1);
+  }
+  // A shared layer without a selection is refused.
+  CHECK_THROWS_AS(m->layers[2]->attn(h, cu), std::invalid_argument);
+}
+
+TEST_CASE("model: logits, routed experts, loss and gradients match transformers on the fixture (fp32)") {
+  auto m = fixture_model();
+  auto batch = fixture_batch();
+  auto out = m->forward(batch, /*return_routed_experts=*/true);
+  auto logits = m->logits(out);
+  const double dl = max_diff(logits, expected("logits"));
+  MESSAGE("logits: max |kiln - transformers| = " << dl);
+  CHECK(dl < 1e-4);
+  CHECK(torch::equal(std::get<0>(out.routed_experts.sort(-1)), expected("routed_experts")));
+  // Mean next-token cross-entropy over the documents, as the fixture's loss.
+  auto cu = batch.cu_seqlens;
+  std::vector<torch::Tensor> terms;
+  for (int64_t b = 0; b + 1 < cu.size(0); ++b) {
+    const int64_t s = cu[b].item<int64_t>(), e = cu[b + 1].item<int64_t>();
+    auto lp = torch::log_softmax(logits.narrow(0, s, e - s - 1), -1)
+                  .gather(1, batch.input_ids.narrow(0, s + 1, e - s - 1).unsqueeze(1))
+                  .squeeze(1);
+    terms.push_back(lp);
+  }
+  auto loss = -torch::cat(terms).mean();
+  CHECK(loss.item<double>() == doctest::Approx(expected("loss").item<double>()).epsilon(1e-5));
+  loss.backward();
+  auto& L = m->layers;
+  const std::string p = "grad.model.language_model.";
+  auto conv_grad = [](KimiDeltaAttention& k) { return torch::cat({k->q_conv.grad(), k->k_conv.grad(), k->v_conv.grad()}); };
+  const std::vector<std::pair<std::string, torch::Tensor>> grads = {
+      {p + "embed_tokens.weight", m->embed->weight.grad()},
+      {p + "layers.0.self_attn.q_proj.weight", L[0]->kda->q_proj->weight.grad()},
+      {p + "layers.0.self_attn.conv1d.weight", conv_grad(L[0]->kda)},
+      {p + "layers.0.self_attn.forget_gate.f_b_proj.weight", L[0]->kda->f_b_proj->weight.grad()},
+      {p + "layers.0.self_attn.forget_gate.dt_bias", L[0]->kda->dt_bias.grad()},
+      {p + "layers.0.self_attn.forget_gate.A_log", L[0]->kda->A_log.grad()},
+      {p + "layers.0.self_attn.b_proj.weight", L[0]->kda->b_proj->weight.grad()},
+      {p + "layers.0.self_attn.g_b_proj.weight", L[0]->kda->g_b_proj->weight.grad()},
+      {p + "layers.0.self_attn.o_norm.weight", L[0]->kda->o_norm.grad()},
+      {p + "layers.0.self_attn.o_proj.weight", L[0]->kda->o_proj->weight.grad()},
+      {p + "layers.0.attn_hc.fn", L[0]->attn_hc->fn.grad()},
+      {p + "layers.0.attn_hc.base", L[0]->attn_hc->base.grad()},
+      {p + "layers.0.attn_hc.scale", L[0]->attn_hc->scale.grad()},
+      {p + "layers.0.ffn_hc.fn", L[0]->ffn_hc->fn.grad()},
+      {p + "layers.0.mlp.up_proj.weight", L[0]->mlp->up->weight.grad()},
+      {p + "layers.1.self_attn.kv_b_proj.weight", L[1]->attn->kv_b->weight.grad()},
+      {p + "layers.2.self_attn.q_b_proj.weight", L[2]->attn->q_b->weight.grad()},
+      {p + "layers.2.mlp.gate.weight", L[2]->moe->router->weight.grad()},
+      {p + "layers.3.self_attn.k_proj.weight", L[3]->kda->k_proj->weight.grad()},
+      {p + "layers.3.self_attn.forget_gate.dt_bias", L[3]->kda->dt_bias.grad()},
+      {p + "layers.3.self_attn.o_proj.weight", L[3]->kda->o_proj->weight.grad()},
+      {p + "layers.3.mlp.experts.gate_up_proj", L[3]->moe->experts->w_gate_up_EFD.grad()},
+      {p + "layers.3.mlp.experts.down_proj", L[3]->moe->experts->w_down_EDF.grad()},
+      {p + "layers.3.mlp.shared_experts.down_proj.weight", L[3]->moe->shared->down->weight.grad()},
+      {p + "layers.3.ffn_hc.scale", L[3]->ffn_hc->scale.grad()},
+      {p + "norm.weight", m->norm->weight.grad()},
+      {"grad.lm_head.weight", m->lm_head->weight.grad()},
+  };
+  for (const auto& [name, g] : grads) {
+    CAPTURE(name);
+    auto ref = expected(name);
+    REQUIRE(g.defined());
+    REQUIRE(g.sizes() == ref.sizes());
+    const double d = rel_diff(g, ref);
+    MESSAGE(name << ": relative gradient diff " << d);
+    CHECK(d < 1e-3);
+  }
+  // The indexer is not trained: no gradient reaches it.
+  CHECK_FALSE(L[1]->attn->indexer->wk->weight.grad().defined());
+}
+
+TEST_CASE("adapter: the fixture checkpoint's text keys are exactly those the debug model reads, and misfits are named") {
+  Glm5NextModel m(flavors::debug());
+  auto ckpt = kiln::checkpoint::Checkpoint::open(fixture_dir());
+  std::set<std::string> text;
+  for (const auto& k : ckpt.names())
+    if (k.rfind("model.visual.", 0) != 0) text.insert(k);
+  auto need = required_hf_keys(*m);
+  CHECK(std::set<std::string>(need.begin(), need.end()) == text);
+  // A config whose layer 3 is a sparse-attention layer: its KDA keys are unexpected, the
+  // attention's missing; all named in one error.
+  auto c = flavors::debug();
+  c.layer_types[3] = LayerType::sparse_attention;
+  Glm5NextModel other(c);
+  try {
+    load_hf_state_dict(*other, ckpt);
+    FAIL("loaded a checkpoint that does not fit");
+  } catch (const kiln::checkpoint::CheckpointError& e) {
+    const std::string what = e.what();
+    CHECK(what.find("missing") != std::string::npos);
+    CHECK(what.find("model.language_model.layers.3.self_attn.q_a_proj.weight") != std::string::npos);
+    CHECK(what.find("unexpected") != std::string::npos);
+    CHECK(what.find("model.language_model.layers.3.self_attn.q_conv1d.weight") != std::string::npos);
+  }
+}
+
+TEST_CASE("adapter: an FP8 weight with block scales is dequantised on load") {
+  // The fixture with one weight stored as e4m3 plus a 1x1 scale grid (one cropped 128x128 block).
+  const std::filesystem::path dir = kiln::test::scratch_path("glm5-fp8");
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  auto ckpt = kiln::checkpoint::Checkpoint::open(fixture_dir());
+  const std::string key = "model.language_model.layers.0.mlp.up_proj.weight";
+  auto fp8 = kiln::messaging::to_torch(ckpt.get(key)).mul(8).to(torch::kFloat8_e4m3fn);  // [48, 64]
+  std::vector<kiln::messaging::Tensor> tensors;
+  for (const auto& k : ckpt.names())
+    if (k != key) tensors.push_back(ckpt.get(k));
+  tensors.push_back(kiln::messaging::from_torch(key, fp8));
+  tensors.push_back(kiln::messaging::from_torch(key + "_scale_inv", torch::full({1, 1}, 0.125f)));
+  kiln::checkpoint::write_checkpoint(dir.string(), tensors, 1 << 20);
+  std::filesystem::copy(fixture_dir() + "/config.json", dir / "config.json");
+  Glm5NextModel m(flavors::debug());
+  auto written = kiln::checkpoint::Checkpoint::open(dir.string());
+  load_hf_state_dict(*m, written);
+  CHECK(torch::equal(m->layers[0]->mlp->up->weight, fp8.to(torch::kFloat) * 0.125f));
+}
