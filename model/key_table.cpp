@@ -48,4 +48,43 @@ torch::Tensor checked(const std::string& where, const std::string& key, const to
   return t;
 }
 
+KeyTable::KeyTable(const std::vector<KeyRule>& rules, std::string package) : package_(std::move(package)) {
+  for (const auto& r : rules) rules_.emplace_back(pattern_regex(r.internal), &r);
+}
+
+TensorSource KeyTable::source_of(const std::string& internal) const {
+  static const std::regex gate_up("layers\\.(\\d+)\\.moe\\.experts\\.w_gate_up_EFD");
+  static const std::regex down("layers\\.(\\d+)\\.moe\\.experts\\.w_down_EDF");
+  std::smatch m;
+  if (std::regex_match(internal, m, gate_up)) return {TensorSource::Kind::gate_up, "", std::stoll(m[1])};
+  if (std::regex_match(internal, m, down)) return {TensorSource::Kind::down, "", std::stoll(m[1])};
+  for (const auto& [re, rule] : rules_)
+    if (std::regex_match(internal, m, re))
+      return {TensorSource::Kind::direct, fill_pattern(rule->hf, m.size() > 1 ? m[1].str() : ""), -1};
+  throw std::logic_error(package_ + " adapter: no HF name for kiln tensor '" + internal + "'");
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> named_tensors(torch::nn::Module& m) {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (auto& p : m.named_parameters()) out.emplace_back(p.key(), p.value());
+  for (auto& b : m.named_buffers()) out.emplace_back(b.key(), b.value());
+  return out;
+}
+
+void throw_if_misfit(const std::string& where, const std::string& what, const std::vector<std::string>& missing,
+                     const std::vector<std::string>& unexpected) {
+  if (missing.empty() && unexpected.empty()) return;
+  std::string msg = where + " does not fit " + what + ":";
+  if (!missing.empty()) {
+    msg += " missing " + std::to_string(missing.size()) + " key(s):";
+    for (const auto& k : missing) msg += " " + k;
+    msg += ";";
+  }
+  if (!unexpected.empty()) {
+    msg += " unexpected " + std::to_string(unexpected.size()) + " key(s):";
+    for (const auto& k : unexpected) msg += " " + k;
+  }
+  throw checkpoint::CheckpointError(msg);
+}
+
 }  // namespace kiln::model

@@ -3,6 +3,8 @@
 // their regular expressions, the layer of an HF key, and the checked read of one tensor.
 #include <regex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -13,6 +15,37 @@ struct KeyRule {
   const char* hf;        ///< HF name pattern, {} = layer index
   const char* internal;  ///< kiln name pattern
 };
+
+/// Where one kiln tensor's bytes live in an HF checkpoint: one HF tensor (direct), or the
+/// per-expert tensors a grouped expert tensor of `layer` is fused from (gate_up: kiln
+/// layers.{l}.moe.experts.w_gate_up_EFD; down: w_down_EDF, as blocks/moe.hpp names them).
+struct TensorSource {
+  enum class Kind { direct, gate_up, down } kind = Kind::direct;
+  std::string hf;      ///< direct: the HF key
+  int64_t layer = -1;  ///< experts: the layer index
+};
+
+/// A package's table of rules, compiled once.
+class KeyTable {
+ public:
+  /// `package` names the table in the error for a kiln tensor without a rule.
+  KeyTable(const std::vector<KeyRule>& rules, std::string package);
+  /// Where kiln tensor `internal` comes from. Throws std::logic_error for a tensor without a
+  /// rule (every tensor a model registers must have one: a miss is a kiln bug).
+  TensorSource source_of(const std::string& internal) const;
+
+ private:
+  std::vector<std::pair<std::regex, const KeyRule*>> rules_;
+  std::string package_;
+};
+
+/// A module's parameters and buffers by their kiln names, parameters first.
+std::vector<std::pair<std::string, torch::Tensor>> named_tensors(torch::nn::Module& m);
+
+/// Throws checkpoint::CheckpointError "WHERE does not fit WHAT: missing N key(s): ...;
+/// unexpected M key(s): ..." when either list is non-empty.
+void throw_if_misfit(const std::string& where, const std::string& what, const std::vector<std::string>& missing,
+                     const std::vector<std::string>& unexpected);
 
 /// `pattern` with its {} replaced by `layer` (unchanged without a {}).
 std::string fill_pattern(const std::string& pattern, const std::string& layer);

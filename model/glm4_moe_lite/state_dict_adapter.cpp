@@ -54,28 +54,11 @@ std::vector<std::vector<std::string>> weight_sync_groups(bool hf_names) {
 }
 
 namespace {
-// One kiln tensor and where its bytes live in an HF checkpoint.
-struct Source {
-  enum class Kind { direct, gate_up, down } kind = Kind::direct;
-  std::string hf;      // direct: the HF key
-  int64_t layer = -1;  // experts: the layer index
-};
+using Source = TensorSource;
 
 Source source_of(const std::string& internal) {
-  static const std::regex gate_up("layers\\.(\\d+)\\.moe\\.experts\\.w_gate_up_EFD");
-  static const std::regex down("layers\\.(\\d+)\\.moe\\.experts\\.w_down_EDF");
-  static const std::vector<std::pair<std::regex, const KeyRule*>> rules = [] {
-    std::vector<std::pair<std::regex, const KeyRule*>> v;
-    for (const auto& r : kKeyTable) v.emplace_back(pattern_regex(r.internal), &r);
-    return v;
-  }();
-  std::smatch m;
-  if (std::regex_match(internal, m, gate_up)) return {Source::Kind::gate_up, "", std::stoll(m[1])};
-  if (std::regex_match(internal, m, down)) return {Source::Kind::down, "", std::stoll(m[1])};
-  for (const auto& [re, rule] : rules)
-    if (std::regex_match(internal, m, re)) return {Source::Kind::direct, fill_pattern(rule->hf, m.size() > 1 ? m[1].str() : ""), -1};
-  // Every parameter the model registers has a rule: a miss is a kiln bug, not bad input.
-  throw std::logic_error("glm4_moe_lite adapter: no HF name for kiln tensor '" + internal + "'");
+  static const KeyTable table(kKeyTable, "glm4_moe_lite");
+  return table.source_of(internal);
 }
 
 std::string expert_key(int64_t layer, int64_t e, const char* proj) {
@@ -85,12 +68,7 @@ std::string grouped_key(int64_t layer, const char* proj) {
   return "model.layers." + std::to_string(layer) + ".mlp.experts." + proj;
 }
 
-std::vector<std::pair<std::string, torch::Tensor>> kiln_tensors(Glm4MoeLiteModel& model) {
-  std::vector<std::pair<std::string, torch::Tensor>> out;
-  for (auto& p : model.named_parameters()) out.emplace_back(p.key(), p.value());
-  for (auto& b : model.named_buffers()) out.emplace_back(b.key(), b.value());
-  return out;
-}
+std::vector<std::pair<std::string, torch::Tensor>> kiln_tensors(Glm4MoeLiteModel& model) { return named_tensors(model); }
 
 torch::Tensor read(const HfTensorSource& src, const std::string& key, at::IntArrayRef shape) {
   return checked(src.where, key, messaging::to_torch(src.get(key)), shape);
@@ -162,20 +140,7 @@ void load_hf_state_dict(Glm4MoeLiteModel& model, const HfTensorSource& ckpt) {
   std::vector<std::string> unexpected;
   for (const auto& k : ckpt.names())
     if (!consumed.count(k) && layer_of(k, "model.layers.") < cfg.num_hidden_layers) unexpected.push_back(k);
-  if (!missing.empty() || !unexpected.empty()) {
-    std::string msg = ckpt.where + " does not fit glm4_moe_lite (" +
-                      std::to_string(cfg.num_hidden_layers) + " layers):";
-    if (!missing.empty()) {
-      msg += " missing " + std::to_string(missing.size()) + " key(s):";
-      for (const auto& k : missing) msg += " " + k;
-      msg += ";";
-    }
-    if (!unexpected.empty()) {
-      msg += " unexpected " + std::to_string(unexpected.size()) + " key(s):";
-      for (const auto& k : unexpected) msg += " " + k;
-    }
-    throw CheckpointError(msg);
-  }
+  throw_if_misfit(ckpt.where, "glm4_moe_lite (" + std::to_string(cfg.num_hidden_layers) + " layers)", missing, unexpected);
   torch::NoGradGuard no_grad;
   for (auto& [name, param] : kiln_tensors(model)) {
     auto s = source_of(name);

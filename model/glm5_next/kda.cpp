@@ -194,11 +194,11 @@ torch::Tensor KimiDeltaAttentionImpl::run(const torch::Tensor& x, const torch::T
   const int64_t B = docs.batch, L = docs.length;
   auto xp = docs.pad(x);                                                      // [B, L, D], zero past each document
   auto qkv = torch::cat({q_proj(xp), k_proj(xp), v_proj(xp)}, -1);           // [B, L, 3HK]
-  auto w = torch::cat({q_conv, k_conv, v_conv}, 0).to(qkv.scalar_type());    // [3HK, 1, W]
-  // Causal depthwise conv: W-1 zeros on the left of every document, so no window reaches
-  // into the document before.
-  auto conv = torch::conv1d(qkv.transpose(1, 2), w, {}, 1, W - 1, 1, 3 * HK).narrow(-1, 0, L);  // [B, 3HK, L]
-  auto act = torch::silu(conv).transpose(1, 2).split(HK, -1);                 // 3 x [B, L, HK]
+  auto w = torch::cat({q_conv, k_conv, v_conv}, 0);                          // [3HK, 1, W]
+  // Causal depthwise conv in the weights' dtype (fp32 in a bf16 model, as transformers keeps
+  // conv1d): W-1 zeros on the left of every document, so no window reaches into the one before.
+  auto conv = torch::conv1d(qkv.transpose(1, 2).to(w.scalar_type()), w, {}, 1, W - 1, 1, 3 * HK).narrow(-1, 0, L);
+  auto act = torch::silu(conv).to(qkv.scalar_type()).transpose(1, 2).split(HK, -1);  // 3 x [B, L, HK]
   auto q = l2_normalize(act[0].to(md).view({B, L, H, K}));
   auto k = l2_normalize(act[1].to(md).view({B, L, H, K}));
   auto v = act[2].to(md).view({B, L, H, K});
@@ -241,8 +241,8 @@ torch::Tensor KimiDeltaAttentionImpl::decode_step(const torch::Tensor& x, KdaSta
   const auto md = math_dtype(x);
   auto qkv = torch::cat({q_proj(x), k_proj(x), v_proj(x)}, -1);                 // [B, 3HK]
   auto window = torch::cat({state.conv.to(qkv.scalar_type()), qkv.unsqueeze(-1)}, -1);  // [B, 3HK, W]
-  auto w = torch::cat({q_conv, k_conv, v_conv}, 0).squeeze(1).to(qkv.scalar_type());   // [3HK, W]
-  auto act = torch::silu((window * w).sum(-1)).split(HK, -1);                   // 3 x [B, HK]
+  auto w = torch::cat({q_conv, k_conv, v_conv}, 0).squeeze(1);                        // [3HK, W]
+  auto act = torch::silu((window.to(w.scalar_type()) * w).sum(-1)).to(qkv.scalar_type()).split(HK, -1);  // 3 x [B, HK]
   state.conv = window.narrow(-1, 1, window.size(-1) - 1).contiguous();
   auto q = l2_normalize(act[0].to(md).view({B, 1, H, K}));
   auto k = l2_normalize(act[1].to(md).view({B, 1, H, K}));

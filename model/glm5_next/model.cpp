@@ -56,6 +56,17 @@ Glm5NextModelImpl::Glm5NextModelImpl(const Glm5NextConfig& c) : c_(c) {
   lm_head = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(c.hidden_size, c.vocab_size).bias(false)));
 }
 
+void Glm5NextModelImpl::to_dtype(torch::Dtype dtype) {
+  to(dtype);
+  torch::NoGradGuard no_grad;
+  auto keep = [](torch::Tensor& t) { t.set_data(t.to(torch::kFloat)); };
+  for (auto& l : layers) {
+    if (l->kda)
+      for (auto* t : {&l->kda->q_conv, &l->kda->k_conv, &l->kda->v_conv, &l->kda->dt_bias, &l->kda->A_log}) keep(*t);
+    if (l->moe) keep(l->moe->router->e_score_correction_bias);
+  }
+}
+
 Glm5NextOutput Glm5NextModelImpl::forward(const PackedBatch& batch, bool return_routed_experts) {
   batch.validate();
   auto streams = hc_streams_from_embeddings(embed(batch.input_ids), c_.hc.streams);  // [T, S, D]

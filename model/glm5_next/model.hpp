@@ -49,6 +49,10 @@ class Glm5NextModelImpl : public torch::nn::Module {
   /// Packed forward; no state, window or attention crosses a document boundary. Throws
   /// std::invalid_argument for a malformed batch.
   Glm5NextOutput forward(const PackedBatch& batch, bool return_routed_experts = false);
+  /// Casts parameters to `dtype`, keeping in fp32 what transformers keeps there
+  /// (_keep_in_fp32_modules_strict: the routers' e_score_correction_bias, KDA's conv weights,
+  /// dt_bias and A_log).
+  void to_dtype(torch::Dtype dtype);
   /// [T, V] logits.
   torch::Tensor logits(const Glm5NextOutput& out) { return lm_head(out.hidden); }
   const Glm5NextConfig& config() const { return c_; }

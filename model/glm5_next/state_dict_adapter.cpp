@@ -72,39 +72,15 @@ const std::string kLayers = KILN_T "layers.";
 #undef KILN_L
 #undef KILN_T
 
-// One kiln tensor and where its bytes live in an HF checkpoint.
-struct Source {
-  enum class Kind { direct, gate_up, down } kind = Kind::direct;
-  std::string hf;      // direct: the HF key
-  int64_t layer = -1;  // experts: the layer index
-};
+using Source = TensorSource;
 
 Source source_of(const std::string& internal) {
-  static const std::regex gate_up("layers\\.(\\d+)\\.moe\\.experts\\.w_gate_up_EFD");
-  static const std::regex down("layers\\.(\\d+)\\.moe\\.experts\\.w_down_EDF");
-  static const auto rules = [] {
-    std::vector<std::pair<std::regex, const KeyRule*>> v;
-    for (const auto& r : kKeyTable) v.emplace_back(pattern_regex(r.internal), &r);
-    return v;
-  }();
-  std::smatch m;
-  if (std::regex_match(internal, m, gate_up)) return {Source::Kind::gate_up, "", std::stoll(m[1])};
-  if (std::regex_match(internal, m, down)) return {Source::Kind::down, "", std::stoll(m[1])};
-  for (const auto& [re, rule] : rules)
-    if (std::regex_match(internal, m, re)) return {Source::Kind::direct, fill_pattern(rule->hf, m.size() > 1 ? m[1].str() : ""), -1};
-  // Every tensor the model registers has a rule: a miss is a kiln bug, not bad input.
-  throw std::logic_error("glm5_next adapter: no HF name for kiln tensor '" + internal + "'");
+  static const KeyTable table(kKeyTable, "glm5_next");
+  return table.source_of(internal);
 }
 
 std::string expert_key(int64_t layer, int64_t e, const char* proj) {
   return kLayers + std::to_string(layer) + ".mlp.experts." + std::to_string(e) + "." + proj + ".weight";
-}
-
-std::vector<std::pair<std::string, torch::Tensor>> kiln_tensors(Glm5NextModelImpl& model) {
-  std::vector<std::pair<std::string, torch::Tensor>> out;
-  for (auto& p : model.named_parameters()) out.emplace_back(p.key(), p.value());
-  for (auto& b : model.named_buffers()) out.emplace_back(b.key(), b.value());
-  return out;
 }
 
 // The HF keys kiln tensor `name` is read from.
@@ -125,7 +101,7 @@ std::vector<std::string> hf_keys(const Source& s, int64_t experts) {
 
 std::vector<std::string> required_hf_keys(Glm5NextModelImpl& model) {
   std::vector<std::string> keys;
-  for (const auto& [name, t] : kiln_tensors(model))
+  for (const auto& [name, t] : named_tensors(model))
     for (auto& k : hf_keys(source_of(name), model.config().moe.num_experts)) keys.push_back(k);
   return keys;
 }
@@ -142,25 +118,13 @@ void load_hf_state_dict(Glm5NextModelImpl& model, checkpoint::Checkpoint& ckpt) 
     if (!ckpt.contains(k)) missing.push_back(k);
     if (ckpt.contains(k + "_scale_inv")) consumed.insert(k + "_scale_inv");
   };
-  for (const auto& [name, t] : kiln_tensors(model))
+  for (const auto& [name, t] : named_tensors(model))
     for (const auto& k : hf_keys(source_of(name), E)) need(k);
   std::vector<std::string> unexpected;
   for (const auto& k : ckpt.names())
     if (!consumed.count(k) && k.rfind("model.visual.", 0) != 0 && layer_of(k, kLayers) < cfg.num_hidden_layers)
       unexpected.push_back(k);
-  if (!missing.empty() || !unexpected.empty()) {
-    std::string msg = where + " does not fit glm5_next (" + std::to_string(cfg.num_hidden_layers) + " layers):";
-    if (!missing.empty()) {
-      msg += " missing " + std::to_string(missing.size()) + " key(s):";
-      for (const auto& k : missing) msg += " " + k;
-      msg += ";";
-    }
-    if (!unexpected.empty()) {
-      msg += " unexpected " + std::to_string(unexpected.size()) + " key(s):";
-      for (const auto& k : unexpected) msg += " " + k;
-    }
-    throw CheckpointError(msg);
-  }
+  throw_if_misfit(where, "glm5_next (" + std::to_string(cfg.num_hidden_layers) + " layers)", missing, unexpected);
   // A tensor as stored, FP8 dequantised with its block scales.
   auto read = [&](const std::string& key, at::IntArrayRef shape) {
     auto t = messaging::to_torch(ckpt.get(key));
@@ -177,7 +141,7 @@ void load_hf_state_dict(Glm5NextModelImpl& model, checkpoint::Checkpoint& ckpt) 
     return checked(where, key, t, shape);
   };
   torch::NoGradGuard no_grad;
-  for (auto& [name, param] : kiln_tensors(model)) {
+  for (auto& [name, param] : named_tensors(model)) {
     auto s = source_of(name);
     if (s.kind == Source::Kind::direct) {
       param.copy_(read(s.hf, param.sizes()));
