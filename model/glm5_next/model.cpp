@@ -25,7 +25,7 @@ DecoderLayerImpl::DecoderLayerImpl(const Glm5NextConfig& c, int64_t layer) {
 }
 
 torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& streams, const torch::Tensor& cu_seqlens, torch::Tensor& topk,
-                                        torch::Tensor* expert_ids) {
+                                        const std::optional<torch::Tensor>& replay_ids, torch::Tensor* expert_ids) {
   auto w = attn_hc(streams);
   auto h = attn_norm(w.collapsed);                                   // [T, D]
   torch::Tensor a;
@@ -39,7 +39,7 @@ torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& streams, const torc
   auto mid = HyperConnectionImpl::expand(w, a, streams);             // [T, S, D]
   auto w2 = ffn_hc(mid);
   auto h2 = mlp_norm(w2.collapsed);
-  auto m = moe ? moe(h2, std::nullopt, expert_ids) : mlp(h2);
+  auto m = moe ? moe(h2, replay_ids, expert_ids) : mlp(h2);
   return HyperConnectionImpl::expand(w2, m, mid);
 }
 
@@ -67,21 +67,50 @@ void Glm5NextModelImpl::to_dtype(torch::Dtype dtype) {
   }
 }
 
-Glm5NextOutput Glm5NextModelImpl::forward(const PackedBatch& batch, bool return_routed_experts) {
+int64_t Glm5NextModelImpl::num_sparse_layers() const {
+  int64_t n = 0;
+  for (auto t : c_.layer_types) n += t == LayerType::sparse_attention;
+  return n;
+}
+
+Glm5NextOutput Glm5NextModelImpl::forward(const PackedBatch& batch, const Glm5NextForwardOptions& o) {
   batch.validate();
+  const int64_t T = batch.input_ids.size(0);
+  auto check_replay = [&](const std::optional<torch::Tensor>& r, const char* what, int64_t layers, int64_t width) {
+    if (r && (r->dim() != 3 || r->size(0) != T || r->size(1) != layers || r->size(2) != width))
+      throw std::invalid_argument(std::string(what) + " must be [T, L, W] = [" + std::to_string(T) + ", " +
+                                  std::to_string(layers) + ", " + std::to_string(width) + "], got " +
+                                  c10::str(r->sizes()));
+  };
+  const int64_t W = c_.indexer.topk + (c_.indexer.always_select_tail ? c_.indexer.kpool - 1 : 0);
+  check_replay(o.replay_routed_experts, "replay_routed_experts", num_moe_layers(), c_.moe.top_k);
+  check_replay(o.replay_topk_indices, "replay_topk_indices", num_sparse_layers(), W);
   auto streams = hc_streams_from_embeddings(embed(batch.input_ids), c_.hc.streams);  // [T, S, D]
   torch::Tensor topk;  // the last sparse layer's selection, handed to a shared layer
-  std::vector<torch::Tensor> experts;
+  std::vector<torch::Tensor> experts, selections;
+  int64_t moe_i = 0, sparse_i = 0;
   for (std::size_t i = 0; i < layers.size(); ++i) {
-    // transformers hands a selection only to the very next layer.
-    if (c_.layer_types[i] != LayerType::sparse_attention || c_.indexer_types[i] != IndexerType::shared) topk = torch::Tensor();
+    const bool sparse = c_.layer_types[i] == LayerType::sparse_attention;
+    // transformers hands a selection only to the very next layer; a replayed one replaces it.
+    if (!sparse || c_.indexer_types[i] != IndexerType::shared) topk = torch::Tensor();
+    if (sparse && o.replay_topk_indices) topk = o.replay_topk_indices->select(1, sparse_i).to(torch::kInt64);
+    std::optional<torch::Tensor> replay_ids;
+    if (c_.moe_layers[i] && o.replay_routed_experts) replay_ids = o.replay_routed_experts->select(1, moe_i);
     torch::Tensor ids;
-    streams = layers[i](streams, batch.cu_seqlens, topk, return_routed_experts ? &ids : nullptr);
-    if (return_routed_experts && ids.defined()) experts.push_back(ids);
+    streams = layers[i](streams, batch.cu_seqlens, topk, replay_ids, o.return_routed_experts ? &ids : nullptr);
+    if (c_.moe_layers[i]) {
+      ++moe_i;
+      if (o.return_routed_experts) experts.push_back(ids);
+    }
+    if (sparse) {
+      ++sparse_i;
+      if (o.return_topk_indices) selections.push_back(topk);
+    }
   }
   Glm5NextOutput out;
   out.hidden = norm(hc_head(streams));                                // [T, D]
-  if (return_routed_experts && !experts.empty()) out.routed_experts = torch::stack(experts, 1);  // [T, L, K]
+  if (!experts.empty()) out.routed_experts = torch::stack(experts, 1);  // [T, L, K]
+  if (!selections.empty()) out.topk_indices = torch::stack(selections, 1);  // [T, Ls, W]
   return out;
 }
 

@@ -98,15 +98,15 @@ SparseAttentionImpl::SparseAttentionImpl(int64_t hidden, const AttentionConfig& 
 }
 
 SparseAttentionOutput SparseAttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cu_seqlens,
-                                                   const std::optional<torch::Tensor>& shared_topk) {
+                                                   const std::optional<torch::Tensor>& given_topk) {
   const int64_t T = x.size(0), H = a_.num_heads, N = a_.qk_nope_head_dim, V = a_.v_head_dim;
   auto q_resid = q_a_norm(q_a(x));                                               // [T, Q]
   auto q = q_b(q_resid).view({T, H, N});                                         // [T, H, N]
   auto kv = kv_b(kv_a_norm(kv_a(x))).view({T, H, N + V});                        // [T, H, N+V]
   auto k = kv.narrow(-1, 0, N), v = kv.narrow(-1, N, V);
   torch::Tensor topk;
-  if (indexer) topk = indexer(x, q_resid, cu_seqlens);
-  else if (shared_topk) topk = *shared_topk;
+  if (given_topk) topk = *given_topk;
+  else if (indexer) topk = indexer(x, q_resid, cu_seqlens);
   else throw std::invalid_argument("a shared sparse-attention layer needs the previous full layer's top-k selection");
   auto cu = offsets(cu_seqlens);
   const double scale = a_.softmax_scale();

@@ -56,11 +56,12 @@ class SparseAttentionImpl : public torch::nn::Module {
   /// with_indexer: false for a `shared` layer (it uses the previous layer's selection).
   SparseAttentionImpl(int64_t hidden, const AttentionConfig& a, const IndexerConfig& ic, double rms_norm_eps,
                       bool with_indexer);
-  /// x: [T, D], cu_seqlens: [B+1] int64; shared_topk: [T, W] the previous full layer's
-  /// selection (required when this layer has no indexer, ignored otherwise). Throws
-  /// std::invalid_argument for a shared layer without a selection.
+  /// x: [T, D], cu_seqlens: [B+1] int64; given_topk: [T, W] a selection to use instead of
+  /// the indexer's (the previous full layer's on a shared layer, where it is required; a
+  /// replayed one on a full layer). Throws std::invalid_argument for a shared layer without a
+  /// selection.
   SparseAttentionOutput forward(const torch::Tensor& x, const torch::Tensor& cu_seqlens,
-                                const std::optional<torch::Tensor>& shared_topk = std::nullopt);
+                                const std::optional<torch::Tensor>& given_topk = std::nullopt);
 
   torch::nn::Linear q_a{nullptr};   ///< [Q, D]
   RMSNorm q_a_norm{nullptr};        ///< [Q], eps rms_norm_eps

@@ -60,7 +60,9 @@ TEST_CASE("sparse attention: the KPool indexer selects the tokens transformers' 
 TEST_CASE("model: logits, routed experts, loss and gradients match transformers on the fixture (fp32)") {
   auto m = fixture_model();
   auto batch = fixture_batch();
-  auto out = m->forward(batch, /*return_routed_experts=*/true);
+  Glm5NextForwardOptions opts;
+  opts.return_routed_experts = true;
+  auto out = m->forward(batch, opts);
   auto logits = m->logits(out);
   const double dl = max_diff(logits, expected("logits"));
   MESSAGE("logits: max |kiln - transformers| = " << dl);
@@ -122,6 +124,48 @@ TEST_CASE("model: logits, routed experts, loss and gradients match transformers 
   }
   // The indexer is not trained: no gradient reaches it.
   CHECK_FALSE(L[1]->attn->indexer->wk->weight.grad().defined());
+}
+
+TEST_CASE("model: routing replay and indexer replay reproduce the forward, and a changed replay changes it") {
+  auto m = fixture_model();
+  auto batch = fixture_batch();
+  Glm5NextForwardOptions ask;
+  ask.return_routed_experts = true;
+  ask.return_topk_indices = true;
+  torch::Tensor ref_logits, experts, topk;
+  {
+    torch::NoGradGuard ng;
+    auto out = m->forward(batch, ask);
+    ref_logits = m->logits(out);
+    experts = out.routed_experts;
+    topk = out.topk_indices;
+  }
+  CHECK(experts.sizes() == torch::IntArrayRef({29, 3, 2}));
+  CHECK(topk.sizes() == torch::IntArrayRef({29, 2, 5}));
+  CHECK(torch::equal(topk.select(1, 0), topk.select(1, 1)));  // layer 2 shares layer 1's
+  CHECK(torch::equal(as_sets(topk.select(1, 0)), as_sets(expected("topk_indices.1"))));
+  Glm5NextForwardOptions replay;
+  replay.replay_routed_experts = experts;
+  replay.replay_topk_indices = topk;
+  auto out = m->forward(batch, replay);
+  CHECK(max_diff(m->logits(out), ref_logits) == 0);
+  // Gradients reach the routers through the replayed experts' weights.
+  m->logits(out).sum().backward();
+  CHECK(m->layers[1]->moe->router->weight.grad().abs().sum().item<double>() > 0);
+  // Another selection (dense causal: every earlier token) gives other logits.
+  torch::NoGradGuard ng;
+  auto dense = torch::full_like(topk, -1);
+  auto pos = batch.position_ids;
+  for (int64_t t = 0; t < 29; ++t)
+    for (int64_t j = 0; j <= std::min<int64_t>(pos[t].item<int64_t>(), 4); ++j) dense[t][0][j] = pos[t].item<int64_t>() - j;
+  dense.select(1, 1).copy_(dense.select(1, 0));
+  Glm5NextForwardOptions other;
+  other.replay_topk_indices = dense;
+  CHECK(max_diff(m->logits(m->forward(batch, other)), ref_logits) > 1e-6);
+  Glm5NextForwardOptions bad;
+  bad.replay_routed_experts = experts.narrow(1, 0, 2);
+  CHECK_THROWS_WITH_AS(m->forward(batch, bad), doctest::Contains("replay_routed_experts must be [T, L, W] = [29, 3, 2]"),
+                       std::invalid_argument);
 }
 
 TEST_CASE("model: in bf16 the tensors transformers keeps in fp32 stay fp32 and the logits stay as near fp32's as transformers' bf16 run") {
