@@ -2,6 +2,8 @@
 
 #include <cassert>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <stdexcept>
 
 namespace kiln::model::config_json {
@@ -16,6 +18,23 @@ std::string IntRange::str() const {
   s += std::to_string(hi);
   s += "]";
   return s;
+}
+
+json read_config_json(const std::string& dir) {
+  auto path = std::filesystem::path(dir) / "config.json";
+  std::ifstream in(path);
+  if (!in) throw std::invalid_argument("no config.json in '" + dir + "'");
+  try {
+    return json::parse(in);
+  } catch (const std::exception& e) {
+    throw std::invalid_argument("config.json (" + path.string() + ") is not valid JSON: " + e.what());
+  }
+}
+
+void write_config_json(const std::string& dir, const json& j) {
+  std::ofstream out(std::filesystem::path(dir) / "config.json");
+  out << j.dump(2) << "\n";
+  if (!out) throw std::runtime_error("writing config.json in '" + dir + "' failed");
 }
 
 IntRanges common_int_ranges() {

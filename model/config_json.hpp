@@ -34,6 +34,12 @@ IntRanges with_ranges(IntRanges base, const IntRanges& extra);
 void check_token_ids(const std::string& field, const std::vector<int64_t>& ids, int64_t vocab_size,
                      const std::function<void(const std::string&, const std::string&)>& bad);
 
+/// DIR/config.json parsed. Throws std::invalid_argument "no config.json in 'DIR'" or
+/// "config.json (PATH) is not valid JSON: ...".
+nlohmann::json read_config_json(const std::string& dir);
+/// Writes `j` (indented) to DIR/config.json; throws std::runtime_error naming DIR on failure.
+void write_config_json(const std::string& dir, const nlohmann::json& j);
+
 /// The range of `field` in `ranges` (asserts that it has one: a missing entry is a bug).
 IntRange range_of(const IntRanges& ranges, const std::string& field);
 

@@ -326,6 +326,7 @@ Glm5NextConfig Glm5NextConfig::from_hf_json(const json& j, const std::string& so
   c.tie_word_embeddings = root.boolean("tie_word_embeddings", false);
   read_text(r, c);
   read_quantization(root, c);
+  if (root.has("vision_config")) c.vision_config_json = j["vision_config"].dump();
   try {
     c.validate();
   } catch (const std::invalid_argument& e) {
@@ -386,6 +387,7 @@ json Glm5NextConfig::to_hf_json() const {
   j["text_config"] = t;
   j["tie_word_embeddings"] = false;
   j["dtype"] = "float32";
+  if (!vision_config_json.empty()) j["vision_config"] = json::parse(vision_config_json);
   if (fp8_weight_block)
     j["quantization_config"] = {{"quant_method", "fp8"}, {"fmt", "e4m3"}, {"activation_scheme", "dynamic"},
                                 {"weight_block_size", {fp8_weight_block->first, fp8_weight_block->second}}};

@@ -87,6 +87,9 @@ struct Glm5NextConfig {
   /// FP8 checkpoint: the block of one weight scale, [rows, cols] (quantization_config
   /// weight_block_size); nullopt for a bf16/fp32 checkpoint.
   std::optional<std::pair<int64_t, int64_t>> fp8_weight_block;
+  /// The checkpoint's vision_config as read (JSON text; kiln does not use it), written back by
+  /// to_hf_json so that transformers rebuilds the same tower; empty when absent.
+  std::string vision_config_json;
   KdaConfig kda;
   AttentionConfig attention;
   IndexerConfig indexer;
@@ -108,7 +111,7 @@ struct Glm5NextConfig {
   /// transformers default is GLM-5.3-Flash's own size (README.md lists them); the others take
   /// transformers' default, per-layer lists derived as transformers' __post_init__ does.
   static Glm5NextConfig from_hf_json(const nlohmann::json& j, const std::string& source);
-  /// An HF config.json (nested text_config, a default vision_config) that transformers'
+  /// An HF config.json (nested text_config; the vision_config read, if any) that transformers'
   /// Glm5NextConfig loads back to the same text model.
   nlohmann::json to_hf_json() const;
 };

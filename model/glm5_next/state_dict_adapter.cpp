@@ -3,6 +3,7 @@
 #include <set>
 
 #include "messaging/torch_tensor.hpp"
+#include "model/config_json.hpp"
 #include "model/fp8_blocks.hpp"
 #include "model/glm5_next/model.hpp"
 
@@ -154,6 +155,41 @@ void load_hf_state_dict(Glm5NextModelImpl& model, checkpoint::Checkpoint& ckpt) 
       for (int64_t e = 0; e < E; ++e) param[e].copy_(read(expert_key(s.layer, e, "down_proj"), {D, F}));
     }
   }
+}
+
+std::vector<messaging::Tensor> to_hf_state_dict(Glm5NextModelImpl& model) {
+  const int64_t E = model.config().moe.num_experts, F = model.config().moe.expert_intermediate_size;
+  std::vector<messaging::Tensor> out;
+  auto add = [&](const std::string& key, const torch::Tensor& t) {
+    out.push_back(messaging::from_torch(key, t.detach().to(torch::kCPU).contiguous()));
+  };
+  for (const auto& [name, t] : named_tensors(model)) {
+    auto s = source_of(name);
+    if (s.kind == Source::Kind::direct) add(s.hf, t);
+    for (int64_t e = 0; s.kind == Source::Kind::gate_up && e < E; ++e) {  // split
+      add(expert_key(s.layer, e, "gate_proj"), t[e].narrow(0, 0, F));
+      add(expert_key(s.layer, e, "up_proj"), t[e].narrow(0, F, F));
+    }
+    for (int64_t e = 0; s.kind == Source::Kind::down && e < E; ++e) add(expert_key(s.layer, e, "down_proj"), t[e]);
+  }
+  return out;
+}
+
+void save_hf_checkpoint(Glm5NextModelImpl& model, const std::string& dir, uint64_t max_shard_bytes) {
+  checkpoint::write_checkpoint(dir, to_hf_state_dict(model), max_shard_bytes);
+  try {
+    config_json::write_config_json(dir, model.config().to_hf_json());
+  } catch (const std::runtime_error& e) {
+    throw CheckpointError(e.what());
+  }
+}
+
+std::shared_ptr<Glm5NextModelImpl> from_hf_dir(const std::string& dir) {
+  auto j = config_json::read_config_json(dir);
+  auto model = std::make_shared<Glm5NextModelImpl>(Glm5NextConfig::from_hf_json(j, dir + "/config.json"));
+  auto ckpt = checkpoint::Checkpoint::open(dir);
+  load_hf_state_dict(*model, ckpt);
+  return model;
 }
 
 }  // namespace kiln::model::glm5_next

@@ -215,6 +215,33 @@ TEST_CASE("adapter: the fixture checkpoint's text keys are exactly those the deb
   }
 }
 
+TEST_CASE("adapter: a saved checkpoint holds transformers' text tensors bit for bit and loads back to the same logits") {
+  auto m = fixture_model();
+  const std::filesystem::path dir = kiln::test::scratch_path("glm5-save");
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  save_hf_checkpoint(*m, dir.string(), 200 << 10);
+  auto saved = kiln::checkpoint::Checkpoint::open(dir.string());
+  auto fixture = kiln::checkpoint::Checkpoint::open(fixture_dir());
+  std::set<std::string> text, names;
+  for (const auto& k : fixture.names())
+    if (k.rfind("model.visual.", 0) != 0) text.insert(k);
+  for (const auto& k : saved.names()) {
+    CAPTURE(k);
+    names.insert(k);
+    REQUIRE(fixture.contains(k));
+    CHECK(torch::equal(kiln::messaging::to_torch(saved.get(k)), kiln::messaging::to_torch(fixture.get(k))));
+  }
+  CHECK(names == text);
+  // config.json reads back to the same config (vision_config included), the weights to the
+  // same logits.
+  auto back = from_hf_dir(dir.string());
+  CHECK(back->config().to_hf_json() == m->config().to_hf_json());
+  torch::NoGradGuard ng;
+  auto batch = fixture_batch();
+  CHECK(max_diff(back->logits(back->forward(batch)), m->logits(m->forward(batch))) == 0);
+}
+
 TEST_CASE("adapter: an FP8 weight with block scales is dequantised on load") {
   // The fixture with one weight stored as e4m3 plus a 1x1 scale grid (one cropped 128x128 block).
   const std::filesystem::path dir = kiln::test::scratch_path("glm5-fp8");
