@@ -81,6 +81,55 @@ void check_kda_inputs(const torch::Tensor& q, const torch::Tensor& k, const torc
 }
 }  // namespace
 
+namespace {
+// Within each chunk, for j <= s: kk[s, j] = sum_d k_s[d] k_j[d] exp(G_s[d] - G_j[d]) and
+// qk[s, j] likewise with q_s; 0 above the diagonal. q, k, G: [B, H, N, C, K], G the in-chunk
+// cumulative log decay (non-increasing along C). Sub-blocks of 16 tokens: a diagonal block
+// takes the per-channel decays explicitly ([16, 16, K], masked before exp); a block pair a > b
+// factors exp(G_s - G_j) = exp(G_s - G_r) exp(G_r - G_j) around r, block b's last token, where
+// both exponents are <= 0, and is two matmuls. Memory: T x 16 x K per head instead of T x C x K.
+std::pair<torch::Tensor, torch::Tensor> intra_chunk_products(const torch::Tensor& q, const torch::Tensor& k,
+                                                             const torch::Tensor& G) {
+  const int64_t C = G.size(3), K = G.size(4);
+  const int64_t c = (C > 16 && C % 16 == 0) ? 16 : C, M = C / c;
+  auto lead = G.sizes().slice(0, 3).vec();  // [B, H, N]
+  auto blocks = [&](const torch::Tensor& t) {
+    auto shape = lead;
+    shape.insert(shape.end(), {M, c, K});
+    return t.reshape(shape);  // [B, H, N, M, c, K]
+  };
+  auto qb = blocks(q), kb = blocks(k), Gb = blocks(G);
+  auto after = torch::triu(torch::ones({c, c}, torch::TensorOptions().dtype(torch::kBool).device(G.device())), 1);
+  // The difference is masked before exp so that no inf (nor its zero gradient times inf) appears.
+  auto decay = (Gb.unsqueeze(-2) - Gb.unsqueeze(-3)).masked_fill(after.unsqueeze(-1), -std::numeric_limits<double>::infinity()).exp();
+  auto kk_diag = (kb.unsqueeze(-2) * kb.unsqueeze(-3) * decay).sum(-1);  // [B, H, N, M, c, c]
+  auto qk_diag = (qb.unsqueeze(-2) * kb.unsqueeze(-3) * decay).sum(-1);
+  if (M == 1) return {kk_diag.squeeze(3), qk_diag.squeeze(3)};
+  std::vector<torch::Tensor> kk_rows, qk_rows;
+  for (int64_t a = 0; a < M; ++a) {
+    std::vector<torch::Tensor> kk_row, qk_row;
+    auto Ga = Gb.select(3, a);                                     // [B, H, N, c, K]
+    for (int64_t b = 0; b < a; ++b) {
+      auto Gr = Gb.select(3, b).narrow(-2, c - 1, 1);              // [B, H, N, 1, K] block b's last token
+      auto right = kb.select(3, b) * (Gr - Gb.select(3, b)).exp();  // exponents <= 0
+      auto to_a = (Ga - Gr).exp();                                  // exponents <= 0
+      kk_row.push_back(torch::matmul(kb.select(3, a) * to_a, right.transpose(-1, -2)));  // [.., c, c]
+      qk_row.push_back(torch::matmul(qb.select(3, a) * to_a, right.transpose(-1, -2)));
+    }
+    kk_row.push_back(kk_diag.select(3, a));
+    qk_row.push_back(qk_diag.select(3, a));
+    if (a + 1 < M) {
+      auto zeros = torch::zeros(lead, G.options()).unsqueeze(-1).unsqueeze(-1).expand({-1, -1, -1, c, (M - a - 1) * c});
+      kk_row.push_back(zeros);
+      qk_row.push_back(zeros);
+    }
+    kk_rows.push_back(torch::cat(kk_row, -1));  // [.., c, C]
+    qk_rows.push_back(torch::cat(qk_row, -1));
+  }
+  return {torch::cat(kk_rows, -2), torch::cat(qk_rows, -2)};  // [B, H, N, C, C]
+}
+}  // namespace
+
 KdaRecurrence kda_chunked(const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& v_in,
                           const torch::Tensor& g_in, const torch::Tensor& beta_in,
                           const std::optional<torch::Tensor>& initial_state, int64_t chunk_size) {
@@ -99,14 +148,10 @@ KdaRecurrence kda_chunked(const torch::Tensor& q_in, const torch::Tensor& k_in, 
   auto G = chunks(g_in).cumsum(-2);                                                    // [B, H, N, C, K] cumulative log decay
   auto beta = torch::constant_pad_nd(beta_in.to(md).transpose(1, 2), {0, pad}).view({B, H, N, C, 1});
   auto opts = torch::TensorOptions().dtype(torch::kBool).device(q.device());
-  auto after = torch::triu(torch::ones({C, C}, opts), 1);    // [s, j]: j > s
-  auto not_before = torch::triu(torch::ones({C, C}, opts));  // j >= s
-  // exp(G_s - G_j) per channel for j <= s (<= 1: decay only ever shrinks), 0 for j > s; the
-  // difference is masked before exp so that no inf (nor its zero gradient times inf) appears.
-  auto decay = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(after.unsqueeze(-1), -std::numeric_limits<double>::infinity()).exp();
-  // [.., C, C, K]
-  auto kk = (k.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(-1);  // [B, H, N, C, C]: k_s . k_j decayed from j to s
-  auto qk = (q.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(-1);  // [B, H, N, C, C], zero above the diagonal
+  auto not_before = torch::triu(torch::ones({C, C}, opts));  // [s, j]: j >= s
+  auto pair = intra_chunk_products(q, k, G);
+  auto& kk = pair.first;   // [B, H, N, C, C]: k_s . k_j decayed from j to s (j <= s)
+  auto& qk = pair.second;  // [B, H, N, C, C]: q_s . k_j decayed, zero above the diagonal
   // delta_s = beta_s (v_s - S_0^T (e^{G_s} k_s) - sum_{j<s} kk_sj delta_j): (I + strict(beta kk)) delta = U - W S_0.
   auto M = (beta * kk).masked_fill(not_before, 0) + torch::eye(C, q.options());
   auto U = torch::linalg_solve_triangular(M, beta * v, /*upper=*/false, /*left=*/true, /*unitriangular=*/true);  // [.., C, V]

@@ -9,8 +9,8 @@
 //   S  <- S + k_t (beta_t (v_t - S^T k_t))^T      (delta rule, beta_t in (0, 1))
 //   o_t = S^T q_t / sqrt(K)
 // The chunked form computes the same outputs C tokens at a time (WY form: a unit lower-
-// triangular solve per chunk, then one state update per chunk); the recurrent form steps
-// token by token (decode). Gate and state math run in fp32 (fp64 for fp64 inputs).
+// triangular solve per chunk, then one state update per chunk; in-chunk decays in sub-blocks
+// of 16, see kda.cpp); the recurrent form steps token by token (decode). Gate and state math run in fp32 (fp64 for fp64 inputs).
 //
 // Packed documents never leak into each other: the short convolution's window and the
 // recurrent state both start from zero at every document's first token.

@@ -43,9 +43,10 @@ torch::Tensor cu(std::vector<int64_t> lengths) {
 
 TEST_CASE("kda: the chunked form equals the recurrent form (fp32 within 1e-5) across chunk sizes and with an initial state") {
   torch::manual_seed(0);
-  auto in = random_inputs(2, 13, 3, 8, torch::kFloat);
+  // 45 tokens: several chunks of 16 and 32, and 64-token chunks of 4 sub-blocks, one padded.
+  auto in = random_inputs(2, 45, 3, 8, torch::kFloat);
   auto ref = kda_recurrent(in.q, in.k, in.v, in.g, in.beta, in.s0);
-  for (int64_t chunk : {1, 4, 5, 13, 64}) {
+  for (int64_t chunk : {1, 4, 5, 13, 16, 32, 64}) {
     CAPTURE(chunk);
     auto c = kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.s0, chunk);
     CHECK((c.out.scalar_type() == torch::kFloat));
@@ -122,11 +123,13 @@ TEST_CASE("kda layer: gradients of parameters and input match finite differences
   torch::manual_seed(3);
   for (bool bounded : {true, false}) {
     CAPTURE(bounded);
+    // chunk 32 (two sub-blocks of 16) over documents of 5 and 37 tokens: both intra-chunk
+    // forms, several chunks, padding.
     KdaConfig c{2, 4, 3, bounded ? std::optional<double>(-5.0) : std::nullopt};
-    auto m = small_layer(6, c, 3, torch::kDouble);
-    auto x = torch::randn({9, 6}, torch::kDouble).requires_grad_(true);
-    auto lengths = cu({5, 4});
-    auto r = torch::randn({9, 6}, torch::kDouble);
+    auto m = small_layer(6, c, 32, torch::kDouble);
+    auto x = torch::randn({42, 6}, torch::kDouble).requires_grad_(true);
+    auto lengths = cu({5, 37});
+    auto r = torch::randn({42, 6}, torch::kDouble);
     auto loss_of = [&] { return (m->forward(x, lengths) * r).sum(); };
     loss_of().backward();
     kiln::test::glm5::check_finite_differences(
