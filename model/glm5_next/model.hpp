@@ -3,8 +3,9 @@
 // embeddings copied into S hyper-connection streams; per layer an attention site (mHC ->
 // RMSNorm -> Kimi Delta Attention or sparse attention -> mHC expand) and an MLP site (mHC ->
 // RMSNorm -> clamped SwiGLU or MoE -> mHC expand); the mean of the streams, final RMSNorm,
-// untied lm_head. The MTP layer is not built. Not yet a CausalLM (no cached decoding, no
-// save): the packed forward the parity test checks.
+// untied lm_head. The MTP layer is not built. Not yet a CausalLM (no cached decoding for the
+// rollout engine): the packed forward the parity tests check; loading and saving are in
+// state_dict_adapter.hpp.
 // Legend: T packed tokens, D hidden, S streams, V vocabulary, L MoE layers, K experts per token.
 #include <optional>
 #include <vector>
