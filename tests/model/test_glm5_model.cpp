@@ -11,6 +11,8 @@
 #include "../scratch.hpp"
 #include "glm5_fixture.hpp"
 #include "model/fp8_blocks.hpp"
+#include "model/config_json.hpp"
+#include "model/glm5_next/crop.hpp"
 #include "model/glm5_next/model.hpp"
 #include "model/glm5_next/state_dict_adapter.hpp"
 
@@ -261,4 +263,61 @@ TEST_CASE("adapter: an FP8 weight with block scales is dequantised on load") {
   auto written = kiln::checkpoint::Checkpoint::open(dir.string());
   load_hf_state_dict(*m, written);
   CHECK(torch::equal(m->layers[0]->mlp->up->weight, fp8.to(torch::kFloat) * 0.125f));
+}
+
+TEST_CASE("crop: the fixture cut to 2 layers keeps its MTP layer renumbered, writes FP8 weights as bf16 and the rest bit for bit") {
+  // Source: the fixture plus an MTP tensor at layers.4 and one FP8 weight with its scale.
+  namespace fs = std::filesystem;
+  const fs::path src = kiln::test::scratch_path("glm5-crop-src"), dst = kiln::test::scratch_path("glm5-crop-dst");
+  fs::remove_all(src);
+  fs::remove_all(dst);
+  fs::create_directories(src);
+  fs::create_directories(dst);
+  auto fixture = kiln::checkpoint::Checkpoint::open(fixture_dir());
+  const std::string T = "model.language_model.", fp8_key = T + "layers.1.mlp.gate.weight";
+  auto fp8 = kiln::messaging::to_torch(fixture.get(fp8_key)).mul(4).to(torch::kFloat8_e4m3fn);  // [8, 64]
+  auto mtp = torch::randn({64, 128});
+  std::vector<kiln::messaging::Tensor> tensors;
+  for (const auto& k : fixture.names())
+    if (k != fp8_key) tensors.push_back(fixture.get(k));
+  tensors.push_back(kiln::messaging::from_torch(fp8_key, fp8));
+  tensors.push_back(kiln::messaging::from_torch(fp8_key + "_scale_inv", torch::full({1, 1}, 0.25f)));
+  tensors.push_back(kiln::messaging::from_torch(T + "layers.4.eh_proj.weight", mtp));
+  kiln::checkpoint::write_checkpoint(src.string(), tensors, 200 << 10);
+  auto config = kiln::model::config_json::read_config_json(fixture_dir());
+  config["text_config"]["num_nextn_predict_layers"] = 1;
+  config["quantization_config"] = {{"quant_method", "fp8"}, {"weight_block_size", {128, 128}}};
+  kiln::model::config_json::write_config_json(src.string(), config);
+
+  auto r = crop_checkpoint(src.string(), dst.string(), 2, 200 << 10);
+  CHECK(r.fp8_dequantised == 1);
+  auto out = kiln::checkpoint::Checkpoint::open(dst.string());
+  int64_t layer_keys = 0;
+  for (const auto& k : out.names()) {
+    CAPTURE(k);
+    CHECK(k.find("_scale_inv") == std::string::npos);
+    CHECK(k.find("layers.3.") == std::string::npos);
+    if (k.rfind(T + "layers.", 0) == 0) ++layer_keys;
+    if (k == fp8_key || k == T + "layers.2.eh_proj.weight") continue;
+    REQUIRE(fixture.contains(k));  // layers 0 and 1, embeddings, norm, head, vision tower
+    const auto a = out.get(k), b = fixture.get(k);
+    CHECK((a.nbytes == b.nbytes && std::equal(a.data, a.data + a.nbytes, b.data)));
+  }
+  CHECK(torch::equal(kiln::messaging::to_torch(out.get(T + "layers.2.eh_proj.weight")), mtp));  // MTP renumbered
+  auto gate = kiln::messaging::to_torch(out.get(fp8_key));
+  CHECK((gate.scalar_type() == torch::kBFloat16));
+  CHECK(torch::equal(gate.to(torch::kFloat), fp8.to(torch::kFloat) * 0.25f));
+  auto cropped = kiln::model::config_json::read_config_json(dst.string());
+  CHECK(cropped["text_config"]["num_hidden_layers"] == 2);
+  CHECK(cropped["text_config"]["layer_types"].size() == 2);
+  CHECK(cropped["text_config"]["num_nextn_predict_layers"] == 1);
+  CHECK_FALSE(cropped.contains("quantization_config"));
+  CHECK(cropped["vision_config"] == config["vision_config"]);
+  // The crop loads as a 2-layer model (the MTP layer is not read) and runs.
+  auto m = from_hf_dir(dst.string());
+  CHECK(m->config().num_hidden_layers == 2);
+  CHECK(layer_keys > 0);
+  torch::NoGradGuard ng;
+  CHECK(torch::isfinite(m->logits(m->forward(fixture_batch()))).all().item<bool>());
+  CHECK_THROWS_AS(crop_checkpoint(src.string(), dst.string(), 5, 1 << 20), std::invalid_argument);
 }
