@@ -19,7 +19,7 @@ CropResult crop_checkpoint(const std::string& from_dir, const std::string& to_di
   auto cfg = Glm5NextConfig::from_hf_json(source_json, from_dir + "/config.json");
   const int64_t L = cfg.num_hidden_layers;
   if (layers < 1 || layers > L)
-    throw std::invalid_argument("crop: layers must be in [1, " + std::to_string(L) + "] (the source's num_hidden_layers), got " +
+    throw std::invalid_argument("cropping '" + from_dir + "': layers must be in [1, " + std::to_string(L) + "] (its num_hidden_layers), got " +
                                 std::to_string(layers));
   const auto block = cfg.fp8_weight_block.value_or(std::pair<int64_t, int64_t>{128, 128});
   cfg.num_hidden_layers = layers;
