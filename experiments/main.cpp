@@ -113,6 +113,13 @@ int main(int argc, char** argv) {
   model_resave->add_option("--from", from, "HF checkpoint directory")->required();
   model_resave->add_option("--to", to, "Output directory")->required();
   model_resave->add_option("--shard-mib", shard_mib, "Largest shard, MiB")->default_val(5120)->check(CLI::Range(1, 1 << 20));
+  int64_t crop_layers = 0;
+  auto* model_crop = model_cmd->add_subcommand(
+      "crop", "Cut a GLM-5.3-Flash checkpoint to its first N layers plus its MTP layer, FP8 weights as bf16");
+  model_crop->add_option("--from", from, "HF checkpoint directory (glm5_next)")->required();
+  model_crop->add_option("--to", to, "Output directory")->required();
+  model_crop->add_option("--layers", crop_layers, "Main layers to keep")->required()->check(CLI::Range(1, 1024));
+  model_crop->add_option("--shard-mib", shard_mib, "Largest shard, MiB")->default_val(5120)->check(CLI::Range(1, 1 << 20));
   std::string docs_spec, logits_out;
   auto* model_logits = model_cmd->add_subcommand("logits", "Packed forward of an HF checkpoint; logits to safetensors");
   model_logits->add_option("--package", package, "Model package")->default_val("glm4_moe_lite");
@@ -177,6 +184,7 @@ int main(int argc, char** argv) {
   }
   if (serve_cmd->parsed()) return kiln::experiments::run_serve(sv);
   if (model_resave->parsed()) return kiln::experiments::run_model_resave(package, from, to, shard_mib, plugin_dir);
+  if (model_crop->parsed()) return kiln::experiments::run_model_crop(from, to, crop_layers, shard_mib);
 #endif
   if (run_cmd->parsed()) {
 #ifdef KILN_WITH_TORCH

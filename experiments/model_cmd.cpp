@@ -7,6 +7,7 @@
 
 #include "messaging/torch_tensor.hpp"
 #include "model/checkpoint/safetensors.hpp"
+#include "model/glm5_next/crop.hpp"
 #include "model/registry.hpp"
 
 namespace kiln::experiments {
@@ -14,6 +15,18 @@ namespace kiln::experiments {
 namespace {
 model::Registry registry(const std::string& plugin_dir) {
   return model::Registry::with_plugins(plugin_dir.empty() ? model::Registry::plugin_dir_from_env() : plugin_dir);
+}
+// Refuses a `to` that is `from` itself or a training checkpoint (its optimizer state would no
+// longer match the weights written over it).
+void check_output_dir(const std::string& from, const std::string& to) {
+  std::error_code ec;
+  if (std::filesystem::exists(to) && std::filesystem::equivalent(from, to, ec))
+    throw std::invalid_argument("--to '" + to + "' is the --from checkpoint itself; write to another directory");
+  for (const char* f : {"state.json", "optimizer.pt"})
+    if (std::filesystem::exists(std::filesystem::path(to) / f, ec))
+      throw std::invalid_argument("--to '" + to + "' holds a training checkpoint (" + f +
+                                  "): writing there would replace its weights and keep its optimizer state; write to "
+                                  "another directory");
 }
 }  // namespace
 
@@ -37,14 +50,7 @@ int run_model_list(const std::string& plugin_dir) {
 int run_model_resave(const std::string& package, const std::string& from, const std::string& to, int shard_mib,
                      const std::string& plugin_dir) {
   try {
-    std::error_code ec;
-    if (std::filesystem::exists(to) && std::filesystem::equivalent(from, to, ec))
-      throw std::invalid_argument("--to '" + to + "' is the --from checkpoint itself; write to another directory");
-    for (const char* f : {"state.json", "optimizer.pt"})
-      if (std::filesystem::exists(std::filesystem::path(to) / f, ec))
-        throw std::invalid_argument("--to '" + to + "' holds a training checkpoint (" + f +
-                                    "): resaving would replace its weights and keep its optimizer state; write to "
-                                    "another directory");
+    check_output_dir(from, to);
     auto r = registry(plugin_dir);
     auto model = r.build(package, "", from);
     model->save_hf_checkpoint(to, uint64_t(shard_mib) << 20);
@@ -52,6 +58,21 @@ int run_model_resave(const std::string& package, const std::string& from, const 
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kiln model resave: %s\n", e.what());
+    return 2;
+  }
+}
+
+int run_model_crop(const std::string& from, const std::string& to, int64_t layers, int shard_mib) {
+  try {
+    check_output_dir(from, to);
+    std::filesystem::create_directories(to);
+    auto r = model::glm5_next::crop_checkpoint(from, to, layers, uint64_t(shard_mib) << 20);
+    std::printf("kiln model crop: %s -> %s (%lld layers kept, MTP layers after them; %lld tensors, %lld FP8 weights written as bf16)\n",
+                from.c_str(), to.c_str(), static_cast<long long>(layers), static_cast<long long>(r.tensors_written),
+                static_cast<long long>(r.fp8_dequantised));
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kiln model crop: %s\n", e.what());
     return 2;
   }
 }

@@ -29,8 +29,13 @@ bool grouped_swiglu_uses_grouped_mm(const at::Tensor& x, const at::Tensor& w1) {
 #endif
 }
 
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up, std::optional<double> limit) {
+  if (!limit) return torch::silu(gate) * up;
+  return torch::silu(gate.clamp_max(*limit)) * up.clamp(-*limit, *limit);
+}
+
 at::Tensor grouped_swiglu_ref(const at::Tensor& x, const at::Tensor& counts, const at::Tensor& w1,
-                              const at::Tensor& w2) {
+                              const at::Tensor& w2, std::optional<double> swiglu_limit) {
   check_experts(x, counts, w1, w2);
   auto c = counts.to(torch::kCPU).to(torch::kInt64);
   const auto* n = c.data_ptr<int64_t>();
@@ -43,22 +48,23 @@ at::Tensor grouped_swiglu_ref(const at::Tensor& x, const at::Tensor& counts, con
     auto rows = x.narrow(0, start, n[e]);                                  // [n, D]
     auto gu = torch::nn::functional::linear(rows, w1[e]);                  // [n, 2F]
     const int64_t F = gu.size(-1) / 2;
-    outs.push_back(torch::nn::functional::linear(torch::silu(gu.narrow(-1, 0, F)) * gu.narrow(-1, F, F), w2[e]));
+    outs.push_back(torch::nn::functional::linear(swiglu(gu.narrow(-1, 0, F), gu.narrow(-1, F, F), swiglu_limit), w2[e]));
     start += n[e];
   }
   if (outs.empty()) return torch::zeros({0, x.size(1)}, x.options());
   return torch::cat(outs, 0);
 }
 
-at::Tensor grouped_swiglu(const at::Tensor& x, const at::Tensor& counts, const at::Tensor& w1, const at::Tensor& w2) {
+at::Tensor grouped_swiglu(const at::Tensor& x, const at::Tensor& counts, const at::Tensor& w1, const at::Tensor& w2,
+                          std::optional<double> swiglu_limit) {
   check_experts(x, counts, w1, w2);
-  if (!grouped_swiglu_uses_grouped_mm(x, w1)) return grouped_swiglu_ref(x, counts, w1, w2);
+  if (!grouped_swiglu_uses_grouped_mm(x, w1)) return grouped_swiglu_ref(x, counts, w1, w2, swiglu_limit);
   // offs[e] = end row of expert e (int32, on the device). Weights go in as [E, D, 2F] and
   // [E, F, D] views with the reduction dim contiguous, the layout the Hopper kernel takes.
   auto offs = counts.to(x.device()).cumsum(0).to(torch::kInt32);
   auto gu = at::_grouped_mm(x.contiguous(), w1.transpose(-2, -1), offs);  // [M, 2F]
   const int64_t F = gu.size(-1) / 2;
-  auto act = torch::silu(gu.narrow(-1, 0, F)) * gu.narrow(-1, F, F);     // [M, F]
+  auto act = swiglu(gu.narrow(-1, 0, F), gu.narrow(-1, F, F), swiglu_limit);  // [M, F]
   return at::_grouped_mm(act.contiguous(), w2.transpose(-2, -1), offs);    // [M, D]
 }
 

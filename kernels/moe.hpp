@@ -10,6 +10,11 @@
 // on Hopper; offsets computed on the device, no host sync) for all experts at once; anything
 // else runs the LibTorch reference, one GEMM pair per expert with rows (counts read on host).
 // Differentiable in x and both weights either way (_grouped_mm has an autograd formula).
+// swiglu_limit (GLM-5.3-Flash's Glm5NextTextExperts): the activation is swiglu(gate, up, limit).
+//
+// swiglu: silu(gate) * up; with a limit, transformers' clamped form (Glm5NextTextExperts,
+// Glm5NextTextMLP): gate clamped to <= limit and up to [-limit, limit] first (no gradient
+// through a clamped entry, as torch.clamp). gate, up: same shape, any dtype -> that shape.
 //
 // router_topk: the expert choice of DeepSeek-V3's router (arXiv:2412.19437 §2.1.2) with one
 // group: scores = sigmoid(logits), ids = top-K of (scores + bias), by descending biased score.
@@ -19,12 +24,15 @@
 // Throws c10::Error on shape or dtype mismatch.
 #include <ATen/core/Tensor.h>
 
+#include <optional>
+
 namespace kiln::kernels {
 
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up, std::optional<double> limit = std::nullopt);
 at::Tensor grouped_swiglu(const at::Tensor& x, const at::Tensor& counts, const at::Tensor& w_gate_up_EFD,
-                          const at::Tensor& w_down_EDF);
+                          const at::Tensor& w_down_EDF, std::optional<double> swiglu_limit = std::nullopt);
 at::Tensor grouped_swiglu_ref(const at::Tensor& x, const at::Tensor& counts, const at::Tensor& w_gate_up_EFD,
-                              const at::Tensor& w_down_EDF);
+                              const at::Tensor& w_down_EDF, std::optional<double> swiglu_limit = std::nullopt);
 /// True when grouped_swiglu takes the grouped-GEMM path for these inputs.
 bool grouped_swiglu_uses_grouped_mm(const at::Tensor& x, const at::Tensor& w_gate_up_EFD);
 

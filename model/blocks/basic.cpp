@@ -1,5 +1,6 @@
 #include "model/blocks/basic.hpp"
 
+#include "kernels/moe.hpp"
 #include "kernels/rms_norm.hpp"
 
 namespace kiln::model {
@@ -32,14 +33,14 @@ torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& positions,
   return torch::cat({x0 * cos - x1 * sin, x1 * cos + x0 * sin}, -1);
 }
 
-SwiGLUImpl::SwiGLUImpl(int64_t dim, int64_t intermediate) {
+SwiGLUImpl::SwiGLUImpl(int64_t dim, int64_t intermediate, std::optional<double> swiglu_limit) : limit_(swiglu_limit) {
   auto lin = [](int64_t i, int64_t o) { return torch::nn::Linear(torch::nn::LinearOptions(i, o).bias(false)); };
   gate = register_module("gate", lin(dim, intermediate));
   up = register_module("up", lin(dim, intermediate));
   down = register_module("down", lin(intermediate, dim));
 }
 
-torch::Tensor SwiGLUImpl::forward(const torch::Tensor& x) { return down(torch::silu(gate(x)) * up(x)); }
+torch::Tensor SwiGLUImpl::forward(const torch::Tensor& x) { return down(kernels::swiglu(gate(x), up(x), limit_)); }
 
 PackedBatch PackedBatch::from_documents(const std::vector<std::vector<int64_t>>& docs) {
   if (docs.empty()) throw std::invalid_argument("PackedBatch: no documents");

@@ -3,6 +3,8 @@
 // Shape legend: T tokens (packed), H heads, D hidden, R rope dims, F intermediate.
 #include <torch/torch.h>
 
+#include <optional>
+
 namespace kiln::model {
 
 /// RMSNorm (Zhang & Sennrich 2019), as transformers' Glm4MoeLiteRMSNorm / T5LayerNorm:
@@ -28,11 +30,15 @@ TORCH_MODULE(RMSNorm);
 torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& positions, double theta, bool interleaved);
 
 /// SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x)). x: [T, D] -> [T, D].
+/// swiglu_limit: transformers' clamped form (GLM-5.3-Flash's Glm5NextTextMLP; kernels::swiglu).
 class SwiGLUImpl : public torch::nn::Module {
  public:
-  SwiGLUImpl(int64_t dim, int64_t intermediate);
+  SwiGLUImpl(int64_t dim, int64_t intermediate, std::optional<double> swiglu_limit = std::nullopt);
   torch::Tensor forward(const torch::Tensor& x);
   torch::nn::Linear gate{nullptr}, up{nullptr}, down{nullptr};  ///< [F, D], [F, D], [D, F]
+
+ private:
+  std::optional<double> limit_;
 };
 TORCH_MODULE(SwiGLU);
 

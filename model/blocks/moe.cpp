@@ -65,14 +65,16 @@ Dispatched dispatch(const torch::Tensor& x_TD, const RouteResult& r, int64_t num
   return d;
 }
 
-GroupedExpertsImpl::GroupedExpertsImpl(int64_t num_experts, int64_t hidden, int64_t intermediate) {
+GroupedExpertsImpl::GroupedExpertsImpl(int64_t num_experts, int64_t hidden, int64_t intermediate,
+                                       std::optional<double> swiglu_limit)
+    : limit_(swiglu_limit) {
   w_gate_up_EFD = register_parameter("w_gate_up_EFD", torch::zeros({num_experts, 2 * intermediate, hidden}));
   w_down_EDF = register_parameter("w_down_EDF", torch::zeros({num_experts, hidden, intermediate}));
 }
 
 torch::Tensor GroupedExpertsImpl::forward(const torch::Tensor& x, const torch::Tensor& counts) {
   // Grouped GEMM on CUDA bf16, one GEMM pair per expert elsewhere (kernels/moe.hpp).
-  return kernels::grouped_swiglu(x, counts, w_gate_up_EFD, w_down_EDF);
+  return kernels::grouped_swiglu(x, counts, w_gate_up_EFD, w_down_EDF, limit_);
 }
 
 torch::Tensor combine(const torch::Tensor& rows, const Dispatched& d, int64_t num_tokens) {
@@ -89,13 +91,15 @@ void check_expert_slice(const ExpertSlice& slice, int64_t num_experts, const std
                                 std::to_string(slice.ranks) + " expert-parallel ranks");
 }
 
-MoEImpl::MoEImpl(const RouterOptions& o, int64_t expert_intermediate, int64_t n_shared_experts, ExpertSlice slice)
+MoEImpl::MoEImpl(const RouterOptions& o, int64_t expert_intermediate, int64_t n_shared_experts, ExpertSlice slice,
+                 std::optional<double> swiglu_limit)
     : slice_(slice) {
   check_expert_slice(slice, o.num_experts, "MoE");
   router = register_module("router", TopKRouter(o));
-  experts = register_module("experts",
-                            GroupedExperts(o.num_experts / slice.ranks, o.hidden, expert_intermediate));
-  if (n_shared_experts > 0) shared = register_module("shared", SwiGLU(o.hidden, expert_intermediate * n_shared_experts));
+  experts = register_module(
+      "experts", GroupedExperts(o.num_experts / slice.ranks, o.hidden, expert_intermediate, swiglu_limit));
+  if (n_shared_experts > 0)
+    shared = register_module("shared", SwiGLU(o.hidden, expert_intermediate * n_shared_experts, swiglu_limit));
 }
 
 torch::Tensor MoEImpl::forward(const torch::Tensor& x, const std::optional<torch::Tensor>& replay_ids_TK,

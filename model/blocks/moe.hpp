@@ -74,13 +74,18 @@ struct Dispatched {
 Dispatched dispatch(const torch::Tensor& x_TD, const RouteResult& r, int64_t num_experts);
 
 /// Step 3, experts stored grouped: w_gate_up_EFD [E, 2F, D] (gate rows then up rows, as
-/// transformers' gate_up_proj), w_down_EDF [E, D, F]. SwiGLU per expert on its rows.
+/// transformers' gate_up_proj), w_down_EDF [E, D, F]. SwiGLU per expert on its rows, clamped
+/// at swiglu_limit when set (kernels::swiglu).
 class GroupedExpertsImpl : public torch::nn::Module {
  public:
-  GroupedExpertsImpl(int64_t num_experts, int64_t hidden, int64_t intermediate);
+  GroupedExpertsImpl(int64_t num_experts, int64_t hidden, int64_t intermediate,
+                     std::optional<double> swiglu_limit = std::nullopt);
   /// x: [T*K, D] in expert order, counts: [E] int64 rows per expert -> [T*K, D].
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& counts);
   torch::Tensor w_gate_up_EFD, w_down_EDF;
+
+ private:
+  std::optional<double> limit_;
 };
 TORCH_MODULE(GroupedExperts);
 
@@ -88,13 +93,16 @@ TORCH_MODULE(GroupedExperts);
 torch::Tensor combine(const torch::Tensor& rows, const Dispatched& d, int64_t num_tokens);
 
 /// The MoE feed-forward: routed experts plus shared experts (one SwiGLU of width
-/// n_shared * F), as Glm4MoeLiteMoE.
+/// n_shared * F), as Glm4MoeLiteMoE; with swiglu_limit, routed and shared experts clamp as
+/// Glm5NextTextMoE's do.
 class MoEImpl : public torch::nn::Module {
  public:
   /// `slice`: build only those routed experts (grouped tensors [E/ranks, ...]), e.g. to load a
   /// checkpoint's share of an ep rank without ever holding all E. Throws std::invalid_argument
   /// when E is not a multiple of slice.ranks or slice.rank is outside [0, slice.ranks).
-  MoEImpl(const RouterOptions& o, int64_t expert_intermediate, int64_t n_shared_experts, ExpertSlice slice = {});
+  /// `swiglu_limit`: clamp routed and shared experts (kernels::swiglu).
+  MoEImpl(const RouterOptions& o, int64_t expert_intermediate, int64_t n_shared_experts, ExpertSlice slice = {},
+          std::optional<double> swiglu_limit = std::nullopt);
   /// x: [T, D] -> [T, D]; *expert_ids_out gets the [T, K] choice (or the replayed ids; ids
   /// are global, in [0, E), with or without expert parallel). With expert parallel: collective
   /// over the ep group in forward and backward (moe_ep.hpp), whatever T is.

@@ -1,5 +1,7 @@
 #include "model/glm4_moe_lite/config.hpp"
 
+#include "model/config_json.hpp"
+
 #include <cassert>
 #include <cmath>
 #include <map>
@@ -20,55 +22,22 @@ int64_t Glm4MoeLiteConfig::num_moe_layers() const {
 }
 
 namespace {
-struct IntRange {
-  int64_t lo, hi;
-  std::string str() const {
-    std::string out = "[";
-    out.append(std::to_string(lo)).append(", ").append(std::to_string(hi)).append("]");
-    return out;
-  }
-};
+using config_json::IntRange;
+using config_json::IntRanges;
 
-// Sane ranges of the integer fields, by HF name. Wide enough for every published model of this
-// family and of DeepSeek-V3's (the largest, DeepSeek-V3: vocab 129k, hidden 7168, 256 experts,
-// 128 heads, 61 layers) with room to spare; narrow enough that no product of them overflows
-// int64 and a typo (2^31, 2^63-1) is named here, not by the allocator or as a negative
-// dimension in LibTorch.
-const std::map<std::string, IntRange>& int_ranges() {
-  static const std::map<std::string, IntRange> r = {
-      {"vocab_size", {1, 1 << 22}},
-      {"hidden_size", {1, 1 << 16}},
-      {"intermediate_size", {1, 1 << 18}},
-      {"moe_intermediate_size", {1, 1 << 18}},
-      {"num_hidden_layers", {1, 1024}},
-      {"num_attention_heads", {1, 1024}},
-      {"num_key_value_heads", {1, 1024}},
-      {"n_routed_experts", {1, 4096}},
-      {"num_experts_per_tok", {1, 4096}},
-      {"n_shared_experts", {0, 64}},
-      {"n_group", {1, 4096}},
-      {"topk_group", {1, 4096}},
-      {"kv_lora_rank", {1, 1 << 16}},
-      {"q_lora_rank", {1, 1 << 16}},
-      {"qk_nope_head_dim", {1, 4096}},
+// Sane ranges of the integer fields, by HF name: the shared ones (config_json.hpp says why
+// these bounds) and this family's RoPE dims and legacy dense-layer count.
+const IntRanges& int_ranges() {
+  static const IntRanges r = config_json::with_ranges(config_json::common_int_ranges(), {
       {"qk_rope_head_dim", {2, 4096}},
-      {"v_head_dim", {1, 4096}},
       {"qk_head_dim", {3, 8192}},
       {"head_dim", {2, 4096}},
-      {"max_position_embeddings", {1, int64_t(1) << 30}},
       {"first_k_dense_replace", {0, 1024}},
-      {"bos_token_id", {0, (1 << 22) - 1}},
-      {"eos_token_id", {0, (1 << 22) - 1}},
-  };
+  });
   return r;
 }
 
-// The range of `field` (every integer field has one).
-IntRange range_of(const std::string& field) {
-  auto it = int_ranges().find(field);
-  assert(it != int_ranges().end() && "every integer field read or validated has a range in int_ranges()");
-  return it->second;
-}
+IntRange range_of(const std::string& field) { return config_json::range_of(int_ranges(), field); }
 }  // namespace
 
 void Glm4MoeLiteConfig::validate() const {
@@ -90,17 +59,9 @@ void Glm4MoeLiteConfig::validate() const {
   in_range("qk_nope_head_dim", attention.qk_nope_head_dim);
   in_range("qk_rope_head_dim", attention.qk_rope_head_dim);
   in_range("v_head_dim", attention.v_head_dim);
-  in_range("n_routed_experts", moe.num_experts);
-  in_range("num_experts_per_tok", moe.top_k);
-  in_range("n_group", moe.n_group);
-  in_range("topk_group", moe.topk_group);
-  in_range("moe_intermediate_size", moe.expert_intermediate_size);
-  in_range("n_shared_experts", moe.n_shared_experts);
-  for (auto id : eos_token_ids)
-    if (id < 0 || id >= vocab_size)
-      bad("eos_token_id", std::to_string(id) + " is outside the vocabulary [0, " + std::to_string(vocab_size - 1) + "]");
-  if (bos_token_id < 0 || bos_token_id >= vocab_size)
-    bad("bos_token_id", std::to_string(bos_token_id) + " is outside the vocabulary [0, " + std::to_string(vocab_size - 1) + "]");
+  moe.validate(int_ranges(), bad);
+  config_json::check_token_ids("eos_token_id", eos_token_ids, vocab_size, bad);
+  config_json::check_token_ids("bos_token_id", {bos_token_id}, vocab_size, bad);
   if (tie_word_embeddings)
     bad("tie_word_embeddings", "tied embeddings are not supported: kiln builds a separate lm_head (GLM-4.7-Flash unties them)");
   if (attention.qk_rope_head_dim % 2)
@@ -111,17 +72,6 @@ void Glm4MoeLiteConfig::validate() const {
   if (int64_t(moe_layers.size()) != num_hidden_layers)
     bad("mlp_layer_types", "has " + std::to_string(moe_layers.size()) + " entries for " +
                                std::to_string(num_hidden_layers) + " layers");
-  if (moe.num_experts % moe.n_group)
-    bad("n_group", std::to_string(moe.n_group) + " does not divide n_routed_experts " + std::to_string(moe.num_experts));
-  if (moe.topk_group > moe.n_group)
-    bad("topk_group", std::to_string(moe.topk_group) + " exceeds n_group " + std::to_string(moe.n_group));
-  if (moe.n_group > 1 && moe.num_experts / moe.n_group < 2)
-    bad("n_group", "group-limited routing scores each group by its top-2 experts: needs >= 2 experts per group");
-  if (moe.top_k > moe.topk_group * (moe.num_experts / moe.n_group))
-    bad("num_experts_per_tok", std::to_string(moe.top_k) + " exceeds the experts in the " +
-                                   std::to_string(moe.topk_group) + " selected group(s)");
-  if (!(std::isfinite(moe.routed_scaling_factor) && moe.routed_scaling_factor > 0))
-    bad("routed_scaling_factor", "must be a finite number > 0, got " + std::to_string(moe.routed_scaling_factor));
 }
 
 namespace {
@@ -139,82 +89,18 @@ const std::set<std::string> kIgnored = {
     // auxiliary loss), not part of the model's math.
     "output_router_logits"};
 
-// Nests at most `levels` arrays or objects deep (the check recurses at most that far).
-bool shallow(const json& v, int levels) {
-  if (!v.is_structured()) return true;
-  if (levels == 0) return false;
-  for (const auto& x : v)
-    if (!shallow(x, levels - 1)) return false;
-  return true;
-}
+using config_json::show;
 
-// A JSON value for an error message: at most ~120 bytes, and never a deep recursion (dump()
-// recurses once per level: a config.json of a million '[' would overflow the stack).
-std::string show(const json& v) {
-  if (!shallow(v, 4)) return v.is_array() ? "a deeply nested array" : "a deeply nested object";
-  std::string s = v.dump();
-  if (s.size() <= 120) return s;
-  std::size_t cut = 100;
-  while (cut > 0 && (static_cast<unsigned char>(s[cut]) & 0xC0) == 0x80) --cut;  // not inside a UTF-8 character
-  return s.substr(0, cut) + "... (" + std::to_string(s.size()) + " bytes)";
+// The shared field reader with this package's ranges and why a required field is required.
+config_json::FieldReader reader(const json& j, const std::string& source) {
+  return config_json::FieldReader{
+      j, source, int_ranges(),
+      "it sets the model's sizes or routing; transformers would silently take GLM-4.7-Flash's value"};
 }
-
-struct Reader {
-  const json& j;
-  std::string source;
-  [[noreturn]] void bad(const std::string& field, const std::string& why) const {
-    throw std::invalid_argument("config.json (" + source + "): field '" + field + "': " + why);
-  }
-  bool has(const char* f) const { return j.contains(f) && !j[f].is_null(); }
-  // A field whose transformers default is GLM-4.7-Flash's own value: a config without it does
-  // not describe its model (transformers would silently build Flash's sizes).
-  [[noreturn]] void missing(const char* f) const {
-    bad(f, "missing (required: it sets the model's sizes or routing; transformers would silently take GLM-4.7-Flash's value)");
-  }
-  // An integer field, checked against its sane range (int_ranges()). Absent or null:
-  // `fallback`, or refused by name if the field is required (no fallback).
-  int64_t integer(const char* f, std::optional<int64_t> fallback = std::nullopt) const {
-    if (!has(f)) {
-      if (fallback) return *fallback;
-      missing(f);
-    }
-    return integer_value(f, j[f]);
-  }
-  int64_t integer_value(const std::string& f, const json& v) const {
-    if (!v.is_number_integer()) bad(f, "must be an integer, got " + show(v));
-    const auto r = range_of(f);
-    // Compared in the JSON's own type: 2^64-1 read as int64 would be -1.
-    const bool inside = v.is_number_unsigned()
-                            ? v.get<uint64_t>() >= uint64_t(r.lo) && v.get<uint64_t>() <= uint64_t(r.hi)
-                            : v.get<int64_t>() >= r.lo && v.get<int64_t>() <= r.hi;
-    if (!inside) bad(f, show(v) + " is outside " + r.str());
-    return v.get<int64_t>();
-  }
-  double number(const char* f, std::optional<double> fallback = std::nullopt) const {
-    if (!has(f)) {
-      if (fallback) return *fallback;
-      missing(f);
-    }
-    if (!j[f].is_number()) bad(f, "must be a number, got " + show(j[f]));
-    const double v = j[f].get<double>();
-    if (!std::isfinite(v)) bad(f, "must be a finite number, got " + std::to_string(v));
-    return v;
-  }
-  bool boolean(const char* f, bool fallback) const {
-    if (!has(f)) return fallback;
-    if (!j[f].is_boolean()) bad(f, "must be true or false, got " + show(j[f]));
-    return j[f].get<bool>();
-  }
-  std::string string(const char* f, const std::string& fallback) const {
-    if (!has(f)) return fallback;
-    if (!j[f].is_string()) bad(f, "must be a string, got " + show(j[f]));
-    return j[f].get<std::string>();
-  }
-};
 }  // namespace
 
 Glm4MoeLiteConfig Glm4MoeLiteConfig::from_hf_json(const json& j, const std::string& source) {
-  Reader r{j, source};
+  auto r = reader(j, source);
   if (!j.is_object()) r.bad("(root)", "config.json must be a JSON object");
   static const std::set<std::string> kUsed = {
       "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
@@ -244,14 +130,7 @@ Glm4MoeLiteConfig Glm4MoeLiteConfig::from_hf_json(const json& j, const std::stri
   c.max_position_embeddings = r.integer("max_position_embeddings", 202752);
   c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);  // true is refused by validate()
   c.bos_token_id = r.integer("bos_token_id", 0);
-  if (r.has("eos_token_id")) {
-    const auto& e = j["eos_token_id"];
-    c.eos_token_ids.clear();
-    if (e.is_number_integer()) c.eos_token_ids.push_back(r.integer_value("eos_token_id", e));
-    else if (e.is_array()) {
-      for (const auto& x : e) c.eos_token_ids.push_back(r.integer_value("eos_token_id", x));
-    } else r.bad("eos_token_id", "must be an integer or a list of integers, got " + show(e));
-  }
+  if (r.has("eos_token_id")) c.eos_token_ids = r.integer_list("eos_token_id");
 
   auto& a = c.attention;
   a.num_heads = r.integer("num_attention_heads");
@@ -277,7 +156,7 @@ Glm4MoeLiteConfig Glm4MoeLiteConfig::from_hf_json(const json& j, const std::stri
   if (r.has("rope_parameters")) {
     const auto& rp = j["rope_parameters"];
     if (!rp.is_object()) r.bad("rope_parameters", "must be an object");
-    Reader rr{rp, source};
+    auto rr = r.nested(rp);
     rope_type = rr.string("rope_type", rr.string("type", "default"));
     theta = rr.number("rope_theta", r.number("rope_theta", 10000.0));
     if (rr.has("partial_rotary_factor") && rr.number("partial_rotary_factor") != 1.0)
@@ -286,7 +165,7 @@ Glm4MoeLiteConfig Glm4MoeLiteConfig::from_hf_json(const json& j, const std::stri
     theta = r.number("rope_theta", 10000.0);
     if (r.has("rope_scaling")) {
       const auto& rs = j["rope_scaling"];
-      Reader rr{rs, source};
+      auto rr = r.nested(rs);
       rope_type = rr.string("rope_type", rr.string("type", "default"));
     }
   }
@@ -297,18 +176,8 @@ Glm4MoeLiteConfig Glm4MoeLiteConfig::from_hf_json(const json& j, const std::stri
     r.bad("partial_rotary_factor", "only 1.0 is supported");
   if (r.string("hidden_act", "silu") != "silu") r.bad("hidden_act", "only 'silu' (SwiGLU) is supported");
   if (r.boolean("attention_bias", false)) r.bad("attention_bias", "biased attention projections are not supported");
-  if (r.string("scoring_func", "sigmoid") != "sigmoid") r.bad("scoring_func", "only 'sigmoid' routing is supported");
-  if (r.string("topk_method", "noaux_tc") != "noaux_tc") r.bad("topk_method", "only 'noaux_tc' is supported");
 
-  auto& m = c.moe;
-  m.num_experts = r.integer("n_routed_experts");
-  m.top_k = r.integer("num_experts_per_tok");
-  m.n_group = r.integer("n_group", 1);
-  m.topk_group = r.integer("topk_group", 1);
-  m.expert_intermediate_size = r.integer("moe_intermediate_size");
-  m.n_shared_experts = r.integer("n_shared_experts");
-  m.norm_topk_prob = r.boolean("norm_topk_prob", true);
-  m.routed_scaling_factor = r.number("routed_scaling_factor");
+  c.moe = MoEConfig::from_hf_fields(r);
 
   c.moe_layers.clear();
   if (r.has("mlp_layer_types")) {
@@ -344,22 +213,15 @@ json Glm4MoeLiteConfig::to_hf_json() const {
   j["vocab_size"] = vocab_size;
   j["hidden_size"] = hidden_size;
   j["intermediate_size"] = intermediate_size;
-  j["moe_intermediate_size"] = moe.expert_intermediate_size;
   j["num_hidden_layers"] = num_hidden_layers;
   j["num_attention_heads"] = attention.num_heads;
   j["num_key_value_heads"] = attention.num_heads;
-  j["n_shared_experts"] = moe.n_shared_experts;
-  j["n_routed_experts"] = moe.num_experts;
-  j["routed_scaling_factor"] = moe.routed_scaling_factor;
   j["kv_lora_rank"] = attention.kv_lora_rank;
   j["q_lora_rank"] = attention.q_lora_rank ? json(*attention.q_lora_rank) : json(nullptr);
   j["qk_rope_head_dim"] = attention.qk_rope_head_dim;
   j["v_head_dim"] = attention.v_head_dim;
   j["qk_nope_head_dim"] = attention.qk_nope_head_dim;
-  j["n_group"] = moe.n_group;
-  j["topk_group"] = moe.topk_group;
-  j["num_experts_per_tok"] = moe.top_k;
-  j["norm_topk_prob"] = moe.norm_topk_prob;
+  moe.to_hf_fields(j);
   j["hidden_act"] = "silu";
   j["max_position_embeddings"] = max_position_embeddings;
   j["rms_norm_eps"] = rms_norm_eps;

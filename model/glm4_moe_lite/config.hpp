@@ -8,6 +8,8 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "model/moe_config.hpp"
+
 namespace kiln::model::glm4_moe_lite {
 
 /// Multi-head Latent Attention (DeepSeek-V2 §2.1). Dims per head unless noted.
@@ -25,17 +27,7 @@ struct AttentionConfig {
   double softmax_scale() const;
 };
 
-/// Routed experts with a sigmoid top-k router (DeepSeek-V3 §2.1.2, "noaux_tc").
-struct MoEConfig {
-  int64_t num_experts = 64;
-  int64_t top_k = 4;
-  int64_t n_group = 1;
-  int64_t topk_group = 1;
-  int64_t expert_intermediate_size = 1536;  ///< moe_intermediate_size
-  int64_t n_shared_experts = 1;
-  bool norm_topk_prob = true;
-  double routed_scaling_factor = 1.8;
-};
+using kiln::model::MoEConfig;
 
 struct Glm4MoeLiteConfig {
   int64_t vocab_size = 154880;
@@ -49,7 +41,7 @@ struct Glm4MoeLiteConfig {
   std::vector<int64_t> eos_token_ids = {1};
   int64_t bos_token_id = 0;
   AttentionConfig attention;
-  MoEConfig moe;
+  MoEConfig moe{64, 4, 1, 1, 1536, 1, true, 1.8};  ///< GLM-4.7-Flash's routing
 
   int64_t num_moe_layers() const;
   /// Checks every integer field against its sane range (hidden_size in [1, 65536], ...: the

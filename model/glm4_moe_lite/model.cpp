@@ -3,10 +3,10 @@
 #include "model/blocks/activation_checkpoint.hpp"
 
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "model/checkpoint/safetensors.hpp"
+#include "model/config_json.hpp"
 #include "parallel/group.hpp"
 #include "model/glm4_moe_lite/state_dict_adapter.hpp"
 
@@ -216,22 +216,17 @@ void Glm4MoeLiteModel::save_hf_checkpoint(const std::string& dir, uint64_t max_s
 }
 
 void Glm4MoeLiteModel::save_hf_config(const std::string& dir) {
-  std::ofstream out(std::filesystem::path(dir) / "config.json");
-  out << config_.to_hf_json().dump(2) << "\n";
-  if (!out) throw checkpoint::CheckpointError("writing config.json in '" + dir + "' failed");
+  try {
+    config_json::write_config_json(dir, config_.to_hf_json());
+  } catch (const std::runtime_error& e) {
+    throw checkpoint::CheckpointError(e.what());
+  }
 }
 
 std::shared_ptr<Glm4MoeLiteModel> from_hf_dir(const std::string& dir, ExpertSlice experts) {
-  auto path = std::filesystem::path(dir) / "config.json";
-  std::ifstream in(path);
-  if (!in) throw std::invalid_argument("no config.json in '" + dir + "'");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(in);
-  } catch (const std::exception& e) {
-    throw std::invalid_argument("config.json (" + path.string() + ") is not valid JSON: " + e.what());
-  }
-  auto model = std::make_shared<Glm4MoeLiteModel>(Glm4MoeLiteConfig::from_hf_json(j, path.string()), experts,
+  auto j = config_json::read_config_json(dir);
+  auto path = (std::filesystem::path(dir) / "config.json").string();
+  auto model = std::make_shared<Glm4MoeLiteModel>(Glm4MoeLiteConfig::from_hf_json(j, path), experts,
                                                   /*random_init=*/false);  // every weight is read below
   model->load_hf_checkpoint(dir);
   return model;

@@ -6,6 +6,7 @@
 
 #include "messaging/torch_tensor.hpp"
 #include "model/blocks/moe_ep.hpp"
+#include "model/key_table.hpp"
 #include "model/glm4_moe_lite/model.hpp"
 
 namespace kiln::model::glm4_moe_lite {
@@ -53,48 +54,11 @@ std::vector<std::vector<std::string>> weight_sync_groups(bool hf_names) {
 }
 
 namespace {
-// One kiln tensor and where its bytes live in an HF checkpoint.
-struct Source {
-  enum class Kind { direct, gate_up, down } kind = Kind::direct;
-  std::string hf;      // direct: the HF key
-  int64_t layer = -1;  // experts: the layer index
-};
-
-std::string fill(const std::string& pattern, const std::string& layer) {
-  auto p = pattern.find("{}");
-  return p == std::string::npos ? pattern : pattern.substr(0, p) + layer + pattern.substr(p + 2);
-}
-
-std::regex pattern_regex(const std::string& pattern) {
-  std::string r;
-  for (std::size_t i = 0; i < pattern.size(); ++i) {
-    if (pattern.compare(i, 2, "{}") == 0) {
-      r += "(\\d+)";
-      ++i;
-    } else if (pattern[i] == '.') {
-      r += "\\.";
-    } else {
-      r += pattern[i];
-    }
-  }
-  return std::regex(r);
-}
+using Source = TensorSource;
 
 Source source_of(const std::string& internal) {
-  static const std::regex gate_up("layers\\.(\\d+)\\.moe\\.experts\\.w_gate_up_EFD");
-  static const std::regex down("layers\\.(\\d+)\\.moe\\.experts\\.w_down_EDF");
-  static const std::vector<std::pair<std::regex, const KeyRule*>> rules = [] {
-    std::vector<std::pair<std::regex, const KeyRule*>> v;
-    for (const auto& r : kKeyTable) v.emplace_back(pattern_regex(r.internal), &r);
-    return v;
-  }();
-  std::smatch m;
-  if (std::regex_match(internal, m, gate_up)) return {Source::Kind::gate_up, "", std::stoll(m[1])};
-  if (std::regex_match(internal, m, down)) return {Source::Kind::down, "", std::stoll(m[1])};
-  for (const auto& [re, rule] : rules)
-    if (std::regex_match(internal, m, re)) return {Source::Kind::direct, fill(rule->hf, m.size() > 1 ? m[1].str() : ""), -1};
-  // Every parameter the model registers has a rule: a miss is a kiln bug, not bad input.
-  throw std::logic_error("glm4_moe_lite adapter: no HF name for kiln tensor '" + internal + "'");
+  static const KeyTable table(kKeyTable, "glm4_moe_lite");
+  return table.source_of(internal);
 }
 
 std::string expert_key(int64_t layer, int64_t e, const char* proj) {
@@ -104,37 +68,10 @@ std::string grouped_key(int64_t layer, const char* proj) {
   return "model.layers." + std::to_string(layer) + ".mlp.experts." + proj;
 }
 
-std::vector<std::pair<std::string, torch::Tensor>> kiln_tensors(Glm4MoeLiteModel& model) {
-  std::vector<std::pair<std::string, torch::Tensor>> out;
-  for (auto& p : model.named_parameters()) out.emplace_back(p.key(), p.value());
-  for (auto& b : model.named_buffers()) out.emplace_back(b.key(), b.value());
-  return out;
-}
-
-// Layer index of an HF key "model.layers.{i}....", or -1.
-int64_t hf_layer(const std::string& key) {
-  static const std::string prefix = "model.layers.";
-  if (key.compare(0, prefix.size(), prefix) != 0) return -1;
-  auto end = key.find('.', prefix.size());
-  try {
-    return std::stoll(key.substr(prefix.size(), end - prefix.size()));
-  } catch (...) {
-    return -1;
-  }
-}
+std::vector<std::pair<std::string, torch::Tensor>> kiln_tensors(Glm4MoeLiteModel& model) { return named_tensors(model); }
 
 torch::Tensor read(const HfTensorSource& src, const std::string& key, at::IntArrayRef shape) {
-  auto t = messaging::to_torch(src.get(key));
-  if (t.sizes() != shape) {
-    std::ostringstream s;
-    s << src.where << ": tensor '" << key << "' has shape " << t.sizes() << ", the model needs "
-      << shape;
-    throw CheckpointError(s.str());
-  }
-  if (!t.is_floating_point())
-    throw CheckpointError(src.where + ": tensor '" + key + "' has integer dtype " +
-                          std::string(c10::toString(t.scalar_type())) + ", expected a floating-point weight");
-  return t;
+  return checked(src.where, key, messaging::to_torch(src.get(key)), shape);
 }
 }  // namespace
 
@@ -202,21 +139,8 @@ void load_hf_state_dict(Glm4MoeLiteModel& model, const HfTensorSource& ckpt) {
   }
   std::vector<std::string> unexpected;
   for (const auto& k : ckpt.names())
-    if (!consumed.count(k) && hf_layer(k) < cfg.num_hidden_layers) unexpected.push_back(k);
-  if (!missing.empty() || !unexpected.empty()) {
-    std::string msg = ckpt.where + " does not fit glm4_moe_lite (" +
-                      std::to_string(cfg.num_hidden_layers) + " layers):";
-    if (!missing.empty()) {
-      msg += " missing " + std::to_string(missing.size()) + " key(s):";
-      for (const auto& k : missing) msg += " " + k;
-      msg += ";";
-    }
-    if (!unexpected.empty()) {
-      msg += " unexpected " + std::to_string(unexpected.size()) + " key(s):";
-      for (const auto& k : unexpected) msg += " " + k;
-    }
-    throw CheckpointError(msg);
-  }
+    if (!consumed.count(k) && layer_of(k, "model.layers.") < cfg.num_hidden_layers) unexpected.push_back(k);
+  throw_if_misfit(ckpt.where, "glm4_moe_lite (" + std::to_string(cfg.num_hidden_layers) + " layers)", missing, unexpected);
   // The routed experts this model holds: [e0, e0 + El) (all E unless built as an ep rank's
   // share); every expert's key was checked above, only these are read.
   const auto slice = model.expert_slice();

@@ -14,15 +14,13 @@
 
 #include "messaging/tensor.hpp"
 #include "model/checkpoint/safetensors.hpp"
+#include "model/key_table.hpp"
 
 namespace kiln::model::glm4_moe_lite {
 
 class Glm4MoeLiteModel;
 
-struct KeyRule {
-  const char* hf;        ///< HF name pattern, {} = layer index
-  const char* internal;  ///< kiln name pattern
-};
+using kiln::model::KeyRule;
 /// Every one-to-one rule.
 extern const std::vector<KeyRule> kKeyTable;
 

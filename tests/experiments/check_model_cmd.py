@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """`kiln model` commands: resave gives a checkpoint whose logits (kiln model logits) are the
-original's bit for bit; bad input is refused with exit code 2.
+original's bit for bit; crop cuts the GLM-5.3-Flash fixture to fewer layers, tensors bit for
+bit; bad input is refused with exit code 2.
 Usage: check_model_cmd.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
 import json, os, shutil, struct, subprocess, sys
 
@@ -29,6 +30,19 @@ if a.returncode == 0 and b.returncode == 0:
     for name in ("logits", "routed_experts"):
         checks.append((tensor_bytes(f"{work}/a.safetensors", name) == tensor_bytes(f"{work}/b.safetensors", name),
                        f"{name} of the resaved checkpoint equal the original's bit for bit"))
+glm5 = os.path.join(os.path.dirname(__file__), "..", "fixtures", "glm5_next_tiny")
+r = run("crop", "--from", glm5, "--to", f"{work}/cropped", "--layers", "2", "--shard-mib", "1")
+checks.append((r.returncode == 0 and "2 layers kept" in r.stdout, f"crop exits 0 ({r.stdout.strip()[-120:]}{r.stderr[-200:]})"))
+if r.returncode == 0:
+    text = json.load(open(f"{work}/cropped/config.json"))["text_config"]
+    checks.append((text["num_hidden_layers"] == 2 and len(text["layer_types"]) == 2, "crop: config.json has 2 layers"))
+    index = json.load(open(f"{work}/cropped/model.safetensors.index.json"))["weight_map"]
+    src = json.load(open(f"{glm5}/model.safetensors.index.json"))["weight_map"]
+    kept = [k for k in src if ".layers.2." not in k and ".layers.3." not in k]
+    checks.append((sorted(index) == sorted(kept), "crop: layers 2 and 3 dropped, every other tensor kept"))
+    name = "model.language_model.layers.1.self_attn.kv_b_proj.weight"
+    checks.append((tensor_bytes(f"{work}/cropped/{index[name]}", name) == tensor_bytes(f"{glm5}/{src[name]}", name),
+                   "crop: a kept tensor is bit for bit the source's"))
 os.makedirs(f"{work}/training_ck", exist_ok=True)
 open(f"{work}/training_ck/state.json", "w").write("{}")
 for args, needle in [(("resave", "--from", f"{work}/nowhere", "--to", f"{work}/x"), "no config.json in"),
@@ -36,6 +50,7 @@ for args, needle in [(("resave", "--from", f"{work}/nowhere", "--to", f"{work}/x
                      (("logits", "--from", fixture, "--docs", "1,999999", "--out", f"{work}/c"), "outside the vocabulary"),
                      (("resave", "--from", f"{work}/resaved", "--to", f"{work}/resaved"), "is the --from checkpoint"),
                      (("logits", "--from", fixture, "--docs", "1,x", "--out", f"{work}/c"), "is not a list"),
+                     (("crop", "--from", glm5, "--to", f"{work}/crop9", "--layers", "9"), "layers must be in [1, 4]"),
                      (("--plugins", f"{work}/none", "list"), "does not exist")]:
     r = run(*args)
     checks.append((r.returncode == 2 and needle in r.stderr, f"{' '.join(args[:1])}: refused with '{needle}' ({r.stderr.strip()[-160:]})"))

@@ -1,0 +1,49 @@
+#pragma once
+// HF names <-> kiln names for glm5_next: a table of patterns with {} for the layer index
+// (kKeyTable), in the layout transformers 5.17's save_pretrained writes for
+// Glm5NextForConditionalGeneration (text weights under "model.language_model.", hc_attn_fn,
+// q_conv1d, A_log on self_attn, experts one by one), plus one named transform:
+//   fuse:  ...layers.{l}.mlp.experts.{e}.gate_proj.weight [F, D] and .up_proj.weight [F, D]
+//          -> layers.{l}.moe.experts.w_gate_up_EFD[e] = cat(gate, up) [2F, D];
+//          ...experts.{e}.down_proj.weight [D, F] -> w_down_EDF[e];
+//   split: the reverse, when saving.
+// FP8 weights (float8_e4m3fn with a `<name>_scale_inv` block-scale grid) are dequantised on
+// load (model/fp8_blocks.hpp, block from the config, 128x128 by default). The vision tower
+// (model.visual.*) and the MTP layer (layers.{num_hidden_layers}) are never read.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "messaging/tensor.hpp"
+#include "model/checkpoint/safetensors.hpp"
+#include "model/key_table.hpp"
+
+namespace kiln::model::glm5_next {
+
+class Glm5NextModelImpl;
+
+/// Every one-to-one rule.
+extern const std::vector<KeyRule> kKeyTable;
+
+/// The HF keys the model reads, in load order (per-expert names for experts).
+std::vector<std::string> required_hf_keys(Glm5NextModelImpl& model);
+
+/// Copies every tensor the model needs from `ckpt` (shape checked on every copy, cast to the
+/// parameter's dtype). Throws checkpoint::CheckpointError listing all missing keys and all
+/// unexpected ones, or naming a tensor whose shape or dtype does not fit.
+void load_hf_state_dict(Glm5NextModelImpl& model, checkpoint::Checkpoint& ckpt);
+
+/// The model's weights under HF names (experts split per expert), on CPU, contiguous, in the
+/// model's dtypes.
+std::vector<messaging::Tensor> to_hf_state_dict(Glm5NextModelImpl& model);
+
+/// Writes the weights (HF names, shards of at most max_shard_bytes) and config.json into
+/// `dir`. Throws checkpoint::CheckpointError on I/O failure.
+void save_hf_checkpoint(Glm5NextModelImpl& model, const std::string& dir, uint64_t max_shard_bytes);
+
+/// A model built from DIR/config.json and loaded from DIR's safetensors. Throws
+/// std::invalid_argument for the config (field named) and checkpoint::CheckpointError for the
+/// weights.
+std::shared_ptr<Glm5NextModelImpl> from_hf_dir(const std::string& dir);
+
+}  // namespace kiln::model::glm5_next

@@ -1,0 +1,90 @@
+#include "model/key_table.hpp"
+
+#include <sstream>
+
+#include "model/checkpoint/safetensors.hpp"
+
+namespace kiln::model {
+
+std::string fill_pattern(const std::string& pattern, const std::string& layer) {
+  auto p = pattern.find("{}");
+  return p == std::string::npos ? pattern : pattern.substr(0, p) + layer + pattern.substr(p + 2);
+}
+
+std::regex pattern_regex(const std::string& pattern) {
+  std::string r;
+  for (std::size_t i = 0; i < pattern.size(); ++i) {
+    if (pattern.compare(i, 2, "{}") == 0) {
+      r += "(\\d+)";
+      ++i;
+    } else if (pattern[i] == '.') {
+      r += "\\.";
+    } else {
+      r += pattern[i];
+    }
+  }
+  return std::regex(r);
+}
+
+int64_t layer_of(const std::string& key, const std::string& prefix) {
+  if (key.compare(0, prefix.size(), prefix) != 0) return -1;
+  auto end = key.find('.', prefix.size());
+  try {
+    return std::stoll(key.substr(prefix.size(), end - prefix.size()));
+  } catch (...) {
+    return -1;
+  }
+}
+
+torch::Tensor checked(const std::string& where, const std::string& key, const torch::Tensor& t, at::IntArrayRef shape) {
+  if (t.sizes() != shape) {
+    std::ostringstream s;
+    s << where << ": tensor '" << key << "' has shape " << t.sizes() << ", the model needs " << shape;
+    throw checkpoint::CheckpointError(s.str());
+  }
+  if (!t.is_floating_point())
+    throw checkpoint::CheckpointError(where + ": tensor '" + key + "' has integer dtype " +
+                                      std::string(c10::toString(t.scalar_type())) + ", expected a floating-point weight");
+  return t;
+}
+
+KeyTable::KeyTable(const std::vector<KeyRule>& rules, std::string package) : package_(std::move(package)) {
+  for (const auto& r : rules) rules_.emplace_back(pattern_regex(r.internal), &r);
+}
+
+TensorSource KeyTable::source_of(const std::string& internal) const {
+  static const std::regex gate_up("layers\\.(\\d+)\\.moe\\.experts\\.w_gate_up_EFD");
+  static const std::regex down("layers\\.(\\d+)\\.moe\\.experts\\.w_down_EDF");
+  std::smatch m;
+  if (std::regex_match(internal, m, gate_up)) return {TensorSource::Kind::gate_up, "", std::stoll(m[1])};
+  if (std::regex_match(internal, m, down)) return {TensorSource::Kind::down, "", std::stoll(m[1])};
+  for (const auto& [re, rule] : rules_)
+    if (std::regex_match(internal, m, re))
+      return {TensorSource::Kind::direct, fill_pattern(rule->hf, m.size() > 1 ? m[1].str() : ""), -1};
+  throw std::logic_error(package_ + " adapter: no HF name for kiln tensor '" + internal + "'");
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> named_tensors(torch::nn::Module& m) {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (auto& p : m.named_parameters()) out.emplace_back(p.key(), p.value());
+  for (auto& b : m.named_buffers()) out.emplace_back(b.key(), b.value());
+  return out;
+}
+
+void throw_if_misfit(const std::string& where, const std::string& what, const std::vector<std::string>& missing,
+                     const std::vector<std::string>& unexpected) {
+  if (missing.empty() && unexpected.empty()) return;
+  std::string msg = where + " does not fit " + what + ":";
+  if (!missing.empty()) {
+    msg += " missing " + std::to_string(missing.size()) + " key(s):";
+    for (const auto& k : missing) msg += " " + k;
+    msg += ";";
+  }
+  if (!unexpected.empty()) {
+    msg += " unexpected " + std::to_string(unexpected.size()) + " key(s):";
+    for (const auto& k : unexpected) msg += " " + k;
+  }
+  throw checkpoint::CheckpointError(msg);
+}
+
+}  // namespace kiln::model

@@ -1,0 +1,60 @@
+#pragma once
+// The pieces every HF adapter's key table is made of: patterns with {} for the layer index,
+// their regular expressions, the layer of an HF key, and the checked read of one tensor.
+#include <regex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+namespace kiln::model {
+
+/// One one-to-one rule of an adapter's table.
+struct KeyRule {
+  const char* hf;        ///< HF name pattern, {} = layer index
+  const char* internal;  ///< kiln name pattern
+};
+
+/// Where one kiln tensor's bytes live in an HF checkpoint: one HF tensor (direct), or the
+/// per-expert tensors a grouped expert tensor of `layer` is fused from (gate_up: kiln
+/// layers.{l}.moe.experts.w_gate_up_EFD; down: w_down_EDF, as blocks/moe.hpp names them).
+struct TensorSource {
+  enum class Kind { direct, gate_up, down } kind = Kind::direct;
+  std::string hf;      ///< direct: the HF key
+  int64_t layer = -1;  ///< experts: the layer index
+};
+
+/// A package's table of rules, compiled once.
+class KeyTable {
+ public:
+  /// `package` names the table in the error for a kiln tensor without a rule.
+  KeyTable(const std::vector<KeyRule>& rules, std::string package);
+  /// Where kiln tensor `internal` comes from. Throws std::logic_error for a tensor without a
+  /// rule (every tensor a model registers must have one: a miss is a kiln bug).
+  TensorSource source_of(const std::string& internal) const;
+
+ private:
+  std::vector<std::pair<std::regex, const KeyRule*>> rules_;
+  std::string package_;
+};
+
+/// A module's parameters and buffers by their kiln names, parameters first.
+std::vector<std::pair<std::string, torch::Tensor>> named_tensors(torch::nn::Module& m);
+
+/// Throws checkpoint::CheckpointError "WHERE does not fit WHAT: missing N key(s): ...;
+/// unexpected M key(s): ..." when either list is non-empty.
+void throw_if_misfit(const std::string& where, const std::string& what, const std::vector<std::string>& missing,
+                     const std::vector<std::string>& unexpected);
+
+/// `pattern` with its {} replaced by `layer` (unchanged without a {}).
+std::string fill_pattern(const std::string& pattern, const std::string& layer);
+/// A regex matching `pattern` whole, {} captured as (\d+), dots literal.
+std::regex pattern_regex(const std::string& pattern);
+/// The layer index of `key` = PREFIX{i}.rest (e.g. prefix "model.layers."), or -1.
+int64_t layer_of(const std::string& key, const std::string& prefix);
+/// `t` (HF tensor `key` of `where`) if it has `shape` and a floating dtype; throws
+/// checkpoint::CheckpointError "WHERE: tensor 'KEY' has shape [..], the model needs [..]".
+torch::Tensor checked(const std::string& where, const std::string& key, const torch::Tensor& t, at::IntArrayRef shape);
+
+}  // namespace kiln::model
