@@ -20,7 +20,9 @@ struct EngineOptions {
   /// Requests with the same prompt (the samples of a GRPO group) prefill it once: the others
   /// share its full cache pages and copy its last, partial page (copy-on-write at the first
   /// generated token), and sample their first token from the same logits with their own seed.
-  bool share_prompts = true;
+  /// Off by default: with it on, the rows a prefill batch holds depend on how a step's groups
+  /// are split over engines, so runs of different placements are no longer bit-identical.
+  bool share_prompts = false;
   MSGPACK_DEFINE_MAP(cache_blocks, block_size, max_batch, max_prefill_tokens, step_delay_ms, absorbed_decode,
                      share_prompts);
 };

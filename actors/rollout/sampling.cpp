@@ -28,7 +28,6 @@ std::vector<SampledToken> sample_tokens(const torch::Tensor& logits_BV, const st
   if (B == 0) return out;
   torch::NoGradGuard no_grad;
   auto l = logits_BV.to(torch::kFloat32);                                       // [B, V]
-  const auto fopt = l.options();
   std::vector<float> temps, us;
   bool any_filter = false;
   for (int64_t b = 0; b < B; ++b) {

@@ -146,6 +146,10 @@ std::vector<std::pair<int64_t, int64_t>> shard_ranges(const std::filesystem::pat
   const auto file = dir / shard_ranges_file(r, ranks);
   std::vector<std::pair<int64_t, int64_t>> out;
   if (!std::filesystem::exists(file)) {
+    for (int other = 0; other < ranks; ++other)  // format 2 writes one per rank: this one is lost
+      if (std::filesystem::exists(dir / shard_ranges_file(other, ranks)))
+        throw std::invalid_argument("'" + dir.string() + "' lacks " + file.filename().string() + " (the ranges of " +
+                                    shard_file(r, ranks) + "; " + shard_ranges_file(other, ranks) + " is there)");
     const int64_t per = (n + ranks - 1) / ranks;
     out.emplace_back(std::min(n, r * per), std::min(n, (r + 1) * per));
     return out;
@@ -175,14 +179,18 @@ std::vector<FlatAdamWState> read_shards(const std::filesystem::path& dir, Traine
   };
   std::vector<FlatAdamWState> parts;
   for (int r = 0; r < ranks; ++r) {
-    if (!overlaps(shard_ranges(dir, r, ranks, n))) continue;
+    const auto ranges = shard_ranges(dir, r, ranks, n);
+    if (!overlaps(ranges)) continue;
     const auto file = shard_file(r, ranks);
     std::vector<torch::Tensor> record;
     load_file(dir, file, record);
     auto bad = [&](const std::string& why) {
       return std::invalid_argument(file + " in '" + dir.string() + "' " + why);
     };
-    if (record.size() == 5 && record[0].numel() == 2) {  // format 1: one part
+    const bool format1 = record.size() == 5 && record[0].numel() == 2;
+    if (!format1 && !std::filesystem::exists(dir / shard_ranges_file(r, ranks)))
+      throw bad("has no " + shard_ranges_file(r, ranks) + " beside it (its ranges)");
+    if (format1) {  // one part
       record = {torch::tensor({int64_t{2}, record[0][1].item<int64_t>(), record[4].numel(), int64_t{1}}), record[4],
                 record[0][0].reshape({1}), record[1], record[2], record[3]};
     }
@@ -194,10 +202,18 @@ std::vector<FlatAdamWState> read_shards(const std::filesystem::path& dir, Traine
       throw bad("is of a policy of " + std::to_string(record[0][1].item<int64_t>()) + " elements in " +
                 std::to_string(record[0][2].item<int64_t>()) + " parameters, this one has " + std::to_string(n) +
                 " in " + std::to_string(params));
+    std::vector<std::pair<int64_t, int64_t>> held;
     for (int64_t k = 0; k < count; ++k) {
       const auto* t = &record[std::size_t(2 + 4 * k)];
+      if (t[1].numel() != t[2].numel() || t[1].numel() != t[3].numel())
+        throw bad("part " + std::to_string(k) + " has masters and moments of different sizes");
       parts.push_back(FlatAdamWState{t[0].item<int64_t>(), t[1], t[2], t[3], record[1]});
+      held.emplace_back(parts.back().begin, parts.back().begin + t[1].numel());
     }
+    if (held != ranges)
+      throw bad("holds other ranges than " + shard_ranges_file(r, ranks) + " lists (" + std::to_string(held.size()) +
+                " parts from " + std::to_string(held.empty() ? 0 : held.front().first) + ", the file lists " +
+                std::to_string(ranges.size()) + " from " + std::to_string(ranges.empty() ? 0 : ranges.front().first) + ")");
   }
   return parts;
 }
@@ -297,47 +313,81 @@ CheckpointState read_checkpoint_state(const std::filesystem::path& dir) {
 }
 
 CheckpointState load_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, Trainer& trainer) {
-  auto st = read_checkpoint_state(dir);
-  const int shards = shard_count(dir);
-  if (trainer.expert_parallel().experts) {
-    // The weights come from the masters (load_optimizer_state_parts), the buffers from rank 0's file.
-    if (shards == 0)
-      throw std::invalid_argument("'" + dir.string() +
-                                  "' was written by one trainer rank: an expert-parallel trainer resumes from sharded "
-                                  "checkpoints only (written with parallel.dp or parallel.ep > 1); resume it at one rank "
-                                  "or with data parallel, whose next checkpoint an expert-parallel run resumes");
-    if (std::filesystem::exists(dir / "buffers.pt")) {
-      std::vector<torch::Tensor> saved;
-      load_file(dir, "buffers.pt", saved);
-      auto buffers = policy.buffers();
-      if (saved.size() != buffers.size())
-        throw std::invalid_argument("buffers.pt in '" + dir.string() + "' holds " + std::to_string(saved.size()) +
-                                    " tensors, the policy has " + std::to_string(buffers.size()) + " buffers");
-      torch::NoGradGuard no_grad;
-      for (std::size_t i = 0; i < saved.size(); ++i) buffers[i].copy_(saved[i]);
+  // Every read first, with no collective in between; with a group the ranks then agree, so that
+  // a rank that cannot read its part fails every rank at once (not in a collective left waiting
+  // until the timeout), before any rank's masters and AdamW state change.
+  auto* group = trainer.data_parallel();
+  CheckpointState st;
+  std::vector<FlatAdamWState> parts;
+  bool from_parts = false;  // masters and AdamW state from `parts` (not optimizer.pt in place)
+  std::exception_ptr failed;
+  try {
+    st = read_checkpoint_state(dir);
+    const int shards = shard_count(dir);
+    if (trainer.expert_parallel().experts) {
+      // The weights come from the masters (load_optimizer_state_parts), the buffers from rank 0's file.
+      if (shards == 0)
+        throw std::invalid_argument("'" + dir.string() +
+                                    "' was written by one trainer rank: an expert-parallel trainer resumes from sharded "
+                                    "checkpoints only (written with parallel.dp or parallel.ep > 1); resume it at one rank "
+                                    "or with data parallel, whose next checkpoint an expert-parallel run resumes");
+      // Sharded checkpoints with range files (this format) always have buffers.pt.
+      const bool format2 = std::filesystem::exists(dir / shard_ranges_file(0, shards));
+      if (format2 && !std::filesystem::exists(dir / "buffers.pt"))
+        throw std::invalid_argument("'" + dir.string() + "' lacks buffers.pt (the policy's buffers, written by rank 0)");
+      if (format2) {
+        std::vector<torch::Tensor> saved;
+        load_file(dir, "buffers.pt", saved);
+        auto buffers = policy.buffers();
+        if (saved.size() != buffers.size())
+          throw std::invalid_argument("buffers.pt in '" + dir.string() + "' holds " + std::to_string(saved.size()) +
+                                      " tensors, the policy has " + std::to_string(buffers.size()) + " buffers");
+        for (std::size_t i = 0; i < saved.size(); ++i)
+          if (saved[i].sizes() != buffers[i].sizes())
+            throw std::invalid_argument("buffers.pt in '" + dir.string() + "': tensor " + std::to_string(i) +
+                                        " has another shape than the policy's buffer");
+        torch::NoGradGuard no_grad;
+        for (std::size_t i = 0; i < saved.size(); ++i) buffers[i].copy_(saved[i]);
+      }
+    } else {
+      policy.load_hf_checkpoint(dir.string());
     }
-  } else {
-    policy.load_hf_checkpoint(dir.string());
-  }
-  if (shards > 0) {  // written by `shards` ranks: the parts of their state this rank holds
-    trainer.load_optimizer_state_parts(read_shards(dir, trainer, shards));
-  } else if (trainer.data_parallel()) {  // a one-rank checkpoint: this rank's range of it
-    trainer.load_optimizer_state_parts({read_whole_optimizer(dir, trainer)});
-  } else {
-    load_file(dir, "optimizer.pt", trainer.optimizer());
-    trainer.reload_master_weights();
-    if (trainer.uses_master_weights() && std::filesystem::exists(dir / "master_weights.pt")) {
-      std::vector<torch::Tensor> saved;
-      load_file(dir, "master_weights.pt", saved);
-      const auto& masters = trainer.master_parameters();
-      if (saved.size() != masters.size())
-        throw std::invalid_argument("master_weights.pt in '" + dir.string() + "' holds " +
-                                    std::to_string(saved.size()) + " tensors, the policy " +
-                                    std::to_string(masters.size()));
-      torch::NoGradGuard no_grad;
-      for (std::size_t i = 0; i < saved.size(); ++i) masters[i].copy_(saved[i]);
+    from_parts = shards > 0 || group;
+    if (shards > 0) {  // written by `shards` ranks: the parts of their state this rank holds
+      parts = read_shards(dir, trainer, shards);
+    } else if (group) {  // a one-rank checkpoint: this rank's range of it
+      parts = {read_whole_optimizer(dir, trainer)};
+    } else {
+      load_file(dir, "optimizer.pt", trainer.optimizer());
+      trainer.reload_master_weights();
+      if (trainer.uses_master_weights() && std::filesystem::exists(dir / "master_weights.pt")) {
+        std::vector<torch::Tensor> saved;
+        load_file(dir, "master_weights.pt", saved);
+        const auto& masters = trainer.master_parameters();
+        if (saved.size() != masters.size())
+          throw std::invalid_argument("master_weights.pt in '" + dir.string() + "' holds " +
+                                      std::to_string(saved.size()) + " tensors, the policy " +
+                                      std::to_string(masters.size()));
+        torch::NoGradGuard no_grad;
+        for (std::size_t i = 0; i < saved.size(); ++i) masters[i].copy_(saved[i]);
+      }
     }
+  } catch (...) {
+    if (!group) throw;
+    failed = std::current_exception();
   }
+  if (group) {
+    // The highest rank (plus one) that failed to read, 0 when none did.
+    auto worst = torch::tensor({failed ? double(group->rank() + 1) : 0.0},
+                               torch::TensorOptions().dtype(torch::kFloat64).device(group->device()));
+    group->all_reduce(worst, parallel::ReduceOp::max);
+    const int who = int(worst.item<double>()) - 1;
+    if (failed) std::rethrow_exception(failed);
+    if (who >= 0)
+      throw std::invalid_argument("'" + dir.string() + "': trainer rank " + std::to_string(who) + " of group '" +
+                                  group->name() + "' could not read its part of the checkpoint (its error names it)");
+  }
+  if (from_parts) trainer.load_optimizer_state_parts(parts);
   trainer.set_version(st.policy_version);
   return st;
 }

@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <optional>
 #include <cmath>
 
 #include "actors/trainer/checkpoint.hpp"
@@ -93,6 +94,13 @@ Expected<std::vector<Sample>> to_samples(const Envelope& request, TrainerTrain& 
 
 Expected<Envelope> TrainerService::handle(const Envelope& request) {
   auto reply = [&](const auto& value) { return make_envelope(value, Kind::reply, request.receiver, request.sender); };
+  // Rank 0 asked this rank to join a gather of `version`: an error when this rank holds another.
+  auto other_version = [&](int64_t version, const char* verb) -> std::optional<Error> {
+    if (version == s_->trainer->version()) return std::nullopt;
+    return make_error(ErrorCode::remote_error, request.type + ": rank 0 " + verb + " version " +
+                                                   std::to_string(version) + ", this rank holds " +
+                                                   std::to_string(s_->trainer->version()));
+  };
   try {
     if (request.type == TrainerInit::kType) {
       auto init = payload_as<TrainerInit>(request);
@@ -136,10 +144,7 @@ Expected<Envelope> TrainerService::handle(const Envelope& request) {
     if (request.type == TrainerGatherWeights::kType) {
       auto q = payload_as<TrainerGatherWeights>(request);
       if (!q) return q.error();
-      if (q->version != s_->trainer->version())
-        return make_error(ErrorCode::remote_error, "trainer.gather_weights: rank 0 reads version " +
-                                                       std::to_string(q->version) + ", this rank holds " +
-                                                       std::to_string(s_->trainer->version()));
+      if (auto e = other_version(q->version, "reads")) return *e;
       if (auto* ep = s_->policy->expert_parallel()) {
         // hf_state_dict's gathers, in its order (to_hf_state_dict gathers routed_expert_parameters()
         // as it meets them in parameters() order), each dropped on the device: only rank 0
@@ -152,10 +157,7 @@ Expected<Envelope> TrainerService::handle(const Envelope& request) {
     if (request.type == TrainerSyncExperts::kType) {
       auto q = payload_as<TrainerSyncExperts>(request);
       if (!q) return q.error();
-      if (q->version != s_->trainer->version())
-        return make_error(ErrorCode::remote_error, "trainer.sync_experts: rank 0 sends version " +
-                                                       std::to_string(q->version) + ", this rank holds " +
-                                                       std::to_string(s_->trainer->version()));
+      if (auto e = other_version(q->version, "sends")) return *e;
       weight_sync::join_expert_gathers(*s_->policy, sync_expert_slices(*s_->policy, *s_->trainer),
                                        s_->policy->weight_sync_groups(/*hf_names=*/false));
       return reply(TrainerPushed{s_->trainer->version()});

@@ -30,7 +30,10 @@
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
+#include <chrono>
 #include <cmath>
+#include <fstream>
+#include <functional>
 #include <iostream>
 #include <numeric>
 #include <random>
@@ -284,6 +287,46 @@ void run_checkpoint(Groups& g, const TrainerConfig& c) {
   const double err = relative_error(whole_policy(*dp_model), whole_policy(*one_model));
   if (rank == 0) std::cout << "measured checkpoint: parameters after step 3 resumed data-parallel vs one rank: relative error " << err << std::endl;
   expect(err <= kTolerance, "checkpoint: parameters after step 3 resumed data-parallel: relative error " + std::to_string(err));
+  // Damaged copies: every rank refuses at once, naming what is wrong (no rank left waiting in a
+  // collective), and the copy is left as it was.
+  auto refused = [&](const std::string& what, const std::function<void(const fs::path&)>& damage,
+                     const std::string& named) {
+    const fs::path bad = dir.string() + "_" + what;
+    if (rank == 0) {
+      fs::remove_all(bad);
+      fs::copy(dir, bad, fs::copy_options::recursive);
+      damage(bad);
+    }
+    g.world.barrier();
+    auto t = test::debug_model(99);
+    Trainer fresh(t, c, g.world, ExpertParallel{&g.ep, &g.dp});
+    std::string error;
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      (void)load_checkpoint(bad, *t, fresh);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (rank == 0) std::cout << "refused (" << what << ", " << s << " s): " << error << std::endl;
+    expect(!error.empty() && s < 20, "checkpoint " + what + ": not refused within 20 s (" + std::to_string(s) + " s)");
+    expect(error.find(named) != std::string::npos || error.find("could not read its part") != std::string::npos,
+           "checkpoint " + what + ": the error does not name '" + named + "': " + error);
+    g.world.barrier();
+    if (rank == 0) fs::remove_all(bad);
+  };
+  const auto shard0 = std::string("optimizer_shard_00000_of_") + (g.world.size() == 2 ? "00002" : "00004");
+  refused("truncated", [&](const fs::path& d) { fs::resize_file(d / (shard0 + ".pt"), 300); }, shard0 + ".pt");
+  refused("no_ranges", [&](const fs::path& d) { fs::remove(d / (shard0 + ".json")); }, shard0 + ".json");
+  refused("no_buffers", [&](const fs::path& d) { fs::remove(d / "buffers.pt"); }, "buffers.pt");
+  refused("other_ranges", [&](const fs::path& d) {
+    std::ifstream in(d / (shard0 + ".json"));
+    std::string text((std::istreambuf_iterator<char>(in)), {});
+    in.close();
+    const auto at = text.find("[[0,");
+    text.replace(at, 4, "[[1,");
+    std::ofstream(d / (shard0 + ".json")) << text;
+  }, shard0 + ".json");
   g.world.barrier();
   if (rank == 0) fs::remove_all(dir);
 }
