@@ -82,30 +82,8 @@ struct Pair {
   Trainer& sharded;  // over dp
 };
 
-// Every rank's `local` [n] fp64, gathered: [W, n].
-torch::Tensor gather_rows(parallel::Group& g, const torch::Tensor& local) {
-  auto out = torch::empty({g.size() * local.size(0)}, local.options());
-  g.all_gather_into_tensor(out, local.contiguous());
-  return out.reshape({g.size(), local.size(0)});
-}
-
 void check_metrics(Pair& p, const StepMetrics& got, const StepMetrics& want, const std::string& at) {
-  const std::vector<double> values{got.loss,    got.pg_loss,  got.kl,         got.clip_fraction,
-                                   got.entropy, got.grad_norm, got.train_rollout_logprob_abs_diff,
-                                   double(got.loss_tokens), double(got.tokens), double(got.micro_batches),
-                                   double(got.skipped_nonfinite), got.lr};
-  // Bit for bit (NaN == NaN): as integers.
-  auto rows = gather_rows(p.dp, torch::tensor(values, torch::kFloat64)).view(torch::kInt64);
-  for (int r = 1; r < p.dp.size(); ++r)
-    expect(torch::equal(rows[r], rows[0]), at + "metrics of rank " + std::to_string(r) + " differ from rank 0's");
-  expect_close(got.loss, want.loss, at + "loss");
-  expect_close(got.pg_loss, want.pg_loss, at + "pg_loss");
-  expect_close(got.kl, want.kl, at + "kl");
-  expect_close(got.clip_fraction, want.clip_fraction, at + "clip_fraction");
-  expect_close(got.entropy, want.entropy, at + "entropy");
-  expect_close(got.grad_norm, want.grad_norm, at + "grad_norm");
-  expect_close(got.train_rollout_logprob_abs_diff, want.train_rollout_logprob_abs_diff, at + "logprob abs diff");
-  expect(got.loss_tokens == want.loss_tokens && got.tokens == want.tokens, at + "token counts differ");
+  expect_step_metrics(p.dp, got, want, at);
   expect(got.skipped_nonfinite == want.skipped_nonfinite, at + "skip decision differs from one rank's");
 }
 

@@ -1,7 +1,8 @@
 #pragma once
 // Checks shared by the multi-rank trainer workers (dp_worker.cpp, ep_worker.cpp), each a
 // process of tests/parallel/run_workers.py comparing its trainer with a one-rank trainer:
-// counters of checks and failures, and the relative-error comparisons both use.
+// counters of checks and failures, the relative-error comparisons and the step metrics check
+// both use.
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -9,6 +10,10 @@
 #include <iostream>
 #include <sstream>
 #include <string>
+#include <vector>
+
+#include "actors/trainer/trainer_config.hpp"
+#include "parallel/group.hpp"
 
 namespace kiln::test::rank_checks {
 
@@ -35,6 +40,35 @@ inline void expect_close(double got, double want, const std::string& what) {
   std::ostringstream s;
   s << what << ": got " << got << ", one rank " << want << " (relative error " << err << ")";
   expect(err <= kTolerance || got == want || (std::isnan(got) && std::isnan(want)), s.str());
+}
+
+/// Every rank's `local` [n], gathered: [W, n].
+inline torch::Tensor gather_rows(parallel::Group& g, const torch::Tensor& local) {
+  auto out = torch::empty({g.size() * local.size(0)}, local.options());
+  g.all_gather_into_tensor(out, local.contiguous());
+  return out.reshape({g.size(), local.size(0)});
+}
+
+/// A step's metrics: equal on every rank of `g` bit for bit (NaN == NaN: compared as
+/// integers), and each against the one-rank step's `want` (expect_close; token counts equal).
+/// Whether a step may be skipped is the caller's to check.
+inline void expect_step_metrics(parallel::Group& g, const trainer::StepMetrics& got, const trainer::StepMetrics& want,
+                                const std::string& at) {
+  const std::vector<double> values{got.loss,    got.pg_loss,   got.kl,          got.clip_fraction,
+                                   got.entropy, got.grad_norm, got.train_rollout_logprob_abs_diff,
+                                   double(got.loss_tokens), double(got.tokens), double(got.micro_batches),
+                                   double(got.skipped_nonfinite), got.lr};
+  auto rows = gather_rows(g, torch::tensor(values, torch::kFloat64)).view(torch::kInt64);
+  for (int r = 1; r < g.size(); ++r)
+    expect(torch::equal(rows[r], rows[0]), at + "metrics of rank " + std::to_string(r) + " differ from rank 0's");
+  expect_close(got.loss, want.loss, at + "loss");
+  expect_close(got.pg_loss, want.pg_loss, at + "pg_loss");
+  expect_close(got.kl, want.kl, at + "kl");
+  expect_close(got.clip_fraction, want.clip_fraction, at + "clip_fraction");
+  expect_close(got.entropy, want.entropy, at + "entropy");
+  expect_close(got.grad_norm, want.grad_norm, at + "grad_norm");
+  expect_close(got.train_rollout_logprob_abs_diff, want.train_rollout_logprob_abs_diff, at + "logprob abs diff");
+  expect(got.loss_tokens == want.loss_tokens && got.tokens == want.tokens, at + "token counts differ");
 }
 
 }  // namespace kiln::test::rank_checks
