@@ -172,6 +172,7 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   text("placement.reference_device", c.placement.reference_device);
   integer("parallel.dp", c.parallel.dp);
   integer("parallel.ep", c.parallel.ep);
+  boolean("parallel.fsdp", t.fsdp);
   integer("parallel.master_port", c.parallel.master_port);
   integer("parallel.store_timeout_s", c.parallel.store_timeout_s);
   integer("parallel.collective_timeout_s", c.parallel.collective_timeout_s);

@@ -29,6 +29,19 @@ struct ForwardOutput {
   torch::Tensor routed_experts;  ///< [T, L, K] int64 (descending biased score), if asked or replayed
 };
 
+/// What a trainer runs around each decoder layer of CausalLM::forward (fully sharded data
+/// parallel: gather a layer's parameters before it runs, free them after; hook the backward).
+/// x: [T, D], the hidden states entering / leaving layer `layer` (0-based, in order); each
+/// returns x itself or an autograd identity of it. Called with and without grad mode, outside
+/// activation checkpointing's recomputed region (a checkpointed layer is called once per
+/// forward from the hooks' view).
+class LayerHooks {
+ public:
+  virtual ~LayerHooks() = default;
+  virtual torch::Tensor before_layer(int64_t layer, const torch::Tensor& x) = 0;
+  virtual torch::Tensor after_layer(int64_t layer, const torch::Tensor& x) = 0;
+};
+
 class CausalLM : public torch::nn::Module {
  public:
   /// Packed forward: no token attends across a document boundary. Throws
@@ -100,6 +113,15 @@ class CausalLM : public torch::nn::Module {
   void set_activation_checkpointing(bool on) { checkpoint_layers_ = on; }
   bool activation_checkpointing() const { return checkpoint_layers_; }
 
+  /// Each decoder layer's parameters (a subset of parameters(), in its order; with expert
+  /// parallel the routed experts' slices included), layer by layer: the units fully sharded
+  /// data parallel gathers. Empty: the model cannot be sharded by layer (the default).
+  virtual std::vector<std::vector<torch::Tensor>> decoder_layer_parameters() { return {}; }
+  /// Hooks forward() calls around every decoder layer (held by pointer; nullptr: none). A model
+  /// whose decoder_layer_parameters() is not empty must call them (layer_hooks()).
+  void set_layer_hooks(LayerHooks* hooks) { layer_hooks_ = hooks; }
+  LayerHooks* layer_hooks() const { return layer_hooks_; }
+
   /// Casts parameters to `dtype`, keeping what must stay fp32 (router bias) in fp32.
   virtual void to_dtype(torch::Dtype dtype) = 0;
 
@@ -109,6 +131,7 @@ class CausalLM : public torch::nn::Module {
   torch::Tensor token_logprobs(const ForwardOutput& out, const torch::Tensor& targets, int64_t chunk = 1024);
  protected:
   bool checkpoint_layers_ = false;  ///< set_activation_checkpointing
+  LayerHooks* layer_hooks_ = nullptr;  ///< set_layer_hooks
 };
 
 }  // namespace kiln::model

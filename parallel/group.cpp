@@ -1,5 +1,6 @@
 #include "parallel/group.hpp"
 
+#include <functional>
 #include <numeric>
 
 namespace kiln::parallel {
@@ -85,6 +86,10 @@ void Group::all_reduce(torch::Tensor& tensor, ReduceOp op) {
 }
 
 void Group::reduce_scatter(torch::Tensor& output, const torch::Tensor& input) {
+  wait(start_reduce_scatter(output, input), "reduce_scatter");
+}
+
+c10::intrusive_ptr<c10d::Work> Group::start_reduce_scatter(torch::Tensor& output, const torch::Tensor& input) {
   check_tensor(output, "reduce_scatter", "output");
   check_tensor(input, "reduce_scatter", "input");
   if (input.scalar_type() != output.scalar_type() || !same_trailing(input, output) ||
@@ -95,10 +100,14 @@ void Group::reduce_scatter(torch::Tensor& output, const torch::Tensor& input) {
   auto in = input;  // c10d takes a non-const reference; it does not write the input
   c10d::ReduceScatterOptions opts;
   opts.timeout = timeout_;
-  wait(backend_->_reduce_scatter_base(output, in, opts), "reduce_scatter");
+  return started("reduce_scatter", [&] { return backend_->_reduce_scatter_base(output, in, opts); });
 }
 
 void Group::all_gather_into_tensor(torch::Tensor& output, const torch::Tensor& input) {
+  wait(start_all_gather_into_tensor(output, input), "all_gather_into_tensor");
+}
+
+c10::intrusive_ptr<c10d::Work> Group::start_all_gather_into_tensor(torch::Tensor& output, const torch::Tensor& input) {
   check_tensor(output, "all_gather_into_tensor", "output");
   check_tensor(input, "all_gather_into_tensor", "input");
   if (input.scalar_type() != output.scalar_type() || !same_trailing(input, output) ||
@@ -109,7 +118,7 @@ void Group::all_gather_into_tensor(torch::Tensor& output, const torch::Tensor& i
   auto in = input;
   c10d::AllgatherOptions opts;
   opts.timeout = timeout_;
-  wait(backend_->_allgather_base(output, in, opts), "all_gather_into_tensor");
+  return started("all_gather_into_tensor", [&] { return backend_->_allgather_base(output, in, opts); });
 }
 
 void Group::all_to_all(torch::Tensor& output, const torch::Tensor& input, const std::vector<int64_t>& output_rows,
@@ -152,10 +161,24 @@ c10::intrusive_ptr<c10d::Work> Group::start_broadcast(torch::Tensor& tensor, int
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   opts.timeout = timeout_;
+  return started("broadcast", [&] { return backend_->broadcast(tensors, opts); });
+}
+
+c10::intrusive_ptr<c10d::Work> Group::started(const char* op,
+                                              const std::function<c10::intrusive_ptr<c10d::Work>()>& start) const {
   try {
-    return backend_->broadcast(tensors, opts);
+    return start();
   } catch (const c10::Error& e) {
-    throw CollectiveError("broadcast on " + where() + " failed to start: " + e.what_without_backtrace());
+    throw CollectiveError(std::string(op) + " on " + where() + " failed to start: " + e.what_without_backtrace());
+  }
+}
+
+void Group::finish_on_stream(const c10::intrusive_ptr<c10d::Work>& work, const char* op) const {
+  if (!device_.is_cuda()) return wait(work, op);
+  try {
+    work->wait();  // no timeout: ProcessGroupNCCL orders the current stream behind it, no host wait
+  } catch (const c10::Error& e) {
+    throw CollectiveError(std::string(op) + " on " + where() + " failed: " + e.what_without_backtrace());
   }
 }
 

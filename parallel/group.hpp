@@ -19,6 +19,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -77,10 +78,22 @@ class Group {
   /// read, write nor free `tensor` before finish() returned for the result. Same arguments and
   /// errors as broadcast() (bad arguments are thrown here, failures by finish()).
   c10::intrusive_ptr<c10d::Work> start_broadcast(torch::Tensor& tensor, int root);
+  /// Starts reduce_scatter(output, input), as start_broadcast does: touch neither tensor before
+  /// finish() or finish_on_stream() returned for the result.
+  c10::intrusive_ptr<c10d::Work> start_reduce_scatter(torch::Tensor& output, const torch::Tensor& input);
+  /// Starts all_gather_into_tensor(output, input), as start_broadcast does.
+  c10::intrusive_ptr<c10d::Work> start_all_gather_into_tensor(torch::Tensor& output, const torch::Tensor& input);
   /// Waits for a started collective `op` ("broadcast", ...) as the blocking calls do: returns
   /// once it completed on this rank; throws CollectiveError when it failed or the group's
   /// timeout passed.
   void finish(const c10::intrusive_ptr<c10d::Work>& work, const char* op) const { wait(work, op); }
+  /// Orders the work queued after this call behind a started collective `op` without holding
+  /// the host where the backend allows it: NCCL makes the current CUDA stream wait for the
+  /// collective's stream (the host goes on queueing kernels; a lost peer surfaces through
+  /// ProcessGroupNCCL's watchdog, which aborts the communicator after the group's timeout);
+  /// Gloo (CPU) waits on the host as finish() does. Throws CollectiveError when the collective
+  /// already failed.
+  void finish_on_stream(const c10::intrusive_ptr<c10d::Work>& work, const char* op) const;
 
   /// Returns once every rank of the group reached it.
   void barrier();
@@ -88,6 +101,9 @@ class Group {
  private:
   void check_tensor(const torch::Tensor& t, const char* op, const char* arg) const;
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* op) const;
+  /// start(), its c10::Error (a backend that refuses to queue) as a CollectiveError naming `op`.
+  c10::intrusive_ptr<c10d::Work> started(const char* op,
+                                         const std::function<c10::intrusive_ptr<c10d::Work>()>& start) const;
   std::string where() const;
 
   std::string name_;

@@ -117,13 +117,35 @@ torch::Tensor ShardedAdamW::flatten(Pick pick, std::vector<int64_t>* has) const 
 }
 
 void ShardedAdamW::reduce_gradients() {
+  start_reduce_gradients();
+  finish_reduce_gradients();
+}
+
+void ShardedAdamW::start_reduce_gradients() {
   std::vector<int64_t> has;
   auto flat = flatten([&](std::size_t i) { return params_[i].grad(); }, &has);  // [W*S]
+  if (has_gradient_.empty()) has_gradient_.assign(params_.size(), 0);
+  for (std::size_t i = 0; i < has.size(); ++i) has_gradient_[i] |= has[i];
+  auto out = torch::empty_like(grad_shard_);
+  auto work = group_.start_reduce_scatter(out, flat);  // [W*S] summed -> this rank's [S]
+  reductions_.push_back(Reduction{std::move(work), std::move(flat), std::move(out)});
+}
+
+void ShardedAdamW::finish_reduce_gradients() {
+  {
+    torch::NoGradGuard no_grad;
+    auto pending = std::move(reductions_);
+    reductions_.clear();
+    for (auto& r : pending) {
+      group_.finish_on_stream(r.work, "reduce_scatter");
+      grad_shard_.add_(r.output);
+    }
+  }
   // Which parameters have a gradient on some rank: torch's AdamW skips the others.
-  auto any = torch::tensor(has, torch::kInt64).to(group_.device());
+  if (has_gradient_.empty()) has_gradient_.assign(params_.size(), 0);
+  auto any = torch::tensor(has_gradient_, torch::kInt64).to(group_.device());
   group_.all_reduce(any, parallel::ReduceOp::max);
   any = any.to(torch::kCPU);
-  group_.reduce_scatter(grad_shard_, flat);  // [W*S] summed -> this rank's [S]
   for (std::size_t k = 0; k < pieces_.size(); ++k)
     masters_[k].mutable_grad() = any[int64_t(pieces_[k].param)].item<int64_t>()
                                      ? grad_shard_.narrow(0, pieces_[k].shard_offset, pieces_[k].length)
@@ -148,10 +170,10 @@ double ShardedAdamW::clip_gradients(double max_norm) {
   return norm.item<double>();
 }
 
-void ShardedAdamW::step(double lr) {
+void ShardedAdamW::step(double lr, bool gather) {
   for (auto& g : adamw_->param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
   fused_adamw_step(*adamw_);
-  gather_parameters();
+  if (gather) gather_parameters();
 }
 
 void ShardedAdamW::gather_parameters() {
@@ -176,6 +198,8 @@ std::vector<FlatPiece> ShardedAdamW::pieces() const {
 }
 
 void ShardedAdamW::zero_grad() {
+  reductions_.clear();  // a step given up part-way (an error) leaves none behind
+  has_gradient_.assign(params_.size(), 0);
   grad_shard_.zero_();
   for (auto& m : masters_) m.mutable_grad() = torch::Tensor();
 }

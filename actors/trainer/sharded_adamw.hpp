@@ -63,9 +63,20 @@ class ShardedAdamW {
   ShardedAdamW(std::vector<torch::Tensor> params, parallel::Group& group, torch::optim::AdamWOptions options);
 
   /// Collective. The parameters' gradients (policy dtype; undefined = none on this rank) are
-  /// summed over the group into this rank's fp32 shard; the parameters' own gradients are
-  /// left as they are.
+  /// summed over the group and added to this rank's fp32 shard (zero after zero_grad); the
+  /// parameters' own gradients are left as they are. start_reduce_gradients() then
+  /// finish_reduce_gradients().
   void reduce_gradients();
+  /// Collective. Starts the reduce-scatter of the parameters' gradients as they are now (read
+  /// before this returns: the caller may drop them at once) and returns without waiting, so
+  /// that the backward goes on meanwhile. May be called several times per step (micro-batches,
+  /// each layer's gradients as its backward ends): the shard receives the sum of all.
+  void start_reduce_gradients();
+  /// Collective. Waits for every started reduce-scatter (on the device: the current stream
+  /// waits, see parallel::Group::finish_on_stream), adds them to the shard, and gives each
+  /// master its gradient, or none where no rank had a gradient for its parameter in any of
+  /// them (torch's AdamW skips those). Throws parallel::CollectiveError when one failed.
+  void finish_reduce_gradients();
   /// Collective. The L2 norm of the whole (summed) gradient; the shard is scaled by
   /// min(1, max_norm / (norm + 1e-6)). Returns the norm (NaN or inf when a gradient is).
   double clip_gradients(double max_norm);
@@ -75,8 +86,9 @@ class ShardedAdamW {
   /// Not collective: the shard's gradient times `coefficient` ([1] fp32).
   void scale_gradients(const torch::Tensor& coefficient);
   /// Collective. One AdamW step at `lr` on this rank's masters (fused_adamw_step), then every
-  /// parameter is all-gathered from the shards (gather_parameters).
-  void step(double lr);
+  /// parameter is all-gathered from the shards (gather_parameters) unless `gather` is false
+  /// (the caller gathers them its own way, e.g. FullyShardedLayers; not collective then).
+  void step(double lr, bool gather = true);
   /// Collective. Every parameter all-gathered from the ranks' masters, rounded to its dtype
   /// (before the gather when all parameters share a dtype: bf16 moves half the bytes of fp32;
   /// one at::_foreach_copy_ after it): what step() does after the update; after masters were
@@ -93,6 +105,8 @@ class ShardedAdamW {
   const std::vector<torch::Tensor>& masters() const { return masters_; }
   /// [S] fp32: this rank's shard of the summed (after clip_gradients: clipped) gradient.
   const torch::Tensor& gradient_shard() const { return grad_shard_; }
+  /// [S] fp32: this rank's shard of the fp32 master weights (masters() are views of it).
+  const torch::Tensor& master_shard() const { return master_shard_; }
   int64_t numel() const { return numel_; }        ///< N
   /// The flat offset of parameter `i` (of the constructor's `params`).
   int64_t param_offset(std::size_t i) const { return offsets_.at(i); }
@@ -125,6 +139,13 @@ class ShardedAdamW {
   std::vector<Piece> pieces_;
   std::vector<torch::Tensor> masters_;
   std::unique_ptr<torch::optim::AdamW> adamw_;
+  /// Started reduce-scatters: the work, its input [W*S] and output [S] (alive until it ends).
+  struct Reduction {
+    c10::intrusive_ptr<c10d::Work> work;
+    torch::Tensor input, output;
+  };
+  std::vector<Reduction> reductions_;
+  std::vector<int64_t> has_gradient_;  ///< [P] 1 where some started reduction had a gradient
 };
 
 }  // namespace kiln::trainer

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <unordered_map>
 #include <stdexcept>
 
 #include "actors/trainer/fused_adamw.hpp"
@@ -152,14 +153,13 @@ void sum_over(parallel::Group& group, std::vector<double>& values) {
   std::memcpy(values.data(), t.data_ptr<double>(), values.size() * sizeof(double));
 }
 
-// Expert parallel: how many micro-batches this rank runs, the most of any rank of the model's
-// ep group (an all-reduce), so that every rank enters the MoE's all-to-alls equally often;
-// without expert parallel its own count.
-std::size_t micro_batch_count(model::CausalLM& m, std::size_t mine) {
-  auto* ep = m.expert_parallel();
-  if (!ep) return mine;
-  auto t = torch::full({1}, int64_t(mine), torch::kInt64).to(ep->device());
-  ep->all_reduce(t, parallel::ReduceOp::max);
+// How many micro-batches this rank runs: the most of any rank of `group` (an all-reduce) —
+// the model's ep group, so that every rank enters the MoE's all-to-alls equally often, or the
+// data-parallel group of a fully sharded trainer (every layer's gathers); without one its own.
+std::size_t micro_batch_count(parallel::Group* group, std::size_t mine) {
+  if (!group) return mine;
+  auto t = torch::full({1}, int64_t(mine), torch::kInt64).to(group->device());
+  group->all_reduce(t, parallel::ReduceOp::max);
   return std::size_t(t.to(torch::kCPU).item<int64_t>());
 }
 
@@ -245,7 +245,7 @@ Trainer::Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config, 
   }
   const auto options = torch::optim::AdamWOptions(c_.lr).betas({c_.beta1, c_.beta2}).weight_decay(c_.weight_decay);
   if (dp_) {  // fp32 masters and AdamW state of this rank's shard only
-    sharded_ = std::make_unique<ShardedAdamW>(params_, *dp_, options);
+    shard_state(std::vector<bool>(params_.size(), false), options);
     return;
   }
   for (const auto& p : params_)
@@ -289,13 +289,11 @@ Trainer::Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config, 
   for (std::size_t i = 0; i < params_.size(); ++i)
     if (params_[i].scalar_type() != torch::kFloat32) low_precision_.push_back(i);
   global_offset_.assign(params_.size(), 0);
-  std::vector<torch::Tensor> dense, experts = policy_->routed_expert_parameters();
+  const auto experts = policy_->routed_expert_parameters();
   std::vector<bool> is_expert(params_.size(), false);
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const auto& p = params_[i];
     is_expert[i] = std::any_of(experts.begin(), experts.end(), [&](const torch::Tensor& e) { return e.is_same(p); });
-    (is_expert[i] ? expert_index_ : dense_index_).push_back(i);
-    if (!is_expert[i]) dense.push_back(p);
   }
   // The whole model's flat index: an expert slice stands for ep size slices of its shape.
   int64_t offset = 0;
@@ -305,13 +303,62 @@ Trainer::Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config, 
   }
   global_numel_ = offset;
   const auto options = torch::optim::AdamWOptions(c_.lr).betas({c_.beta1, c_.beta2}).weight_decay(c_.weight_decay);
-  sharded_ = std::make_unique<ShardedAdamW>(dense, *dp_, options);  // makes the dense parameters rank 0's
-  expert_sharded_ = std::make_unique<ShardedAdamW>(experts, *ep_.replicas, options);
+  shard_state(is_expert, options);  // makes the dense parameters rank 0's
+}
+
+Trainer::~Trainer() {
+  if (fsdp_) policy_->set_layer_hooks(nullptr);
+}
+
+void Trainer::shard_state(const std::vector<bool>& is_expert, const torch::optim::AdamWOptions& options) {
+  // Fully sharded: each decoder layer's parameters (not its expert-parallel experts) a unit.
+  std::vector<std::vector<std::pair<std::size_t, torch::Tensor>>> layers;
+  std::vector<bool> in_layer(params_.size(), false);
+  if (c_.fsdp) {
+    const auto by_layer = policy_->decoder_layer_parameters();
+    if (by_layer.empty())
+      throw std::invalid_argument(
+          "parallel.fsdp: this policy's model family does not list its decoder layers' parameters "
+          "(CausalLM::decoder_layer_parameters), so it cannot be sharded by layer");
+    std::unordered_map<const void*, std::size_t> where;
+    for (std::size_t i = 0; i < params_.size(); ++i) where[params_[i].unsafeGetTensorImpl()] = i;
+    for (const auto& layer : by_layer) {
+      layers.emplace_back();
+      for (const auto& t : layer) {
+        const auto it = where.find(t.unsafeGetTensorImpl());
+        if (it == where.end())
+          throw std::invalid_argument("parallel.fsdp: decoder layer " + std::to_string(layers.size() - 1) +
+                                      " lists a tensor that is not one of the policy's parameters");
+        if (is_expert[it->second]) continue;
+        in_layer[it->second] = true;
+        layers.back().emplace_back(it->second, params_[it->second]);
+      }
+    }
+  }
+  std::vector<torch::Tensor> dense, experts;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    if (in_layer[i]) continue;
+    (is_expert[i] ? expert_index_ : dense_index_).push_back(i);
+    (is_expert[i] ? experts : dense).push_back(params_[i]);
+  }
+  sharded_ = std::make_unique<ShardedAdamW>(dense, *dp_, options);
+  parts_.push_back(Part{sharded_.get(), dense_index_, false});
+  if (!layers.empty()) {
+    fsdp_ = std::make_unique<FullyShardedLayers>(layers, *dp_, options);
+    for (std::size_t u = 0; u < fsdp_->units(); ++u) parts_.push_back(Part{&fsdp_->optimizer(u), fsdp_->index(u), true});
+    policy_->set_layer_hooks(fsdp_.get());
+  }
+  if (ep_.replicas) {
+    expert_sharded_ = std::make_unique<ShardedAdamW>(experts, *ep_.replicas, options);
+    parts_.push_back(Part{expert_sharded_.get(), expert_index_, false});
+  }
 }
 
 void Trainer::reload_master_weights() {
-  if (expert_sharded_) expert_sharded_->reload_from_parameters();
-  if (sharded_) return sharded_->reload_from_parameters();
+  if (dp_) {
+    for (auto& part : parts_) part.optimizer->reload_from_parameters();
+    return;
+  }
   torch::NoGradGuard no_grad;
   for (auto i : low_precision_) masters_[i].copy_(params_[i]);
 }
@@ -341,18 +388,29 @@ std::vector<std::pair<int64_t, int64_t>> runs_of(const std::vector<FlatPiece>& p
 }  // namespace
 
 std::vector<Trainer::GlobalPieces> Trainer::global_pieces() {
-  if (!sharded_) return {{optimizer_.get(), whole_pieces(masters_)}};
-  if (!expert_sharded_) return {{&sharded_->optimizer(), sharded_->pieces()}};  // the same index
-  // Expert parallel: each optimizer's own index translated into the whole model's.
-  auto translate = [&](ShardedAdamW& opt, const std::vector<std::size_t>& index) {
-    GlobalPieces g{&opt.optimizer(), {}};
-    for (const auto& p : opt.pieces()) {
-      const std::size_t i = index[p.param];
-      g.pieces.push_back(FlatPiece{i, global_offset_[i] + (p.offset - opt.param_offset(p.param)), p.master});
+  if (!dp_) return {{optimizer_.get(), whole_pieces(masters_)}};
+  // Each optimizer's own index translated into the whole model's.
+  std::vector<GlobalPieces> out;
+  for (auto& part : parts_) {
+    GlobalPieces g{&part.optimizer->optimizer(), {}};
+    for (const auto& p : part.optimizer->pieces()) {
+      const std::size_t i = part.index[p.param];
+      g.pieces.push_back(FlatPiece{i, global_offset_[i] + (p.offset - part.optimizer->param_offset(p.param)), p.master});
     }
-    return g;
-  };
-  return {translate(*sharded_, dense_index_), translate(*expert_sharded_, expert_index_)};
+    out.push_back(std::move(g));
+  }
+  return out;
+}
+
+torch::Tensor Trainer::whole_gradient() {
+  auto device = dp_ ? dp_->device() : params_.empty() ? torch::Device(torch::kCPU) : params_.front().device();
+  auto out = torch::zeros({global_numel_}, torch::TensorOptions(torch::kFloat32).device(device));
+  torch::NoGradGuard no_grad;
+  for (auto& g : global_pieces())
+    for (const auto& p : g.pieces)
+      if (p.master.grad().defined()) out.narrow(0, p.offset, p.master.numel()).copy_(p.master.grad().reshape({-1}));
+  if (dp_) dp_->all_reduce(out);  // each element is held by exactly one rank
+  return out.to(torch::kCPU);
 }
 
 std::vector<FlatAdamWState> Trainer::optimizer_state_parts() {
@@ -376,10 +434,19 @@ std::vector<std::pair<int64_t, int64_t>> Trainer::optimizer_ranges() {
 
 void Trainer::load_optimizer_state_parts(const std::vector<FlatAdamWState>& parts) {
   for (auto& g : global_pieces()) write_flat_state(*g.optimizer, g.pieces, parts);
-  if (expert_sharded_) expert_sharded_->gather_parameters();
-  if (sharded_) return sharded_->gather_parameters();
+  if (dp_) {
+    for (auto& part : parts_)
+      if (!part.unit) part.optimizer->gather_parameters();
+    if (fsdp_) fsdp_->gather_all();
+    return;
+  }
   torch::NoGradGuard no_grad;  // fp32 policies: the masters are the parameters
   for (auto i : low_precision_) params_[i].copy_(masters_[i]);
+}
+
+void Trainer::zero_optimizer_gradients() {
+  if (!dp_) return optimizer_->zero_grad();
+  for (auto& part : parts_) part.optimizer->zero_grad();
 }
 
 double Trainer::current_lr() const {
@@ -416,14 +483,14 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
   const double normalizer =
       aggregation_from_string(c_.loss.aggregation) == Aggregation::token_mean ? counts[0] : counts[2];
   auto sample_tokens_t = torch::tensor(sample_tokens, torch::kFloat32);
-  if (sharded_) sharded_->zero_grad();
-  else optimizer_->zero_grad();
-  if (expert_sharded_) expert_sharded_->zero_grad();
-  if (uses_master_weights() || sharded_) policy_->zero_grad();
+  zero_optimizer_gradients();
+  if (uses_master_weights() || dp_) policy_->zero_grad();
   // This rank's sums: loss, pg, kl, clipped tokens, entropy, |old - behaviour|, micro-batches.
   std::vector<double> sums(7, 0.0);
   auto plan = plan_micro_batches(samples, mine, c_.logprobs.max_tokens_per_microbatch);
-  plan.resize(micro_batch_count(*policy_, plan.size()));  // expert parallel: padded to the ep group's most
+  // Expert parallel: padded to the ep group's most; fully sharded: to the data-parallel group's.
+  plan.resize(micro_batch_count(fsdp_ ? dp_ : policy_->expert_parallel(), plan.size()));
+  if (fsdp_) fsdp_->reshard();
   for (const auto& idx : plan) {
     if (idx.empty()) {  // padding: the all-to-alls of a forward and backward, gradients + 0
       (padding_forward(*policy_).sum() * 0).backward();
@@ -478,27 +545,29 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
   m.train_rollout_logprob_abs_diff = sums[5] / tokens;
   m.micro_batches = int64_t(sums[6]);
   const double max_norm = c_.grad_clip > 0 ? c_.grad_clip : 1e30;
-  if (expert_sharded_) {
-    // The one-rank trainer has a gradient for every expert tensor (every layer sees the
-    // batch's tokens); a slice no row reached on this rank has none yet: it is zero.
-    for (auto& w : policy_->routed_expert_parameters())
-      if (!w.grad().defined()) w.mutable_grad() = torch::zeros_like(w);
-    sharded_->reduce_gradients();
-    expert_sharded_->reduce_gradients();
-    policy_->zero_grad();
-    // One norm over the whole model: dense shards (over all ranks) plus expert shards (over
-    // their replicas, each ep slice once): the world sum of both squared sums.
-    auto squares = sharded_->shard_squared_norm() + expert_sharded_->shard_squared_norm();  // [1]
+  if (dp_) {
+    if (expert_sharded_) {
+      // The one-rank trainer has a gradient for every expert tensor (every layer sees the
+      // batch's tokens); a slice no row reached on this rank has none yet: it is zero.
+      for (auto& w : policy_->routed_expert_parameters())
+        if (!w.grad().defined()) w.mutable_grad() = torch::zeros_like(w);
+    }
+    for (auto& part : parts_)
+      if (!part.unit) part.optimizer->reduce_gradients();
+    if (fsdp_) fsdp_->finish_reduce_gradients();  // the layers' reductions, started in the backward
+    policy_->zero_grad();  // the full local gradients are in the shards now
+    // One norm over the whole model: every optimizer's shard (dense and layers over all ranks,
+    // experts over their replicas, each ep slice once): the world sum of their squared sums.
+    torch::Tensor squares;  // [1]
+    for (auto& part : parts_) {
+      auto s = part.optimizer->shard_squared_norm();
+      squares = squares.defined() ? squares + s : s;
+    }
     dp_->all_reduce(squares);
     auto norm = squares.sqrt();
     const auto coefficient = torch::clamp(max_norm / (norm + 1e-6), std::nullopt, 1.0);
-    sharded_->scale_gradients(coefficient);
-    expert_sharded_->scale_gradients(coefficient);
+    for (auto& part : parts_) part.optimizer->scale_gradients(coefficient);
     m.grad_norm = norm.item<double>();
-  } else if (sharded_) {
-    sharded_->reduce_gradients();
-    policy_->zero_grad();  // the full local gradients are in the shards now
-    m.grad_norm = sharded_->clip_gradients(max_norm);
   } else {
     std::vector<torch::Tensor> to, from;  // bf16 gradients -> fp32 master gradients, one launch
     for (auto i : low_precision_)
@@ -521,13 +590,12 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
   }
   m.skipped_nonfinite = !m.skip_reason.empty();
   if (m.skipped_nonfinite) {  // nothing applied: parameters, AdamW's moments and step count, lr, version
-    if (sharded_) sharded_->zero_grad();
-    else optimizer_->zero_grad();
-    if (expert_sharded_) expert_sharded_->zero_grad();
+    zero_optimizer_gradients();
     if (uses_master_weights()) policy_->zero_grad();
-  } else if (sharded_) {
-    sharded_->step(m.lr);
-    if (expert_sharded_) expert_sharded_->step(m.lr);
+    if (fsdp_) fsdp_->gather_all();  // the layers whole again, as they were
+  } else if (dp_) {
+    for (auto& part : parts_) part.optimizer->step(m.lr, /*gather=*/!part.unit);
+    if (fsdp_) fsdp_->gather_all();
     ++version_;
   } else {
     for (auto& g : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(m.lr);
@@ -584,7 +652,7 @@ std::vector<std::vector<float>> completion_logprobs(model::CausalLM& model, cons
   torch::NoGradGuard no_grad;
   std::vector<std::vector<float>> out(samples.size());
   auto plan = plan_micro_batches(samples, max_tokens_per_microbatch);
-  plan.resize(micro_batch_count(model, plan.size()));  // expert parallel: padded to the ep group's most
+  plan.resize(micro_batch_count(model.expert_parallel(), plan.size()));  // expert parallel: padded to the ep group's most
   for (const auto& idx : plan) {
     if (idx.empty()) {  // padding: the MoE's all-to-alls only
       padding_forward(model);

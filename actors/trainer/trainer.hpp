@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "actors/trainer/fully_sharded.hpp"
 #include "actors/trainer/losses.hpp"
 #include "actors/trainer/sharded_adamw.hpp"
 #include "actors/trainer/trainer_config.hpp"
@@ -83,6 +84,19 @@ class Trainer {
   /// refuses the split (CausalLM::set_expert_parallel).
   Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config, parallel::Group& data_parallel,
           ExpertParallel expert_parallel);
+  /// Both constructors with config.fsdp and a data-parallel group: each decoder layer's
+  /// parameters (CausalLM::decoder_layer_parameters; with expert parallel not its routed
+  /// experts, which stay split over ep) are fully sharded over `data_parallel`
+  /// (FullyShardedLayers, installed as the policy's layer hooks): during train_step a rank holds
+  /// 1/W of them and gathers each layer as the forward and the backward reach it; every rank
+  /// runs as many micro-batches as the rank of `data_parallel` with the most (padding as for
+  /// expert parallel). The other dense parameters (embedding, final norm, head) are sharded as
+  /// without it (ZeRO-2). Between steps the policy is whole. Throws std::invalid_argument when
+  /// the policy's family lists no decoder layers. A step that throws part-way (a lost rank)
+  /// leaves the layers' parameters freed: the trainer is then unusable (resume from a checkpoint).
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
   /// One optimizer step on `samples` (one PPO epoch: the old policy is the current one, so
   /// the ratio starts at 1 and TIS weighs stale samples by exp(old - behaviour)). Samples with
   /// old_logprobs use those as pi_old (all samples or none).
@@ -124,6 +138,13 @@ class Trainer {
   /// With expert parallel: the optimizer of this rank's expert slices (routed_expert_parameters()
   /// in order), sharded over expert_parallel().replicas; otherwise nullptr.
   const ShardedAdamW* expert_optimizer() const { return expert_sharded_.get(); }
+  /// The layers' fully sharded state (nullptr unless config.fsdp with a data-parallel group).
+  const FullyShardedLayers* fully_sharded() const { return fsdp_.get(); }
+  /// The whole model's gradient of the last step ([optimizer_numel()] fp32 on the CPU, the flat
+  /// index below; after clipping when it clipped): every rank's shards summed over the
+  /// data-parallel group (collective; each element is held by one rank), or the one-rank
+  /// masters' gradients. Zeros where no rank had a gradient. For tests and diagnostics.
+  torch::Tensor whole_gradient();
   /// The expert-parallel groups (both nullptr without expert parallel).
   const ExpertParallel& expert_parallel() const { return ep_; }
   /// Re-reads the masters from the policy (after its weights were loaded from a checkpoint).
@@ -167,6 +188,18 @@ class Trainer {
     std::vector<FlatPiece> pieces;  ///< param: index in parameters(); offset: in the whole model's index
   };
   std::vector<GlobalPieces> global_pieces();
+  /// The sharded optimizers' state over dp_ (dense, layer units, experts) and the parts list.
+  void shard_state(const std::vector<bool>& is_expert, const torch::optim::AdamWOptions& options);
+  void zero_optimizer_gradients();
+  std::unique_ptr<FullyShardedLayers> fsdp_;  ///< config.fsdp: the decoder layers' units
+  /// Every sharded optimizer with the params_ indices of its parameters; `unit`: a layer's
+  /// (gathered by fsdp_, not by the optimizer).
+  struct Part {
+    ShardedAdamW* optimizer;
+    std::vector<std::size_t> index;
+    bool unit;
+  };
+  std::vector<Part> parts_;
 };
 
 /// The trainer of this rank of `ranks`' mesh (dimensions "dp" and "ep"; kiln run's trainer

@@ -55,9 +55,12 @@ struct TrainerConfig {
   /// policy's layers keep only their inputs and run again in the backward (long packs in less
   /// memory, one more forward of the layers per step; the same loss and gradients).
   bool activation_checkpointing = false;
+  /// Fully sharded data parallel for the decoder layers over the data-parallel ranks (experiment
+  /// key parallel.fsdp; Trainer, FullyShardedLayers): no effect on one rank.
+  bool fsdp = false;
   PolicyLossConfig loss;
   MSGPACK_DEFINE_MAP(logprobs, lr, weight_decay, beta1, beta2, grad_clip, lr_schedule, warmup_steps, total_steps,
-                     min_lr_ratio, recompute_old_logprobs, activation_checkpointing, loss);
+                     min_lr_ratio, recompute_old_logprobs, activation_checkpointing, fsdp, loss);
 
   /// What a field is called where the settings came from, for error messages: e.g.
   /// "experiment: key 'algorithm.lr'" for "lr". Default: "trainer config: lr".

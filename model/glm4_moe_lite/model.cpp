@@ -100,8 +100,9 @@ ForwardOutput Glm4MoeLiteModel::forward(const PackedBatch& batch, const ForwardO
     replay_all = r.to(dev, torch::kInt64);
   }
   auto x = embed(batch.input_ids.to(dev));  // [T, D]
-  int64_t moe_index = 0;
+  int64_t moe_index = 0, layer_index = 0;
   for (auto& layer : layers) {
+    if (layer_hooks_) x = layer_hooks_->before_layer(layer_index, x);
     std::optional<torch::Tensor> replay;
     torch::Tensor chosen;
     if (layer->is_moe() && replay_all) replay = replay_all->select(1, moe_index);  // [T, K]
@@ -117,6 +118,8 @@ ForwardOutput Glm4MoeLiteModel::forward(const PackedBatch& batch, const ForwardO
     } else {
       x = layer(x, positions, cu_dev, max_seqlen, replay, want_chosen ? &chosen : nullptr);
     }
+    if (layer_hooks_) x = layer_hooks_->after_layer(layer_index, x);
+    ++layer_index;
     if (layer->is_moe()) {
       if (want_ids) ids.push_back(chosen);
       ++moe_index;

@@ -67,6 +67,11 @@ class Glm4MoeLiteModel : public CausalLM {
   parallel::Group* expert_parallel() const override { return ep_; }
   ExpertSlice expert_slice() const override { return experts_; }
   std::vector<torch::Tensor> routed_expert_parameters() override;
+  std::vector<std::vector<torch::Tensor>> decoder_layer_parameters() override {
+    std::vector<std::vector<torch::Tensor>> out;
+    for (auto& l : layers) out.push_back(l->parameters());
+    return out;
+  }
   std::vector<std::vector<std::string>> weight_sync_groups(bool hf_names = true) const override;
   void set_absorbed_decode(bool on) override {
     for (auto& l : layers) l->attn->set_absorbed_decode(on);

@@ -25,6 +25,11 @@
 //                  dp W: the next step equals the reference's; a shard missing is refused by name
 //   checkpoint_bf16  a bf16 policy's sharded checkpoint, reloaded at the same ranks and via a
 //                  one-rank trainer's checkpoint: the next step bit for bit as without them
+//   activation_checkpointing  token_mean with activation checkpointing per layer (both trainers)
+//   fsdp_CASE      CASE with the dp trainers fully sharded (parallel.fsdp: the decoder layers
+//                  gathered layer by layer in the forward and backward; checked to happen, every
+//                  step); checkpoint: the dp-W/2 trainers are not sharded so (checkpoints move
+//                  between the two layouts)
 // Prints "rank R: X of Y checks passed"; exit 0 when every check passed, 1 otherwise.
 #include <cmath>
 #include <filesystem>
@@ -89,11 +94,9 @@ void check_metrics(Pair& p, const StepMetrics& got, const StepMetrics& want, con
 
 // The whole gradient: shards all-gathered, against the reference's master gradients.
 void check_gradient(Pair& p, const std::string& at) {
-  const auto* sharded = p.sharded.sharded_optimizer();
-  auto full = torch::empty({p.dp.size() * sharded->shard_size()}, torch::kFloat32);
-  p.dp.all_gather_into_tensor(full, sharded->gradient_shard());
+  const auto full = p.sharded.whole_gradient();
   const auto want = flat(p.one.master_parameters(), [](const torch::Tensor& t) { return t.grad(); });
-  const double err = relative_error(full.narrow(0, 0, sharded->numel()), want);
+  const double err = relative_error(full, want);
   if (rank == 0) std::cout << "measured " << at << "gradient relative error " << err << std::endl;
   expect(err <= kTolerance, at + "gradient relative error " + std::to_string(err));
 }
@@ -109,8 +112,11 @@ void check_parameters(Pair& p, const std::string& at) {
   expect(err <= kTolerance, at + "parameter relative error " + std::to_string(err));
 }
 
+bool fsdp = false;  // the fsdp_ prefix of the case: dp trainers fully sharded
+
 TrainerConfig config_for(const std::string& name) {
   TrainerConfig c;
+  c.fsdp = fsdp;  // (no effect on the one-rank reference)
   c.lr = 1e-3;
   c.grad_clip = 0;
   c.logprobs.max_tokens_per_microbatch = 24;  // several micro-batches per rank
@@ -123,6 +129,9 @@ TrainerConfig config_for(const std::string& name) {
     c.grad_clip = 0.05;
   } else if (name == "recompute") {
     c.recompute_old_logprobs = true;
+  } else if (name == "activation_checkpointing") {
+    c.loss.kl_coef = 0.05;
+    c.activation_checkpointing = true;
   } else if (name != "few_samples" && name != "refusals" && name != "bf16") {
     throw std::invalid_argument("unknown case '" + name + "'");
   }
@@ -140,7 +149,16 @@ void check_after_load(Pair& p, const StepMetrics& got, const StepMetrics& want, 
 // config asks for it, else train_step), every check.
 StepMetrics step_both(Pair& p, const std::vector<Sample>& batch, const std::string& at) {
   const auto want = p.one.step(batch);
+  const auto* layers = p.sharded.fully_sharded();
+  expect(fsdp == (layers != nullptr), at + (fsdp ? "the trainer is not fully sharded" : "the trainer is fully sharded"));
+  const int64_t gathers = layers ? layers->layer_gathers() : 0;
   const auto got = p.sharded.step(batch);
+  if (layers) {  // every micro-batch gathered every layer for its forward and its backward
+    const int64_t layer_count = p.sharded.policy().num_layers(), done = layers->layer_gathers() - gathers;
+    expect(done >= got.micro_batches / p.dp.size() * (2 * layer_count - 1),
+           at + std::to_string(done) + " layer gathers in a step of " + std::to_string(got.micro_batches) +
+               " micro-batches over " + std::to_string(layer_count) + " layers");
+  }
   check_metrics(p, got, want, at);
   if (!got.skipped_nonfinite) check_gradient(p, at);
   check_parameters(p, at);
@@ -227,7 +245,9 @@ void run_checkpoint(parallel::ProcessGroups& groups) {
   save_checkpoint(root / "dp4", *a_model, a, CheckpointState{2, a.version(), "rng"});
 
   auto b_model = test::debug_model(99), c_model = test::debug_model(99);
-  Trainer b(b_model, c, &half), one(c_model, c);
+  auto half_config = c;
+  half_config.fsdp = false;  // with fsdp_: checkpoints move between the fully sharded layout and not
+  Trainer b(b_model, half_config, &half), one(c_model, c);
   const auto loaded_b = load_checkpoint(root / "dp4", *b_model, b);
   load_checkpoint(root / "dp4", *c_model, one);
   expect(loaded_b.step == 2 && b.version() == 2 && one.version() == 2,
@@ -372,7 +392,8 @@ void run_case(parallel::Group& dp, const std::string& name) {
 int main(int argc, char** argv) {
   if (argc != 2) {
     std::cerr << "usage: kiln_trainer_dp_worker "
-                 "token_mean|sequence_mean|clip|few_samples|recompute|bf16|nonfinite|refusals|checkpoint|checkpoint_bf16"
+                 "[fsdp_]token_mean|sequence_mean|clip|few_samples|recompute|activation_checkpointing|bf16|nonfinite|refusals|"
+                 "checkpoint|checkpoint_bf16"
               << std::endl;
     return 2;
   }
@@ -383,7 +404,11 @@ int main(int argc, char** argv) {
     parallel::GroupOptions options;
     options.store_timeout = std::chrono::seconds(60);
     options.collective_timeout = std::chrono::seconds(60);
-    const std::string name = argv[1];
+    std::string name = argv[1];
+    if (name.rfind("fsdp_", 0) == 0) {
+      fsdp = true;
+      name = name.substr(5);
+    }
     if (name == "checkpoint" && info.world_size % 2)
       throw std::invalid_argument("the checkpoint case needs an even world, got " + std::to_string(info.world_size));
     parallel::ProcessGroups groups(info, torch::kCPU,

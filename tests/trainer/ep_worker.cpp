@@ -5,8 +5,8 @@
 // (batch split over all W ranks, experts split over ep, expert gradients over dp), feeds both
 // the same deterministic random batches and checks, after every step:
 //   - the metrics are equal on every rank, bit for bit, and equal to the reference's;
-//   - the whole gradient (dense shards all-gathered over the world, expert shards over dp, then
-//     the expert slices over ep) equals the reference's;
+//   - the whole gradient (Trainer::whole_gradient: every rank's shards summed into the whole
+//     model's flat index) equals the reference's;
 //   - the whole parameters (dense ones as held; experts gathered over ep, gather_experts) are
 //     equal on every rank, bit for bit, and equal the reference's;
 //   - after the last step, policy().hf_state_dict() (collective over ep) equals the
@@ -22,6 +22,8 @@
 //                at the same mesh and data-parallel over the world, its weights (and its HF
 //                export's) equal the trainer's; step 3 equals the continued trainer's (the same
 //                mesh: bit for bit)
+//   fsdp_CASE    CASE with the decoder layers' dense parameters fully sharded over the world
+//                (parallel.fsdp; the experts stay split over ep), checked to gather by layer
 //   hf_load      an HF checkpoint (the seeded model, written by rank 0) read per rank, each rank
 //                building and reading only its ep rank's experts (model::Registry::build with
 //                expert_slice_of), gives the trainer the same parameters, bit for bit, as the
@@ -113,27 +115,6 @@ torch::Tensor reference_flat(Trainer& one, Pick pick) {
   return torch::cat(dense);
 }
 
-// The EP trainer's whole gradient, as reference_flat lays it out: dense shards gathered over the
-// world; expert shards over dp (this ep rank's slices), then the slices over ep, per parameter.
-torch::Tensor whole_gradient(Groups& g, Trainer& t) {
-  const auto* dense = t.sharded_optimizer();
-  const auto* experts = t.expert_optimizer();
-  auto d = torch::empty({g.world.size() * dense->shard_size()}, torch::kFloat32);
-  g.world.all_gather_into_tensor(d, dense->gradient_shard());
-  auto e = torch::empty({g.dp.size() * experts->shard_size()}, torch::kFloat32);
-  g.dp.all_gather_into_tensor(e, experts->gradient_shard());
-  auto slices = gather_rows(g.ep, e.narrow(0, 0, experts->numel()).contiguous());  // [P, slice elements]
-  std::vector<torch::Tensor> parts{d.narrow(0, 0, dense->numel())};
-  int64_t offset = 0;
-  for (const auto& w : t.policy().routed_expert_parameters()) {
-    std::vector<torch::Tensor> rows;  // slice p: [El, ...] at rows [p*El, (p+1)*El) of the whole
-    for (int p = 0; p < g.ep.size(); ++p) rows.push_back(slices[p].narrow(0, offset, w.numel()).view(w.sizes()));
-    parts.push_back(torch::cat(rows, 0).reshape({-1}));
-    offset += w.numel();
-  }
-  return torch::cat(parts);
-}
-
 // The EP trainer's whole parameters, as reference_flat lays them out (experts: gather_experts).
 torch::Tensor whole_parameters(Groups& g, Trainer& t) {
   auto experts = t.policy().routed_expert_parameters();
@@ -151,9 +132,9 @@ void check_step(Groups& g, Trainer& one, Trainer& ep, const StepMetrics& got, co
   expect_step_metrics(g.world, got, want, at);
   expect(!got.skipped_nonfinite && !want.skipped_nonfinite, at + "a step was skipped");
 
-  const double grad_err = relative_error(whole_gradient(g, ep), reference_flat(one, [](const torch::Tensor& t) {
-                                           return t.grad();
-                                         }));
+  // Both in the whole model's flat index (Trainer::whole_gradient: every rank's shards, dense,
+  // layers and expert slices, each at its place in the unsplit model's parameters).
+  const double grad_err = relative_error(ep.whole_gradient(), one.whole_gradient());
   const auto params = whole_parameters(g, ep);
   auto all = gather_rows(g.world, params);
   for (int r = 1; r < g.world.size(); ++r)
@@ -184,8 +165,11 @@ void check_hf_state(model::CausalLM& ep_model, model::CausalLM& one_model) {
   expect(err <= kTolerance, "hf_state_dict relative error " + std::to_string(err));
 }
 
+bool fsdp = false;  // the fsdp_ prefix of the case
+
 TrainerConfig config_for(const std::string& name) {
   TrainerConfig c;
+  c.fsdp = fsdp;  // (no effect on the one-rank reference)
   c.lr = 1e-3;
   c.grad_clip = 0;
   c.logprobs.max_tokens_per_microbatch = 24;  // several micro-batches per rank
@@ -370,8 +354,14 @@ void run_case(Groups& g, const std::string& name) {
     const auto at = name + " step " + std::to_string(s + 1) + ": ";
     const auto batch = make_batch(uint64_t(10 * s + 1), count, *one_model, with_old, routing);
     const auto want = one.step(batch);
+    const int64_t gathers = ep.fully_sharded() ? ep.fully_sharded()->layer_gathers() : 0;
     const auto got = ep.step(batch);
     check_step(g, one, ep, got, want, at);
+    expect(fsdp == (ep.fully_sharded() != nullptr), at + "fully sharded is not as asked");
+    if (fsdp)
+      expect(ep.fully_sharded()->layer_gathers() - gathers >=
+                 got.micro_batches / g.world.size() * (2 * ep_model->num_layers() - 1),
+             at + "the layers were not gathered for every micro-batch's forward and backward");
     if (name == "clip")
       expect(want.grad_norm > c.grad_clip, at + "clipping is not active (grad norm " + std::to_string(want.grad_norm) +
                                                " <= clip " + std::to_string(c.grad_clip) + "): the case tests nothing");
@@ -384,7 +374,7 @@ void run_case(Groups& g, const std::string& name) {
 
 int main(int argc, char** argv) {
   if (argc != 3) {
-    std::cerr << "usage: kiln_trainer_ep_worker token_mean|replay|skewed|clip|no_samples|recompute|checkpoint|hf_load EP"
+    std::cerr << "usage: kiln_trainer_ep_worker [fsdp_]token_mean|replay|skewed|clip|no_samples|recompute|checkpoint|hf_load EP"
               << std::endl;
     return 2;
   }
@@ -401,8 +391,13 @@ int main(int argc, char** argv) {
     options.collective_timeout = std::chrono::seconds(60);
     parallel::ProcessGroups groups(info, torch::kCPU, {{"dp", info.world_size / ep}, {"ep", ep}}, options);
     Groups g{groups.world(), groups.along("dp"), groups.along("ep")};
-    if (std::string(argv[1]) == "hf_load") run_hf_load(g, groups);
-    else run_case(g, argv[1]);
+    std::string name = argv[1];
+    if (name.rfind("fsdp_", 0) == 0) {
+      fsdp = true;
+      name = name.substr(5);
+    }
+    if (name == "hf_load") run_hf_load(g, groups);
+    else run_case(g, name);
     std::cout << "rank " << rank << ": " << checks - failures << " of " << checks << " checks passed" << std::endl;
     return failures ? 1 : 0;
   } catch (const std::exception& e) {
