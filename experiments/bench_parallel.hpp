@@ -29,6 +29,9 @@ struct ParallelBenchOptions {
   int64_t docs = 8;       ///< samples per GPU per step (prompt: half of each, completion: the rest)
   int steps = 5, warmup = 2;
   int64_t ep = 0;          ///< expert-parallel ranks (0: the world size; 1: no EP measurement)
+  /// The data- and expert-parallel trainers with their decoder layers fully sharded
+  /// (parallel.fsdp: trainer::FullyShardedLayers); the one-GPU trainer as it is.
+  bool fsdp = false;
   double bucket_mib = 512;  ///< collective weight sync bucket size
   std::string json_path;
 };

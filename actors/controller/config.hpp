@@ -109,8 +109,9 @@ struct ParallelConfig {
   int64_t dp = 1;
   /// Expert-parallel ranks per data-parallel replica: the routed experts split over `ep` ranks
   /// (all-to-all dispatch), the job then has dp x ep ranks, each training its share of the
-  /// batch (torchtitan's mesh: ep borrows ranks from data parallel). Checkpoints of an
-  /// expert-parallel trainer are not written yet (run.checkpoint_every must be 0).
+  /// batch (torchtitan's mesh: ep borrows ranks from data parallel); its checkpoints are
+  /// sharded. (parallel.fsdp, fully sharding the decoder layers, is trainer::TrainerConfig::fsdp:
+  /// it travels to the ranks with the trainer's settings.)
   int64_t ep = 1;
   /// Without a launcher: the TCPStore's port on 127.0.0.1 (0: a free port).
   int64_t master_port = 0;

@@ -126,9 +126,11 @@ void ShardedAdamW::start_reduce_gradients() {
   auto flat = flatten([&](std::size_t i) { return params_[i].grad(); }, &has);  // [W*S]
   if (has_gradient_.empty()) has_gradient_.assign(params_.size(), 0);
   for (std::size_t i = 0; i < has.size(); ++i) has_gradient_[i] |= has[i];
-  auto out = torch::empty_like(grad_shard_);
-  auto work = group_.start_reduce_scatter(out, flat);  // [W*S] summed -> this rank's [S]
-  reductions_.push_back(Reduction{std::move(work), std::move(flat), std::move(out)});
+  // [W*S] summed -> this rank's [S]: into the shard itself when nothing was added to it yet.
+  auto out = shard_written_ ? torch::empty_like(grad_shard_) : grad_shard_;
+  auto work = group_.start_reduce_scatter(out, flat);
+  reductions_.push_back(Reduction{std::move(work), std::move(flat), shard_written_ ? out : torch::Tensor()});
+  shard_written_ = true;
 }
 
 void ShardedAdamW::finish_reduce_gradients() {
@@ -138,7 +140,7 @@ void ShardedAdamW::finish_reduce_gradients() {
     reductions_.clear();
     for (auto& r : pending) {
       group_.finish_on_stream(r.work, "reduce_scatter");
-      grad_shard_.add_(r.output);
+      if (r.output.defined()) grad_shard_.add_(r.output);
     }
   }
   // Which parameters have a gradient on some rank: torch's AdamW skips the others.
@@ -200,6 +202,7 @@ std::vector<FlatPiece> ShardedAdamW::pieces() const {
 void ShardedAdamW::zero_grad() {
   reductions_.clear();  // a step given up part-way (an error) leaves none behind
   has_gradient_.assign(params_.size(), 0);
+  shard_written_ = false;
   grad_shard_.zero_();
   for (auto& m : masters_) m.mutable_grad() = torch::Tensor();
 }

@@ -139,11 +139,13 @@ class ShardedAdamW {
   std::vector<Piece> pieces_;
   std::vector<torch::Tensor> masters_;
   std::unique_ptr<torch::optim::AdamW> adamw_;
-  /// Started reduce-scatters: the work, its input [W*S] and output [S] (alive until it ends).
+  /// Started reduce-scatters: the work, its input [W*S] and output [S] (alive until it ends);
+  /// the first since zero_grad() writes the shard itself (output undefined: no [S] copy).
   struct Reduction {
     c10::intrusive_ptr<c10d::Work> work;
     torch::Tensor input, output;
   };
+  bool shard_written_ = false;  ///< a reduction since zero_grad() wrote grad_shard_
   std::vector<Reduction> reductions_;
   std::vector<int64_t> has_gradient_;  ///< [P] 1 where some started reduction had a gradient
 };

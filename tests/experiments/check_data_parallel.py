@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The trainer over several ranks through `kiln run` (parallel.dp, parallel.ep; Gloo on CPU):
-1. dp 1, 2 and 4, ep 2 (dp 1) and dp 2 x ep 2 (ranks started by kiln run itself), 5 RL steps of
+1. dp 1, 2 and 4, ep 2 (dp 1), dp 2 x ep 2, and dp 2 and ep 2 with the decoder layers fully
+   sharded (parallel.fsdp) (ranks started by kiln run itself), 5 RL steps of
    the default experiment:
    steps 1 and 2 give the same metrics (relative error <= 1e-4: the same rollouts, then the
    rollouts of the policy each trained, synced from rank 0); steps 3-5 stay close (entropy
@@ -64,9 +65,11 @@ for dp in (1, 2, 4):
 run("dp2_again", "--set", "run.steps=5", "--set", "parallel.dp=2")
 run("ep2", "--set", "run.steps=5", "--set", "parallel.ep=2")
 run("dp2_ep2", "--set", "run.steps=5", "--set", "parallel.dp=2", "--set", "parallel.ep=2")
+run("dp2_fsdp", "--set", "run.steps=5", "--set", "parallel.dp=2", "--set", "parallel.fsdp=true")
+run("ep2_fsdp", "--set", "run.steps=5", "--set", "parallel.ep=2", "--set", "parallel.fsdp=true")
 if all(ok for ok, _ in checks):
     base = [numbers(r) for r in metrics(f"{work}/dp1")]
-    for dp in (2, 4, "ep2", "dp2_ep2"):
+    for dp in (2, 4, "ep2", "dp2_ep2", "dp2_fsdp", "ep2_fsdp"):
         got = [numbers(r) for r in metrics(f"{work}/{dp if isinstance(dp, str) else f'dp{dp}'}")]
         checks.append((len(got) == len(base) == 5, f"dp {dp}: 5 steps logged"))
         for step, (x, y) in enumerate(zip(base, got), 1):
