@@ -81,7 +81,7 @@ void Group::all_reduce(torch::Tensor& tensor, ReduceOp op) {
   std::vector<torch::Tensor> tensors{tensor};
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);
-  opts.timeout = timeout_;
+  opts.timeout = backend_timeout();
   wait(backend_->allreduce(tensors, opts), "all_reduce");
 }
 
@@ -99,7 +99,7 @@ c10::intrusive_ptr<c10d::Work> Group::start_reduce_scatter(torch::Tensor& output
                                 "*N, ...] of output " + shape(output) + " " + c10::toString(output.scalar_type()));
   auto in = input;  // c10d takes a non-const reference; it does not write the input
   c10d::ReduceScatterOptions opts;
-  opts.timeout = timeout_;
+  opts.timeout = backend_timeout();
   return started("reduce_scatter", [&] { return backend_->_reduce_scatter_base(output, in, opts); });
 }
 
@@ -117,7 +117,7 @@ c10::intrusive_ptr<c10d::Work> Group::start_all_gather_into_tensor(torch::Tensor
                                 "*N, ...] of input " + shape(input) + " " + c10::toString(input.scalar_type()));
   auto in = input;
   c10d::AllgatherOptions opts;
-  opts.timeout = timeout_;
+  opts.timeout = backend_timeout();
   return started("all_gather_into_tensor", [&] { return backend_->_allgather_base(output, in, opts); });
 }
 
@@ -147,7 +147,7 @@ void Group::all_to_all(torch::Tensor& output, const torch::Tensor& input, const 
   auto in = input;
   auto out_rows = output_rows, in_rows = input_rows;  // c10d takes non-const references
   c10d::AllToAllOptions opts;
-  opts.timeout = timeout_;
+  opts.timeout = backend_timeout();
   wait(backend_->alltoall_base(output, in, out_rows, in_rows, opts), "all_to_all");
 }
 
@@ -160,7 +160,7 @@ c10::intrusive_ptr<c10d::Work> Group::start_broadcast(torch::Tensor& tensor, int
   std::vector<torch::Tensor> tensors{tensor};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
-  opts.timeout = timeout_;
+  opts.timeout = backend_timeout();
   return started("broadcast", [&] { return backend_->broadcast(tensors, opts); });
 }
 
@@ -172,19 +172,11 @@ c10::intrusive_ptr<c10d::Work> Group::started(const char* op,
     throw CollectiveError(std::string(op) + " on " + where() + " failed to start: " + e.what_without_backtrace());
   }
 }
-
-void Group::finish_on_stream(const c10::intrusive_ptr<c10d::Work>& work, const char* op) const {
-  if (!device_.is_cuda()) return wait(work, op);
-  try {
-    work->wait();  // no timeout: ProcessGroupNCCL orders the current stream behind it, no host wait
-  } catch (const c10::Error& e) {
-    throw CollectiveError(std::string(op) + " on " + where() + " failed: " + e.what_without_backtrace());
-  }
 }
 
 void Group::barrier() {
   c10d::BarrierOptions opts;
-  opts.timeout = timeout_;
+  opts.timeout = backend_timeout();
   if (device_.is_cuda()) opts.device_ids = {device_.index()};
   wait(backend_->barrier(opts), "barrier");
 }

@@ -79,7 +79,7 @@ class Group {
   /// errors as broadcast() (bad arguments are thrown here, failures by finish()).
   c10::intrusive_ptr<c10d::Work> start_broadcast(torch::Tensor& tensor, int root);
   /// Starts reduce_scatter(output, input), as start_broadcast does: touch neither tensor before
-  /// finish() or finish_on_stream() returned for the result.
+  /// finish() returned for the result.
   c10::intrusive_ptr<c10d::Work> start_reduce_scatter(torch::Tensor& output, const torch::Tensor& input);
   /// Starts all_gather_into_tensor(output, input), as start_broadcast does.
   c10::intrusive_ptr<c10d::Work> start_all_gather_into_tensor(torch::Tensor& output, const torch::Tensor& input);
@@ -87,13 +87,6 @@ class Group {
   /// once it completed on this rank; throws CollectiveError when it failed or the group's
   /// timeout passed.
   void finish(const c10::intrusive_ptr<c10d::Work>& work, const char* op) const { wait(work, op); }
-  /// Orders the work queued after this call behind a started collective `op` without holding
-  /// the host where the backend allows it: NCCL makes the current CUDA stream wait for the
-  /// collective's stream (the host goes on queueing kernels; a lost peer surfaces through
-  /// ProcessGroupNCCL's watchdog, which aborts the communicator after the group's timeout);
-  /// Gloo (CPU) waits on the host as finish() does. Throws CollectiveError when the collective
-  /// already failed.
-  void finish_on_stream(const c10::intrusive_ptr<c10d::Work>& work, const char* op) const;
 
   /// Returns once every rank of the group reached it.
   void barrier();
@@ -105,6 +98,10 @@ class Group {
   c10::intrusive_ptr<c10d::Work> started(const char* op,
                                          const std::function<c10::intrusive_ptr<c10d::Work>()>& start) const;
   std::string where() const;
+  /// The timeout given to the backend with each collective: twice the group's, so that the
+  /// wait above fails first, with an error naming the group (ProcessGroupNCCL's watchdog aborts
+  /// the process when a collective outlives the backend's timeout).
+  std::chrono::milliseconds backend_timeout() const { return 2 * timeout_; }
 
   std::string name_;
   std::vector<int> world_ranks_;

@@ -124,7 +124,10 @@ std::unique_ptr<Group> ProcessGroups::make_group(const std::string& name, const 
 #ifdef KILN_PARALLEL_NCCL
       c10::cuda::set_device(device_.index());
       auto opts = c10d::ProcessGroupNCCL::Options::create();
-      opts->timeout = options_.collective_timeout;
+      // ProcessGroupNCCL's watchdog aborts the process (SIGABRT) when a collective outlives this;
+      // kiln's own wait (Group, collective_timeout) must come first, to fail with an error that
+      // names the group and to exit cleanly: the watchdog only backs it up.
+      opts->timeout = 2 * options_.collective_timeout;
       opts->group_name = name;
       backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
 #endif

@@ -60,8 +60,9 @@ class LayerExit : public torch::autograd::Function<LayerExit> {
 }  // namespace
 
 FullyShardedLayers::FullyShardedLayers(const std::vector<std::vector<std::pair<std::size_t, torch::Tensor>>>& layers,
-                                       parallel::Group& group, torch::optim::AdamWOptions options)
-    : group_(group) {
+                                       parallel::Group& group, torch::optim::AdamWOptions options,
+                                       bool reshard_after_forward)
+    : group_(group), reshard_after_forward_(reshard_after_forward) {
   if (layers.empty()) throw std::invalid_argument("FullyShardedLayers: no decoder layers to shard");
   for (std::size_t l = 0; l < layers.size(); ++l) {
     if (layers[l].empty())
@@ -111,7 +112,7 @@ void FullyShardedLayers::start_gather(Unit& u) {
 void FullyShardedLayers::wait_gather(Unit& u) {
   if (u.whole) return;
   start_gather(u);
-  group_.finish_on_stream(u.gathering, "all_gather_into_tensor");
+  group_.finish(u.gathering, "all_gather_into_tensor");
   u.gathering.reset();
   u.low = torch::Tensor();
   u.whole = true;
@@ -127,7 +128,7 @@ void FullyShardedLayers::release(Unit& u) {
 torch::Tensor FullyShardedLayers::before_layer(int64_t layer, const torch::Tensor& x) {
   if (!sharded_) return x;
   check_layer(layer, "before_layer");
-  for (auto k : by_layer_[std::size_t(layer)]) wait_gather(units_[k]);
+  for (auto k : by_layer_[std::size_t(layer)]) wait_gather(units_[k]);  // (kept whole: nothing to wait for)
   if (layer + 1 < int64_t(by_layer_.size()))
     for (auto k : by_layer_[std::size_t(layer + 1)]) start_gather(units_[k]);  // prefetch
   if (!torch::GradMode::is_enabled() || !x.requires_grad()) return x;
@@ -137,6 +138,7 @@ torch::Tensor FullyShardedLayers::before_layer(int64_t layer, const torch::Tenso
 torch::Tensor FullyShardedLayers::after_layer(int64_t layer, const torch::Tensor& x) {
   if (!sharded_) return x;
   check_layer(layer, "after_layer");
+  if (!reshard_after_forward_) return x;  // whole through the step: no gather for the backward
   const bool grad = torch::GradMode::is_enabled() && x.requires_grad();
   // The last layer's backward comes first: it keeps its parameters (FSDP's root does too).
   if (!grad || layer + 1 < int64_t(by_layer_.size()))
@@ -157,13 +159,15 @@ void FullyShardedLayers::backward_ended(int64_t layer) {
   for (auto k : by_layer_[std::size_t(layer)]) {
     auto& u = units_[k];
     u.optimizer->start_reduce_gradients();  // reads the gradients now
+    ++layer_reductions_;
     for (auto& p : u.params) p.mutable_grad() = torch::Tensor();
-    release(u);
+    if (reshard_after_forward_) release(u);
   }
 }
 
 void FullyShardedLayers::reshard() {
-  for (auto& u : units_) release(u);
+  if (reshard_after_forward_)
+    for (auto& u : units_) release(u);
   sharded_ = true;
 }
 

@@ -50,15 +50,21 @@ class FullyShardedLayers : public model::LayerHooks {
   /// `layers[l]`: decoder layer l's parameters to shard (index, tensor), in parameters() order;
   /// split into one unit per dtype. Collective over `group` (each unit's ShardedAdamW makes the
   /// parameters group rank 0's). The parameters stay whole (gathered) until reshard().
-  /// Throws std::invalid_argument when `layers` is empty or a layer has no parameters.
+  /// `reshard_after_forward` (FSDP2's name): true frees each layer's parameters after its
+  /// forward and gathers them again for its backward (ZeRO-3); false keeps every layer whole
+  /// through the step (FSDP's SHARD_GRAD_OP, ZeRO-2: no gathers inside the step, only each
+  /// layer's gradient reduce-scatter started as its backward ends, and the gather after the
+  /// optimizer step). Throws std::invalid_argument when `layers` is empty or a layer has no
+  /// parameters.
   FullyShardedLayers(const std::vector<std::vector<std::pair<std::size_t, torch::Tensor>>>& layers,
-                     parallel::Group& group, torch::optim::AdamWOptions options);
+                     parallel::Group& group, torch::optim::AdamWOptions options, bool reshard_after_forward = true);
 
   torch::Tensor before_layer(int64_t layer, const torch::Tensor& x) override;
   torch::Tensor after_layer(int64_t layer, const torch::Tensor& x) override;
 
   /// Frees every layer's whole parameters: from here to gather_all() the layers are gathered
-  /// one by one as forward() reaches them. Not collective.
+  /// one by one as forward() reaches them (with reshard_after_forward false they stay whole,
+  /// and only the backward's reductions run per layer). Not collective.
   void reshard();
   /// Collective. Every layer all-gathered from its masters (after an optimizer step or a
   /// load of the masters); the hooks do nothing until the next reshard().
@@ -72,6 +78,8 @@ class FullyShardedLayers : public model::LayerHooks {
   /// of m micro-batches over L layers costs, m * (2L - 1) per dtype (the last layer's
   /// parameters stay for its backward).
   int64_t layer_gathers() const { return layer_gathers_; }
+  /// Units whose gradients a layer's backward reduced so far: m * L per dtype for a step.
+  int64_t layer_reductions() const { return layer_reductions_; }
   ShardedAdamW& optimizer(std::size_t unit) { return *units_.at(unit).optimizer; }
   /// The caller's indices of unit `unit`'s parameters (UnitSpec::index).
   const std::vector<std::size_t>& index(std::size_t unit) const { return units_.at(unit).index; }
@@ -100,7 +108,8 @@ class FullyShardedLayers : public model::LayerHooks {
   std::vector<Unit> units_;
   std::vector<std::vector<std::size_t>> by_layer_;  ///< units of each layer
   bool sharded_ = false;                            ///< between reshard() and gather_all()
-  int64_t layer_gathers_ = 0;
+  bool reshard_after_forward_ = true;
+  int64_t layer_gathers_ = 0, layer_reductions_ = 0;
 };
 
 }  // namespace kiln::trainer

@@ -139,7 +139,7 @@ void ShardedAdamW::finish_reduce_gradients() {
     auto pending = std::move(reductions_);
     reductions_.clear();
     for (auto& r : pending) {
-      group_.finish_on_stream(r.work, "reduce_scatter");
+      group_.finish(r.work, "reduce_scatter");
       if (r.output.defined()) grad_shard_.add_(r.output);
     }
   }

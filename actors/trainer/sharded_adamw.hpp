@@ -72,8 +72,8 @@ class ShardedAdamW {
   /// that the backward goes on meanwhile. May be called several times per step (micro-batches,
   /// each layer's gradients as its backward ends): the shard receives the sum of all.
   void start_reduce_gradients();
-  /// Collective. Waits for every started reduce-scatter (on the device: the current stream
-  /// waits, see parallel::Group::finish_on_stream), adds them to the shard, and gives each
+  /// Collective. Waits for every started reduce-scatter (parallel::Group::finish, within the
+  /// group's timeout), adds them to the shard, and gives each
   /// master its gradient, or none where no rank had a gradient for its parameter in any of
   /// them (torch's AdamW skips those). Throws parallel::CollectiveError when one failed.
   void finish_reduce_gradients();

@@ -344,7 +344,7 @@ void Trainer::shard_state(const std::vector<bool>& is_expert, const torch::optim
   sharded_ = std::make_unique<ShardedAdamW>(dense, *dp_, options);
   parts_.push_back(Part{sharded_.get(), dense_index_, false});
   if (!layers.empty()) {
-    fsdp_ = std::make_unique<FullyShardedLayers>(layers, *dp_, options);
+    fsdp_ = std::make_unique<FullyShardedLayers>(layers, *dp_, options, c_.reshard_after_forward);
     for (std::size_t u = 0; u < fsdp_->units(); ++u) parts_.push_back(Part{&fsdp_->optimizer(u), fsdp_->index(u), true});
     policy_->set_layer_hooks(fsdp_.get());
   }

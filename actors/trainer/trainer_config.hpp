@@ -58,9 +58,14 @@ struct TrainerConfig {
   /// Fully sharded data parallel for the decoder layers over the data-parallel ranks (experiment
   /// key parallel.fsdp; Trainer, FullyShardedLayers): no effect on one rank.
   bool fsdp = false;
+  /// With fsdp: free each layer's parameters after its forward and gather them again for its
+  /// backward (true, ZeRO-3), or keep them whole through the step and only reduce each layer's
+  /// gradients as its backward ends (false, FSDP's SHARD_GRAD_OP; experiment key
+  /// parallel.reshard_after_forward, FSDP2's name).
+  bool reshard_after_forward = true;
   PolicyLossConfig loss;
   MSGPACK_DEFINE_MAP(logprobs, lr, weight_decay, beta1, beta2, grad_clip, lr_schedule, warmup_steps, total_steps,
-                     min_lr_ratio, recompute_old_logprobs, activation_checkpointing, fsdp, loss);
+                     min_lr_ratio, recompute_old_logprobs, activation_checkpointing, fsdp, reshard_after_forward, loss);
 
   /// What a field is called where the settings came from, for error messages: e.g.
   /// "experiment: key 'algorithm.lr'" for "lr". Default: "trainer config: lr".

@@ -26,6 +26,8 @@
 //   checkpoint_bf16  a bf16 policy's sharded checkpoint, reloaded at the same ranks and via a
 //                  one-rank trainer's checkpoint: the next step bit for bit as without them
 //   activation_checkpointing  token_mean with activation checkpointing per layer (both trainers)
+//   fsdp_keep_CASE CASE with the dp trainers' layers kept whole through the step, each layer's
+//                  gradients reduced as its backward ends (parallel.reshard_after_forward false)
 //   fsdp_CASE      CASE with the dp trainers fully sharded (parallel.fsdp: the decoder layers
 //                  gathered layer by layer in the forward and backward; checked to happen, every
 //                  step); checkpoint: the dp-W/2 trainers are not sharded so (checkpoints move
@@ -113,10 +115,12 @@ void check_parameters(Pair& p, const std::string& at) {
 }
 
 bool fsdp = false;  // the fsdp_ prefix of the case: dp trainers fully sharded
+bool keep = false;  // the fsdp_keep_ prefix: reshard_after_forward = false
 
 TrainerConfig config_for(const std::string& name) {
   TrainerConfig c;
   c.fsdp = fsdp;  // (no effect on the one-rank reference)
+  c.reshard_after_forward = !keep;
   c.lr = 1e-3;
   c.grad_clip = 0;
   c.logprobs.max_tokens_per_microbatch = 24;  // several micro-batches per rank
@@ -151,13 +155,18 @@ StepMetrics step_both(Pair& p, const std::vector<Sample>& batch, const std::stri
   const auto want = p.one.step(batch);
   const auto* layers = p.sharded.fully_sharded();
   expect(fsdp == (layers != nullptr), at + (fsdp ? "the trainer is not fully sharded" : "the trainer is fully sharded"));
-  const int64_t gathers = layers ? layers->layer_gathers() : 0;
+  const int64_t gathers = layers ? layers->layer_gathers() : 0, reductions = layers ? layers->layer_reductions() : 0;
   const auto got = p.sharded.step(batch);
   if (layers) {  // every micro-batch gathered every layer for its forward and its backward
-    const int64_t layer_count = p.sharded.policy().num_layers(), done = layers->layer_gathers() - gathers;
-    expect(done >= got.micro_batches / p.dp.size() * (2 * layer_count - 1),
-           at + std::to_string(done) + " layer gathers in a step of " + std::to_string(got.micro_batches) +
-               " micro-batches over " + std::to_string(layer_count) + " layers");
+    const int64_t layer_count = p.sharded.policy().num_layers(), done = layers->layer_gathers() - gathers,
+                  mine = got.micro_batches / p.dp.size();  // at least what this rank ran
+    if (keep) expect(done == 0, at + std::to_string(done) + " layer gathers inside a step that keeps the layers whole");
+    else
+      expect(done >= mine * (2 * layer_count - 1),
+             at + std::to_string(done) + " layer gathers in a step of " + std::to_string(got.micro_batches) +
+                 " micro-batches over " + std::to_string(layer_count) + " layers");
+    expect(layers->layer_reductions() - reductions >= mine * layer_count,
+           at + "not every micro-batch's backward reduced every layer's gradients");
   }
   check_metrics(p, got, want, at);
   if (!got.skipped_nonfinite) check_gradient(p, at);
@@ -392,7 +401,7 @@ void run_case(parallel::Group& dp, const std::string& name) {
 int main(int argc, char** argv) {
   if (argc != 2) {
     std::cerr << "usage: kiln_trainer_dp_worker "
-                 "[fsdp_]token_mean|sequence_mean|clip|few_samples|recompute|activation_checkpointing|bf16|nonfinite|refusals|"
+                 "[fsdp_[keep_]]token_mean|sequence_mean|clip|few_samples|recompute|activation_checkpointing|bf16|nonfinite|refusals|"
                  "checkpoint|checkpoint_bf16"
               << std::endl;
     return 2;
@@ -407,6 +416,10 @@ int main(int argc, char** argv) {
     std::string name = argv[1];
     if (name.rfind("fsdp_", 0) == 0) {
       fsdp = true;
+      name = name.substr(5);
+    }
+    if (fsdp && name.rfind("keep_", 0) == 0) {
+      keep = true;
       name = name.substr(5);
     }
     if (name == "checkpoint" && info.world_size % 2)
