@@ -176,6 +176,7 @@ int run_parallel_bench(const ParallelBenchOptions& o) {
   const auto [one_s, one_peak] =
       measure([&](auto p) { return std::make_unique<trainer::Trainer>(std::move(p), tc); }, share);
   tc.fsdp = o.fsdp;  // the group trainers only
+  tc.reshard_after_forward = o.reshard_after_forward;
   const auto [dp_s, dp_peak] =
       measure([&](auto p) { return std::make_unique<trainer::Trainer>(std::move(p), tc, &groups->world()); }, all);
   // Expert parallel over ep ranks (the dense weights data-parallel over all of them).
@@ -207,10 +208,14 @@ int run_parallel_bench(const ParallelBenchOptions& o) {
   J["tokens_per_gpu"] = o.tokens;
   J["model_tflop_per_token"] = flops_per_token / 1e12;
   J["fsdp"] = o.fsdp;
+  J["reshard_after_forward"] = o.reshard_after_forward;
   std::printf("kiln bench parallel: GLM-4.7-Flash dims, %lld layers, bf16 + fp32 masters + AdamW, %d GPUs (NCCL), "
               "%lld tokens per GPU per step, median of %d steps%s\n",
               (long long)o.layers, world, (long long)o.tokens, o.steps,
-              o.fsdp ? "; dp and ep trainers with the decoder layers fully sharded (parallel.fsdp)" : "");
+              !o.fsdp                   ? ""
+              : o.reshard_after_forward ? "; dp and ep trainers with the decoder layers fully sharded (parallel.fsdp)"
+                                        : "; dp and ep trainers reducing each layer's gradients in the backward "
+                                          "(parallel.fsdp, reshard_after_forward false)");
   std::printf("%-5s | %-17s %-8s | %-20s %-8s %-7s | %-20s %-8s %s\n", "rank", "one GPU tokens/s", "peak GiB",
               "dp tokens/s per GPU", "peak GiB", "/ one", ep > 1 ? "ep tokens/s per GPU" : "", ep > 1 ? "peak GiB" : "",
               ep > 1 ? "/ one" : "");

@@ -32,6 +32,7 @@ struct ParallelBenchOptions {
   /// The data- and expert-parallel trainers with their decoder layers fully sharded
   /// (parallel.fsdp: trainer::FullyShardedLayers); the one-GPU trainer as it is.
   bool fsdp = false;
+  bool reshard_after_forward = true;  ///< with fsdp (FullyShardedLayers)
   double bucket_mib = 512;  ///< collective weight sync bucket size
   std::string json_path;
 };

@@ -101,6 +101,9 @@ int main(int argc, char** argv) {
   bench_parallel->add_option("--steps", po.steps, "Timed steps (median shown)")->check(CLI::Range(1, 100));
   bench_parallel->add_option("--ep", po.ep, "Expert-parallel ranks of the EP measurement (0: all; 1: none)")->check(CLI::Range(int64_t(0), int64_t(64)));
   bench_parallel->add_flag("--fsdp", po.fsdp, "Fully shard the decoder layers of the dp and ep trainers (parallel.fsdp)");
+  bench_parallel->add_flag_callback(
+      "--no-reshard-after-forward", [&po] { po.reshard_after_forward = false; },
+      "With --fsdp: keep the layers whole through the step (parallel.reshard_after_forward = false)");
   bench_parallel->add_option("--bucket-mib", po.bucket_mib, "Collective weight-sync bucket size")->check(CLI::Range(1.0, 65536.0));
   bench_parallel->add_option("--json", po.json_path, "Write every number as JSON here");
   auto* model_cmd = app.add_subcommand("model", "Model packages and checkpoints");
