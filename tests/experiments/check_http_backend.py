@@ -2,6 +2,8 @@
 """The HTTP rollout backend (rollout.backend = "http") against `kiln serve` processes on
 loopback: the default experiment (5 steps, k = 0, fixed seed) gives the same metrics as with the
 in-process engine, with one server and with two (prompt groups split between them), and with
+two servers whose weights are broadcast over a Gloo group (rollout.weight_update =
+"distributed": /init_weights_update_group, /update_weights_from_distributed), and with
 staleness k = 1 it runs (weights loaded while servers generate) with every token at most one
 version old; killing the server mid-run stops the run with an error naming the server's URL and
 a checkpoint, and resuming from it against a new server finishes the run with every step trained
@@ -27,15 +29,17 @@ with Checks(work) as check:
     # 1. the same metrics as the in-process engine (k = 0), with one server and with two
     a_proc, a = check.server(kiln, "server_a")
     b_proc, b = check.server(kiln, "server_b")
+    dist = ["--set", "rollout.weight_update=distributed"]
     runs = {"engine": [], "http_one": ["--set", "rollout.backend=http", "--set", urls(a)],
-            "http_two": ["--set", "rollout.backend=http", "--set", urls(a, b)]}
+            "http_two": ["--set", "rollout.backend=http", "--set", urls(a, b)],
+            "http_two_distributed": ["--set", "rollout.backend=http", "--set", urls(a, b), *dist]}
     for name, extra in runs.items():
         p = subprocess.run([kiln, "run", *quiet, "--set", "run.steps=5", *extra, "--set", f"run.output_dir={work}/{name}"],
                            capture_output=True, text=True, timeout=600)
         check(p.returncode == 0, f"{name} run exits 0 ({p.stderr[-400:]})")
     if check.all_ok():
         base = metrics(f"{work}/engine")
-        for name in ("http_one", "http_two"):
+        for name in ("http_one", "http_two", "http_two_distributed"):
             m = metrics(f"{work}/{name}")
             check(len(m) == len(base) == 5, f"{name}: 5 steps")
             for x, y in zip(base, m):
@@ -45,21 +49,24 @@ with Checks(work) as check:
         check("rollout_weights" in os.listdir(f"{work}/http_one") and
                        os.listdir(f"{work}/http_one/rollout_weights") == ["version_5"],
                        "the servers read each version from RUN/rollout_weights; only the newest is kept")
+        check(not os.path.exists(f"{work}/http_two_distributed/rollout_weights"),
+              "with rollout.weight_update = \"distributed\" no weights are written to disk")
 
     # 2. staleness k = 1: weights reach the servers between and during generations
-    p = subprocess.run([kiln, "run", *quiet, "--set", "run.steps=6", "--set", "algorithm.staleness=1",
-                        "--set", "rollout.backend=http", "--set", urls(a, b), "--set", f"run.output_dir={work}/http_async"],
-                       capture_output=True, text=True, timeout=600)
-    check(p.returncode == 0, f"k = 1 run exits 0 ({p.stderr[-400:]})")
-    if p.returncode == 0:
-        m = metrics(f"{work}/http_async")
-        check([r["step"] for r in m] == list(range(1, 7)), "k = 1: 6 steps")
-        hist = {}
-        for r in m:
-            for age, count in r["staleness_histogram"].items():
-                hist[int(age)] = hist.get(int(age), 0) + count
-        check(set(hist) <= {0, 1} and hist.get(1, 0) > 0,
-                       f"k = 1: every token at most 1 version old, some exactly 1 (ages {hist})")
+    for name, extra in (("http_async", []), ("http_async_distributed", dist)):
+        p = subprocess.run([kiln, "run", *quiet, "--set", "run.steps=6", "--set", "algorithm.staleness=1",
+                            "--set", "rollout.backend=http", "--set", urls(a, b), *extra,
+                            "--set", f"run.output_dir={work}/{name}"], capture_output=True, text=True, timeout=600)
+        check(p.returncode == 0, f"{name}: k = 1 run exits 0 ({p.stderr[-400:]})")
+        if p.returncode == 0:
+            m = metrics(f"{work}/{name}")
+            check([r["step"] for r in m] == list(range(1, 7)), f"{name}: k = 1: 6 steps")
+            hist = {}
+            for r in m:
+                for age, count in r["staleness_histogram"].items():
+                    hist[int(age)] = hist.get(int(age), 0) + count
+            check(set(hist) <= {0, 1} and hist.get(1, 0) > 0,
+                  f"{name}: k = 1: every token at most 1 version old, some exactly 1 (ages {hist})")
     for s in (a_proc, b_proc):
         stop_server(s)
 
