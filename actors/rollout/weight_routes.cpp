@@ -5,6 +5,7 @@
 // steps, after all of it was read and checked, or not at all.
 #include <algorithm>
 #include <filesystem>
+#include <optional>
 #include <set>
 
 #include "actors/rollout/serve_context.hpp"
@@ -219,18 +220,35 @@ void update_from_distributed(ServeContext& c, const std::string& body, httplib::
   const auto j = parse_object(body, what, {"names", "dtypes", "shapes", "group_name", "flush_cache",
                                            "abort_all_requests", "weight_version", "load_format"});
   const auto group = text(j, "group_name", what, "weight_update_group");
-  if (j.contains("load_format") && !j["load_format"].is_null())
-    api::bad(what + ".load_format", "kiln receives one broadcast per tensor (no load_format), got " + json_text(j["load_format"]));
-  const auto version = weight_version(j, what);
-  flag(j, "flush_cache", what, true);  // kiln keeps no prefix cache: nothing to flush
-  const bool abort = flag(j, "abort_all_requests", what, false);
   const auto names = c.weight_groups->names();
   if (std::find(names.begin(), names.end(), group) == names.end())
     api::bad(what + ".group_name", "'" + group + "': this server is in no such group (/init_weights_update_group first)");
   const auto model = c.model;
-  // The model's views, taken on the engine's thread (named_parameters walks the modules).
-  const auto targets = c.loop.call([&](Engine&) { return model->hf_targets(); });
-  const auto specs = update_specs(c, j, what, targets);  // refused here, nothing was received
+  std::optional<int64_t> version;
+  bool abort = false;
+  std::map<std::string, torch::Tensor> targets;
+  std::vector<TensorSpec> specs;
+  try {  // refused here, nothing was received
+    if (j.contains("load_format") && !j["load_format"].is_null())
+      api::bad(what + ".load_format", "kiln receives one broadcast per tensor (no load_format), got " + json_text(j["load_format"]));
+    version = weight_version(j, what);
+    flag(j, "flush_cache", what, true);  // kiln keeps no prefix cache: nothing to flush
+    abort = flag(j, "abort_all_requests", what, false);
+    // The model's views, taken on the engine's thread (named_parameters walks the modules).
+    targets = c.loop.call([&](Engine&) { return model->hf_targets(); });
+    specs = update_specs(c, j, what, targets);
+  } catch (const ApiError& e) {
+    // A trainer broadcasts while its request is in flight (SGLang's protocol): its sends would
+    // wait for this side until its timeout. Leaving the group fails them now.
+    std::string left;
+    try {
+      c.weight_groups->destroy(group);
+      left = "; this server left group '" + group + "' (a trainer broadcasting meanwhile fails at once): form it again";
+    } catch (const std::exception&) {
+      // busy with another update, or gone: that one decides
+    }
+    throw ApiError(e.status, e.what() + left);
+  }
   const auto received = c.weight_groups->receive(group, specs);
   if (abort) c.loop.abort_all("aborted by " + what);
   std::size_t written = 0;

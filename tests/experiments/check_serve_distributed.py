@@ -5,8 +5,9 @@ and broadcasts each named tensor in order while /update_weights_from_distributed
 a server that receives a one-step checkpoint's tensors (per-expert HF names) samples as a server
 started from that checkpoint, at the weight version sent; a zeroed lm_head makes every log-prob
 -log(V); transformers' grouped expert names load too; unknown names, wrong shapes, wrong or
-unknown dtypes, an unknown group and an update before any init get a 400 naming the value, and
-the group stays usable; a trainer that dies mid-broadcast, and one that stops sending, get an
+unknown dtypes, an unknown group and an update before any init get a 400 naming the value before
+anything is received, a refusal naming a group leaves it (a trainer broadcasting meanwhile fails
+at once), and the server serves as before; a trainer that dies mid-broadcast, and one that stops sending, get an
 error answer (the latter within the group's collective timeout) and the server serves the old
 weights; the group can then be formed again.
 Usage: check_serve_distributed.py PATH_TO_KILN WORK_DIR (run with a Python that has torch).
@@ -153,8 +154,18 @@ with Checks(work) as check:
           f"a zeroed lm_head alone: every log-prob is -log({V}) (version {http(url, '/get_weight_version')[1]})")
     check(http(url, "/get_weight_version")[1] == {"weight_version": "8"}, "without weight_version: the current + 1")
 
-    # 4. bad requests: 400 naming the value, nothing received, the group still usable
+    # 4. bad requests: a 400 naming the value before anything is received. A refusal the group
+    # can be named for leaves it (a trainer broadcasting meanwhile fails at once, not at its
+    # timeout); the server serves as before
     lm = trained["lm_head.weight"]
+    ok_body = {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [list(lm.shape)]}
+    s, r = http(url, "/update_weights_from_distributed", {**ok_body, "group_name": "nobody"})
+    check(s == 400 and r.get("success") is False and "'nobody'" in message(r) and "no such group" in message(r),
+          f"unknown group_name: 400 naming it ({s}: {message(r)[:200]})")
+    s, r = http(url, "/update_weights_from_distributed", {**ok_body, "colour": 1})
+    check(s == 400 and "colour" in message(r), f"an unknown field: 400 naming it ({s}: {message(r)[:200]})")
+    s, r = update(url, pg, [("lm_head.weight", torch.zeros_like(lm))])
+    check(s == 200, f"those two leave the group alone: it still carries an update ({s}: {message(r)[:160]})")
     bad = [
         ({"names": ["model.layers.0.self_attn.nonsense.weight"], "dtypes": ["float32"], "shapes": [[2, 2]]},
          "model.layers.0.self_attn.nonsense.weight", "unknown name"),
@@ -162,20 +173,28 @@ with Checks(work) as check:
          f"[{lm.shape[0] + 1}, {lm.shape[1]}]", "wrong shape"),
         ({"names": ["lm_head.weight"], "dtypes": ["int64"], "shapes": [list(lm.shape)]}, "int64", "wrong dtype"),
         ({"names": ["lm_head.weight"], "dtypes": ["floaty"], "shapes": [list(lm.shape)]}, "floaty", "unknown dtype"),
-        ({"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [list(lm.shape)], "group_name": "nobody"},
-         "nobody", "unknown group_name"),
         ({"names": ["lm_head.weight", "lm_head.weight"], "dtypes": ["float32"] * 2, "shapes": [list(lm.shape)] * 2},
          "twice", "a name twice"),
-        ({"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [list(lm.shape)], "colour": 1},
-         "colour", "an unknown field"),
+        ({**ok_body, "load_format": "flattened_bucket"}, "load_format", "a load_format"),
     ]
-    for body, needle, what in bad:
-        s, r = http(url, "/update_weights_from_distributed", body)
-        check(s == 400 and r.get("success") is False and needle in message(r),
-              f"{what}: 400 naming '{needle}' ({s}: {message(r)[:200]})")
+    for i, (body, needle, what) in enumerate(bad):
+        name = f"bad{i}"
+        bad_pg, (s, r) = form_group(url, free_port(), name)
+        answer = in_thread(lambda: http(url, "/update_weights_from_distributed", {**body, "group_name": name}))
+        t0, failed = time.time(), None
+        if what == "wrong shape":  # this trainer broadcasts while its request is in flight, as SGLang's do
+            try:
+                dist.broadcast(torch.zeros(lm.shape[0] + 1, lm.shape[1]), src=0, group=bad_pg)
+            except Exception as e:
+                failed = e
+            check(failed is not None and time.time() - t0 < 10,
+                  f"wrong shape: the trainer's broadcast fails at once ({time.time() - t0:.1f} s: {str(failed)[:120]})")
+        s, r = answer()
+        check(s == 400 and r.get("success") is False and needle in message(r) and f"left group '{name}'" in message(r),
+              f"{what}: 400 naming '{needle}', the group left ({s}: {message(r)[:220]})")
     _, still = http(url, "/generate", greedy)
     check(same(still, flat), "after the refused updates the server serves as before")
-    # the group is still in step: restore lm_head, and the experts of layer 1 under transformers' grouped names
+    # restore lm_head, and the experts under transformers' grouped names
     grouped = []
     for layer in sorted({int(k.split(".")[2]) for k in trained if ".mlp.experts." in k}):
         pre = f"model.layers.{layer}.mlp.experts."
@@ -185,7 +204,7 @@ with Checks(work) as check:
         grouped.append((pre + "down_proj", torch.stack([trained[f"{pre}{e}.down_proj.weight"] for e in range(E)])))
     s, r = update(url, pg, [("lm_head.weight", lm)] + grouped, version="9")
     _, back = http(url, "/generate", greedy)
-    check(s == 200 and same(back, want), f"after them the group still works; grouped expert names load ({s}: {message(r)[:200]})")
+    check(s == 200 and same(back, want), f"the group no refusal named still works; grouped expert names load ({s}: {message(r)[:200]})")
 
     # 5. a trainer that dies mid-broadcast, and one that stops sending: an error answer, old weights kept
     s, r = http(url, "/destroy_weights_update_group", {"group_name": "weight_update_group"})
