@@ -30,8 +30,11 @@ Reply call(const std::string& url, const std::string& path, const std::string* b
                                std::to_string(timeout_s) + " s (" + what + ")");
     if (!unreachable_since) unreachable_since = attempt;
     if (Clock::now() - *unreachable_since >= std::chrono::seconds(retry_s))
-      throw std::runtime_error("rollout server " + url + ": " + path + ": unreachable for " + std::to_string(retry_s) +
-                               " s (rollout.http_retry_s; " + what + "): the server is lost");
+      throw std::runtime_error("rollout server " + url + ": " + path + ": " +
+                               (retry_s > 0 ? "unreachable for " + std::to_string(retry_s) + " s (rollout.http_retry_s; " +
+                                                  what + ")"
+                                            : "no answer (" + what + "; not retried: the server may have acted on it)") +
+                               ": the server is lost");
     std::this_thread::sleep_for(std::chrono::duration<double>(backoff_s));
     backoff_s = std::min(2.0, backoff_s * 2);
   }

@@ -71,32 +71,35 @@ with Checks(work) as check:
         stop_server(s)
 
     # 3. a server killed mid-run: an error naming its URL, a checkpoint; resume against a new one
-    slow, slow_url = check.server(kiln, "server_slow", ["--set", "rollout.step_delay_ms=150"])
-    out = f"{work}/killed"
-    common = [*quiet, "--set", "run.steps=12", "--set", "algorithm.prompts_per_step=4", "--set", "rollout.backend=http",
-              "--set", "rollout.http_retry_s=2"]
-    p = subprocess.Popen([kiln, "run", *common, "--set", urls(slow_url), "--set", f"run.output_dir={out}"],
-                         stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if os.path.exists(f"{out}/metrics.jsonl") and len(open(f"{out}/metrics.jsonl").read().splitlines()) >= 3:
-            break
-        time.sleep(0.05)
-    os.kill(slow.pid, signal.SIGKILL)
-    slow.wait()
-    _, err = p.communicate(timeout=300)
-    check(p.returncode == 1, f"killed server: the run exits 1 (got {p.returncode})")
-    check(f"rollout server {slow_url}" in err and "lost" in err,
-                   f"killed server: the error names the server's URL: {err.strip()[-400:]}")
-    ck = err.split("resume_from=")[-1].strip().split()[0] if "resume_from=" in err else ""
-    check(bool(ck) and os.path.exists(f"{ck}/state.json"), f"killed server: checkpoint {ck} written")
-    if ck:
-        fresh, fresh_url = check.server(kiln, "server_fresh")
-        r = subprocess.run([kiln, "run", *common, "--set", urls(fresh_url), "--set", f"run.output_dir={out}",
-                            "--set", f"run.resume_from={ck}"], capture_output=True, text=True, timeout=600)
-        check(r.returncode == 0, f"resumed against a new server: exits 0 ({r.stderr[-400:]})")
-        steps = [m["step"] for m in metrics(out)]
-        check(steps == list(range(1, 13)), f"every step trained exactly once across kill and resume: {steps}")
+    # (weights from disk, and broadcast: the new server joins a new group)
+    for mode, extra in (("disk", []), ("distributed", dist)):
+        slow, slow_url = check.server(kiln, f"server_slow_{mode}", ["--set", "rollout.step_delay_ms=150"])
+        out = f"{work}/killed_{mode}"
+        common = [*quiet, "--set", "run.steps=12", "--set", "algorithm.prompts_per_step=4", "--set", "rollout.backend=http",
+                  "--set", "rollout.http_retry_s=2", *extra]
+        p = subprocess.Popen([kiln, "run", *common, "--set", urls(slow_url), "--set", f"run.output_dir={out}"],
+                             stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if os.path.exists(f"{out}/metrics.jsonl") and len(open(f"{out}/metrics.jsonl").read().splitlines()) >= 3:
+                break
+            time.sleep(0.05)
+        os.kill(slow.pid, signal.SIGKILL)
+        slow.wait()
+        _, err = p.communicate(timeout=300)
+        check(p.returncode == 1, f"{mode}: killed server: the run exits 1 (got {p.returncode})")
+        check(f"rollout server {slow_url}" in err and "lost" in err,
+              f"{mode}: killed server: the error names the server's URL: {err.strip()[-400:]}")
+        ck = err.split("resume_from=")[-1].strip().split()[0] if "resume_from=" in err else ""
+        check(bool(ck) and os.path.exists(f"{ck}/state.json"), f"{mode}: killed server: checkpoint {ck} written")
+        if ck:
+            fresh, fresh_url = check.server(kiln, f"server_fresh_{mode}")
+            r = subprocess.run([kiln, "run", *common, "--set", urls(fresh_url), "--set", f"run.output_dir={out}",
+                                "--set", f"run.resume_from={ck}"], capture_output=True, text=True, timeout=600)
+            check(r.returncode == 0, f"{mode}: resumed against a new server: exits 0 ({r.stderr[-400:]})")
+            steps = [m["step"] for m in metrics(out)]
+            check(steps == list(range(1, 13)), f"{mode}: every step trained exactly once across kill and resume: {steps}")
+            stop_server(fresh)
 
     # 4. a URL where nothing listens: refused at start, naming it
     p = subprocess.run([kiln, "run", *quiet, "--set", "run.steps=1", "--set", "rollout.backend=http",
