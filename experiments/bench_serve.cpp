@@ -66,7 +66,8 @@ double over_http(const std::string& url, const std::vector<rollout::GenerationRe
         const json body = {{"input_ids", q.prompt}, {"return_logprob", true},
                            {"sampling_params", {{"max_new_tokens", q.sampling.max_new_tokens},
                                                 {"temperature", q.sampling.temperature},
-                                                {"sampling_seed", q.sampling.seed}}}};
+                                                {"sampling_seed", q.sampling.seed},
+                                                {"ignore_eos", true}}}};  // as the engine: no stop token
         auto r = cli.Post("/generate", body.dump(), "application/json");
         std::lock_guard<std::mutex> l(mu);
         if (!r || r->status != 200) {

@@ -161,6 +161,9 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   integer("rollout.http_timeout_s", c.rollout.http_timeout_s);
   integer("rollout.http_retry_s", c.rollout.http_retry_s);
   text("rollout.weights_dir", c.rollout.weights_dir);
+  text("rollout.weight_update", c.rollout.weight_update);
+  text("rollout.weight_update_address", c.rollout.weight_update_address);
+  integer("rollout.weight_update_timeout_s", c.rollout.weight_update_timeout_s);
   real("weight_sync.bucket_mib", c.weight_sync.bucket_mib);
   text("weight_sync.transport", c.weight_sync.transport);
   text("placement.mode", c.placement.mode);

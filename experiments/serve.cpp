@@ -60,6 +60,7 @@ int run_serve(const ServeCommand& command) {
   o.port_file = command.port_file;
   o.threads = command.threads;
   o.model_path = c.model.checkpoint.empty() ? c.model.package + ":" + c.model.flavor : c.model.checkpoint;
+  o.weight_update_timeout = std::chrono::seconds(c.rollout.weight_update_timeout_s);
   o.tokenizer_path = c.task.tokenizer.empty() ? "kiln:character" : c.task.tokenizer;
   if (hf && c.task.chat_template != "none") {
     const rollout::ChatOptions chat{*rollout::chat_format_from_string(c.task.chat_template)};

@@ -25,5 +25,12 @@ std::size_t item_size(DType dtype);
 std::string_view dtype_name(DType dtype);
 /// Parses a wire name; std::nullopt for anything else.
 std::optional<DType> dtype_from_name(std::string_view name);
+/// torch's name of the dtype, as str(torch.bfloat16) minus "torch.": bool uint8 int8 int32 int64
+/// float16 bfloat16 float32 float64 float8_e4m3fn float8_e5m2 (SGLang's weight-update requests
+/// carry these).
+std::string_view torch_dtype_name(DType dtype);
+/// Parses a torch name, with or without "torch." ("bfloat16", "torch.bfloat16"); std::nullopt
+/// for anything else (aliases such as "float" or "half" included).
+std::optional<DType> dtype_from_torch_name(std::string_view name);
 
 }  // namespace kiln::messaging

@@ -2,6 +2,7 @@
 // The interface every model package implements: what the trainer and the rollout engine see.
 // Legend: T tokens, D hidden, V vocabulary, L MoE layers, K experts per token.
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -59,6 +60,16 @@ class CausalLM : public torch::nn::Module {
   /// Loads HF-named tensors (the full set the model needs, e.g. from weight sync). Throws
   /// checkpoint::CheckpointError like load_hf_checkpoint.
   virtual void load_hf_tensors(const std::vector<messaging::Tensor>& tensors) = 0;
+  /// Where each HF-named tensor the model reads is written, for loads of any subset of them
+  /// (SGLang's update_weights_from_distributed): HF name -> a view of the parameter or buffer
+  /// it fills, of that HF tensor's shape, in the parameter's dtype and on its device; writing a
+  /// view (copy_, under torch::NoGradGuard) writes the weight. The package's state-dict adapter
+  /// maps the names. Throws std::invalid_argument for a model that cannot take HF tensors as it
+  /// is (e.g. one holding an ep rank's share of the experts).
+  virtual std::map<std::string, torch::Tensor> hf_targets() = 0;
+  /// Whether HF tensor `name`, though not among hf_targets(), is one that loads skip (a part of
+  /// the checkpoint the model does not build, such as the MTP layer).
+  virtual bool hf_key_skipped(const std::string& name) const = 0;
   /// The weights under HF names (CPU, contiguous; grouped tensors split as HF lays them out).
   virtual std::vector<messaging::Tensor> hf_state_dict() = 0;
   /// The HF-named weights this rank holds, for a checkpoint that every rank writes a part of

@@ -116,38 +116,82 @@ std::unique_ptr<Group> ProcessGroups::make_group(const std::string& name, const 
   const auto me = std::find(ranks.begin(), ranks.end(), launch_.rank);
   assert(me != ranks.end());  // Mesh::group_along always includes the rank it was asked about
   const int rank = static_cast<int>(me - ranks.begin());
-  const int size = static_cast<int>(ranks.size());
   auto store = c10::make_intrusive<c10d::PrefixStore>(key_prefix, store_);
+  try {
+    auto backend = make_backend(store, rank, static_cast<int>(ranks.size()), device_, name, options_);
+    return std::make_unique<Group>(name, std::move(ranks), rank, device_, std::move(backend), options_.collective_timeout);
+  } catch (const RendezvousError& e) {
+    throw RendezvousError(std::string(e.what()) + " (world ranks " + ranks_text(ranks) + ", world rank " +
+                          std::to_string(launch_.rank) + ")");
+  }
+}
+
+c10::intrusive_ptr<c10d::Backend> make_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                               torch::Device device, const std::string& name,
+                                               const GroupOptions& options) {
+#ifndef KILN_PARALLEL_NCCL
+  if (device.is_cuda())
+    throw std::invalid_argument("group '" + name + "' on " + device.str() +
+                                ": this kiln was built without NCCL (no CUDA toolkit or nccl.h at configure time)");
+#endif
+  if (!device.is_cuda() && !device.is_cpu())
+    throw std::invalid_argument("group '" + name + "' on " + device.str() + ": only CPU (Gloo) and CUDA (NCCL) are supported");
   c10::intrusive_ptr<c10d::Backend> backend;
   try {
-    if (device_.is_cuda()) {
+    if (device.is_cuda()) {
 #ifdef KILN_PARALLEL_NCCL
-      c10::cuda::set_device(device_.index());
+      c10::cuda::set_device(device.index());
       auto opts = c10d::ProcessGroupNCCL::Options::create();
       // ProcessGroupNCCL's watchdog aborts the process (SIGABRT) when a collective outlives this;
       // kiln's own wait (Group, collective_timeout) must come first, to fail with an error that
       // names the group and to exit cleanly: the watchdog only backs it up.
-      opts->timeout = 2 * options_.collective_timeout;
+      opts->timeout = 2 * options.collective_timeout;
       opts->group_name = name;
       backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
 #endif
     } else {
-      auto opts = c10d::ProcessGroupGloo::Options::create(options_.collective_timeout);
+      auto opts = c10d::ProcessGroupGloo::Options::create(options.collective_timeout);
       opts->devices = gloo_devices();
       opts->group_name = name;
       // Creating a Gloo group connects every pair of ranks through the store, bounded by
       // opts->timeout; rendezvous is what may fail here, so the store timeout applies.
-      opts->timeout = options_.store_timeout;
+      opts->timeout = options.store_timeout;
       backend = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
-      backend->setTimeout(options_.collective_timeout);
+      backend->setTimeout(options.collective_timeout);
     }
   } catch (const std::invalid_argument&) {
     throw;
   } catch (const std::exception& e) {
-    throw RendezvousError("creating group '" + name + "' (world ranks " + ranks_text(ranks) + ") on world rank " +
-                          std::to_string(launch_.rank) + " failed: " + error_text(e));
+    throw RendezvousError("creating group '" + name + "' as rank " + std::to_string(rank) + " of " +
+                          std::to_string(size) + " failed: " + error_text(e));
   }
-  return std::make_unique<Group>(name, std::move(ranks), rank, device_, std::move(backend), options_.collective_timeout);
+  return backend;
+}
+
+std::unique_ptr<Group> join_torch_group(const TorchGroupAddress& at, torch::Device device, const GroupOptions& options) {
+  if (at.world_size < 2 || at.rank < 0 || at.rank >= at.world_size)
+    throw std::invalid_argument("group '" + at.group_name + "': rank " + std::to_string(at.rank) + " of world size " +
+                                std::to_string(at.world_size) + " is out of range");
+  if (at.port < 1 || at.port > 65535)
+    throw std::invalid_argument("group '" + at.group_name + "': port " + std::to_string(at.port) + " is outside 1..65535");
+  if (at.group_name.empty()) throw std::invalid_argument("a group name must not be empty");
+  LaunchInfo info;
+  info.rank = at.rank;
+  info.world_size = at.world_size;
+  info.master_addr = at.address;
+  info.master_port = at.port;
+  auto tcp = connect_store(info, options.store_timeout);
+  // torch.distributed's layout: init_custom_process_group wraps the rendezvous store in
+  // PrefixStore(group_name), _new_process_group_helper in PrefixStore(group_name + "/") and the
+  // backend's in PrefixStore(device type + "/"): "cpu/" for Gloo, "cuda/" for NCCL.
+  c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::PrefixStore>(at.group_name, tcp);
+  store = c10::make_intrusive<c10d::PrefixStore>(at.group_name + "/", store);
+  store = c10::make_intrusive<c10d::PrefixStore>(std::string(device.is_cuda() ? "cuda" : "cpu") + "/", store);
+  auto backend = make_backend(store, at.rank, at.world_size, device, at.group_name, options);
+  std::vector<int> ranks(std::size_t(at.world_size));
+  for (int r = 0; r < at.world_size; ++r) ranks[std::size_t(r)] = r;
+  return std::make_unique<Group>(at.group_name, std::move(ranks), at.rank, device, std::move(backend),
+                                 options.collective_timeout);
 }
 
 }  // namespace kiln::parallel

@@ -42,6 +42,37 @@ struct GroupOptions {
 /// the launcher, this rank and c10d's message.
 c10::intrusive_ptr<c10d::Store> connect_store(const LaunchInfo& info, std::chrono::milliseconds timeout);
 
+/// Where a group that torch.distributed programs join meets: SGLang's
+/// init_custom_process_group(backend, init_method="tcp://ADDRESS:PORT", world_size, rank,
+/// group_name) (python/sglang/srt/utils.py; slime's and verl's trainers use the same helper).
+struct TorchGroupAddress {
+  std::string address;  ///< host of the TCPStore, which rank 0 serves
+  int port = 0;         ///< 1..65535
+  int rank = 0;         ///< this process's rank, 0 <= rank < world_size
+  int world_size = 0;   ///< >= 2
+  std::string group_name;
+};
+
+/// Joins (rank 0: serves the TCPStore and waits up to options.store_timeout for every rank) a
+/// group laid out in the store as torch.distributed lays out `at.group_name`'s: keys under
+/// PrefixStore(group_name) / (group_name + "/") / ("cpu/" for Gloo, "cuda/" for NCCL), so
+/// that a Python program calling init_custom_process_group with the same address, world and
+/// name is a member. Group ranks are the world ranks 0..world_size-1. `device` picks the
+/// backend as ProcessGroups does (CUDA: NCCL, CPU: Gloo). Throws std::invalid_argument for a
+/// rank, port or name out of range or a device the build cannot serve, RendezvousError naming
+/// the address when the store or a peer is not reached in time.
+std::unique_ptr<Group> join_torch_group(const TorchGroupAddress& at, torch::Device device, const GroupOptions& options);
+
+/// The c10d backend of one group over `store` (keys already prefixed for it): ProcessGroupNCCL
+/// on a CUDA `device` (this process's CUDA device set to its index), ProcessGroupGloo on CPU
+/// (devices from GLOO_SOCKET_IFNAME, else the host name's address). Creating it waits for every
+/// rank (options.store_timeout); collectives wait options.collective_timeout. Throws
+/// std::invalid_argument for a device the build cannot serve, RendezvousError when a peer is
+/// not reached.
+c10::intrusive_ptr<c10d::Backend> make_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                               torch::Device device, const std::string& name,
+                                               const GroupOptions& options);
+
 /// The world group and this rank's group along each mesh dimension.
 class ProcessGroups {
  public:

@@ -46,12 +46,18 @@ void Config::validate() const {
     need(placement.rollout_engines == 1, "placement.rollout_engines",
          "must be 1 with rollout.backend \"http\" (the servers at rollout.urls are the engines)");
     need(weight_sync.transport == "messages", "weight_sync.transport",
-         "must be \"messages\" with rollout.backend \"http\" (servers load each version from disk)");
+         "must be \"messages\" with rollout.backend \"http\" (rollout.weight_update says how the servers get weights)");
     need(rollout.http_timeout_s >= 1, "rollout.http_timeout_s", "must be >= 1");
     need(rollout.http_retry_s >= 0, "rollout.http_retry_s", "must be >= 0");
+    need(rollout.weight_update == "disk" || rollout.weight_update == "distributed", "rollout.weight_update",
+         "must be \"disk\" (files under rollout.weights_dir) or \"distributed\" (a c10d broadcast group with the "
+         "servers), got \"" + rollout.weight_update + "\"");
+    need(!rollout.weight_update_address.empty(), "rollout.weight_update_address", "must not be empty");
   } else {
     need(rollout.urls.empty(), "rollout.urls", "is read by rollout.backend \"http\" only");
+    need(rollout.weight_update == "disk", "rollout.weight_update", "is read by rollout.backend \"http\" only");
   }
+  need(rollout.weight_update_timeout_s >= 1, "rollout.weight_update_timeout_s", "must be >= 1");
   need(placement.mode == "single_process" || placement.mode == "multi_process", "placement.mode",
        "must be \"single_process\" or \"multi_process\" (rollout engine in a kiln node child process)");
   auto is_device = [](const std::string& d) {

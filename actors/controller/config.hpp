@@ -73,6 +73,17 @@ struct RolloutConfig {
   /// http: where each policy version is written (HF layout) for the servers'
   /// /update_weights_from_disk; they must see it at the same path. "": RUN/rollout_weights
   std::string weights_dir;
+  /// http: how new weights reach the servers (slime's and SGLang's words): "disk" (safetensors
+  /// under weights_dir, /update_weights_from_disk) or "distributed" (a c10d group of the
+  /// controller, rank 0, and every server, rank 1 + i, formed at start with
+  /// /init_weights_update_group; each version broadcast tensor by tensor while
+  /// /update_weights_from_distributed is in flight; Gloo on CPU, NCCL on CUDA)
+  std::string weight_update = "disk";
+  /// http, "distributed": the address the servers reach the controller's rendezvous store at
+  std::string weight_update_address = "127.0.0.1";
+  /// Seconds a weight-update group may take to form and each broadcast to complete: a lost
+  /// server (controller side) or trainer (`kiln serve` side) fails an update within this.
+  int64_t weight_update_timeout_s = 600;
 };
 
 struct WeightSyncConfig {

@@ -1,5 +1,7 @@
 #include "actors/controller/http_engines.hpp"
 
+#include "actors/controller/http_client.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <fstream>
@@ -18,58 +20,8 @@ namespace kiln::controller {
 namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
-using Clock = std::chrono::steady_clock;
-
-struct Reply {
-  int status = 0;
-  std::string body;
-};
-
-// GET (body empty and get) or POST url + path. An attempt that gets no answer (connection
-// refused or lost) is retried with backoff 0.1 s .. 2 s while the server has been unreachable
-// for less than retry_s; an attempt that outlives timeout_s is not retried.
-Reply call(const std::string& url, const std::string& path, const std::string* body, int64_t timeout_s, int64_t retry_s) {
-  std::optional<Clock::time_point> unreachable_since;
-  double backoff_s = 0.1;
-  for (;;) {
-    const auto attempt = Clock::now();
-    httplib::Client cli(url);
-    cli.set_connection_timeout(5);
-    cli.set_read_timeout(time_t(timeout_s));
-    cli.set_write_timeout(time_t(timeout_s));
-    auto r = body ? cli.Post(path.c_str(), *body, "application/json") : cli.Get(path.c_str());
-    if (r) return {r->status, r->body};
-    const auto what = httplib::to_string(r.error());
-    if (Clock::now() - attempt >= std::chrono::seconds(timeout_s))
-      throw std::runtime_error("rollout server " + url + ": " + path + ": no answer within rollout.http_timeout_s = " +
-                               std::to_string(timeout_s) + " s (" + what + ")");
-    if (!unreachable_since) unreachable_since = attempt;
-    if (Clock::now() - *unreachable_since >= std::chrono::seconds(retry_s))
-      throw std::runtime_error("rollout server " + url + ": " + path + ": unreachable for " + std::to_string(retry_s) +
-                               " s (rollout.http_retry_s; " + what + "): the server is lost");
-    std::this_thread::sleep_for(std::chrono::duration<double>(backoff_s));
-    backoff_s = std::min(2.0, backoff_s * 2);
-  }
-}
-
-// The answer as JSON, or std::runtime_error naming the server and its error message.
-json answer_json(const std::string& url, const std::string& path, const Reply& r) {
-  json j;
-  try {
-    j = json::parse(r.body);
-  } catch (const json::exception&) {
-    if (r.status / 100 != 2)
-      throw std::runtime_error("rollout server " + url + ": " + path + ": HTTP " + std::to_string(r.status) + ": " + r.body.substr(0, 300));
-    throw std::runtime_error("rollout server " + url + ": " + path + ": the answer is not JSON: " + r.body.substr(0, 300));
-  }
-  if (r.status / 100 != 2 || (j.is_object() && j.contains("error"))) {
-    const std::string msg = j.is_object() && j.contains("error") && j["error"].is_object() && j["error"].contains("message")
-                                ? j["error"]["message"].dump()
-                                : r.body.substr(0, 300);
-    throw std::runtime_error("rollout server " + url + ": " + path + ": HTTP " + std::to_string(r.status) + ": " + msg);
-  }
-  return j;
-}
+using http::answer_json;
+using http::call;
 
 json request_json(const rollout::GenerationRequest& q) {
   const auto& s = q.sampling;
@@ -77,7 +29,8 @@ json request_json(const rollout::GenerationRequest& q) {
     throw std::logic_error("rollout.backend \"http\" sends stop_token_ids only; request " + std::to_string(q.id) +
                            " has stop sequences");
   return {{"max_new_tokens", s.max_new_tokens}, {"temperature", s.temperature}, {"top_p", s.top_p},
-          {"top_k", s.top_k == 0 ? -1 : s.top_k},  {"stop_token_ids", s.stop_token_ids}, {"sampling_seed", s.seed}};
+          {"top_k", s.top_k == 0 ? -1 : s.top_k},  {"stop_token_ids", s.stop_token_ids}, {"sampling_seed", s.seed},
+          {"ignore_eos", true}};  // kiln's engine stops on the request's stop_token_ids only
 }
 
 // One /generate answer item as kiln's completion of `q` (checked: lengths, ids, versions).
@@ -164,6 +117,15 @@ HttpEngines::HttpEngines(const Config& c, const fs::path& run_dir, int64_t vocab
     }
     servers_.push_back(s);
   }
+  if (c.rollout.weight_update == "distributed") {
+    std::vector<std::string> urls;
+    for (const auto& s : servers_) urls.push_back(s.url);
+    distributed_ = std::make_unique<DistributedWeightUpdate>(urls, c.rollout.weight_update_address,
+                                                             torch::Device(c.model.device),
+                                                             std::chrono::seconds(c.rollout.weight_update_timeout_s),
+                                                             timeout_s_);
+    distributed_->connect();
+  }
 }
 
 std::vector<rollout::Completion> HttpEngines::generate_on(const Server& s, std::vector<rollout::GenerationRequest> share) const {
@@ -213,6 +175,11 @@ std::vector<rollout::Completion> HttpEngines::generate(std::vector<rollout::Gene
 }
 
 void HttpEngines::load(const PolicyWeights& w, TrainerHandle&) {
+  if (distributed_) {
+    distributed_->send(w);
+    loaded_version_ = w.version;
+    return;
+  }
   const auto dir = weights_dir_ / ("version_" + std::to_string(w.version));
   fs::create_directories(dir);
   checkpoint::write_checkpoint(dir.string(), w.tensors, uint64_t(4) << 30);

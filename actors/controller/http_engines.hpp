@@ -3,12 +3,15 @@
 // speaking SGLang's native API at rollout.urls — `kiln serve` processes (docs/serving.md) or
 // SGLang itself. Each step's prompt groups are split into contiguous shares, one batched
 // /generate per server (input_ids, one sampling_params per sample with its seed as
-// sampling_seed, return_logprob, return_routed_experts), all servers at once. A new policy
-// version is written in HF layout under rollout.weights_dir and each server is told to load it:
-// /pause_generation {"mode": "in_place"}, /update_weights_from_disk {"model_path",
-// "weight_version"}, /continue_generation (sequences in flight continue with the new weights,
-// as in kiln's own engine). Every token's policy version comes from meta_info
-// (output_token_weight_versions from kiln serve, else weight_version).
+// sampling_seed, return_logprob, return_routed_experts, ignore_eos: kiln's engine stops only
+// on the request's stop_token_ids), all servers at once. A new policy version reaches the
+// servers as rollout.weight_update says: "disk" writes it in HF layout under
+// rollout.weights_dir and tells each server to load it: /pause_generation {"mode":
+// "in_place"}, /update_weights_from_disk {"model_path", "weight_version"},
+// /continue_generation; "distributed" broadcasts it over a c10d group with the servers
+// (http_weight_update.hpp). Sequences in flight continue with the new weights, as in kiln's own
+// engine. Every token's policy version comes from meta_info (output_token_weight_versions from
+// kiln serve, else weight_version).
 //
 // A server that does not answer (connection refused or lost) is retried with backoff for
 // rollout.http_retry_s; a /generate is sent again whole (same seeds: the same completions).
@@ -16,18 +19,21 @@
 // std::runtime_error naming its URL; the loop then stops with a checkpoint (docs/reliability.md).
 #include <atomic>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "actors/controller/config.hpp"
 #include "actors/controller/handles.hpp"
+#include "actors/controller/http_weight_update.hpp"
 
 namespace kiln::controller {
 
 class HttpEngines : public RolloutEngines {
  public:
   /// Asks each server's /get_model_info (retrying as above); `vocab_size`: the policy's, which a
-  /// server that reports one must have. Throws std::runtime_error naming the URL.
+  /// server that reports one must have. With rollout.weight_update "distributed", forms the
+  /// weight-update group with every server. Throws std::runtime_error naming the URL.
   HttpEngines(const Config& config, const std::filesystem::path& run_dir, int64_t vocab_size);
   std::vector<rollout::Completion> generate(std::vector<rollout::GenerationRequest> requests,
                                             const std::function<void()>& between_steps) override;
@@ -48,6 +54,7 @@ class HttpEngines : public RolloutEngines {
   std::filesystem::path weights_dir_;
   std::string config_json_;  ///< model.checkpoint's config.json, copied beside each version ("": none)
   std::atomic<int64_t> loaded_version_{-1};  ///< read by the /generate threads
+  std::unique_ptr<DistributedWeightUpdate> distributed_;  ///< rollout.weight_update "distributed"
 };
 
 }  // namespace kiln::controller

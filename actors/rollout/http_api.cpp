@@ -155,8 +155,14 @@ void parse_sampling_params(const json& j, const std::string& where, const ApiLim
   sampling_fields(j, where, limits, "max_new_tokens", "sampling_seed", p);
   if (j.contains("stop_token_ids") && !j["stop_token_ids"].is_null())
     p.stop_token_ids = token_ids(j["stop_token_ids"], where + ".stop_token_ids", limits.vocab_size);
-  for (const char* k : {"ignore_eos", "skip_special_tokens", "no_stop_trim"})  // kiln never stops on its own
+  for (const char* k : {"skip_special_tokens", "no_stop_trim"})  // accepted; kiln's outputs never hold them
     if (j.contains(k) && !j[k].is_null()) boolean(j[k], where + "." + k);
+  // SGLang stops at the model's end tokens unless ignore_eos: they join the request's own.
+  const bool ignore_eos = j.contains("ignore_eos") && !j["ignore_eos"].is_null() && boolean(j["ignore_eos"], where + ".ignore_eos");
+  if (!ignore_eos && limits.tokenizer)
+    for (auto id : limits.tokenizer->eos_ids())
+      if (id < limits.vocab_size && std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), id) == p.stop_token_ids.end())
+        p.stop_token_ids.push_back(id);
 }
 
 NativeGenerate parse_generate(std::string_view body, const ApiLimits& limits) {

@@ -61,8 +61,9 @@ struct NativeGenerate {
 NativeGenerate parse_generate(std::string_view body, const ApiLimits& limits);
 
 /// SGLang's sampling_params object at `where` (e.g. "sampling_params[2]") into `out`
-/// (defaults: SGLang's max_new_tokens 128, temperature 1, top_p 1, top_k all). Throws as
-/// parse_generate.
+/// (defaults: SGLang's max_new_tokens 128, temperature 1, top_p 1, top_k all). As SGLang, a
+/// sample also stops at limits.tokenizer's end tokens (eos_ids) unless "ignore_eos" is true.
+/// Throws as parse_generate.
 void parse_sampling_params(const nlohmann::json& j, const std::string& where, const ApiLimits& limits,
                            SamplingParams& out);
 

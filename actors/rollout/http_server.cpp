@@ -7,10 +7,10 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <string>
 #include <fstream>
 
 #include "actors/rollout/serve_context.hpp"
-#include "model/checkpoint/safetensors.hpp"
 
 namespace kiln::rollout {
 
@@ -34,6 +34,39 @@ bool client_alive(ServeContext& c, const std::vector<uint64_t>& ids, httplib::Da
   return false;
 }
 
+void post(httplib::Server& svr, const std::string& path, PostHandler handle) {
+  svr.Post(path, [handle = std::move(handle), path](const httplib::Request& req, httplib::Response& res,
+                                                    const httplib::ContentReader& reader) {
+    if (req.is_multipart_form_data()) {
+      answer_error(res, 415, path + ": a multipart body is not served; send JSON (Content-Type: application/json)");
+      return;
+    }
+    std::string body;
+    const bool chunked = req.get_header_value("Transfer-Encoding").find("chunked") != std::string::npos;
+    if (chunked || req.has_header("Content-Length")) {
+      bool over = false;
+      const bool read = reader([&](const char* data, size_t n) {
+        if (body.size() + n > kMaxBodyBytes) {
+          over = true;
+          return false;
+        }
+        body.append(data, n);
+        return true;
+      });
+      if (over || res.status == 413) {
+        answer_error(res, 413, path + ": the body is over " + std::to_string(kMaxBodyBytes >> 20) + " MiB");
+        return;
+      }
+      if (!read) {
+        answer_error(res, 400, path + ": the body could not be read (" + std::to_string(body.size()) +
+                                   " bytes arrived; Content-Length " + req.get_header_value("Content-Length") + ")");
+        return;
+      }
+    }
+    handle(req, body, res);
+  });
+}
+
 namespace {
 using Clock = std::chrono::steady_clock;
 
@@ -54,8 +87,8 @@ bool wait_while_connected(ServeContext& c, const std::vector<std::shared_ptr<Tic
   return true;
 }
 
-void generate(ServeContext& c, const httplib::Request& req, httplib::Response& res) {
-  auto g = std::make_shared<NativeGenerate>(parse_generate(req.body, c.limits));
+void generate(ServeContext& c, const std::string& body, httplib::Response& res) {
+  auto g = std::make_shared<NativeGenerate>(parse_generate(body, c.limits));
   auto ids = std::make_shared<std::vector<uint64_t>>();
   const auto start = Clock::now();
   auto tickets = std::make_shared<std::vector<std::shared_ptr<Ticket>>>(c.loop.submit(g->requests, *ids));
@@ -112,12 +145,12 @@ void register_routes(httplib::Server& svr, ServeContext& c) {
   svr.Get("/get_weight_version", [&c](const httplib::Request&, httplib::Response& res) {
     guarded(res, [&] { answer(res, 200, {{"weight_version", weight_version(c)}}); });
   });
-  svr.Post("/generate", [&c](const httplib::Request& req, httplib::Response& res) {
-    guarded(res, [&] { generate(c, req, res); });
+  post(svr, "/generate", [&c](const httplib::Request&, const std::string& body, httplib::Response& res) {
+    guarded(res, [&] { generate(c, body, res); });
   });
-  svr.Post("/pause_generation", [&c](const httplib::Request& req, httplib::Response& res) {
+  post(svr, "/pause_generation", [&c](const httplib::Request&, const std::string& body, httplib::Response& res) {
     guarded(res, [&] {
-      const auto j = parse_object(req.body, "/pause_generation", {"mode"});
+      const auto j = parse_object(body, "/pause_generation", {"mode"});
       std::string mode = "abort";  // SGLang's default
       if (j.contains("mode")) {
         if (!j["mode"].is_string()) throw ApiError(400, "/pause_generation.mode: must be a string");
@@ -132,14 +165,14 @@ void register_routes(httplib::Server& svr, ServeContext& c) {
       answer(res, 200, {{"success", true}, {"message", "paused (" + mode + ")"}, {"num_aborted_requests", aborted}});
     });
   });
-  svr.Post("/continue_generation", [&c](const httplib::Request& req, httplib::Response& res) {
+  post(svr, "/continue_generation", [&c](const httplib::Request&, const std::string& body, httplib::Response& res) {
     guarded(res, [&] {
-      parse_object(req.body, "/continue_generation", {"torch_empty_cache"});
+      parse_object(body, "/continue_generation", {"torch_empty_cache"});
       c.loop.call([](Engine& e) { e.resume(); });
       answer(res, 200, {{"success", true}, {"message", "continued"}});
     });
   });
-  svr.Post("/flush_cache", [&c](const httplib::Request& req, httplib::Response& res) {
+  post(svr, "/flush_cache", [&c](const httplib::Request&, const std::string&, httplib::Response& res) {
     guarded(res, [&] {
       const auto s = c.loop.status();
       if (s.running + s.waiting > 0)
@@ -149,67 +182,20 @@ void register_routes(httplib::Server& svr, ServeContext& c) {
       res.set_content("Cache flushed.", "text/plain");
     });
   });
-  svr.Post("/update_weights_from_disk", [&c](const httplib::Request& req, httplib::Response& res) {
-    guarded(res, [&] { 
-      const auto j = parse_object(req.body, "/update_weights_from_disk",
-                                  {"model_path", "load_format", "weight_version", "abort_all_requests", "flush_cache",
-                                   "keep_pause", "is_async", "torch_empty_cache", "recapture_cuda_graph", "token_step"});
-      if (!j.contains("model_path") || !j["model_path"].is_string() || j["model_path"].get<std::string>().empty())
-        throw ApiError(400, "/update_weights_from_disk.model_path: must name an HF checkpoint directory");
-      const auto path = j["model_path"].get<std::string>();
-      if (!std::filesystem::is_directory(path))
-        throw ApiError(400, "/update_weights_from_disk.model_path: '" + path + "' is not a directory");
-      if (j.contains("load_format") && !j["load_format"].is_null() &&
-          (!j["load_format"].is_string() || (j["load_format"] != "auto" && j["load_format"] != "safetensors")))
-        throw ApiError(400, "/update_weights_from_disk.load_format: kiln reads \"safetensors\" (or \"auto\")");
-      std::optional<int64_t> version;
-      if (j.contains("weight_version") && !j["weight_version"].is_null()) {
-        const auto& v = j["weight_version"];
-        std::string text = v.is_string() ? v.get<std::string>() : v.is_number_integer() ? v.dump() : "";
-        char* end = nullptr;
-        const long long parsed = text.empty() ? -1 : std::strtoll(text.c_str(), &end, 10);
-        if (text.empty() || *end != '\0' || parsed < 0)
-          throw ApiError(400, "/update_weights_from_disk.weight_version: kiln's versions are integers >= 0, got " + json_text(v));
-        version = parsed;
-      }
-      const bool abort = j.value("abort_all_requests", false), keep_pause = j.value("keep_pause", false);
-      if (abort) c.loop.abort_all("aborted by /update_weights_from_disk");
-      const auto model = c.model;
-      int64_t in_flight = 0;
-      try {  // a checkpoint that does not fit is the client's fault: 400, naming the tensor
-        in_flight = c.loop.call([&](Engine& e) {
-          const bool was_paused = e.paused();
-          e.pause();
-          try {
-            model->load_hf_checkpoint(path);  // checks every name, shape and dtype first
-          } catch (...) {
-            if (!was_paused) e.resume();
-            throw;
-          }
-          e.weights_written(version ? *version : e.policy_version() + 1);
-          if (!was_paused && !keep_pause) e.resume();
-          return int64_t(e.running() + e.waiting());
-        });
-      } catch (const checkpoint::CheckpointError& e) {
-        throw ApiError(400, std::string("/update_weights_from_disk.model_path: ") + e.what());
-      }
-      answer(res, 200, {{"success", true},
-                        {"message", "loaded '" + path + "' as weight version " + weight_version(c)},
-                        {"num_paused_requests", in_flight}});
-    });
-  });
 }
 }  // namespace
 
 int serve_http(EngineLoop& loop, std::shared_ptr<model::CausalLM> model, const Tokenizer* tokenizer,
                const ServeOptions& options) {
   const auto& o = loop.engine().options();
-  ServeContext c{loop, model, tokenizer, options, {model->vocab_size(), o.cache_blocks * o.block_size, tokenizer}};
+  WeightUpdateGroups groups(parallel::GroupOptions{options.weight_update_timeout, options.weight_update_timeout});
+  ServeContext c{loop, model, tokenizer, options, {model->vocab_size(), o.cache_blocks * o.block_size, tokenizer}, &groups};
   httplib::Server svr;
   const int threads = options.threads;
   svr.new_task_queue = [threads] { return new httplib::ThreadPool(std::size_t(threads)); };
-  svr.set_payload_max_length(std::size_t(256) << 20);
+  svr.set_payload_max_length(kMaxBodyBytes);
   register_routes(svr, c);
+  register_weight_routes(svr, c);
   register_openai_routes(svr, c);
   svr.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr) {
     answer_error(res, 500, "internal error");

@@ -12,6 +12,9 @@
 //   POST /continue_generation
 //   POST /flush_cache               kiln keeps no prefix cache: succeeds while nothing runs
 //   POST /update_weights_from_disk  {"model_path": HF checkpoint dir, "weight_version": "V"}
+//   POST /init_weights_update_group, /update_weights_from_distributed,
+//        /destroy_weights_update_group   weights broadcast by a trainer over a c10d group
+//                                   (Gloo or NCCL) that this server joins (weight_routes.cpp)
 // and OpenAI's /v1/completions, /v1/chat/completions (streamed as server-sent events too) and
 // /v1/models (openai_api.cpp).
 // Every request is handled on its own thread of a pool; /generate requests join the engine's
@@ -20,6 +23,7 @@
 // (its cache pages freed) within about a second: the answer is sent chunked, led by a space
 // every second while it waits (JSON allows leading whitespace), which fails once the peer is gone.
 // docs/serving.md is the user's page.
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <span>
@@ -39,6 +43,9 @@ struct ServeOptions {
   int threads = 128;       ///< HTTP worker threads: requests handled at once
   std::string model_path;  ///< what /get_model_info calls the model
   std::string tokenizer_path;
+  /// Joining a weight-update group (every rank meeting) and each broadcast of an update may
+  /// take this long; a trainer lost or stopped mid-update fails it within this.
+  std::chrono::milliseconds weight_update_timeout = std::chrono::minutes(10);
   /// The ids of a chat's turns with the generation prompt (/v1/chat/completions); empty: the
   /// server has no chat template and refuses chats.
   std::function<std::vector<int64_t>(std::span<const ChatMessage>)> chat;

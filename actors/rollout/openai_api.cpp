@@ -181,8 +181,8 @@ json usage_of(const std::vector<Completion>& done) {
 // The answer's text (end tokens decode to nothing).
 std::string text_of(ServeContext& c, const Completion& d) { return c.tokenizer->decode(d.tokens); }
 
-void serve_openai(ServeContext& c, const httplib::Request& req, httplib::Response& res, bool chat) {
-  auto r = std::make_shared<OpenAiRequest>(chat ? parse_chat(req.body, c) : parse_completion(req.body, c));
+void serve_openai(ServeContext& c, const std::string& body, httplib::Response& res, bool chat) {
+  auto r = std::make_shared<OpenAiRequest>(chat ? parse_chat(body, c) : parse_completion(body, c));
   auto ids = std::make_shared<std::vector<uint64_t>>();
   auto tickets = std::make_shared<std::vector<std::shared_ptr<Ticket>>>(c.loop.submit(r->requests, *ids, r->stream));
   const std::string id = fresh_id(chat ? "chatcmpl-" : "cmpl-"), object = chat ? "chat.completion" : "text_completion";
@@ -310,11 +310,11 @@ void serve_openai(ServeContext& c, const httplib::Request& req, httplib::Respons
 }  // namespace
 
 void register_openai_routes(httplib::Server& svr, ServeContext& c) {
-  svr.Post("/v1/completions", [&c](const httplib::Request& req, httplib::Response& res) {
-    guarded(res, [&] { serve_openai(c, req, res, false); });
+  post(svr, "/v1/completions", [&c](const httplib::Request&, const std::string& body, httplib::Response& res) {
+    guarded(res, [&] { serve_openai(c, body, res, false); });
   });
-  svr.Post("/v1/chat/completions", [&c](const httplib::Request& req, httplib::Response& res) {
-    guarded(res, [&] { serve_openai(c, req, res, true); });
+  post(svr, "/v1/chat/completions", [&c](const httplib::Request&, const std::string& body, httplib::Response& res) {
+    guarded(res, [&] { serve_openai(c, body, res, true); });
   });
   svr.Get("/v1/models", [&c](const httplib::Request&, httplib::Response& res) {
     answer(res, 200, {{"object", "list"},

@@ -11,6 +11,7 @@
 #include "actors/rollout/chat_template.hpp"
 #include "actors/rollout/http_api.hpp"
 #include "actors/rollout/http_server.hpp"
+#include "actors/rollout/weight_update_groups.hpp"
 
 namespace kiln::rollout {
 
@@ -20,7 +21,23 @@ struct ServeContext {
   const Tokenizer* tokenizer;
   const ServeOptions& options;
   ApiLimits limits;
+  WeightUpdateGroups* weight_groups;  ///< the groups this server joined (weight_routes.cpp)
 };
+
+/// Bodies over this get a 413 with a message.
+inline constexpr std::size_t kMaxBodyBytes = std::size_t(256) << 20;
+
+/// A POST route's handler; `body` is the request's body as post() read it.
+using PostHandler = std::function<void(const httplib::Request&, const std::string& body, httplib::Response&)>;
+
+/// Registers POST `path`, reading the body itself rather than through cpp-httplib's reader: a
+/// body is the same bytes whatever its Content-Type (curl -d sends JSON as
+/// application/x-www-form-urlencoded, which cpp-httplib 0.11 refuses over 8 KiB with an empty
+/// 413); a request with neither Content-Length nor Transfer-Encoding has no body (RFC 9112
+/// 6.3; cpp-httplib would wait for the connection to close, then answer an empty 400); a body
+/// over kMaxBodyBytes gets a 413, a multipart one a 415, a body that cannot be read a 400, each
+/// with {"error": {"message"}}.
+void post(httplib::Server& svr, const std::string& path, PostHandler handle);
 
 void answer(httplib::Response& res, int status, const nlohmann::json& body);
 void answer_error(httplib::Response& res, int status, const std::string& message);
@@ -45,6 +62,10 @@ void guarded(httplib::Response& res, F handle) {
 /// a JSON body; an empty comment ":\n\n" between server-sent events).
 bool client_alive(ServeContext& c, const std::vector<uint64_t>& ids, httplib::DataSink& sink, const char* what,
                   const char* heartbeat = " ");
+
+/// Adds /update_weights_from_disk, /init_weights_update_group, /update_weights_from_distributed
+/// and /destroy_weights_update_group (weight_routes.cpp).
+void register_weight_routes(httplib::Server& svr, ServeContext& c);
 
 /// Adds /v1/completions, /v1/chat/completions and /v1/models (openai_api.cpp).
 void register_openai_routes(httplib::Server& svr, ServeContext& c);

@@ -188,6 +188,12 @@ void Glm4MoeLiteModel::load_hf_tensors(const std::vector<messaging::Tensor>& ten
   load_hf_state_dict(*this, tensors);
 }
 
+std::map<std::string, torch::Tensor> Glm4MoeLiteModel::hf_targets() {
+  refuse_load_under_expert_parallel("hf_targets");
+  return glm4_moe_lite::hf_targets(*this);
+}
+bool Glm4MoeLiteModel::hf_key_skipped(const std::string& name) const { return glm4_moe_lite::hf_key_skipped(*this, name); }
+
 std::vector<messaging::Tensor> Glm4MoeLiteModel::hf_state_dict() { return to_hf_state_dict(*this); }
 std::vector<messaging::Tensor> Glm4MoeLiteModel::hf_state_dict_local(bool with_dense) {
   return to_hf_state_dict_local(*this, with_dense);

@@ -58,6 +58,8 @@ class Glm4MoeLiteModel : public CausalLM {
   void save_hf_checkpoint(const std::string& dir, uint64_t max_shard_bytes) override;
   void to_dtype(torch::Dtype dtype) override;
   void load_hf_tensors(const std::vector<messaging::Tensor>& tensors) override;
+  std::map<std::string, torch::Tensor> hf_targets() override;
+  bool hf_key_skipped(const std::string& name) const override;
   /// With expert parallel: collective over the ep group (each grouped expert tensor is
   /// gathered, gather_experts), the full HF state on every ep rank.
   std::vector<messaging::Tensor> hf_state_dict() override;

@@ -90,6 +90,36 @@ std::vector<std::string> required_hf_keys(Glm4MoeLiteModel& model) {
   return keys;
 }
 
+std::map<std::string, torch::Tensor> hf_targets(Glm4MoeLiteModel& model) {
+  const auto slice = model.expert_slice();
+  if (slice.ranks > 1)
+    throw std::invalid_argument("glm4_moe_lite: the model holds the routed experts of ep rank " +
+                                std::to_string(slice.rank) + " of " + std::to_string(slice.ranks) +
+                                " only: HF tensors load into a model holding all of them");
+  const int64_t F = model.config().moe.expert_intermediate_size;
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& [name, t] : kiln_tensors(model)) {
+    auto s = source_of(name);
+    if (s.kind == Source::Kind::direct) {
+      out[s.hf] = t;
+    } else if (s.kind == Source::Kind::gate_up) {  // [E, 2F, D]: gate rows [0, F), up rows [F, 2F)
+      out[grouped_key(s.layer, "gate_up_proj")] = t;
+      for (int64_t e = 0; e < t.size(0); ++e) {
+        out[expert_key(s.layer, e, "gate_proj")] = t[e].narrow(0, 0, F);
+        out[expert_key(s.layer, e, "up_proj")] = t[e].narrow(0, F, F);
+      }
+    } else {  // [E, D, F]
+      out[grouped_key(s.layer, "down_proj")] = t;
+      for (int64_t e = 0; e < t.size(0); ++e) out[expert_key(s.layer, e, "down_proj")] = t[e];
+    }
+  }
+  return out;
+}
+
+bool hf_key_skipped(const Glm4MoeLiteModel& model, const std::string& key) {
+  return layer_of(key, "model.layers.") >= model.config().num_hidden_layers;
+}
+
 void load_hf_state_dict(Glm4MoeLiteModel& model, checkpoint::Checkpoint& ckpt) {
   HfTensorSource src{"checkpoint '" + ckpt.dir() + "'", [&] { return ckpt.names(); },
                      [&](const std::string& k) { return ckpt.contains(k); },
@@ -139,7 +169,7 @@ void load_hf_state_dict(Glm4MoeLiteModel& model, const HfTensorSource& ckpt) {
   }
   std::vector<std::string> unexpected;
   for (const auto& k : ckpt.names())
-    if (!consumed.count(k) && layer_of(k, "model.layers.") < cfg.num_hidden_layers) unexpected.push_back(k);
+    if (!consumed.count(k) && !hf_key_skipped(model, k)) unexpected.push_back(k);
   throw_if_misfit(ckpt.where, "glm4_moe_lite (" + std::to_string(cfg.num_hidden_layers) + " layers)", missing, unexpected);
   // The routed experts this model holds: [e0, e0 + El) (all E unless built as an ep rank's
   // share); every expert's key was checked above, only these are read.

@@ -9,6 +9,7 @@
 // [E, 2F, D], mlp.experts.down_proj [E, D, F]) load too. The MTP layer (index
 // num_hidden_layers) is never read. Only the keys the model needs are read.
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -50,6 +51,18 @@ struct HfTensorSource {
 void load_hf_state_dict(Glm4MoeLiteModel& model, const HfTensorSource& src);
 void load_hf_state_dict(Glm4MoeLiteModel& model, checkpoint::Checkpoint& ckpt);
 void load_hf_state_dict(Glm4MoeLiteModel& model, const std::vector<messaging::Tensor>& tensors);
+
+/// Where each HF tensor the model reads is written, for loads of any subset of them (SGLang's
+/// update_weights_from_distributed): HF name -> a view of the kiln parameter or buffer it
+/// fills, of the HF tensor's shape, in the parameter's dtype and on its device. Per-expert names
+/// (mlp.experts.{e}.gate_proj.weight [F, D] -> w_gate_up_EFD[e][0:F], up_proj -> [F:2F],
+/// down_proj [D, F] -> w_down_EDF[e]) and transformers' grouped ones (mlp.experts.gate_up_proj
+/// [E, 2F, D], mlp.experts.down_proj [E, D, F]) both. Throws std::invalid_argument for a model
+/// holding a slice of the experts (an ep rank's; load the full weights instead).
+std::map<std::string, torch::Tensor> hf_targets(Glm4MoeLiteModel& model);
+/// Whether HF tensor `key` belongs to what the model never builds (layers >= num_hidden_layers:
+/// the MTP layer), which loads skip.
+bool hf_key_skipped(const Glm4MoeLiteModel& model, const std::string& key);
 
 /// The model's weights under HF names (experts split per expert), on CPU, contiguous. With expert
 /// parallel: collective over the ep group (the full experts gathered on every ep rank). Throws

@@ -2,6 +2,8 @@
 """The HTTP rollout backend (rollout.backend = "http") against `kiln serve` processes on
 loopback: the default experiment (5 steps, k = 0, fixed seed) gives the same metrics as with the
 in-process engine, with one server and with two (prompt groups split between them), and with
+two servers whose weights are broadcast over a Gloo group (rollout.weight_update =
+"distributed": /init_weights_update_group, /update_weights_from_distributed), and with
 staleness k = 1 it runs (weights loaded while servers generate) with every token at most one
 version old; killing the server mid-run stops the run with an error naming the server's URL and
 a checkpoint, and resuming from it against a new server finishes the run with every step trained
@@ -27,15 +29,17 @@ with Checks(work) as check:
     # 1. the same metrics as the in-process engine (k = 0), with one server and with two
     a_proc, a = check.server(kiln, "server_a")
     b_proc, b = check.server(kiln, "server_b")
+    dist = ["--set", "rollout.weight_update=distributed"]
     runs = {"engine": [], "http_one": ["--set", "rollout.backend=http", "--set", urls(a)],
-            "http_two": ["--set", "rollout.backend=http", "--set", urls(a, b)]}
+            "http_two": ["--set", "rollout.backend=http", "--set", urls(a, b)],
+            "http_two_distributed": ["--set", "rollout.backend=http", "--set", urls(a, b), *dist]}
     for name, extra in runs.items():
         p = subprocess.run([kiln, "run", *quiet, "--set", "run.steps=5", *extra, "--set", f"run.output_dir={work}/{name}"],
                            capture_output=True, text=True, timeout=600)
         check(p.returncode == 0, f"{name} run exits 0 ({p.stderr[-400:]})")
     if check.all_ok():
         base = metrics(f"{work}/engine")
-        for name in ("http_one", "http_two"):
+        for name in ("http_one", "http_two", "http_two_distributed"):
             m = metrics(f"{work}/{name}")
             check(len(m) == len(base) == 5, f"{name}: 5 steps")
             for x, y in zip(base, m):
@@ -45,51 +49,57 @@ with Checks(work) as check:
         check("rollout_weights" in os.listdir(f"{work}/http_one") and
                        os.listdir(f"{work}/http_one/rollout_weights") == ["version_5"],
                        "the servers read each version from RUN/rollout_weights; only the newest is kept")
+        check(not os.path.exists(f"{work}/http_two_distributed/rollout_weights"),
+              "with rollout.weight_update = \"distributed\" no weights are written to disk")
 
     # 2. staleness k = 1: weights reach the servers between and during generations
-    p = subprocess.run([kiln, "run", *quiet, "--set", "run.steps=6", "--set", "algorithm.staleness=1",
-                        "--set", "rollout.backend=http", "--set", urls(a, b), "--set", f"run.output_dir={work}/http_async"],
-                       capture_output=True, text=True, timeout=600)
-    check(p.returncode == 0, f"k = 1 run exits 0 ({p.stderr[-400:]})")
-    if p.returncode == 0:
-        m = metrics(f"{work}/http_async")
-        check([r["step"] for r in m] == list(range(1, 7)), "k = 1: 6 steps")
-        hist = {}
-        for r in m:
-            for age, count in r["staleness_histogram"].items():
-                hist[int(age)] = hist.get(int(age), 0) + count
-        check(set(hist) <= {0, 1} and hist.get(1, 0) > 0,
-                       f"k = 1: every token at most 1 version old, some exactly 1 (ages {hist})")
+    for name, extra in (("http_async", []), ("http_async_distributed", dist)):
+        p = subprocess.run([kiln, "run", *quiet, "--set", "run.steps=6", "--set", "algorithm.staleness=1",
+                            "--set", "rollout.backend=http", "--set", urls(a, b), *extra,
+                            "--set", f"run.output_dir={work}/{name}"], capture_output=True, text=True, timeout=600)
+        check(p.returncode == 0, f"{name}: k = 1 run exits 0 ({p.stderr[-400:]})")
+        if p.returncode == 0:
+            m = metrics(f"{work}/{name}")
+            check([r["step"] for r in m] == list(range(1, 7)), f"{name}: k = 1: 6 steps")
+            hist = {}
+            for r in m:
+                for age, count in r["staleness_histogram"].items():
+                    hist[int(age)] = hist.get(int(age), 0) + count
+            check(set(hist) <= {0, 1} and hist.get(1, 0) > 0,
+                  f"{name}: k = 1: every token at most 1 version old, some exactly 1 (ages {hist})")
     for s in (a_proc, b_proc):
         stop_server(s)
 
     # 3. a server killed mid-run: an error naming its URL, a checkpoint; resume against a new one
-    slow, slow_url = check.server(kiln, "server_slow", ["--set", "rollout.step_delay_ms=150"])
-    out = f"{work}/killed"
-    common = [*quiet, "--set", "run.steps=12", "--set", "algorithm.prompts_per_step=4", "--set", "rollout.backend=http",
-              "--set", "rollout.http_retry_s=2"]
-    p = subprocess.Popen([kiln, "run", *common, "--set", urls(slow_url), "--set", f"run.output_dir={out}"],
-                         stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if os.path.exists(f"{out}/metrics.jsonl") and len(open(f"{out}/metrics.jsonl").read().splitlines()) >= 3:
-            break
-        time.sleep(0.05)
-    os.kill(slow.pid, signal.SIGKILL)
-    slow.wait()
-    _, err = p.communicate(timeout=300)
-    check(p.returncode == 1, f"killed server: the run exits 1 (got {p.returncode})")
-    check(f"rollout server {slow_url}" in err and "lost" in err,
-                   f"killed server: the error names the server's URL: {err.strip()[-400:]}")
-    ck = err.split("resume_from=")[-1].strip().split()[0] if "resume_from=" in err else ""
-    check(bool(ck) and os.path.exists(f"{ck}/state.json"), f"killed server: checkpoint {ck} written")
-    if ck:
-        fresh, fresh_url = check.server(kiln, "server_fresh")
-        r = subprocess.run([kiln, "run", *common, "--set", urls(fresh_url), "--set", f"run.output_dir={out}",
-                            "--set", f"run.resume_from={ck}"], capture_output=True, text=True, timeout=600)
-        check(r.returncode == 0, f"resumed against a new server: exits 0 ({r.stderr[-400:]})")
-        steps = [m["step"] for m in metrics(out)]
-        check(steps == list(range(1, 13)), f"every step trained exactly once across kill and resume: {steps}")
+    # (weights from disk, and broadcast: the new server joins a new group)
+    for mode, extra in (("disk", []), ("distributed", dist)):
+        slow, slow_url = check.server(kiln, f"server_slow_{mode}", ["--set", "rollout.step_delay_ms=150"])
+        out = f"{work}/killed_{mode}"
+        common = [*quiet, "--set", "run.steps=12", "--set", "algorithm.prompts_per_step=4", "--set", "rollout.backend=http",
+                  "--set", "rollout.http_retry_s=2", *extra]
+        p = subprocess.Popen([kiln, "run", *common, "--set", urls(slow_url), "--set", f"run.output_dir={out}"],
+                             stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if os.path.exists(f"{out}/metrics.jsonl") and len(open(f"{out}/metrics.jsonl").read().splitlines()) >= 3:
+                break
+            time.sleep(0.05)
+        os.kill(slow.pid, signal.SIGKILL)
+        slow.wait()
+        _, err = p.communicate(timeout=300)
+        check(p.returncode == 1, f"{mode}: killed server: the run exits 1 (got {p.returncode})")
+        check(f"rollout server {slow_url}" in err and "lost" in err,
+              f"{mode}: killed server: the error names the server's URL: {err.strip()[-400:]}")
+        ck = err.split("resume_from=")[-1].strip().split()[0] if "resume_from=" in err else ""
+        check(bool(ck) and os.path.exists(f"{ck}/state.json"), f"{mode}: killed server: checkpoint {ck} written")
+        if ck:
+            fresh, fresh_url = check.server(kiln, f"server_fresh_{mode}")
+            r = subprocess.run([kiln, "run", *common, "--set", urls(fresh_url), "--set", f"run.output_dir={out}",
+                                "--set", f"run.resume_from={ck}"], capture_output=True, text=True, timeout=600)
+            check(r.returncode == 0, f"{mode}: resumed against a new server: exits 0 ({r.stderr[-400:]})")
+            steps = [m["step"] for m in metrics(out)]
+            check(steps == list(range(1, 13)), f"{mode}: every step trained exactly once across kill and resume: {steps}")
+            stop_server(fresh)
 
     # 4. a URL where nothing listens: refused at start, naming it
     p = subprocess.run([kiln, "run", *quiet, "--set", "run.steps=1", "--set", "rollout.backend=http",

@@ -7,9 +7,11 @@ values, token ids outside the vocabulary, over-long prompts) get a 400 naming th
 serving; a client that disconnects has its sequence cancelled and its cache pages freed;
 /pause_generation holds requests until /continue_generation (mode "abort" ends them);
 /update_weights_from_disk loads a checkpoint (the server then samples as one started from it)
-and refuses one that does not fit, naming a tensor.
+and refuses one that does not fit, naming a tensor; JSON sent as a form (curl -d) over 8 KiB is
+read as JSON, and a POST without a body or Content-Length (curl -X POST) is answered at once; a
+sample stops at the model's end token unless ignore_eos.
 Usage: check_serve_api.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
-import base64, json, os, random, socket, subprocess, sys, threading, time
+import base64, json, os, random, socket, subprocess, sys, threading, time, urllib.error, urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serve_util import Checks, http, stop_server
@@ -139,6 +141,50 @@ with Checks(work) as check:
     s, _ = http(url, "/health")
     s2, r = gen(url, prompt, 7)
     check(s == 200 and s2 == 200 and r["output_ids"] == out, "after the bad requests the server serves as before")
+
+    # 2b. what curl sends: JSON over 8 KiB as application/x-www-form-urlencoded (curl -d's
+    # default) is read as JSON; a POST with no body and no Content-Length (curl -X POST) is an
+    # empty body, answered at once
+    padded = json.dumps({"input_ids": prompt, "return_logprob": True,
+                         "sampling_params": {"max_new_tokens": 8, "sampling_seed": 7}}) + " " * 9000
+    req = urllib.request.Request(url + "/generate", data=padded.encode(), method="POST",
+                                 headers={"Content-Type": "application/x-www-form-urlencoded"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            s, form = resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        s, form = e.code, e.read().decode()[:200]
+    check(s == 200 and form["output_ids"] == out,
+          f"a {len(padded)}-byte JSON body sent as application/x-www-form-urlencoded is read as JSON ({s}: {str(form)[:120]})")
+    for path in ("/pause_generation", "/continue_generation", "/flush_cache"):
+        t0 = time.time()
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=30) as sock:
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+            head = sock.recv(65536).decode(errors="replace")
+        check(head.startswith("HTTP/1.1 200") and time.time() - t0 < 2,
+              f"POST {path} without a body or Content-Length: 200 at once ({time.time() - t0:.2f} s: {head.splitlines()[:1]})")
+    s, r = http(url, "/get_server_info")
+    check(s == 200 and r["paused"] is False, "the server is not left paused")
+
+    # 2c. the model's end token ends a sample unless ignore_eos (SGLang's default), as a stop
+    # token of its own would
+    EOS = 1  # the character tokenizer's <eos>
+    params = [{"max_new_tokens": 48, "sampling_seed": 1000 + i, "ignore_eos": True} for i in range(32)]
+    _, free = http(url, "/generate", {"input_ids": [prompt] * 32, "sampling_params": params})
+    hit = [i for i, item in enumerate(free) if EOS in item["output_ids"][:-1]]
+    check(len(hit) > 0, f"with ignore_eos some of 32 samples run past <eos> ({len(hit)})")
+    if hit:
+        i = hit[0]
+        cut = free[i]["output_ids"].index(EOS) + 1
+        p = dict(params[i])
+        del p["ignore_eos"]
+        _, stopped = http(url, "/generate", {"input_ids": prompt, "sampling_params": p})
+        check(stopped["output_ids"] == free[i]["output_ids"][:cut] and
+              stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS},
+              f"without ignore_eos the same sample stops at <eos> ({stopped['output_ids']}, {stopped['meta_info']['finish_reason']})")
+        p["ignore_eos"] = False
+        _, stopped2 = http(url, "/generate", {"input_ids": prompt, "sampling_params": p})
+        check(stopped2["output_ids"] == stopped["output_ids"], "ignore_eos false: the same")
     stop_server(proc)
 
     # 4. a client that disconnects: its sequence is cancelled, its pages freed

@@ -92,6 +92,32 @@ TEST_CASE("the trainer in a process needs every model out of the controller") {
   CHECK(c.to_toml().find("trainer = \"process\"") != std::string::npos);
 }
 
+TEST_CASE("rollout.weight_update is disk or distributed, read with rollout.backend http only, and round-trips") {
+  ExperimentConfig c;
+  c.set("rollout.backend=http");
+  c.set("rollout.urls=http://127.0.0.1:30000");
+  CHECK(c.rollout.weight_update == "disk");
+  c.set("rollout.weight_update=distributed");
+  c.set("rollout.weight_update_address=10.0.0.1");
+  c.set("rollout.weight_update_timeout_s=30");
+  CHECK_NOTHROW(c.validate());
+  const auto toml = c.to_toml();
+  CHECK(toml.find("weight_update = \"distributed\"") != std::string::npos);
+  CHECK(toml.find("weight_update_address = \"10.0.0.1\"") != std::string::npos);
+  CHECK(toml.find("weight_update_timeout_s = 30") != std::string::npos);
+  c.set("rollout.weight_update=nccl");
+  CHECK_THROWS_WITH_AS(c.validate(), doctest::Contains("'rollout.weight_update' must be \"disk\""), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(c.validate(), doctest::Contains("got \"nccl\""), std::invalid_argument);
+  c.set("rollout.weight_update=distributed");
+  c.set("rollout.weight_update_timeout_s=0");
+  CHECK_THROWS_WITH_AS(c.validate(), doctest::Contains("'rollout.weight_update_timeout_s' must be >= 1"),
+                       std::invalid_argument);
+  ExperimentConfig engine;
+  engine.set("rollout.weight_update=distributed");
+  CHECK_THROWS_WITH_AS(engine.validate(), doctest::Contains("'rollout.weight_update' is read by rollout.backend \"http\" only"),
+                       std::invalid_argument);
+}
+
 TEST_CASE("rollout.backend http: rollout.urls as a list or one string round-trips and is checked by name") {
   ExperimentConfig c;
   c.set("rollout.backend=http");

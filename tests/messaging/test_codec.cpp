@@ -91,6 +91,19 @@ TEST_CASE("every dtype round-trips with its bytes, shape and name intact, withou
   }
 }
 
+TEST_CASE("every dtype's torch name parses back, with or without torch., and nothing else does") {
+  for (DType dt : kAllDTypes) {
+    const std::string name(torch_dtype_name(dt));
+    CAPTURE(name);
+    CHECK(dtype_from_torch_name(name) == dt);
+    CHECK(dtype_from_torch_name("torch." + name) == dt);
+  }
+  CHECK(torch_dtype_name(DType::bfloat16) == "bfloat16");
+  CHECK(torch_dtype_name(DType::float32) == "float32");
+  for (const char* other : {"", "float", "half", "BF16", "torch.", "torch.float", "Float32", "bfloat16 "})
+    CHECK_FALSE(dtype_from_torch_name(other).has_value());
+}
+
 TEST_CASE("empty, zero-sized and scalar tensors round-trip") {
   std::mt19937_64 rng(1);
   auto env = sample({random_tensor("empty", DType::float32, {0, 7}, rng), random_tensor("scalar", DType::int64, {}, rng),

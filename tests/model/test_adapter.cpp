@@ -211,3 +211,36 @@ TEST_CASE("an expert-parallel rank's load holds and reads only its own experts, 
   auto sliced = glm4_moe_lite::from_hf_dir(dir, ExpertSlice{1, 2});
   CHECK_THROWS_WITH_AS(sliced->hf_state_dict(), doctest::Contains("rank 1 of 2 only"), std::logic_error);
 }
+
+TEST_CASE("hf_targets covers every HF key once, per-expert and grouped, and writing them loads the weights") {
+  auto src = glm4_moe_lite::from_hf_dir(test::fixture_dir());
+  torch::manual_seed(3);
+  glm4_moe_lite::Glm4MoeLiteModel dst(src->config());  // other random weights
+  auto targets = dst.hf_targets();
+  const auto hf = src->hf_state_dict();  // per-expert names
+  std::set<std::string> grouped;
+  for (const auto& [name, view] : targets)
+    if (name.ends_with(".mlp.experts.gate_up_proj") || name.ends_with(".mlp.experts.down_proj")) grouped.insert(name);
+  CHECK(targets.size() == hf.size() + grouped.size());
+  CHECK(grouped.size() == 2 * std::size_t(src->num_moe_layers()));
+  torch::NoGradGuard no_grad;
+  for (const auto& t : hf) {
+    REQUIRE_MESSAGE(targets.count(t.name), t.name);
+    auto value = messaging::to_torch(t);
+    REQUIRE(targets[t.name].sizes() == value.sizes());
+    targets[t.name].copy_(value);
+  }
+  auto p1 = src->named_parameters(), p2 = dst.named_parameters();
+  for (const auto& p : p1) CHECK_MESSAGE(torch::equal(p.value(), p2[p.key()]), p.key());
+  // The grouped name writes the same tensor as its experts' names.
+  for (const auto& name : grouped) {
+    const auto layer = std::to_string(layer_of(name, "model.layers."));
+    const auto kiln_name = "layers." + layer + ".moe.experts." + (name.ends_with("gate_up_proj") ? "w_gate_up_EFD" : "w_down_EDF");
+    CHECK_MESSAGE(targets[name].data_ptr() == dst.named_parameters()[kiln_name].data_ptr(), name);
+  }
+  CHECK(dst.hf_key_skipped("model.layers." + std::to_string(src->config().num_hidden_layers) + ".eh_proj.weight"));
+  CHECK_FALSE(dst.hf_key_skipped("model.layers.0.self_attn.o_proj.weight"));
+  CHECK_FALSE(dst.hf_key_skipped("lm_head.weight"));
+  auto sliced = glm4_moe_lite::from_hf_dir(test::fixture_dir(), ExpertSlice{1, 2});
+  CHECK_THROWS_WITH_AS(sliced->hf_targets(), doctest::Contains("ep rank 1 of 2 only"), std::invalid_argument);
+}
