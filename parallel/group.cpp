@@ -172,7 +172,6 @@ c10::intrusive_ptr<c10d::Work> Group::started(const char* op,
     throw CollectiveError(std::string(op) + " on " + where() + " failed to start: " + e.what_without_backtrace());
   }
 }
-}
 
 void Group::barrier() {
   c10d::BarrierOptions opts;
