@@ -63,17 +63,25 @@ void Group::check_tensor(const torch::Tensor& t, const char* op, const char* arg
 void Group::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* op) const {
   const std::string what =
       std::string(op) + " on " + where() + " (timeout " + std::to_string(timeout_.count()) + " ms) failed: ";
+  std::string failure;
   try {
-    if (!work->wait(timeout_))
-      throw CollectiveError(what + "not complete within the timeout");
+    if (work->wait(timeout_)) return;
+    failure = "not complete within the timeout";
   } catch (const c10::Error& e) {
-    // what_without_backtrace: c10d's message without the C++ stack of the throw site.
-    throw CollectiveError(what + e.what_without_backtrace());
-  } catch (const CollectiveError&) {
-    throw;
+    failure = e.what_without_backtrace();  // c10d's message without the C++ stack of the throw site
   } catch (const std::exception& e) {
-    throw CollectiveError(what + e.what());
+    failure = e.what();
   }
+  // NCCL: a collective whose peer is gone never ends; aborting the communicators frees its
+  // kernels, so that this process can report and exit instead of hanging in the teardown until
+  // ProcessGroupNCCL's watchdog kills it (SIGABRT). The group is unusable either way.
+  if (device_.is_cuda()) {
+    try {
+      backend_->abort();
+    } catch (...) {
+    }
+  }
+  throw CollectiveError(what + failure);
 }
 
 void Group::all_reduce(torch::Tensor& tensor, ReduceOp op) {

@@ -26,7 +26,8 @@
 
 namespace kiln::parallel {
 
-/// A collective failed or timed out: the group can no longer be used.
+/// A collective failed or timed out: the group can no longer be used (on CUDA its NCCL
+/// communicators are aborted before this is thrown).
 class CollectiveError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
