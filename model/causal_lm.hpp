@@ -1,6 +1,7 @@
 #pragma once
 // The interface every model package implements: what the trainer and the rollout engine see.
-// Legend: T tokens, D hidden, V vocabulary, L MoE layers, K experts per token.
+// Legend: T tokens, D hidden, V vocabulary, L MoE layers, K experts per token, Ls sparse-
+// attention layers (an indexer chooses the keys: glm5_next), W keys one such layer selects.
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -22,11 +23,18 @@ struct ForwardOptions {
   /// Routing replay ("R3"): [T, L, K] int64 expert ids to use instead of the router's
   /// choice; weights still come from this model's router scores, so gradients flow.
   std::optional<torch::Tensor> replay_routed_experts;
+  /// Fill ForwardOutput::topk_indices (models with sparse-attention layers; others ignore it).
+  bool return_topk_indices = false;
+  /// Indexer replay: [T, Ls, W] int64 key positions (within each document, -1 for none) that
+  /// each sparse-attention layer attends to instead of its indexer's choice (e.g. the
+  /// rollout's). Refused (std::invalid_argument) by a model without sparse-attention layers.
+  std::optional<torch::Tensor> replay_topk_indices;
 };
 
 struct ForwardOutput {
   torch::Tensor hidden;          ///< [T, D] after the final norm
   torch::Tensor routed_experts;  ///< [T, L, K] int64 (descending biased score), if asked or replayed
+  torch::Tensor topk_indices;    ///< [T, Ls, W] int64 per sparse-attention layer, if asked (see ForwardOptions)
 };
 
 class CausalLM : public torch::nn::Module {

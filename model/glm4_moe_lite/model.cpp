@@ -72,6 +72,8 @@ Glm4MoeLiteModel::Glm4MoeLiteModel(Glm4MoeLiteConfig config, ExpertSlice experts
 ForwardOutput Glm4MoeLiteModel::forward(const PackedBatch& batch, const ForwardOptions& options) {
   batch.validate();
   const int64_t T = batch.input_ids.size(0), L = num_moe_layers(), K = config_.moe.top_k;
+  if (options.replay_topk_indices)
+    throw std::invalid_argument("glm4_moe_lite has no sparse-attention layers: replay_topk_indices must not be set");
   if (options.replay_routed_experts) {
     const auto& r = *options.replay_routed_experts;
     if (r.dim() != 3 || r.size(0) != T || r.size(1) != L || r.size(2) != K)
