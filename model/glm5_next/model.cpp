@@ -42,11 +42,34 @@ torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& streams, const torc
     a = r.out;
     topk = r.topk_indices;
   }
+  return finish(w, a, streams, replay_ids, expert_ids);
+}
+
+torch::Tensor DecoderLayerImpl::finish(const HcWeights& w, const torch::Tensor& a, const torch::Tensor& streams,
+                                       const std::optional<torch::Tensor>& replay_ids, torch::Tensor* expert_ids) {
   auto mid = HyperConnectionImpl::expand(w, a, streams);             // [T, S, D]
   auto w2 = ffn_hc(mid);
   auto h2 = mlp_norm(w2.collapsed);
   auto m = moe ? moe(h2, replay_ids, expert_ids) : mlp(h2);
   return HyperConnectionImpl::expand(w2, m, mid);
+}
+
+torch::Tensor DecoderLayerImpl::forward_cached(const torch::Tensor& streams, const torch::Tensor& positions,
+                                               const std::vector<CachedSlice>& slices, const CachedLayout& layout,
+                                               Glm5NextDecodeCache::Layer& cache, torch::Tensor& topk,
+                                               torch::Tensor* expert_ids) {
+  auto w = attn_hc(streams);
+  auto h = attn_norm(w.collapsed);                                   // [N, D]
+  torch::Tensor a;
+  if (kda) {
+    a = kda->forward_cached(h, slices, cache.kda);
+  } else {
+    auto r = attn->forward_cached(h, positions, layout, cache.latent, cache.index,
+                                  topk.defined() ? std::optional<torch::Tensor>(topk) : std::nullopt);
+    a = r.out;
+    topk = r.topk_indices;
+  }
+  return finish(w, a, streams, std::nullopt, expert_ids);
 }
 
 Glm5NextModelImpl::Glm5NextModelImpl(const Glm5NextConfig& c, bool random_init) : c_(c) {
@@ -179,10 +202,44 @@ ForwardOutput Glm5NextModelImpl::forward(const PackedBatch& batch, const Forward
   return out;
 }
 
-ForwardOutput Glm5NextModelImpl::forward_cached(const torch::Tensor&, const torch::Tensor&,
-                                                const std::vector<CachedSlice>&, std::vector<torch::Tensor>&, bool) {
-  throw std::logic_error("glm5_next: no cached decoding yet (it needs per-sequence KDA states and the sparse "
-                         "layers' latent and indexer caches, which the paged MLA cache does not hold)");
+std::unique_ptr<DecodeCache> Glm5NextModelImpl::make_decode_cache(const DecodeCacheShape& shape,
+                                                                  const torch::TensorOptions& options) const {
+  return std::make_unique<Glm5NextDecodeCache>(c_, shape, options);
+}
+
+int64_t Glm5NextModelImpl::decode_cache_bytes(const DecodeCacheShape& shape, torch::Dtype dtype) const {
+  return Glm5NextDecodeCache::bytes(c_, shape, dtype);
+}
+
+ForwardOutput Glm5NextModelImpl::forward_cached(const torch::Tensor& ids, const torch::Tensor& positions,
+                                                const std::vector<CachedSlice>& slices, DecodeCache& cache,
+                                                bool want_routing) {
+  auto* c = dynamic_cast<Glm5NextDecodeCache*>(&cache);
+  if (!c || c->layers.size() != layers.size())
+    throw std::invalid_argument("glm5_next forward_cached: the cache is not this model's (make_decode_cache: a "
+                                "Glm5NextDecodeCache of " + std::to_string(layers.size()) + " layers)");
+  torch::NoGradGuard no_grad;
+  const int64_t N = ids.size(0);
+  const CachedLayout layout(slices, c->page_size(), ids.device());  // the same pages in every sparse layer
+  auto streams = hc_streams_from_embeddings(embed(ids), c_.hc.streams);  // [N, S, D]
+  torch::Tensor topk;  // the last sparse layer's selection, handed to a shared layer
+  std::vector<torch::Tensor> experts, selections;
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    const bool sparse = c_.layer_types[i] == LayerType::sparse_attention;
+    if (!sparse || c_.indexer_types[i] != IndexerType::shared) topk = torch::Tensor();
+    torch::Tensor chosen;
+    streams = layers[i]->forward_cached(streams, positions, slices, layout, c->layers[i], topk,
+                                        c_.moe_layers[i] && want_routing ? &chosen : nullptr);
+    if (c_.moe_layers[i] && want_routing) experts.push_back(chosen);
+    if (sparse && want_routing) selections.push_back(topk);
+  }
+  ForwardOutput out;
+  out.hidden = norm(hc_head(streams));  // [N, D]
+  if (want_routing) {
+    out.routed_experts = experts.empty() ? torch::empty({N, 0, c_.moe.top_k}, torch::kInt64) : torch::stack(experts, 1);
+    out.topk_indices = selections.empty() ? torch::empty({N, 0, topk_width()}, torch::kInt64) : torch::stack(selections, 1);
+  }
+  return out;
 }
 
 void Glm5NextModelImpl::load_hf_checkpoint(const std::string& dir) {

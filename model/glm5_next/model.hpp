@@ -22,6 +22,7 @@
 #include "model/blocks/moe.hpp"
 #include "model/causal_lm.hpp"
 #include "model/glm5_next/config.hpp"
+#include "model/glm5_next/decode_cache.hpp"
 #include "model/glm5_next/hyper_connection.hpp"
 #include "model/glm5_next/kda.hpp"
 #include "model/glm5_next/sparse_attention.hpp"
@@ -37,6 +38,12 @@ class DecoderLayerImpl : public torch::nn::Module {
   /// to use in a MoE layer (routing replay). expert_ids: [T, K] of a MoE layer, if asked.
   torch::Tensor forward(const torch::Tensor& streams, const torch::Tensor& cu_seqlens, torch::Tensor& topk,
                         const std::optional<torch::Tensor>& replay_ids, torch::Tensor* expert_ids);
+  /// Incremental step (KimiDeltaAttentionImpl / SparseAttentionImpl::forward_cached against this
+  /// layer's part of the cache): streams [N, S, D] of the new tokens; topk and expert_ids as in
+  /// forward (no replay).
+  torch::Tensor forward_cached(const torch::Tensor& streams, const torch::Tensor& positions,
+                               const std::vector<CachedSlice>& slices, const CachedLayout& layout,
+                               Glm5NextDecodeCache::Layer& cache, torch::Tensor& topk, torch::Tensor* expert_ids);
 
   HyperConnection attn_hc{nullptr}, ffn_hc{nullptr};
   RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};  ///< HF input_layernorm, post_attention_layernorm
@@ -44,6 +51,11 @@ class DecoderLayerImpl : public torch::nn::Module {
   SparseAttention attn{nullptr};                  ///< sparse-attention layers
   SwiGLU mlp{nullptr};                            ///< dense layers
   MoE moe{nullptr};                               ///< sparse (MoE) layers
+
+ private:
+  // After the token mixer: its output `a` into the streams (weights w), then the MLP site.
+  torch::Tensor finish(const HcWeights& w, const torch::Tensor& a, const torch::Tensor& streams,
+                       const std::optional<torch::Tensor>& replay_ids, torch::Tensor* expert_ids);
 };
 TORCH_MODULE(DecoderLayer);
 
@@ -73,16 +85,20 @@ class Glm5NextModelImpl : public CausalLM {
   void load_hf_tensors(const std::vector<messaging::Tensor>& tensors) override;
   std::vector<messaging::Tensor> hf_state_dict() override;
   void save_hf_config(const std::string& dir) override;
-  /// Not yet: throws std::logic_error naming the missing decode caches (KDA state, sparse
-  /// attention's latent and indexer caches).
+  /// A Glm5NextDecodeCache: KDA states in slots, sparse layers' latents and indexer key
+  /// entries in pages.
+  std::unique_ptr<DecodeCache> make_decode_cache(const DecodeCacheShape& shape,
+                                                 const torch::TensorOptions& options) const override;
+  int64_t decode_cache_bytes(const DecodeCacheShape& shape, torch::Dtype dtype) const override;
+  /// Against a Glm5NextDecodeCache; every slice needs a slot. A slice with nothing cached is a
+  /// prefill (its KDA layers take the chunked form, as forward); one with cached tokens
+  /// continues (recurrent form); the sparse layers attend over the cached and new tokens with
+  /// forward's math. With want_routing: routed_experts [N, L, K], topk_indices [N, Ls, W].
   ForwardOutput forward_cached(const torch::Tensor& ids, const torch::Tensor& positions,
-                               const std::vector<CachedSlice>& slices, std::vector<torch::Tensor>& caches,
-                               bool want_experts) override;
+                               const std::vector<CachedSlice>& slices, DecodeCache& cache,
+                               bool want_routing) override;
   /// No effect: the sparse layers have no absorbed (latent-space) decode form.
   void set_absorbed_decode(bool) override {}
-  int64_t num_layers() const override { return c_.num_hidden_layers; }
-  /// The sparse layers' NoPE latent per token: kv_lora_rank (no rotary part).
-  int64_t cache_width() const override { return c_.attention.kv_lora_rank; }
   int64_t vocab_size() const override { return c_.vocab_size; }
   /// Casts parameters to `dtype`, keeping in fp32 what transformers keeps there
   /// (_keep_in_fp32_modules_strict: the routers' e_score_correction_bias, KDA's conv weights,
