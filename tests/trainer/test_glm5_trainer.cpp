@@ -118,6 +118,33 @@ TEST_CASE("glm5_next: a train step's gradients are the packed forward's autograd
       CHECK(torch::equal(pol_named[i].value(), before.params[i]));
 }
 
+TEST_CASE("glm5_next: activation checkpointing gives the same loss and gradients, with and without replayed selections") {
+  for (const bool replay_topk : {true, false}) {
+  CAPTURE(replay_topk);
+  auto plain = glm5_debug(4), ckpt = glm5_debug(4);
+  auto samples = samples_with_choices(*plain, 6, 4);
+  if (!replay_topk)  // the indexers choose, and a shared layer takes its full layer's selection
+    for (auto& s : samples) s.topk_indices = torch::Tensor();
+  trainer::TrainerConfig c;
+  c.grad_clip = 0;
+  trainer::Trainer a(plain, c);
+  c.activation_checkpointing = true;
+  trainer::Trainer b(ckpt, c);
+  auto ma = a.train_step(samples), mb = b.train_step(samples);
+  CHECK(mb.loss == doctest::Approx(ma.loss).epsilon(1e-6));
+  auto pa = plain->named_parameters(), pb = ckpt->named_parameters();
+  int64_t compared = 0;
+  for (std::size_t i = 0; i < pa.size(); ++i) {
+    CAPTURE(pa[i].key());
+    REQUIRE(pa[i].value().grad().defined() == pb[i].value().grad().defined());
+    if (!pa[i].value().grad().defined()) continue;
+    CHECK(max_rel(pb[i].value().grad(), pa[i].value().grad()) < 1e-5);
+    ++compared;
+  }
+  CHECK(compared > 40);
+  }
+}
+
 TEST_CASE("glm5_next: the trainer replays the rollout's indexer selections and routed experts") {
   auto m = glm5_debug(3);
   auto samples = samples_with_choices(*m, 5, 4);
