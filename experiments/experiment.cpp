@@ -143,6 +143,7 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   integer("algorithm.warmup_steps", t.warmup_steps);
   boolean("algorithm.recompute_old_logprobs", t.recompute_old_logprobs);
   boolean("algorithm.activation_checkpointing", t.activation_checkpointing);
+  boolean("algorithm.train_indexer", t.train_indexer);
   real("algorithm.clip_low", t.loss.clip_low);
   real("algorithm.clip_high", t.loss.clip_high);
   real("algorithm.kl_coef", t.loss.kl_coef);

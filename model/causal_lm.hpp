@@ -1,8 +1,10 @@
 #pragma once
 // The interface every model package implements: what the trainer and the rollout engine see.
-// Legend: T tokens, D hidden, V vocabulary, L MoE layers, K experts per token.
+// Legend: T tokens, D hidden, V vocabulary, L MoE layers, K experts per token, Ls sparse-
+// attention layers (an indexer chooses the keys: glm5_next), W keys one such layer selects.
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -11,6 +13,7 @@
 #include "model/blocks/basic.hpp"
 #include "model/blocks/mla.hpp"
 #include "model/blocks/moe.hpp"
+#include "model/decode_cache.hpp"
 
 namespace kiln::parallel {
 class Group;
@@ -23,11 +26,18 @@ struct ForwardOptions {
   /// Routing replay ("R3"): [T, L, K] int64 expert ids to use instead of the router's
   /// choice; weights still come from this model's router scores, so gradients flow.
   std::optional<torch::Tensor> replay_routed_experts;
+  /// Fill ForwardOutput::topk_indices (models with sparse-attention layers; others ignore it).
+  bool return_topk_indices = false;
+  /// Indexer replay: [T, Ls, W] int64 key positions (within each document, -1 for none) that
+  /// each sparse-attention layer attends to instead of its indexer's choice (e.g. the
+  /// rollout's). Refused (std::invalid_argument) by a model without sparse-attention layers.
+  std::optional<torch::Tensor> replay_topk_indices;
 };
 
 struct ForwardOutput {
   torch::Tensor hidden;          ///< [T, D] after the final norm
   torch::Tensor routed_experts;  ///< [T, L, K] int64 (descending biased score), if asked or replayed
+  torch::Tensor topk_indices;    ///< [T, Ls, W] int64 per sparse-attention layer, if asked (see ForwardOptions)
 };
 
 /// What a trainer runs around each decoder layer of CausalLM::forward (fully sharded data
@@ -87,18 +97,25 @@ class CausalLM : public torch::nn::Module {
   /// (hf_state_dict) or kiln's (named_parameters). None by default.
   virtual std::vector<std::vector<std::string>> weight_sync_groups(bool hf_names = true) const { return {}; }
 
-  /// Incremental decoding against paged per-layer caches (see MLAImpl::forward_cached).
-  /// ids/positions: [N] new tokens of all slices; caches: one [blocks, block_size,
-  /// cache_width()] tensor per layer. Returns hidden [N, D] and, if want_experts,
-  /// routed_experts [N, L, K]. Inference only.
+  /// The decoding state forward_cached keeps for an engine of `shape` (model/decode_cache.hpp:
+  /// the engine addresses pages and slots; what they hold is this model's), zeroed, in
+  /// `options` (the model's dtype and device).
+  virtual std::unique_ptr<DecodeCache> make_decode_cache(const DecodeCacheShape& shape,
+                                                         const torch::TensorOptions& options) const = 0;
+  /// Bytes make_decode_cache allocates for `shape` in `dtype`.
+  virtual int64_t decode_cache_bytes(const DecodeCacheShape& shape, torch::Dtype dtype) const = 0;
+  /// Incremental decoding: ids/positions [N] the new tokens of all slices (positions within
+  /// each sequence), `slices` in row order, `cache` this model's make_decode_cache (entries of
+  /// the new tokens written, slot states advanced). Returns hidden [N, D] and, if want_routing,
+  /// routed_experts [N, L, K] and (models with sparse-attention layers) topk_indices [N, Ls, W].
+  /// Inference only. Throws std::invalid_argument for a cache of another model.
   virtual ForwardOutput forward_cached(const torch::Tensor& ids, const torch::Tensor& positions,
-                                       const std::vector<CachedSlice>& slices, std::vector<torch::Tensor>& caches,
-                                       bool want_experts) = 0;
+                                       const std::vector<CachedSlice>& slices, DecodeCache& cache,
+                                       bool want_routing) = 0;
   /// Decode steps of forward_cached in latent space on CUDA too (MLAImpl::set_absorbed_decode);
-  /// off: the training path's kernels over expanded keys and values.
+  /// off: the training path's kernels over expanded keys and values. No effect on a model
+  /// without such a form.
   virtual void set_absorbed_decode(bool on) = 0;
-  virtual int64_t num_layers() const = 0;
-  virtual int64_t cache_width() const = 0;
   virtual int64_t vocab_size() const = 0;
 
   /// Expert parallel for the routed experts (blocks/moe_ep.hpp) over `ep` (held by reference;

@@ -1,10 +1,31 @@
 #include "model/key_table.hpp"
 
+#include <map>
+#include <memory>
 #include <sstream>
 
 #include "model/checkpoint/safetensors.hpp"
 
 namespace kiln::model {
+
+HfTensorSource HfTensorSource::of(checkpoint::Checkpoint& ckpt) {
+  return {"checkpoint '" + ckpt.dir() + "'", [&ckpt] { return ckpt.names(); },
+          [&ckpt](const std::string& k) { return ckpt.contains(k); },
+          [&ckpt](const std::string& k) { return ckpt.get(k); }};
+}
+
+HfTensorSource HfTensorSource::of(const std::vector<messaging::Tensor>& tensors) {
+  auto by_name = std::make_shared<std::map<std::string, const messaging::Tensor*>>();
+  for (const auto& t : tensors) (*by_name)[t.name] = &t;
+  return {"weight update",
+          [by_name] {
+            std::vector<std::string> n;
+            for (const auto& [k, t] : *by_name) n.push_back(k);
+            return n;
+          },
+          [by_name](const std::string& k) { return by_name->count(k) > 0; },
+          [by_name](const std::string& k) { return *by_name->at(k); }};
+}
 
 std::string fill_pattern(const std::string& pattern, const std::string& layer) {
   auto p = pattern.find("{}");

@@ -1,12 +1,16 @@
 #pragma once
 // The pieces every HF adapter's key table is made of: patterns with {} for the layer index,
 // their regular expressions, the layer of an HF key, and the checked read of one tensor.
+#include <functional>
 #include <regex>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include <torch/torch.h>
+
+#include "messaging/tensor.hpp"
+#include "model/checkpoint/safetensors.hpp"
 
 namespace kiln::model {
 
@@ -23,6 +27,18 @@ struct TensorSource {
   enum class Kind { direct, gate_up, down } kind = Kind::direct;
   std::string hf;      ///< direct: the HF key
   int64_t layer = -1;  ///< experts: the layer index
+};
+
+/// Where HF-named tensors come from: a checkpoint directory, or tensors in memory (weight sync).
+struct HfTensorSource {
+  std::string where;  ///< for error messages ("checkpoint '/x'", "weight update v3")
+  std::function<std::vector<std::string>()> names;
+  std::function<bool(const std::string&)> contains;
+  std::function<messaging::Tensor(const std::string&)> get;
+  /// The tensors of `ckpt` (held by reference: it must outlive the source), "checkpoint 'DIR'".
+  static HfTensorSource of(checkpoint::Checkpoint& ckpt);
+  /// `tensors` by name (held by reference), "weight update".
+  static HfTensorSource of(const std::vector<messaging::Tensor>& tensors);
 };
 
 /// A package's table of rules, compiled once.

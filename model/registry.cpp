@@ -8,6 +8,8 @@
 #include <stdexcept>
 
 #include "model/glm4_moe_lite/model.hpp"
+#include "model/glm5_next/model.hpp"
+#include "model/glm5_next/state_dict_adapter.hpp"
 
 namespace kiln::model {
 
@@ -28,6 +30,17 @@ Registry Registry::with_builtins() {
     return glm4_moe_lite::from_hf_dir(dir, experts);
   };
   r.add_builtin(std::move(glm));
+  ModelPackage glm5;
+  glm5.name = "glm5_next";
+  glm5.hf_model_type = "glm5_next";
+  glm5.description = "GLM-5.3-Flash (text): Kimi Delta Attention + NoPE sparse attention (KPool indexer), mHC, "
+                     "clamped SwiGLU MoE, transformers Glm5NextForConditionalGeneration";
+  glm5.flavors = glm5_next::flavors::names();
+  glm5.build_flavor = [](const std::string& flavor) -> std::shared_ptr<CausalLM> {
+    return std::make_shared<glm5_next::Glm5NextModelImpl>(glm5_next::flavors::by_name(flavor), /*random_init=*/true);
+  };
+  glm5.from_hf_dir = [](const std::string& dir) -> std::shared_ptr<CausalLM> { return glm5_next::from_hf_dir(dir); };
+  r.add_builtin(std::move(glm5));
   return r;
 }
 

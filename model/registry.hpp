@@ -34,7 +34,7 @@ struct ModelPackage {
 
 class Registry {
  public:
-  /// A registry holding the built-in packages (glm4_moe_lite).
+  /// A registry holding the built-in packages (glm4_moe_lite, glm5_next).
   static Registry with_builtins();
   /// Adds a built-in package (replaces one of the same name).
   void add_builtin(ModelPackage package);

@@ -35,6 +35,7 @@ Groups build_groups(const std::vector<rollout::Completion>& completions, const s
       s.completion = comp.tokens;
       s.behavior_logprobs = comp.logprobs;
       s.routed_experts = comp.routed_experts;
+      s.topk_indices = comp.topk_indices;
       s.ref_logprobs = std::move(ref_logprobs[i]);
       s.advantage = adv[i];
       out.samples.push_back(std::move(s));

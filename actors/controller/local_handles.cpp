@@ -15,7 +15,7 @@ namespace kiln::controller {
 namespace {
 constexpr auto kSyncTimeout = std::chrono::seconds(120);
 
-// The completions as trainer samples (prompt, completion, routed experts): what a forward
+// The completions as trainer samples (prompt, completion, routed experts, indexer selections): what a forward
 // over them needs.
 std::vector<trainer::Sample> as_samples(const std::vector<rollout::Completion>& completions) {
   std::vector<trainer::Sample> out(completions.size());
@@ -23,6 +23,7 @@ std::vector<trainer::Sample> as_samples(const std::vector<rollout::Completion>& 
     out[i].prompt = completions[i].prompt;
     out[i].completion = completions[i].tokens;
     out[i].routed_experts = completions[i].routed_experts;
+    out[i].topk_indices = completions[i].topk_indices;
   }
   return out;
 }

@@ -36,6 +36,9 @@ struct Completion {
   /// prompt token and every generated token but the last, which is never fed). Row order
   /// is the sequence order, ids by descending biased score, as the packed forward returns.
   torch::Tensor routed_experts;
+  /// [P + n - 1, Ls, W] int64, the same rows: each sparse-attention layer's selected key
+  /// positions (models with an indexer, e.g. glm5_next; -1 for none), undefined otherwise.
+  torch::Tensor topk_indices;
   FinishReason finish_reason = FinishReason::length;
   double time_to_first_token_s = 0;      ///< submit -> first token, seconds
 };

@@ -43,7 +43,7 @@ void check_request(const GenerationRequest& r, int64_t vocab) {
 const char* to_string(FinishReason r) { return r == FinishReason::stop ? "stop" : "length"; }
 
 int64_t cache_bytes(const EngineOptions& o, const model::CausalLM& m, torch::Dtype dtype) {
-  return o.cache_blocks * o.block_size * m.num_layers() * m.cache_width() * int64_t(c10::elementSize(dtype));
+  return m.decode_cache_bytes({o.cache_blocks, o.block_size, o.max_batch}, dtype);
 }
 
 Engine::Engine(std::shared_ptr<model::CausalLM> model, EngineOptions options)
@@ -52,10 +52,9 @@ Engine::Engine(std::shared_ptr<model::CausalLM> model, EngineOptions options)
     throw std::invalid_argument("engine: cache_blocks, block_size, max_batch and max_prefill_tokens must be >= 1, "
                                 "step_delay_ms >= 0");
   model_->set_absorbed_decode(o_.absorbed_decode);
-  auto w = model_->lm_head_weight();
-  for (int64_t l = 0; l < model_->num_layers(); ++l)
-    caches_.push_back(torch::zeros({o_.cache_blocks, o_.block_size, model_->cache_width()}, w.options()));
+  cache_ = model_->make_decode_cache({o_.cache_blocks, o_.block_size, o_.max_batch}, model_->lm_head_weight().options());
   for (int64_t b = o_.cache_blocks - 1; b >= 0; --b) free_.push_back(b);
+  for (int64_t b = o_.max_batch - 1; b >= 0; --b) free_slots_.push_back(b);
   refs_.assign(std::size_t(o_.cache_blocks), 0);
 }
 
@@ -63,13 +62,18 @@ Engine::Sequence* Engine::prompt_holder(const Sequence& s, const std::vector<std
   if (!o_.share_prompts) return nullptr;
   for (const auto* list : {&admitted, &running_})
     for (const auto& h : *list) {
-      const bool through = list == &admitted ? h->cached == 0 || h->prompt_version == version_ : h->prompt_version == version_;
+      // A slot's state advances past the prompt at the next step: only a prompt prefilled in
+      // this step can be shared from it then.
+      const bool through = list == &admitted ? h->cached == 0 || (h->prompt_version == version_ && !cache_->has_slot_state())
+                                             : h->prompt_version == version_ && !cache_->has_slot_state();
       if (through && h->request.prompt == s.request.prompt) return h.get();
     }
   return nullptr;
 }
 
 void Engine::release(Sequence& s) {
+  if (s.slot >= 0) free_slots_.push_back(s.slot);
+  s.slot = -1;
   for (auto b : s.blocks)
     if (--refs_[std::size_t(b)] == 0) free_.push_back(b);
   s.blocks.clear();
@@ -123,6 +127,8 @@ std::vector<Completion> Engine::step() {
       refs_[std::size_t(free_.back())] = 1;
       free_.pop_back();
     }
+    s.slot = free_slots_.back();  // max_batch slots: one for each sequence that may run
+    free_slots_.pop_back();
     if (holder) sharing.emplace_back(&s, holder);
     else prefill_budget -= P;
     admitted.push_back(std::move(waiting_.front()));
@@ -149,29 +155,32 @@ std::vector<Completion> Engine::step() {
       ids.push_back(s->out.tokens.back());
       pos.push_back(s->cached);
     }
-    slices.push_back({start, int64_t(ids.size()) - start, s->cached, &s->blocks});
+    slices.push_back({start, int64_t(ids.size()) - start, s->cached, &s->blocks, s->slot});
   }
   auto device = model_->lm_head_weight().device();
   torch::NoGradGuard no_grad;
   const auto& head = model_->lm_head_weight();  // [V, D]
-  torch::Tensor h = torch::empty({0, head.size(1)}, head.options()), experts;  // [B, D], [rows, L, K]
+  torch::Tensor h = torch::empty({0, head.size(1)}, head.options()), experts, topk;  // [B, D], [rows, L, K], [rows, Ls, W]
   if (!batch.empty()) {
     auto out = model_->forward_cached(torch::tensor(ids, torch::kInt64).to(device),
-                                      torch::tensor(pos, torch::kInt64).to(device), slices, caches_,
-                                      /*want_experts=*/true);
+                                      torch::tensor(pos, torch::kInt64).to(device), slices, *cache_,
+                                      /*want_routing=*/true);
     std::vector<int64_t> last;
     for (const auto& sl : slices) last.push_back(sl.start + sl.count - 1);
     h = out.hidden.index_select(0, torch::tensor(last, torch::kInt64).to(device));
     experts = out.routed_experts.to(torch::kCPU);
+    if (out.topk_indices.defined()) topk = out.topk_indices.to(torch::kCPU);
   }
   for (std::size_t i = 0; i < batch.size(); ++i) {
     auto* s = batch[i];
     s->expert_rows.push_back(experts.narrow(0, slices[i].start, slices[i].count));
+    if (topk.defined()) s->topk_rows.push_back(topk.narrow(0, slices[i].start, slices[i].count));
     if (s->cached == 0) {  // its prompt went through the model: what sharers of it reuse
       prefilled_tokens_ += slices[i].count;
       s->prompt_version = version_;
       s->prompt_hidden = h[int64_t(i)];
       s->prompt_experts = s->expert_rows.back();
+      if (topk.defined()) s->prompt_topk = s->topk_rows.back();
     }
     s->cached += slices[i].count;
   }
@@ -179,12 +188,14 @@ std::vector<Completion> Engine::step() {
   std::vector<torch::Tensor> rows{h};
   for (auto [s, holder] : sharing) {
     const int64_t P = int64_t(s->request.prompt.size()), page = P / o_.block_size;
-    if (P % o_.block_size != 0)
-      for (auto& cache : caches_) cache[s->blocks[std::size_t(page)]].copy_(cache[holder->blocks[std::size_t(page)]]);
+    if (P % o_.block_size != 0) cache_->copy_page(holder->blocks[std::size_t(page)], s->blocks[std::size_t(page)]);
+    cache_->copy_slot(holder->slot, s->slot);  // the holder was prefilled in this step if slots hold state
     s->prompt_version = version_;
     s->prompt_hidden = holder->prompt_hidden;
     s->prompt_experts = holder->prompt_experts;
+    s->prompt_topk = holder->prompt_topk;
     s->expert_rows.push_back(s->prompt_experts);
+    if (s->prompt_topk.defined()) s->topk_rows.push_back(s->prompt_topk);
     s->cached = P;
     rows.push_back(s->prompt_hidden.unsqueeze(0));
     batch.push_back(s);
@@ -215,6 +226,7 @@ std::vector<Completion> Engine::step() {
       continue;
     }
     s.out.routed_experts = torch::cat(s.expert_rows, 0);  // [P + n - 1, L, K]
+    if (!s.topk_rows.empty()) s.out.topk_indices = torch::cat(s.topk_rows, 0);  // [P + n - 1, Ls, W]
     release(s);
     done.push_back(std::move(s.out));
     it = running_.erase(it);
@@ -281,6 +293,7 @@ std::vector<Completion> generate_without_cache(model::CausalLM& model, const std
   }
   model::ForwardOptions opts;
   opts.return_routed_experts = true;
+  opts.return_topk_indices = true;
   auto device = model.lm_head_weight().device();
   for (;;) {
     std::vector<std::size_t> live;
@@ -305,6 +318,7 @@ std::vector<Completion> generate_without_cache(model::CausalLM& model, const std
       if (auto r = finish_reason(out[i].tokens, requests[i].sampling)) {
         out[i].finish_reason = *r;
         out[i].routed_experts = fwd.routed_experts.narrow(0, s, e - s).to(torch::kCPU);  // P + n - 1 rows
+        if (fwd.topk_indices.defined()) out[i].topk_indices = fwd.topk_indices.narrow(0, s, e - s).to(torch::kCPU);
         done[i] = true;
       }
     }

@@ -1,7 +1,8 @@
 #pragma once
 // The in-process LibTorch rollout engine: prefill of packed prompts and incremental decoding
-// against a paged cache of MLA's compressed latents (kv_lora_rank + qk_rope_head_dim values
-// per token and layer), continuous batching (requests join while others decode; finished ones
+// against the model's decode cache (model/decode_cache.hpp: the engine hands out its pages of
+// block_size token positions and its max_batch slots; what they hold is the model's, e.g. MLA's
+// compressed latents per token and layer, or per-sequence recurrent states), continuous batching (requests join while others decode; finished ones
 // free their pages), and a hard bound on cache memory: a request is admitted only when pages
 // for its prompt plus max_new_tokens are free, otherwise it waits in FIFO order.
 //
@@ -13,7 +14,9 @@
 // a page of its own before its first decode (copy-on-write: decoding writes only positions
 // >= P), reuses the prompt's routed experts and the hidden state of its last token, and
 // samples its first token from those logits with its own generator: its output equals the
-// unshared run's with the same seed.
+// unshared run's with the same seed. With a cache whose slots hold state (a recurrent state
+// that advances with every token), only a sequence prefilled in the same step shares its
+// prompt: its slot is copied right after that prefill.
 #include <chrono>
 #include <deque>
 #include <memory>
@@ -24,8 +27,8 @@
 
 namespace kiln::rollout {
 
-/// Bytes of an engine's cache for `m` in `dtype`: cache_blocks * block_size * layers *
-/// cache_width * dtype size.
+/// Bytes of an engine's cache for `m` in `dtype` (CausalLM::decode_cache_bytes of cache_blocks
+/// pages of block_size tokens and max_batch slots).
 int64_t cache_bytes(const EngineOptions& o, const model::CausalLM& m, torch::Dtype dtype);
 
 
@@ -79,19 +82,21 @@ class Engine : public RolloutBackend {
     // that did it (-1: not yet), the hidden state of the last prompt token [D] and the
     // prompt's routed experts [P, L, K].
     int64_t prompt_version = -1;
-    torch::Tensor prompt_hidden, prompt_experts;
+    torch::Tensor prompt_hidden, prompt_experts, prompt_topk;
+    std::vector<torch::Tensor> topk_rows;  // [rows, Ls, W] pieces (models with sparse-attention layers)
+    int64_t slot = -1;                     // its slot of the decode cache while it runs
   };
   bool finished(Sequence& s) const;
   /// A sequence of running_ or `admitted` whose prompt equals s's and went (or goes, this
   /// step) through the model at the current version; nullptr when none.
   Sequence* prompt_holder(const Sequence& s, const std::vector<std::unique_ptr<Sequence>>& admitted) const;
-  void release(Sequence& s);  ///< its pages, each freed when no other sequence holds it
+  void release(Sequence& s);  ///< its slot, and its pages, each freed when no other sequence holds it
 
   std::shared_ptr<model::CausalLM> model_;
   EngineOptions o_;
   int64_t vocab_size_;
-  std::vector<torch::Tensor> caches_;  // per layer [blocks, block_size, width]
-  std::vector<int64_t> free_;
+  std::unique_ptr<model::DecodeCache> cache_;  // the model's, cache_blocks pages and max_batch slots
+  std::vector<int64_t> free_, free_slots_;
   std::vector<int32_t> refs_;  // per page: sequences holding it
   int64_t prefilled_tokens_ = 0, shared_prompts_ = 0;
   std::deque<std::unique_ptr<Sequence>> waiting_;

@@ -19,6 +19,7 @@ namespace {
 struct Packed {
   model::PackedBatch batch;
   std::optional<torch::Tensor> replay;   // [T, L, K]
+  std::optional<torch::Tensor> replay_topk;  // [T, Ls, W]
   torch::Tensor targets;                 // [T]
   torch::Tensor completion_positions;    // [Tc] rows whose target is a completion token
   std::vector<int64_t> completion_sample;  // [Tc] index into the micro-batch's samples (host)
@@ -27,8 +28,8 @@ struct Packed {
 Packed pack(const std::vector<Sample>& samples, const std::vector<std::size_t>& idx, bool replay) {
   std::vector<std::vector<int64_t>> docs;
   std::vector<int64_t> positions, owner;
-  std::vector<torch::Tensor> experts;
-  bool can_replay = replay;
+  std::vector<torch::Tensor> experts, selections;
+  bool can_replay = replay, can_replay_topk = replay;
   int64_t offset = 0;
   for (std::size_t k = 0; k < idx.size(); ++k) {
     const auto& s = samples[idx[k]];
@@ -42,6 +43,9 @@ Packed pack(const std::vector<Sample>& samples, const std::vector<std::size_t>& 
     if (!s.routed_experts.defined() || s.routed_experts.size(0) != P + n - 1) can_replay = false;
     else  // the last token is never fed by the rollout; its routing affects no trained output
       experts.push_back(torch::cat({s.routed_experts, s.routed_experts.narrow(0, P + n - 2, 1)}, 0));
+    if (!s.topk_indices.defined() || s.topk_indices.size(0) != P + n - 1) can_replay_topk = false;
+    else  // the same for the last token: its selection (that of the row before) reaches no trained output
+      selections.push_back(torch::cat({s.topk_indices, s.topk_indices.narrow(0, P + n - 2, 1)}, 0));
     offset += P + n;
     docs.push_back(std::move(doc));
   }
@@ -51,6 +55,7 @@ Packed pack(const std::vector<Sample>& samples, const std::vector<std::size_t>& 
   p.completion_positions = torch::tensor(positions, torch::kInt64);
   p.completion_sample = std::move(owner);
   if (can_replay && !experts.empty()) p.replay = torch::cat(experts, 0);
+  if (can_replay_topk && !selections.empty()) p.replay_topk = torch::cat(selections, 0);
   return p;
 }
 
@@ -499,6 +504,7 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
     auto p = pack(samples, idx, c_.logprobs.routing_replay);
     model::ForwardOptions opts;
     opts.replay_routed_experts = p.replay;
+    opts.replay_topk_indices = p.replay_topk;
     auto out = policy_->forward(p.batch, opts);
     const auto dev = out.hidden.device();
     p.completion_positions = p.completion_positions.to(dev);
@@ -661,6 +667,7 @@ std::vector<std::vector<float>> completion_logprobs(model::CausalLM& model, cons
     auto p = pack(samples, idx, routing_replay);
     model::ForwardOptions opts;
     opts.replay_routed_experts = p.replay;
+    opts.replay_topk_indices = p.replay_topk;
     auto fwd = model.forward(p.batch, opts);
     if (temperature != 1.0) fwd.hidden = fwd.hidden / temperature;
     auto lp = model.token_logprobs(fwd, p.targets)

@@ -30,6 +30,9 @@ struct Sample {
   /// exact arithmetic with one PPO epoch; the separate pass runs at the rollout's shapes).
   std::vector<float> old_logprobs;
   torch::Tensor routed_experts;          ///< [P + n - 1, L, K] or undefined (no replay)
+  /// [P + n - 1, Ls, W] the rollout's sparse-attention selections (glm5_next's indexers:
+  /// positions within the sample, -1 for none), or undefined (the policy's indexers choose).
+  torch::Tensor topk_indices;
   float advantage = 0;
   int64_t tokens() const { return int64_t(prompt.size() + completion.size()); }
 };

@@ -63,9 +63,14 @@ struct TrainerConfig {
   /// gradients as its backward ends (false, FSDP's SHARD_GRAD_OP; experiment key
   /// parallel.reshard_after_forward, FSDP2's name).
   bool reshard_after_forward = true;
+  /// Train the sparse-attention indexers (glm5_next's KPool indexers) with the RL loss: refused
+  /// by validate(). The indexer runs without gradient and its weights are frozen: it is trained
+  /// by its own objective (a KL to dense attention, DeepSeek-V3.2 §2.1), which the RL loss is not.
+  bool train_indexer = false;
   PolicyLossConfig loss;
   MSGPACK_DEFINE_MAP(logprobs, lr, weight_decay, beta1, beta2, grad_clip, lr_schedule, warmup_steps, total_steps,
-                     min_lr_ratio, recompute_old_logprobs, activation_checkpointing, fsdp, reshard_after_forward, loss);
+                     min_lr_ratio, recompute_old_logprobs, activation_checkpointing, fsdp, reshard_after_forward,
+                     train_indexer, loss);
 
   /// What a field is called where the settings came from, for error messages: e.g.
   /// "experiment: key 'algorithm.lr'" for "lr". Default: "trainer config: lr".

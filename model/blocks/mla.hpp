@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "model/blocks/basic.hpp"
+#include "model/decode_cache.hpp"
 
 namespace kiln::model {
 
@@ -19,13 +20,6 @@ struct MLAOptions {
   double softmax_scale = 0;  ///< 1/sqrt(N+R) for rope_type default
 };
 
-/// One sequence's share of an incremental (cached) step: rows [start, start + count) of the
-/// step's tokens are its new tokens; `cached` of its tokens are already in the cache;
-/// `blocks` is its page table (block ids in order).
-struct CachedSlice {
-  int64_t start = 0, count = 0, cached = 0;
-  const std::vector<int64_t>* blocks = nullptr;
-};
 
 /// Where a cached step's tokens and keys sit in the paged cache, as index tensors on the
 /// model's device. Built once per step (CachedLayout(slices, block_size, device)) and shared by

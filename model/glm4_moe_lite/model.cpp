@@ -72,6 +72,8 @@ Glm4MoeLiteModel::Glm4MoeLiteModel(Glm4MoeLiteConfig config, ExpertSlice experts
 ForwardOutput Glm4MoeLiteModel::forward(const PackedBatch& batch, const ForwardOptions& options) {
   batch.validate();
   const int64_t T = batch.input_ids.size(0), L = num_moe_layers(), K = config_.moe.top_k;
+  if (options.replay_topk_indices)
+    throw std::invalid_argument("glm4_moe_lite has no sparse-attention layers: replay_topk_indices must not be set");
   if (options.replay_routed_experts) {
     const auto& r = *options.replay_routed_experts;
     if (r.dim() != 3 || r.size(0) != T || r.size(1) != L || r.size(2) != K)
@@ -131,12 +133,23 @@ ForwardOutput Glm4MoeLiteModel::forward(const PackedBatch& batch, const ForwardO
   return out;
 }
 
+std::unique_ptr<DecodeCache> Glm4MoeLiteModel::make_decode_cache(const DecodeCacheShape& shape,
+                                                                 const torch::TensorOptions& options) const {
+  return std::make_unique<PagedCache>(num_layers(), cache_width(), shape, options);
+}
+
+int64_t Glm4MoeLiteModel::decode_cache_bytes(const DecodeCacheShape& shape, torch::Dtype dtype) const {
+  return PagedCache::bytes(num_layers(), cache_width(), shape, dtype);
+}
+
 ForwardOutput Glm4MoeLiteModel::forward_cached(const torch::Tensor& ids, const torch::Tensor& positions,
-                                               const std::vector<CachedSlice>& slices, std::vector<torch::Tensor>& caches,
+                                               const std::vector<CachedSlice>& slices, DecodeCache& cache,
                                                bool want_experts) {
-  if (int64_t(caches.size()) != config_.num_hidden_layers)
-    throw std::invalid_argument("forward_cached: " + std::to_string(caches.size()) + " caches for " +
-                                std::to_string(config_.num_hidden_layers) + " layers");
+  auto* paged = dynamic_cast<PagedCache*>(&cache);
+  if (!paged || int64_t(paged->layers.size()) != config_.num_hidden_layers)
+    throw std::invalid_argument("glm4_moe_lite forward_cached: the cache is not this model's (make_decode_cache: a "
+                                "PagedCache of " + std::to_string(config_.num_hidden_layers) + " layers)");
+  auto& caches = paged->layers;
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> ids_per_layer;
   auto x = embed(ids);

@@ -78,11 +78,17 @@ class Glm4MoeLiteModel : public CausalLM {
   void set_absorbed_decode(bool on) override {
     for (auto& l : layers) l->attn->set_absorbed_decode(on);
   }
+  /// A PagedCache (model/decode_cache.hpp): per layer [G, Z, cache_width()], no slot state.
+  std::unique_ptr<DecodeCache> make_decode_cache(const DecodeCacheShape& shape,
+                                                 const torch::TensorOptions& options) const override;
+  int64_t decode_cache_bytes(const DecodeCacheShape& shape, torch::Dtype dtype) const override;
+  /// Against the PagedCache of make_decode_cache (MLAImpl::forward_cached per layer).
   ForwardOutput forward_cached(const torch::Tensor& ids, const torch::Tensor& positions,
-                               const std::vector<CachedSlice>& slices, std::vector<torch::Tensor>& caches,
-                               bool want_experts) override;
-  int64_t num_layers() const override { return config_.num_hidden_layers; }
-  int64_t cache_width() const override { return config_.attention.kv_lora_rank + config_.attention.qk_rope_head_dim; }
+                               const std::vector<CachedSlice>& slices, DecodeCache& cache,
+                               bool want_routing) override;
+  int64_t num_layers() const { return config_.num_hidden_layers; }
+  /// Width of one cache entry: kv_lora_rank + qk_rope_head_dim.
+  int64_t cache_width() const { return config_.attention.kv_lora_rank + config_.attention.qk_rope_head_dim; }
   int64_t vocab_size() const override { return config_.vocab_size; }
 
   torch::nn::Embedding embed{nullptr};

@@ -121,24 +121,11 @@ bool hf_key_skipped(const Glm4MoeLiteModel& model, const std::string& key) {
 }
 
 void load_hf_state_dict(Glm4MoeLiteModel& model, checkpoint::Checkpoint& ckpt) {
-  HfTensorSource src{"checkpoint '" + ckpt.dir() + "'", [&] { return ckpt.names(); },
-                     [&](const std::string& k) { return ckpt.contains(k); },
-                     [&](const std::string& k) { return ckpt.get(k); }};
-  load_hf_state_dict(model, src);
+  load_hf_state_dict(model, HfTensorSource::of(ckpt));
 }
 
 void load_hf_state_dict(Glm4MoeLiteModel& model, const std::vector<messaging::Tensor>& tensors) {
-  std::map<std::string, const messaging::Tensor*> by_name;
-  for (const auto& t : tensors) by_name[t.name] = &t;
-  HfTensorSource src{"weight update",
-                     [&] {
-                       std::vector<std::string> n;
-                       for (const auto& [k, t] : by_name) n.push_back(k);
-                       return n;
-                     },
-                     [&](const std::string& k) { return by_name.count(k) > 0; },
-                     [&](const std::string& k) { return *by_name.at(k); }};
-  load_hf_state_dict(model, src);
+  load_hf_state_dict(model, HfTensorSource::of(tensors));
 }
 
 void load_hf_state_dict(Glm4MoeLiteModel& model, const HfTensorSource& ckpt) {

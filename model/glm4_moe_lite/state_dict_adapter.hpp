@@ -34,13 +34,7 @@ std::vector<std::vector<std::string>> weight_sync_groups(bool hf_names);
 /// The HF keys the model reads, in load order (per-expert names for experts).
 std::vector<std::string> required_hf_keys(Glm4MoeLiteModel& model);
 
-/// Where HF-named tensors come from: a checkpoint directory, or tensors in memory (weight sync).
-struct HfTensorSource {
-  std::string where;  ///< for error messages ("checkpoint '/x'", "weight update v3")
-  std::function<std::vector<std::string>()> names;
-  std::function<bool(const std::string&)> contains;
-  std::function<messaging::Tensor(const std::string&)> get;
-};
+using kiln::model::HfTensorSource;
 
 /// Copies every tensor the model needs from `src` (shape checked on every copy, cast to the
 /// parameter's dtype). A model holding one ep rank's routed experts (expert_slice()) reads only

@@ -299,4 +299,52 @@ torch::Tensor KimiDeltaAttentionImpl::decode_step(const torch::Tensor& x, KdaSta
   return output(r.out.squeeze(1), x);                                           // [B, D]
 }
 
+torch::Tensor KimiDeltaAttentionImpl::forward_cached(const torch::Tensor& x, const std::vector<CachedSlice>& slices,
+                                                    KdaState& slots) {
+  const int64_t S = slots.recurrent.size(0);
+  for (const auto& s : slices)
+    if (s.slot < 0 || s.slot >= S)
+      throw std::invalid_argument("KDA forward_cached: a slice (rows " + std::to_string(s.start) + ".." +
+                                  std::to_string(s.start + s.count) + ") has slot " + std::to_string(s.slot) +
+                                  ", the cache has slots [0, " + std::to_string(S) + ")");
+  auto dev = x.device();
+  auto index = [&](const std::vector<int64_t>& v) { return torch::tensor(v, torch::kInt64).to(dev); };
+  auto out = torch::empty({x.size(0), o_proj->weight.size(0)}, x.options());  // [N, D]
+  // Prefills: one chunked pass over every new sequence, each ending state into its slot.
+  std::vector<int64_t> rows, cu{0}, fresh;
+  int64_t most = 0;  // the most new tokens of a slice that continues
+  for (const auto& s : slices) {
+    if (s.cached > 0) {
+      most = std::max(most, s.count);
+      continue;
+    }
+    for (int64_t j = 0; j < s.count; ++j) rows.push_back(s.start + j);
+    cu.push_back(cu.back() + s.count);
+    fresh.push_back(s.slot);
+  }
+  if (!rows.empty()) {
+    auto r = index(rows);
+    auto [y, st] = prefill(x.index_select(0, r), torch::tensor(cu, torch::kInt64));
+    out.index_copy_(0, r, y);
+    auto f = index(fresh);
+    slots.conv.index_copy_(0, f, st.conv.to(slots.conv.scalar_type()));
+    slots.recurrent.index_copy_(0, f, st.recurrent);
+  }
+  // Continuations: token j of every slice that has one, from its slot's state.
+  for (int64_t j = 0; j < most; ++j) {
+    std::vector<int64_t> step_rows, step_slots;
+    for (const auto& s : slices)
+      if (s.cached > 0 && s.count > j) {
+        step_rows.push_back(s.start + j);
+        step_slots.push_back(s.slot);
+      }
+    auto r = index(step_rows), sl = index(step_slots);
+    KdaState st{slots.conv.index_select(0, sl), slots.recurrent.index_select(0, sl)};
+    out.index_copy_(0, r, decode_step(x.index_select(0, r), st));
+    slots.conv.index_copy_(0, sl, st.conv.to(slots.conv.scalar_type()));
+    slots.recurrent.index_copy_(0, sl, st.recurrent);
+  }
+  return out;
+}
+
 }  // namespace kiln::model::glm5_next

@@ -21,6 +21,7 @@
 
 #include <torch/torch.h>
 
+#include "model/decode_cache.hpp"
 #include "model/glm5_next/config.hpp"
 
 namespace kiln::model::glm5_next {
@@ -81,6 +82,13 @@ class KimiDeltaAttentionImpl : public torch::nn::Module {
   std::pair<torch::Tensor, KdaState> prefill(const torch::Tensor& x, const torch::Tensor& cu_seqlens);
   /// One new token per sequence (recurrent form): x [B, D] -> [B, D]; `state` advances.
   torch::Tensor decode_step(const torch::Tensor& x, KdaState& state);
+  /// Incremental step of an engine (model/decode_cache.hpp): x [N, D] the new tokens of every
+  /// slice; `slots` the states of all slots (conv [S, 3HK, W-1], recurrent [S, H, K, V]). A
+  /// slice with nothing cached is prefilled (chunked form, as forward) and its slot set to the
+  /// state it ends in; a slice with cached tokens steps from its slot's state token by token
+  /// (recurrent form), the slot advanced. -> [N, D]. Throws std::invalid_argument for a slice
+  /// without a slot in [0, S). Inference only.
+  torch::Tensor forward_cached(const torch::Tensor& x, const std::vector<CachedSlice>& slices, KdaState& slots);
   /// A zero state for `batch` sequences (before any token); conv in `dtype`, recurrent fp32
   /// (fp64 when `dtype` is).
   KdaState empty_state(int64_t batch, torch::Dtype dtype, torch::Device device) const;

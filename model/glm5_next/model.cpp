@@ -1,6 +1,12 @@
 #include "model/glm5_next/model.hpp"
 
+#include <memory>
+#include <stdexcept>
 #include <string>
+
+#include "model/blocks/activation_checkpoint.hpp"
+#include "model/checkpoint/safetensors.hpp"
+#include "model/glm5_next/state_dict_adapter.hpp"
 
 namespace kiln::model::glm5_next {
 
@@ -36,6 +42,11 @@ torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& streams, const torc
     a = r.out;
     topk = r.topk_indices;
   }
+  return finish(w, a, streams, replay_ids, expert_ids);
+}
+
+torch::Tensor DecoderLayerImpl::finish(const HcWeights& w, const torch::Tensor& a, const torch::Tensor& streams,
+                                       const std::optional<torch::Tensor>& replay_ids, torch::Tensor* expert_ids) {
   auto mid = HyperConnectionImpl::expand(w, a, streams);             // [T, S, D]
   auto w2 = ffn_hc(mid);
   auto h2 = mlp_norm(w2.collapsed);
@@ -43,7 +54,25 @@ torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& streams, const torc
   return HyperConnectionImpl::expand(w2, m, mid);
 }
 
-Glm5NextModelImpl::Glm5NextModelImpl(const Glm5NextConfig& c) : c_(c) {
+torch::Tensor DecoderLayerImpl::forward_cached(const torch::Tensor& streams, const torch::Tensor& positions,
+                                               const std::vector<CachedSlice>& slices, const CachedLayout& layout,
+                                               Glm5NextDecodeCache::Layer& cache, torch::Tensor& topk,
+                                               torch::Tensor* expert_ids) {
+  auto w = attn_hc(streams);
+  auto h = attn_norm(w.collapsed);                                   // [N, D]
+  torch::Tensor a;
+  if (kda) {
+    a = kda->forward_cached(h, slices, cache.kda);
+  } else {
+    auto r = attn->forward_cached(h, positions, layout, cache.latent, cache.index,
+                                  topk.defined() ? std::optional<torch::Tensor>(topk) : std::nullopt);
+    a = r.out;
+    topk = r.topk_indices;
+  }
+  return finish(w, a, streams, std::nullopt, expert_ids);
+}
+
+Glm5NextModelImpl::Glm5NextModelImpl(const Glm5NextConfig& c, bool random_init) : c_(c) {
   c.validate();
   embed = register_module("embed", torch::nn::Embedding(c.vocab_size, c.hidden_size));
   torch::nn::ModuleList list;  // registered as "layers": parameters named layers.{i}.*
@@ -54,6 +83,27 @@ Glm5NextModelImpl::Glm5NextModelImpl(const Glm5NextConfig& c) : c_(c) {
   register_module("layers", list);
   norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
   lm_head = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(c.hidden_size, c.vocab_size).bias(false)));
+  for (auto& p : indexer_parameters()) p.set_requires_grad(false);  // frozen: see model.hpp
+  if (!random_init) return;
+  torch::NoGradGuard no_grad;
+  for (auto& p : named_parameters()) {
+    const auto& name = p.key();
+    const bool pooling_gate = name.size() >= 13 && name.compare(name.size() - 13, 13, "compress_gate") == 0;
+    const bool matrix = p.value().dim() == 2 || name.find("moe.experts.") != std::string::npos;  // not the [HK, 1, W] convs
+    if (matrix && !pooling_gate) p.value().normal_(0.0, 0.02);
+  }
+}
+
+std::vector<torch::Tensor> Glm5NextModelImpl::indexer_parameters() {
+  std::vector<torch::Tensor> out;
+  for (auto& l : layers)
+    if (l->attn && l->attn->indexer)
+      for (auto& p : l->attn->indexer->parameters()) out.push_back(p);
+  return out;
+}
+
+int64_t Glm5NextModelImpl::topk_width() const {
+  return c_.indexer.topk + (c_.indexer.always_select_tail ? c_.indexer.kpool - 1 : 0);
 }
 
 void Glm5NextModelImpl::to_dtype(torch::Dtype dtype) {
@@ -73,45 +123,140 @@ int64_t Glm5NextModelImpl::num_sparse_layers() const {
   return n;
 }
 
-Glm5NextOutput Glm5NextModelImpl::forward(const PackedBatch& batch, const Glm5NextForwardOptions& o) {
+ForwardOutput Glm5NextModelImpl::forward(const PackedBatch& batch, const ForwardOptions& o) {
   batch.validate();
-  const int64_t T = batch.input_ids.size(0);
+  const int64_t T = batch.input_ids.size(0), W = topk_width();
   auto check_replay = [&](const std::optional<torch::Tensor>& r, const char* what, int64_t layers, int64_t width) {
     if (r && (r->dim() != 3 || r->size(0) != T || r->size(1) != layers || r->size(2) != width))
-      throw std::invalid_argument(std::string(what) + " must be [T, L, W] = [" + std::to_string(T) + ", " +
-                                  std::to_string(layers) + ", " + std::to_string(width) + "], got " +
-                                  c10::str(r->sizes()));
+      throw std::invalid_argument(std::string("glm5_next forward: ") + what + " must be [T, L, W] = [" +
+                                  std::to_string(T) + ", " + std::to_string(layers) + ", " + std::to_string(width) +
+                                  "], got " + c10::str(r->sizes()));
   };
-  const int64_t W = c_.indexer.topk + (c_.indexer.always_select_tail ? c_.indexer.kpool - 1 : 0);
   check_replay(o.replay_routed_experts, "replay_routed_experts", num_moe_layers(), c_.moe.top_k);
   check_replay(o.replay_topk_indices, "replay_topk_indices", num_sparse_layers(), W);
-  auto streams = hc_streams_from_embeddings(embed(batch.input_ids), c_.hc.streams);  // [T, S, D]
+  const auto dev = embed->weight.device();
+  std::optional<torch::Tensor> replay_experts, replay_topk;
+  if (o.replay_routed_experts) {
+    const auto& r = *o.replay_routed_experts;
+    if (r.numel() > 0 && (r.min().item<int64_t>() < 0 || r.max().item<int64_t>() >= c_.moe.num_experts))
+      throw std::invalid_argument("glm5_next forward: replay_routed_experts must lie in [0, " +
+                                  std::to_string(c_.moe.num_experts) + ")");
+    replay_experts = r.to(dev, torch::kInt64);
+  }
+  if (o.replay_topk_indices) {
+    // A selection names positions within the query's document: at most the query's own (a
+    // later one would let it see the future), -1 for none.
+    auto r = o.replay_topk_indices->to(dev, torch::kInt64);
+    auto own = batch.position_ids.to(dev, torch::kInt64).view({T, 1, 1});
+    if (r.numel() > 0 && (r.lt(-1).any().item<bool>() || r.gt(own).any().item<bool>()))
+      throw std::invalid_argument("glm5_next forward: replay_topk_indices must lie in [-1, the query's position "
+                                  "within its document]");
+    replay_topk = r;
+  }
+  const bool want_experts = o.return_routed_experts || replay_experts.has_value();
+  auto cu = batch.cu_seqlens.to(torch::kCPU, torch::kInt64);
+  auto streams = hc_streams_from_embeddings(embed(batch.input_ids.to(dev)), c_.hc.streams);  // [T, S, D]
   torch::Tensor topk;  // the last sparse layer's selection, handed to a shared layer
   std::vector<torch::Tensor> experts, selections;
   int64_t moe_i = 0, sparse_i = 0;
   for (std::size_t i = 0; i < layers.size(); ++i) {
-    const bool sparse = c_.layer_types[i] == LayerType::sparse_attention;
+    const bool sparse = c_.layer_types[i] == LayerType::sparse_attention, moe = c_.moe_layers[i];
     // transformers hands a selection only to the very next layer; a replayed one replaces it.
     if (!sparse || c_.indexer_types[i] != IndexerType::shared) topk = torch::Tensor();
-    if (sparse && o.replay_topk_indices) topk = o.replay_topk_indices->select(1, sparse_i).to(torch::kInt64);
+    if (sparse && replay_topk) topk = replay_topk->select(1, sparse_i);
     std::optional<torch::Tensor> replay_ids;
-    if (c_.moe_layers[i] && o.replay_routed_experts) replay_ids = o.replay_routed_experts->select(1, moe_i);
+    if (moe && replay_experts) replay_ids = replay_experts->select(1, moe_i);  // [T, K]
     torch::Tensor ids;
-    streams = layers[i](streams, batch.cu_seqlens, topk, replay_ids, o.return_routed_experts ? &ids : nullptr);
-    if (c_.moe_layers[i]) {
+    const bool want_ids = moe && want_experts;
+    if (checkpoint_layers_ && torch::GradMode::is_enabled()) {
+      // The recomputation in the backward writes the same ids and selection again.
+      auto out_ids = std::make_shared<torch::Tensor>(), out_topk = std::make_shared<torch::Tensor>();
+      streams = checkpointed(
+          [l = layers[i].ptr(), cu, topk, replay_ids, out_ids, out_topk, want_ids](const torch::Tensor& in) {
+            auto t = topk;
+            auto r = l->forward(in, cu, t, replay_ids, want_ids ? out_ids.get() : nullptr);
+            *out_topk = t;
+            return r;
+          },
+          streams);
+      ids = *out_ids;
+      if (sparse) topk = *out_topk;
+    } else {
+      streams = layers[i](streams, cu, topk, replay_ids, want_ids ? &ids : nullptr);
+    }
+    if (moe) {
       ++moe_i;
-      if (o.return_routed_experts) experts.push_back(ids);
+      if (want_experts) experts.push_back(ids);
     }
     if (sparse) {
       ++sparse_i;
       if (o.return_topk_indices) selections.push_back(topk);
     }
   }
-  Glm5NextOutput out;
-  out.hidden = norm(hc_head(streams));                                // [T, D]
-  if (!experts.empty()) out.routed_experts = torch::stack(experts, 1);  // [T, L, K]
-  if (!selections.empty()) out.topk_indices = torch::stack(selections, 1);  // [T, Ls, W]
+  ForwardOutput out;
+  out.hidden = norm(hc_head(streams));                                    // [T, D]
+  if (want_experts)
+    out.routed_experts = experts.empty() ? torch::empty({T, 0, c_.moe.top_k}, torch::kInt64) : torch::stack(experts, 1);
+  if (o.return_topk_indices)  // [T, Ls, W]
+    out.topk_indices = selections.empty() ? torch::empty({T, 0, W}, torch::kInt64) : torch::stack(selections, 1);
   return out;
 }
+
+std::unique_ptr<DecodeCache> Glm5NextModelImpl::make_decode_cache(const DecodeCacheShape& shape,
+                                                                  const torch::TensorOptions& options) const {
+  return std::make_unique<Glm5NextDecodeCache>(c_, shape, options);
+}
+
+int64_t Glm5NextModelImpl::decode_cache_bytes(const DecodeCacheShape& shape, torch::Dtype dtype) const {
+  return Glm5NextDecodeCache::bytes(c_, shape, dtype);
+}
+
+ForwardOutput Glm5NextModelImpl::forward_cached(const torch::Tensor& ids, const torch::Tensor& positions,
+                                                const std::vector<CachedSlice>& slices, DecodeCache& cache,
+                                                bool want_routing) {
+  auto* c = dynamic_cast<Glm5NextDecodeCache*>(&cache);
+  if (!c || c->layers.size() != layers.size())
+    throw std::invalid_argument("glm5_next forward_cached: the cache is not this model's (make_decode_cache: a "
+                                "Glm5NextDecodeCache of " + std::to_string(layers.size()) + " layers)");
+  torch::NoGradGuard no_grad;
+  const int64_t N = ids.size(0);
+  const CachedLayout layout(slices, c->page_size(), ids.device());  // the same pages in every sparse layer
+  auto streams = hc_streams_from_embeddings(embed(ids), c_.hc.streams);  // [N, S, D]
+  torch::Tensor topk;  // the last sparse layer's selection, handed to a shared layer
+  std::vector<torch::Tensor> experts, selections;
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    const bool sparse = c_.layer_types[i] == LayerType::sparse_attention;
+    if (!sparse || c_.indexer_types[i] != IndexerType::shared) topk = torch::Tensor();
+    torch::Tensor chosen;
+    streams = layers[i]->forward_cached(streams, positions, slices, layout, c->layers[i], topk,
+                                        c_.moe_layers[i] && want_routing ? &chosen : nullptr);
+    if (c_.moe_layers[i] && want_routing) experts.push_back(chosen);
+    if (sparse && want_routing) selections.push_back(topk);
+  }
+  ForwardOutput out;
+  out.hidden = norm(hc_head(streams));  // [N, D]
+  if (want_routing) {
+    out.routed_experts = experts.empty() ? torch::empty({N, 0, c_.moe.top_k}, torch::kInt64) : torch::stack(experts, 1);
+    out.topk_indices = selections.empty() ? torch::empty({N, 0, topk_width()}, torch::kInt64) : torch::stack(selections, 1);
+  }
+  return out;
+}
+
+void Glm5NextModelImpl::load_hf_checkpoint(const std::string& dir) {
+  auto ckpt = checkpoint::Checkpoint::open(dir);
+  load_hf_state_dict(*this, ckpt);
+}
+
+void Glm5NextModelImpl::save_hf_checkpoint(const std::string& dir, uint64_t max_shard_bytes) {
+  glm5_next::save_hf_checkpoint(*this, dir, max_shard_bytes);
+}
+
+void Glm5NextModelImpl::load_hf_tensors(const std::vector<messaging::Tensor>& tensors) {
+  load_hf_state_dict(*this, tensors);
+}
+
+std::vector<messaging::Tensor> Glm5NextModelImpl::hf_state_dict() { return to_hf_state_dict(*this); }
+
+void Glm5NextModelImpl::save_hf_config(const std::string& dir) { glm5_next::save_hf_config(*this, dir); }
 
 }  // namespace kiln::model::glm5_next

@@ -17,6 +17,7 @@
 #include <torch/torch.h>
 
 #include "model/blocks/basic.hpp"
+#include "model/blocks/mla.hpp"
 #include "model/glm5_next/config.hpp"
 
 namespace kiln::model::glm5_next {
@@ -29,6 +30,14 @@ class KPoolIndexerImpl : public torch::nn::Module {
   /// document (0-based) it may attend to, -1 for none; pools in descending score, then the
   /// tail. No gradient.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& q_resid, const torch::Tensor& cu_seqlens);
+  /// Each token's key entry, what a cache keeps so that later queries can pool it: x [n, D] ->
+  /// [n, 2E] = k_norm(wk(x)) | x compress_gate^T, in x's dtype. No gradient.
+  torch::Tensor key_entries(const torch::Tensor& x);
+  /// The selections of m queries of one document: x [m, D], q_resid [m, Q], pos [m] int64 their
+  /// positions in the document, keys [n, 2E] the key entries of the document's first n tokens
+  /// (n > every pos) -> [m, W] as forward. No gradient.
+  torch::Tensor select_queries(const torch::Tensor& x, const torch::Tensor& q_resid, const torch::Tensor& pos,
+                               const torch::Tensor& keys);
   /// Width of forward's result: topk, plus kpool - 1 with always_select_tail.
   int64_t width() const { return c_.topk + (c_.always_select_tail ? c_.kpool - 1 : 0); }
 
@@ -63,6 +72,17 @@ class SparseAttentionImpl : public torch::nn::Module {
   SparseAttentionOutput forward(const torch::Tensor& x, const torch::Tensor& cu_seqlens,
                                 const std::optional<torch::Tensor>& given_topk = std::nullopt);
 
+  /// Incremental step over a paged cache (model/decode_cache.hpp; layout as MLAImpl's): x [N, D]
+  /// the new tokens of every slice (the layer's normed input), positions [N] int64 within each
+  /// sequence. Writes the new tokens' latents into `latent` [G, Z, C] and, on a layer with an
+  /// indexer (unless given_topk), their key entries into `index` [G, Z, 2E]; attends each new
+  /// token over its sequence's cached and new tokens with the same math as forward (keys and
+  /// values expanded through kv_b). given_topk: [N, W] the selection to use (a shared layer's,
+  /// required there). Returns out [N, D] and the selection used [N, W]. Inference only.
+  SparseAttentionOutput forward_cached(const torch::Tensor& x, const torch::Tensor& positions, const CachedLayout& layout,
+                                       torch::Tensor& latent, torch::Tensor& index,
+                                       const std::optional<torch::Tensor>& given_topk = std::nullopt);
+
   torch::nn::Linear q_a{nullptr};   ///< [Q, D]
   RMSNorm q_a_norm{nullptr};        ///< [Q], eps rms_norm_eps
   torch::nn::Linear q_b{nullptr};   ///< [H*N, Q]
@@ -73,6 +93,9 @@ class SparseAttentionImpl : public torch::nn::Module {
   KPoolIndexer indexer{nullptr};    ///< null on a shared layer
 
  private:
+  // One document's attention: q [m, H, N] queries, k [n, H, N] / v [n, H, V] its keys, sel
+  // [m, W] each query's selected key positions -> [m, H*V].
+  torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& sel) const;
   AttentionConfig a_;
 };
 TORCH_MODULE(SparseAttention);

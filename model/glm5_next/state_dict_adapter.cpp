@@ -108,10 +108,18 @@ std::vector<std::string> required_hf_keys(Glm5NextModelImpl& model) {
 }
 
 void load_hf_state_dict(Glm5NextModelImpl& model, checkpoint::Checkpoint& ckpt) {
+  load_hf_state_dict(model, HfTensorSource::of(ckpt));
+}
+
+void load_hf_state_dict(Glm5NextModelImpl& model, const std::vector<messaging::Tensor>& tensors) {
+  load_hf_state_dict(model, HfTensorSource::of(tensors));
+}
+
+void load_hf_state_dict(Glm5NextModelImpl& model, const HfTensorSource& ckpt) {
   const auto& cfg = model.config();
   const int64_t E = cfg.moe.num_experts, F = cfg.moe.expert_intermediate_size, D = cfg.hidden_size;
   const auto block = cfg.fp8_weight_block.value_or(std::pair<int64_t, int64_t>{128, 128});
-  const std::string where = "checkpoint '" + ckpt.dir() + "'";
+  const std::string& where = ckpt.where;
   std::set<std::string> consumed;
   std::vector<std::string> missing;
   auto need = [&](const std::string& k) {
@@ -177,6 +185,10 @@ std::vector<messaging::Tensor> to_hf_state_dict(Glm5NextModelImpl& model) {
 
 void save_hf_checkpoint(Glm5NextModelImpl& model, const std::string& dir, uint64_t max_shard_bytes) {
   checkpoint::write_checkpoint(dir, to_hf_state_dict(model), max_shard_bytes);
+  save_hf_config(model, dir);
+}
+
+void save_hf_config(Glm5NextModelImpl& model, const std::string& dir) {
   try {
     config_json::write_config_json(dir, model.config().to_hf_json());
   } catch (const std::runtime_error& e) {

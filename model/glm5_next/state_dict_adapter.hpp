@@ -28,10 +28,14 @@ extern const std::vector<KeyRule> kKeyTable;
 /// The HF keys the model reads, in load order (per-expert names for experts).
 std::vector<std::string> required_hf_keys(Glm5NextModelImpl& model);
 
-/// Copies every tensor the model needs from `ckpt` (shape checked on every copy, cast to the
-/// parameter's dtype). Throws checkpoint::CheckpointError listing all missing keys and all
-/// unexpected ones, or naming a tensor whose shape or dtype does not fit.
+/// Copies every tensor the model needs from `src` (shape checked on every copy, cast to the
+/// parameter's dtype; FP8 dequantised). Throws checkpoint::CheckpointError listing all missing
+/// keys and all unexpected ones (the vision tower's and the MTP layer's are neither), or naming
+/// a tensor whose shape or dtype does not fit.
+void load_hf_state_dict(Glm5NextModelImpl& model, const HfTensorSource& src);
+/// From a checkpoint directory, or from HF-named tensors in memory (weight sync).
 void load_hf_state_dict(Glm5NextModelImpl& model, checkpoint::Checkpoint& ckpt);
+void load_hf_state_dict(Glm5NextModelImpl& model, const std::vector<messaging::Tensor>& tensors);
 
 /// The model's weights under HF names (experts split per expert), on CPU, contiguous, in the
 /// model's dtypes.
@@ -40,6 +44,10 @@ std::vector<messaging::Tensor> to_hf_state_dict(Glm5NextModelImpl& model);
 /// Writes the weights (HF names, shards of at most max_shard_bytes) and config.json into
 /// `dir`. Throws checkpoint::CheckpointError on I/O failure.
 void save_hf_checkpoint(Glm5NextModelImpl& model, const std::string& dir, uint64_t max_shard_bytes);
+
+/// Writes DIR/config.json (Glm5NextConfig::to_hf_json). Throws checkpoint::CheckpointError
+/// when it cannot be written.
+void save_hf_config(Glm5NextModelImpl& model, const std::string& dir);
 
 /// A model built from DIR/config.json and loaded from DIR's safetensors. Throws
 /// std::invalid_argument for the config (field named) and checkpoint::CheckpointError for the

@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """Runs `kiln run` (the built-in default experiment) and checks that it learns: first-step
 mean reward <= 0.3, some step >= 0.8, within 15 minutes; metrics.jsonl and the PNG exist.
-Usage: check_default_run.py PATH_TO_KILN RUN_DIR. Prints "N passed, 0 failed"."""
+Usage: check_default_run.py PATH_TO_KILN RUN_DIR [--set KEY=VALUE ...] (further arguments go to
+`kiln run`, e.g. another model package). Prints "N passed, 0 failed"."""
 import json, os, shutil, subprocess, sys, time
 
-kiln, run_dir = sys.argv[1], sys.argv[2]
+kiln, run_dir, extra = sys.argv[1], sys.argv[2], sys.argv[3:]
 shutil.rmtree(run_dir, ignore_errors=True)  # a finished run there would be refused (run.overwrite)
 t0 = time.time()
-p = subprocess.run([kiln, "run", "--set", f"run.output_dir={run_dir}", "--set", "logging.progress=false"],
+p = subprocess.run([kiln, "run", "--set", f"run.output_dir={run_dir}", "--set", "logging.progress=false"] + extra,
                    timeout=900, capture_output=True, text=True)
 elapsed = time.time() - t0
 checks = []

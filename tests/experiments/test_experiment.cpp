@@ -80,6 +80,15 @@ TEST_CASE("unknown keys, wrong types and bad values are rejected by name") {
     const std::string quoted = "'" + key + "'";
     CHECK_THROWS_WITH_AS(g.validate(), doctest::Contains(quoted.c_str()), std::invalid_argument);
   }
+  ExperimentConfig h;  // the RL loss never trains glm5_next's indexers
+  h.set("algorithm.train_indexer=true");
+  CHECK_THROWS_WITH_AS(h.validate(),
+                       doctest::Contains("'algorithm.train_indexer' must be false: the RL loss does not train the "
+                                         "sparse-attention indexer"),
+                       std::invalid_argument);
+  ExperimentConfig k;
+  k.set("algorithm.train_indexer=false");
+  k.validate();
 }
 
 TEST_CASE("the trainer in a process needs every model out of the controller") {

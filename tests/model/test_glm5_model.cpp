@@ -62,7 +62,7 @@ TEST_CASE("sparse attention: the KPool indexer selects the tokens transformers' 
 TEST_CASE("model: logits, routed experts, loss and gradients match transformers on the fixture (fp32)") {
   auto m = fixture_model();
   auto batch = fixture_batch();
-  Glm5NextForwardOptions opts;
+  ForwardOptions opts;
   opts.return_routed_experts = true;
   auto out = m->forward(batch, opts);
   auto logits = m->logits(out);
@@ -131,7 +131,7 @@ TEST_CASE("model: logits, routed experts, loss and gradients match transformers 
 TEST_CASE("model: routing replay and indexer replay reproduce the forward, and a changed replay changes it") {
   auto m = fixture_model();
   auto batch = fixture_batch();
-  Glm5NextForwardOptions ask;
+  ForwardOptions ask;
   ask.return_routed_experts = true;
   ask.return_topk_indices = true;
   torch::Tensor ref_logits, experts, topk;
@@ -146,7 +146,7 @@ TEST_CASE("model: routing replay and indexer replay reproduce the forward, and a
   CHECK(topk.sizes() == torch::IntArrayRef({29, 2, 5}));
   CHECK(torch::equal(topk.select(1, 0), topk.select(1, 1)));  // layer 2 shares layer 1's
   CHECK(torch::equal(as_sets(topk.select(1, 0)), as_sets(expected("topk_indices.1"))));
-  Glm5NextForwardOptions replay;
+  ForwardOptions replay;
   replay.replay_routed_experts = experts;
   replay.replay_topk_indices = topk;
   auto out = m->forward(batch, replay);
@@ -161,12 +161,19 @@ TEST_CASE("model: routing replay and indexer replay reproduce the forward, and a
   for (int64_t t = 0; t < 29; ++t)
     for (int64_t j = 0; j <= std::min<int64_t>(pos[t].item<int64_t>(), 4); ++j) dense[t][0][j] = pos[t].item<int64_t>() - j;
   dense.select(1, 1).copy_(dense.select(1, 0));
-  Glm5NextForwardOptions other;
+  ForwardOptions other;
   other.replay_topk_indices = dense;
   CHECK(max_diff(m->logits(m->forward(batch, other)), ref_logits) > 1e-6);
-  Glm5NextForwardOptions bad;
+  ForwardOptions bad;
   bad.replay_routed_experts = experts.narrow(1, 0, 2);
   CHECK_THROWS_WITH_AS(m->forward(batch, bad), doctest::Contains("replay_routed_experts must be [T, L, W] = [29, 3, 2]"),
+                       std::invalid_argument);
+  // A replayed selection may not name a later token of the document (the query would see it).
+  auto future = topk.clone();
+  future[3][0][0] = pos[3].item<int64_t>() + 1;
+  ForwardOptions peek;
+  peek.replay_topk_indices = future;
+  CHECK_THROWS_WITH_AS(m->forward(batch, peek), doctest::Contains("replay_topk_indices must lie in [-1, the query's position"),
                        std::invalid_argument);
 }
 

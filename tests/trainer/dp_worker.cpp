@@ -158,7 +158,7 @@ StepMetrics step_both(Pair& p, const std::vector<Sample>& batch, const std::stri
   const int64_t gathers = layers ? layers->layer_gathers() : 0, reductions = layers ? layers->layer_reductions() : 0;
   const auto got = p.sharded.step(batch);
   if (layers) {  // every micro-batch gathered every layer for its forward and its backward
-    const int64_t layer_count = p.sharded.policy().num_layers(), done = layers->layer_gathers() - gathers,
+    const int64_t layer_count = int64_t(p.sharded.policy().decoder_layer_parameters().size()), done = layers->layer_gathers() - gathers,
                   mine = got.micro_batches / p.dp.size();  // at least what this rank ran
     if (keep) expect(done == 0, at + std::to_string(done) + " layer gathers inside a step that keeps the layers whole");
     else
