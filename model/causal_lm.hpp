@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -75,11 +76,15 @@ class CausalLM : public torch::nn::Module {
   /// it fills, of that HF tensor's shape, in the parameter's dtype and on its device; writing a
   /// view (copy_, under torch::NoGradGuard) writes the weight. The package's state-dict adapter
   /// maps the names. Throws std::invalid_argument for a model that cannot take HF tensors as it
-  /// is (e.g. one holding an ep rank's share of the experts).
-  virtual std::map<std::string, torch::Tensor> hf_targets() = 0;
+  /// is (e.g. one holding an ep rank's share of the experts), or a family that does not map
+  /// them (the default: glm5_next so far).
+  virtual std::map<std::string, torch::Tensor> hf_targets() {
+    throw std::invalid_argument("this model family does not map HF tensor names to its weights for partial loads "
+                                "(CausalLM::hf_targets): load a whole checkpoint instead");
+  }
   /// Whether HF tensor `name`, though not among hf_targets(), is one that loads skip (a part of
-  /// the checkpoint the model does not build, such as the MTP layer).
-  virtual bool hf_key_skipped(const std::string& name) const = 0;
+  /// the checkpoint the model does not build, such as the MTP layer). Default: none.
+  virtual bool hf_key_skipped(const std::string& name) const { return false; }
   /// The weights under HF names (CPU, contiguous; grouped tensors split as HF lays them out).
   virtual std::vector<messaging::Tensor> hf_state_dict() = 0;
   /// The HF-named weights this rank holds, for a checkpoint that every rank writes a part of
