@@ -29,8 +29,10 @@ FullyShardedLayers* owner_of(AutogradContext* ctx) {
   return reinterpret_cast<FullyShardedLayers*>(ctx->saved_data["owner"].toInt());
 }
 
-// Identity on a layer's input: its backward runs after the layer's whole backward.
-class LayerEntry : public torch::autograd::Function<LayerEntry> {
+// Identity on a layer's input (kEntry: its backward runs after the layer's whole backward) or
+// output (!kEntry: its backward runs before any of the layer's).
+template <bool kEntry>
+class LayerBoundary : public torch::autograd::Function<LayerBoundary<kEntry>> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t owner, int64_t layer) {
     ctx->saved_data["owner"] = owner;
@@ -38,24 +40,14 @@ class LayerEntry : public torch::autograd::Function<LayerEntry> {
     return x;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grad) {
-    owner_of(ctx)->backward_ended(ctx->saved_data["layer"].toInt());
+    const int64_t layer = ctx->saved_data["layer"].toInt();
+    if (kEntry) owner_of(ctx)->backward_ended(layer);
+    else owner_of(ctx)->backward_starts(layer);
     return {grad[0], torch::Tensor(), torch::Tensor()};
   }
 };
-
-// Identity on a layer's output: its backward runs before any of the layer's.
-class LayerExit : public torch::autograd::Function<LayerExit> {
- public:
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t owner, int64_t layer) {
-    ctx->saved_data["owner"] = owner;
-    ctx->saved_data["layer"] = layer;
-    return x;
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grad) {
-    owner_of(ctx)->backward_starts(ctx->saved_data["layer"].toInt());
-    return {grad[0], torch::Tensor(), torch::Tensor()};
-  }
-};
+using LayerEntry = LayerBoundary<true>;
+using LayerExit = LayerBoundary<false>;
 
 }  // namespace
 
