@@ -463,6 +463,42 @@ double Trainer::current_lr() const {
   return c_.lr * (c_.min_lr_ratio + (1 - c_.min_lr_ratio) * cosine);
 }
 
+double Trainer::reduce_and_clip_gradients(double max_norm) {
+  if (dp_) {
+    if (expert_sharded_) {
+      // The one-rank trainer has a gradient for every expert tensor (every layer sees the
+      // batch's tokens); a slice no row reached on this rank has none yet: it is zero.
+      for (auto& w : policy_->routed_expert_parameters())
+        if (!w.grad().defined()) w.mutable_grad() = torch::zeros_like(w);
+    }
+    for (auto& part : parts_)
+      if (!part.unit) part.optimizer->reduce_gradients();
+    if (fsdp_) fsdp_->finish_reduce_gradients();  // the layers' reductions, started in the backward
+    policy_->zero_grad();  // the full local gradients are in the shards now
+    // One norm over the whole model: every optimizer's shard (dense and layers over all ranks,
+    // experts over their replicas, each ep slice once): the world sum of their squared sums.
+    torch::Tensor squares;  // [1]
+    for (auto& part : parts_) {
+      auto s = part.optimizer->shard_squared_norm();
+      squares = squares.defined() ? squares + s : s;
+    }
+    dp_->all_reduce(squares);
+    auto norm = squares.sqrt();
+    const auto coefficient = torch::clamp(max_norm / (norm + 1e-6), std::nullopt, 1.0);
+    for (auto& part : parts_) part.optimizer->scale_gradients(coefficient);
+    return norm.item<double>();
+  }
+  std::vector<torch::Tensor> to, from;  // bf16 gradients -> fp32 master gradients, one launch
+  for (auto i : low_precision_)
+    if (params_[i].grad().defined()) {
+      masters_[i].mutable_grad() = torch::empty_like(masters_[i]);
+      to.push_back(masters_[i].grad());
+      from.push_back(params_[i].grad());
+    }
+  copy_tensors(to, from);
+  return clip_grad_norm(masters_, max_norm);
+}
+
 StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
   auto t0 = std::chrono::steady_clock::now();
   const bool want_ref = c_.loss.kl_coef != 0;
@@ -550,41 +586,7 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
   m.entropy = sums[4] / tokens;
   m.train_rollout_logprob_abs_diff = sums[5] / tokens;
   m.micro_batches = int64_t(sums[6]);
-  const double max_norm = c_.grad_clip > 0 ? c_.grad_clip : 1e30;
-  if (dp_) {
-    if (expert_sharded_) {
-      // The one-rank trainer has a gradient for every expert tensor (every layer sees the
-      // batch's tokens); a slice no row reached on this rank has none yet: it is zero.
-      for (auto& w : policy_->routed_expert_parameters())
-        if (!w.grad().defined()) w.mutable_grad() = torch::zeros_like(w);
-    }
-    for (auto& part : parts_)
-      if (!part.unit) part.optimizer->reduce_gradients();
-    if (fsdp_) fsdp_->finish_reduce_gradients();  // the layers' reductions, started in the backward
-    policy_->zero_grad();  // the full local gradients are in the shards now
-    // One norm over the whole model: every optimizer's shard (dense and layers over all ranks,
-    // experts over their replicas, each ep slice once): the world sum of their squared sums.
-    torch::Tensor squares;  // [1]
-    for (auto& part : parts_) {
-      auto s = part.optimizer->shard_squared_norm();
-      squares = squares.defined() ? squares + s : s;
-    }
-    dp_->all_reduce(squares);
-    auto norm = squares.sqrt();
-    const auto coefficient = torch::clamp(max_norm / (norm + 1e-6), std::nullopt, 1.0);
-    for (auto& part : parts_) part.optimizer->scale_gradients(coefficient);
-    m.grad_norm = norm.item<double>();
-  } else {
-    std::vector<torch::Tensor> to, from;  // bf16 gradients -> fp32 master gradients, one launch
-    for (auto i : low_precision_)
-      if (params_[i].grad().defined()) {
-        masters_[i].mutable_grad() = torch::empty_like(masters_[i]);
-        to.push_back(masters_[i].grad());
-        from.push_back(params_[i].grad());
-      }
-    copy_tensors(to, from);
-    m.grad_norm = clip_grad_norm(masters_, max_norm);
-  }
+  m.grad_norm = reduce_and_clip_gradients(c_.grad_clip > 0 ? c_.grad_clip : 1e30);
   m.lr = current_lr();
   m.skip_reason = nonfinite_reason(m.loss, m.grad_norm);
   if (dp_) {  // loss and norm are the group's already; the ranks still decide together

@@ -194,6 +194,10 @@ class Trainer {
   /// The sharded optimizers' state over dp_ (dense, layer units, experts) and the parts list.
   void shard_state(const std::vector<bool>& is_expert, const torch::optim::AdamWOptions& options);
   void zero_optimizer_gradients();
+  /// After a step's backward passes: the gradients summed into the optimizers' fp32 shards (or
+  /// the one-rank masters), clipped to `max_norm` by one norm over the whole model; returns the
+  /// norm before clipping. Collective over dp_.
+  double reduce_and_clip_gradients(double max_norm);
   std::unique_ptr<FullyShardedLayers> fsdp_;  ///< config.fsdp: the decoder layers' units
   /// Every sharded optimizer with the params_ indices of its parameters; `unit`: a layer's
   /// (gathered by fsdp_, not by the optimizer).
