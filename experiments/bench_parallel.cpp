@@ -160,6 +160,9 @@ int run_parallel_bench(const ParallelBenchOptions& o) {
 
   // Median step time and peak memory of a trainer `make()` builds over a fresh policy, on
   // `samples`; the GPU's cache emptied afterwards so that each measurement starts alike.
+  // Then two more steps with the trainer's phase timing on (each phase's end synchronised):
+  // the second one's split goes to `phases` (of the measured trainers, in order).
+  std::vector<trainer::Trainer::StepPhases> phases;
   auto measure = [&](auto make, const std::vector<trainer::Sample>& samples) {
     std::pair<double, double> r;
     {
@@ -167,6 +170,9 @@ int run_parallel_bench(const ParallelBenchOptions& o) {
       reset_peak(gpu);
       r.first = median_seconds(o.warmup, o.steps, [&] { (void)tr->train_step(samples); });
       r.second = peak_gib(gpu);
+      tr->time_phases(true);
+      for (int k = 0; k < 2; ++k) (void)tr->train_step(samples);
+      phases.push_back(tr->last_phases());
     }
 #ifdef KILN_CUDA
     c10::cuda::CUDACachingAllocator::emptyCache();
@@ -235,6 +241,16 @@ int run_parallel_bench(const ParallelBenchOptions& o) {
                           {"one_gpu_step_s", v[4].item<double>()}, {"dp_step_s", v[5].item<double>()},
                           {"ep_tokens_per_s_per_gpu", epv}, {"ep_peak_gib", v[7].item<double>()},
                           {"ep_step_s", v[8].item<double>()}});
+  }
+  // Rank 0's own split of a step (phase ends synchronised: a little slower than the medians).
+  const char* names[] = {"one GPU", "dp", "ep"};
+  for (std::size_t k = 0; k < phases.size(); ++k) {
+    const auto& f = phases[k];
+    std::printf("rank 0 step split, %-7s: forward %.1f ms, backward %.1f ms, gradient reduction + clip %.1f ms, "
+                "optimizer + gathers %.1f ms\n",
+                names[k], f.forward * 1e3, f.backward * 1e3, f.reduce * 1e3, f.optimizer * 1e3);
+    J["rank0_step_split"][names[k]] = {{"forward_s", f.forward}, {"backward_s", f.backward}, {"reduce_s", f.reduce},
+                                       {"optimizer_s", f.optimizer}};
   }
   J["ep"] = ep;
   if (ep > 1) J["ep_over_one_gpu"] = sum_ep / sum_one;

@@ -150,6 +150,11 @@ class CausalLM : public torch::nn::Module {
   /// parallel the routed experts' slices included), layer by layer: the units fully sharded
   /// data parallel gathers. Empty: the model cannot be sharded by layer (the default).
   virtual std::vector<std::vector<torch::Tensor>> decoder_layer_parameters() { return {}; }
+  /// The parameters used only after the last decoder layer's output, in parameters() order
+  /// (the final norm, an untied lm_head): fully sharded data parallel gathers them as one more
+  /// unit while the last layer runs and reduces their gradient as the backward enters it. Empty
+  /// (the default): they stay with the embedding, reduced after the backward.
+  virtual std::vector<torch::Tensor> head_parameters() { return {}; }
   /// Hooks forward() calls around every decoder layer (held by pointer; nullptr: none). A model
   /// whose decoder_layer_parameters() is not empty must call them (layer_hooks()).
   void set_layer_hooks(LayerHooks* hooks) { layer_hooks_ = hooks; }

@@ -53,19 +53,19 @@ using LayerExit = LayerBoundary<false>;
 
 FullyShardedLayers::FullyShardedLayers(const std::vector<std::vector<std::pair<std::size_t, torch::Tensor>>>& layers,
                                        parallel::Group& group, torch::optim::AdamWOptions options,
-                                       bool reshard_after_forward)
+                                       bool reshard_after_forward,
+                                       const std::vector<std::pair<std::size_t, torch::Tensor>>& head)
     : group_(group), reshard_after_forward_(reshard_after_forward) {
   if (layers.empty()) throw std::invalid_argument("FullyShardedLayers: no decoder layers to shard");
-  for (std::size_t l = 0; l < layers.size(); ++l) {
-    if (layers[l].empty())
-      throw std::invalid_argument("FullyShardedLayers: decoder layer " + std::to_string(l) + " has no parameters");
+  // One unit per dtype of a layer's parameters (of the head's, as logical layer L).
+  auto add_layer = [&](const std::vector<std::pair<std::size_t, torch::Tensor>>& params) {
     by_layer_.emplace_back();
     std::vector<torch::Dtype> dtypes;  // in order of first appearance
-    for (const auto& [i, p] : layers[l])
+    for (const auto& [i, p] : params)
       if (std::find(dtypes.begin(), dtypes.end(), p.scalar_type()) == dtypes.end()) dtypes.push_back(p.scalar_type());
     for (auto dtype : dtypes) {
       Unit u;
-      for (const auto& [i, p] : layers[l])
+      for (const auto& [i, p] : params)
         if (p.scalar_type() == dtype) {
           u.index.push_back(i);
           u.params.push_back(p);
@@ -84,13 +84,23 @@ FullyShardedLayers::FullyShardedLayers(const std::vector<std::vector<std::pair<s
       by_layer_.back().push_back(units_.size());
       units_.push_back(std::move(u));
     }
+  };
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    if (layers[l].empty())
+      throw std::invalid_argument("FullyShardedLayers: decoder layer " + std::to_string(l) + " has no parameters");
+    add_layer(layers[l]);
+  }
+  layers_ = int64_t(layers.size());
+  if (!head.empty()) {
+    add_layer(head);
+    head_ = true;
   }
 }
 
 void FullyShardedLayers::check_layer(int64_t layer, const char* where) const {
-  if (layer < 0 || layer >= int64_t(by_layer_.size()))
+  if (layer < 0 || layer >= layers_)
     throw std::invalid_argument(std::string("FullyShardedLayers::") + where + ": layer " + std::to_string(layer) +
-                                " of a model sharded as " + std::to_string(by_layer_.size()) + " layers");
+                                " of a model sharded as " + std::to_string(layers_) + " layers");
 }
 
 void FullyShardedLayers::start_gather(Unit& u) {
@@ -130,10 +140,15 @@ torch::Tensor FullyShardedLayers::before_layer(int64_t layer, const torch::Tenso
 torch::Tensor FullyShardedLayers::after_layer(int64_t layer, const torch::Tensor& x) {
   if (!sharded_) return x;
   check_layer(layer, "after_layer");
-  if (!reshard_after_forward_) return x;  // whole through the step: no gather for the backward
+  const bool last = layer + 1 == layers_;
+  if (last && head_)  // the head runs next: its gather was this layer's prefetch
+    for (auto k : by_layer_[std::size_t(layers_)]) wait_gather(units_[k]);
   const bool grad = torch::GradMode::is_enabled() && x.requires_grad();
+  // Whole through the step: no gather for the backward, only the head's reduction to start.
+  if (!reshard_after_forward_)
+    return grad && last && head_ ? LayerExit::apply(x, reinterpret_cast<int64_t>(this), layer) : x;
   // The last layer's backward comes first: it keeps its parameters (FSDP's root does too).
-  if (!grad || layer + 1 < int64_t(by_layer_.size()))
+  if (!grad || !last)
     for (auto k : by_layer_[std::size_t(layer)]) release(units_[k]);
   if (!grad) return x;
   return LayerExit::apply(x, reinterpret_cast<int64_t>(this), layer);
@@ -141,6 +156,8 @@ torch::Tensor FullyShardedLayers::after_layer(int64_t layer, const torch::Tensor
 
 void FullyShardedLayers::backward_starts(int64_t layer) {
   check_layer(layer, "backward_starts");
+  if (head_ && layer + 1 == layers_)  // the head's backward has ended: its gradient is whole
+    for (auto k : by_layer_[std::size_t(layers_)]) reduce_unit(units_[k]);
   for (auto k : by_layer_[std::size_t(layer)]) wait_gather(units_[k]);
   if (layer > 0)
     for (auto k : by_layer_[std::size_t(layer - 1)]) start_gather(units_[k]);  // prefetch
@@ -148,13 +165,14 @@ void FullyShardedLayers::backward_starts(int64_t layer) {
 
 void FullyShardedLayers::backward_ended(int64_t layer) {
   check_layer(layer, "backward_ended");
-  for (auto k : by_layer_[std::size_t(layer)]) {
-    auto& u = units_[k];
-    u.optimizer->start_reduce_gradients();  // reads the gradients now
-    ++layer_reductions_;
-    for (auto& p : u.params) p.mutable_grad() = torch::Tensor();
-    if (reshard_after_forward_) release(u);
-  }
+  for (auto k : by_layer_[std::size_t(layer)]) reduce_unit(units_[k]);
+}
+
+void FullyShardedLayers::reduce_unit(Unit& u) {
+  u.optimizer->start_reduce_gradients();  // reads the gradients now
+  ++layer_reductions_;
+  for (auto& p : u.params) p.mutable_grad() = torch::Tensor();
+  if (reshard_after_forward_) release(u);
 }
 
 void FullyShardedLayers::reshard() {
@@ -163,13 +181,24 @@ void FullyShardedLayers::reshard() {
   sharded_ = true;
 }
 
+void FullyShardedLayers::start_regather(Unit& u) {
+  if (u.gathering) wait_gather(u);
+  u.whole = false;  // gathered again from the masters, whatever it held
+  if (u.full.storage().nbytes() == 0) allocate_storage(u.full, u.bytes);
+  u.low = u.optimizer->master_shard().to(u.full.scalar_type());
+  u.gathering = group_.start_all_gather_into_tensor(u.full, u.low);
+}
+
 void FullyShardedLayers::gather_all() {
+  for (auto& u : units_) start_regather(u);
+  for (auto& u : units_) wait_gather(u);
+  sharded_ = false;
+}
+
+void FullyShardedLayers::step_and_gather_all(double lr) {
   for (auto& u : units_) {
-    if (u.gathering) wait_gather(u);
-    u.whole = false;  // gathered again from the masters, whatever it held
-    if (u.full.storage().nbytes() == 0) allocate_storage(u.full, u.bytes);
-    u.low = u.optimizer->master_shard().to(u.full.scalar_type());
-    u.gathering = group_.start_all_gather_into_tensor(u.full, u.low);
+    u.optimizer->step(lr, /*gather=*/false);
+    start_regather(u);  // queued behind this unit's update, beside the next unit's
   }
   for (auto& u : units_) wait_gather(u);
   sharded_ = false;

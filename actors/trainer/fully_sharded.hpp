@@ -8,6 +8,12 @@
 // reduce-scattered into the ranks' fp32 shards (started at once, finished after the last
 // micro-batch), so the reductions overlap the remaining backward.
 //
+// The output head (the lm_head after the last layer; `head` of the constructor) may be one
+// more unit, logical layer L: gathered while the last layer runs (its prefetch), waited for as
+// that layer's forward ends, and its gradient's reduce-scatter started as the backward enters
+// the last layer (the head's backward, the first of the step, has ended then), so that the
+// largest dense tensor's reduction overlaps the layers' backward instead of following it.
+//
 // Between steps the layers are gathered whole again (gather_all(), after the optimizer step),
 // so that whatever reads the policy outside a step (weight sync, checkpoints, the old-log-prob
 // pass) sees it as a replicated trainer's; the memory saved is the step's: activations, the
@@ -54,10 +60,13 @@ class FullyShardedLayers : public model::LayerHooks {
   /// forward and gathers them again for its backward (ZeRO-3); false keeps every layer whole
   /// through the step (FSDP's SHARD_GRAD_OP, ZeRO-2: no gathers inside the step, only each
   /// layer's gradient reduce-scatter started as its backward ends, and the gather after the
-  /// optimizer step). Throws std::invalid_argument when `layers` is empty or a layer has no
+  /// optimizer step). `head`: the output head's parameters (index, tensor), used only after the
+  /// last decoder layer's output (e.g. the untied lm_head), sharded as one more unit (above);
+  /// empty: none. Throws std::invalid_argument when `layers` is empty or a layer has no
   /// parameters.
   FullyShardedLayers(const std::vector<std::vector<std::pair<std::size_t, torch::Tensor>>>& layers,
-                     parallel::Group& group, torch::optim::AdamWOptions options, bool reshard_after_forward = true);
+                     parallel::Group& group, torch::optim::AdamWOptions options, bool reshard_after_forward = true,
+                     const std::vector<std::pair<std::size_t, torch::Tensor>>& head = {});
 
   torch::Tensor before_layer(int64_t layer, const torch::Tensor& x) override;
   torch::Tensor after_layer(int64_t layer, const torch::Tensor& x) override;
@@ -69,6 +78,10 @@ class FullyShardedLayers : public model::LayerHooks {
   /// Collective. Every layer all-gathered from its masters (after an optimizer step or a
   /// load of the masters); the hooks do nothing until the next reshard().
   void gather_all();
+  /// Collective. The optimizer step, unit by unit, each unit's all-gather started as soon as
+  /// its update is queued (the gather of unit u runs while unit u+1 updates); ends as
+  /// gather_all() does, with every layer whole. ShardedAdamW::step of each unit at `lr`.
+  void step_and_gather_all(double lr);
   /// Collective. Finishes every reduce-scatter the backward passes started since zero_grad()
   /// (ShardedAdamW::finish_reduce_gradients of each unit).
   void finish_reduce_gradients();
@@ -76,9 +89,10 @@ class FullyShardedLayers : public model::LayerHooks {
   std::size_t units() const { return units_.size(); }
   /// Units gathered for a layer's forward or backward so far (not gather_all's): what a step
   /// of m micro-batches over L layers costs, m * (2L - 1) per dtype (the last layer's
-  /// parameters stay for its backward).
+  /// parameters stay for its backward), plus m for a head unit.
   int64_t layer_gathers() const { return layer_gathers_; }
-  /// Units whose gradients a layer's backward reduced so far: m * L per dtype for a step.
+  /// Units whose gradients a layer's backward reduced so far: m * L per dtype for a step (plus
+  /// m for a head unit).
   int64_t layer_reductions() const { return layer_reductions_; }
   ShardedAdamW& optimizer(std::size_t unit) { return *units_.at(unit).optimizer; }
   /// The caller's indices of unit `unit`'s parameters (UnitSpec::index).
@@ -103,10 +117,15 @@ class FullyShardedLayers : public model::LayerHooks {
   void wait_gather(Unit& u);
   void release(Unit& u);
   void check_layer(int64_t layer, const char* where) const;
+  void reduce_unit(Unit& u);
+  /// Starts u's all-gather from its masters whatever it holds (after an update).
+  void start_regather(Unit& u);
 
   parallel::Group& group_;
   std::vector<Unit> units_;
-  std::vector<std::vector<std::size_t>> by_layer_;  ///< units of each layer
+  std::vector<std::vector<std::size_t>> by_layer_;  ///< units of each layer (then the head's, if any)
+  int64_t layers_ = 0;                               ///< decoder layers (L)
+  bool head_ = false;                                ///< by_layer_[L] is the head
   bool sharded_ = false;                            ///< between reshard() and gather_all()
   bool reshard_after_forward_ = true;
   int64_t layer_gathers_ = 0, layer_reductions_ = 0;

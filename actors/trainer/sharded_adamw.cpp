@@ -103,16 +103,24 @@ ShardedAdamW::ShardedAdamW(std::vector<torch::Tensor> params, parallel::Group& g
 }
 
 template <typename Pick>
-torch::Tensor ShardedAdamW::flatten(Pick pick, std::vector<int64_t>* has) const {
-  auto flat = torch::zeros({group_.size() * shard_}, torch::TensorOptions(torch::kFloat32).device(group_.device()));
+torch::Tensor ShardedAdamW::flatten(Pick pick, std::vector<int64_t>* has, torch::Tensor into) const {
+  auto flat = into.defined() ? into
+                             : torch::empty({group_.size() * shard_},
+                                            torch::TensorOptions(torch::kFloat32).device(group_.device()));
   if (has) has->assign(params_.size(), 0);
   torch::NoGradGuard no_grad;
+  // Every element written once: a parameter's values, or zeros where it has none; the padding.
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const torch::Tensor t = pick(i);
-    if (!t.defined()) continue;
-    flat.narrow(0, offsets_[i], t.numel()).copy_(t.reshape({-1}));  // [shape] -> [numel], to fp32
+    auto at = flat.narrow(0, offsets_[i], params_[i].numel());
+    if (!t.defined()) {
+      at.zero_();
+      continue;
+    }
+    at.copy_(t.reshape({-1}));  // [shape] -> [numel], to fp32
     if (has) (*has)[i] = 1;
   }
+  flat.narrow(0, numel_, flat.numel() - numel_).zero_();
   return flat;
 }
 
@@ -123,8 +131,16 @@ void ShardedAdamW::reduce_gradients() {
 
 void ShardedAdamW::start_reduce_gradients() {
   std::vector<int64_t> has;
-  auto flat = flatten([&](std::size_t i) { return params_[i].grad(); }, &has);  // [W*S]
   if (has_gradient_.empty()) has_gradient_.assign(params_.size(), 0);
+  auto grad = [&](std::size_t i) { return params_[i].grad(); };
+  if (group_.size() == 1) {  // nothing to sum over: the gradients go to the shard directly
+    if (!shard_written_) flatten(grad, &has, grad_shard_);
+    else grad_shard_.add_(flatten(grad, &has));
+    for (std::size_t i = 0; i < has.size(); ++i) has_gradient_[i] |= has[i];
+    shard_written_ = true;
+    return;
+  }
+  auto flat = flatten(grad, &has);  // [W*S]
   for (std::size_t i = 0; i < has.size(); ++i) has_gradient_[i] |= has[i];
   // [W*S] summed -> this rank's [S]: into the shard itself when nothing was added to it yet.
   auto out = shard_written_ ? torch::empty_like(grad_shard_) : grad_shard_;
@@ -179,13 +195,37 @@ void ShardedAdamW::step(double lr, bool gather) {
 }
 
 void ShardedAdamW::gather_parameters() {
+  start_gather_parameters();
+  finish_gather_parameters();
+}
+
+void ShardedAdamW::start_gather_parameters() {
+  if (gathering_) finish_gather_parameters();
+  if (group_.size() == 1) {  // the shard is every parameter: written without a collective
+    std::vector<torch::Tensor> from;
+    for (std::size_t i = 0; i < params_.size(); ++i)
+      from.push_back(master_shard_.narrow(0, offsets_[i], params_[i].numel()).view_as(params_[i]));
+    copy_tensors(params_, from);
+    return;
+  }
   // In the parameters' dtype when they share one: rounding is elementwise, so rounding the
   // shard before the gather gives the same values for half the bytes (bf16).
   auto dtype = params_.empty() ? torch::kFloat32 : params_[0].scalar_type();
   for (const auto& p : params_)
     if (p.scalar_type() != dtype) dtype = torch::kFloat32;
-  auto full = torch::empty({group_.size() * shard_}, master_shard_.options().dtype(dtype));  // [W*S]
-  group_.all_gather_into_tensor(full, dtype == torch::kFloat32 ? master_shard_ : master_shard_.to(dtype));
+  gathered_ = torch::empty({group_.size() * shard_}, master_shard_.options().dtype(dtype));  // [W*S]
+  gather_input_ = dtype == torch::kFloat32 ? master_shard_ : master_shard_.to(dtype);
+  gathering_ = group_.start_all_gather_into_tensor(gathered_, gather_input_);
+}
+
+void ShardedAdamW::finish_gather_parameters() {
+  if (!gathering_) return;
+  auto work = std::move(gathering_);
+  gathering_.reset();
+  auto full = std::move(gathered_);
+  gathered_ = torch::Tensor();
+  group_.finish(work, "all_gather_into_tensor");
+  gather_input_ = torch::Tensor();
   std::vector<torch::Tensor> from;
   for (std::size_t i = 0; i < params_.size(); ++i)
     from.push_back(full.narrow(0, offsets_[i], params_[i].numel()).view_as(params_[i]));

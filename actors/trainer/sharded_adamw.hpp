@@ -94,6 +94,11 @@ class ShardedAdamW {
   /// one at::_foreach_copy_ after it): what step() does after the update; after masters were
   /// loaded from a checkpoint.
   void gather_parameters();
+  /// gather_parameters() in two halves: start queues the all-gather (after whatever the
+  /// current stream holds, e.g. the update) and returns; finish waits for it (within the
+  /// group's timeout; parallel::CollectiveError when it failed) and writes the parameters.
+  void start_gather_parameters();
+  void finish_gather_parameters();
   /// Drops the shard's gradient (a skipped step).
   void zero_grad();
   /// Re-reads this rank's masters from the parameters (after they were loaded).
@@ -118,10 +123,11 @@ class ShardedAdamW {
   std::vector<FlatPiece> pieces() const;
 
  private:
-  /// [W*S] fp32 on the group's device: each parameter's `pick` (a tensor of its shape, or
-  /// undefined for zeros) at its flat offset. has[i] = 1 where pick(i) was defined.
+  /// [W*S] fp32 on the group's device (`into` when given): each parameter's `pick` (a tensor of
+  /// its shape, or undefined for zeros) at its flat offset, the padding zero. has[i] = 1 where
+  /// pick(i) was defined.
   template <typename Pick>
-  torch::Tensor flatten(Pick pick, std::vector<int64_t>* has = nullptr) const;
+  torch::Tensor flatten(Pick pick, std::vector<int64_t>* has = nullptr, torch::Tensor into = {}) const;
 
   /// One parameter's elements [param_offset, param_offset + length) inside the shard at
   /// shard_offset.
@@ -148,6 +154,10 @@ class ShardedAdamW {
   bool shard_written_ = false;  ///< a reduction since zero_grad() wrote grad_shard_
   std::vector<Reduction> reductions_;
   std::vector<int64_t> has_gradient_;  ///< [P] 1 where some started reduction had a gradient
+  /// A started gather_parameters: the work, its input [S] and output [W*S] in the gather's
+  /// dtype (alive until it ends).
+  c10::intrusive_ptr<c10d::Work> gathering_;
+  torch::Tensor gather_input_, gathered_;
 };
 
 }  // namespace kiln::trainer

@@ -340,6 +340,22 @@ void Trainer::shard_state(const std::vector<bool>& is_expert, const torch::optim
       }
     }
   }
+  // The head (final norm, lm_head): one more unit, so that its gradient (the largest dense
+  // tensor's) is reduced while the layers' backward runs.
+  std::vector<std::pair<std::size_t, torch::Tensor>> head;
+  if (c_.fsdp) {
+    std::unordered_map<const void*, std::size_t> where;
+    for (std::size_t i = 0; i < params_.size(); ++i) where[params_[i].unsafeGetTensorImpl()] = i;
+    for (const auto& t : policy_->head_parameters()) {
+      const auto it = where.find(t.unsafeGetTensorImpl());
+      if (it == where.end() || in_layer[it->second] || is_expert[it->second])
+        throw std::invalid_argument(
+            "parallel.fsdp: the policy's head_parameters() lists a tensor that is not one of its parameters outside "
+            "the decoder layers");
+      in_layer[it->second] = true;
+      head.emplace_back(it->second, params_[it->second]);
+    }
+  }
   std::vector<torch::Tensor> dense, experts;
   for (std::size_t i = 0; i < params_.size(); ++i) {
     if (in_layer[i]) continue;
@@ -349,7 +365,7 @@ void Trainer::shard_state(const std::vector<bool>& is_expert, const torch::optim
   sharded_ = std::make_unique<ShardedAdamW>(dense, *dp_, options);
   parts_.push_back(Part{sharded_.get(), dense_index_, false});
   if (!layers.empty()) {
-    fsdp_ = std::make_unique<FullyShardedLayers>(layers, *dp_, options, c_.reshard_after_forward);
+    fsdp_ = std::make_unique<FullyShardedLayers>(layers, *dp_, options, c_.reshard_after_forward, head);
     for (std::size_t u = 0; u < fsdp_->units(); ++u) parts_.push_back(Part{&fsdp_->optimizer(u), fsdp_->index(u), true});
     policy_->set_layer_hooks(fsdp_.get());
   }
@@ -528,6 +544,15 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
   if (uses_master_weights() || dp_) policy_->zero_grad();
   // This rank's sums: loss, pg, kl, clipped tokens, entropy, |old - behaviour|, micro-batches.
   std::vector<double> sums(7, 0.0);
+  phases_ = {};
+  auto phase_start = std::chrono::steady_clock::now();
+  auto phase_ends = [&](double& seconds) {  // time_phases(true) only
+    if (!time_phases_) return;
+    if (!params_.empty() && params_.front().is_cuda()) torch::cuda::synchronize(params_.front().device().index());
+    const auto now = std::chrono::steady_clock::now();
+    seconds += std::chrono::duration<double>(now - phase_start).count();
+    phase_start = now;
+  };
   auto plan = plan_micro_batches(samples, mine, c_.logprobs.max_tokens_per_microbatch);
   // Expert parallel: padded to the ep group's most; fully sharded: to the data-parallel group's.
   plan.resize(micro_batch_count(fsdp_ ? dp_ : policy_->expert_parallel(), plan.size()));
@@ -568,6 +593,7 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
     t.loss_mask = torch::ones_like(t.advantage);
     t.sample_index = torch::tensor(global_index, torch::kInt64).to(dev);
     auto r = policy_loss(t, c_.loss, normalizer, sample_tokens_t.to(dev));
+    phase_ends(phases_.forward);
     r.loss.backward();
     sums[0] += r.loss.item<double>();
     sums[1] += r.pg_sum;
@@ -576,6 +602,7 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
     sums[4] += r.entropy_sum;
     sums[5] += (t.old_logprob - t.behavior_logprob).abs().sum().item<double>();
     sums[6] += 1;
+    phase_ends(phases_.backward);
   }
   if (dp_) sum_over(*dp_, sums);
   const double tokens = double(m.loss_tokens);
@@ -586,7 +613,9 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
   m.entropy = sums[4] / tokens;
   m.train_rollout_logprob_abs_diff = sums[5] / tokens;
   m.micro_batches = int64_t(sums[6]);
+  phase_ends(phases_.backward);  // (the sums' reduction)
   m.grad_norm = reduce_and_clip_gradients(c_.grad_clip > 0 ? c_.grad_clip : 1e30);
+  phase_ends(phases_.reduce);
   m.lr = current_lr();
   m.skip_reason = nonfinite_reason(m.loss, m.grad_norm);
   if (dp_) {  // loss and norm are the group's already; the ranks still decide together
@@ -602,8 +631,16 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
     if (uses_master_weights()) policy_->zero_grad();
     if (fsdp_) fsdp_->gather_all();  // the layers whole again, as they were
   } else if (dp_) {
-    for (auto& part : parts_) part.optimizer->step(m.lr, /*gather=*/!part.unit);
-    if (fsdp_) fsdp_->gather_all();
+    // Each optimizer's all-gather queued behind its own update, so that the gathers run beside
+    // the updates after them; then every parameter is whole again.
+    for (auto& part : parts_)
+      if (!part.unit) {
+        part.optimizer->step(m.lr, /*gather=*/false);
+        part.optimizer->start_gather_parameters();
+      }
+    if (fsdp_) fsdp_->step_and_gather_all(m.lr);
+    for (auto& part : parts_)
+      if (!part.unit) part.optimizer->finish_gather_parameters();
     ++version_;
   } else {
     for (auto& g : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(m.lr);
@@ -616,6 +653,7 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
     copy_tensors(to, from);
     ++version_;
   }
+  phase_ends(phases_.optimizer);
   m.actor_train_time = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return m;
 }

@@ -118,6 +118,16 @@ class Trainer {
   /// data-parallel group each rank computes pi_old for its share only (split_samples) and an
   /// all-reduce hands every rank all of them; the batch is checked first, as train_step does.
   StepMetrics step(std::vector<Sample> samples);
+  /// Where the last train_step's time went (seconds of wall clock), measured only after
+  /// time_phases(true), which synchronises the device at each phase's end (a diagnostic for
+  /// benchmarks: the step then overlaps less): forward passes (with the loss), backward passes
+  /// (with the reductions they start), the gradient reduction and clipping after them, the
+  /// optimizer step with the parameters' gathers.
+  struct StepPhases {
+    double forward = 0, backward = 0, reduce = 0, optimizer = 0;
+  };
+  void time_phases(bool on) { time_phases_ = on; }
+  const StepPhases& last_phases() const { return phases_; }
   int64_t version() const { return version_; }   ///< optimizer steps taken
   model::CausalLM& policy() { return *policy_; }
   double current_lr() const;
@@ -207,6 +217,8 @@ class Trainer {
     bool unit;
   };
   std::vector<Part> parts_;
+  bool time_phases_ = false;
+  StepPhases phases_;
 };
 
 /// The trainer of this rank of `ranks`' mesh (dimensions "dp" and "ep"; kiln run's trainer

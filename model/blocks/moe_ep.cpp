@@ -71,8 +71,12 @@ RankDispatched dispatch_to_ranks(const Dispatched& d, parallel::Group& ep) {
   auto received = all_to_all_rows(d.x, ep, rd.recv_rows, rd.send_rows);  // [M, D] -> [R, D] by source rank
   // Each source's block is in local expert order; sort all R rows by local expert (stable:
   // within an expert, source rank then the source's order).
-  auto local_expert = torch::arange(El, torch::kInt64).repeat({P}).repeat_interleave(recv_counts.reshape({-1}));  // [R]
-  rd.order = std::get<1>(local_expert.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false)).to(d.x.device());
+  // On the rows' device (the counts are there already; R known, so no further host sync).
+  int64_t R = 0;
+  for (auto r : rd.recv_rows) R += r;
+  auto counts_here = recv_counts.reshape({-1}).to(d.x.device());  // [P*El]
+  auto local_expert = torch::arange(El, counts_here.options()).repeat({P}).repeat_interleave(counts_here, 0, R);  // [R]
+  rd.order = std::get<1>(local_expert.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false));
   rd.x = received.index_select(0, rd.order);  // [R, D] local expert order
   rd.counts = recv_counts.sum(0);             // [El]
   return rd;

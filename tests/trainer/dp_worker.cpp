@@ -157,16 +157,18 @@ StepMetrics step_both(Pair& p, const std::vector<Sample>& batch, const std::stri
   expect(fsdp == (layers != nullptr), at + (fsdp ? "the trainer is not fully sharded" : "the trainer is fully sharded"));
   const int64_t gathers = layers ? layers->layer_gathers() : 0, reductions = layers ? layers->layer_reductions() : 0;
   const auto got = p.sharded.step(batch);
-  if (layers) {  // every micro-batch gathered every layer for its forward and its backward
+  if (layers) {  // every micro-batch gathered every layer (and the head) for its forward and its backward
     const int64_t layer_count = int64_t(p.sharded.policy().decoder_layer_parameters().size()), done = layers->layer_gathers() - gathers,
+                  head = p.sharded.policy().head_parameters().empty() ? 0 : 1,
                   mine = got.micro_batches / p.dp.size();  // at least what this rank ran
+    expect(head == 1, at + "the debug model lists no head parameters: the head unit is not tested");
     if (keep) expect(done == 0, at + std::to_string(done) + " layer gathers inside a step that keeps the layers whole");
     else
-      expect(done >= mine * (2 * layer_count - 1),
+      expect(done >= mine * (2 * layer_count - 1 + head),
              at + std::to_string(done) + " layer gathers in a step of " + std::to_string(got.micro_batches) +
-                 " micro-batches over " + std::to_string(layer_count) + " layers");
-    expect(layers->layer_reductions() - reductions >= mine * layer_count,
-           at + "not every micro-batch's backward reduced every layer's gradients");
+                 " micro-batches over " + std::to_string(layer_count) + " layers and the head");
+    expect(layers->layer_reductions() - reductions >= mine * (layer_count + head),
+           at + "not every micro-batch's backward reduced every layer's and the head's gradients");
   }
   check_metrics(p, got, want, at);
   if (!got.skipped_nonfinite) check_gradient(p, at);
