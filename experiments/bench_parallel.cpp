@@ -183,6 +183,7 @@ int run_parallel_bench(const ParallelBenchOptions& o) {
       measure([&](auto p) { return std::make_unique<trainer::Trainer>(std::move(p), tc); }, share);
   tc.fsdp = o.fsdp;  // the group trainers only
   tc.reshard_after_forward = o.reshard_after_forward;
+  tc.reduce_dtype = o.reduce_dtype;
   const auto [dp_s, dp_peak] =
       measure([&](auto p) { return std::make_unique<trainer::Trainer>(std::move(p), tc, &groups->world()); }, all);
   // Expert parallel over ep ranks (the dense weights data-parallel over all of them).
@@ -215,9 +216,10 @@ int run_parallel_bench(const ParallelBenchOptions& o) {
   J["model_tflop_per_token"] = flops_per_token / 1e12;
   J["fsdp"] = o.fsdp;
   J["reshard_after_forward"] = o.reshard_after_forward;
+  J["reduce_dtype"] = o.reduce_dtype;
   std::printf("kiln bench parallel: GLM-4.7-Flash dims, %lld layers, bf16 + fp32 masters + AdamW, %d GPUs (NCCL), "
-              "%lld tokens per GPU per step, median of %d steps%s\n",
-              (long long)o.layers, world, (long long)o.tokens, o.steps,
+              "%lld tokens per GPU per step, median of %d steps, gradients reduced in %s%s\n",
+              (long long)o.layers, world, (long long)o.tokens, o.steps, o.reduce_dtype.c_str(),
               !o.fsdp                   ? ""
               : o.reshard_after_forward ? "; dp and ep trainers with the decoder layers fully sharded (parallel.fsdp)"
                                         : "; dp and ep trainers reducing each layer's gradients in the backward "

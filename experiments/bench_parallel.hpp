@@ -33,6 +33,7 @@ struct ParallelBenchOptions {
   /// (parallel.fsdp: trainer::FullyShardedLayers); the one-GPU trainer as it is.
   bool fsdp = false;
   bool reshard_after_forward = true;  ///< with fsdp (FullyShardedLayers)
+  std::string reduce_dtype = "fp32";  ///< the dp and ep trainers' gradient reduction (parallel.reduce_dtype)
   double bucket_mib = 512;  ///< collective weight sync bucket size
   std::string json_path;
 };

@@ -178,6 +178,7 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   integer("parallel.ep", c.parallel.ep);
   boolean("parallel.fsdp", t.fsdp);
   boolean("parallel.reshard_after_forward", t.reshard_after_forward);
+  text("parallel.reduce_dtype", t.reduce_dtype);
   integer("parallel.master_port", c.parallel.master_port);
   integer("parallel.store_timeout_s", c.parallel.store_timeout_s);
   integer("parallel.collective_timeout_s", c.parallel.collective_timeout_s);

@@ -104,6 +104,8 @@ int main(int argc, char** argv) {
   bench_parallel->add_flag_callback(
       "--no-reshard-after-forward", [&po] { po.reshard_after_forward = false; },
       "With --fsdp: keep the layers whole through the step (parallel.reshard_after_forward = false)");
+  bench_parallel->add_option("--reduce-dtype", po.reduce_dtype, "Gradient reduction dtype of the dp and ep trainers (parallel.reduce_dtype)")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
   bench_parallel->add_option("--bucket-mib", po.bucket_mib, "Collective weight-sync bucket size")->check(CLI::Range(1.0, 65536.0));
   bench_parallel->add_option("--json", po.json_path, "Write every number as JSON here");
   auto* model_cmd = app.add_subcommand("model", "Model packages and checkpoints");

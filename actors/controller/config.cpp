@@ -21,7 +21,10 @@ void Config::validate() const {
   need(a.top_p > 0 && a.top_p <= 1, "algorithm.top_p", "must be in (0, 1]");
   need(a.top_k >= 0, "algorithm.top_k", "must be >= 0 (0: off)");
   // The trainer's keys live in [algorithm] too; its own check names them.
-  trainer_for_run().validate([](const std::string& field) { return "experiment: key 'algorithm." + field + "'"; });
+  trainer_for_run().validate([](const std::string& field) {
+    const bool parallel = field == "reduce_dtype";  // (fsdp and reshard_after_forward are booleans: always valid)
+    return "experiment: key '" + std::string(parallel ? "parallel." : "algorithm.") + field + "'";
+  });
   const auto& e = rollout.engine;
   need(e.step_delay_ms >= 0, "rollout.step_delay_ms", "must be >= 0");
   need(e.cache_blocks >= 1 && e.block_size >= 1 && e.max_batch >= 1, "rollout.cache_blocks",

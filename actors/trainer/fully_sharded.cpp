@@ -54,7 +54,8 @@ using LayerExit = LayerBoundary<false>;
 FullyShardedLayers::FullyShardedLayers(const std::vector<std::vector<std::pair<std::size_t, torch::Tensor>>>& layers,
                                        parallel::Group& group, torch::optim::AdamWOptions options,
                                        bool reshard_after_forward,
-                                       const std::vector<std::pair<std::size_t, torch::Tensor>>& head)
+                                       const std::vector<std::pair<std::size_t, torch::Tensor>>& head,
+                                       torch::Dtype reduce_dtype)
     : group_(group), reshard_after_forward_(reshard_after_forward) {
   if (layers.empty()) throw std::invalid_argument("FullyShardedLayers: no decoder layers to shard");
   // One unit per dtype of a layer's parameters (of the head's, as logical layer L).
@@ -70,7 +71,7 @@ FullyShardedLayers::FullyShardedLayers(const std::vector<std::vector<std::pair<s
           u.index.push_back(i);
           u.params.push_back(p);
         }
-      u.optimizer = std::make_unique<ShardedAdamW>(u.params, group_, options);  // collective
+      u.optimizer = std::make_unique<ShardedAdamW>(u.params, group_, options, reduce_dtype);  // collective
       const int64_t n = group_.size() * u.optimizer->shard_size();
       u.full = torch::zeros({n}, u.params.front().options().requires_grad(false));
       u.bytes = n * int64_t(u.full.element_size());

@@ -62,11 +62,12 @@ class FullyShardedLayers : public model::LayerHooks {
   /// layer's gradient reduce-scatter started as its backward ends, and the gather after the
   /// optimizer step). `head`: the output head's parameters (index, tensor), used only after the
   /// last decoder layer's output (e.g. the untied lm_head), sharded as one more unit (above);
-  /// empty: none. Throws std::invalid_argument when `layers` is empty or a layer has no
-  /// parameters.
+  /// empty: none. `reduce_dtype`: each unit's gradient reduction (ShardedAdamW). Throws
+  /// std::invalid_argument when `layers` is empty or a layer has no parameters.
   FullyShardedLayers(const std::vector<std::vector<std::pair<std::size_t, torch::Tensor>>>& layers,
                      parallel::Group& group, torch::optim::AdamWOptions options, bool reshard_after_forward = true,
-                     const std::vector<std::pair<std::size_t, torch::Tensor>>& head = {});
+                     const std::vector<std::pair<std::size_t, torch::Tensor>>& head = {},
+                     torch::Dtype reduce_dtype = torch::kFloat32);
 
   torch::Tensor before_layer(int64_t layer, const torch::Tensor& x) override;
   torch::Tensor after_layer(int64_t layer, const torch::Tensor& x) override;

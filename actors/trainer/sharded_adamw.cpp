@@ -69,8 +69,11 @@ void write_flat_state(torch::optim::AdamW& adamw, const std::vector<FlatPiece>& 
 }
 
 ShardedAdamW::ShardedAdamW(std::vector<torch::Tensor> params, parallel::Group& group,
-                           torch::optim::AdamWOptions options)
-    : params_(std::move(params)), group_(group) {
+                           torch::optim::AdamWOptions options, torch::Dtype reduce_dtype)
+    : params_(std::move(params)), group_(group), reduce_dtype_(reduce_dtype) {
+  if (reduce_dtype_ != torch::kFloat32 && reduce_dtype_ != torch::kBFloat16)
+    throw std::invalid_argument(std::string("ShardedAdamW: gradients are reduced in fp32 or bf16, not ") +
+                                c10::toString(reduce_dtype_));
   for (std::size_t i = 0; i < params_.size(); ++i) {
     if (params_[i].device() != group_.device())
       throw std::invalid_argument("ShardedAdamW: parameter " + std::to_string(i) + " is on " +
@@ -103,10 +106,11 @@ ShardedAdamW::ShardedAdamW(std::vector<torch::Tensor> params, parallel::Group& g
 }
 
 template <typename Pick>
-torch::Tensor ShardedAdamW::flatten(Pick pick, std::vector<int64_t>* has, torch::Tensor into) const {
-  auto flat = into.defined() ? into
-                             : torch::empty({group_.size() * shard_},
-                                            torch::TensorOptions(torch::kFloat32).device(group_.device()));
+torch::Tensor ShardedAdamW::flatten(Pick pick, std::vector<int64_t>* has, torch::Tensor into,
+                                    torch::Dtype dtype) const {
+  auto flat = into.defined()
+                  ? into
+                  : torch::empty({group_.size() * shard_}, torch::TensorOptions(dtype).device(group_.device()));
   if (has) has->assign(params_.size(), 0);
   torch::NoGradGuard no_grad;
   // Every element written once: a parameter's values, or zeros where it has none; the padding.
@@ -117,7 +121,7 @@ torch::Tensor ShardedAdamW::flatten(Pick pick, std::vector<int64_t>* has, torch:
       at.zero_();
       continue;
     }
-    at.copy_(t.reshape({-1}));  // [shape] -> [numel], to fp32
+    at.copy_(t.reshape({-1}));  // [shape] -> [numel], to the flat dtype
     if (has) (*has)[i] = 1;
   }
   flat.narrow(0, numel_, flat.numel() - numel_).zero_();
@@ -140,12 +144,15 @@ void ShardedAdamW::start_reduce_gradients() {
     shard_written_ = true;
     return;
   }
-  auto flat = flatten(grad, &has);  // [W*S]
+  auto flat = flatten(grad, &has, {}, reduce_dtype_);  // [W*S]
   for (std::size_t i = 0; i < has.size(); ++i) has_gradient_[i] |= has[i];
-  // [W*S] summed -> this rank's [S]: into the shard itself when nothing was added to it yet.
-  auto out = shard_written_ ? torch::empty_like(grad_shard_) : grad_shard_;
+  // [W*S] summed -> this rank's [S]: into the shard itself when nothing was added to it yet
+  // (fp32), else into an [S] of the reduce dtype that finish adds (or, first, copies) in.
+  const bool direct = !shard_written_ && reduce_dtype_ == torch::kFloat32;
+  auto out = direct ? grad_shard_ : torch::empty({shard_}, flat.options());
   auto work = group_.start_reduce_scatter(out, flat);
-  reductions_.push_back(Reduction{std::move(work), std::move(flat), shard_written_ ? out : torch::Tensor()});
+  reductions_.push_back(
+      Reduction{std::move(work), std::move(flat), direct ? torch::Tensor() : out, /*first=*/!shard_written_});
   shard_written_ = true;
 }
 
@@ -156,7 +163,9 @@ void ShardedAdamW::finish_reduce_gradients() {
     reductions_.clear();
     for (auto& r : pending) {
       group_.finish(r.work, "reduce_scatter");
-      if (r.output.defined()) grad_shard_.add_(r.output);
+      if (!r.output.defined()) continue;  // written into the shard
+      if (r.first) grad_shard_.copy_(r.output);  // (bf16 -> fp32)
+      else grad_shard_.add_(r.output);
     }
   }
   // Which parameters have a gradient on some rank: torch's AdamW skips the others.

@@ -60,7 +60,12 @@ class ShardedAdamW {
   /// rank's shard to fp32 masters. Collective: every rank of `group` must construct it with
   /// parameters of the same shapes. Throws std::invalid_argument naming the parameter and
   /// the devices when a parameter is not on the group's device.
-  ShardedAdamW(std::vector<torch::Tensor> params, parallel::Group& group, torch::optim::AdamWOptions options);
+  /// `reduce_dtype`: the dtype the gradients are reduce-scattered in (fp32, or bf16: half the
+  /// bytes, each rank's gradient rounded to bf16 and summed in bf16 by the backend, as FSDP2's
+  /// MixedPrecisionPolicy.reduce_dtype and Megatron's bf16 gradient reduction; the sum is added
+  /// to the fp32 shard either way). A one-rank group reduces nothing (fp32 throughout).
+  ShardedAdamW(std::vector<torch::Tensor> params, parallel::Group& group, torch::optim::AdamWOptions options,
+               torch::Dtype reduce_dtype = torch::kFloat32);
 
   /// Collective. The parameters' gradients (policy dtype; undefined = none on this rank) are
   /// summed over the group and added to this rank's fp32 shard (zero after zero_grad); the
@@ -123,11 +128,12 @@ class ShardedAdamW {
   std::vector<FlatPiece> pieces() const;
 
  private:
-  /// [W*S] fp32 on the group's device (`into` when given): each parameter's `pick` (a tensor of
+  /// [W*S] `dtype` on the group's device (`into` when given): each parameter's `pick` (a tensor of
   /// its shape, or undefined for zeros) at its flat offset, the padding zero. has[i] = 1 where
   /// pick(i) was defined.
   template <typename Pick>
-  torch::Tensor flatten(Pick pick, std::vector<int64_t>* has = nullptr, torch::Tensor into = {}) const;
+  torch::Tensor flatten(Pick pick, std::vector<int64_t>* has = nullptr, torch::Tensor into = {},
+                        torch::Dtype dtype = torch::kFloat32) const;
 
   /// One parameter's elements [param_offset, param_offset + length) inside the shard at
   /// shard_offset.
@@ -138,6 +144,7 @@ class ShardedAdamW {
 
   std::vector<torch::Tensor> params_;
   parallel::Group& group_;
+  torch::Dtype reduce_dtype_ = torch::kFloat32;
   std::vector<int64_t> offsets_;  ///< flat offset of each parameter
   int64_t numel_ = 0, shard_ = 0;
   torch::Tensor master_shard_;    ///< [S] fp32; masters_ are views of it
@@ -146,10 +153,12 @@ class ShardedAdamW {
   std::vector<torch::Tensor> masters_;
   std::unique_ptr<torch::optim::AdamW> adamw_;
   /// Started reduce-scatters: the work, its input [W*S] and output [S] (alive until it ends);
-  /// the first since zero_grad() writes the shard itself (output undefined: no [S] copy).
+  /// the first since zero_grad() writes the shard itself (output undefined: no [S] copy) when
+  /// it reduces in fp32; `first`: it is that first one (its output replaces the shard).
   struct Reduction {
     c10::intrusive_ptr<c10d::Work> work;
     torch::Tensor input, output;
+    bool first = false;
   };
   bool shard_written_ = false;  ///< a reduction since zero_grad() wrote grad_shard_
   std::vector<Reduction> reductions_;

@@ -362,15 +362,16 @@ void Trainer::shard_state(const std::vector<bool>& is_expert, const torch::optim
     (is_expert[i] ? expert_index_ : dense_index_).push_back(i);
     (is_expert[i] ? experts : dense).push_back(params_[i]);
   }
-  sharded_ = std::make_unique<ShardedAdamW>(dense, *dp_, options);
+  const auto reduce = c_.reduce_dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32;
+  sharded_ = std::make_unique<ShardedAdamW>(dense, *dp_, options, reduce);
   parts_.push_back(Part{sharded_.get(), dense_index_, false});
   if (!layers.empty()) {
-    fsdp_ = std::make_unique<FullyShardedLayers>(layers, *dp_, options, c_.reshard_after_forward, head);
+    fsdp_ = std::make_unique<FullyShardedLayers>(layers, *dp_, options, c_.reshard_after_forward, head, reduce);
     for (std::size_t u = 0; u < fsdp_->units(); ++u) parts_.push_back(Part{&fsdp_->optimizer(u), fsdp_->index(u), true});
     policy_->set_layer_hooks(fsdp_.get());
   }
   if (ep_.replicas) {
-    expert_sharded_ = std::make_unique<ShardedAdamW>(experts, *ep_.replicas, options);
+    expert_sharded_ = std::make_unique<ShardedAdamW>(experts, *ep_.replicas, options, reduce);
     parts_.push_back(Part{expert_sharded_.get(), expert_index_, false});
   }
 }

@@ -15,6 +15,8 @@ void TrainerConfig::validate(const FieldName& name) const {
   need(!train_indexer, "train_indexer",
        "must be false: the RL loss does not train the sparse-attention indexer (its weights are frozen and it runs "
        "without gradient; it has its own training objective, a KL to dense attention, which kiln does not implement)");
+  need(reduce_dtype == "fp32" || reduce_dtype == "bf16", "reduce_dtype",
+       "must be \"fp32\" or \"bf16\", got \"" + reduce_dtype + "\"");
   need(weight_decay >= 0, "weight_decay", "must be >= 0");
   need(grad_clip >= 0, "grad_clip", "must be >= 0 (0: no clipping)");
   need(beta1 >= 0 && beta1 < 1, "beta1", "must be in [0, 1)");

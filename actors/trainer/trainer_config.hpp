@@ -63,6 +63,12 @@ struct TrainerConfig {
   /// gradients as its backward ends (false, FSDP's SHARD_GRAD_OP; experiment key
   /// parallel.reshard_after_forward, FSDP2's name).
   bool reshard_after_forward = true;
+  /// The dtype data-parallel ranks reduce-scatter gradients in (experiment key
+  /// parallel.reduce_dtype): "fp32" (each rank's gradient converted first; torchtitan's default)
+  /// or "bf16" (half the bytes; each rank's gradient rounded to bf16 and summed in bf16, as
+  /// FSDP2's reduce_dtype and Megatron's bf16 gradient reduction); the sum is accumulated into
+  /// the fp32 gradient shard either way. No effect on one rank.
+  std::string reduce_dtype = "fp32";
   /// Train the sparse-attention indexers (glm5_next's KPool indexers) with the RL loss: refused
   /// by validate(). The indexer runs without gradient and its weights are frozen: it is trained
   /// by its own objective (a KL to dense attention, DeepSeek-V3.2 §2.1), which the RL loss is not.
@@ -70,7 +76,7 @@ struct TrainerConfig {
   PolicyLossConfig loss;
   MSGPACK_DEFINE_MAP(logprobs, lr, weight_decay, beta1, beta2, grad_clip, lr_schedule, warmup_steps, total_steps,
                      min_lr_ratio, recompute_old_logprobs, activation_checkpointing, fsdp, reshard_after_forward,
-                     train_indexer, loss);
+                     train_indexer, loss, reduce_dtype);
 
   /// What a field is called where the settings came from, for error messages: e.g.
   /// "experiment: key 'algorithm.lr'" for "lr". Default: "trainer config: lr".

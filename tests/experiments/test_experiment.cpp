@@ -62,6 +62,10 @@ TEST_CASE("unknown keys, wrong types and bad values are rejected by name") {
   ExperimentConfig e;
   e.set("algorithm.kl_estimator=k9");
   CHECK_THROWS_WITH_AS(e.validate(), doctest::Contains("'algorithm.kl_estimator'"), std::invalid_argument);
+  ExperimentConfig g;
+  g.set("parallel.reduce_dtype=fp16");
+  CHECK_THROWS_WITH_AS(g.validate(), doctest::Contains("'parallel.reduce_dtype' must be \"fp32\" or \"bf16\", got \"fp16\""),
+                       std::invalid_argument);
   // Non-finite numbers at parse time, out-of-range ones at validation, each by key.
   ExperimentConfig f;
   CHECK_THROWS_WITH_AS(f.set("algorithm.lr=inf"), doctest::Contains("'algorithm.lr' must be a finite number"),
