@@ -167,7 +167,7 @@ TEST_CASE("CUDA bf16: with rollout.cuda_graphs the engine's tokens, experts and 
   CHECK(graphed.graphs_captured() >= 4);
 }
 
-TEST_CASE("CUDA bf16: a weight update between graphed decode steps takes effect; a reallocated weight is refused") {
+TEST_CASE("CUDA bf16: a weight update between graphed decode steps takes effect, and a reallocated weight is refused") {
   if (test::skip_without_gpu()) return;
   auto to_gpu = [](std::shared_ptr<model::glm4_moe_lite::Glm4MoeLiteModel> m) {
     m->to(torch::Device(torch::kCUDA));
