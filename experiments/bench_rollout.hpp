@@ -7,7 +7,8 @@
 // `--device cuda`: GLM-4.7-Flash dimensions with `--layers` decoder layers, bf16, random
 // weights; for each context (prompt length) and batch size, the engine's decode step time
 // (median over steps in which every sequence decodes one token) with the cache expanded
-// through kv_b (the training kernels) and with absorbed (latent-space) decode, against the
+// through kv_b (the training kernels), with absorbed (latent-space) decode and with absorbed
+// decode replayed as CUDA graphs (rollout.cuda_graphs; `--modes` picks the columns), against the
 // roofline of the same step: bytes of weights read (lm_head, attention, dense MLP, shared
 // experts, and the routed experts a batch of that size touches: E * (1 - (1 - K/E)^B) of E,
 // uniform routing) plus the latent cache read, over the device-to-device copy rate measured in
@@ -30,6 +31,10 @@ struct RolloutBenchOptions {
   std::string device = "cpu";                    ///< "cpu" or "cuda"
   int64_t layers = 4;                            ///< cuda: decoder layers at GLM-4.7-Flash dims
   std::vector<int64_t> contexts = {1024, 8192};  ///< cuda: prompt lengths
+  /// cuda: the engine's decode modes, columns in this order: "expanded" (the default engine),
+  /// "absorbed" (rollout.absorbed_decode), "graphs" (absorbed with rollout.cuda_graphs); the
+  /// speedup column is the first mode's step time over the last's.
+  std::vector<std::string> modes = {"expanded", "absorbed", "graphs"};
 };
 
 int run_rollout_bench(const RolloutBenchOptions& options);

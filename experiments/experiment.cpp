@@ -157,6 +157,7 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   integer("rollout.max_batch", c.rollout.engine.max_batch);
   integer("rollout.step_delay_ms", c.rollout.engine.step_delay_ms);
   boolean("rollout.absorbed_decode", c.rollout.engine.absorbed_decode);
+  boolean("rollout.cuda_graphs", c.rollout.engine.cuda_graphs);
   boolean("rollout.share_prompts", c.rollout.engine.share_prompts);
   text_list("rollout.urls", c.rollout.urls);
   integer("rollout.http_timeout_s", c.rollout.http_timeout_s);

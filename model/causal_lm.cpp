@@ -21,4 +21,10 @@ void CausalLM::set_expert_parallel(parallel::Group* ep) {
                               std::to_string(ep->size()) + " ranks)");
 }
 
+ForwardOutput CausalLM::forward_decode(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, DecodeCache&,
+                                       bool) {
+  throw std::logic_error("this model has no forward_decode (a decode step on device tensors, e.g. for CUDA graphs): "
+                         "has_device_decode() is false");
+}
+
 }  // namespace kiln::model

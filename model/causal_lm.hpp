@@ -117,6 +117,20 @@ class CausalLM : public torch::nn::Module {
   virtual ForwardOutput forward_cached(const torch::Tensor& ids, const torch::Tensor& positions,
                                        const std::vector<CachedSlice>& slices, DecodeCache& cache,
                                        bool want_routing) = 0;
+  /// Whether forward_decode exists for this model.
+  virtual bool has_device_decode() const { return false; }
+  /// A decode step given as device tensors of static shape, with no host data and no host
+  /// sync (what a captured CUDA graph replays; the rollout engine's rollout.cuda_graphs): B
+  /// sequences add one token each, ids [B] int64 at positions [B] int64 (= the tokens of that
+  /// sequence already in the cache), its pages block_table [B, W] int64 (W * page size >
+  /// every position; entries past a sequence's pages may be any valid page, they are masked).
+  /// The new tokens' cache entries are written; attention always takes this model's
+  /// latent-space form when it has one (set_absorbed_decode(true)'s). Returns hidden [B, D]
+  /// and, if want_routing, routed_experts [B, L, K]. Inference only. Throws std::logic_error
+  /// for a model without it (has_device_decode), std::invalid_argument for a cache of another
+  /// model or inputs of other shapes.
+  virtual ForwardOutput forward_decode(const torch::Tensor& ids, const torch::Tensor& positions,
+                                       const torch::Tensor& block_table, DecodeCache& cache, bool want_routing);
   /// Decode steps of forward_cached in latent space on CUDA too (MLAImpl::set_absorbed_decode);
   /// off: the training path's kernels over expanded keys and values. No effect on a model
   /// without such a form.

@@ -43,7 +43,7 @@ void check_request(const GenerationRequest& r, int64_t vocab) {
 const char* to_string(FinishReason r) { return r == FinishReason::stop ? "stop" : "length"; }
 
 int64_t cache_bytes(const EngineOptions& o, const model::CausalLM& m, torch::Dtype dtype) {
-  return m.decode_cache_bytes({o.cache_blocks, o.block_size, o.max_batch}, dtype);
+  return m.decode_cache_bytes({o.cache_blocks + (o.cuda_graphs ? 1 : 0), o.block_size, o.max_batch}, dtype);
 }
 
 Engine::Engine(std::shared_ptr<model::CausalLM> model, EngineOptions options)
@@ -52,7 +52,15 @@ Engine::Engine(std::shared_ptr<model::CausalLM> model, EngineOptions options)
     throw std::invalid_argument("engine: cache_blocks, block_size, max_batch and max_prefill_tokens must be >= 1, "
                                 "step_delay_ms >= 0");
   model_->set_absorbed_decode(o_.absorbed_decode);
-  cache_ = model_->make_decode_cache({o_.cache_blocks, o_.block_size, o_.max_batch}, model_->lm_head_weight().options());
+  if (o_.cuda_graphs && !o_.absorbed_decode)
+    throw std::invalid_argument("engine: rollout.cuda_graphs needs rollout.absorbed_decode = true (the captured decode "
+                                "step attends in latent space)");
+  // With graphs, one page more than the engine hands out: the padding rows' scratch page.
+  cache_ = model_->make_decode_cache({o_.cache_blocks + (o_.cuda_graphs ? 1 : 0), o_.block_size, o_.max_batch},
+                                     model_->lm_head_weight().options());
+  if (o_.cuda_graphs)
+    graphs_ = std::make_unique<DecodeGraphs>(*model_, *cache_, o_.block_size, /*scratch_page=*/o_.cache_blocks,
+                                             /*max_pages=*/o_.cache_blocks);
   for (int64_t b = o_.cache_blocks - 1; b >= 0; --b) free_.push_back(b);
   for (int64_t b = o_.max_batch - 1; b >= 0; --b) free_slots_.push_back(b);
   refs_.assign(std::size_t(o_.cache_blocks), 0);
@@ -161,7 +169,17 @@ std::vector<Completion> Engine::step() {
   torch::NoGradGuard no_grad;
   const auto& head = model_->lm_head_weight();  // [V, D]
   torch::Tensor h = torch::empty({0, head.size(1)}, head.options()), experts, topk;  // [B, D], [rows, L, K], [rows, Ls, W]
-  if (!batch.empty()) {
+  torch::Tensor logits;  // [B, V] fp32, on the device
+  // A pure decode step (every sequence feeds one token, none shares a prompt) replays a graph.
+  const bool graphed = graphs_ && !batch.empty() && sharing.empty() &&
+                       std::all_of(batch.begin(), batch.end(), [](const Sequence* s) { return s->cached > 0; });
+  if (graphed) {
+    std::vector<const std::vector<int64_t>*> pages;
+    for (auto* s : batch) pages.push_back(&s->blocks);
+    auto g = graphs_->run(ids, pos, pages);
+    logits = g.logits;
+    experts = g.routed_experts.to(torch::kCPU);
+  } else if (!batch.empty()) {
     auto out = model_->forward_cached(torch::tensor(ids, torch::kInt64).to(device),
                                       torch::tensor(pos, torch::kInt64).to(device), slices, *cache_,
                                       /*want_routing=*/true);
@@ -202,7 +220,7 @@ std::vector<Completion> Engine::step() {
     ++shared_prompts_;
   }
   // [B, V] fp32, as the trainer's; stays on the device
-  auto logits = model::lm_logits(sharing.empty() ? h : torch::cat(rows, 0), model_->lm_head_weight());
+  if (!graphed) logits = model::lm_logits(sharing.empty() ? h : torch::cat(rows, 0), model_->lm_head_weight());
 
   std::vector<const SamplingParams*> params;
   std::vector<at::Generator*> gens;

@@ -22,13 +22,14 @@
 #include <memory>
 
 #include "actors/rollout/backend.hpp"
+#include "actors/rollout/decode_graphs.hpp"
 #include "actors/rollout/engine_options.hpp"
 #include "model/causal_lm.hpp"
 
 namespace kiln::rollout {
 
 /// Bytes of an engine's cache for `m` in `dtype` (CausalLM::decode_cache_bytes of cache_blocks
-/// pages of block_size tokens and max_batch slots).
+/// pages of block_size tokens and max_batch slots; one page more with cuda_graphs).
 int64_t cache_bytes(const EngineOptions& o, const model::CausalLM& m, torch::Dtype dtype);
 
 
@@ -66,6 +67,9 @@ class Engine : public RolloutBackend {
   int64_t prefilled_tokens() const { return prefilled_tokens_; }
   int64_t shared_prompts() const { return shared_prompts_; }
   const EngineOptions& options() const { return o_; }
+  /// Decode steps run by replaying a CUDA graph (cuda_graphs), and graphs captured so far.
+  int64_t graph_steps() const { return graphs_ ? graphs_->replays() : 0; }
+  int64_t graphs_captured() const { return graphs_ ? graphs_->captured() : 0; }
   std::size_t waiting() const { return waiting_.size(); }
   std::size_t running() const { return running_.size(); }
 
@@ -95,7 +99,8 @@ class Engine : public RolloutBackend {
   std::shared_ptr<model::CausalLM> model_;
   EngineOptions o_;
   int64_t vocab_size_;
-  std::unique_ptr<model::DecodeCache> cache_;  // the model's, cache_blocks pages and max_batch slots
+  std::unique_ptr<model::DecodeCache> cache_;  // the model's, cache_blocks pages (+1 with graphs) and max_batch slots
+  std::unique_ptr<DecodeGraphs> graphs_;       // cuda_graphs: over cache_, scratch page cache_blocks
   std::vector<int64_t> free_, free_slots_;
   std::vector<int32_t> refs_;  // per page: sequences holding it
   int64_t prefilled_tokens_ = 0, shared_prompts_ = 0;

@@ -23,8 +23,14 @@ struct EngineOptions {
   /// Off by default: with it on, the rows a prefill batch holds depend on how a step's groups
   /// are split over engines, so runs of different placements are no longer bit-identical.
   bool share_prompts = false;
+  /// CUDA: steps in which every sequence decodes one token replay a CUDA graph of the model's
+  /// decode forward and lm_head, captured per batch-size and context bucket
+  /// (actors/rollout/decode_graphs.hpp), instead of launching each op from the host. Needs a
+  /// CUDA model with a device decode step (CausalLM::forward_decode) and absorbed_decode; the
+  /// cache gets one more page (the padding rows' scratch page). Off by default.
+  bool cuda_graphs = false;
   MSGPACK_DEFINE_MAP(cache_blocks, block_size, max_batch, max_prefill_tokens, step_delay_ms, absorbed_decode,
-                     share_prompts);
+                     share_prompts, cuda_graphs);
 };
 
 }  // namespace kiln::rollout

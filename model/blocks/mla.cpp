@@ -48,7 +48,7 @@ torch::Tensor MLAImpl::forward(const torch::Tensor& x, const torch::Tensor& posi
 }
 
 CachedLayout::CachedLayout(const std::vector<CachedSlice>& slices, int64_t block_size, torch::Device device)
-    : slices_(&slices), block_size_(block_size), device_(device) {
+    : slices_(&slices), block_size_(block_size), batch_(int64_t(slices.size())), device_(device) {
   std::vector<int64_t> rows;
   for (const auto& s : slices) {
     decode_ = decode_ && s.count == 1;
@@ -58,6 +58,39 @@ CachedLayout::CachedLayout(const std::vector<CachedSlice>& slices, int64_t block
     }
   }
   new_slots_ = torch::tensor(rows, torch::kInt64).to(device);
+}
+
+CachedLayout::CachedLayout(const torch::Tensor& positions, const torch::Tensor& block_table, int64_t block_size)
+    : block_size_(block_size), device_(positions.device()) {
+  if (positions.dim() != 1 || positions.scalar_type() != torch::kInt64 || block_table.dim() != 2 ||
+      block_table.scalar_type() != torch::kInt64 || block_table.size(0) != positions.size(0) ||
+      block_table.device() != positions.device() || block_size < 1)
+    throw std::invalid_argument("CachedLayout: positions must be [B] int64 and block_table [B, W] int64 on the same "
+                                "device, block_size >= 1; got positions " + c10::str(positions.sizes()) + " " +
+                                c10::toString(positions.scalar_type()) + ", block_table " +
+                                c10::str(block_table.sizes()) + " " + c10::toString(block_table.scalar_type()) +
+                                ", block_size " + std::to_string(block_size));
+  const int64_t B = positions.size(0), BS = block_size;
+  batch_ = B;
+  auto opts = positions.options();
+  // The new token's row: its page (block_table[b, pos / BS]) and offset.
+  new_slots_ = block_table.gather(1, positions.div(BS, "floor").unsqueeze(1)).squeeze(1) * BS + positions.remainder(BS);
+  Padded d;
+  d.n_max = 1;
+  d.s_max = block_table.size(1) * BS;
+  auto p = torch::arange(d.s_max, opts).view({1, d.s_max});
+  auto slots = block_table.index_select(1, p.view({-1}).div(BS, "floor")) * BS + p.remainder(BS);  // [B, s_max]
+  d.key_slots = slots.masked_fill(p > positions.view({B, 1}), 0).view({-1});
+  d.query_rows = torch::arange(B, opts);
+  d.cached = positions;
+  d.counts = torch::ones({B}, opts);
+  d.keep = torch::arange(B, opts);
+  padded_ = std::move(d);
+}
+
+const std::vector<CachedSlice>& CachedLayout::slices() const {
+  static const std::vector<CachedSlice> none;
+  return slices_ ? *slices_ : none;
 }
 
 // [B, s_max]: cache row of every position p < s_max of every slice (0 at and past its length),
@@ -79,6 +112,7 @@ torch::Tensor CachedLayout::key_slots_padded(int64_t s_max) const {
 
 const CachedLayout::Varlen& CachedLayout::varlen() const {
   if (varlen_) return *varlen_;
+  if (!slices_) throw std::logic_error("CachedLayout::varlen: a layout of device tensors has the padded form only");
   Varlen v;
   std::vector<int64_t> cu_q{0}, cu_k{0};
   for (const auto& s : *slices_) {
@@ -156,7 +190,8 @@ torch::Tensor MLAImpl::forward_cached(const torch::Tensor& x, const torch::Tenso
   // Write the new entries into their pages.
   auto flat = cache.view({-1, C + R});                                                         // [blocks*BS, C+R]
   flat.index_copy_(0, layout.new_slots(), torch::cat({latent, k_rope}, -1).to(cache.scalar_type()));
-  if (x.is_cuda() && cache.scalar_type() == x.scalar_type() && !(absorbed_decode_ && layout.decode())) {
+  if (x.is_cuda() && cache.scalar_type() == x.scalar_type() && !layout.on_device_only() &&
+      !(absorbed_decode_ && layout.decode())) {
     auto q_full = torch::cat({q_nope, q_rope}, -1);                                            // [N, H, Nd+R]
     if (kernels::varlen_attention_uses_flash(q_full, q_full)) return cached_expanded(q_full, layout, cache);
   }
@@ -166,7 +201,7 @@ torch::Tensor MLAImpl::forward_cached(const torch::Tensor& x, const torch::Tenso
   auto q_lat = torch::einsum("nhd,hdc->nhc", {q_nope, w_uk});                                 // [N, H, C]
   // All slices in one padded batch: B slices, up to n_max new tokens and s_max keys each.
   const auto& P = layout.padded();
-  const int64_t B = int64_t(layout.slices().size()), n_max = P.n_max, s_max = P.s_max;
+  const int64_t B = layout.batch(), n_max = P.n_max, s_max = P.s_max;
   auto dev = x.device();
   auto kv = flat.index_select(0, P.key_slots).view({B, s_max, C + R}).to(x.scalar_type());    // [B, S, C+R]
   auto lat = kv.narrow(-1, 0, C), kr = kv.narrow(-1, C, R);
@@ -176,8 +211,9 @@ torch::Tensor MLAImpl::forward_cached(const torch::Tensor& x, const torch::Tenso
                 o_.softmax_scale;                                                                // [B, H, n, S]
   // Query j of slice b sits at position cached_b + j and sees keys 0..cached_b + j; padded
   // queries see key 0 only (their rows are dropped below).
-  auto jpos = torch::arange(n_max, torch::kInt64).to(dev).view({1, n_max, 1});
-  auto kpos = torch::arange(s_max, torch::kInt64).to(dev).view({1, 1, s_max});
+  const auto i64 = torch::TensorOptions().dtype(torch::kInt64).device(dev);  // made there: no host copy
+  auto jpos = torch::arange(n_max, i64).view({1, n_max, 1});
+  auto kpos = torch::arange(s_max, i64).view({1, 1, s_max});
   auto qpos = P.cached.view({B, 1, 1}) + jpos;                                                   // [B, n, 1]
   auto padded_q = jpos >= P.counts.view({B, 1, 1});                                              // [B, n, 1]
   auto visible = (kpos <= qpos) | (padded_q & (kpos == 0));                                       // [B, n, S]

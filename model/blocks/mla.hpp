@@ -29,7 +29,19 @@ struct MLAOptions {
 class CachedLayout {
  public:
   CachedLayout(const std::vector<CachedSlice>& slices, int64_t block_size, torch::Device device);
-  const std::vector<CachedSlice>& slices() const { return *slices_; }
+  /// A decode step given on the device only, of static shape (the inputs of a captured CUDA
+  /// graph; no host data, no host sync): B sequences adding one token each, sequence b's at
+  /// position positions[b] (= its tokens cached before), its pages in block_table[b]. The
+  /// padded form has s_max = W * block_size keys per sequence (those past its position are
+  /// masked); varlen() is refused. positions: [B] int64; block_table: [B, W] int64 page ids,
+  /// W * block_size > every position. Throws std::invalid_argument on other shapes or dtypes.
+  CachedLayout(const torch::Tensor& positions, const torch::Tensor& block_table, int64_t block_size);
+  /// The slices (empty for a layout of device tensors).
+  const std::vector<CachedSlice>& slices() const;
+  /// B: sequences in the step.
+  int64_t batch() const { return batch_; }
+  /// Built from device tensors only (the constructor above): only the padded form exists.
+  bool on_device_only() const { return slices_ == nullptr; }
   /// Every slice adds one token (a decode step).
   bool decode() const { return decode_; }
   /// [N] int64: the cache rows (block * block_size + offset) the new tokens are written to.
@@ -55,8 +67,9 @@ class CachedLayout {
 
  private:
   torch::Tensor key_slots_padded(int64_t s_max) const;  // [B, s_max], from the block tables
-  const std::vector<CachedSlice>* slices_;
+  const std::vector<CachedSlice>* slices_ = nullptr;
   int64_t block_size_;
+  int64_t batch_ = 0;
   torch::Device device_;
   bool decode_ = true;
   torch::Tensor new_slots_;
@@ -88,7 +101,9 @@ class MLAImpl : public torch::nn::Module {
   /// set_absorbed_decode(true), steps in which every slice adds one token (decode) take the
   /// absorbed form on CUDA too, reading each cached latent instead of expanding it; prefill
   /// keeps FlashAttention. Absorbed decode rounds differently from training (bf16 products in
-  /// another order): rollout log-probs then differ from the trainer's by more.
+  /// another order): rollout log-probs then differ from the trainer's by more. A layout of
+  /// device tensors only (CachedLayout::on_device_only, a captured decode step) always takes
+  /// the absorbed form.
   void set_absorbed_decode(bool on) { absorbed_decode_ = on; }
   /// Width of one cache entry: kv_lora_rank + qk_rope_head_dim.
   int64_t cache_width() const { return o_.kv_lora_rank + o_.qk_rope_head_dim; }

@@ -56,12 +56,16 @@ RouteResult TopKRouterImpl::forward(const torch::Tensor& x, const std::optional<
 Dispatched dispatch(const torch::Tensor& x_TD, const RouteResult& r, int64_t num_experts) {
   const int64_t K = r.expert_ids.size(1);
   auto flat = r.expert_ids.reshape({-1});                                        // [T*K]
-  auto order = std::get<1>(flat.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false));  // [T*K]
+  auto [sorted, order] = flat.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);  // [T*K] each
   Dispatched d;
   d.token_index = torch::div(order, K, "floor");                                 // [T*K]
   d.x = x_TD.index_select(0, d.token_index);                                     // [T*K, D]
   d.weight = r.weights.reshape({-1}).index_select(0, order);                     // [T*K]
-  d.counts = torch::bincount(flat, {}, num_experts);  // stays on the device: no host sync
+  // Rows per expert from the sorted ids' boundaries: on the device, of static shape [E] and
+  // without a host read (bincount on CUDA reads the largest id on the host), so that a decode
+  // step can be captured in a CUDA graph.
+  auto bounds = torch::searchsorted(sorted, torch::arange(num_experts + 1, flat.options()));  // [E+1]
+  d.counts = bounds.narrow(0, 1, num_experts) - bounds.narrow(0, 0, num_experts);
   return d;
 }
 

@@ -149,11 +149,30 @@ ForwardOutput Glm4MoeLiteModel::forward_cached(const torch::Tensor& ids, const t
   if (!paged || int64_t(paged->layers.size()) != config_.num_hidden_layers)
     throw std::invalid_argument("glm4_moe_lite forward_cached: the cache is not this model's (make_decode_cache: a "
                                 "PagedCache of " + std::to_string(config_.num_hidden_layers) + " layers)");
-  auto& caches = paged->layers;
+  const CachedLayout layout(slices, paged->layers.front().size(1), ids.device());  // the same pages in every layer
+  return run_cached(ids, positions, layout, *paged, want_experts);
+}
+
+ForwardOutput Glm4MoeLiteModel::forward_decode(const torch::Tensor& ids, const torch::Tensor& positions,
+                                               const torch::Tensor& block_table, DecodeCache& cache,
+                                               bool want_experts) {
+  auto* paged = dynamic_cast<PagedCache*>(&cache);
+  if (!paged || int64_t(paged->layers.size()) != config_.num_hidden_layers)
+    throw std::invalid_argument("glm4_moe_lite forward_decode: the cache is not this model's (make_decode_cache: a "
+                                "PagedCache of " + std::to_string(config_.num_hidden_layers) + " layers)");
+  if (ids.dim() != 1 || ids.sizes() != positions.sizes())
+    throw std::invalid_argument("glm4_moe_lite forward_decode: ids and positions must both be [B], got " +
+                                c10::str(ids.sizes()) + " and " + c10::str(positions.sizes()));
+  const CachedLayout layout(positions, block_table, paged->layers.front().size(1));
+  return run_cached(ids, positions, layout, *paged, want_experts);
+}
+
+ForwardOutput Glm4MoeLiteModel::run_cached(const torch::Tensor& ids, const torch::Tensor& positions,
+                                           const CachedLayout& layout, PagedCache& paged, bool want_experts) {
+  auto& caches = paged.layers;
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> ids_per_layer;
   auto x = embed(ids);
-  const CachedLayout layout(slices, caches.front().size(1), ids.device());  // the same pages in every layer
   for (std::size_t l = 0; l < layers.size(); ++l) {
     torch::Tensor chosen;
     x = layers[l]->forward_cached(x, positions, layout, caches[l], layers[l]->is_moe() && want_experts ? &chosen : nullptr);

@@ -88,6 +88,11 @@ class Glm4MoeLiteModel : public CausalLM {
   ForwardOutput forward_cached(const torch::Tensor& ids, const torch::Tensor& positions,
                                const std::vector<CachedSlice>& slices, DecodeCache& cache,
                                bool want_routing) override;
+  bool has_device_decode() const override { return true; }
+  /// MLAImpl::forward_cached per layer over CachedLayout(positions, block_table): absorbed
+  /// (latent-space) attention over the padded pages, the MoE's dispatch on the device.
+  ForwardOutput forward_decode(const torch::Tensor& ids, const torch::Tensor& positions,
+                               const torch::Tensor& block_table, DecodeCache& cache, bool want_routing) override;
   int64_t num_layers() const { return config_.num_hidden_layers; }
   /// Width of one cache entry: kv_lora_rank + qk_rope_head_dim.
   int64_t cache_width() const { return config_.attention.kv_lora_rank + config_.attention.qk_rope_head_dim; }
@@ -100,6 +105,9 @@ class Glm4MoeLiteModel : public CausalLM {
 
  private:
   void refuse_load_under_expert_parallel(const char* what) const;
+  /// The layers over `layout` (forward_cached's and forward_decode's common part).
+  ForwardOutput run_cached(const torch::Tensor& ids, const torch::Tensor& positions, const CachedLayout& layout,
+                           PagedCache& paged, bool want_routing);
   Glm4MoeLiteConfig config_;
   parallel::Group* ep_ = nullptr;
   ExpertSlice experts_;
