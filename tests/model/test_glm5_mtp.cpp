@@ -207,7 +207,7 @@ TEST_CASE("MTP: refused without an MTP layer, for depths < 1 and a hidden of the
                        std::invalid_argument);
 }
 
-TEST_CASE("MTP adapter: the layer is HF layers.{num_hidden_layers}; saved and loaded back equal, missing and unexpected keys named") {
+TEST_CASE("MTP adapter: the layer is HF layers.{num_hidden_layers}, saved and loaded back equal, missing and unexpected keys named") {
   namespace fs = std::filesystem;
   auto model = random_model(5);
   const std::string L4 = "model.language_model.layers.4.";

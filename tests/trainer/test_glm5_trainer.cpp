@@ -193,7 +193,7 @@ TEST_CASE("glm5_next: a trainer config that asks to train the indexer is refused
                        std::invalid_argument);
 }
 
-TEST_CASE("glm5_next: algorithm.mtp_loss_weight adds the MTP loss to the step and trains the MTP layer; weight 0 leaves it untouched") {
+TEST_CASE("glm5_next: algorithm.mtp_loss_weight adds the MTP loss to the step and trains the MTP layer, weight 0 leaves it untouched") {
   auto config = model::glm5_next::flavors::debug();
   config.num_nextn_predict_layers = 1;
   torch::manual_seed(21);
@@ -227,7 +227,7 @@ TEST_CASE("glm5_next: algorithm.mtp_loss_weight adds the MTP loss to the step an
     if (p.key().rfind("mtp.", 0) == 0) CHECK(torch::equal(p.value(), before[p.key()]));  // no MTP loss: untouched
 }
 
-TEST_CASE("glm5_next: mtp_loss_weight > 0 is refused by name for a model without an MTP layer; bad values by name") {
+TEST_CASE("glm5_next: mtp_loss_weight > 0 is refused by name for a model without an MTP layer, bad values by name") {
   trainer::TrainerConfig c;
   c.mtp_loss_weight = 0.3;
   CHECK_THROWS_WITH_AS(trainer::Trainer(glm5_debug(1), c),
