@@ -144,6 +144,8 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   boolean("algorithm.recompute_old_logprobs", t.recompute_old_logprobs);
   boolean("algorithm.activation_checkpointing", t.activation_checkpointing);
   boolean("algorithm.train_indexer", t.train_indexer);
+  real("algorithm.mtp_loss_weight", t.mtp_loss_weight);
+  integer("algorithm.mtp_depths", t.mtp_depths);
   real("algorithm.clip_low", t.loss.clip_low);
   real("algorithm.clip_high", t.loss.clip_high);
   real("algorithm.kl_coef", t.loss.kl_coef);

@@ -10,6 +10,7 @@
 #include "experiments/experiment.hpp"
 #include "experiments/node.hpp"
 #ifdef KILN_WITH_TORCH
+#include "experiments/bench_glm5.hpp"
 #include "experiments/bench_gpu.hpp"
 #include "experiments/bench_model.hpp"
 #include "experiments/bench_parallel.hpp"
@@ -94,6 +95,16 @@ int main(int argc, char** argv) {
   bench_gpu->add_flag("--absorbed-decode", go.absorbed_decode, "Rollout decode in latent space (rollout.absorbed_decode)");
   bench_gpu->add_flag("--activation-checkpointing", go.activation_checkpointing, "Also time forward+backward with activation checkpointing per layer");
   bench_gpu->add_option("--config-dir", go.config_dir, "Write the benchmarked model's HF config.json here");
+  kiln::experiments::Glm5BenchOptions g5;
+  auto* bench_glm5 = bench_cmd->add_subcommand(
+      "glm5", "GLM-5.3-Flash (glm5_next) forward+backward with the MTP loss, bf16, one CUDA GPU: tokens/s, peak memory");
+  bench_glm5->add_option("--flavor", g5.flavor, "glm5_next flavor (glm53_flash_5l: 5 layers + MTP, ~25B parameters)");
+  bench_glm5->add_option("--tokens", g5.tokens, "Tokens of the packed micro-batch")->check(CLI::Range(int64_t(16), int64_t(1) << 20));
+  bench_glm5->add_option("--docs", g5.docs, "Documents in the micro-batch")->check(CLI::Range(int64_t(1), int64_t(4096)));
+  bench_glm5->add_option("--steps", g5.steps, "Timed repetitions (median shown)")->check(CLI::Range(1, 100));
+  bench_glm5->add_option("--mtp-depths", g5.mtp_depths, "MTP depths (algorithm.mtp_depths)")->check(CLI::Range(int64_t(1), int64_t(16)));
+  bench_glm5->add_option("--mtp-loss-weight", g5.mtp_loss_weight, "MTP loss weight (algorithm.mtp_loss_weight)")->check(CLI::Range(0.0, 100.0));
+  bench_glm5->add_option("--json", g5.json_path, "Write every number as JSON here");
   kiln::experiments::ParallelBenchOptions po;
   auto* bench_parallel = bench_cmd->add_subcommand(
       "parallel", "Data-parallel trainer step on CUDA GPUs (NCCL) vs one GPU; one process per GPU (torchrun)");
@@ -168,6 +179,7 @@ int main(int argc, char** argv) {
   if (bench_serve->parsed()) return kiln::experiments::run_serve_bench(so);
   if (bench_model->parsed()) return kiln::experiments::run_model_bench(mo);
   if (bench_gpu->parsed()) return kiln::experiments::run_gpu_bench(go);
+  if (bench_glm5->parsed()) return kiln::experiments::run_glm5_bench(g5);
   if (bench_parallel->parsed()) return kiln::experiments::run_parallel_bench(po);
   if (model_list->parsed()) return kiln::experiments::run_model_list(plugin_dir);
   if (model_logits->parsed()) {

@@ -27,4 +27,35 @@ ForwardOutput CausalLM::forward_decode(const torch::Tensor&, const torch::Tensor
                          "has_device_decode() is false");
 }
 
+MtpLoss mtp_loss(CausalLM& model, const PackedBatch& batch, const torch::Tensor& hidden, const torch::Tensor& supervised_T,
+                 int64_t depths, double weight, double normalizer, int64_t chunk) {
+  const int64_t T = batch.input_ids.size(0);
+  if (supervised_T.dim() != 1 || supervised_T.size(0) != T)
+    throw std::invalid_argument("mtp_loss: supervised must be [T] = [" + std::to_string(T) + "], got " +
+                                c10::str(supervised_T.sizes()));
+  if (!(weight >= 0) || !(normalizer > 0))
+    throw std::invalid_argument("mtp_loss: weight must be >= 0 and normalizer > 0, got " + std::to_string(weight) +
+                                " and " + std::to_string(normalizer));
+  const auto supervised = supervised_T.to(torch::kCPU, torch::kBool);
+  MtpLoss r;
+  auto total = torch::zeros({}, hidden.options().dtype(torch::kFloat32));
+  for (auto& depth : model.mtp_forward(batch, hidden, depths)) {
+    auto mask = supervised.index_select(0, depth.rows + depth.depth);  // [Td] row t+d's target is trained
+    r.tokens += mask.sum().item<int64_t>();
+    auto targets = torch::where(mask.to(depth.targets.device()), depth.targets, -1);  // -1: no target, no gradient
+    auto lp = model::token_logprobs(depth.hidden, model.lm_head_weight(), targets, chunk);  // [Td] fp32
+    total = total - lp.sum();
+  }
+  if (r.tokens == 0) {
+    // Nothing to learn from, yet a backward must reach every MTP parameter (a zero gradient,
+    // not none: optimizers and gradient reductions expect the same tensors on every rank).
+    for (const auto& p : model.mtp_parameters())
+      if (p.requires_grad()) total = total + p.sum().to(torch::kFloat32) * 0;
+    total = total + hidden.sum().to(torch::kFloat32) * 0;
+  }
+  r.ce_sum = total.detach().item<double>();
+  r.loss = total * (weight / double(depths) / normalizer);
+  return r;
+}
+
 }  // namespace kiln::model

@@ -41,6 +41,14 @@ struct ForwardOutput {
   torch::Tensor topk_indices;    ///< [T, Ls, W] int64 per sparse-attention layer, if asked (see ForwardOptions)
 };
 
+/// One logical depth d of multi-token prediction (CausalLM::mtp_forward; DeepSeek-V3 §2.2).
+struct MtpDepth {
+  int64_t depth = 0;      ///< d >= 1
+  torch::Tensor hidden;   ///< [Td, D] the output head's input (after the MTP head's norm), model dtype
+  torch::Tensor rows;     ///< [Td] int64 on CPU: packed row t of each entry, ascending
+  torch::Tensor targets;  ///< [Td] int64 on hidden's device: input_ids[t + d + 1], in t's document
+};
+
 /// What a trainer runs around each decoder layer of CausalLM::forward (fully sharded data
 /// parallel: gather a layer's parameters before it runs, free them after; hook the backward).
 /// x: [T, D], the hidden states entering / leaving layer `layer` (0-based, in order); each
@@ -62,6 +70,11 @@ class CausalLM : public torch::nn::Module {
   virtual torch::Tensor lm_head_weight() = 0;  ///< [V, D]
   virtual int64_t num_moe_layers() const = 0;
   virtual int64_t experts_per_token() const = 0;
+  /// Ls: sparse-attention layers (an indexer chooses their keys: ForwardOutput::topk_indices);
+  /// 0 for a model without them (the default).
+  virtual int64_t num_sparse_layers() const { return 0; }
+  /// W: key positions one sparse-attention layer selects per query; 0 without such layers.
+  virtual int64_t topk_width() const { return 0; }
   /// Loads weights from an HF checkpoint directory (safetensors, sharded or not). Throws
   /// checkpoint::CheckpointError listing missing and unexpected keys, or naming the tensor
   /// whose shape or dtype does not fit.
@@ -177,6 +190,17 @@ class CausalLM : public torch::nn::Module {
   /// Casts parameters to `dtype`, keeping what must stay fp32 (router bias) in fp32.
   virtual void to_dtype(torch::Dtype dtype) = 0;
 
+  /// Physical multi-token-prediction layers the model built (0: none, the default).
+  virtual int64_t mtp_layers() const { return 0; }
+  /// Multi-token prediction from forward's out.hidden [T, D] of `batch`: one MtpDepth per
+  /// depth 1..depths that has rows (none crosses a document boundary), predicted through
+  /// lm_head_weight(). Throws std::invalid_argument for a model without MTP layers (the default).
+  virtual std::vector<MtpDepth> mtp_forward(const PackedBatch& batch, const torch::Tensor& hidden, int64_t depths) {
+    throw std::invalid_argument("this model has no multi-token-prediction layer (CausalLM::mtp_forward)");
+  }
+  /// The MTP layers' parameters (a subset of parameters()); empty without MTP layers.
+  virtual std::vector<torch::Tensor> mtp_parameters() { return {}; }
+
   /// [T, V] logits in the model's dtype.
   torch::Tensor logits(const ForwardOutput& out);
   /// [T] fp32 log-probs of targets (see blocks/logprobs.hpp), never [T, V] in fp32.
@@ -185,5 +209,22 @@ class CausalLM : public torch::nn::Module {
   bool checkpoint_layers_ = false;  ///< set_activation_checkpointing
   LayerHooks* layer_hooks_ = nullptr;  ///< set_layer_hooks
 };
+
+/// The multi-token-prediction loss of one packed micro-batch (DeepSeek-V3 §2.2: lambda / D
+/// times the sum over depths of each depth's cross-entropy), as kiln's trainer adds it:
+/// weight / depths * sum_d sum_{t supervised at d} -log p_d(token t+d+1) / normalizer, where row t
+/// is supervised at depth d when row t+d's own next-token target is (`supervised_T` [T] bool:
+/// the rows whose target the policy loss trains, e.g. completion tokens), and `normalizer` is
+/// the whole batch's count the policy loss divides by (so micro-batches and data-parallel ranks
+/// add up). Log-probs in fp32 per chunk (blocks/logprobs.hpp).
+struct MtpLoss {
+  torch::Tensor loss;   ///< [] fp32, differentiable; 0 with gradient edges to the MTP layers (zero gradients) when nothing is supervised
+  double ce_sum = 0;    ///< sum of the supervised entries' cross-entropies, all depths
+  int64_t tokens = 0;   ///< supervised entries, all depths
+};
+/// Throws std::invalid_argument as mtp_forward does, or for a supervised_T of another length,
+/// weight < 0 or normalizer <= 0.
+MtpLoss mtp_loss(CausalLM& model, const PackedBatch& batch, const torch::Tensor& hidden, const torch::Tensor& supervised_T,
+                 int64_t depths, double weight, double normalizer, int64_t chunk = 1024);
 
 }  // namespace kiln::model

@@ -85,6 +85,17 @@ rollout::Completion completion_of(const json& item, const rollout::GenerationReq
       c.routed_experts = torch::from_blob(const_cast<char*>(bytes.data()), {rows, s.moe_layers, s.experts_per_token}, torch::kInt32)
                              .to(torch::kInt64);  // a copy: the bytes go away
     }
+    if (s.sparse_layers > 0 && s.topk_width > 0) {
+      const auto bytes = rollout::base64_decode(meta.at("topk_indices").get<std::string>());
+      const int64_t rows = int64_t(c.prompt.size() + n) - 1;
+      const int64_t want = rows * s.sparse_layers * s.topk_width * 4;
+      if (int64_t(bytes.size()) != want)
+        throw std::runtime_error("topk_indices holds " + std::to_string(bytes.size()) + " bytes, expected " +
+                                 std::to_string(want) + " (int32 [" + std::to_string(rows) + ", " +
+                                 std::to_string(s.sparse_layers) + ", " + std::to_string(s.topk_width) + "])");
+      c.topk_indices = torch::from_blob(const_cast<char*>(bytes.data()), {rows, s.sparse_layers, s.topk_width}, torch::kInt32)
+                           .to(torch::kInt64);
+    }
     return c;
   } catch (const json::exception& e) {
     throw std::runtime_error(who + "malformed answer: " + e.what());
@@ -115,6 +126,10 @@ HttpEngines::HttpEngines(const Config& c, const fs::path& run_dir, int64_t vocab
       s.moe_layers = info["num_moe_layers"].get<int64_t>();
       s.experts_per_token = info["experts_per_token"].get<int64_t>();
     }
+    if (info.contains("num_sparse_layers") && info.contains("topk_width")) {
+      s.sparse_layers = info["num_sparse_layers"].get<int64_t>();
+      s.topk_width = info["topk_width"].get<int64_t>();
+    }
     servers_.push_back(s);
   }
   if (c.rollout.weight_update == "distributed") {
@@ -137,6 +152,7 @@ std::vector<rollout::Completion> HttpEngines::generate_on(const Server& s, std::
   }
   json body = {{"input_ids", ids}, {"sampling_params", params}, {"rid", rids}, {"return_logprob", true},
                {"return_routed_experts", s.moe_layers > 0}};
+  if (s.sparse_layers > 0 && s.topk_width > 0) body["return_topk_indices"] = true;  // kiln serve's own field
   const auto text = body.dump();
   const auto items = answer_json(s.url, "/generate", call(s.url, "/generate", &text, timeout_s_, retry_s_));
   if (!items.is_array() || items.size() != share.size())

@@ -43,6 +43,9 @@ class HttpEngines : public RolloutEngines {
   struct Server {
     std::string url;
     int64_t moe_layers = 0, experts_per_token = 0;
+    /// Sparse-attention layers and their selection width (kiln serve reports them for
+    /// glm5_next; selections are asked for only when both are > 0).
+    int64_t sparse_layers = 0, topk_width = 0;
   };
 
  private:

@@ -24,9 +24,32 @@ struct CompletionRecord {
   double time_to_first_token_s = 0;
   std::vector<int64_t> routed_experts_shape;  ///< [P + n - 1, L, K], or empty
   std::vector<int32_t> routed_experts;
+  std::vector<int64_t> topk_indices_shape;  ///< [P + n - 1, Ls, W], or empty (absent in older files)
+  std::vector<int32_t> topk_indices;
   MSGPACK_DEFINE_MAP(id, prompt, tokens, logprobs, entropies, policy_versions, finish_reason, time_to_first_token_s,
-                     routed_experts_shape, routed_experts);
+                     routed_experts_shape, routed_experts, topk_indices_shape, topk_indices);
 };
+
+// A [rows, layers, width] id tensor as a shape and int32 values (nothing when undefined).
+void put_ids(const torch::Tensor& t, std::vector<int64_t>& shape, std::vector<int32_t>& values) {
+  if (!t.defined()) return;
+  const auto e = t.to(torch::kInt32).contiguous();
+  shape = e.sizes().vec();
+  values.assign(e.data_ptr<int32_t>(), e.data_ptr<int32_t>() + e.numel());
+}
+
+// The reverse, int64; undefined for an empty shape. Throws `bad(what ...)` when the values do
+// not fill a 3-dimensional shape.
+template <class Bad>
+torch::Tensor get_ids(const std::vector<int64_t>& shape, const std::vector<int32_t>& values, const std::string& what,
+                      Bad bad) {
+  if (shape.empty()) return {};
+  int64_t numel = 1;
+  for (auto d : shape) numel = d < 0 ? -1 : numel * d;
+  if (shape.size() != 3 || numel != int64_t(values.size()))
+    throw bad(what + " of " + std::to_string(values.size()) + " ids do not fill their shape");
+  return torch::tensor(values).to(torch::kInt64).reshape(shape);
+}
 struct BatchRecord {
   int64_t step = 0;
   std::vector<ProblemRecord> problems;
@@ -51,12 +74,9 @@ std::string encode_in_flight(const std::vector<Batch>& batches) {
     for (const auto& p : b.problems) r.problems.push_back({p.prompt, p.answer, p.numbers, p.target});
     for (const auto& c : b.completions) {
       CompletionRecord x{c.id, c.prompt, c.tokens, c.logprobs, c.entropies, c.policy_versions,
-                         rollout::to_string(c.finish_reason), c.time_to_first_token_s, {}, {}};
-      if (c.routed_experts.defined()) {
-        const auto e = c.routed_experts.to(torch::kInt32).contiguous();
-        x.routed_experts_shape = e.sizes().vec();
-        x.routed_experts.assign(e.data_ptr<int32_t>(), e.data_ptr<int32_t>() + e.numel());
-      }
+                         rollout::to_string(c.finish_reason), c.time_to_first_token_s, {}, {}, {}, {}};
+      put_ids(c.routed_experts, x.routed_experts_shape, x.routed_experts);
+      put_ids(c.topk_indices, x.topk_indices_shape, x.topk_indices);
       r.completions.push_back(std::move(x));
     }
     f.batches.push_back(std::move(r));
@@ -104,14 +124,8 @@ std::vector<Batch> decode_in_flight(const std::string& bytes, int64_t after_step
       c.policy_versions = std::move(x.policy_versions);
       c.finish_reason = x.finish_reason == "stop" ? rollout::FinishReason::stop : rollout::FinishReason::length;
       c.time_to_first_token_s = x.time_to_first_token_s;
-      if (!x.routed_experts_shape.empty()) {
-        int64_t numel = 1;
-        for (auto d : x.routed_experts_shape) numel = d < 0 ? -1 : numel * d;
-        if (x.routed_experts_shape.size() != 3 || numel != int64_t(x.routed_experts.size()))
-          throw bad(where + ": routed experts of " + std::to_string(x.routed_experts.size()) +
-                    " ids do not fill their shape [P + n - 1, L, K]");
-        c.routed_experts = torch::tensor(x.routed_experts).to(torch::kInt64).reshape(x.routed_experts_shape);
-      }
+      c.routed_experts = get_ids(x.routed_experts_shape, x.routed_experts, where + ": routed experts [P + n - 1, L, K]", bad);
+      c.topk_indices = get_ids(x.topk_indices_shape, x.topk_indices, where + ": topk indices [P + n - 1, Ls, W]", bad);
       b.completions.push_back(std::move(c));
     }
     out.push_back(std::move(b));

@@ -9,7 +9,8 @@
 // "batches": [{step, problems: [{prompt, answer, numbers, target}], completions: [{id, prompt,
 // tokens, logprobs, entropies, policy_versions, finish_reason ("stop"|"length"),
 // time_to_first_token_s, routed_experts_shape [3] (empty: none), routed_experts (int32,
-// flattened)}], rollout_time, rng_after}]}.
+// flattened), topk_indices_shape [3] (empty or absent: none; sparse-attention selections,
+// [P + n - 1, Ls, W]), topk_indices (int32, flattened)}], rollout_time, rng_after}]}.
 #include <string>
 #include <vector>
 

@@ -56,6 +56,10 @@ void MetricsLog::write(const StepRow& row) {
   j["clip_fraction"] = m.clip_fraction;
   j["train/rollout logprob abs diff"] = m.train_rollout_logprob_abs_diff;
   j["loss"] = m.loss;
+  if (m.mtp_ce != 0) {  // algorithm.mtp_loss_weight > 0: the MTP term (in loss) and its cross-entropy
+    j["mtp_loss"] = m.mtp_loss;
+    j["mtp_ce"] = m.mtp_ce;
+  }
   j["grad_norm"] = m.grad_norm;
   j["lr"] = m.lr;
   j["skipped_nonfinite"] = m.skipped_nonfinite;

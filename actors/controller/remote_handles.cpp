@@ -14,6 +14,7 @@
 #include "actors/rollout/messages.hpp"
 #include "actors/trainer/messages.hpp"
 #include "actors/trainer/trainer_service.hpp"
+#include "messaging/replay_frames.hpp"
 #include "messaging/torch_tensor.hpp"
 
 extern char** environ;
@@ -25,16 +26,6 @@ using namespace kiln::messaging;
 namespace {
 constexpr auto kInitTimeout = std::chrono::seconds(600);
 
-// Routed experts of every sample as tensor frames named PREFIX.i, or none when a sample has
-// none (the receiver then routes itself).
-std::vector<Tensor> expert_frames(const std::vector<torch::Tensor>& experts) {
-  std::vector<Tensor> out;
-  for (const auto& e : experts)
-    if (!e.defined()) return {};
-  for (std::size_t i = 0; i < experts.size(); ++i)
-    out.push_back(from_torch("routed_experts." + std::to_string(i), experts[i].contiguous()));
-  return out;
-}
 }  // namespace
 
 Node::Node(const NodeSite& site, const std::string& suffix, const std::string& actor, const std::string& pidfile)
@@ -275,9 +266,21 @@ std::vector<rollout::Completion> RemoteEngines::generate(std::vector<rollout::Ge
     auto res = payload_as<RolloutResult>(*r);
     if (!res) throw std::runtime_error(who + ": " + res.error().what());
     const std::size_t asked = shares[i].requests.size();
-    if (res->completions.size() != r->tensors.size() || res->completions.size() != asked)
+    if (res->completions.size() != asked)
       throw std::runtime_error(who + " answered " + std::to_string(res->completions.size()) + " completions for " +
                                std::to_string(asked) + " requests");
+    std::vector<int64_t> rows;
+    for (const auto& sp : res->completions) {
+      auto it = prompts.find(sp.id);
+      if (it == prompts.end()) throw std::runtime_error(who + " answered an unknown request id " + std::to_string(sp.id));
+      rows.push_back(int64_t(it->second.size() + sp.tokens.size()) - 1);
+    }
+    messaging::ReplayTensors replayed;
+    try {
+      replayed = messaging::read_replay_frames(r->tensors, rows, who);
+    } catch (const std::invalid_argument& e) {
+      throw std::runtime_error(e.what());
+    }
     restarts_in_a_row_[i] = 0;
     for (std::size_t k = 0; k < res->completions.size(); ++k) {
       auto& sp = res->completions[k];
@@ -292,7 +295,8 @@ std::vector<rollout::Completion> RemoteEngines::generate(std::vector<rollout::Ge
       c.policy_versions = std::move(sp.policy_versions);
       c.finish_reason = sp.finish_reason == "stop" ? rollout::FinishReason::stop : rollout::FinishReason::length;
       c.time_to_first_token_s = sp.time_to_first_token_s;
-      c.routed_experts = to_torch(r->tensors[k]).clone();
+      if (!replayed.routed_experts.empty()) c.routed_experts = std::move(replayed.routed_experts[k]);
+      if (!replayed.topk_indices.empty()) c.topk_indices = std::move(replayed.topk_indices[k]);
       out.push_back(std::move(c));
     }
     ++i;
@@ -359,13 +363,14 @@ RemoteReference::RemoteReference(const NodeSite& site, const Config& c, TrainerH
 std::vector<std::vector<float>> RemoteReference::logprobs(const std::vector<rollout::Completion>& completions) {
   const std::string who = "reference node " + node_.actor();
   RefLogprobs q;
-  std::vector<torch::Tensor> experts;
+  std::vector<torch::Tensor> experts, selections;
   for (const auto& s : completions) {
     q.samples.push_back({s.id, s.prompt, s.tokens});
     experts.push_back(s.routed_experts);
+    selections.push_back(s.topk_indices);
   }
   auto env = make_envelope(q, Kind::request, "controller", node_.actor());
-  if (routing_replay_) env.tensors = expert_frames(experts);
+  if (routing_replay_) env.tensors = messaging::replay_frames(experts, selections);
   auto r = gw_.request(std::move(env), std::chrono::seconds(900)).get();
   if (!r) throw std::runtime_error(who + ": " + r.error().what());
   auto res = payload_as<RefLogprobsResult>(*r);

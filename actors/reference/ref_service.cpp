@@ -5,6 +5,7 @@
 #include "messaging/hosting.hpp"
 #include "actors/reference/messages.hpp"
 #include "actors/weight_sync/messages.hpp"
+#include "messaging/replay_frames.hpp"
 #include "messaging/torch_tensor.hpp"
 #include "model/registry.hpp"
 
@@ -50,10 +51,14 @@ Expected<Envelope> RefService::handle(const Envelope& request) {
       auto q = payload_as<RefLogprobs>(request);
       if (!q) return q.error();
       const bool replay = !request.tensors.empty();
-      if (replay && request.tensors.size() != q->samples.size())
-        return make_error(ErrorCode::bad_message, "ref.logprobs: " + std::to_string(request.tensors.size()) +
-                                                      " routed-experts tensors for " +
-                                                      std::to_string(q->samples.size()) + " samples");
+      std::vector<int64_t> rows;
+      for (const auto& spec : q->samples) rows.push_back(int64_t(spec.prompt.size() + spec.completion.size()) - 1);
+      messaging::ReplayTensors replayed;
+      try {
+        replayed = messaging::read_replay_frames(request.tensors, rows, "ref.logprobs");
+      } catch (const std::invalid_argument& e) {
+        return make_error(ErrorCode::bad_message, e.what());
+      }
       std::vector<trainer::Sample> samples(q->samples.size());
       for (std::size_t i = 0; i < samples.size(); ++i) {
         const auto& spec = q->samples[i];
@@ -62,7 +67,8 @@ Expected<Envelope> RefService::handle(const Envelope& request) {
                                                         " has an empty prompt or completion");
         samples[i].prompt = spec.prompt;
         samples[i].completion = spec.completion;
-        if (replay) samples[i].routed_experts = to_torch(request.tensors[i]).clone();
+        if (replay) samples[i].routed_experts = std::move(replayed.routed_experts[i]);
+        if (!replayed.topk_indices.empty()) samples[i].topk_indices = std::move(replayed.topk_indices[i]);
       }
       RefLogprobsResult r;
       auto config = s_->init.logprobs;

@@ -68,7 +68,7 @@ using namespace api;
 namespace {
 
 const std::vector<std::string> kGenerateFields = {
-    "text", "input_ids", "sampling_params", "rid", "return_logprob", "return_routed_experts",
+    "text", "input_ids", "sampling_params", "rid", "return_logprob", "return_routed_experts", "return_topk_indices",
     "return_text_in_logprobs", "logprob_start_len", "top_logprobs_num", "stream"};
 const std::vector<std::string> kSamplingFields = {
     "max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "sampling_seed", "n",
@@ -236,6 +236,7 @@ NativeGenerate parse_generate(std::string_view body, const ApiLimits& limits) {
   g.rids.resize(N);
   if (j.contains("return_logprob")) g.return_logprob = flag(j["return_logprob"], "return_logprob");
   if (j.contains("return_routed_experts")) g.return_routed_experts = flag(j["return_routed_experts"], "return_routed_experts");
+  if (j.contains("return_topk_indices")) g.return_topk_indices = flag(j["return_topk_indices"], "return_topk_indices");
   if (j.contains("return_text_in_logprobs"))
     g.return_text_in_logprobs = flag(j["return_text_in_logprobs"], "return_text_in_logprobs");
   if (j.contains("stream") && flag(j["stream"], "stream"))
@@ -286,6 +287,10 @@ json generate_output(const Completion& c, const std::string& rid, const NativeGe
   if (g.return_routed_experts && c.routed_experts.defined()) {
     const auto e = c.routed_experts.to(torch::kInt32).contiguous();  // [P + n - 1, L, K]
     meta["routed_experts"] = base64_encode(std::string_view(static_cast<const char*>(e.data_ptr()), e.nbytes()));
+  }
+  if (g.return_topk_indices && c.topk_indices.defined()) {
+    const auto k = c.topk_indices.to(torch::kInt32).contiguous();  // [P + n - 1, Ls, W]
+    meta["topk_indices"] = base64_encode(std::string_view(static_cast<const char*>(k.data_ptr()), k.nbytes()));
   }
   return {{"text", tokenizer ? tokenizer->decode(c.tokens) : std::string()}, {"output_ids", c.tokens}, {"meta_info", meta}};
 }

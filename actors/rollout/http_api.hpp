@@ -14,7 +14,9 @@
 //      with return_logprob: "output_token_logprobs": [[logprob, id, null], ...] (n),
 //        and kiln's own "output_token_entropies" [n] and "output_token_weight_versions" [n];
 //      with return_routed_experts: "routed_experts": base64 of int32 [P + n - 1, L, K]
-//        (little-endian, row-major; SGLang's layout)}}
+//        (little-endian, row-major; SGLang's layout);
+//      with return_topk_indices (kiln's own field): "topk_indices": base64 of int32
+//        [P + n - 1, Ls, W], each sparse-attention layer's selected key positions (-1: none)}}
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -48,6 +50,7 @@ struct NativeGenerate {
   bool batch = false;             ///< the prompts came as a list (the answer is a list)
   bool return_logprob = false;
   bool return_routed_experts = false;
+  bool return_topk_indices = false;  ///< kiln's own: sparse-attention selections (glm5_next)
   bool return_text_in_logprobs = false;
 };
 

@@ -6,6 +6,7 @@
 #include "messaging/hosting.hpp"
 #include "actors/rollout/messages.hpp"
 #include "actors/weight_sync/messages.hpp"
+#include "messaging/replay_frames.hpp"
 #include "messaging/torch_tensor.hpp"
 #include "model/registry.hpp"
 
@@ -71,16 +72,17 @@ Expected<Envelope> RolloutService::handle(const Envelope& request) {
         s_->engine->submit(std::move(q));  // throws std::invalid_argument naming the fault
       }
       RolloutResult result;
-      std::vector<Tensor> experts;
+      std::vector<torch::Tensor> experts, selections;
       while (s_->engine->has_work()) {
         for (auto& c : s_->engine->step()) {
           result.completions.push_back({c.id, c.tokens, c.policy_versions, c.logprobs, c.entropies,
                                         to_string(c.finish_reason), c.time_to_first_token_s});
-          experts.push_back(from_torch("routed_experts." + std::to_string(c.id), c.routed_experts.contiguous()));
+          experts.push_back(c.routed_experts);
+          selections.push_back(c.topk_indices);
         }
       }
       auto reply = make_envelope(result, Kind::reply, request.receiver, request.sender);
-      reply.tensors = std::move(experts);
+      reply.tensors = messaging::replay_frames(experts, selections);
       return reply;
     }
   } catch (const std::exception& e) {

@@ -237,9 +237,21 @@ model::ExpertSlice expert_slice_of(parallel::ProcessGroups* ranks) {
   return {ep.rank(), ep.size()};
 }
 
+namespace {
+// A multi-token-prediction loss needs a policy with an MTP layer.
+void check_mtp(const TrainerConfig& c, model::CausalLM& policy) {
+  if (c.mtp_loss_weight > 0 && policy.mtp_layers() == 0)
+    throw std::invalid_argument("trainer config: mtp_loss_weight " + std::to_string(c.mtp_loss_weight) +
+                                " (experiment key algorithm.mtp_loss_weight) needs a policy with a multi-token-"
+                                "prediction layer; this model has none (glm5_next builds it when its config has "
+                                "num_nextn_predict_layers > 0)");
+}
+}  // namespace
+
 Trainer::Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config, parallel::Group* data_parallel)
     : policy_(std::move(policy)), c_(config), dp_(data_parallel) {
   c_.validate();
+  check_mtp(c_, *policy_);
   policy_->set_activation_checkpointing(c_.activation_checkpointing);
   params_ = policy_->parameters();
   for (std::size_t i = 0; i < params_.size(); ++i)
@@ -263,6 +275,7 @@ Trainer::Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config, 
                  ExpertParallel expert_parallel)
     : policy_(std::move(policy)), c_(config), dp_(&data_parallel), ep_(expert_parallel) {
   c_.validate();
+  check_mtp(c_, *policy_);
   policy_->set_activation_checkpointing(c_.activation_checkpointing);
   if (!ep_.experts || !ep_.replicas)
     throw std::invalid_argument(std::string("Trainer: expert parallel needs both groups, got no ") +
@@ -543,8 +556,9 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
   auto sample_tokens_t = torch::tensor(sample_tokens, torch::kFloat32);
   zero_optimizer_gradients();
   if (uses_master_weights() || dp_) policy_->zero_grad();
-  // This rank's sums: loss, pg, kl, clipped tokens, entropy, |old - behaviour|, micro-batches.
-  std::vector<double> sums(7, 0.0);
+  // This rank's sums: loss, pg, kl, clipped tokens, entropy, |old - behaviour|, micro-batches,
+  // MTP term, MTP cross-entropy, MTP predictions.
+  std::vector<double> sums(10, 0.0);
   phases_ = {};
   auto phase_start = std::chrono::steady_clock::now();
   auto phase_ends = [&](double& seconds) {  // time_phases(true) only
@@ -570,6 +584,13 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
     auto out = policy_->forward(p.batch, opts);
     const auto dev = out.hidden.device();
     p.completion_positions = p.completion_positions.to(dev);
+    std::optional<model::MtpLoss> mtp;
+    if (c_.mtp_loss_weight > 0) {  // from the hidden states before the temperature's scaling
+      auto supervised = torch::zeros({p.batch.input_ids.size(0)}, torch::kBool);
+      supervised.index_fill_(0, p.completion_positions.cpu(), true);
+      mtp = model::mtp_loss(*policy_, p.batch, out.hidden, supervised, c_.mtp_depths, c_.mtp_loss_weight, counts[0],
+                            c_.logprobs.chunk);
+    }
     if (c_.logprobs.temperature != 1.0) out.hidden = out.hidden / c_.logprobs.temperature;  // logits / T
     PolicyTokens t;
     if (c_.loss.entropy_coef != 0) {
@@ -594,6 +615,12 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
     t.loss_mask = torch::ones_like(t.advantage);
     t.sample_index = torch::tensor(global_index, torch::kInt64).to(dev);
     auto r = policy_loss(t, c_.loss, normalizer, sample_tokens_t.to(dev));
+    if (mtp) {
+      r.loss = r.loss + mtp->loss;
+      sums[7] += mtp->loss.item<double>();
+      sums[8] += mtp->ce_sum;
+      sums[9] += double(mtp->tokens);
+    }
     phase_ends(phases_.forward);
     r.loss.backward();
     sums[0] += r.loss.item<double>();
@@ -615,6 +642,8 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
   m.train_rollout_logprob_abs_diff = sums[5] / tokens;
   m.micro_batches = int64_t(sums[6]);
   phase_ends(phases_.backward);  // (the sums' reduction)
+  m.mtp_loss = sums[7];
+  m.mtp_ce = sums[9] > 0 ? sums[8] / sums[9] : 0;
   m.grad_norm = reduce_and_clip_gradients(c_.grad_clip > 0 ? c_.grad_clip : 1e30);
   phase_ends(phases_.reduce);
   m.lr = current_lr();

@@ -1,5 +1,6 @@
 #include "actors/trainer/trainer_config.hpp"
 
+#include <cmath>
 #include <stdexcept>
 
 namespace kiln::trainer {
@@ -17,6 +18,8 @@ void TrainerConfig::validate(const FieldName& name) const {
        "without gradient; it has its own training objective, a KL to dense attention, which kiln does not implement)");
   need(reduce_dtype == "fp32" || reduce_dtype == "bf16", "reduce_dtype",
        "must be \"fp32\" or \"bf16\", got \"" + reduce_dtype + "\"");
+  need(mtp_loss_weight >= 0 && std::isfinite(mtp_loss_weight), "mtp_loss_weight", "must be finite and >= 0 (0: off)");
+  need(mtp_depths >= 1 && mtp_depths <= 16, "mtp_depths", "must be in [1, 16]");
   need(weight_decay >= 0, "weight_decay", "must be >= 0");
   need(grad_clip >= 0, "grad_clip", "must be >= 0 (0: no clipping)");
   need(beta1 >= 0 && beta1 < 1, "beta1", "must be in [0, 1)");

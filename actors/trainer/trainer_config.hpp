@@ -73,10 +73,17 @@ struct TrainerConfig {
   /// by validate(). The indexer runs without gradient and its weights are frozen: it is trained
   /// by its own objective (a KL to dense attention, DeepSeek-V3.2 §2.1), which the RL loss is not.
   bool train_indexer = false;
+  /// Multi-token prediction (DeepSeek-V3 §2.2; model::mtp_loss): lambda of the MTP loss added
+  /// to the policy loss, over the completion tokens the policy loss trains; 0 = off. A policy
+  /// without an MTP layer (CausalLM::mtp_layers() 0) refuses a weight > 0 (Trainer's constructor).
+  double mtp_loss_weight = 0.0;
+  /// Logical MTP depths (predicting tokens t+2 .. t+1+depths), run on the model's physical MTP
+  /// layers with shared weights (glm5_next: its one layer at every depth).
+  int64_t mtp_depths = 1;
   PolicyLossConfig loss;
   MSGPACK_DEFINE_MAP(logprobs, lr, weight_decay, beta1, beta2, grad_clip, lr_schedule, warmup_steps, total_steps,
                      min_lr_ratio, recompute_old_logprobs, activation_checkpointing, fsdp, reshard_after_forward,
-                     train_indexer, loss, reduce_dtype);
+                     train_indexer, mtp_loss_weight, mtp_depths, loss, reduce_dtype);
 
   /// What a field is called where the settings came from, for error messages: e.g.
   /// "experiment: key 'algorithm.lr'" for "lr". Default: "trainer config: lr".
@@ -90,6 +97,9 @@ struct TrainerConfig {
 struct StepMetrics {
   double loss = 0, pg_loss = 0, kl = 0, clip_fraction = 0, grad_norm = 0, lr = 0;
   double entropy = 0;  ///< mean policy entropy over trained tokens (computed when entropy_coef > 0)
+  /// The multi-token-prediction term included in `loss` (mtp_loss_weight > 0; else 0), and its
+  /// mean cross-entropy per supervised prediction over all depths.
+  double mtp_loss = 0, mtp_ce = 0;
   double train_rollout_logprob_abs_diff = 0;  ///< mean |policy - behaviour| log-prob over trained tokens
   int64_t micro_batches = 0, tokens = 0, loss_tokens = 0;
   double actor_train_time = 0;  ///< seconds of the optimizer step
@@ -103,7 +113,7 @@ struct StepMetrics {
   /// trainer (the controller's handles, TrainerService), not by Trainer::step; a rank's own
   /// answer holds its value alone (-1: a rank whose answer held none).
   std::vector<double> peak_memory_gib;
-  MSGPACK_DEFINE_MAP(loss, pg_loss, kl, clip_fraction, grad_norm, lr, entropy, train_rollout_logprob_abs_diff,
+  MSGPACK_DEFINE_MAP(loss, pg_loss, kl, clip_fraction, grad_norm, lr, entropy, mtp_loss, mtp_ce, train_rollout_logprob_abs_diff,
                      micro_batches, tokens, loss_tokens, actor_train_time, log_probs_time, skipped_nonfinite,
                      skip_reason, peak_memory_gib);
 };

@@ -14,6 +14,7 @@
 #include "actors/weight_sync/service.hpp"
 #include "messaging/hosting.hpp"
 #include "messaging/gateway.hpp"
+#include "messaging/replay_frames.hpp"
 #include "messaging/torch_tensor.hpp"
 #include "model/registry.hpp"
 
@@ -45,10 +46,14 @@ namespace {
 Expected<std::vector<Sample>> to_samples(const Envelope& request, TrainerTrain& q, int64_t vocab, bool need_ref) {
   auto bad = [](const std::string& what) { return make_error(ErrorCode::bad_message, "trainer.train: " + what); };
   if (q.samples.empty()) return bad("no samples");
-  const bool replay = !request.tensors.empty();
-  if (replay && request.tensors.size() != q.samples.size())
-    return bad(std::to_string(request.tensors.size()) + " routed-experts tensors for " +
-               std::to_string(q.samples.size()) + " samples");
+  std::vector<int64_t> rows;
+  for (const auto& spec : q.samples) rows.push_back(int64_t(spec.prompt.size() + spec.completion.size()) - 1);
+  messaging::ReplayTensors replayed;
+  try {
+    replayed = messaging::read_replay_frames(request.tensors, rows, "trainer.train");
+  } catch (const std::invalid_argument& e) {
+    return make_error(ErrorCode::bad_message, e.what());
+  }
   std::vector<Sample> out(q.samples.size());
   for (std::size_t i = 0; i < out.size(); ++i) {
     auto& spec = q.samples[i];
@@ -74,14 +79,8 @@ Expected<std::vector<Sample>> to_samples(const Envelope& request, TrainerTrain& 
         if (!std::isfinite(x))
           return bad(who + " has a non-finite " + (v == &spec.ref_logprobs ? "reference" : "behaviour") + " log-prob");
     auto& s = out[i];
-    if (replay) {
-      const auto& t = request.tensors[i];
-      if (t.dtype != DType::int64 || t.shape.size() != 3 ||
-          t.shape[0] != int64_t(spec.prompt.size() + spec.completion.size()) - 1)
-        return bad(who + ": routed experts '" + t.name + "' must be I64 [P + n - 1 = " +
-                   std::to_string(spec.prompt.size() + spec.completion.size() - 1) + ", L, K]");
-      s.routed_experts = to_torch(t).clone();
-    }
+    if (!replayed.routed_experts.empty()) s.routed_experts = std::move(replayed.routed_experts[i]);
+    if (!replayed.topk_indices.empty()) s.topk_indices = std::move(replayed.topk_indices[i]);
     s.prompt = std::move(spec.prompt);
     s.completion = std::move(spec.completion);
     s.behavior_logprobs = std::move(spec.behavior_logprobs);
@@ -209,16 +208,15 @@ weight_sync::ExpertSlices sync_expert_slices(model::CausalLM& policy, const Trai
 
 Envelope train_request(const std::vector<Sample>& samples, const std::string& sender, const std::string& receiver) {
   TrainerTrain q;
-  bool replay = true;
+  std::vector<torch::Tensor> experts, selections;
   for (std::size_t i = 0; i < samples.size(); ++i) {
     const auto& s = samples[i];
     q.samples.push_back({uint64_t(i), s.prompt, s.completion, s.behavior_logprobs, s.ref_logprobs, s.advantage});
-    replay = replay && s.routed_experts.defined();
+    experts.push_back(s.routed_experts);
+    selections.push_back(s.topk_indices);
   }
   auto env = make_envelope(q, Kind::request, sender, receiver);
-  if (replay)  // none when a sample has none: the receiver then routes itself
-    for (std::size_t i = 0; i < samples.size(); ++i)
-      env.tensors.push_back(from_torch("routed_experts." + std::to_string(i), samples[i].routed_experts.contiguous()));
+  env.tensors = messaging::replay_frames(experts, selections);  // none when a sample has none: the receiver routes itself
   return env;
 }
 

@@ -44,8 +44,9 @@ class TrainerService {
   std::unique_ptr<State> s_;
 };
 
-/// The trainer.train request for `samples` (what handle() decodes): routed experts as tensor
-/// frames "routed_experts.i" when every sample has them.
+/// The trainer.train request for `samples` (what handle() decodes): routed experts and
+/// sparse-attention selections as tensor frames (messaging/replay_frames.hpp) when every sample
+/// has them.
 /// The policy's routed-expert slices of an expert-parallel `trainer` by their kiln names, for
 /// the collective weight sync (every ep rank gathers them in its packing order); none (no ep
 /// group) without expert parallel.

@@ -83,8 +83,19 @@ Glm5NextModelImpl::Glm5NextModelImpl(const Glm5NextConfig& c, bool random_init) 
   register_module("layers", list);
   norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
   lm_head = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(c.hidden_size, c.vocab_size).bias(false)));
+  if (c.num_nextn_predict_layers > 0) {
+    torch::nn::ModuleList mtp_list;  // parameters named mtp.{i}.*
+    for (int64_t i = 0; i < c.num_nextn_predict_layers; ++i) {
+      mtp.push_back(MtpLayer(c));
+      mtp_list->push_back(mtp.back());
+    }
+    register_module("mtp", mtp_list);
+  }
   for (auto& p : indexer_parameters()) p.set_requires_grad(false);  // frozen: see model.hpp
-  if (!random_init) return;
+  if (random_init) init_random_weights();
+}
+
+void Glm5NextModelImpl::init_random_weights() {
   torch::NoGradGuard no_grad;
   for (auto& p : named_parameters()) {
     const auto& name = p.key();
@@ -99,6 +110,8 @@ std::vector<torch::Tensor> Glm5NextModelImpl::indexer_parameters() {
   for (auto& l : layers)
     if (l->attn && l->attn->indexer)
       for (auto& p : l->attn->indexer->parameters()) out.push_back(p);
+  for (auto& m : mtp)
+    for (auto& p : m->attn->indexer->parameters()) out.push_back(p);
   return out;
 }
 
@@ -115,6 +128,58 @@ void Glm5NextModelImpl::to_dtype(torch::Dtype dtype) {
       for (auto* t : {&l->kda->q_conv, &l->kda->k_conv, &l->kda->v_conv, &l->kda->dt_bias, &l->kda->A_log}) keep(*t);
     if (l->moe) keep(l->moe->router->e_score_correction_bias);
   }
+  for (auto& m : mtp) keep(m->moe->router->e_score_correction_bias);
+}
+
+std::vector<torch::Tensor> Glm5NextModelImpl::mtp_parameters() {
+  std::vector<torch::Tensor> out;
+  for (auto& m : mtp)
+    for (auto& p : m->parameters()) out.push_back(p);
+  return out;
+}
+
+std::vector<MtpDepth> Glm5NextModelImpl::mtp_forward(const PackedBatch& batch, const torch::Tensor& hidden,
+                                                     int64_t depths) {
+  if (mtp.empty())
+    throw std::invalid_argument("glm5_next mtp_forward: this model has no MTP layer (text_config.num_nextn_predict_layers 0)");
+  if (depths < 1) throw std::invalid_argument("glm5_next mtp_forward: depths must be >= 1, got " + std::to_string(depths));
+  batch.validate();
+  const int64_t T = batch.input_ids.size(0);
+  if (hidden.dim() != 2 || hidden.size(0) != T || hidden.size(1) != c_.hidden_size)
+    throw std::invalid_argument("glm5_next mtp_forward: hidden must be [T, D] = [" + std::to_string(T) + ", " +
+                                std::to_string(c_.hidden_size) + "], got " + c10::str(hidden.sizes()));
+  const auto dev = embed->weight.device();
+  const auto ids = batch.input_ids.to(dev, torch::kInt64);
+  const auto cu = batch.cu_seqlens.to(torch::kCPU, torch::kInt64);
+  const auto* c = cu.data_ptr<int64_t>();
+  const int64_t B = cu.size(0) - 1;
+  // Depth d-1's rows of document k start at prev_offset[k] of `previous` (depth 0: the batch's rows).
+  std::vector<int64_t> prev_offset(c, c + B);
+  torch::Tensor previous = hidden;  // [T_{d-1}, D]
+  std::vector<MtpDepth> out;
+  for (int64_t d = 1; d <= depths; ++d) {
+    std::vector<int64_t> rows, local, cu_d{0}, offset(std::size_t(B), 0);
+    for (int64_t k = 0; k < B; ++k) {
+      const int64_t m = c[k + 1] - c[k] - d - 1;  // rows of document k at depth d
+      offset[std::size_t(k)] = int64_t(rows.size());
+      for (int64_t j = 0; j < m; ++j) {
+        rows.push_back(c[k] + j);
+        local.push_back(prev_offset[std::size_t(k)] + j);
+      }
+      if (m > 0) cu_d.push_back(int64_t(rows.size()));
+    }
+    if (rows.empty()) break;  // every document is shorter than d + 2: no deeper depth has rows either
+    auto rows_t = torch::tensor(rows, torch::kInt64);
+    auto rows_dev = rows_t.to(dev);
+    auto e = embed(ids.index_select(0, rows_dev + d));                    // [Td, D] tokens t+d
+    auto h = previous.index_select(0, torch::tensor(local, torch::kInt64).to(dev));  // [Td, D]
+    auto& layer = mtp[std::size_t(std::min<int64_t>(d, int64_t(mtp.size())) - 1)];
+    auto x = layer(e, h, torch::tensor(cu_d, torch::kInt64));
+    out.push_back({d, layer->head_norm(x), rows_t, ids.index_select(0, rows_dev + d + 1)});
+    previous = x;
+    prev_offset = std::move(offset);
+  }
+  return out;
 }
 
 int64_t Glm5NextModelImpl::num_sparse_layers() const {

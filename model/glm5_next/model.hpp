@@ -4,8 +4,9 @@
 // embeddings copied into S hyper-connection streams; per layer an attention site (mHC ->
 // RMSNorm -> Kimi Delta Attention or sparse attention -> mHC expand) and an MLP site (mHC ->
 // RMSNorm -> clamped SwiGLU or MoE -> mHC expand); the mean of the streams, final RMSNorm,
-// untied lm_head. The MTP layer is not built. Loading and saving go through
-// state_dict_adapter.hpp.
+// untied lm_head. With num_nextn_predict_layers > 0, the multi-token-prediction layers
+// (mtp.hpp; HF layers.{num_hidden_layers + i}) are built too and run by mtp_forward only.
+// Loading and saving go through state_dict_adapter.hpp.
 //
 // The KPool indexers are frozen: their parameters are built with requires_grad false and the
 // indexer runs without gradient, so the RL loss never trains them (DeepSeek-V3.2 §2.1 trains
@@ -25,6 +26,7 @@
 #include "model/glm5_next/decode_cache.hpp"
 #include "model/glm5_next/hyper_connection.hpp"
 #include "model/glm5_next/kda.hpp"
+#include "model/glm5_next/mtp.hpp"
 #include "model/glm5_next/sparse_attention.hpp"
 
 namespace kiln::model::glm5_next {
@@ -69,6 +71,9 @@ class Glm5NextModelImpl : public CausalLM {
   /// experts and routers zero), for a model whose weights are loaded next. Throws
   /// std::invalid_argument for a config that fails validate().
   explicit Glm5NextModelImpl(const Glm5NextConfig& c, bool random_init = false);
+  /// Draws every matrix as `random_init` does, where the parameters are now (e.g. after to()
+  /// and to_dtype(): a large model drawn on its GPU).
+  void init_random_weights();
   /// Packed forward; no state, window or attention crosses a document boundary. Options:
   /// routing replay [T, L, K] and indexer replay [T, Ls, W] (positions within each document,
   /// -1 for none), returned ids as asked (ForwardOutput). Throws std::invalid_argument for a
@@ -77,9 +82,9 @@ class Glm5NextModelImpl : public CausalLM {
   torch::Tensor lm_head_weight() override { return lm_head->weight; }
   int64_t num_moe_layers() const override { return c_.num_moe_layers(); }
   int64_t experts_per_token() const override { return c_.moe.top_k; }
-  int64_t num_sparse_layers() const;
+  int64_t num_sparse_layers() const override;
   /// W: positions one sparse layer selects per query (index_topk, + index_kpool - 1 with the tail).
-  int64_t topk_width() const;
+  int64_t topk_width() const override;
   void load_hf_checkpoint(const std::string& dir) override;
   void save_hf_checkpoint(const std::string& dir, uint64_t max_shard_bytes) override;
   void load_hf_tensors(const std::vector<messaging::Tensor>& tensors) override;
@@ -104,14 +109,26 @@ class Glm5NextModelImpl : public CausalLM {
   /// (_keep_in_fp32_modules_strict: the routers' e_score_correction_bias, KDA's conv weights,
   /// dt_bias and A_log).
   void to_dtype(torch::Dtype dtype) override;
-  /// The indexers' parameters (frozen; never trained by the RL loss), in parameters() order.
+  /// The indexers' parameters (the MTP layers' too: frozen; never trained by the RL loss), in
+  /// parameters() order.
   std::vector<torch::Tensor> indexer_parameters();
+  int64_t mtp_layers() const override { return int64_t(mtp.size()); }
+  /// Multi-token prediction (mtp.hpp) over `depths` logical depths, depth d on physical layer
+  /// min(d, mtp_layers()) - 1 (GLM-5.3-Flash has one, shared by every depth). Depth d runs over
+  /// the first n - d - 1 rows of each document of length n (row t takes token t+d's embedding
+  /// and depth d-1's hidden at t, and predicts token t+d+1), so no depth reaches past its
+  /// document; a document too short for a depth drops out of it, and the depths after the first
+  /// with no rows are not returned. hidden: [T, D] forward's out.hidden for `batch`. Throws
+  /// std::invalid_argument for a model without MTP layers, depths < 1 or a hidden of another shape.
+  std::vector<MtpDepth> mtp_forward(const PackedBatch& batch, const torch::Tensor& hidden, int64_t depths) override;
+  std::vector<torch::Tensor> mtp_parameters() override;
   const Glm5NextConfig& config() const { return c_; }
 
   torch::nn::Embedding embed{nullptr};  ///< [V, D]
   std::vector<DecoderLayer> layers;
   RMSNorm norm{nullptr};
   torch::nn::Linear lm_head{nullptr};   ///< [V, D]
+  std::vector<MtpLayer> mtp;            ///< num_nextn_predict_layers of them, registered as "mtp"
 
  private:
   Glm5NextConfig c_;

@@ -66,6 +66,12 @@ const std::vector<KeyRule> kKeyTable = {
     {KILN_L "mlp.shared_experts.gate_proj.weight", "layers.{}.moe.shared.gate.weight"},
     {KILN_L "mlp.shared_experts.up_proj.weight", "layers.{}.moe.shared.up.weight"},
     {KILN_L "mlp.shared_experts.down_proj.weight", "layers.{}.moe.shared.down.weight"},
+    // the MTP layers' own tensors (kiln mtp.{i}.* is looked up as layers.{num_hidden_layers + i}.*;
+    // their attention, norms and MoE use the rules above)
+    {KILN_L "enorm.weight", "layers.{}.enorm.weight"},
+    {KILN_L "hnorm.weight", "layers.{}.hnorm.weight"},
+    {KILN_L "eh_proj.weight", "layers.{}.eh_proj.weight"},
+    {KILN_L "shared_head.norm.weight", "layers.{}.head_norm.weight"},
 };
 
 namespace {
@@ -75,10 +81,23 @@ const std::string kLayers = KILN_T "layers.";
 
 using Source = TensorSource;
 
-Source source_of(const std::string& internal) {
+// Where kiln tensor `internal` comes from; the MTP layer mtp.{i} is HF layer num_layers + i.
+Source source_of(const std::string& internal, int64_t num_layers) {
   static const KeyTable table(kKeyTable, "glm5_next");
+  if (internal.rfind("mtp.", 0) == 0) {
+    const auto dot = internal.find('.', 4);
+    const int64_t i = std::stoll(internal.substr(4, dot - 4));
+    return table.source_of("layers." + std::to_string(num_layers + i) + internal.substr(dot));
+  }
   return table.source_of(internal);
 }
+
+// The MTP layers' copies of the shared embedding and output head, which some checkpoints
+// store (DeepSeek-V3 does; vLLM and SGLang skip them): HF key suffix -> the main model's key.
+const std::vector<std::pair<std::string, std::string>> kMtpSharedCopies = {
+    {"embed_tokens.weight", "model.language_model.embed_tokens.weight"},
+    {"shared_head.head.weight", "lm_head.weight"},
+};
 
 std::string expert_key(int64_t layer, int64_t e, const char* proj) {
   return kLayers + std::to_string(layer) + ".mlp.experts." + std::to_string(e) + "." + proj + ".weight";
@@ -102,8 +121,9 @@ std::vector<std::string> hf_keys(const Source& s, int64_t experts) {
 
 std::vector<std::string> required_hf_keys(Glm5NextModelImpl& model) {
   std::vector<std::string> keys;
+  const int64_t L = model.config().num_hidden_layers;
   for (const auto& [name, t] : named_tensors(model))
-    for (auto& k : hf_keys(source_of(name), model.config().moe.num_experts)) keys.push_back(k);
+    for (auto& k : hf_keys(source_of(name, L), model.config().moe.num_experts)) keys.push_back(k);
   return keys;
 }
 
@@ -127,11 +147,23 @@ void load_hf_state_dict(Glm5NextModelImpl& model, const HfTensorSource& ckpt) {
     if (!ckpt.contains(k)) missing.push_back(k);
     if (ckpt.contains(k + "_scale_inv")) consumed.insert(k + "_scale_inv");
   };
+  const int64_t L = cfg.num_hidden_layers, built = L + model.mtp_layers();
   for (const auto& [name, t] : named_tensors(model))
-    for (const auto& k : hf_keys(source_of(name), E)) need(k);
+    for (const auto& k : hf_keys(source_of(name, L), E)) need(k);
+  // An MTP layer's copies of the embedding and head: read below, must equal the main model's.
+  std::vector<std::pair<std::string, std::string>> shared_copies;
+  for (int64_t i = L; i < built; ++i)
+    for (const auto& [suffix, main_key] : kMtpSharedCopies) {
+      const auto k = kLayers + std::to_string(i) + "." + suffix;
+      if (!ckpt.contains(k)) continue;
+      consumed.insert(k);
+      if (ckpt.contains(k + "_scale_inv")) consumed.insert(k + "_scale_inv");
+      shared_copies.emplace_back(k, main_key);
+    }
+  // Layers past the built ones (MTP layers of a config that declares fewer) are not read.
   std::vector<std::string> unexpected;
   for (const auto& k : ckpt.names())
-    if (!consumed.count(k) && k.rfind("model.visual.", 0) != 0 && layer_of(k, kLayers) < cfg.num_hidden_layers)
+    if (!consumed.count(k) && k.rfind("model.visual.", 0) != 0 && layer_of(k, kLayers) < built)
       unexpected.push_back(k);
   throw_if_misfit(where, "glm5_next (" + std::to_string(cfg.num_hidden_layers) + " layers)", missing, unexpected);
   // A tensor as stored, FP8 dequantised with its block scales.
@@ -151,7 +183,7 @@ void load_hf_state_dict(Glm5NextModelImpl& model, const HfTensorSource& ckpt) {
   };
   torch::NoGradGuard no_grad;
   for (auto& [name, param] : named_tensors(model)) {
-    auto s = source_of(name);
+    auto s = source_of(name, L);
     if (s.kind == Source::Kind::direct) {
       param.copy_(read(s.hf, param.sizes()));
     } else if (s.kind == Source::Kind::gate_up) {
@@ -163,6 +195,15 @@ void load_hf_state_dict(Glm5NextModelImpl& model, const HfTensorSource& ckpt) {
       for (int64_t e = 0; e < E; ++e) param[e].copy_(read(expert_key(s.layer, e, "down_proj"), {D, F}));
     }
   }
+  // kiln's MTP layers share the main model's embedding and head (DeepSeek-V3 §2.2): a copy that
+  // differs would be a different model, refused by name rather than silently replaced.
+  for (const auto& [key, main_key] : shared_copies) {
+    const auto& mine = main_key == "lm_head.weight" ? model.lm_head->weight : model.embed->weight;
+    auto copy = read(key, mine.sizes());
+    if (!torch::equal(copy.to(mine.device(), mine.scalar_type()), mine))
+      throw CheckpointError(where + ": tensor '" + key + "' differs from '" + main_key +
+                            "': kiln's MTP layers share the main model's embedding and output head");
+  }
 }
 
 std::vector<messaging::Tensor> to_hf_state_dict(Glm5NextModelImpl& model) {
@@ -171,8 +212,9 @@ std::vector<messaging::Tensor> to_hf_state_dict(Glm5NextModelImpl& model) {
   auto add = [&](const std::string& key, const torch::Tensor& t) {
     out.push_back(messaging::from_torch(key, t.detach().to(torch::kCPU).contiguous()));
   };
+  const int64_t L = model.config().num_hidden_layers;
   for (const auto& [name, t] : named_tensors(model)) {
-    auto s = source_of(name);
+    auto s = source_of(name, L);
     if (s.kind == Source::Kind::direct) add(s.hf, t);
     for (int64_t e = 0; s.kind == Source::Kind::gate_up && e < E; ++e) {  // split
       add(expert_key(s.layer, e, "gate_proj"), t[e].narrow(0, 0, F));

@@ -9,7 +9,12 @@
 //   split: the reverse, when saving.
 // FP8 weights (float8_e4m3fn with a `<name>_scale_inv` block-scale grid) are dequantised on
 // load (model/fp8_blocks.hpp, block from the config, 128x128 by default). The vision tower
-// (model.visual.*) and the MTP layer (layers.{num_hidden_layers}) are never read.
+// (model.visual.*) is never read. The MTP layers (num_nextn_predict_layers of them) are HF
+// layers.{num_hidden_layers + i}: enorm, hnorm, eh_proj, shared_head.norm, and a block named
+// as a main sparse-attention MoE layer's (input_layernorm, self_attn.* with its indexer,
+// post_attention_layernorm, mlp.*; no hc_* tensors); their copies of the embedding and head
+// (embed_tokens, shared_head.head), where stored, must equal the main model's and are not
+// written back. Keys of layers past the built ones are not read.
 #include <memory>
 #include <string>
 #include <vector>
@@ -30,8 +35,9 @@ std::vector<std::string> required_hf_keys(Glm5NextModelImpl& model);
 
 /// Copies every tensor the model needs from `src` (shape checked on every copy, cast to the
 /// parameter's dtype; FP8 dequantised). Throws checkpoint::CheckpointError listing all missing
-/// keys and all unexpected ones (the vision tower's and the MTP layer's are neither), or naming
-/// a tensor whose shape or dtype does not fit.
+/// keys and all unexpected ones (the vision tower's and those of layers past the main and MTP
+/// layers built are neither), or naming a tensor whose shape or dtype does not fit, or an MTP
+/// layer's embedding or head copy that differs from the main model's.
 void load_hf_state_dict(Glm5NextModelImpl& model, const HfTensorSource& src);
 /// From a checkpoint directory, or from HF-named tensors in memory (weight sync).
 void load_hf_state_dict(Glm5NextModelImpl& model, checkpoint::Checkpoint& ckpt);

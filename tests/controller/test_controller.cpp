@@ -8,6 +8,7 @@
 #include <mutex>
 
 #include "actors/controller/grpo.hpp"
+#include "actors/controller/in_flight.hpp"
 #include "actors/controller/local_handles.hpp"
 #include "actors/controller/metrics.hpp"
 #include "actors/controller/prompts.hpp"
@@ -15,6 +16,7 @@
 #include "actors/controller/staleness.hpp"
 #include "actors/rollout/tokenizer.hpp"
 #include "actors/trainer/messages.hpp"
+#include "messaging/replay_frames.hpp"
 #include "model/registry.hpp"
 #include "tests/scratch.hpp"
 
@@ -212,4 +214,49 @@ TEST_CASE("local handles: the trainer's version reaches the in-process engine th
   CHECK(out[0].policy_versions == std::vector<int64_t>{5, 5});
   CHECK(between >= 2);  // called between decode steps
   CHECK_THROWS_WITH_AS(trainer.send(w, {"nobody/0"}), doctest::Contains("nobody/0"), std::runtime_error);
+}
+
+TEST_CASE("in-flight rollouts: a checkpoint keeps each completion's routed experts and sparse-attention selections") {
+  Batch b;
+  b.step = 4;
+  b.rollout_time = 1.5;
+  b.problems.push_back({"1+1", "2", {}, 0});
+  auto with = completion(3, {1, 1, 2});
+  with.routed_experts = torch::randint(0, 8, {4, 2, 3}, torch::kInt64);   // [P + n - 1, L, K]
+  with.topk_indices = torch::randint(-1, 4, {4, 1, 5}, torch::kInt64);    // [P + n - 1, Ls, W]
+  auto without = completion(4, {2});
+  b.completions = {with, without};
+  auto back = decode_in_flight(encode_in_flight({b}), 3, "test");
+  REQUIRE(back.size() == 1);
+  REQUIRE(back[0].completions.size() == 2);
+  const auto& c = back[0].completions[0];
+  CHECK(torch::equal(c.routed_experts, with.routed_experts));
+  CHECK(torch::equal(c.topk_indices, with.topk_indices));
+  CHECK((c.topk_indices.scalar_type() == torch::kInt64));
+  CHECK_FALSE(back[0].completions[1].routed_experts.defined());
+  CHECK_FALSE(back[0].completions[1].topk_indices.defined());
+}
+
+TEST_CASE("replay frames: routed experts, then sparse-attention selections when every item has them, read back by name and shape") {
+  auto e0 = torch::randint(0, 8, {4, 2, 3}, torch::kInt64), e1 = torch::randint(0, 8, {2, 2, 3}, torch::kInt64);
+  auto k0 = torch::randint(-1, 4, {4, 1, 5}, torch::kInt64), k1 = torch::randint(-1, 2, {2, 1, 5}, torch::kInt64);
+  auto frames = messaging::replay_frames({e0, e1}, {k0, k1});
+  REQUIRE(frames.size() == 4);
+  CHECK(frames[0].name == "routed_experts.0");
+  CHECK(frames[3].name == "topk_indices.1");
+  auto back = messaging::read_replay_frames(frames, {4, 2}, "test");
+  REQUIRE(back.topk_indices.size() == 2);
+  CHECK(torch::equal(back.routed_experts[1], e1));
+  CHECK(torch::equal(back.topk_indices[0], k0));
+  // An item without selections: only the routed experts travel; one without experts: nothing.
+  CHECK(messaging::replay_frames({e0, e1}, {k0, torch::Tensor()}).size() == 2);
+  CHECK(messaging::replay_frames({e0, torch::Tensor()}, {k0, k1}).empty());
+  CHECK(messaging::read_replay_frames({}, {4, 2}, "test").routed_experts.empty());
+  auto fewer = frames;
+  fewer.pop_back();
+  CHECK_THROWS_WITH_AS(messaging::read_replay_frames(fewer, {4, 2}, "test"),
+                       doctest::Contains("test: 3 replay tensors for 2 samples (expected 0, 2 or 4)"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(messaging::read_replay_frames(frames, {4, 3}, "test"),
+                       doctest::Contains("routed experts 'routed_experts.1' must be I64 [P + n - 1 = 3, L, K] (sample 1)"),
+                       std::invalid_argument);
 }

@@ -107,3 +107,17 @@ with Checks(work) as check:
                         "--set", f"run.output_dir={work}/nobody"], capture_output=True, text=True, timeout=120)
     check(p.returncode == 2 and "rollout server http://127.0.0.1:1" in p.stderr,
                    f"no server at the URL: exit 2 naming it ({p.returncode}: {p.stderr.strip()[-300:]})")
+
+    # 5. glm5_next through kiln serve: the completions carry each sparse layer's selections
+    # (return_topk_indices, parsed by shape) and the run logs the in-process engine's metrics
+    g5 = ["--set", "model.package=glm5_next"]
+    g_proc, g = check.server(kiln, "server_glm5", g5)
+    for name, extra in (("glm5_engine", []), ("glm5_http", ["--set", "rollout.backend=http", "--set", urls(g)])):
+        p = subprocess.run([kiln, "run", *quiet, *g5, "--set", "run.steps=2", *extra, "--set", f"run.output_dir={work}/{name}"],
+                           capture_output=True, text=True, timeout=600)
+        check(p.returncode == 0, f"{name} run exits 0 ({p.stderr[-400:]})")
+    if os.path.exists(f"{work}/glm5_http/metrics.jsonl") and os.path.exists(f"{work}/glm5_engine/metrics.jsonl"):
+        for x, y in zip(metrics(f"{work}/glm5_engine"), metrics(f"{work}/glm5_http")):
+            for k in ("reward_mean", "loss", "grad_norm", "train/rollout logprob abs diff"):
+                check(x[k] == y[k], f"glm5_next: step {x['step']} {k}: in-process {x[k]} == http {y[k]}")
+    stop_server(g_proc)

@@ -28,7 +28,12 @@ runs = {"single_process": ["single_process", 1, []], "multi_process": ["multi_pr
                                                          "--set", "placement.trainer=process"]],
         "single_process_bf16": ["single_process", 1, ["--set", "model.dtype=bf16"]],
         "trainer_process_bf16": ["multi_process", 2, ["--set", "model.dtype=bf16", "--set", "placement.reference=process",
-                                                      "--set", "placement.trainer=process"]]}
+                                                      "--set", "placement.trainer=process"]],
+        # glm5_next: rollouts, reference and trainer requests carry the sparse layers' selections
+        "single_process_glm5": ["single_process", 1, kl + ["--set", "model.package=glm5_next"]],
+        "trainer_process_glm5": ["multi_process", 1, kl + ["--set", "model.package=glm5_next",
+                                                           "--set", "placement.reference=process",
+                                                           "--set", "placement.trainer=process"]]}
 for name, (mode, engines, extra) in runs.items():
     p = subprocess.run([kiln, "run", *quiet, "--set", "run.steps=5", "--set", f"placement.mode={mode}", *extra,
                         "--set", f"placement.rollout_engines={engines}", "--set", f"run.output_dir={work}/{name}"],
@@ -37,7 +42,7 @@ for name, (mode, engines, extra) in runs.items():
 if all(ok for ok, _ in checks):
     for base, name in (("single_process", "multi_process"), ("single_process", "two_engines"),
                        ("single_process_kl", "ref_process_kl"), ("single_process_kl", "trainer_process_kl"),
-                       ("single_process_bf16", "trainer_process_bf16")):
+                       ("single_process_bf16", "trainer_process_bf16"), ("single_process_glm5", "trainer_process_glm5")):
         a, b = metrics(f"{work}/{base}"), metrics(f"{work}/{name}")
         checks.append((len(a) == len(b) == 5, f"{name}: 5 steps"))
         for x, y in zip(a, b):

@@ -11,7 +11,7 @@ and refuses one that does not fit, naming a tensor; JSON sent as a form (curl -d
 read as JSON, and a POST without a body or Content-Length (curl -X POST) is answered at once; a
 sample stops at the model's end token unless ignore_eos.
 Usage: check_serve_api.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
-import base64, json, os, random, socket, subprocess, sys, threading, time, urllib.error, urllib.request
+import base64, json, os, random, socket, struct, subprocess, sys, threading, time, urllib.error, urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serve_util import Checks, http, stop_server
@@ -279,3 +279,22 @@ with Checks(work) as check:
     check(s == 400 and ".weight" in msg, f"a checkpoint of another model is refused naming a tensor ({s}: {msg[:200]})")
     _, again = http(fresh_url, "/generate", greedy)
     check(all(close(a, b) for a, b in zip(want, again)), "after the refused update the server serves as before")
+
+    # 7. glm5_next (sparse attention): /get_model_info reports its sparse layers and selection
+    # width, and return_topk_indices (kiln's own field) answers each layer's selected positions
+    g5, g5_url = check.server(kiln, "glm5_next", ["--set", "model.package=glm5_next"])
+    s, info5 = http(g5_url, "/get_model_info")
+    Ls, W = info5.get("num_sparse_layers", 0), info5.get("topk_width", 0)
+    check(s == 200 and Ls > 0 and W > 0, f"glm5_next: /get_model_info reports sparse layers and selection width ({info5})")
+    check(info["num_sparse_layers"] == 0 and info["topk_width"] == 0, "glm4_moe_lite: no sparse layers")
+    prompt5 = [2, 5, 6, 7, 8, 9, 10, 11]
+    s, r = gen(g5_url, prompt5, 3, n=6, return_routed_experts=True, return_topk_indices=True)
+    n5 = len(r["output_ids"]) if s == 200 else 0
+    raw = base64.b64decode(r["meta_info"]["topk_indices"]) if s == 200 else b""
+    rows = len(prompt5) + n5 - 1
+    check(len(raw) == rows * Ls * W * 4, f"topk_indices: int32 [P + n - 1 = {rows}, {Ls}, {W}] in base64 ({len(raw)} bytes)")
+    sel = struct.unpack(f"<{len(raw) // 4}i", raw)
+    ok = all(-1 <= sel[(t * Ls + l) * W + w] <= t for t in range(rows) for l in range(Ls) for w in range(W))
+    check(ok and any(x >= 0 for x in sel), "each row selects positions in [-1, its own position]")
+    s, r = gen(g5_url, prompt5, 3, n=6)
+    check(s == 200 and "topk_indices" not in r["meta_info"], "not asked: no topk_indices")

@@ -93,6 +93,18 @@ TEST_CASE("unknown keys, wrong types and bad values are rejected by name") {
   ExperimentConfig k;
   k.set("algorithm.train_indexer=false");
   k.validate();
+  ExperimentConfig mtp;  // the multi-token-prediction loss: weight and depths, each checked by name
+  mtp.set("algorithm.mtp_loss_weight=0.3");
+  mtp.set("algorithm.mtp_depths=7");
+  mtp.validate();
+  CHECK(mtp.trainer.mtp_loss_weight == 0.3);
+  CHECK(mtp.trainer.mtp_depths == 7);
+  mtp.set("algorithm.mtp_depths=0");
+  CHECK_THROWS_WITH_AS(mtp.validate(), doctest::Contains("'algorithm.mtp_depths' must be in [1, 16]"), std::invalid_argument);
+  mtp.set("algorithm.mtp_depths=1");
+  mtp.set("algorithm.mtp_loss_weight=-0.5");
+  CHECK_THROWS_WITH_AS(mtp.validate(), doctest::Contains("'algorithm.mtp_loss_weight' must be finite and >= 0"),
+                       std::invalid_argument);
 }
 
 TEST_CASE("the trainer in a process needs every model out of the controller") {

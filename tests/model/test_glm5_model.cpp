@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "../scratch.hpp"
+#include "../test_util.hpp"
 #include "glm5_fixture.hpp"
 #include "model/fp8_blocks.hpp"
 #include "model/config_json.hpp"
@@ -59,17 +60,21 @@ TEST_CASE("sparse attention: the KPool indexer selects the tokens transformers' 
   CHECK_THROWS_AS(m->layers[2]->attn(h, cu), std::invalid_argument);
 }
 
-TEST_CASE("model: logits, routed experts, loss and gradients match transformers on the fixture (fp32)") {
+namespace {
+// The whole model against the fixture in fp32 on `device` (kiln's tensors brought back to the
+// CPU for the comparison).
+void check_against_fixture(torch::Device device) {
   auto m = fixture_model();
+  m->to(device);
   auto batch = fixture_batch();
   ForwardOptions opts;
   opts.return_routed_experts = true;
   auto out = m->forward(batch, opts);
-  auto logits = m->logits(out);
+  auto logits = m->logits(out).cpu();
   const double dl = max_diff(logits, expected("logits"));
   MESSAGE("logits: max |kiln - transformers| = " << dl);
   CHECK(dl < 1e-4);
-  CHECK(torch::equal(std::get<0>(out.routed_experts.sort(-1)), expected("routed_experts")));
+  CHECK(torch::equal(std::get<0>(out.routed_experts.cpu().sort(-1)), expected("routed_experts")));
   // Mean next-token cross-entropy over the documents, as the fixture's loss.
   auto cu = batch.cu_seqlens;
   std::vector<torch::Tensor> terms;
@@ -120,12 +125,22 @@ TEST_CASE("model: logits, routed experts, loss and gradients match transformers 
     auto ref = expected(name);
     REQUIRE(g.defined());
     REQUIRE(g.sizes() == ref.sizes());
-    const double d = rel_diff(g, ref);
+    const double d = rel_diff(g.cpu(), ref);
     MESSAGE(name << ": relative gradient diff " << d);
     CHECK(d < 1e-3);
   }
   // The indexer is not trained: no gradient reaches it.
   CHECK_FALSE(L[1]->attn->indexer->wk->weight.grad().defined());
+}
+}  // namespace
+
+TEST_CASE("model: logits, routed experts, loss and gradients match transformers on the fixture (fp32)") {
+  check_against_fixture(torch::kCPU);
+}
+
+TEST_CASE("CUDA fp32: logits, routed experts, loss and gradients match transformers on the fixture") {
+  if (kiln::test::skip_without_gpu()) return;
+  check_against_fixture(torch::Device(torch::kCUDA));
 }
 
 TEST_CASE("model: routing replay and indexer replay reproduce the forward, and a changed replay changes it") {
@@ -273,7 +288,8 @@ TEST_CASE("adapter: an FP8 weight with block scales is dequantised on load") {
 }
 
 TEST_CASE("crop: the fixture cut to 2 layers keeps its MTP layer renumbered, writes FP8 weights as bf16 and the rest bit for bit") {
-  // Source: the fixture plus an MTP tensor at layers.4 and one FP8 weight with its scale.
+  // Source: the fixture plus a whole MTP layer at layers.4 (a random model's) and one FP8
+  // weight with its scale.
   namespace fs = std::filesystem;
   const fs::path src = kiln::test::scratch_path("glm5-crop-src"), dst = kiln::test::scratch_path("glm5-crop-dst");
   fs::remove_all(src);
@@ -283,13 +299,24 @@ TEST_CASE("crop: the fixture cut to 2 layers keeps its MTP layer renumbered, wri
   auto fixture = kiln::checkpoint::Checkpoint::open(fixture_dir());
   const std::string T = "model.language_model.", fp8_key = T + "layers.1.mlp.gate.weight";
   auto fp8 = kiln::messaging::to_torch(fixture.get(fp8_key)).mul(4).to(torch::kFloat8_e4m3fn);  // [8, 64]
-  auto mtp = torch::randn({64, 128});
+  auto mtp_config = flavors::debug();
+  mtp_config.num_nextn_predict_layers = 1;
+  torch::manual_seed(8);
+  Glm5NextModel with_mtp(mtp_config, /*random_init=*/true);
+  std::map<std::string, kiln::messaging::Tensor> mtp;  // renumbered key -> the tensor
+  for (auto& t : with_mtp->hf_state_dict())
+    if (t.name.rfind(T + "layers.4.", 0) == 0) {
+      auto renumbered = T + "layers.2." + t.name.substr((T + "layers.4.").size());
+      mtp.emplace(renumbered, t);
+    }
+  REQUIRE(mtp.size() > 20);
   std::vector<kiln::messaging::Tensor> tensors;
   for (const auto& k : fixture.names())
     if (k != fp8_key) tensors.push_back(fixture.get(k));
   tensors.push_back(kiln::messaging::from_torch(fp8_key, fp8));
   tensors.push_back(kiln::messaging::from_torch(fp8_key + "_scale_inv", torch::full({1, 1}, 0.25f)));
-  tensors.push_back(kiln::messaging::from_torch(T + "layers.4.eh_proj.weight", mtp));
+  for (const auto& t : with_mtp->hf_state_dict())
+    if (t.name.rfind(T + "layers.4.", 0) == 0) tensors.push_back(t);
   kiln::checkpoint::write_checkpoint(src.string(), tensors, 200 << 10);
   auto config = kiln::model::config_json::read_config_json(fixture_dir());
   config["text_config"]["num_nextn_predict_layers"] = 1;
@@ -305,12 +332,12 @@ TEST_CASE("crop: the fixture cut to 2 layers keeps its MTP layer renumbered, wri
     CHECK(k.find("_scale_inv") == std::string::npos);
     CHECK(k.find("layers.3.") == std::string::npos);
     if (k.rfind(T + "layers.", 0) == 0) ++layer_keys;
-    if (k == fp8_key || k == T + "layers.2.eh_proj.weight") continue;
-    REQUIRE(fixture.contains(k));  // layers 0 and 1, embeddings, norm, head, vision tower
-    const auto a = out.get(k), b = fixture.get(k);
+    if (k == fp8_key) continue;
+    const bool is_mtp = k.rfind(T + "layers.2.", 0) == 0;
+    REQUIRE((is_mtp ? mtp.count(k) == 1 : fixture.contains(k)));  // MTP renumbered; layers 0, 1, embeddings, norm, head, vision
+    const auto a = out.get(k), b = is_mtp ? mtp.at(k) : fixture.get(k);
     CHECK((a.nbytes == b.nbytes && std::equal(a.data, a.data + a.nbytes, b.data)));
   }
-  CHECK(torch::equal(kiln::messaging::to_torch(out.get(T + "layers.2.eh_proj.weight")), mtp));  // MTP renumbered
   auto gate = kiln::messaging::to_torch(out.get(fp8_key));
   CHECK((gate.scalar_type() == torch::kBFloat16));
   CHECK(torch::equal(gate.to(torch::kFloat), fp8.to(torch::kFloat) * 0.25f));
@@ -320,9 +347,12 @@ TEST_CASE("crop: the fixture cut to 2 layers keeps its MTP layer renumbered, wri
   CHECK(cropped["text_config"]["num_nextn_predict_layers"] == 1);
   CHECK_FALSE(cropped.contains("quantization_config"));
   CHECK(cropped["vision_config"] == config["vision_config"]);
-  // The crop loads as a 2-layer model (the MTP layer is not read) and runs.
+  // The crop loads as a 2-layer model with its MTP layer (the source's, bit for bit) and runs.
   auto m = from_hf_dir(dst.string());
   CHECK(m->config().num_hidden_layers == 2);
+  REQUIRE(m->mtp_layers() == 1);
+  auto source_mtp = with_mtp->mtp[0]->named_parameters();
+  for (auto& p : m->mtp[0]->named_parameters()) CHECK(torch::equal(p.value(), source_mtp[p.key()]));
   CHECK(layer_keys > 0);
   torch::NoGradGuard ng;
   CHECK(torch::isfinite(m->logits(m->forward(fixture_batch()))).all().item<bool>());

@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <map>
 #include <memory>
 
 #include "actors/trainer/trainer.hpp"
@@ -190,4 +191,53 @@ TEST_CASE("glm5_next: a trainer config that asks to train the indexer is refused
   CHECK_THROWS_WITH_AS(trainer::Trainer(glm5_debug(1), c),
                        doctest::Contains("trainer config: train_indexer must be false: the RL loss does not train"),
                        std::invalid_argument);
+}
+
+TEST_CASE("glm5_next: algorithm.mtp_loss_weight adds the MTP loss to the step and trains the MTP layer, weight 0 leaves it untouched") {
+  auto config = model::glm5_next::flavors::debug();
+  config.num_nextn_predict_layers = 1;
+  torch::manual_seed(21);
+  auto with = std::make_shared<Glm5NextModelImpl>(config, /*random_init=*/true);
+  torch::manual_seed(21);
+  auto without = std::make_shared<Glm5NextModelImpl>(config, /*random_init=*/true);
+  auto samples = test::random_samples(13, 6, with->vocab_size());
+  std::map<std::string, torch::Tensor> before;
+  for (auto& p : with->named_parameters()) before[p.key()] = p.value().detach().clone();
+
+  trainer::TrainerConfig on, off;
+  on.mtp_loss_weight = 0.5;
+  on.mtp_depths = 2;
+  trainer::Trainer a(with, on), b(without, off);
+  auto ma = a.train_step(samples), mb = b.train_step(samples);
+  CHECK(mb.mtp_loss == 0);
+  CHECK(ma.mtp_ce > 0);
+  CHECK(ma.mtp_loss > 0);
+  // The policy loss is the same (same weights, same batch); the MTP term comes on top.
+  CHECK(ma.loss == doctest::Approx(mb.loss + ma.mtp_loss).epsilon(1e-5));
+  int64_t mtp_changed = 0;
+  for (auto& p : with->named_parameters()) {
+    if (p.key().rfind("mtp.", 0) != 0) continue;
+    const bool indexer = p.key().find(".indexer.") != std::string::npos;
+    CAPTURE(p.key());
+    if (indexer) CHECK(torch::equal(p.value(), before[p.key()]));  // frozen, MTP layer's too
+    else mtp_changed += !torch::equal(p.value(), before[p.key()]);
+  }
+  CHECK(mtp_changed > 5);
+  for (auto& p : without->named_parameters())
+    if (p.key().rfind("mtp.", 0) == 0) CHECK(torch::equal(p.value(), before[p.key()]));  // no MTP loss: untouched
+}
+
+TEST_CASE("glm5_next: mtp_loss_weight > 0 is refused by name for a model without an MTP layer, bad values by name") {
+  trainer::TrainerConfig c;
+  c.mtp_loss_weight = 0.3;
+  CHECK_THROWS_WITH_AS(trainer::Trainer(glm5_debug(1), c),
+                       doctest::Contains("mtp_loss_weight 0.300000 (experiment key algorithm.mtp_loss_weight) needs a "
+                                         "policy with a multi-token-prediction layer"),
+                       std::invalid_argument);
+  c.mtp_loss_weight = -1;
+  CHECK_THROWS_WITH_AS(c.validate(), doctest::Contains("trainer config: mtp_loss_weight must be finite and >= 0"),
+                       std::invalid_argument);
+  c.mtp_loss_weight = 0;
+  c.mtp_depths = 0;
+  CHECK_THROWS_WITH_AS(c.validate(), doctest::Contains("trainer config: mtp_depths must be in [1, 16]"), std::invalid_argument);
 }

@@ -69,5 +69,5 @@ TEST_CASE("reference actor: refuses early requests, loads weights by sync, answe
   experts.pop_back();  // one routed-experts tensor short
   auto bad = ask(experts);
   REQUIRE_FALSE(bad.has_value());
-  CHECK(bad.error().message.find("3 routed-experts tensors for 4 samples") != std::string::npos);
+  CHECK(bad.error().message.find("3 replay tensors for 4 samples (expected 0, 4 or 8)") != std::string::npos);
 }

@@ -166,7 +166,7 @@ TEST_CASE("trainer actor: the seeded policy, the Trainer's exact update, checked
           std::string::npos);
     auto fewer = experts;
     fewer.pop_back();
-    CHECK(error_of(rig.ask(q, fewer)).find("5 routed-experts tensors for 6 samples") != std::string::npos);
+    CHECK(error_of(rig.ask(q, fewer)).find("5 replay tensors for 6 samples (expected 0, 6 or 12)") != std::string::npos);
     auto wrong = experts;
     wrong[0] = from_torch("routed_experts.0", torch::zeros({2, 1, 1}, torch::kInt64));
     CHECK(error_of(rig.ask(q, wrong)).find("routed experts 'routed_experts.0' must be I64 [P + n - 1 = 5, L, K]") !=
