@@ -1,6 +1,7 @@
 #include "model/blocks/mla.hpp"
 
 #include <algorithm>
+#include <tuple>
 
 #include "kernels/attention.hpp"
 #include "kernels/mla_decode.hpp"
@@ -9,6 +10,14 @@ namespace kiln::model {
 
 namespace {
 torch::nn::Linear linear(int64_t in, int64_t out) { return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false)); }
+
+// [B, s_max]: cache row of every position p < s_max of every row of `table` [B, W] (pages of
+// `block_size`), 0 at and past lengths [B].
+torch::Tensor slots_of(const torch::Tensor& table, const torch::Tensor& lengths, int64_t s_max, int64_t block_size) {
+  auto p = torch::arange(s_max, table.options()).view({1, s_max});
+  auto slots = table.index_select(1, p.view({-1}).div(block_size, "floor")) * block_size + p.remainder(block_size);
+  return slots.masked_fill(p >= lengths.view({-1, 1}), 0);
+}
 }  // namespace
 
 MLAImpl::MLAImpl(const MLAOptions& opt) : o_(opt) {
@@ -112,11 +121,8 @@ std::pair<torch::Tensor, torch::Tensor> CachedLayout::block_table_padded(int64_t
 // [B, s_max]: cache row of every position p < s_max of every slice (0 at and past its length),
 // computed on the device from the slices' block tables (one small copy per step).
 torch::Tensor CachedLayout::key_slots_padded(int64_t s_max) const {
-  const int64_t BS = block_size_;
   auto [table, lengths] = block_table_padded(s_max);
-  auto p = torch::arange(s_max, torch::TensorOptions().dtype(torch::kInt64).device(device_)).view({1, s_max});
-  auto slots = table.index_select(1, p.view({-1}).div(BS, "floor")) * BS + p.remainder(BS);
-  return slots.masked_fill(p >= lengths.view({-1, 1}), 0);  // [B, s_max]
+  return slots_of(table, lengths, s_max, block_size_);  // [B, s_max]
 }
 
 const CachedLayout::Varlen& CachedLayout::varlen() const {
@@ -160,8 +166,8 @@ const CachedLayout::Padded& CachedLayout::padded() const {
     }
   }
   auto i64 = [&](const std::vector<int64_t>& v) { return torch::tensor(v, torch::kInt64).to(device_); };
-  d.key_slots = key_slots_padded(d.s_max).view({-1});
   std::tie(d.block_table, d.lengths) = block_table_padded(d.s_max);
+  d.key_slots = slots_of(d.block_table, d.lengths, d.s_max, block_size_).view({-1});
   d.query_rows = i64(query_rows);
   d.cached = i64(cached);
   d.counts = i64(counts);
