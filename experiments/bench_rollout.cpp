@@ -21,7 +21,7 @@ namespace {
 // One (context, batch) point: the engine's median pure-decode step, in seconds, or -1 when the
 // device ran out of memory.
 // The engine's decode modes the table compares.
-enum class Mode { expanded, absorbed, graphs };
+enum class Mode { expanded, absorbed, graphs, kernel, graphs_kernel };
 
 double decode_step_seconds(const std::shared_ptr<model::CausalLM>& model, int64_t vocab, int64_t context, int64_t batch,
                            int64_t new_tokens, Mode mode) {
@@ -41,7 +41,8 @@ double decode_step_seconds(const std::shared_ptr<model::CausalLM>& model, int64_
   eo.max_prefill_tokens = std::max<int64_t>(context, 65536);
   eo.cache_blocks = batch * ((context + new_tokens + 15) / 16);
   eo.absorbed_decode = mode != Mode::expanded;
-  eo.cuda_graphs = mode == Mode::graphs;
+  eo.cuda_graphs = mode == Mode::graphs || mode == Mode::graphs_kernel;
+  eo.mla_decode_kernel = mode == Mode::kernel || mode == Mode::graphs_kernel;
   try {
     rollout::Engine engine(model, eo);
     for (auto& r : reqs) engine.submit(std::move(r));
@@ -57,7 +58,7 @@ double decode_step_seconds(const std::shared_ptr<model::CausalLM>& model, int64_
     return decode[decode.size() / 2];
   } catch (const c10::Error& e) {
     if (std::string(e.what()).find("out of memory") != std::string::npos) return -1;
-    if (mode != Mode::graphs) throw;
+    if (!eo.cuda_graphs) throw;
     // A capture that failed: the table goes on without this cell (printed as FAILED).
     std::fprintf(stderr, "kiln bench rollout: graphs at context %lld, batch %lld: %s\n", (long long)context,
                  (long long)batch, e.what_without_backtrace());
@@ -154,11 +155,13 @@ int run_rollout_bench_cuda(const RolloutBenchOptions& o) {
     if (m == "expanded") modes.emplace_back(Mode::expanded, "expanded");
     else if (m == "absorbed") modes.emplace_back(Mode::absorbed, "absorbed");
     else if (m == "graphs") modes.emplace_back(Mode::graphs, "graphs");
-    else throw std::invalid_argument("--modes: '" + m + "' is not expanded, absorbed or graphs");
+    else if (m == "kernel") modes.emplace_back(Mode::kernel, "kernel");
+    else if (m == "graphs-kernel") modes.emplace_back(Mode::graphs_kernel, "graphs-kernel");
+    else throw std::invalid_argument("--modes: '" + m + "' is not expanded, absorbed, graphs, kernel or graphs-kernel");
   }
   if (modes.empty()) throw std::invalid_argument("--modes: none given");
   std::printf("%8s %6s %10s", "context", "batch", "roofline");
-  for (const auto& [m, name] : modes) std::printf(" %12s %12s %11s", name, "tok/s", "of_limit");
+  for (const auto& [m, name] : modes) std::printf(" %13s %12s %11s", name, "tok/s", "of_limit");
   std::printf(" %9s\n", "speedup");  // the last mode against the first
   for (const auto& [m, name] : modes) (void)decode_step_seconds(model, cfg.vocab_size, 64, 2, 4, m);  // warm-up
   for (auto P : o.contexts)
@@ -175,8 +178,8 @@ int run_rollout_bench_cuda(const RolloutBenchOptions& o) {
       }
       auto cell = [&](double s) {
         char buf[64];
-        if (s < 0) std::snprintf(buf, sizeof buf, "%12s %12s %11s", s < -1.5 ? "FAILED" : "OOM", "-", "-");
-        else std::snprintf(buf, sizeof buf, "%10.2fms %12.0f %10.1f%%", s * 1e3, double(B) / s, 100.0 * limit_s / s);
+        if (s < 0) std::snprintf(buf, sizeof buf, "%13s %12s %11s", s < -1.5 ? "FAILED" : "OOM", "-", "-");
+        else std::snprintf(buf, sizeof buf, "%11.2fms %12.0f %10.1f%%", s * 1e3, double(B) / s, 100.0 * limit_s / s);
         return std::string(buf);
       };
       std::printf("%8lld %6lld %8.2fms", (long long)P, (long long)B, limit_s * 1e3);

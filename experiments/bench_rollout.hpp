@@ -8,7 +8,8 @@
 // weights; for each context (prompt length) and batch size, the engine's decode step time
 // (median over steps in which every sequence decodes one token) with the cache expanded
 // through kv_b (the training kernels), with absorbed (latent-space) decode and with absorbed
-// decode replayed as CUDA graphs (rollout.cuda_graphs; `--modes` picks the columns), against the
+// decode replayed as CUDA graphs (rollout.cuda_graphs), each with or without the paged-cache
+// attention kernel (rollout.mla_decode_kernel; `--modes` picks the columns), against the
 // roofline of the same step: bytes of weights read (lm_head, attention, dense MLP, shared
 // experts, and the routed experts a batch of that size touches: E * (1 - (1 - K/E)^B) of E,
 // uniform routing) plus the latent cache read, over the device-to-device copy rate measured in
@@ -32,8 +33,10 @@ struct RolloutBenchOptions {
   int64_t layers = 4;                            ///< cuda: decoder layers at GLM-4.7-Flash dims
   std::vector<int64_t> contexts = {1024, 8192};  ///< cuda: prompt lengths
   /// cuda: the engine's decode modes, columns in this order: "expanded" (the default engine),
-  /// "absorbed" (rollout.absorbed_decode), "graphs" (absorbed with rollout.cuda_graphs); the
-  /// speedup column is the first mode's step time over the last's.
+  /// "absorbed" (rollout.absorbed_decode), "graphs" (absorbed with rollout.cuda_graphs),
+  /// "kernel" and "graphs-kernel" (absorbed, eager or graphed, with rollout.mla_decode_kernel:
+  /// the paged-cache attention kernel); the speedup column is the first mode's step time over
+  /// the last's.
   std::vector<std::string> modes = {"expanded", "absorbed", "graphs"};
 };
 

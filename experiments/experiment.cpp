@@ -160,6 +160,7 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   integer("rollout.step_delay_ms", c.rollout.engine.step_delay_ms);
   boolean("rollout.absorbed_decode", c.rollout.engine.absorbed_decode);
   boolean("rollout.cuda_graphs", c.rollout.engine.cuda_graphs);
+  boolean("rollout.mla_decode_kernel", c.rollout.engine.mla_decode_kernel);
   boolean("rollout.share_prompts", c.rollout.engine.share_prompts);
   text_list("rollout.urls", c.rollout.urls);
   integer("rollout.http_timeout_s", c.rollout.http_timeout_s);

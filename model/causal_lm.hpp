@@ -148,6 +148,10 @@ class CausalLM : public torch::nn::Module {
   /// off: the training path's kernels over expanded keys and values. No effect on a model
   /// without such a form.
   virtual void set_absorbed_decode(bool on) = 0;
+  /// Latent-space decode steps on CUDA compute their attention with the paged-cache kernel
+  /// (MLAImpl::set_decode_kernel: each cached latent read once in place) instead of gathering
+  /// the padded latents. No effect on a model without such a form.
+  virtual void set_decode_kernel(bool on) = 0;
   virtual int64_t vocab_size() const = 0;
 
   /// Expert parallel for the routed experts (blocks/moe_ep.hpp) over `ep` (held by reference;

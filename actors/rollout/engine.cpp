@@ -52,6 +52,7 @@ Engine::Engine(std::shared_ptr<model::CausalLM> model, EngineOptions options)
     throw std::invalid_argument("engine: cache_blocks, block_size, max_batch and max_prefill_tokens must be >= 1, "
                                 "step_delay_ms >= 0");
   model_->set_absorbed_decode(o_.absorbed_decode);
+  model_->set_decode_kernel(o_.mla_decode_kernel);
   if (o_.cuda_graphs && !o_.absorbed_decode)
     throw std::invalid_argument("engine: rollout.cuda_graphs needs rollout.absorbed_decode = true (the captured decode "
                                 "step attends in latent space)");

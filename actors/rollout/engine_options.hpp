@@ -29,8 +29,16 @@ struct EngineOptions {
   /// CUDA model with a device decode step (CausalLM::forward_decode) and absorbed_decode; the
   /// cache gets one more page (the padding rows' scratch page). Off by default.
   bool cuda_graphs = false;
+  /// CUDA: absorbed decode steps (eager and graphed) attend with the paged-cache kernel
+  /// (kernels/mla_decode.hpp: each cached latent read once, in place, all heads sharing each
+  /// load; CausalLM::set_decode_kernel) instead of gathering every sequence's padded latents
+  /// and reading them with two batched GEMMs. No effect without absorbed_decode. On by
+  /// default: equal to the gather within bf16 rounding on an H200, eager steps 1.2-1.9x faster,
+  /// graphed steps 1.2-1.5x at 8192 x 128-256 and within 5% elsewhere (docs/benchmarks.md,
+  /// "Rollout decode with the paged-cache attention kernel").
+  bool mla_decode_kernel = true;
   MSGPACK_DEFINE_MAP(cache_blocks, block_size, max_batch, max_prefill_tokens, step_delay_ms, absorbed_decode,
-                     share_prompts, cuda_graphs);
+                     share_prompts, cuda_graphs, mla_decode_kernel);
 };
 
 }  // namespace kiln::rollout

@@ -1,13 +1,23 @@
 #include "model/blocks/mla.hpp"
 
 #include <algorithm>
+#include <tuple>
 
 #include "kernels/attention.hpp"
+#include "kernels/mla_decode.hpp"
 
 namespace kiln::model {
 
 namespace {
 torch::nn::Linear linear(int64_t in, int64_t out) { return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false)); }
+
+// [B, s_max]: cache row of every position p < s_max of every row of `table` [B, W] (pages of
+// `block_size`), 0 at and past lengths [B].
+torch::Tensor slots_of(const torch::Tensor& table, const torch::Tensor& lengths, int64_t s_max, int64_t block_size) {
+  auto p = torch::arange(s_max, table.options()).view({1, s_max});
+  auto slots = table.index_select(1, p.view({-1}).div(block_size, "floor")) * block_size + p.remainder(block_size);
+  return slots.masked_fill(p >= lengths.view({-1, 1}), 0);
+}
 }  // namespace
 
 MLAImpl::MLAImpl(const MLAOptions& opt) : o_(opt) {
@@ -85,6 +95,8 @@ CachedLayout::CachedLayout(const torch::Tensor& positions, const torch::Tensor& 
   d.cached = positions;
   d.counts = torch::ones({B}, opts);
   d.keep = torch::arange(B, opts);
+  d.block_table = block_table;
+  d.lengths = positions + 1;
   padded_ = std::move(d);
 }
 
@@ -93,10 +105,8 @@ const std::vector<CachedSlice>& CachedLayout::slices() const {
   return slices_ ? *slices_ : none;
 }
 
-// [B, s_max]: cache row of every position p < s_max of every slice (0 at and past its length),
-// computed on the device from the slices' block tables (one small copy per step).
-torch::Tensor CachedLayout::key_slots_padded(int64_t s_max) const {
-  const int64_t B = int64_t(slices_->size()), BS = block_size_, nb = (s_max + BS - 1) / BS;
+std::pair<torch::Tensor, torch::Tensor> CachedLayout::block_table_padded(int64_t s_max) const {
+  const int64_t B = int64_t(slices_->size()), BS = block_size_, nb = std::max<int64_t>(1, (s_max + BS - 1) / BS);
   std::vector<int64_t> table(static_cast<std::size_t>(B * nb), 0), lengths(static_cast<std::size_t>(B), 0);
   for (int64_t b = 0; b < B; ++b) {
     const auto& s = (*slices_)[std::size_t(b)];
@@ -105,9 +115,14 @@ torch::Tensor CachedLayout::key_slots_padded(int64_t s_max) const {
     for (int64_t k = 0; k < used; ++k) table[std::size_t(b * nb + k)] = (*s.blocks)[std::size_t(k)];
   }
   auto i64 = [&](const std::vector<int64_t>& v) { return torch::tensor(v, torch::kInt64).to(device_); };
-  auto p = torch::arange(s_max, torch::TensorOptions().dtype(torch::kInt64).device(device_)).view({1, s_max});
-  auto slots = i64(table).view({B, nb}).index_select(1, p.view({-1}).div(BS, "floor")) * BS + p.remainder(BS);
-  return slots.masked_fill(p >= i64(lengths).view({B, 1}), 0);  // [B, s_max]
+  return {i64(table).view({B, nb}), i64(lengths)};
+}
+
+// [B, s_max]: cache row of every position p < s_max of every slice (0 at and past its length),
+// computed on the device from the slices' block tables (one small copy per step).
+torch::Tensor CachedLayout::key_slots_padded(int64_t s_max) const {
+  auto [table, lengths] = block_table_padded(s_max);
+  return slots_of(table, lengths, s_max, block_size_);  // [B, s_max]
 }
 
 const CachedLayout::Varlen& CachedLayout::varlen() const {
@@ -151,7 +166,8 @@ const CachedLayout::Padded& CachedLayout::padded() const {
     }
   }
   auto i64 = [&](const std::vector<int64_t>& v) { return torch::tensor(v, torch::kInt64).to(device_); };
-  d.key_slots = key_slots_padded(d.s_max).view({-1});
+  std::tie(d.block_table, d.lengths) = block_table_padded(d.s_max);
+  d.key_slots = slots_of(d.block_table, d.lengths, d.s_max, block_size_).view({-1});
   d.query_rows = i64(query_rows);
   d.cached = i64(cached);
   d.counts = i64(counts);
@@ -199,6 +215,15 @@ torch::Tensor MLAImpl::forward_cached(const torch::Tensor& x, const torch::Tenso
   auto w = kv_b->weight.view({H, Nd + V, C});
   auto w_uk = w.narrow(1, 0, Nd), w_uv = w.narrow(1, Nd, V);
   auto q_lat = torch::einsum("nhd,hdc->nhc", {q_nope, w_uk});                                 // [N, H, C]
+  if (decode_kernel_ && layout.decode() && cache.scalar_type() == x.scalar_type() &&
+      kernels::mla_decode_kernel_supports(q_lat, q_rope, cache)) {
+    // One token per slice, slices in step order: row b is slice b's token, at position
+    // lengths[b] - 1, its entry written above.
+    const auto& P = layout.padded();
+    auto o_lat = kernels::mla_decode_attention(q_lat, q_rope, cache, P.block_table, P.lengths,
+                                               o_.softmax_scale);                                // [N, H, C]
+    return o(torch::einsum("nhc,hvc->nhv", {o_lat, w_uv}).reshape({N, H * V}));
+  }
   // All slices in one padded batch: B slices, up to n_max new tokens and s_max keys each.
   const auto& P = layout.padded();
   const int64_t B = layout.batch(), n_max = P.n_max, s_max = P.s_max;

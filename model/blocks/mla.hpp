@@ -62,10 +62,16 @@ class CachedLayout {
     torch::Tensor query_rows;  ///< [B*n_max] int64 rows of the step's tokens (0 for padding)
     torch::Tensor cached, counts;  ///< [B] int64
     torch::Tensor keep;        ///< [N] int64: the padded rows that are real tokens, in step order
+    /// The page tables the rows above come from: [B, W] int64 page ids (W * block_size >=
+    /// s_max; entries past a slice's pages are 0 or, for a layout of device tensors, as given),
+    /// and lengths [B] int64 = cached + count (the keys each slice's last token sees).
+    torch::Tensor block_table, lengths;
   };
   const Padded& padded() const;
 
  private:
+  // The slices' page tables [B, ceil(s_max / block_size)] and lengths [B], on the device.
+  std::pair<torch::Tensor, torch::Tensor> block_table_padded(int64_t s_max) const;
   torch::Tensor key_slots_padded(int64_t s_max) const;  // [B, s_max], from the block tables
   const std::vector<CachedSlice>* slices_ = nullptr;
   int64_t block_size_;
@@ -105,6 +111,14 @@ class MLAImpl : public torch::nn::Module {
   /// device tensors only (CachedLayout::on_device_only, a captured decode step) always takes
   /// the absorbed form.
   void set_absorbed_decode(bool on) { absorbed_decode_ = on; }
+  /// Decode steps that take the absorbed form compute its attention with
+  /// kernels::mla_decode_attention (each cached latent read once, in place from its page, by a
+  /// CUDA kernel) instead of gathering every slice's padded latents into a new tensor and
+  /// reading them with two batched GEMMs; only where that kernel takes the inputs
+  /// (kernels::mla_decode_kernel_supports: CUDA, bf16 cache and activations, its widths), the
+  /// gather elsewhere. Same math, other roundings (fp32 online softmax over chunks, the
+  /// probabilities rounded to bf16 per tile). Off until set.
+  void set_decode_kernel(bool on) { decode_kernel_ = on; }
   /// Width of one cache entry: kv_lora_rank + qk_rope_head_dim.
   int64_t cache_width() const { return o_.kv_lora_rank + o_.qk_rope_head_dim; }
 
@@ -112,6 +126,7 @@ class MLAImpl : public torch::nn::Module {
  private:
   torch::Tensor cached_expanded(const torch::Tensor& q, const CachedLayout& layout, torch::Tensor& cache);
   bool absorbed_decode_ = false;
+  bool decode_kernel_ = false;
 
  public:
   torch::nn::Linear q_a{nullptr};   ///< [Q, D]

@@ -80,6 +80,9 @@ class Glm4MoeLiteModel : public CausalLM {
   void set_absorbed_decode(bool on) override {
     for (auto& l : layers) l->attn->set_absorbed_decode(on);
   }
+  void set_decode_kernel(bool on) override {
+    for (auto& l : layers) l->attn->set_decode_kernel(on);
+  }
   /// A PagedCache (model/decode_cache.hpp): per layer [G, Z, cache_width()], no slot state.
   std::unique_ptr<DecodeCache> make_decode_cache(const DecodeCacheShape& shape,
                                                  const torch::TensorOptions& options) const override;

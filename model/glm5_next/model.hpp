@@ -104,6 +104,8 @@ class Glm5NextModelImpl : public CausalLM {
                                bool want_routing) override;
   /// No effect: the sparse layers have no absorbed (latent-space) decode form.
   void set_absorbed_decode(bool) override {}
+  /// No effect, as set_absorbed_decode.
+  void set_decode_kernel(bool) override {}
   int64_t vocab_size() const override { return c_.vocab_size; }
   /// Casts parameters to `dtype`, keeping in fp32 what transformers keeps there
   /// (_keep_in_fp32_modules_strict: the routers' e_score_correction_bias, KDA's conv weights,

@@ -134,38 +134,84 @@ TEST_CASE("rollout.cuda_graphs is refused without absorbed_decode and on a CPU m
   CHECK(cache_bytes(o, *m, torch::kFloat32) == cache_bytes(EngineOptions{}, *m, torch::kFloat32) / 512 * 513);
 }
 
+TEST_CASE("CUDA bf16: the MLA decode kernel's decode step equals the gathered absorbed step (forward_cached, forward_decode)") {
+  if (test::skip_without_gpu()) return;
+  auto m = graph_model(4);
+  const torch::Device dev(torch::kCUDA);
+  m->to(dev);
+  m->to_dtype(torch::kBFloat16);
+  m->set_absorbed_decode(true);
+  const int64_t BS = 4;
+  auto cache = m->make_decode_cache({160, BS, 4}, m->lm_head_weight().options());
+  // Four sequences of 6, 11, 70 and 130 prompt tokens (1 to 33 pages of 4), pages interleaved.
+  const std::vector<int64_t> lens{6, 11, 70, 130};
+  std::vector<std::vector<int64_t>> pages(4);
+  for (int64_t g = 0, b = 0; g < 160; ++g, b = (b + 1) % 4)
+    if (int64_t(pages[std::size_t(b)].size()) * BS < lens[std::size_t(b)] + 1) pages[std::size_t(b)].push_back(g);
+  std::vector<int64_t> ids, pos;
+  std::vector<model::CachedSlice> pre, step;
+  for (int64_t b = 0, start = 0; b < 4; start += lens[std::size_t(b)], ++b) {
+    for (int64_t i = 0; i < lens[std::size_t(b)]; ++i) ids.push_back(3 + (b * 13 + i * 7) % 90), pos.push_back(i);
+    pre.push_back({start, lens[std::size_t(b)], 0, &pages[std::size_t(b)], -1});
+    step.push_back({b, 1, lens[std::size_t(b)], &pages[std::size_t(b)], -1});
+  }
+  auto i64 = [&](std::vector<int64_t> v) { return torch::tensor(v, torch::kInt64).to(dev); };
+  m->forward_cached(i64(ids), i64(pos), pre, *cache, false);
+  const auto new_ids = i64({50, 60, 70, 80}), new_pos = i64(lens);
+  m->set_decode_kernel(false);
+  auto gathered = m->forward_cached(new_ids, new_pos, step, *cache, false).hidden.to(torch::kFloat32);
+  m->set_decode_kernel(true);  // the same entries are written again: same inputs, same values
+  auto kernel = m->forward_cached(new_ids, new_pos, step, *cache, false).hidden.to(torch::kFloat32);
+  auto table = torch::zeros({4, 40}, torch::kInt64);
+  for (int64_t b = 0; b < 4; ++b) table[b].narrow(0, 0, int64_t(pages[std::size_t(b)].size())).copy_(torch::tensor(pages[std::size_t(b)]));
+  auto on_device = m->forward_decode(new_ids, new_pos, table.to(dev), *cache, false).hidden.to(torch::kFloat32);
+  m->set_decode_kernel(false);
+  auto on_device_gathered = m->forward_decode(new_ids, new_pos, table.to(dev), *cache, false).hidden.to(torch::kFloat32);
+  // bf16 activations through 3 layers; the gathered path rounds scores and probabilities to
+  // bf16, the kernel keeps scores in fp32: the two differ by bf16 rounding, not by a key.
+  const double e1 = test::rel_error(kernel, gathered), e2 = test::rel_error(on_device, on_device_gathered);
+  MESSAGE("kernel vs gathered decode step, relative error: forward_cached " << e1 << ", forward_decode " << e2);
+  CHECK(e1 <= 2e-2);
+  CHECK(e2 <= 2e-2);
+  CHECK(test::rel_error(on_device, kernel) <= 2e-2);
+}
+
 TEST_CASE("CUDA bf16: with rollout.cuda_graphs the engine's tokens, experts and log-probs equal the eager engine's") {
   if (test::skip_without_gpu()) return;
   auto m = graph_model(9);
   m->to(torch::Device(torch::kCUDA));
   m->to_dtype(torch::kBFloat16);
-  EngineOptions o;
-  o.cache_blocks = 256;
-  o.block_size = 4;
-  o.max_batch = 8;
-  o.absorbed_decode = true;
-  // 5 requests (bucket 8), finishing at different steps (buckets 4, 2, 1 after), prompts from 3
-  // to 40 tokens (page buckets grow as they decode).
-  auto requests = [] {
-    std::vector<GenerationRequest> rs;
-    const int64_t lens[] = {3, 17, 40, 9, 26}, news[] = {30, 7, 19, 12, 24};
-    for (int64_t i = 0; i < 5; ++i) rs.push_back(req(uint64_t(i), lens[i], news[i], uint64_t(100 + i)));
-    return rs;
-  };
-  Engine eager(m, o);
-  auto want = run_all(eager, requests());
-  auto og = o;
-  og.cuda_graphs = true;
-  Engine graphed(m, og);
-  auto got = run_all(graphed, requests());
-  // Not bit-identical by construction: the graph runs the padded batch (GEMMs of another M) and
-  // attends over the page bucket's keys (masked, but the bf16 reductions run over another
-  // length). Measured on an H200 (2026-12-01): largest difference 0.
-  const double worst = compare(got, want, 2e-2);
-  MESSAGE("graphed vs eager |log-prob diff| max " << worst << "; " << graphed.graph_steps() << " graph steps, "
-                                                  << graphed.graphs_captured() << " graphs");
-  CHECK(graphed.graph_steps() >= 25);
-  CHECK(graphed.graphs_captured() >= 4);
+  for (const bool kernel : {false, true}) {
+    CAPTURE(kernel);
+    EngineOptions o;
+    o.cache_blocks = 256;
+    o.block_size = 4;
+    o.max_batch = 8;
+    o.absorbed_decode = true;
+    o.mla_decode_kernel = kernel;  // rollout.mla_decode_kernel: both engines
+    // 5 requests (bucket 8), finishing at different steps (buckets 4, 2, 1 after), prompts from 3
+    // to 40 tokens (page buckets grow as they decode).
+    auto requests = [] {
+      std::vector<GenerationRequest> rs;
+      const int64_t lens[] = {3, 17, 40, 9, 26}, news[] = {30, 7, 19, 12, 24};
+      for (int64_t i = 0; i < 5; ++i) rs.push_back(req(uint64_t(i), lens[i], news[i], uint64_t(100 + i)));
+      return rs;
+    };
+    Engine eager(m, o);
+    auto want = run_all(eager, requests());
+    auto og = o;
+    og.cuda_graphs = true;
+    Engine graphed(m, og);
+    auto got = run_all(graphed, requests());
+    // Not bit-identical by construction: the graph runs the padded batch (GEMMs of another M) and
+    // attends over the page bucket's keys (masked, but the bf16 reductions run over another
+    // length). Measured on an H200 (2026-12-01): largest difference 0.
+    const double worst = compare(got, want, 2e-2);
+    MESSAGE("mla_decode_kernel " << kernel << ": graphed vs eager |log-prob diff| max " << worst << "; "
+                                   << graphed.graph_steps() << " graph steps, " << graphed.graphs_captured() << " graphs");
+    CHECK(graphed.graph_steps() >= 25);
+    CHECK(graphed.graphs_captured() >= 4);
+  }
 }
 
 TEST_CASE("CUDA bf16: a weight update between graphed decode steps takes effect, and a reallocated weight is refused") {
