@@ -4,12 +4,30 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstdio>
 #include <vector>
 
 #include "kernels/device_memory.hpp"
 #include "messaging/stopwatch.hpp"
 
 namespace kiln::experiments {
+
+/// The checks every training benchmark makes first: a CUDA device is visible, and `tokens`
+/// split into `docs` documents of >= `min_per_doc` tokens each. Prints what is wrong as
+/// "kiln bench NAME: ..." and returns 2 (the command's exit status), else 0.
+inline int check_cuda_and_packing(const char* name, int64_t tokens, int64_t docs, int64_t min_per_doc) {
+  if (!torch::cuda::is_available()) {
+    std::fprintf(stderr, "kiln bench %s: no CUDA device visible\n", name);
+    return 2;
+  }
+  if (docs < 1 || tokens % docs != 0 || tokens / docs < min_per_doc) {
+    std::fprintf(stderr, "kiln bench %s: --tokens must be a multiple of --docs with >= %lld tokens per document\n", name,
+                 (long long)min_per_doc);
+    return 2;
+  }
+  return 0;
+}
 
 /// Median seconds of `steps` calls of fn after `warmup` calls, the device synchronised around each.
 template <class F>

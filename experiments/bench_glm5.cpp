@@ -14,14 +14,7 @@
 namespace kiln::experiments {
 
 int run_glm5_bench(const Glm5BenchOptions& o) {
-  if (!torch::cuda::is_available()) {
-    std::fprintf(stderr, "kiln bench glm5: no CUDA device visible\n");
-    return 2;
-  }
-  if (o.docs < 1 || o.tokens % o.docs != 0 || o.tokens / o.docs < 2) {
-    std::fprintf(stderr, "kiln bench glm5: --tokens must be a multiple of --docs with >= 2 tokens per document\n");
-    return 2;
-  }
+  if (int bad = check_cuda_and_packing("glm5", o.tokens, o.docs, 2)) return bad;
   const torch::Device dev(torch::kCUDA, 0);
   nlohmann::json J;
   torch::manual_seed(0);

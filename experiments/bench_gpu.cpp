@@ -25,14 +25,7 @@
 namespace kiln::experiments {
 
 int run_gpu_bench(const GpuBenchOptions& o) {
-  if (!torch::cuda::is_available()) {
-    std::fprintf(stderr, "kiln bench gpu: no CUDA device visible\n");
-    return 2;
-  }
-  if (o.docs < 1 || o.tokens % o.docs != 0 || o.tokens / o.docs < 2) {
-    std::fprintf(stderr, "kiln bench gpu: --tokens must be a multiple of --docs with >= 2 tokens per document\n");
-    return 2;
-  }
+  if (int bad = check_cuda_and_packing("gpu", o.tokens, o.docs, 2)) return bad;
   const torch::Device dev(torch::kCUDA, 0);
   const auto bf16 = torch::TensorOptions().device(dev).dtype(torch::kBFloat16);
   nlohmann::json J;

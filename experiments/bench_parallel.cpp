@@ -112,14 +112,7 @@ WeightSyncTimes time_weight_sync(parallel::ProcessGroups& groups, std::shared_pt
 }  // namespace
 
 int run_parallel_bench(const ParallelBenchOptions& o) {
-  if (!torch::cuda::is_available()) {
-    std::fprintf(stderr, "kiln bench parallel: no CUDA device visible\n");
-    return 2;
-  }
-  if (o.docs < 1 || o.tokens % o.docs != 0 || o.tokens / o.docs < 4) {
-    std::fprintf(stderr, "kiln bench parallel: --tokens must be a multiple of --docs with >= 4 tokens per sample\n");
-    return 2;
-  }
+  if (int bad = check_cuda_and_packing("parallel", o.tokens, o.docs, 4)) return bad;
   parallel::LaunchInfo info;
   std::unique_ptr<parallel::ProcessGroups> groups;
   int ep = 1;

@@ -53,6 +53,16 @@ struct Shape {
 
 __device__ __forceinline__ uint32_t ld32(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
+// The A fragment of mma.m16n8k16 for this thread from a row-major bf16 tile with leading
+// dimension ld, `p` at (row g, column 2t) of the 16x16 block: rows g and g+8, columns 2t and
+// 2t+8 (PTX ISA, "Matrix Fragments for mma.m16n8k16").
+__device__ __forceinline__ void ld_a_fragment(uint32_t (&a)[4], const __nv_bfloat16* p, int ld) {
+  a[0] = ld32(p);
+  a[1] = ld32(p + 8 * ld);
+  a[2] = ld32(p + 8);
+  a[3] = ld32(p + 8 * ld + 8);
+}
+
 __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -187,11 +197,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       uint32_t a[2][4];
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
-        const __nv_bfloat16* q0 = qs + (mt * 16 + g) * LD + kk + 2 * t;
-        a[mt][0] = ld32(q0);
-        a[mt][1] = ld32(q0 + 8 * LD);
-        a[mt][2] = ld32(q0 + 8);
-        a[mt][3] = ld32(q0 + 8 * LD + 8);
+        ld_a_fragment(a[mt], qs + (mt * 16 + g) * LD + kk + 2 * t, LD);
       }
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
@@ -266,11 +272,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       uint32_t a[2][4];
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
-        const __nv_bfloat16* p0 = ps + (mt * 16 + g) * kLdp + kk + 2 * t;
-        a[mt][0] = ld32(p0);
-        a[mt][1] = ld32(p0 + 8 * kLdp);
-        a[mt][2] = ld32(p0 + 8);
-        a[mt][3] = ld32(p0 + 8 * kLdp + 8);
+        ld_a_fragment(a[mt], ps + (mt * 16 + g) * kLdp + kk + 2 * t, kLdp);
       }
 #pragma unroll
       for (int pp = 0; pp < S::kPairsPerWarp; ++pp) {
