@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <thread>
 
@@ -46,7 +47,11 @@ Node::Node(const NodeSite& site, const std::string& suffix, const std::string& a
   const int spawned = posix_spawn(&pid_, "/proc/self/exe", nullptr, &attr, args.data(), environ);
   posix_spawnattr_destroy(&attr);
   if (spawned != 0) throw std::runtime_error("cannot start the node process for " + actor);
-  std::ofstream(site.dir / pidfile) << pid_ << "\n";
+  {  // written whole, then renamed: a reader never sees the file empty or half written
+    const auto final_path = site.dir / pidfile, tmp = site.dir / (pidfile + ".tmp");
+    std::ofstream(tmp) << pid_ << "\n";
+    std::filesystem::rename(tmp, final_path);
+  }
   // Up to 60 s to join, but a node process that exits first is reported at once.
   for (int waited_ms = 0;; waited_ms += 200) {
     auto up = site.gateway.wait_for_actor(actor, std::chrono::milliseconds(200));

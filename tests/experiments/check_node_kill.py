@@ -70,7 +70,14 @@ def wait_rows(out, n):
         time.sleep(0.05)
 
 def pid_of(out, victim):
-    return int(open(f"{out}/{victim}.pid").read())
+    # kiln writes the file whole and renames it into place; an empty read (a writer that did not)
+    # is retried rather than taken for a pid
+    deadline = time.time() + 10
+    while True:
+        text = open(f"{out}/{victim}.pid").read().strip()
+        if text or time.time() > deadline:
+            return int(text)
+        time.sleep(0.01)
 
 # 2a. a rollout node killed mid-run (twice) is restarted, and its share generated again: the
 # run ends as if nothing happened
