@@ -10,6 +10,7 @@
 
 #include "kernels/device_memory.hpp"
 #include "messaging/stopwatch.hpp"
+#include "model/blocks/basic.hpp"
 
 namespace kiln::experiments {
 
@@ -27,6 +28,19 @@ inline int check_cuda_and_packing(const char* name, int64_t tokens, int64_t docs
     return 2;
   }
   return 0;
+}
+
+/// `docs` documents of tokens / docs random ids in [0, vocab) each, packed (on the CPU; the
+/// ids from torch's current RNG). `tokens` must be a multiple of `docs` (check_cuda_and_packing).
+inline model::PackedBatch random_packed_documents(int64_t tokens, int64_t docs, int64_t vocab) {
+  const int64_t n = tokens / docs;
+  std::vector<std::vector<int64_t>> out(static_cast<std::size_t>(docs));
+  auto ids = torch::randint(0, vocab, {tokens}, torch::kInt64);
+  for (int64_t d = 0; d < docs; ++d) {
+    auto row = ids.narrow(0, d * n, n);
+    out[std::size_t(d)].assign(row.data_ptr<int64_t>(), row.data_ptr<int64_t>() + n);
+  }
+  return model::PackedBatch::from_documents(out);
 }
 
 /// Median seconds of `steps` calls of fn after `warmup` calls, the device synchronised around each.

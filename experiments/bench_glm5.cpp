@@ -54,14 +54,7 @@ int run_glm5_bench(const Glm5BenchOptions& o) {
   const double weights_gib = peak_gib();
   J["weights_gib"] = weights_gib;
 
-  const int64_t n = o.tokens / o.docs;
-  std::vector<std::vector<int64_t>> docs(std::size_t(o.docs));
-  auto ids = torch::randint(0, cfg.vocab_size, {o.tokens}, torch::kInt64);
-  for (int64_t d = 0; d < o.docs; ++d) {
-    auto row = ids.narrow(0, d * n, n);
-    docs[std::size_t(d)].assign(row.data_ptr<int64_t>(), row.data_ptr<int64_t>() + n);
-  }
-  auto batch = model::PackedBatch::from_documents(docs);
+  auto batch = random_packed_documents(o.tokens, o.docs, cfg.vocab_size);
   auto targets = model::next_token_targets(batch.input_ids, batch.cu_seqlens).to(dev);
   auto supervised = model::next_token_targets(batch.input_ids, batch.cu_seqlens).ge(0);  // [T] bool
   const double predicted = supervised.sum().item<double>();
