@@ -59,12 +59,13 @@ RankDispatched dispatch_to_ranks(const Dispatched& d, parallel::Group& ep) {
   const int64_t El = E / P;
   // Counts first: rank p learns how many rows of each of its local experts every rank sends.
   auto send_counts = d.counts.to(torch::kCPU, torch::kInt64).reshape({P, El}).contiguous();  // [E] -> [P, El]
-  auto recv_counts = torch::empty({P, El}, torch::kInt64);  // [P source ranks, El]
+  // [P source ranks, El] on the group's device, then on the host.
+  auto dev_recv = torch::empty({P, El}, torch::TensorOptions(torch::kInt64).device(ep.device()));
   {
-    auto dev_send = send_counts.to(ep.device()), dev_recv = recv_counts.to(ep.device());
+    auto dev_send = send_counts.to(ep.device());
     ep.all_to_all(dev_recv, dev_send, std::vector<int64_t>(std::size_t(P), 1), std::vector<int64_t>(std::size_t(P), 1));
-    recv_counts = dev_recv.to(torch::kCPU);
   }
+  const auto recv_counts = dev_recv.to(torch::kCPU);
   RankDispatched rd;
   rd.send_rows = to_vector(send_counts.sum(1));  // d.x is in expert order, hence in rank order
   rd.recv_rows = to_vector(recv_counts.sum(1));
@@ -74,7 +75,7 @@ RankDispatched dispatch_to_ranks(const Dispatched& d, parallel::Group& ep) {
   // On the rows' device (the counts are there already; R known, so no further host sync).
   int64_t R = 0;
   for (auto r : rd.recv_rows) R += r;
-  auto counts_here = recv_counts.reshape({-1}).to(d.x.device());  // [P*El]
+  auto counts_here = dev_recv.reshape({-1}).to(d.x.device());  // [P*El] (no copy: the group's device)
   auto local_expert = torch::arange(El, counts_here.options()).repeat({P}).repeat_interleave(counts_here, 0, R);  // [R]
   rd.order = std::get<1>(local_expert.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false));
   rd.x = received.index_select(0, rd.order);  // [R, D] local expert order
