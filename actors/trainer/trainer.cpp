@@ -59,6 +59,25 @@ Packed pack(const std::vector<Sample>& samples, const std::vector<std::size_t>& 
   return p;
 }
 
+// Trainer::time_phases: each phase's end synchronises `device` and adds the wall time since the
+// last end (or construction) to its slot; does nothing when off.
+class PhaseClock {
+ public:
+  PhaseClock(bool on, torch::Device device) : on_(on), device_(device) {}
+  void ends(double& seconds) {
+    if (!on_) return;
+    if (device_.is_cuda()) torch::cuda::synchronize(device_.index());
+    const auto now = std::chrono::steady_clock::now();
+    seconds += std::chrono::duration<double>(now - start_).count();
+    start_ = now;
+  }
+
+ private:
+  bool on_;
+  torch::Device device_;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+};
+
 // A value for a message: "nan" whatever its sign bit (std::to_string may write "-nan").
 std::string number(double x) { return std::isnan(x) ? "nan" : std::to_string(x); }
 
@@ -560,14 +579,8 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
   // MTP term, MTP cross-entropy, MTP predictions.
   std::vector<double> sums(10, 0.0);
   phases_ = {};
-  auto phase_start = std::chrono::steady_clock::now();
-  auto phase_ends = [&](double& seconds) {  // time_phases(true) only
-    if (!time_phases_) return;
-    if (!params_.empty() && params_.front().is_cuda()) torch::cuda::synchronize(params_.front().device().index());
-    const auto now = std::chrono::steady_clock::now();
-    seconds += std::chrono::duration<double>(now - phase_start).count();
-    phase_start = now;
-  };
+  PhaseClock clock(time_phases_, params_.empty() ? torch::Device(torch::kCPU) : params_.front().device());
+  auto phase_ends = [&](double& seconds) { clock.ends(seconds); };
   auto plan = plan_micro_batches(samples, mine, c_.logprobs.max_tokens_per_microbatch);
   // Expert parallel: padded to the ep group's most; fully sharded: to the data-parallel group's.
   plan.resize(micro_batch_count(fsdp_ ? dp_ : policy_->expert_parallel(), plan.size()));
