@@ -101,12 +101,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprob_chunk_forward
 
 at::Tensor logprob_chunk_backward(const at::Tensor& z, const at::Tensor& targets, const at::Tensor& lse,
                                   const at::Tensor& g_lp, const at::Tensor& g_ent, const at::Tensor& mean_z,
-                                  at::ScalarType out_dtype) {
-  if (!use_cuda(z, out_dtype)) return logprob_chunk_backward_ref(z, targets, lse, g_lp, g_ent, mean_z, out_dtype);
+                                  at::ScalarType out_dtype, const at::Tensor& out) {
+  if (out.defined())
+    TORCH_CHECK(out.sizes() == z.sizes() && out.scalar_type() == out_dtype && out.is_contiguous() &&
+                    out.device() == z.device(),
+                "logprob_chunk_backward: out must be a contiguous ", z.sizes(), " ", out_dtype, " tensor on ",
+                z.device(), ", got ", out.sizes(), " ", out.scalar_type(), " on ", out.device());
+  if (!use_cuda(z, out_dtype)) {
+    auto dz = logprob_chunk_backward_ref(z, targets, lse, g_lp, g_ent, mean_z, out_dtype);
+    return out.defined() ? out.copy_(dz) : dz;
+  }
 #ifdef KILN_CUDA
   check(z, targets);
   auto zc = z.contiguous();
-  auto dz = torch::empty(zc.sizes(), zc.options().dtype(out_dtype));
+  auto dz = out.defined() ? out : torch::empty(zc.sizes(), zc.options().dtype(out_dtype));
   auto tc = targets.to(z.device(), at::kLong).contiguous();
   auto lc = lse.to(at::kFloat).contiguous(), gc = g_lp.to(at::kFloat).contiguous();
   at::Tensor ge, mz;

@@ -111,12 +111,13 @@ __global__ void __launch_bounds__(kThreads) fwd(const T* __restrict__ z, const i
   }
 }
 
-// dz (in K, the model's dtype) from z in T.
+// dz (in K, the model's dtype) from z in T. dz may be z (in place, T = K): each thread loads
+// its elements before it stores them, and no thread reads another's (z and dz not restrict).
 template <class T, class K>
-__global__ void __launch_bounds__(kThreads) bwd(const T* __restrict__ z, const int64_t* __restrict__ targets,
+__global__ void __launch_bounds__(kThreads) bwd(const T* z, const int64_t* __restrict__ targets,
                                                 const float* __restrict__ lse, const float* __restrict__ g_lp,
                                                 const float* __restrict__ g_ent, const float* __restrict__ mean_z,
-                                                K* __restrict__ dz, int64_t V) {
+                                                K* dz, int64_t V) {
   constexpr int kVec = 16 / sizeof(T);
   const int64_t row = blockIdx.x;
   const T* zr = z + row * V;

@@ -33,9 +33,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprob_chunk_forward
                                                                                  KeptStats* kept = nullptr);
 /// g_lp [n] fp32 (already zero where target < 0); g_ent [n] fp32 or undefined (no entropy
 /// gradient); mean_z needed only with g_ent. -> dz [n, V] in out_dtype.
+/// `out` (optional, [n, V] contiguous in out_dtype): dz is written there and returned. It may
+/// be z itself when z has out_dtype: dz then replaces z in place (every element is read before
+/// it is written, by the same thread on CUDA), so the backward from kept logits needs no second
+/// [n, V] buffer.
 at::Tensor logprob_chunk_backward(const at::Tensor& z, const at::Tensor& targets, const at::Tensor& lse,
                                   const at::Tensor& g_lp, const at::Tensor& g_ent, const at::Tensor& mean_z,
-                                  at::ScalarType out_dtype);
+                                  at::ScalarType out_dtype, const at::Tensor& out = {});
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprob_chunk_forward_ref(const at::Tensor& z,
                                                                                      const at::Tensor& targets,

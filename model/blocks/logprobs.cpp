@@ -56,9 +56,20 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
     auto g_lp = grads[0].defined() ? grads[0].to(torch::kFloat32) * (targets >= 0).to(torch::kFloat32)
                                    : torch::zeros({T}, hidden.options().dtype(torch::kFloat32));
     auto g_ent = entropy_grad ? grads[1].to(torch::kFloat32) : torch::Tensor();
+    const bool tensor_cores = hidden.is_cuda() && hidden.scalar_type() != torch::kFloat32;
+    if (kept.defined() && tensor_cores) {
+      // dz replaces the kept logits in place (they are read for nothing else; a second backward
+      // through this node fails autograd's saved-version check), then two whole GEMMs: the
+      // hidden gradient [T, V] x [V, D] and the weight gradient [V, T] x [T, D], K = T, with
+      // fp32 accumulation in the GEMM and one rounding to the weight's dtype — no fp32 [V, D]
+      // buffer read and written once per chunk.
+      kernels::logprob_chunk_backward(kept, targets, lse, g_lp, entropy_grad ? g_ent : torch::Tensor(),
+                                      entropy_grad ? mean_z : torch::Tensor(), hidden.scalar_type(), kept);
+      torch::autograd::impl::bump_version(kept);
+      return {kept.mm(weight), kept.t().mm(hidden), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    }
     auto grad_h = torch::empty_like(hidden);
     auto grad_w = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32));
-    const bool tensor_cores = hidden.is_cuda() && hidden.scalar_type() != torch::kFloat32;
     for (int64_t s = 0; s < T; s += chunk) {
       const int64_t n = std::min(chunk, T - s);
       auto z = kept.defined() ? kept.narrow(0, s, n) : chunk_logits(hidden, weight, s, n);  // kept or recomputed

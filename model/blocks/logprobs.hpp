@@ -4,7 +4,10 @@
 // in fp32 (with V = 154880 the full fp32 logits would be the memory peak of a training step).
 // When a backward will run, the model is 16-bit (bf16/fp16) and [T, V] in that dtype fits in
 // kKeepLogitsMaxBytes, the forward keeps those logits for the backward instead of recomputing
-// them (one GEMM of 2*T*V*D FLOPs saved; 2.5 GB at T = 8192, V = 154880 in bf16).
+// them (one GEMM of 2*T*V*D FLOPs saved; 2.5 GB at T = 8192, V = 154880 in bf16). On CUDA the
+// backward then writes the logits' gradient over the kept logits and runs two whole GEMMs (the
+// hidden's and the weight's gradient, fp32 accumulation inside the GEMM) instead of one pair
+// per chunk accumulating into an fp32 [V, D] buffer.
 // The per-chunk softmax work runs in kernels/logprobs.hpp (fused CUDA kernels for 16-bit CUDA
 // logits, the LibTorch reference otherwise).
 // Legend: T tokens, D hidden, V vocabulary.

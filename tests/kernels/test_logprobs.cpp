@@ -62,8 +62,31 @@ TEST_CASE("CUDA: fused log-prob kernel equals the reference in bf16 (forward, ba
     auto dzk = kernels::logprob_chunk_backward(keep, targets, ks.lse, g_lp, g_ent, ks.mean_z, torch::kBFloat16);
     auto rdzk = kernels::logprob_chunk_backward_ref(keep, targets, rks.lse, g_lp, g_ent, rks.mean_z, torch::kBFloat16);
     CHECK(rel_error(dzk, rdzk) <= 1e-2);
+    // In place over the kept logits (the model's backward): the same bits as into a new tensor.
+    auto in_place = keep.clone();
+    auto ret = kernels::logprob_chunk_backward(in_place, targets, ks.lse, g_lp, g_ent, ks.mean_z, torch::kBFloat16,
+                                               in_place);
+    CHECK(ret.data_ptr() == in_place.data_ptr());
+    CHECK(torch::equal(in_place, dzk));
     auto dz32 = kernels::logprob_chunk_backward(z32, targets, std::get<1>(f), g_lp, g_ent, std::get<3>(f), torch::kBFloat16);
     auto rdz32 = kernels::logprob_chunk_backward_ref(z32, targets, std::get<1>(rf), g_lp, g_ent, std::get<3>(rf), torch::kBFloat16);
     CHECK(rel_error(dz32, rdz32) <= 1e-2);
   }
+}
+
+TEST_CASE("log-prob backward into a given tensor gives the reference's values and a wrong out tensor is refused by shape") {
+  torch::manual_seed(8);
+  auto z = 2 * torch::randn({5, 33}, torch::kFloat64);
+  auto targets = torch::tensor({3, -1, 0, 32, 7}, torch::kInt64);
+  auto [lp, lse, ent, mz] = kernels::logprob_chunk_forward_ref(z, targets, true);
+  auto g_lp = torch::randn({5}, torch::kFloat64), g_ent = torch::randn({5}, torch::kFloat64);
+  g_lp[1] = 0;
+  auto want = kernels::logprob_chunk_backward_ref(z, targets, lse, g_lp, g_ent, mz, torch::kFloat64);
+  auto out = torch::empty({5, 33}, torch::kFloat64);
+  auto got = kernels::logprob_chunk_backward(z, targets, lse, g_lp, g_ent, mz, torch::kFloat64, out);
+  CHECK(got.data_ptr() == out.data_ptr());
+  CHECK(torch::equal(out, want));
+  CHECK_THROWS_WITH_AS(kernels::logprob_chunk_backward(z, targets, lse, g_lp, g_ent, mz, torch::kFloat64,
+                                                    torch::empty({5, 32}, torch::kFloat64)),
+                    doctest::Contains("out must be a contiguous"), c10::Error);
 }

@@ -6,6 +6,7 @@
 #include "model/blocks/logprobs.hpp"
 #include "model/blocks/moe.hpp"
 #include "model/glm4_moe_lite/model.hpp"
+#include "tests/test_util.hpp"
 
 using namespace kiln::model;
 using glm4_moe_lite::Glm4MoeLiteConfig;
@@ -131,6 +132,31 @@ TEST_CASE("chunked log-probs equal the full log-softmax, values and gradients, f
     CHECK((grads[0] - ref_grads[0]).abs().max().item<double>() <= 1e-5);
     CHECK((grads[1] - ref_grads[1]).abs().max().item<double>() <= 1e-5);
   }
+}
+
+TEST_CASE("CUDA bf16: log-probs from kept logits and their gradients from two whole GEMMs stay near the fp32 reference and a second backward is refused") {
+  if (kiln::test::skip_without_gpu()) return;
+  torch::manual_seed(2);
+  const int64_t T = 300, D = 64, V = 1000;
+  auto h32 = torch::randn({T, D}, torch::kCUDA) * 0.5, w32 = torch::randn({V, D}, torch::kCUDA) * 0.5;
+  auto targets = torch::randint(0, V, {T}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kInt64));
+  targets[7] = -1;
+  auto g = torch::randn({T}, torch::kCUDA);
+  auto hidden = h32.to(torch::kBFloat16).requires_grad_(), weight = w32.to(torch::kBFloat16).requires_grad_();
+  auto hr = hidden.detach().to(torch::kFloat32).requires_grad_(), wr = weight.detach().to(torch::kFloat32).requires_grad_();
+  auto ref = torch::log_softmax(hr.mm(wr.t()), -1).gather(1, targets.clamp_min(0).unsqueeze(1)).squeeze(1) *
+             (targets >= 0);
+  auto ref_grads = torch::autograd::grad({(ref * g).sum()}, {hr, wr});
+  auto lp = token_logprobs(hidden, weight, targets, /*chunk=*/128);  // kept: 16-bit, grad enabled
+  CHECK((lp - ref).abs().max().item<double>() <= 0.05);                // bf16 logits kept
+  auto grads = torch::autograd::grad({(lp * g).sum()}, {hidden, weight}, {}, /*retain_graph=*/true);
+  CHECK((grads[0].scalar_type() == torch::kBFloat16));
+  CHECK((grads[1].scalar_type() == torch::kBFloat16));
+  CHECK(kiln::test::rel_error(grads[0], ref_grads[0]) <= 2e-2);
+  CHECK(kiln::test::rel_error(grads[1], ref_grads[1]) <= 2e-2);
+  // The backward overwrote the kept logits with their gradient: autograd refuses to run it again.
+  CHECK_THROWS_WITH_AS(torch::autograd::grad({(lp * g).sum()}, {hidden, weight}),
+                    doctest::Contains("modified by an inplace operation"), c10::Error);
 }
 
 TEST_CASE("the glm47_flash flavor has GLM-4.7-Flash's published dimensions") {
