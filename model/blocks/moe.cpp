@@ -53,14 +53,42 @@ RouteResult TopKRouterImpl::forward(const torch::Tensor& x, const std::optional<
   return route_from_scores(logits.sigmoid(), e_score_correction_bias, o_, given_ids_TK, validate_given);
 }
 
+namespace {
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// y = x.index_select(0, index) for x [N, D], where every row of x is read by `group` rows of y
+// (index[inverse[n*group + j]] == n): the backward is a gather too, g.index_select(0, inverse)
+// [N*group, D], summed over each row's `group` reads — instead of index_select's own backward,
+// an index_add whose atomics add a token's K gradients in a different order on every run.
+struct GatherRows : public torch::autograd::Function<GatherRows> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& index,
+                               const torch::Tensor& inverse, int64_t group) {
+    ctx->save_for_backward({inverse});
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["rows"] = x.size(0);
+    return x.index_select(0, index);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto inverse = ctx->get_saved_variables()[0];
+    const int64_t group = ctx->saved_data["group"].toInt(), rows = ctx->saved_data["rows"].toInt();
+    auto g = grads[0].index_select(0, inverse);  // [rows*group, D]
+    if (group > 1) g = g.view({rows, group, g.size(1)}).sum(1);
+    return {g, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+}  // namespace
+
 Dispatched dispatch(const torch::Tensor& x_TD, const RouteResult& r, int64_t num_experts) {
   const int64_t K = r.expert_ids.size(1);
   auto flat = r.expert_ids.reshape({-1});                                        // [T*K]
   auto [sorted, order] = flat.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);  // [T*K] each
   Dispatched d;
+  d.slot = order;
   d.token_index = torch::div(order, K, "floor");                                 // [T*K]
-  d.x = x_TD.index_select(0, d.token_index);                                     // [T*K, D]
-  d.weight = r.weights.reshape({-1}).index_select(0, order);                     // [T*K]
+  d.row_of_slot = torch::empty_like(order).scatter_(0, order, torch::arange(order.size(0), order.options()));
+  d.x = GatherRows::apply(x_TD, d.token_index, d.row_of_slot, K);               // [T*K, D]
+  d.weight_TK = r.weights;                                                       // [T, K]
   // Rows per expert from the sorted ids' boundaries: on the device, of static shape [E] and
   // without a host read (bincount on CUDA reads the largest id on the host), so that a decode
   // step can be captured in a CUDA graph.
@@ -82,8 +110,9 @@ torch::Tensor GroupedExpertsImpl::forward(const torch::Tensor& x, const torch::T
 }
 
 torch::Tensor combine(const torch::Tensor& rows, const Dispatched& d, int64_t num_tokens) {
-  auto weighted = (rows * d.weight.unsqueeze(-1)).to(rows.scalar_type());  // [T*K, D]
-  return torch::zeros({num_tokens, rows.size(1)}, rows.options()).index_add(0, d.token_index, weighted);
+  const int64_t K = d.weight_TK.size(1), D = rows.size(1);
+  auto by_slot = GatherRows::apply(rows, d.row_of_slot, d.slot, 1).view({num_tokens, K, D});  // [T, K, D]
+  return (by_slot * d.weight_TK.unsqueeze(-1)).sum(1).to(rows.scalar_type());                  // fp32 sum over k
 }
 
 void check_expert_slice(const ExpertSlice& slice, int64_t num_experts, const std::string& where) {

@@ -64,11 +64,16 @@ class TopKRouterImpl : public torch::nn::Module {
 };
 TORCH_MODULE(TopKRouter);
 
-/// Step 2, dispatch: the T*K (token, slot) pairs sorted by expert (stable).
+/// Step 2, dispatch: the T*K (token, slot) pairs sorted by expert (stable). A pair (t, k) is
+/// slot t*K + k. Dispatch and combine move rows by gathers only, forward and backward (no
+/// index_add: no atomics, so the same sums in the same order on every run): the backward of
+/// the dispatch gathers each slot's gradient back by `row_of_slot` and sums a token's K slots.
 struct Dispatched {
   torch::Tensor x;             ///< [T*K, D] token rows in expert order
   torch::Tensor token_index;   ///< [T*K] int64, source token of each row
-  torch::Tensor weight;        ///< [T*K] fp32 combine weight of each row
+  torch::Tensor slot;          ///< [T*K] int64, slot (t*K + k) of each row
+  torch::Tensor row_of_slot;   ///< [T*K] int64, the row of each slot (slot's inverse permutation)
+  torch::Tensor weight_TK;     ///< [T, K] fp32 combine weights in token order (RouteResult::weights)
   torch::Tensor counts;        ///< [E] int64 rows per expert, on x's device
 };
 Dispatched dispatch(const torch::Tensor& x_TD, const RouteResult& r, int64_t num_experts);
@@ -89,7 +94,9 @@ class GroupedExpertsImpl : public torch::nn::Module {
 };
 TORCH_MODULE(GroupedExperts);
 
-/// Step 4, combine: y[t] = sum over rows r of token t of weight[r] * rows[r]. -> [T, D].
+/// Step 4, combine: y[t] = sum over k of weight_TK[t, k] * rows[row_of_slot[t*K + k]], the K
+/// products and their sum in fp32 (k in order), rounded once to rows' dtype. rows: [T*K, D]
+/// in d's row order -> [T, D].
 torch::Tensor combine(const torch::Tensor& rows, const Dispatched& d, int64_t num_tokens);
 
 /// The MoE feed-forward: routed experts plus shared experts (one SwiGLU of width

@@ -168,12 +168,12 @@ TEST_CASE("a checkpoint written while the trainer ran torch::optim::AdamW loads,
   // fused step: 2 steps of the tiny model (lr 1e-2, weight decay 0.1, clipping at 0.05), then
   // the state after a third step.
   worst = 0;
-  for (const char* dtype : {"fp32", "bf16"}) {
+  for (const std::string dtype : {"fp32", "bf16"}) {
     CAPTURE(dtype);
     const auto dir = std::filesystem::path(KILN_FIXTURES_DIR) / "trainer_checkpoint_torch_adamw" / dtype;
     torch::manual_seed(77);  // other weights: everything must come from the checkpoint
     auto m = std::make_shared<model::glm4_moe_lite::Glm4MoeLiteModel>(test::tiny_config());
-    if (std::string(dtype) == "bf16") m->to_dtype(torch::kBFloat16);
+    if (dtype == "bf16") m->to_dtype(torch::kBFloat16);
     TrainerConfig c;
     c.lr = 1e-2;
     c.weight_decay = 0.1;
@@ -194,12 +194,17 @@ TEST_CASE("a checkpoint written while the trainer ran torch::optim::AdamW loads,
     const std::size_t n = masters.size();
     REQUIRE(expected.size() == 3 * n + 2);
     const auto steps = expected[3 * n];
+    // fp32: the fixture's trainer to fp32 rounding. bf16: the step's gradient comes from the bf16
+    // model, whose rounding has changed since the fixture was written (the MoE combine sums a
+    // token's K expert rows in fp32 and rounds once, where it added them in bf16): within bf16
+    // noise (measured <= 1.5e-3); a moment not loaded from the checkpoint is off by O(1).
+    const double tolerance = dtype == "fp32" ? kTolerance : 1e-2;
     for (std::size_t i = 0; i < n; ++i) {
       CAPTURE(i);
       const auto* st = state_of(t.optimizer(), masters[i]);
-      CHECK(relative_error(masters[i], expected[i]) <= kTolerance);
-      CHECK(relative_error(st->exp_avg(), expected[n + i]) <= kTolerance);
-      CHECK(relative_error(st->exp_avg_sq(), expected[2 * n + i]) <= kTolerance);
+      CHECK(relative_error(masters[i], expected[i]) <= tolerance);
+      CHECK(relative_error(st->exp_avg(), expected[n + i]) <= tolerance);
+      CHECK(relative_error(st->exp_avg_sq(), expected[2 * n + i]) <= tolerance);
       CHECK(st->step() == steps[int64_t(i)].item<int64_t>());
     }
     CHECK(t.version() == expected[3 * n + 1].item<int64_t>());
