@@ -3,7 +3,9 @@
 
 #include <torch/torch.h>
 #ifdef KILN_CUDA
+#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <cuda_profiler_api.h>
 #endif
 
 #include <algorithm>
@@ -11,6 +13,7 @@
 #include <cmath>
 #include <cstdio>
 
+#include "actors/rollout/decode_graphs.hpp"
 #include "actors/rollout/engine.hpp"
 #include "model/glm4_moe_lite/model.hpp"
 
@@ -109,6 +112,90 @@ void group_sharing(const std::shared_ptr<model::CausalLM>& model, int64_t prompt
   }
 }
 
+double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+// --split: where a graphed decode step's time goes (RolloutBenchOptions::split).
+void decode_split(const std::shared_ptr<model::CausalLM>& lm, int64_t vocab, const RolloutBenchOptions& o) {
+#ifdef KILN_CUDA
+  if (!o.split_profile)
+    std::printf("%8s %6s %10s %10s %10s %10s %10s %10s\n", "context", "batch", "step", "run", "replay_gpu", "sample",
+                "experts_d2h", "rest");
+  for (auto P : o.contexts)
+    for (auto B : o.batch_sizes) {
+      const double step = o.split_profile ? 0 : decode_step_seconds(lm, vocab, P, B, o.new_tokens, Mode::graphs_kernel);
+      const int64_t per_seq = (P + o.new_tokens + 15) / 16, pages = B * per_seq;
+      lm->set_absorbed_decode(true);
+      lm->set_decode_kernel(true);
+      auto cache = lm->make_decode_cache({pages + 1, 16, B}, lm->lm_head_weight().options());
+      {
+        torch::NoGradGuard ng;
+        for (auto& t : dynamic_cast<model::PagedCache&>(*cache).layers) t.normal_(0, 1);  // not zeros
+      }
+      rollout::DecodeGraphs graphs(*lm, *cache, 16, /*scratch_page=*/pages, /*max_pages=*/pages);
+      std::vector<std::vector<int64_t>> tables(static_cast<std::size_t>(B));
+      std::vector<const std::vector<int64_t>*> table_ptrs;
+      std::vector<int64_t> ids, pos;
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t i = 0; i < per_seq; ++i) tables[std::size_t(b)].push_back(b * per_seq + i);
+        table_ptrs.push_back(&tables[std::size_t(b)]);
+        ids.push_back(3 + (b * 7919) % (vocab - 3));
+        pos.push_back(P);
+      }
+      for (int i = 0; i < 3; ++i) graphs.run(ids, pos, table_ptrs);  // capture, warm
+      torch::cuda::synchronize();
+      if (o.split_profile) {
+        cudaProfilerStart();
+        graphs.run(ids, pos, table_ptrs);
+        torch::cuda::synchronize();
+        cudaProfilerStop();
+        std::printf("profiled one replay: context %lld, batch %lld\n", (long long)P, (long long)B);
+        std::fflush(stdout);
+        continue;
+      }
+      std::vector<double> run_s, gpu_s, sample_s, d2h_s;
+      std::vector<rollout::SamplingParams> params(static_cast<std::size_t>(B));
+      std::vector<at::Generator> gens;
+      for (int64_t b = 0; b < B; ++b) gens.push_back(rollout::make_generator(uint64_t(b)));
+      std::vector<const rollout::SamplingParams*> pp;
+      std::vector<at::Generator*> gp;
+      for (int64_t b = 0; b < B; ++b) {
+        pp.push_back(&params[std::size_t(b)]);
+        gp.push_back(&gens[std::size_t(b)]);
+      }
+      for (int i = 0; i < 20; ++i) {
+        at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
+        torch::cuda::synchronize();
+        messaging::Stopwatch t;
+        start.record();
+        auto s = graphs.run(ids, pos, table_ptrs);
+        stop.record();
+        stop.synchronize();
+        run_s.push_back(t.seconds());
+        gpu_s.push_back(start.elapsed_time(stop) / 1e3);
+        t.restart();
+        (void)rollout::sample_tokens(s.logits, pp, gp);
+        sample_s.push_back(t.seconds());
+        t.restart();
+        auto e = s.routed_experts.to(torch::kCPU);
+        d2h_s.push_back(t.seconds());
+      }
+      const double r = median_of(run_s), g = median_of(gpu_s), sm = median_of(sample_s), d = median_of(d2h_s);
+      std::printf("%8lld %6lld %8.3fms %8.3fms %8.3fms %8.3fms %8.3fms %8.3fms\n", (long long)P, (long long)B, step * 1e3,
+                  r * 1e3, g * 1e3, sm * 1e3, d * 1e3, (step - r - sm - d) * 1e3);
+      std::fflush(stdout);
+      c10::cuda::CUDACachingAllocator::emptyCache();
+    }
+#else
+  (void)lm;
+  (void)vocab;
+  (void)o;
+  throw std::invalid_argument("--split needs a CUDA build");
+#endif
+}
+
 int run_rollout_bench_cuda(const RolloutBenchOptions& o) {
   if (!torch::cuda::is_available()) {
     std::fprintf(stderr, "kiln bench rollout: --device cuda: no CUDA device visible\n");
@@ -150,6 +237,11 @@ int run_rollout_bench_cuda(const RolloutBenchOptions& o) {
               "%.0f GB/s (read+write), weights %.2f GB (routed experts %.2f GB)\n",
               torch::cuda::device_count() > 0 ? "CUDA" : "", (long long)o.layers, (long long)o.new_tokens, copy_gbs,
               (dense_bytes + expert_bytes) / 1e9, expert_bytes / 1e9);
+  if (o.split) {
+    (void)decode_step_seconds(model, cfg.vocab_size, 64, 2, 4, Mode::graphs_kernel);  // warm-up
+    decode_split(model, cfg.vocab_size, o);
+    return 0;
+  }
   std::vector<std::pair<Mode, const char*>> modes;
   for (const auto& m : o.modes) {
     if (m == "expanded") modes.emplace_back(Mode::expanded, "expanded");

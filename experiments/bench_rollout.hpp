@@ -38,6 +38,14 @@ struct RolloutBenchOptions {
   /// the paged-cache attention kernel); the speedup column is the first mode's step time over
   /// the last's.
   std::vector<std::string> modes = {"expanded", "absorbed", "graphs"};
+  /// cuda: instead of the table, where a graphed decode step's time goes, per (context, batch):
+  /// the engine's step (graphs + kernel) against the parts it is made of, each timed alone on
+  /// the same shapes: the graph's replay (CUDA events), the sampling of [B, V] logits, the
+  /// routed experts' copy to the host, the input copy.
+  bool split = false;
+  /// With split: one replay per shape between cudaProfilerStart and cudaProfilerStop, and no
+  /// other timing (for `ncu --profile-from-start off`: the graph's kernels one by one).
+  bool split_profile = false;
 };
 
 int run_rollout_bench(const RolloutBenchOptions& options);
