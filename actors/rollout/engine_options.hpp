@@ -48,8 +48,9 @@ struct EngineOptions {
   /// up to 64 sequences at GLM-4.7-Flash's top-4) run the decode kernels of
   /// kernels/moe_decode.hpp (each touched expert's weights read once, in registers, an untouched
   /// expert's not at all) instead of the grouped GEMM (kernels::DecodeExpertsGuard around the
-  /// step). Equal within bf16 rounding. On by default.
-  bool moe_decode_kernel = true;
+  /// step). Equal within bf16 rounding. Off by default: on an H200 the graphed step at batch 32
+  /// was no faster with them (docs/benchmarks.md, "Rollout decode: where the step's time goes").
+  bool moe_decode_kernel = false;
   MSGPACK_DEFINE_MAP(cache_blocks, block_size, max_batch, max_prefill_tokens, step_delay_ms, absorbed_decode,
                      share_prompts, cuda_graphs, mla_decode_kernel, sampling_kernel, moe_decode_kernel);
 };
