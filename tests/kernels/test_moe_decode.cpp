@@ -53,7 +53,7 @@ Experts make(int64_t D, int64_t F, const std::vector<int64_t>& n, const torch::D
 
 }  // namespace
 
-TEST_CASE("DecodeExpertsGuard nests and restores; off the GPU the decode path is the grouped reference (CPU)") {
+TEST_CASE("DecodeExpertsGuard nests and restores, and off the GPU the decode path is the grouped reference (CPU)") {
   CHECK(kernels::DecodeExpertsGuard::max_rows() == 0);
   {
     kernels::DecodeExpertsGuard on(true);

@@ -48,7 +48,7 @@ std::pair<double, double> frequencies(const torch::Tensor& logits_V, const Rows&
 
 }  // namespace
 
-TEST_CASE("Philox4x32-10 gives Random123's known answers, and uniforms in [0, 1) of mean 1/2") {
+TEST_CASE("Philox4x32-10 gives Random123's known answers, and uniforms from 0 to below 1 of mean 1/2") {
   auto a = kernels::philox4x32_10(0, 0, 0, 0, 0, 0);
   CHECK(a.v[0] == 0x6627e8d5u);
   CHECK(a.v[1] == 0xe169c58du);
