@@ -3,7 +3,9 @@
 
 #include <torch/torch.h>
 #ifdef KILN_CUDA
+#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <cuda_profiler_api.h>
 #endif
 
 #include <algorithm>
@@ -11,7 +13,9 @@
 #include <cmath>
 #include <cstdio>
 
+#include "actors/rollout/decode_graphs.hpp"
 #include "actors/rollout/engine.hpp"
+#include "kernels/moe_decode.hpp"
 #include "model/glm4_moe_lite/model.hpp"
 
 namespace kiln::experiments {
@@ -21,7 +25,10 @@ namespace {
 // One (context, batch) point: the engine's median pure-decode step, in seconds, or -1 when the
 // device ran out of memory.
 // The engine's decode modes the table compares.
-enum class Mode { expanded, absorbed, graphs, kernel, graphs_kernel };
+// The first five as they were measured before the sampling and experts kernels (both off);
+// graphs_sampling, graphs_experts and graphs_all: graphs_kernel with rollout.sampling_kernel,
+// rollout.moe_decode_kernel, or both.
+enum class Mode { expanded, absorbed, graphs, kernel, graphs_kernel, graphs_sampling, graphs_experts, graphs_all };
 
 double decode_step_seconds(const std::shared_ptr<model::CausalLM>& model, int64_t vocab, int64_t context, int64_t batch,
                            int64_t new_tokens, Mode mode) {
@@ -41,8 +48,11 @@ double decode_step_seconds(const std::shared_ptr<model::CausalLM>& model, int64_
   eo.max_prefill_tokens = std::max<int64_t>(context, 65536);
   eo.cache_blocks = batch * ((context + new_tokens + 15) / 16);
   eo.absorbed_decode = mode != Mode::expanded;
-  eo.cuda_graphs = mode == Mode::graphs || mode == Mode::graphs_kernel;
-  eo.mla_decode_kernel = mode == Mode::kernel || mode == Mode::graphs_kernel;
+  const bool later = mode == Mode::graphs_sampling || mode == Mode::graphs_experts || mode == Mode::graphs_all;
+  eo.cuda_graphs = mode == Mode::graphs || mode == Mode::graphs_kernel || later;
+  eo.mla_decode_kernel = mode == Mode::kernel || mode == Mode::graphs_kernel || later;
+  eo.sampling_kernel = mode == Mode::graphs_sampling || mode == Mode::graphs_all;
+  eo.moe_decode_kernel = mode == Mode::graphs_experts || mode == Mode::graphs_all;
   try {
     rollout::Engine engine(model, eo);
     for (auto& r : reqs) engine.submit(std::move(r));
@@ -109,6 +119,104 @@ void group_sharing(const std::shared_ptr<model::CausalLM>& model, int64_t prompt
   }
 }
 
+double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+// --split: where a graphed decode step's time goes (RolloutBenchOptions::split).
+void decode_split(const std::shared_ptr<model::CausalLM>& lm, int64_t vocab, const RolloutBenchOptions& o) {
+#ifdef KILN_CUDA
+  if (!o.split_profile)
+    std::printf("%8s %6s %12s %12s %10s %10s %11s %10s %13s %13s\n", "context", "batch", "step_before", "step_after",
+                "replay", "sample_ref", "experts_d2h", "rest", "replay+sample", "+experts");
+  for (auto P : o.contexts)
+    for (auto B : o.batch_sizes) {
+      const double step = o.split_profile ? 0 : decode_step_seconds(lm, vocab, P, B, o.new_tokens, Mode::graphs_kernel);
+      const double step_all = o.split_profile ? 0 : decode_step_seconds(lm, vocab, P, B, o.new_tokens, Mode::graphs_all);
+      const int64_t per_seq = (P + o.new_tokens + 15) / 16, pages = B * per_seq;
+      lm->set_absorbed_decode(true);
+      lm->set_decode_kernel(true);
+      auto cache = lm->make_decode_cache({pages + 1, 16, B}, lm->lm_head_weight().options());
+      {
+        torch::NoGradGuard ng;
+        for (auto& t : dynamic_cast<model::PagedCache&>(*cache).layers) t.normal_(0, 1);  // not zeros
+      }
+      // Three graphs of the same step: as before the sampling and experts kernels, with the
+      // sampling in the graph, and with the decode experts too (captured inside the guard).
+      rollout::DecodeGraphs plain(*lm, *cache, 16, /*scratch_page=*/pages, /*max_pages=*/pages);
+      rollout::DecodeGraphs sampling(*lm, *cache, 16, pages, pages, /*sample=*/true);
+      rollout::DecodeGraphs all(*lm, *cache, 16, pages, pages, /*sample=*/true);
+      std::vector<std::vector<int64_t>> tables(static_cast<std::size_t>(B));
+      std::vector<const std::vector<int64_t>*> table_ptrs;
+      std::vector<int64_t> ids, pos, steps;
+      std::vector<rollout::SamplingParams> params(static_cast<std::size_t>(B));
+      std::vector<const rollout::SamplingParams*> pp;
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t i = 0; i < per_seq; ++i) tables[std::size_t(b)].push_back(b * per_seq + i);
+        table_ptrs.push_back(&tables[std::size_t(b)]);
+        ids.push_back(3 + (b * 7919) % (vocab - 3));
+        pos.push_back(P);
+        params[std::size_t(b)].seed = uint64_t(b);
+        pp.push_back(&params[std::size_t(b)]);
+        steps.push_back(0);
+      }
+      auto run_all = [&] {
+        const kernels::DecodeExpertsGuard experts(true);
+        return all.run(ids, pos, table_ptrs, pp, steps);
+      };
+      for (int i = 0; i < 3; ++i) {  // capture, warm
+        plain.run(ids, pos, table_ptrs);
+        sampling.run(ids, pos, table_ptrs, pp, steps);
+        run_all();
+      }
+      torch::cuda::synchronize();
+      if (o.split_profile) {  // ncu: the plain graph, then the one with both kernels
+        cudaProfilerStart();
+        plain.run(ids, pos, table_ptrs);
+        torch::cuda::synchronize();
+        run_all();
+        torch::cuda::synchronize();
+        cudaProfilerStop();
+        std::printf("profiled two replays: context %lld, batch %lld\n", (long long)P, (long long)B);
+        std::fflush(stdout);
+        continue;
+      }
+      std::vector<double> replay_s, sample_s, d2h_s, sampling_s, all_s;
+      for (int i = 0; i < 20; ++i) {
+        torch::cuda::synchronize();
+        messaging::Stopwatch t;
+        auto s = plain.run(ids, pos, table_ptrs);
+        torch::cuda::synchronize();
+        replay_s.push_back(t.seconds());
+        t.restart();
+        (void)rollout::sample_tokens(s.logits, pp, steps, /*kernel=*/false);  // the reference, after the graph
+        sample_s.push_back(t.seconds());
+        t.restart();
+        auto e = s.routed_experts.to(torch::kCPU);
+        d2h_s.push_back(t.seconds());
+        t.restart();
+        (void)rollout::sampled_tokens(sampling.run(ids, pos, table_ptrs, pp, steps).sampled);
+        sampling_s.push_back(t.seconds());
+        t.restart();
+        (void)rollout::sampled_tokens(run_all().sampled);
+        all_s.push_back(t.seconds());
+      }
+      const double r = median_of(replay_s), sm = median_of(sample_s), d = median_of(d2h_s);
+      std::printf("%8lld %6lld %10.3fms %10.3fms %8.3fms %8.3fms %9.3fms %8.3fms %11.3fms %11.3fms\n", (long long)P,
+                  (long long)B, step * 1e3, step_all * 1e3, r * 1e3, sm * 1e3, d * 1e3, (step - r - sm - d) * 1e3,
+                  median_of(sampling_s) * 1e3, median_of(all_s) * 1e3);
+      std::fflush(stdout);
+      c10::cuda::CUDACachingAllocator::emptyCache();
+    }
+#else
+  (void)lm;
+  (void)vocab;
+  (void)o;
+  throw std::invalid_argument("--split needs a CUDA build");
+#endif
+}
+
 int run_rollout_bench_cuda(const RolloutBenchOptions& o) {
   if (!torch::cuda::is_available()) {
     std::fprintf(stderr, "kiln bench rollout: --device cuda: no CUDA device visible\n");
@@ -150,6 +258,11 @@ int run_rollout_bench_cuda(const RolloutBenchOptions& o) {
               "%.0f GB/s (read+write), weights %.2f GB (routed experts %.2f GB)\n",
               torch::cuda::device_count() > 0 ? "CUDA" : "", (long long)o.layers, (long long)o.new_tokens, copy_gbs,
               (dense_bytes + expert_bytes) / 1e9, expert_bytes / 1e9);
+  if (o.split) {
+    (void)decode_step_seconds(model, cfg.vocab_size, 64, 2, 4, Mode::graphs_kernel);  // warm-up
+    decode_split(model, cfg.vocab_size, o);
+    return 0;
+  }
   std::vector<std::pair<Mode, const char*>> modes;
   for (const auto& m : o.modes) {
     if (m == "expanded") modes.emplace_back(Mode::expanded, "expanded");
@@ -157,7 +270,11 @@ int run_rollout_bench_cuda(const RolloutBenchOptions& o) {
     else if (m == "graphs") modes.emplace_back(Mode::graphs, "graphs");
     else if (m == "kernel") modes.emplace_back(Mode::kernel, "kernel");
     else if (m == "graphs-kernel") modes.emplace_back(Mode::graphs_kernel, "graphs-kernel");
-    else throw std::invalid_argument("--modes: '" + m + "' is not expanded, absorbed, graphs, kernel or graphs-kernel");
+    else if (m == "graphs-sampling") modes.emplace_back(Mode::graphs_sampling, "graphs-sampling");
+    else if (m == "graphs-experts") modes.emplace_back(Mode::graphs_experts, "graphs-experts");
+    else if (m == "graphs-all") modes.emplace_back(Mode::graphs_all, "graphs-all");
+    else throw std::invalid_argument("--modes: '" + m + "' is not expanded, absorbed, graphs, kernel, graphs-kernel, "
+                                     "graphs-sampling, graphs-experts or graphs-all");
   }
   if (modes.empty()) throw std::invalid_argument("--modes: none given");
   std::printf("%8s %6s %10s", "context", "batch", "roofline");

@@ -35,9 +35,23 @@ struct RolloutBenchOptions {
   /// cuda: the engine's decode modes, columns in this order: "expanded" (the default engine),
   /// "absorbed" (rollout.absorbed_decode), "graphs" (absorbed with rollout.cuda_graphs),
   /// "kernel" and "graphs-kernel" (absorbed, eager or graphed, with rollout.mla_decode_kernel:
-  /// the paged-cache attention kernel); the speedup column is the first mode's step time over
-  /// the last's.
+  /// the paged-cache attention kernel); these five with rollout.sampling_kernel and
+  /// rollout.moe_decode_kernel off (as they were measured before those existed); then
+  /// "graphs-sampling", "graphs-experts" and "graphs-all": graphs-kernel with the sampling kernel
+  /// (in the graph), the decode experts kernels, or both. The speedup column is the first mode's
+  /// step time over the last's.
   std::vector<std::string> modes = {"expanded", "absorbed", "graphs"};
+  /// cuda: instead of the table, where a graphed decode step's time goes, per (context, batch):
+  /// the engine's step (graphs-kernel, and graphs-all) against the parts it is made of, each
+  /// timed alone on the same shapes (host clock around a synchronised call): the graph's run
+  /// (input copy and replay), the reference sampling of its [B, V] logits, the routed experts'
+  /// copy to the host, the rest (the engine's host work); then the run of a graph that samples
+  /// too, and of one with the decode experts kernels as well, each with its [B, 3] read.
+  bool split = false;
+  /// With split: per shape one replay of the graph before the kernels, then one of the graph with
+  /// both, between cudaProfilerStart and cudaProfilerStop, and no other timing (for
+  /// `ncu --profile-from-start off`: the graphs' kernels one by one).
+  bool split_profile = false;
 };
 
 int run_rollout_bench(const RolloutBenchOptions& options);

@@ -161,6 +161,8 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   boolean("rollout.absorbed_decode", c.rollout.engine.absorbed_decode);
   boolean("rollout.cuda_graphs", c.rollout.engine.cuda_graphs);
   boolean("rollout.mla_decode_kernel", c.rollout.engine.mla_decode_kernel);
+  boolean("rollout.sampling_kernel", c.rollout.engine.sampling_kernel);
+  boolean("rollout.moe_decode_kernel", c.rollout.engine.moe_decode_kernel);
   boolean("rollout.share_prompts", c.rollout.engine.share_prompts);
   text_list("rollout.urls", c.rollout.urls);
   integer("rollout.http_timeout_s", c.rollout.http_timeout_s);

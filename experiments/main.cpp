@@ -72,8 +72,15 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t(2), int64_t(47)));
   bench_rollout->add_option("--contexts", ro.contexts, "cuda: prompt lengths")->default_str("1024 8192")
       ->check(CLI::Range(int64_t(1), int64_t(131072)));
-  bench_rollout->add_option("--modes", ro.modes, "cuda: decode modes, as columns (expanded absorbed graphs kernel graphs-kernel)")
-      ->default_str("expanded absorbed graphs")->check(CLI::IsMember({"expanded", "absorbed", "graphs", "kernel", "graphs-kernel"}));
+  bench_rollout->add_option("--modes", ro.modes,
+                            "cuda: decode modes, as columns (expanded absorbed graphs kernel graphs-kernel graphs-sampling "
+                            "graphs-experts graphs-all)")
+      ->default_str("expanded absorbed graphs")
+      ->check(CLI::IsMember({"expanded", "absorbed", "graphs", "kernel", "graphs-kernel", "graphs-sampling",
+                             "graphs-experts", "graphs-all"}));
+  bench_rollout->add_flag("--split", ro.split, "cuda: where a graphed decode step's time goes (step, replay, sampling, copies)");
+  bench_rollout->add_flag("--split-profile", ro.split_profile,
+                          "cuda, with --split: one replay per shape inside cudaProfilerStart/Stop, for ncu");
   kiln::experiments::ServeBenchOptions so;
   auto* bench_serve = bench_cmd->add_subcommand("serve", "kiln serve's requests/s and tokens/s vs the in-process engine");
   bench_serve->add_option("--clients", so.clients, "Concurrent clients")->default_str("1 16 64")->check(CLI::Range(int64_t(1), int64_t(1024)));

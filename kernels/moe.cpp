@@ -1,5 +1,7 @@
 #include "kernels/moe.hpp"
 
+#include "kernels/moe_decode.hpp"
+
 #include <torch/torch.h>
 
 #ifdef KILN_CUDA
@@ -58,6 +60,10 @@ at::Tensor grouped_swiglu_ref(const at::Tensor& x, const at::Tensor& counts, con
 at::Tensor grouped_swiglu(const at::Tensor& x, const at::Tensor& counts, const at::Tensor& w1, const at::Tensor& w2,
                           std::optional<double> swiglu_limit) {
   check_experts(x, counts, w1, w2);
+  // Inference at few rows inside a DecodeExpertsGuard (the rollout engine): the decode kernels.
+  if (x.size(0) <= DecodeExpertsGuard::max_rows() && !at::GradMode::is_enabled() &&
+      grouped_swiglu_decode_supports(x, w1, w2))
+    return grouped_swiglu_decode(x, counts, w1, w2, swiglu_limit);
   if (!grouped_swiglu_uses_grouped_mm(x, w1)) return grouped_swiglu_ref(x, counts, w1, w2, swiglu_limit);
   // offs[e] = end row of expert e (int32, on the device). Weights go in as [E, D, 2F] and
   // [E, F, D] views with the reduction dim contiguous, the layout the Hopper kernel takes.

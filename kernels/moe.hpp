@@ -10,6 +10,8 @@
 // on Hopper; offsets computed on the device, no host sync) for all experts at once; anything
 // else runs the LibTorch reference, one GEMM pair per expert with rows (counts read on host).
 // Differentiable in x and both weights either way (_grouped_mm has an autograd formula).
+// Inside a kernels::DecodeExpertsGuard (kernels/moe_decode.hpp), with grad mode off and few rows,
+// it runs the decode-step kernels of kernels/moe_decode.hpp instead (no autograd there).
 // swiglu_limit (GLM-5.3-Flash's Glm5NextTextExperts): the activation is swiglu(gate, up, limit).
 //
 // swiglu: silu(gate) * up; with a limit, transformers' clamped form (Glm5NextTextExperts,

@@ -7,12 +7,13 @@
 namespace kiln::rollout {
 
 DecodeGraphs::DecodeGraphs(model::CausalLM& model, model::DecodeCache& cache, int64_t page_size, int64_t scratch_page,
-                           int64_t max_pages)
+                           int64_t max_pages, bool sample)
     : model_(model),
       cache_(cache),
       page_size_(page_size),
       scratch_page_(scratch_page),
       max_pages_(max_pages),
+      sample_(sample),
       device_(model.lm_head_weight().device()) {
   if (!device_.is_cuda())
     throw std::invalid_argument("rollout.cuda_graphs: the model is on " + device_.str() +
@@ -61,20 +62,29 @@ DecodeGraphs::Graph& DecodeGraphs::graph_for(int64_t Bb, int64_t Wb) {
   if (slot) return *slot;
   auto g = std::make_unique<Graph>();
   const auto i64 = torch::TensorOptions().dtype(torch::kInt64);
-  g->staging = torch::empty({Bb * (2 + Wb)}, i64.pinned_memory(true));
-  g->inputs = torch::empty({Bb * (2 + Wb)}, i64.device(device_));
+  g->staging = torch::empty({Bb * (2 + Wb + 5)}, i64.pinned_memory(true));
+  g->inputs = torch::empty({Bb * (2 + Wb + 5)}, i64.device(device_));
   g->ids = g->inputs.narrow(0, 0, Bb);
   g->positions = g->inputs.narrow(0, Bb, Bb);
   g->table = g->inputs.narrow(0, 2 * Bb, Bb * Wb).view({Bb, Wb});
-  // Inert rows for the warm-up and the capture: token 0 at position 0 on the scratch page.
+  g->sampling = g->inputs.narrow(0, (2 + Wb) * Bb, 5 * Bb);
+  // Inert rows for the warm-up and the capture: token 0 at position 0 on the scratch page,
+  // sampled greedily.
   g->ids.zero_();
   g->positions.zero_();
   g->table.fill_(scratch_page_);
+  {
+    auto five = torch::empty({5 * Bb}, i64);
+    write_sampling_rows({}, {}, five.data_ptr<int64_t>(), Bb);
+    g->sampling.copy_(five);
+  }
+  const SamplingRows rows(g->sampling);
   torch::NoGradGuard no_grad;
   auto body = [&] {
     auto out = model_.forward_decode(g->ids, g->positions, g->table, cache_, /*want_routing=*/true);
     g->logits = model::lm_logits(out.hidden, model_.lm_head_weight());  // [Bb, V] fp32
     g->routed_experts = out.routed_experts;                              // [Bb, L, K]
+    if (sample_) g->sampled = rows.sample(g->logits);                    // [Bb, 3] fp64
   };
   g->graph = std::make_unique<kernels::CapturedGraph>(device_, pool_, body);
   slot = std::move(g);
@@ -82,8 +92,14 @@ DecodeGraphs::Graph& DecodeGraphs::graph_for(int64_t Bb, int64_t Wb) {
 }
 
 DecodeGraphs::Step DecodeGraphs::run(const std::vector<int64_t>& ids, const std::vector<int64_t>& positions,
-                                     const std::vector<const std::vector<int64_t>*>& pages) {
+                                     const std::vector<const std::vector<int64_t>*>& pages,
+                                     const std::vector<const SamplingParams*>& params,
+                                     const std::vector<int64_t>& steps) {
   const int64_t B = int64_t(ids.size());
+  if (sample_ ? (int64_t(params.size()) != B || int64_t(steps.size()) != B) : (!params.empty() || !steps.empty()))
+    throw std::invalid_argument("DecodeGraphs::run: " + std::to_string(params.size()) + " sampling params and " +
+                                std::to_string(steps.size()) + " steps for " + std::to_string(B) + " rows (graphs " +
+                                (sample_ ? "that sample: need one each" : "that do not sample: need none") + ")");
   if (B < 1 || positions.size() != ids.size() || pages.size() != ids.size())
     throw std::invalid_argument("DecodeGraphs::run: " + std::to_string(ids.size()) + " ids, " +
                                 std::to_string(positions.size()) + " positions and " + std::to_string(pages.size()) +
@@ -114,11 +130,13 @@ DecodeGraphs::Step DecodeGraphs::run(const std::vector<int64_t>& ids, const std:
     }
     for (; k < Wb; ++k) row[k] = scratch_page_;
   }
+  if (sample_) write_sampling_rows(params, steps, h + (2 + Wb) * Bb, Bb);
   // A blocking copy: the staging buffer may be refilled as soon as this returns.
   g.inputs.copy_(g.staging, /*non_blocking=*/false);
   g.graph->replay();
   ++replays_;
-  return Step{g.logits.narrow(0, 0, B), g.routed_experts.narrow(0, 0, B)};
+  return Step{g.logits.narrow(0, 0, B), g.routed_experts.narrow(0, 0, B),
+              sample_ ? g.sampled.narrow(0, 0, B) : torch::Tensor()};
 }
 
 }  // namespace kiln::rollout

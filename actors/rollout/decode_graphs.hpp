@@ -4,7 +4,10 @@
 // (CausalLM::forward_decode) and its lm_head, captured once per (batch bucket, page bucket),
 // instead of launching every op from the host. The step's inputs (token ids, positions, the
 // sequences' page tables) are copied into the graph's static input tensors, its logits and
-// routed experts read from its static outputs.
+// routed experts read from its static outputs. With `sample` (EngineOptions::sampling_kernel) the
+// graph ends with the batch's sampling (kernels::sample_rows over the logits, the rows' sampling
+// parameters and token indices being inputs too): a step's one host read is then its [B, 3]
+// tokens, log-probs and entropies.
 //
 // Buckets: a batch of B sequences runs in the graph of the next power of two >= B, its rows
 // past B inert (token 0 at position 0 on the scratch page, a cache page no sequence holds: their
@@ -26,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "actors/rollout/sampling.hpp"
 #include "kernels/cuda_graph.hpp"
 #include "model/causal_lm.hpp"
 
@@ -35,21 +39,28 @@ class DecodeGraphs {
  public:
   /// `model` on a CUDA device with has_device_decode(); `cache` its decode cache, whose page
   /// `scratch_page` no sequence ever holds; `page_size` tokens per page; `max_pages` the most
-  /// pages one sequence holds. Throws std::invalid_argument naming what does not hold.
+  /// pages one sequence holds; `sample`: the graphs sample the tokens too. Throws
+  /// std::invalid_argument naming what does not hold.
   DecodeGraphs(model::CausalLM& model, model::DecodeCache& cache, int64_t page_size, int64_t scratch_page,
-               int64_t max_pages);
+               int64_t max_pages, bool sample = false);
 
   struct Step {
     torch::Tensor logits;          ///< [B, V] fp32 on the device (lm_logits of the hidden states)
     torch::Tensor routed_experts;  ///< [B, L, K] int64 on the device
+    /// With `sample`: [B, 3] fp64 on the device, per row the sampled token id, its log-prob and
+    /// the entropy (kernels/sampling.hpp); undefined without.
+    torch::Tensor sampled;
   };
   /// One decode step of B = ids.size() sequences: sequence b feeds token ids[b] at position
   /// positions[b] (its tokens already cached) and holds the pages *pages[b] (enough for
-  /// positions[b] + 1 tokens). The returned tensors are views of the graph's outputs: valid
-  /// until the next run. Captures the bucket's graph first if it is new. Throws
-  /// std::invalid_argument for inconsistent inputs, std::logic_error when a weight moved.
+  /// positions[b] + 1 tokens). With `sample`, row b samples with params[b] and the token index
+  /// steps[b] (sample_tokens' arguments; both B entries); without, both must be empty. The
+  /// returned tensors are views of the graph's outputs: valid until the next run. Captures the
+  /// bucket's graph first if it is new. Throws std::invalid_argument for inconsistent inputs,
+  /// std::logic_error when a weight moved.
   Step run(const std::vector<int64_t>& ids, const std::vector<int64_t>& positions,
-           const std::vector<const std::vector<int64_t>*>& pages);
+           const std::vector<const std::vector<int64_t>*>& pages, const std::vector<const SamplingParams*>& params = {},
+           const std::vector<int64_t>& steps = {});
 
   /// The batch bucket of B >= 1: the next power of two.
   static int64_t batch_bucket(int64_t batch);
@@ -60,10 +71,12 @@ class DecodeGraphs {
 
  private:
   struct Graph {
-    torch::Tensor staging;  ///< [Bb * (2 + Wb)] int64, pinned host memory: ids, positions, table
+    /// [Bb * (2 + Wb + 5)] int64, pinned host memory: ids, positions, table, and the rows'
+    /// sampling parameters (write_sampling_rows; used with `sample`)
+    torch::Tensor staging;
     torch::Tensor inputs;   ///< the same on the device; ids, positions and table are views of it
-    torch::Tensor ids, positions, table;
-    torch::Tensor logits, routed_experts;  ///< the captured outputs
+    torch::Tensor ids, positions, table, sampling;
+    torch::Tensor logits, routed_experts, sampled;  ///< the captured outputs
     std::unique_ptr<kernels::CapturedGraph> graph;
   };
   Graph& graph_for(int64_t batch_bucket, int64_t pages_bucket);
@@ -72,6 +85,7 @@ class DecodeGraphs {
   model::CausalLM& model_;
   model::DecodeCache& cache_;
   int64_t page_size_, scratch_page_, max_pages_;
+  bool sample_;
   torch::Device device_;
   kernels::GraphPool pool_;
   std::map<std::pair<int64_t, int64_t>, std::unique_ptr<Graph>> graphs_;

@@ -2,6 +2,7 @@
 
 #include <thread>
 
+#include "kernels/moe_decode.hpp"
 #include "model/blocks/logprobs.hpp"
 
 #include <algorithm>
@@ -61,7 +62,7 @@ Engine::Engine(std::shared_ptr<model::CausalLM> model, EngineOptions options)
                                      model_->lm_head_weight().options());
   if (o_.cuda_graphs)
     graphs_ = std::make_unique<DecodeGraphs>(*model_, *cache_, o_.block_size, /*scratch_page=*/o_.cache_blocks,
-                                             /*max_pages=*/o_.cache_blocks);
+                                             /*max_pages=*/o_.cache_blocks, /*sample=*/o_.sampling_kernel);
   for (int64_t b = o_.cache_blocks - 1; b >= 0; --b) free_.push_back(b);
   for (int64_t b = o_.max_batch - 1; b >= 0; --b) free_slots_.push_back(b);
   refs_.assign(std::size_t(o_.cache_blocks), 0);
@@ -100,8 +101,7 @@ void Engine::check(const GenerationRequest& request) const {
 
 void Engine::submit(GenerationRequest request) {
   check(request);
-  auto s = std::make_unique<Sequence>(Sequence{std::move(request), {}, make_generator(0), {}, {}, 0, Clock::now()});
-  s->generator = make_generator(s->request.sampling.seed);
+  auto s = std::make_unique<Sequence>(Sequence{std::move(request), {}, {}, {}, 0, Clock::now()});
   s->out.id = s->request.id;
   s->out.prompt = s->request.prompt;
   waiting_.push_back(std::move(s));
@@ -115,6 +115,8 @@ bool Engine::finished(Sequence& s) const {
 
 std::vector<Completion> Engine::step() {
   if (paused_) return {};
+  // Few-row MoE steps (decode) take the decode experts kernels, graphs captured here included.
+  const kernels::DecodeExpertsGuard experts_kernel(o_.moe_decode_kernel);
   // Admit waiting requests (FIFO) while pages, batch slots and the prefill budget allow.
   std::vector<std::unique_ptr<Sequence>> admitted;
   std::vector<std::pair<Sequence*, Sequence*>> sharing;  // (sequence, the holder of its prompt)
@@ -170,15 +172,25 @@ std::vector<Completion> Engine::step() {
   torch::NoGradGuard no_grad;
   const auto& head = model_->lm_head_weight();  // [V, D]
   torch::Tensor h = torch::empty({0, head.size(1)}, head.options()), experts, topk;  // [B, D], [rows, L, K], [rows, Ls, W]
-  torch::Tensor logits;  // [B, V] fp32, on the device
+  torch::Tensor logits;   // [B, V] fp32, on the device
+  torch::Tensor sampled;  // [B, 3] fp64 on the device, when the graph sampled
   // A pure decode step (every sequence feeds one token, none shares a prompt) replays a graph.
   const bool graphed = graphs_ && !batch.empty() && sharing.empty() &&
                        std::all_of(batch.begin(), batch.end(), [](const Sequence* s) { return s->cached > 0; });
   if (graphed) {
     std::vector<const std::vector<int64_t>*> pages;
-    for (auto* s : batch) pages.push_back(&s->blocks);
-    auto g = graphs_->run(ids, pos, pages);
+    std::vector<const SamplingParams*> params;
+    std::vector<int64_t> steps;
+    for (auto* s : batch) {
+      pages.push_back(&s->blocks);
+      if (o_.sampling_kernel) {
+        params.push_back(&s->request.sampling);
+        steps.push_back(int64_t(s->out.tokens.size()));
+      }
+    }
+    auto g = graphs_->run(ids, pos, pages, params, steps);
     logits = g.logits;
+    sampled = g.sampled;
     experts = g.routed_experts.to(torch::kCPU);
   } else if (!batch.empty()) {
     auto out = model_->forward_cached(torch::tensor(ids, torch::kInt64).to(device),
@@ -223,17 +235,22 @@ std::vector<Completion> Engine::step() {
   // [B, V] fp32, as the trainer's; stays on the device
   if (!graphed) logits = model::lm_logits(sharing.empty() ? h : torch::cat(rows, 0), model_->lm_head_weight());
 
-  std::vector<const SamplingParams*> params;
-  std::vector<at::Generator*> gens;
-  for (auto* s : batch) {
-    params.push_back(&s->request.sampling);
-    gens.push_back(&s->generator);
+  std::vector<SampledToken> tokens;
+  if (sampled.defined()) {
+    tokens = sampled_tokens(sampled);  // sampled in the graph: the step's one read of its tokens
+  } else {
+    std::vector<const SamplingParams*> params;
+    std::vector<int64_t> steps;  // each row's token index in its completion: its draw's Philox counter
+    for (auto* s : batch) {
+      params.push_back(&s->request.sampling);
+      steps.push_back(int64_t(s->out.tokens.size()));
+    }
+    tokens = sample_tokens(logits, params, steps, o_.sampling_kernel);  // the whole batch where the logits are
   }
-  auto sampled = sample_tokens(logits, params, gens);  // the whole batch where the logits are
   std::vector<Completion> done;
   for (std::size_t i = 0; i < batch.size(); ++i) {
     auto* s = batch[i];
-    record(s->out, sampled[i], version_);
+    record(s->out, tokens[i], version_);
     if (s->out.tokens.size() == 1)
       s->out.time_to_first_token_s = std::chrono::duration<double>(Clock::now() - s->submitted).count();
   }
@@ -300,12 +317,10 @@ std::vector<Completion> generate_without_cache(model::CausalLM& model, const std
   torch::NoGradGuard no_grad;
   auto t0 = Clock::now();
   std::vector<Completion> out(requests.size());
-  std::vector<at::Generator> gens;
   std::vector<std::vector<int64_t>> seqs;
   std::vector<bool> done(requests.size(), false);
   for (std::size_t i = 0; i < requests.size(); ++i) {
     check_request(requests[i], model.vocab_size());
-    gens.push_back(make_generator(requests[i].sampling.seed));
     seqs.push_back(requests[i].prompt);
     out[i].id = requests[i].id;
     out[i].prompt = requests[i].prompt;
@@ -331,7 +346,7 @@ std::vector<Completion> generate_without_cache(model::CausalLM& model, const std
       const std::size_t i = live[j];
       const int64_t s = cu[int64_t(j)].item<int64_t>(), e = cu[int64_t(j) + 1].item<int64_t>();
       auto logits = model::lm_logits(fwd.hidden.narrow(0, e - 1, 1), model.lm_head_weight())[0];
-      record(out[i], sample_token(logits, requests[i].sampling, gens[i]), version);
+      record(out[i], sample_token(logits, requests[i].sampling, int64_t(out[i].tokens.size())), version);
       if (out[i].tokens.size() == 1) out[i].time_to_first_token_s = std::chrono::duration<double>(Clock::now() - t0).count();
       seqs[i].push_back(out[i].tokens.back());
       if (auto r = finish_reason(out[i].tokens, requests[i].sampling)) {

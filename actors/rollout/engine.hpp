@@ -13,7 +13,7 @@
 // reference-counted, freed when the last holder finishes), copies the partial last page into
 // a page of its own before its first decode (copy-on-write: decoding writes only positions
 // >= P), reuses the prompt's routed experts and the hidden state of its last token, and
-// samples its first token from those logits with its own generator: its output equals the
+// samples its first token from those logits with its own seed: its output equals the
 // unshared run's with the same seed. With a cache whose slots hold state (a recurrent state
 // that advances with every token), only a sequence prefilled in the same step shares its
 // prompt: its slot is copied right after that prefill.
@@ -77,7 +77,6 @@ class Engine : public RolloutBackend {
   struct Sequence {
     GenerationRequest request;
     std::vector<int64_t> blocks;
-    at::Generator generator;
     Completion out;
     std::vector<torch::Tensor> expert_rows;  // [rows, L, K] pieces
     int64_t cached = 0;                      // tokens whose latents are in the cache

@@ -37,8 +37,22 @@ struct EngineOptions {
   /// graphed steps 1.2-1.5x at 8192 x 128-256 and within 5% elsewhere (docs/benchmarks.md,
   /// "Rollout decode with the paged-cache attention kernel").
   bool mla_decode_kernel = true;
+  /// CUDA: tokens are drawn by the one-kernel sampler (kernels/sampling.hpp: one block per row,
+  /// the whole batch in one launch) and, in graphed decode steps, inside the captured graph, so
+  /// that a step's one host read is the sampled [B] tokens with their log-probs and entropies;
+  /// off: the LibTorch reference sampler after the forward (the same draws but where cumulative
+  /// sums round differently at a token boundary). Either way a request's uniforms are Philox of
+  /// (its seed, the token's index): the same seed gives the same tokens. On by default.
+  bool sampling_kernel = true;
+  /// CUDA bf16: the routed experts of steps with at most 256 (token, expert) rows (decode steps of
+  /// up to 64 sequences at GLM-4.7-Flash's top-4) run the decode kernels of
+  /// kernels/moe_decode.hpp (each touched expert's weights read once, in registers, an untouched
+  /// expert's not at all) instead of the grouped GEMM (kernels::DecodeExpertsGuard around the
+  /// step). Equal within bf16 rounding. Off by default: on an H200 the graphed step at batch 32
+  /// was no faster with them (docs/benchmarks.md, "Rollout decode: where the step's time goes").
+  bool moe_decode_kernel = false;
   MSGPACK_DEFINE_MAP(cache_blocks, block_size, max_batch, max_prefill_tokens, step_delay_ms, absorbed_decode,
-                     share_prompts, cuda_graphs, mla_decode_kernel);
+                     share_prompts, cuda_graphs, mla_decode_kernel, sampling_kernel, moe_decode_kernel);
 };
 
 }  // namespace kiln::rollout

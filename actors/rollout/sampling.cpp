@@ -1,8 +1,9 @@
 #include "actors/rollout/sampling.hpp"
 
-#include <ATen/CPUGeneratorImpl.h>
-
+#include <cstring>
 #include <stdexcept>
+
+#include "kernels/sampling.hpp"
 
 namespace kiln::rollout {
 
@@ -16,69 +17,67 @@ void SamplingParams::validate() const {
     if (s.empty()) bad("stop_sequences must not contain an empty sequence");
 }
 
-at::Generator make_generator(uint64_t seed) { return at::detail::createCPUGenerator(seed); }
-
-std::vector<SampledToken> sample_tokens(const torch::Tensor& logits_BV, const std::vector<const SamplingParams*>& params,
-                                        const std::vector<at::Generator*>& generators) {
-  const int64_t B = logits_BV.size(0);
-  if (int64_t(params.size()) != B || int64_t(generators.size()) != B)
-    throw std::invalid_argument("sample_tokens: " + std::to_string(B) + " rows but " + std::to_string(params.size()) +
-                                " params and " + std::to_string(generators.size()) + " generators");
-  std::vector<SampledToken> out(static_cast<std::size_t>(B));
-  if (B == 0) return out;
-  torch::NoGradGuard no_grad;
-  auto l = logits_BV.to(torch::kFloat32);                                       // [B, V]
-  std::vector<float> temps, us;
-  bool any_filter = false;
+void write_sampling_rows(const std::vector<const SamplingParams*>& params, const std::vector<int64_t>& steps,
+                         int64_t* five, int64_t B) {
+  if (int64_t(params.size()) > B || steps.size() != params.size())
+    throw std::invalid_argument("write_sampling_rows: " + std::to_string(params.size()) + " params and " +
+                                std::to_string(steps.size()) + " steps for " + std::to_string(B) + " rows");
   for (int64_t b = 0; b < B; ++b) {
-    const auto& p = *params[std::size_t(b)];
-    temps.push_back(p.temperature == 0 ? 1.f : float(p.temperature));
-    // One uniform per row from the request's own CPU generator, drawn for greedy rows too
-    // (so that a request's stream does not depend on its neighbours).
-    us.push_back(torch::rand({1}, *generators[std::size_t(b)], torch::kFloat64).item<float>());
-    any_filter |= p.temperature != 0 && ((p.top_k > 0 && p.top_k < l.size(1)) || p.top_p < 1.0);
+    const bool real = b < int64_t(params.size());
+    // Rows past the params (a graph's padding rows): greedy, no filter.
+    const double t = real ? params[std::size_t(b)]->temperature : 0.0, p = real ? params[std::size_t(b)]->top_p : 1.0;
+    std::memcpy(&five[b], &t, sizeof t);
+    five[B + b] = real ? params[std::size_t(b)]->top_k : 0;
+    std::memcpy(&five[2 * B + b], &p, sizeof p);
+    five[3 * B + b] = real ? int64_t(params[std::size_t(b)]->seed) : 0;
+    five[4 * B + b] = real ? steps[std::size_t(b)] : 0;
   }
-  auto logp = torch::log_softmax(l / torch::tensor(temps).to(l.device()).unsqueeze(1), -1);  // [B, V]
-  auto probs = logp.exp();
-  auto entropy = -(probs * logp).nan_to_num(0.0).sum(-1);                      // [B]
-  auto filtered = probs;
-  if (any_filter) {
-    filtered = probs.clone();
-    for (int64_t b = 0; b < B; ++b) {
-      const auto& p = *params[std::size_t(b)];
-      if (p.temperature == 0) continue;
-      auto row = filtered[b];
-      if (p.top_k > 0 && p.top_k < row.size(0)) {
-        auto kth = std::get<0>(row.topk(p.top_k)).min();
-        row.copy_(torch::where(row >= kth, row, torch::zeros_like(row)));
-      }
-      if (p.top_p < 1.0) {
-        auto [sorted, order] = row.sort(-1, /*descending=*/true);
-        auto before = sorted.cumsum(-1) - sorted;  // mass strictly above each token
-        auto keep_sorted = before < p.top_p * sorted.sum();
-        auto keep = torch::zeros_like(keep_sorted).scatter(0, order, keep_sorted);
-        row.copy_(torch::where(keep, row, torch::zeros_like(row)));
-      }
-    }
-  }
-  auto cdf = filtered.cumsum(-1);                                               // [B, V]
-  // Target strictly below the total so that rounding never lands past the last kept token.
-  auto target = (torch::tensor(us).to(l.device()) * (1 - 1e-6)).unsqueeze(1) * cdf.narrow(1, cdf.size(1) - 1, 1);
-  auto sampled = torch::searchsorted(cdf, target, /*out_int32=*/false, /*right=*/true).squeeze(1).clamp_max(l.size(1) - 1);
-  auto greedy = l.argmax(-1);
-  std::vector<uint8_t> is_greedy;
-  for (int64_t b = 0; b < B; ++b) is_greedy.push_back(params[std::size_t(b)]->temperature == 0);
-  auto tokens = torch::where(torch::tensor(is_greedy).to(l.device()).to(torch::kBool), greedy, sampled);  // [B]
-  auto picked = logp.gather(1, tokens.unsqueeze(1)).squeeze(1);
-  auto host = torch::stack({tokens.to(torch::kFloat64), picked.to(torch::kFloat64), entropy.to(torch::kFloat64)})
-                  .to(torch::kCPU);  // one read: [3, B]
+}
+
+SamplingRows::SamplingRows(const torch::Tensor& five) {
+  const int64_t B = five.numel() / 5;
+  if (five.dim() != 1 || five.numel() != 5 * B || five.scalar_type() != torch::kInt64)
+    throw std::invalid_argument("SamplingRows: need a [5 * B] int64 tensor, got " + c10::str(five.sizes()) + " " +
+                                c10::toString(five.scalar_type()));
+  temperature = five.narrow(0, 0, B).view(torch::kFloat64);
+  top_k = five.narrow(0, B, B);
+  top_p = five.narrow(0, 2 * B, B).view(torch::kFloat64);
+  seed = five.narrow(0, 3 * B, B);
+  step = five.narrow(0, 4 * B, B);
+}
+
+torch::Tensor SamplingRows::sample(const torch::Tensor& logits_BV, bool kernel) const {
+  auto l = logits_BV.to(torch::kFloat32);
+  return kernel ? kernels::sample_rows(l, temperature, top_k, top_p, seed, step)
+                : kernels::sample_rows_ref(l, temperature, top_k, top_p, seed, step);
+}
+
+std::vector<SampledToken> sampled_tokens(const torch::Tensor& out_B3) {
+  auto host = out_B3.to(torch::kCPU).contiguous();  // the one read of the batch
   auto h = host.accessor<double, 2>();
-  for (int64_t b = 0; b < B; ++b) out[std::size_t(b)] = {int64_t(h[0][b]), float(h[1][b]), float(h[2][b])};
+  std::vector<SampledToken> out(static_cast<std::size_t>(host.size(0)));
+  for (int64_t b = 0; b < host.size(0); ++b) out[std::size_t(b)] = {int64_t(h[b][0]), float(h[b][1]), float(h[b][2])};
   return out;
 }
 
-SampledToken sample_token(const torch::Tensor& logits, const SamplingParams& p, at::Generator& generator) {
-  return sample_tokens(logits.reshape({1, -1}), {&p}, {&generator})[0];
+std::vector<SampledToken> sample_tokens(const torch::Tensor& logits_BV, const std::vector<const SamplingParams*>& params,
+                                        const std::vector<int64_t>& steps, bool kernel) {
+  const int64_t B = logits_BV.size(0);
+  if (int64_t(params.size()) != B || int64_t(steps.size()) != B)
+    throw std::invalid_argument("sample_tokens: " + std::to_string(B) + " rows but " + std::to_string(params.size()) +
+                                " params and " + std::to_string(steps.size()) + " steps");
+  if (B == 0) return {};
+  torch::NoGradGuard no_grad;
+  auto five = torch::empty({5 * B}, torch::kInt64);
+  write_sampling_rows(params, steps, five.data_ptr<int64_t>(), B);
+  // The kernel reads the parameters on the logits' device, the reference on the host.
+  const auto logits = logits_BV.to(torch::kFloat32);
+  kernel = kernel && kernels::sample_rows_uses_kernel(logits);
+  return sampled_tokens(SamplingRows(kernel ? five.to(logits.device()) : five).sample(logits, kernel));
+}
+
+SampledToken sample_token(const torch::Tensor& logits, const SamplingParams& p, int64_t step) {
+  return sample_tokens(logits.reshape({1, -1}), {&p}, {step})[0];
 }
 
 }  // namespace kiln::rollout

@@ -32,17 +32,36 @@ struct SampledToken {
 };
 
 /// Samples one token per row from logits [B, V] (any float dtype and device; computed in fp32
-/// where the logits live, one host read for the whole batch). Row b uses params[b] and draws
-/// one uniform u from generators[b] (a CPU generator: the same seed samples the same token on
-/// any device): greedy rows take the arg-max; others filter (top-k, then top-p over the
-/// tempered distribution) and take the first token whose cumulative probability exceeds
-/// u * total (inverse CDF). logprob and entropy are of the untruncated log_softmax(logits / T).
+/// where the logits live, one host read for the whole batch): row b uses params[b] and the
+/// uniform u = kernels::philox_uniform(params[b]->seed, steps[b]), steps[b] being the index of
+/// the token in its request's completion (0 for the first): a request's draws depend on its seed
+/// and on nothing else (not on its neighbours in the batch, nor on the device). Greedy rows take
+/// the arg-max; others filter (top-k, then top-p over the tempered distribution) and take the
+/// first token whose cumulative probability exceeds u * total (inverse CDF); kernels/sampling.hpp
+/// says it exactly. logprob and entropy are of the untruncated log_softmax(logits / T).
+/// `kernel`: fp32 logits on CUDA run the one-kernel sampler (kernels::sample_rows); false, or
+/// other logits: the LibTorch reference (kernels::sample_rows_ref). The two draw the same token
+/// but where cumulative sums round differently at a token boundary. Throws
+/// std::invalid_argument when params or steps do not have B entries.
 std::vector<SampledToken> sample_tokens(const torch::Tensor& logits_BV, const std::vector<const SamplingParams*>& params,
-                                        const std::vector<at::Generator*>& generators);
+                                        const std::vector<int64_t>& steps, bool kernel = true);
 /// One row: sample_tokens with B = 1. logits: [V].
-SampledToken sample_token(const torch::Tensor& logits, const SamplingParams& params, at::Generator& generator);
+SampledToken sample_token(const torch::Tensor& logits, const SamplingParams& params, int64_t step);
 
-/// A CPU generator seeded for one request.
-at::Generator make_generator(uint64_t seed);
+/// The rows' sampling parameters as kernels::sample_rows takes them, written into `five` [5, B]
+/// int64 (host memory): temperature and top_p as the bits of fp64 values, top_k, seed, step.
+void write_sampling_rows(const std::vector<const SamplingParams*>& params, const std::vector<int64_t>& steps,
+                         int64_t* five, int64_t B);
+/// Views of such a [5 * B] int64 tensor as sample_rows' five arguments: temperature [B] fp64,
+/// top_k [B] int64, top_p [B] fp64, seed [B] int64, step [B] int64.
+struct SamplingRows {
+  torch::Tensor temperature, top_k, top_p, seed, step;
+  explicit SamplingRows(const torch::Tensor& five_B);
+  /// kernels::sample_rows of logits [B, V] fp32 with these rows -> [B, 3] fp64 (token, logprob, entropy).
+  torch::Tensor sample(const torch::Tensor& logits_BV, bool kernel = true) const;
+};
+
+/// The SampledTokens of sample_rows' [B, 3] fp64 output, read on the host.
+std::vector<SampledToken> sampled_tokens(const torch::Tensor& out_B3);
 
 }  // namespace kiln::rollout

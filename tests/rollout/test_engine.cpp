@@ -123,19 +123,18 @@ TEST_CASE("temperature is applied to the logits and the log-prob follows it") {
   SamplingParams p;
   p.temperature = 0.5;
   p.top_k = 1;  // forces token 0; the log-prob stays the untruncated tempered one
-  auto gen = make_generator(0);
-  auto t = sample_token(logits, p, gen);
+  auto t = sample_token(logits, p, 0);
   CHECK(t.token == 0);
   CHECK(t.logprob == doctest::Approx(-0.1429).epsilon(1e-3));  // not -0.4076 (T=1) nor -0.8152
   // entropy of softmax([4, 2, 0])
   auto q = torch::softmax(torch::tensor({4.0f, 2.0f, 0.0f}), 0);
   CHECK(t.entropy == doctest::Approx(-(q * q.log()).sum().item<float>()).epsilon(1e-5));
   p.temperature = 0;  // greedy: T = 1 log-prob
-  CHECK(sample_token(logits, p, gen).logprob == doctest::Approx(-0.4076).epsilon(1e-3));
+  CHECK(sample_token(logits, p, 1).logprob == doctest::Approx(-0.4076).epsilon(1e-3));
   p.temperature = 1.0;
   p.top_k = 0;
   p.top_p = 0.5;  // only token 0 (p = 0.665) survives
-  for (int i = 0; i < 20; ++i) CHECK(sample_token(logits, p, gen).token == 0);
+  for (int i = 0; i < 20; ++i) CHECK(sample_token(logits, p, i).token == 0);
   p.top_p = 1.5;
   CHECK_THROWS_AS(p.validate(), std::invalid_argument);
 }

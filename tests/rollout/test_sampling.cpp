@@ -1,9 +1,11 @@
 // Batched sampling (actors/rollout/sampling.hpp): inverse-CDF draws follow the distribution,
 // top-k / top-p never leave their set, log-probs and entropy are of the untruncated tempered
-// distribution, and a request's seed picks the same token on the CPU and on a GPU.
+// distribution, a request's seed picks the same token on the CPU and on a GPU, and its draws
+// depend on its seed and token index alone.
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <set>
 
 #include "../test_util.hpp"
 #include "actors/rollout/sampling.hpp"
@@ -11,14 +13,15 @@
 using namespace kiln::rollout;
 
 namespace {
-std::vector<int64_t> draw(const torch::Tensor& logits, const SamplingParams& p, int n, uint64_t seed0) {
+// n draws of one request (seed seed0) at token indices 0 .. n-1.
+std::vector<int64_t> draw(const torch::Tensor& logits, const SamplingParams& params, int n, uint64_t seed0) {
   std::vector<int64_t> out;
-  std::vector<at::Generator> gens;
-  for (int i = 0; i < n; ++i) gens.push_back(make_generator(seed0 + uint64_t(i)));
+  SamplingParams p = params;
+  p.seed = seed0;
   std::vector<const SamplingParams*> ps(std::size_t(n), &p);
-  std::vector<at::Generator*> gp;
-  for (auto& g : gens) gp.push_back(&g);
-  for (auto& s : sample_tokens(logits.unsqueeze(0).expand({n, logits.size(0)}), ps, gp)) out.push_back(s.token);
+  std::vector<int64_t> steps;
+  for (int i = 0; i < n; ++i) steps.push_back(i);
+  for (auto& s : sample_tokens(logits.unsqueeze(0).expand({n, logits.size(0)}), ps, steps)) out.push_back(s.token);
   return out;
 }
 
@@ -50,8 +53,7 @@ TEST_CASE("inverse-CDF sampling follows the tempered distribution") {
     CAPTURE(freq[std::size_t(v)]);
     CHECK(within_5_sigma(freq[std::size_t(v)], probs[v].item<double>(), n));
   }
-  at::Generator g = make_generator(1);
-  auto s = sample_token(logits, p, g);
+  auto s = sample_token(logits, p, 0);
   CHECK(s.logprob == doctest::Approx(std::log(probs[s.token].item<double>())).epsilon(1e-5));
   CHECK(s.entropy == doctest::Approx(-(probs * probs.log()).sum().item<double>()).epsilon(1e-5));
 }
@@ -120,19 +122,39 @@ TEST_CASE("CUDA: a seed samples the same token on the GPU as on the CPU") {
   auto logits = 2 * torch::randn({16, 1000});
   SamplingParams p;
   p.top_p = 0.9;
-  std::vector<at::Generator> a, b;
-  std::vector<at::Generator*> ap, bp;
+  std::vector<SamplingParams> rows(16, p);
+  std::vector<const SamplingParams*> ps;
+  std::vector<int64_t> steps;
   for (int i = 0; i < 16; ++i) {
-    a.push_back(make_generator(uint64_t(i)));
-    b.push_back(make_generator(uint64_t(i)));
+    rows[std::size_t(i)].seed = uint64_t(i);
+    ps.push_back(&rows[std::size_t(i)]);
+    steps.push_back(i % 3);
   }
-  for (int i = 0; i < 16; ++i) {
-    ap.push_back(&a[std::size_t(i)]);
-    bp.push_back(&b[std::size_t(i)]);
+  for (bool kernel : {true, false}) {  // the CUDA kernel, and the LibTorch reference on the GPU
+    CAPTURE(kernel);
+    auto cpu = sample_tokens(logits, ps, steps), gpu = sample_tokens(logits.to(torch::kCUDA), ps, steps, kernel);
+    int same = 0;
+    for (int i = 0; i < 16; ++i) {
+      same += cpu[std::size_t(i)].token == gpu[std::size_t(i)].token;
+      CHECK(gpu[std::size_t(i)].entropy == doctest::Approx(cpu[std::size_t(i)].entropy).epsilon(1e-4));
+    }
+    CHECK(same >= 15);  // a token may differ only where cumulative sums round differently at a boundary
   }
-  std::vector<const SamplingParams*> ps(16, &p);
-  auto cpu = sample_tokens(logits, ps, ap), gpu = sample_tokens(logits.to(torch::kCUDA), ps, bp);
-  int same = 0;
-  for (int i = 0; i < 16; ++i) same += cpu[std::size_t(i)].token == gpu[std::size_t(i)].token;
-  CHECK(same >= 15);  // a token may differ only where cumulative sums round differently at a boundary
+}
+
+TEST_CASE("a request's draw depends on its seed and token index only, not on its row or neighbours") {
+  torch::manual_seed(5);
+  auto logits = torch::randn({1, 50});
+  SamplingParams a, b;
+  a.seed = 42;
+  b.seed = 43;
+  auto alone = sample_tokens(logits, {&a}, {7})[0];
+  auto in_batch = sample_tokens(torch::cat({torch::randn({1, 50}), logits, torch::randn({1, 50})}), {&b, &a, &b}, {0, 7, 3})[1];
+  CHECK(alone.token == in_batch.token);
+  CHECK(alone.logprob == in_batch.logprob);
+  // Another token index or seed draws another uniform: over 200 indices the tokens are not all one.
+  std::set<int64_t> seen;
+  for (int64_t n = 0; n < 200; ++n) seen.insert(sample_tokens(logits, {&a}, {n})[0].token);
+  CHECK(seen.size() > 5);
+  CHECK_THROWS_AS(sample_tokens(logits, {&a}, {}), std::invalid_argument);
 }
