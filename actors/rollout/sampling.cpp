@@ -4,6 +4,7 @@
 #include <stdexcept>
 
 #include "kernels/sampling.hpp"
+#include "model/blocks/logprobs.hpp"
 
 namespace kiln::rollout {
 
@@ -61,7 +62,7 @@ std::vector<SampledToken> sampled_tokens(const torch::Tensor& out_B3) {
 }
 
 std::vector<SampledToken> sample_tokens(const torch::Tensor& logits_BV, const std::vector<const SamplingParams*>& params,
-                                        const std::vector<int64_t>& steps, bool kernel) {
+                                        const std::vector<int64_t>& steps, bool kernel, bool batch_invariant) {
   const int64_t B = logits_BV.size(0);
   if (int64_t(params.size()) != B || int64_t(steps.size()) != B)
     throw std::invalid_argument("sample_tokens: " + std::to_string(B) + " rows but " + std::to_string(params.size()) +
@@ -73,7 +74,19 @@ std::vector<SampledToken> sample_tokens(const torch::Tensor& logits_BV, const st
   // The kernel reads the parameters on the logits' device, the reference on the host.
   const auto logits = logits_BV.to(torch::kFloat32);
   kernel = kernel && kernels::sample_rows_uses_kernel(logits);
-  return sampled_tokens(SamplingRows(kernel ? five.to(logits.device()) : five).sample(logits, kernel));
+  auto out = SamplingRows(kernel ? five.to(logits.device()) : five).sample(logits, kernel);  // [B, 3] fp64
+  if (batch_invariant) {
+    if (logits_BV.scalar_type() != torch::kFloat32)
+      throw std::invalid_argument(std::string("sample_tokens: the batch-invariant mode takes fp32 logits ") +
+                                  "(model::invariant_lm_logits), got " + c10::toString(logits_BV.scalar_type()));
+    std::vector<float> temps;
+    for (const auto* p : params) temps.push_back(p->temperature == 0 ? 1.f : float(p->temperature));
+    auto [z, lse] = model::invariant_tempered_logits(logits, torch::tensor(temps));  // [B, V], [B]
+    auto tokens = out.select(1, 0).to(torch::kInt64).unsqueeze(1);                    // [B, 1]
+    // elementwise: row b's value depends on row b alone
+    out.select(1, 1).copy_((z.gather(1, tokens).squeeze(1) - lse).to(torch::kFloat64));
+  }
+  return sampled_tokens(out);
 }
 
 SampledToken sample_token(const torch::Tensor& logits, const SamplingParams& p, int64_t step) {

@@ -43,8 +43,14 @@ struct SampledToken {
 /// other logits: the LibTorch reference (kernels::sample_rows_ref). The two draw the same token
 /// but where cumulative sums round differently at a token boundary. Throws
 /// std::invalid_argument when params or steps do not have B entries.
+/// batch_invariant (the true on-policy mode; logits fp32 from model::invariant_lm_logits): the
+/// sampled token's logprob is z[token] - lse of model::invariant_tempered_logits, the formula
+/// the trainer's head uses, so that it has the same bits in any batch and in the trainer (the
+/// token drawn and the entropy are the sampler's, row by row). Throws std::invalid_argument for
+/// logits of another dtype then.
 std::vector<SampledToken> sample_tokens(const torch::Tensor& logits_BV, const std::vector<const SamplingParams*>& params,
-                                        const std::vector<int64_t>& steps, bool kernel = true);
+                                        const std::vector<int64_t>& steps, bool kernel = true,
+                                        bool batch_invariant = false);
 /// One row: sample_tokens with B = 1. logits: [V].
 SampledToken sample_token(const torch::Tensor& logits, const SamplingParams& params, int64_t step);
 
