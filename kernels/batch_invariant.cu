@@ -5,21 +5,23 @@
 // No split-K, no atomics, no reductions across rows; explicit fmaf / __fmul_rn / __fadd_rn
 // where the compiler could otherwise contract differently at different call sites.
 //
-// GEMM (bf16, K % 8 == 0): CTA tile BM x BN, K in 32-wide slices through a 4-stage cp.async
-// pipeline, warps of WM x WN computing with mma.sync m16n8k16 (fp32 accumulate). An element's
+// GEMM (bf16, K % 8 == 0): CTA tile BM x BN, K in BK-wide slices through a cp.async pipeline,
+// warps of WM x WN computing with mma.sync m16n8k16 (fp32 accumulate). An element's
 // accumulator sees the 16-wide k slices 0, 16, 32, ... in order and nothing else, whatever
 // BM/BN/WM/WN are: so a smaller tile for decode-sized M gives the same bits as the large one.
 // Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16", g = lane / 4, t = lane % 4):
 //   A (16x16, row): a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..)
 //   B (16x8, col):  b0 (k 2t..2t+1, n g), b1 (k 2t+8.., n g)   (w [N, K] row-major is B col-major)
 //   C (16x8, fp32): c0 c1 (g, 2t..2t+1), c2 c3 (g+8, 2t..2t+1)
-// both A and B fragments by ldmatrix.x4 from shared rows padded to 40 bf16 (conflict-free).
+// both A and B fragments by ldmatrix.x4 from shared rows padded by 8 bf16 (conflict-free).
 // GEMM (fp32, or K % 8 != 0): 64 x 64 CTA tile on CUDA cores, each element an fmaf chain over
 // k = 0 .. K-1.
 // Grouped GEMM: the same kernels; a one-thread prologue turns counts [E] into each group's
 // first row and first M-tile, and each CTA finds its group by binary search (no host read).
 //
-// Attention: one CTA of 128 threads per (16 queries of one sequence, head), fp32 SIMT. Per key
+// Attention, bf16 with Dqk = Dv in {128, 256}: tensor cores (attention_mma_kernel, described
+// there; P rounded to bf16 before P V as in FlashAttention). Otherwise (fp32, other widths):
+// one CTA of 128 threads per (16 queries of one sequence, head), fp32 SIMT. Per key
 // block of 64 (from key 0): scores = fmaf chains over Dqk (thread: one key x 8 queries), then
 // one thread per query row runs the online-softmax step over its visible keys of the block in
 // order, then the output columns (thread: 2 columns x 16 rows) take an fmaf chain over the
@@ -156,6 +158,18 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&d)[4], const __nv_bfloat1
                : "r"(s));
 }
 
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&d)[4], const __nv_bfloat16* p) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+               : "r"(s));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
 // 16 bytes global -> shared; bytes = 0 fills zeros.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
   const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
@@ -167,22 +181,21 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-constexpr int kBK = 32;          // k per pipeline stage
-constexpr int kLds = kBK + 8;    // shared row stride (bf16): 80 bytes, ldmatrix conflict-free
-constexpr int kStages = 4;
-
-template <int BM, int BN, int WM, int WN>
+// CTA tile BM x BN, warp tile WM x WN, BK k per pipeline stage, STAGES stages. Shared rows are
+// padded by 8 bf16 (80 or 144 bytes): the 8 rows of an ldmatrix hit distinct banks.
+template <int BM, int BN, int WM, int WN, int BK, int STAGES>
 struct MmaTile {
   static constexpr int kWarpsN = BN / WN;
   static constexpr int kThreads = (BM / WM) * kWarpsN * 32;
   static constexpr int MT = WM / 16, NT = WN / 8;
+  static constexpr int kBK = BK, kStages = STAGES, kLds = BK + 8;
   static constexpr std::size_t smem = sizeof(__nv_bfloat16) * kStages * (BM + BN) * kLds;
-  static_assert(WM % 16 == 0 && WN % 16 == 0 && BM % WM == 0 && BN % WN == 0, "warp tile");
+  static_assert(WM % 16 == 0 && WN % 16 == 0 && BM % WM == 0 && BN % WN == 0 && BK % 16 == 0, "tiles");
 };
 
-template <int BM, int BN, int WM, int WN, class Out>
-__global__ void __launch_bounds__(MmaTile<BM, BN, WM, WN>::kThreads) gemm_mma_kernel(GemmParams p) {
-  using S = MmaTile<BM, BN, WM, WN>;
+template <class S, int BM, int BN, int WM, int WN, class Out>
+__global__ void __launch_bounds__(S::kThreads) gemm_mma_kernel(GemmParams p) {
+  constexpr int kBK = S::kBK, kStages = S::kStages, kLds = S::kLds;
   int64_t row0, row_end, e;
   if (!cta_rows<BM>(p, row0, row_end, e)) return;
   const int64_t n0 = int64_t(blockIdx.y) * BN;
@@ -328,11 +341,11 @@ __global__ void __launch_bounds__(kSimtThreads) gemm_simt_kernel(GemmParams p) {
   }
 }
 
-template <int BM, int BN, int WM, int WN, class Out>
+template <int BM, int BN, int WM, int WN, int BK, int STAGES, class Out>
 void launch_mma(const GemmParams& p, int64_t mtiles, int device) {
-  using S = MmaTile<BM, BN, WM, WN>;
+  using S = MmaTile<BM, BN, WM, WN, BK, STAGES>;
   static std::array<std::atomic<bool>, 64> raised{};
-  auto kernel = gemm_mma_kernel<BM, BN, WM, WN, Out>;
+  auto kernel = gemm_mma_kernel<S, BM, BN, WM, WN, Out>;
   allow_smem(kernel, S::smem, raised, device);
   const dim3 grid(unsigned(mtiles), unsigned((p.N + BN - 1) / BN));
   kernel<<<grid, S::kThreads, S::smem, at::cuda::getCurrentCUDAStream()>>>(p);
@@ -364,10 +377,11 @@ void gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts, at
   if (mma) {
     out_dispatch([&](auto o) {
       using Out = decltype(o);
-      // Large M: 128 x 128 CTAs of 8 warps; decode-sized M: 32 x 32 CTAs of 4 warps (more CTAs
-      // over N). The element chains are the same in both.
-      if (small) launch_mma<32, 32, 16, 16, Out>(p, mtiles, device);
-      else launch_mma<128, 128, 64, 32, Out>(p, mtiles, device);
+      // Large M: 128 x 128 CTAs of 4 warps (64 x 64 each), 32-wide k stages; decode-sized M:
+      // 32 x 32 CTAs of 4 warps (more CTAs over N) with 8 stages of 64 k in flight (the weight
+      // stream is the cost there). The element chains are the same in both.
+      if (small) launch_mma<32, 32, 16, 16, 64, 8, Out>(p, mtiles, device);
+      else launch_mma<128, 128, 64, 64, 32, 4, Out>(p, mtiles, device);
     });
     return;
   }
@@ -551,6 +565,176 @@ __global__ void __launch_bounds__(kAttnThreads) attention_kernel(AttnParams p) {
   }
 }
 
+
+// Tensor-core attention (bf16 q, k, v; Dqk, Dv in {128, 256}): one CTA of W warps per
+// (16 W queries of one sequence, head); warp w owns 16 query rows. Per 64-key block (from key
+// 0), loaded once for the CTA (cp.async: K, then V):
+//   S = Q K^T  [16 x 64] per warp, mma.sync m16n8k16, the k slices of Dqk in order;
+//   s = S * scale (fp32), keys past a row's causal limit -inf; the row's max over the block
+//   (exact, any order) and its running max m; p = exp(s - m), the row's block sum in a fixed
+//   lane order and quad tree; l = l * alpha + sum, O = O * alpha;
+//   O += P V   with P rounded to bf16 (FlashAttention's choice), the 16-key slices in order.
+// A row whose keys all lie past its limit in a block takes alpha = 1 and p = 0: an exact no-op,
+// so the rows of a CTA that see fewer keys get the same bits as when computed alone, and a
+// decode query (W = 1, one live row) the bits of the same token inside a training pack (W = 4).
+template <int DQK, int DV, int W>
+__global__ void __launch_bounds__(32 * W) attention_mma_kernel(AttnParams p) {
+  constexpr int QT = 16 * W, LDQ = DQK + 8, LDV = DV + 8;
+  static_assert(DQK % 16 == 0 && DV % 16 == 0, "head widths a multiple of 16");
+  const int64_t tile = blockIdx.x;
+  if (tile >= p.first_tile[p.B]) return;
+  const int64_t b = find_segment(p.first_tile, p.B, tile);
+  const int h = blockIdx.y, H = p.H;
+  const int64_t q0 = p.cu_q[b], n = p.cu_q[b + 1] - q0, k0 = p.cu_k[b], L = p.cu_k[b + 1] - k0;
+  const int64_t j0 = (tile - p.first_tile[b]) * QT;
+  const int nq = int(n - j0 < QT ? n - j0 : QT);
+  const int64_t first_visible = L - n + j0 + 1;  // keys visible to local row 0; row r sees r more
+  const int64_t max_visible = first_visible + nq - 1;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto* Qs = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [QT][LDQ]
+  auto* Ks = Qs + QT * LDQ;                                 // [64][LDQ]
+  auto* Vs = Ks + kKB * LDQ;                                // [64][LDV]
+  const auto* q = static_cast<const __nv_bfloat16*>(p.q);
+  const auto* k = static_cast<const __nv_bfloat16*>(p.k);
+  const auto* v = static_cast<const __nv_bfloat16*>(p.v);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+
+  for (int i = tid; i < QT * (DQK / 8); i += 32 * W) {
+    const int r = i / (DQK / 8), c = (i % (DQK / 8)) * 8;
+    const bool ok = r < nq;
+    cp_async16(Qs + r * LDQ + c, ok ? q + ((q0 + j0 + r) * H + h) * DQK + c : q, ok ? 16 : 0);
+  }
+  cp_async_commit();
+
+  const int row_a = warp * 16 + g, row_b = row_a + 8;  // this thread's two local rows
+  const int64_t vis_a = row_a < nq ? first_visible + row_a : 0, vis_b = row_b < nq ? first_visible + row_b : 0;
+  const bool warp_live = warp * 16 < nq;
+  const int64_t warp_visible = warp_live ? first_visible + (nq - 1 < warp * 16 + 15 ? nq - 1 : warp * 16 + 15) : 0;
+
+  float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.f, 0.f};
+  float o[DV / 8][4];
+#pragma unroll
+  for (int i = 0; i < DV / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+
+  for (int64_t kb0 = 0; kb0 < max_visible; kb0 += kKB) {
+    const int64_t nk = max_visible - kb0 < kKB ? max_visible - kb0 : kKB;
+    __syncthreads();  // the previous block's K and V are consumed
+    for (int i = tid; i < kKB * (DQK / 8); i += 32 * W) {
+      const int j = i / (DQK / 8), c = (i % (DQK / 8)) * 8;
+      const bool ok = j < nk;
+      cp_async16(Ks + j * LDQ + c, ok ? k + ((k0 + kb0 + j) * H + h) * DQK + c : k, ok ? 16 : 0);
+    }
+    cp_async_commit();
+    for (int i = tid; i < kKB * (DV / 8); i += 32 * W) {
+      const int j = i / (DV / 8), c = (i % (DV / 8)) * 8;
+      const bool ok = j < nk;
+      cp_async16(Vs + j * LDV + c, ok ? v + ((k0 + kb0 + j) * H + h) * DV + c : v, ok ? 16 : 0);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();  // Q and this block's K are in
+
+    const bool live = warp_live && kb0 < warp_visible;
+    uint32_t pa[4][4];  // P as the A fragments of the four 16-key slices
+    if (live) {
+      float s[8][4];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll 4
+      for (int kk = 0; kk < DQK; kk += 16) {
+        uint32_t a[4];
+        ldmatrix_x4(a, Qs + (warp * 16 + (lane & 15)) * LDQ + kk + (lane >> 4) * 8);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          uint32_t r4[4];
+          ldmatrix_x4(r4, Ks + (np * 16 + (lane & 7) + (lane >> 4) * 8) * LDQ + kk + ((lane >> 3) & 1) * 8);
+          mma_bf16(s[2 * np], a, r4[0], r4[1]);
+          mma_bf16(s[2 * np + 1], a, r4[2], r4[3]);
+        }
+      }
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int64_t key = kb0 + nt * 8 + 2 * t + (e & 1);
+          const int hi = e >> 1;
+          const float z = key < (hi ? vis_b : vis_a) ? __fmul_rn(s[nt][e], p.scale) : -INFINITY;
+          s[nt][e] = z;
+          mx[hi] = fmaxf(mx[hi], z);
+        }
+      float alpha[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+      for (int hi = 0; hi < 2; ++hi) {
+        mx[hi] = fmaxf(mx[hi], __shfl_xor_sync(0xffffffffu, mx[hi], 1));
+        mx[hi] = fmaxf(mx[hi], __shfl_xor_sync(0xffffffffu, mx[hi], 2));
+        const float m_new = fmaxf(m_r[hi], mx[hi]);
+        alpha[hi] = m_new == -INFINITY ? 1.f : expf(m_r[hi] - m_new);  // 0 on the row's first block
+        mx[hi] = m_new;
+        m_r[hi] = m_new;
+      }
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int hi = e >> 1;
+          const float pe = s[nt][e] == -INFINITY ? 0.f : expf(s[nt][e] - mx[hi]);
+          s[nt][e] = pe;
+          sum[hi] = __fadd_rn(sum[hi], pe);
+        }
+#pragma unroll
+      for (int hi = 0; hi < 2; ++hi) {
+        sum[hi] = __fadd_rn(sum[hi], __shfl_xor_sync(0xffffffffu, sum[hi], 1));
+        sum[hi] = __fadd_rn(sum[hi], __shfl_xor_sync(0xffffffffu, sum[hi], 2));
+        l_r[hi] = __fadd_rn(__fmul_rn(l_r[hi], alpha[hi]), sum[hi]);
+      }
+#pragma unroll
+      for (int i = 0; i < DV / 8; ++i) {
+        o[i][0] = __fmul_rn(o[i][0], alpha[0]);
+        o[i][1] = __fmul_rn(o[i][1], alpha[0]);
+        o[i][2] = __fmul_rn(o[i][2], alpha[1]);
+        o[i][3] = __fmul_rn(o[i][3], alpha[1]);
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        pa[j][0] = pack_bf16(s[2 * j][0], s[2 * j][1]);
+        pa[j][1] = pack_bf16(s[2 * j][2], s[2 * j][3]);
+        pa[j][2] = pack_bf16(s[2 * j + 1][0], s[2 * j + 1][1]);
+        pa[j][3] = pack_bf16(s[2 * j + 1][2], s[2 * j + 1][3]);
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // this block's V is in
+    if (live) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int pair = 0; pair < DV / 16; ++pair) {
+          uint32_t bv[4];
+          ldmatrix_x4_trans(bv, Vs + (j * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * LDV + pair * 16 + 8 * (lane >> 4));
+          mma_bf16(o[2 * pair], pa[j], bv[0], bv[1]);
+          mma_bf16(o[2 * pair + 1], pa[j], bv[2], bv[3]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();  // a CTA with no block still waits for its Q copies before exiting
+  auto* out = static_cast<__nv_bfloat16*>(p.out);
+#pragma unroll
+  for (int hi = 0; hi < 2; ++hi) {
+    const int r = hi ? row_b : row_a;
+    if (r >= nq) continue;
+    __nv_bfloat16* orow = out + ((q0 + j0 + r) * H + h) * DV;
+#pragma unroll
+    for (int i = 0; i < DV / 8; ++i) {
+      const int c = i * 8 + 2 * t;
+      *reinterpret_cast<__nv_bfloat162*>(orow + c) =
+          __floats2bfloat162_rn(__fdiv_rn(o[i][2 * hi], l_r[hi]), __fdiv_rn(o[i][2 * hi + 1], l_r[hi]));
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // RMSNorm: one warp per row; lane l sums x[l + 32 i]^2 in i order, then a fixed xor tree.
 
@@ -650,22 +834,52 @@ at::Tensor bi_grouped_linear_cuda(const at::Tensor& x, const at::Tensor& counts,
   return y;
 }
 
+namespace {
+template <int DQK, int DV, int W>
+void launch_attention_mma(const AttnParams& p, int64_t tiles, int device) {
+  constexpr std::size_t smem = sizeof(__nv_bfloat16) * ((16 * W + kKB) * (DQK + 8) + kKB * (DV + 8));
+  static std::array<std::atomic<bool>, 64> raised{};
+  auto kernel = attention_mma_kernel<DQK, DV, W>;
+  allow_smem(kernel, smem, raised, device);
+  kernel<<<dim3(unsigned(tiles), unsigned(p.H)), 32 * W, smem, at::cuda::getCurrentCUDAStream()>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+}  // namespace
+
 at::Tensor bi_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
                              const at::Tensor& cu_k, double scale) {
   const c10::cuda::CUDAGuard guard(q.device());
   const int64_t Tq = q.size(0), H = q.size(1), Dqk = q.size(2), Dv = v.size(2), B = cu_q.size(0) - 1;
-  TORCH_CHECK(Dv <= kMaxDv, "bi_attention: Dv = ", Dv, " over the CUDA kernel's limit of ", kMaxDv);
   TORCH_CHECK(H <= 65535, "bi_attention: H = ", H, " over the grid's limit of 65535");
-  const std::size_t smem = attn_smem(int(Dqk), int(Dv));
-  TORCH_CHECK(smem <= 227 * 1024, "bi_attention: Dqk = ", Dqk, " needs ", smem, " bytes of shared memory (> 227 KiB)");
   auto out = at::empty({Tq, H, Dv}, q.options());
   if (Tq == 0 || B <= 0) return out;
   auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   auto cq = cu_q.to(q.device(), at::kLong).contiguous(), ck = cu_k.to(q.device(), at::kLong).contiguous();
-  auto seg = segment_tiles(cq, true, B, kQB, q.device());
   AttnParams p{qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), out.data_ptr(), cq.data_ptr<int64_t>(),
-               ck.data_ptr<int64_t>(), seg.data_ptr<int64_t>() + B, B, int(H), int(Dqk), int(Dv), float(scale)};
+               ck.data_ptr<int64_t>(), nullptr, B, int(H), int(Dqk), int(Dv), float(scale)};
   const int device = q.get_device();
+  const bool mma = q.scalar_type() == at::kBFloat16 && Dqk == Dv && (Dqk == 256 || Dqk == 128);
+  if (mma) {
+    // Four warps (64 queries) per CTA for prefill/training-sized sequences, one (16) for
+    // decode-sized ones; a row's chain is the same in both.
+    const int W = Tq >= 32 * B ? 4 : 1;
+    auto seg = segment_tiles(cq, true, B, 16 * W, q.device());
+    p.first_tile = seg.data_ptr<int64_t>() + B;
+    const int64_t tiles = (Tq + 16 * W - 1) / (16 * W) + B;
+    if (Dqk == 256) {
+      if (W == 4) launch_attention_mma<256, 256, 4>(p, tiles, device);
+      else launch_attention_mma<256, 256, 1>(p, tiles, device);
+    } else {
+      if (W == 4) launch_attention_mma<128, 128, 4>(p, tiles, device);
+      else launch_attention_mma<128, 128, 1>(p, tiles, device);
+    }
+    return out;
+  }
+  TORCH_CHECK(Dv <= kMaxDv, "bi_attention: Dv = ", Dv, " over the CUDA kernel's limit of ", kMaxDv);
+  const std::size_t smem = attn_smem(int(Dqk), int(Dv));
+  TORCH_CHECK(smem <= 227 * 1024, "bi_attention: Dqk = ", Dqk, " needs ", smem, " bytes of shared memory (> 227 KiB)");
+  auto seg = segment_tiles(cq, true, B, kQB, q.device());
+  p.first_tile = seg.data_ptr<int64_t>() + B;
   dispatch_float(q.scalar_type(), "bi_attention", [&](auto tag) {
     static std::array<std::atomic<bool>, 64> raised{};
     auto kernel = attention_kernel<decltype(tag)>;

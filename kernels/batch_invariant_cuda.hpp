@@ -12,9 +12,10 @@
 //     increasing k; no split-K, no atomics. The CTA tile may differ with M (a smaller one for
 //     decode-sized M) because the tile does not enter an element's chain.
 //   fp32 (or K % 8 != 0): CUDA cores, one fmaf per k in increasing k.
-//   bi_attention_cuda: fp32 SIMT; per (query, head) the scores are fmaf chains over Dqk, the
-//     online softmax steps over 64-key blocks from key 0, the output an fmaf chain over keys in
-//     order; keys past the query's causal limit are never read into its result.
+//   bi_attention_cuda: per (query, head) the online softmax steps over 64-key blocks from key
+//     0; bf16 with Dqk = Dv in {128, 256}: scores and P V on tensor cores (mma.sync chains over
+//     Dqk and over the keys in order, P rounded to bf16 as FlashAttention does); otherwise fp32
+//     SIMT fmaf chains. Keys past the query's causal limit never change its result.
 //   bi_rms_norm_cuda: one warp per row; bi_logsumexp_cuda: one CTA per row (fixed lanes, fixed
 //     tree).
 #include <ATen/core/Tensor.h>

@@ -86,9 +86,10 @@ TEST_CASE("Batch-invariant CUDA ops match the ordinary ops (bf16 and fp32)") {
       CHECK(torch::equal(y_gpu_counts, kernels::bi_grouped_linear(x, counts, w)));
       CHECK_THROWS_AS(kernels::bi_grouped_linear(x, counts + 1, w), c10::Error);  // CPU counts are checked
     }
-    // attention: training packs, decode, chunked prefill; GLM-4.7-Flash's head widths.
-    {
-      const int64_t H = 4, Dqk = 256, Dv = 256;
+    // attention: training packs, decode, chunked prefill; GLM-4.7-Flash's head widths (bf16:
+    // tensor cores), and unequal widths (CUDA cores).
+    for (auto [Dqk, Dv] : std::vector<std::pair<int64_t, int64_t>>{{256, 256}, {192, 128}}) {
+      const int64_t H = 4;
       const double scale = 1.0 / 16.0;
       std::vector<int64_t> k_len = {1, 70, 300, 129}, q_len_train = k_len, q_len_mixed = {1, 5, 1, 64};
       for (const auto* q_len : {&q_len_train, &q_len_mixed}) {
@@ -100,7 +101,7 @@ TEST_CASE("Batch-invariant CUDA ops match the ordinary ops (bf16 and fp32)") {
                                                         v.to(torch::kFloat32), cu_q, cu_k, scale);
         auto out = kernels::bi_attention(q, k, v, cu_q.to(torch::kCUDA), cu_k.to(torch::kCUDA), scale);
         CHECK((out.scalar_type() == dtype));
-        CHECK(rel_error(out.to(torch::kFloat32), ref) <= (bf16 ? 8e-3 : 1e-5));
+        CHECK(rel_error(out.to(torch::kFloat32), ref) <= (bf16 ? 1e-2 : 1e-5));  // bf16: P rounded, as FlashAttention
         CHECK(torch::equal(out, kernels::bi_attention(q, k, v, cu_q, cu_k, scale)));  // offsets on the CPU
       }
     }
@@ -172,48 +173,51 @@ TEST_CASE("Batch-invariant CUDA attention: a decode query equals the same token 
   torch::manual_seed(2);
   for (auto dtype : {torch::kBFloat16, torch::kFloat32}) {
     CAPTURE(dtype);
-    const int64_t H = 4, Dqk = 256, Dv = 256;
-    const double scale = 1.0 / 16.0;
-    // A training pack of documents of different lengths (several 64-key blocks, partial ones).
-    const std::vector<int64_t> lengths = {700, 1, 64, 65, 1500, 333, 128, 17};
-    auto cu = offsets(lengths);
-    const int64_t T = cu[-1].item<int64_t>(), B = int64_t(lengths.size());
-    auto q = torch::randn({T, H, Dqk}, cuda(dtype)), k = torch::randn({T, H, Dqk}, cuda(dtype)),
-         v = torch::randn({T, H, Dv}, cuda(dtype));
-    auto cu_d = cu.to(torch::kCUDA);
-    auto train = kernels::bi_attention(q, k, v, cu_d, cu_d, scale);
-    auto last = (cu.slice(0, 1) - 1).to(torch::kCUDA);  // each document's last token
-    // Decode: every document's last token as the one query over its L keys, all in one batch.
-    auto dec = kernels::bi_attention(q.index_select(0, last), k, v, torch::arange(B + 1, cuda(torch::kLong)), cu_d,
-                                     scale);
-    CHECK(torch::equal(dec, train.index_select(0, last)));
-    // Decode of one sequence alone, and chunked prefill (the last 40 positions as queries).
-    for (int64_t b : {0, 4, 5}) {
-      CAPTURE(b);
-      const int64_t s = cu[b].item<int64_t>(), L = lengths[size_t(b)];
-      auto kb = k.slice(0, s, s + L), vb = v.slice(0, s, s + L);
-      auto cu_k = torch::tensor({int64_t(0), L}, torch::kLong);
-      auto one = kernels::bi_attention(q.slice(0, s + L - 1, s + L), kb, vb,
-                                       torch::tensor({int64_t(0), int64_t(1)}, torch::kLong), cu_k, scale);
-      CHECK(torch::equal(one, train.slice(0, s + L - 1, s + L)));
-      const int64_t n = std::min<int64_t>(40, L);
-      auto chunk = kernels::bi_attention(q.slice(0, s + L - n, s + L), kb, vb, torch::tensor({int64_t(0), n}, torch::kLong),
-                                         cu_k, scale);
-      CHECK(torch::equal(chunk, train.slice(0, s + L - n, s + L)));
+    for (int64_t D : {256, 128}) {  // bf16: the tensor-core kernel's two widths
+      CAPTURE(D);
+      const int64_t H = 4, Dqk = D, Dv = D;
+      const double scale = 1.0 / 16.0;
+      // A training pack of documents of different lengths (several 64-key blocks, partial ones).
+      const std::vector<int64_t> lengths = {700, 1, 64, 65, 1500, 333, 128, 17};
+      auto cu = offsets(lengths);
+      const int64_t T = cu[-1].item<int64_t>(), B = int64_t(lengths.size());
+      auto q = torch::randn({T, H, Dqk}, cuda(dtype)), k = torch::randn({T, H, Dqk}, cuda(dtype)),
+           v = torch::randn({T, H, Dv}, cuda(dtype));
+      auto cu_d = cu.to(torch::kCUDA);
+      auto train = kernels::bi_attention(q, k, v, cu_d, cu_d, scale);
+      auto last = (cu.slice(0, 1) - 1).to(torch::kCUDA);  // each document's last token
+      // Decode: every document's last token as the one query over its L keys, all in one batch.
+      auto dec = kernels::bi_attention(q.index_select(0, last), k, v, torch::arange(B + 1, cuda(torch::kLong)), cu_d,
+                                       scale);
+      CHECK(torch::equal(dec, train.index_select(0, last)));
+      // Decode of one sequence alone, and chunked prefill (the last 40 positions as queries).
+      for (int64_t b : {0, 4, 5}) {
+        CAPTURE(b);
+        const int64_t s = cu[b].item<int64_t>(), L = lengths[size_t(b)];
+        auto kb = k.slice(0, s, s + L), vb = v.slice(0, s, s + L);
+        auto cu_k = torch::tensor({int64_t(0), L}, torch::kLong);
+        auto one = kernels::bi_attention(q.slice(0, s + L - 1, s + L), kb, vb,
+                                         torch::tensor({int64_t(0), int64_t(1)}, torch::kLong), cu_k, scale);
+        CHECK(torch::equal(one, train.slice(0, s + L - 1, s + L)));
+        const int64_t n = std::min<int64_t>(40, L);
+        auto chunk = kernels::bi_attention(q.slice(0, s + L - n, s + L), kb, vb, torch::tensor({int64_t(0), n}, torch::kLong),
+                                           cu_k, scale);
+        CHECK(torch::equal(chunk, train.slice(0, s + L - n, s + L)));
+      }
+      // The same documents packed in another order (other positions, other neighbours).
+      const std::vector<int64_t> perm = {5, 2, 7, 0, 6, 1, 4, 3};
+      std::vector<torch::Tensor> idx_parts;
+      std::vector<int64_t> len2;
+      for (auto b : perm) {
+        idx_parts.push_back(torch::arange(cu[b].item<int64_t>(), cu[b + 1].item<int64_t>(), torch::kLong));
+        len2.push_back(lengths[size_t(b)]);
+      }
+      auto idx = torch::cat(idx_parts).to(torch::kCUDA);
+      auto cu2 = offsets(len2).to(torch::kCUDA);
+      auto train2 = kernels::bi_attention(q.index_select(0, idx), k.index_select(0, idx), v.index_select(0, idx), cu2,
+                                          cu2, scale);
+      CHECK(torch::equal(train2, train.index_select(0, idx)));
     }
-    // The same documents packed in another order (other positions, other neighbours).
-    const std::vector<int64_t> perm = {5, 2, 7, 0, 6, 1, 4, 3};
-    std::vector<torch::Tensor> idx_parts;
-    std::vector<int64_t> len2;
-    for (auto b : perm) {
-      idx_parts.push_back(torch::arange(cu[b].item<int64_t>(), cu[b + 1].item<int64_t>(), torch::kLong));
-      len2.push_back(lengths[size_t(b)]);
-    }
-    auto idx = torch::cat(idx_parts).to(torch::kCUDA);
-    auto cu2 = offsets(len2).to(torch::kCUDA);
-    auto train2 = kernels::bi_attention(q.index_select(0, idx), k.index_select(0, idx), v.index_select(0, idx), cu2,
-                                        cu2, scale);
-    CHECK(torch::equal(train2, train.index_select(0, idx)));
   }
 }
 
