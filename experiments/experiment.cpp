@@ -136,6 +136,7 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   real("algorithm.temperature", t.logprobs.temperature);
   integer("algorithm.max_tokens_per_microbatch", t.logprobs.max_tokens_per_microbatch);
   boolean("algorithm.routing_replay", t.logprobs.routing_replay);
+  boolean("algorithm.true_on_policy", t.logprobs.true_on_policy);
   real("algorithm.lr", t.lr);
   real("algorithm.weight_decay", t.weight_decay);
   real("algorithm.grad_clip", t.grad_clip);

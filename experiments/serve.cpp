@@ -46,7 +46,7 @@ int run_serve(const ServeCommand& command) {
     if (tokenizer->vocab_size() > model->vocab_size())
       throw std::invalid_argument("the tokenizer's vocabulary (" + std::to_string(tokenizer->vocab_size()) +
                                   " ids) does not fit the model's (" + std::to_string(model->vocab_size()) + ")");
-    loop = std::make_unique<rollout::EngineLoop>(std::make_unique<rollout::Engine>(model, c.rollout.engine));
+    loop = std::make_unique<rollout::EngineLoop>(std::make_unique<rollout::Engine>(model, c.engine_for_run()));
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "kiln serve: %s\n", e.what_without_backtrace());
     return 2;

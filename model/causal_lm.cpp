@@ -2,17 +2,31 @@
 
 #include <stdexcept>
 
+#include "model/blocks/batch_invariant.hpp"
 #include "model/blocks/logprobs.hpp"
 #include "parallel/group.hpp"
 
 namespace kiln::model {
 
 torch::Tensor CausalLM::logits(const ForwardOutput& out) {
+  if (batch_invariant_) return invariant_linear(out.hidden, lm_head_weight());  // [T, V]
   return torch::nn::functional::linear(out.hidden, lm_head_weight());  // [T, V]
 }
 
-torch::Tensor CausalLM::token_logprobs(const ForwardOutput& out, const torch::Tensor& targets, int64_t chunk) {
-  return model::token_logprobs(out.hidden, lm_head_weight(), targets, chunk);
+torch::Tensor CausalLM::token_logprobs(const ForwardOutput& out, const torch::Tensor& targets, int64_t chunk,
+                                       double temperature) {
+  if (batch_invariant_) return token_logprobs_invariant(out.hidden, lm_head_weight(), targets, temperature, chunk);
+  const auto hidden = temperature != 1.0 ? out.hidden / temperature : out.hidden;  // logits / T
+  return model::token_logprobs(hidden, lm_head_weight(), targets, chunk);
+}
+
+void CausalLM::set_batch_invariant(bool on) {
+  if (on && !supports_batch_invariant())
+    throw std::invalid_argument("this model has no batch-invariant forward (the true on-policy mode, "
+                                "algorithm.true_on_policy): its package does not implement it; glm4_moe_lite does");
+  for (const auto& m : modules(/*include_self=*/false))
+    if (auto* s = dynamic_cast<BatchInvariantSwitch*>(m.get())) s->set_batch_invariant(on);
+  batch_invariant_ = on;
 }
 
 void CausalLM::set_expert_parallel(parallel::Group* ep) {

@@ -177,6 +177,20 @@ class CausalLM : public torch::nn::Module {
   void set_activation_checkpointing(bool on) { checkpoint_layers_ = on; }
   bool activation_checkpointing() const { return checkpoint_layers_; }
 
+  /// The true on-policy mode (experiment key algorithm.true_on_policy; docs/gpu.md): forward,
+  /// forward_cached, logits and token_logprobs run batch-invariant ops
+  /// (blocks/batch_invariant.hpp, kernels/batch_invariant.hpp), so that a token's hidden state
+  /// and log-prob have the same bits whatever batch, pack or cache step computed them: the
+  /// trainer's packed forward equals the rollout engine's prefill and decode exactly (with
+  /// routing replay). Slower; gradients are the ordinary ops'. Turns the switch of every block
+  /// of this model that has one (BatchInvariantSwitch). Throws std::invalid_argument when
+  /// turning it on for a model whose package does not implement it (supports_batch_invariant).
+  void set_batch_invariant(bool on);
+  bool batch_invariant() const { return batch_invariant_; }
+  /// Whether every block of this model's forward and forward_cached has a batch-invariant form
+  /// (glm4_moe_lite; not the default).
+  virtual bool supports_batch_invariant() const { return false; }
+
   /// Each decoder layer's parameters (a subset of parameters(), in its order; with expert
   /// parallel the routed experts' slices included), layer by layer: the units fully sharded
   /// data parallel gathers. Empty: the model cannot be sharded by layer (the default).
@@ -207,10 +221,14 @@ class CausalLM : public torch::nn::Module {
 
   /// [T, V] logits in the model's dtype.
   torch::Tensor logits(const ForwardOutput& out);
-  /// [T] fp32 log-probs of targets (see blocks/logprobs.hpp), never [T, V] in fp32.
-  torch::Tensor token_logprobs(const ForwardOutput& out, const torch::Tensor& targets, int64_t chunk = 1024);
+  /// [T] fp32 log-probs of targets under logits / temperature (see blocks/logprobs.hpp: the
+  /// hidden states divided by the temperature, then token_logprobs; in the batch-invariant mode
+  /// token_logprobs_invariant, the rollout sampler's formula), never [T, V] in fp32.
+  torch::Tensor token_logprobs(const ForwardOutput& out, const torch::Tensor& targets, int64_t chunk = 1024,
+                               double temperature = 1.0);
  protected:
   bool checkpoint_layers_ = false;  ///< set_activation_checkpointing
+  bool batch_invariant_ = false;    ///< set_batch_invariant
   LayerHooks* layer_hooks_ = nullptr;  ///< set_layer_hooks
 };
 

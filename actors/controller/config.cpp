@@ -61,6 +61,18 @@ void Config::validate() const {
     need(rollout.weight_update == "disk", "rollout.weight_update", "is read by rollout.backend \"http\" only");
   }
   need(rollout.weight_update_timeout_s >= 1, "rollout.weight_update_timeout_s", "must be >= 1");
+  if (trainer.logprobs.true_on_policy) {
+    // The mode needs kiln's engine to run the trainer's formula in batch-invariant kernels.
+    need(rollout.backend == "engine", "algorithm.true_on_policy",
+         "needs rollout.backend \"engine\" (kiln's engine runs the batch-invariant kernels; servers at rollout.urls "
+         "do not)");
+    need(!e.absorbed_decode, "algorithm.true_on_policy",
+         "contradicts rollout.absorbed_decode = true: the mode decodes with the expanded attention, the trainer's "
+         "formula (latent-space decode is another one); set rollout.absorbed_decode = false");
+    need(!e.cuda_graphs, "algorithm.true_on_policy",
+         "contradicts rollout.cuda_graphs = true: the captured decode step attends in latent space, not with the "
+         "trainer's formula; set rollout.cuda_graphs = false");
+  }
   need(placement.mode == "single_process" || placement.mode == "multi_process", "placement.mode",
        "must be \"single_process\" or \"multi_process\" (rollout engine in a kiln node child process)");
   auto is_device = [](const std::string& d) {
@@ -131,6 +143,12 @@ void Config::validate() const {
        "task.chat_template", "must be \"glm47\", \"glm4\" or \"none\" (got \"" + task.chat_template + "\")");
   need(task.chat_template == "none" || !task.tokenizer.empty(), "task.chat_template",
        "\"" + task.chat_template + "\" needs task.tokenizer (a tokenizer.json with the chat markers as tokens)");
+}
+
+rollout::EngineOptions Config::engine_for_run() const {
+  auto e = rollout.engine;
+  e.true_on_policy = trainer.logprobs.true_on_policy;
+  return e;
 }
 
 trainer::TrainerConfig Config::trainer_for_run() const {

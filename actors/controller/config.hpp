@@ -154,6 +154,9 @@ struct Config {
   void validate() const;
   /// The trainer's settings for this run (total_steps = run.steps for the lr schedule).
   trainer::TrainerConfig trainer_for_run() const;
+  /// The rollout engines' settings for this run: rollout.engine with true_on_policy =
+  /// algorithm.true_on_policy (one key for both sides).
+  rollout::EngineOptions engine_for_run() const;
 };
 
 }  // namespace kiln::controller

@@ -116,6 +116,7 @@ void LocalEngine::load(const PolicyWeights& w, TrainerHandle& trainer) {
 LocalReference::LocalReference(std::shared_ptr<model::CausalLM> model, const PolicyWeights& initial,
                                trainer::LogprobConfig config)
     : model_(std::move(model)), config_(config) {
+  model_->set_batch_invariant(config_.true_on_policy);  // the policy's formula: KL compares like with like
   model_->load_hf_tensors(initial.tensors);
 }
 

@@ -25,7 +25,7 @@ Actors place_actors(const Config& c, const NodeSite& site, parallel::ProcessGrou
   else if (p.mode == "multi_process")
     a.engines = std::make_unique<RemoteEngines>(site, c, *a.trainer);
   else
-    a.engines = std::make_unique<LocalEngine>(registry.build(c.model), c.rollout.engine, site.gateway);
+    a.engines = std::make_unique<LocalEngine>(registry.build(c.model), c.engine_for_run(), site.gateway);
   if (p.reference == "process")
     a.reference = std::make_unique<RemoteReference>(site, c, *a.trainer);
   else

@@ -155,7 +155,7 @@ trainer::CheckpointState RemoteTrainer::load(const std::filesystem::path& dir) {
 
 RemoteEngines::RemoteEngines(const NodeSite& site, const Config& c, TrainerHandle& trainer)
     : site_(site),
-      init_{c.model, c.rollout.engine},
+      init_{c.model, c.engine_for_run()},
       group_size_(c.algorithm.samples_per_prompt),
       max_restarts_(c.placement.engine_restarts),
       nodes_(std::size_t(c.placement.rollout_engines)),

@@ -16,7 +16,7 @@ namespace kiln::messaging {
 /// weight_sync.bucket/commit (the run's initial policy), then RefLogprobs requests.
 struct RefInit {
   static constexpr std::string_view kType = "ref.init";
-  static constexpr uint32_t kVersion = 3;
+  static constexpr uint32_t kVersion = 4;  ///< v4: logprobs.true_on_policy
   model::ModelSpec model;           ///< device must be "cpu" so far
   trainer::LogprobConfig logprobs;  ///< the trainer's: micro-batch tokens, routing replay, temperature
   MSGPACK_DEFINE_MAP(model, logprobs);

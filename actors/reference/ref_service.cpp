@@ -38,6 +38,7 @@ Expected<Envelope> RefService::handle(const Envelope& request) {
         return make_error(ErrorCode::bad_message, "ref.init: max_tokens_per_microbatch must be >= 1");
       if (!(init->logprobs.temperature > 0)) return make_error(ErrorCode::bad_message, "ref.init: temperature must be > 0");
       s_->model = model::Registry::with_plugins().build(init->model);
+      s_->model->set_batch_invariant(init->logprobs.true_on_policy);  // the policy's formula
       s_->init = *init;
       s_->weights_version = -1;
       return make_envelope(RefReady{s_->weights_version}, Kind::reply, request.receiver, request.sender);

@@ -38,6 +38,12 @@ void check_request(const GenerationRequest& r, int64_t vocab) {
                                   " outside the vocabulary [0, " + std::to_string(vocab) + ")");
   r.sampling.validate();
 }
+
+// [B, V] fp32 logits of hidden states [B, D], where they live: the batch-invariant head in the
+// true on-policy mode (the trainer's bits), else the trainer's ordinary one.
+torch::Tensor head_logits(model::CausalLM& m, const torch::Tensor& h) {
+  return m.batch_invariant() ? model::invariant_lm_logits(h, m.lm_head_weight()) : model::lm_logits(h, m.lm_head_weight());
+}
 }  // namespace
 
 const char* to_string(FinishReason r) { return r == FinishReason::stop ? "stop" : "length"; }
@@ -51,6 +57,16 @@ Engine::Engine(std::shared_ptr<model::CausalLM> model, EngineOptions options)
   if (o_.cache_blocks < 1 || o_.block_size < 1 || o_.max_batch < 1 || o_.max_prefill_tokens < 1 || o_.step_delay_ms < 0)
     throw std::invalid_argument("engine: cache_blocks, block_size, max_batch and max_prefill_tokens must be >= 1, "
                                 "step_delay_ms >= 0");
+  if (o_.true_on_policy && (o_.absorbed_decode || o_.cuda_graphs))
+    throw std::invalid_argument(std::string("engine: true_on_policy (algorithm.true_on_policy) contradicts rollout.") +
+                                (o_.absorbed_decode ? "absorbed_decode" : "cuda_graphs") +
+                                " = true: the mode decodes with the expanded attention, the trainer's formula (the "
+                                "latent-space decode is another one)");
+  if (o_.true_on_policy && !model_->supports_batch_invariant())
+    throw std::invalid_argument("engine: true_on_policy (algorithm.true_on_policy) needs a model with a batch-invariant "
+                                "forward; this model's package does not implement it (glm4_moe_lite does, glm5_next "
+                                "does not)");
+  model_->set_batch_invariant(o_.true_on_policy);
   model_->set_absorbed_decode(o_.absorbed_decode);
   model_->set_decode_kernel(o_.mla_decode_kernel);
   if (o_.cuda_graphs && !o_.absorbed_decode)
@@ -221,7 +237,7 @@ std::vector<Completion> Engine::step() {
     ++shared_prompts_;
   }
   // [B, V] fp32, as the trainer's; stays on the device
-  if (!graphed) logits = model::lm_logits(sharing.empty() ? h : torch::cat(rows, 0), model_->lm_head_weight());
+  if (!graphed) logits = head_logits(*model_, sharing.empty() ? h : torch::cat(rows, 0));
 
   std::vector<const SamplingParams*> params;
   std::vector<at::Generator*> gens;
@@ -229,7 +245,7 @@ std::vector<Completion> Engine::step() {
     params.push_back(&s->request.sampling);
     gens.push_back(&s->generator);
   }
-  auto sampled = sample_tokens(logits, params, gens);  // the whole batch where the logits are
+  auto sampled = sample_tokens(logits, params, gens, model_->batch_invariant());  // the whole batch where the logits are
   std::vector<Completion> done;
   for (std::size_t i = 0; i < batch.size(); ++i) {
     auto* s = batch[i];
@@ -330,8 +346,8 @@ std::vector<Completion> generate_without_cache(model::CausalLM& model, const std
     for (std::size_t j = 0; j < live.size(); ++j) {
       const std::size_t i = live[j];
       const int64_t s = cu[int64_t(j)].item<int64_t>(), e = cu[int64_t(j) + 1].item<int64_t>();
-      auto logits = model::lm_logits(fwd.hidden.narrow(0, e - 1, 1), model.lm_head_weight())[0];
-      record(out[i], sample_token(logits, requests[i].sampling, gens[i]), version);
+      auto logits = head_logits(model, fwd.hidden.narrow(0, e - 1, 1));  // [1, V]
+      record(out[i], sample_tokens(logits, {&requests[i].sampling}, {&gens[i]}, model.batch_invariant())[0], version);
       if (out[i].tokens.size() == 1) out[i].time_to_first_token_s = std::chrono::duration<double>(Clock::now() - t0).count();
       seqs[i].push_back(out[i].tokens.back());
       if (auto r = finish_reason(out[i].tokens, requests[i].sampling)) {

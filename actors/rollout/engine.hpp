@@ -35,7 +35,11 @@ int64_t cache_bytes(const EngineOptions& o, const model::CausalLM& m, torch::Dty
 
 class Engine : public RolloutBackend {
  public:
-  /// The cache is allocated here, on the model's device, in the model's dtype.
+  /// The cache is allocated here, on the model's device, in the model's dtype. Sets the model's
+  /// batch-invariant mode to options.true_on_policy (CausalLM::set_batch_invariant). Throws
+  /// std::invalid_argument for options out of range, cuda_graphs without absorbed_decode, and
+  /// true_on_policy with absorbed_decode or cuda_graphs or a model without a batch-invariant
+  /// forward.
   Engine(std::shared_ptr<model::CausalLM> model, EngineOptions options);
   void submit(GenerationRequest request) override;
   /// What submit() checks first: a prompt of ids in the vocabulary, valid sampling parameters

@@ -37,8 +37,17 @@ struct EngineOptions {
   /// graphed steps 1.2-1.5x at 8192 x 128-256 and within 5% elsewhere (docs/benchmarks.md,
   /// "Rollout decode with the paged-cache attention kernel").
   bool mla_decode_kernel = true;
+  /// The true on-policy mode (CausalLM::set_batch_invariant): the model's forward, the
+  /// expanded cache attention on every device, and the sampled token's log-prob (z[token] -
+  /// bi_logsumexp(z), z = bi_linear logits / T: model::invariant_tempered_logits) in
+  /// batch-invariant kernels, so that the trainer's log-probs equal the engine's bit for bit.
+  /// Not an experiment key of its own: the run fills it from algorithm.true_on_policy
+  /// (controller::Config::engine_for_run). Refused with absorbed_decode or cuda_graphs (the
+  /// latent-space decode is another formula than the trainer's) and by a model without a
+  /// batch-invariant forward.
+  bool true_on_policy = false;
   MSGPACK_DEFINE_MAP(cache_blocks, block_size, max_batch, max_prefill_tokens, step_delay_ms, absorbed_decode,
-                     share_prompts, cuda_graphs, mla_decode_kernel);
+                     share_prompts, cuda_graphs, mla_decode_kernel, true_on_policy);
 };
 
 }  // namespace kiln::rollout

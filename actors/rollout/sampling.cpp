@@ -4,6 +4,8 @@
 
 #include <stdexcept>
 
+#include "model/blocks/logprobs.hpp"
+
 namespace kiln::rollout {
 
 void SamplingParams::validate() const {
@@ -19,7 +21,7 @@ void SamplingParams::validate() const {
 at::Generator make_generator(uint64_t seed) { return at::detail::createCPUGenerator(seed); }
 
 std::vector<SampledToken> sample_tokens(const torch::Tensor& logits_BV, const std::vector<const SamplingParams*>& params,
-                                        const std::vector<at::Generator*>& generators) {
+                                        const std::vector<at::Generator*>& generators, bool batch_invariant) {
   const int64_t B = logits_BV.size(0);
   if (int64_t(params.size()) != B || int64_t(generators.size()) != B)
     throw std::invalid_argument("sample_tokens: " + std::to_string(B) + " rows but " + std::to_string(params.size()) +
@@ -38,7 +40,16 @@ std::vector<SampledToken> sample_tokens(const torch::Tensor& logits_BV, const st
     us.push_back(torch::rand({1}, *generators[std::size_t(b)], torch::kFloat64).item<float>());
     any_filter |= p.temperature != 0 && ((p.top_k > 0 && p.top_k < l.size(1)) || p.top_p < 1.0);
   }
-  auto logp = torch::log_softmax(l / torch::tensor(temps).to(l.device()).unsqueeze(1), -1);  // [B, V]
+  torch::Tensor logp;  // [B, V]
+  if (batch_invariant) {
+    if (logits_BV.scalar_type() != torch::kFloat32)
+      throw std::invalid_argument(std::string("sample_tokens: the batch-invariant mode takes fp32 logits ") +
+                                  "(model::invariant_lm_logits), got " + c10::toString(logits_BV.scalar_type()));
+    auto [z, lse] = model::invariant_tempered_logits(l, torch::tensor(temps));
+    logp = z - lse.unsqueeze(1);  // elementwise: row b's values depend on row b alone
+  } else {
+    logp = torch::log_softmax(l / torch::tensor(temps).to(l.device()).unsqueeze(1), -1);
+  }
   auto probs = logp.exp();
   auto entropy = -(probs * logp).nan_to_num(0.0).sum(-1);                      // [B]
   auto filtered = probs;

@@ -37,8 +37,12 @@ struct SampledToken {
 /// any device): greedy rows take the arg-max; others filter (top-k, then top-p over the
 /// tempered distribution) and take the first token whose cumulative probability exceeds
 /// u * total (inverse CDF). logprob and entropy are of the untruncated log_softmax(logits / T).
+/// batch_invariant (the true on-policy mode; logits fp32 from model::invariant_lm_logits):
+/// log_softmax(logits / T) = z - lse of model::invariant_tempered_logits, the formula the
+/// trainer's head uses, so that a token's logprob has the same bits in any batch and in the
+/// trainer. Throws std::invalid_argument for logits of another dtype then.
 std::vector<SampledToken> sample_tokens(const torch::Tensor& logits_BV, const std::vector<const SamplingParams*>& params,
-                                        const std::vector<at::Generator*>& generators);
+                                        const std::vector<at::Generator*>& generators, bool batch_invariant = false);
 /// One row: sample_tokens with B = 1. logits: [V].
 SampledToken sample_token(const torch::Tensor& logits, const SamplingParams& params, at::Generator& generator);
 

@@ -265,13 +265,22 @@ void check_mtp(const TrainerConfig& c, model::CausalLM& policy) {
                                 "prediction layer; this model has none (glm5_next builds it when its config has "
                                 "num_nextn_predict_layers > 0)");
 }
+// The true on-policy mode needs a policy whose blocks all have a batch-invariant form.
+void check_true_on_policy(const TrainerConfig& c, model::CausalLM& policy) {
+  if (c.logprobs.true_on_policy && !policy.supports_batch_invariant())
+    throw std::invalid_argument("trainer config: true_on_policy (experiment key algorithm.true_on_policy) needs a "
+                                "policy with a batch-invariant forward; this model's package does not implement it "
+                                "(glm4_moe_lite does, glm5_next does not)");
+}
 }  // namespace
 
 Trainer::Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config, parallel::Group* data_parallel)
     : policy_(std::move(policy)), c_(config), dp_(data_parallel) {
   c_.validate();
   check_mtp(c_, *policy_);
+  check_true_on_policy(c_, *policy_);
   policy_->set_activation_checkpointing(c_.activation_checkpointing);
+  policy_->set_batch_invariant(c_.logprobs.true_on_policy);
   params_ = policy_->parameters();
   for (std::size_t i = 0; i < params_.size(); ++i)
     if (params_[i].scalar_type() != torch::kFloat32) low_precision_.push_back(i);
@@ -295,7 +304,9 @@ Trainer::Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config, 
     : policy_(std::move(policy)), c_(config), dp_(&data_parallel), ep_(expert_parallel) {
   c_.validate();
   check_mtp(c_, *policy_);
+  check_true_on_policy(c_, *policy_);
   policy_->set_activation_checkpointing(c_.activation_checkpointing);
+  policy_->set_batch_invariant(c_.logprobs.true_on_policy);
   if (!ep_.experts || !ep_.replicas)
     throw std::invalid_argument(std::string("Trainer: expert parallel needs both groups, got no ") +
                                 (ep_.experts ? "replicas (dp) group" : "experts (ep) group"));
@@ -604,15 +615,19 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
       mtp = model::mtp_loss(*policy_, p.batch, out.hidden, supervised, c_.mtp_depths, c_.mtp_loss_weight, counts[0],
                             c_.logprobs.chunk);
     }
-    if (c_.logprobs.temperature != 1.0) out.hidden = out.hidden / c_.logprobs.temperature;  // logits / T
+    const double temperature = c_.logprobs.temperature;
     PolicyTokens t;
     if (c_.loss.entropy_coef != 0) {
+      const auto scaled = temperature != 1.0 ? out.hidden / temperature : out.hidden;  // logits / T
       auto [lp_all, ent_all] =
-          model::token_logprobs_and_entropy(out.hidden, policy_->lm_head_weight(), p.targets, c_.logprobs.chunk);
+          model::token_logprobs_and_entropy(scaled, policy_->lm_head_weight(), p.targets, c_.logprobs.chunk);
+      // The true on-policy mode: the log-probs from the batch-invariant head (the rollout's bits).
+      if (policy_->batch_invariant()) lp_all = policy_->token_logprobs(out, p.targets, c_.logprobs.chunk, temperature);
       t.logprob = lp_all.index_select(0, p.completion_positions);             // [Tc]
       t.entropy = ent_all.index_select(0, p.completion_positions);
     } else {
-      t.logprob = policy_->token_logprobs(out, p.targets, c_.logprobs.chunk).index_select(0, p.completion_positions);
+      t.logprob = policy_->token_logprobs(out, p.targets, c_.logprobs.chunk, temperature)
+                      .index_select(0, p.completion_positions);
     }
     t.old_logprob = given_old ? per_token(samples, idx, &Sample::old_logprobs).to(dev) : t.logprob.detach();
     t.behavior_logprob = per_token(samples, idx, &Sample::behavior_logprobs).to(dev);
@@ -752,8 +767,7 @@ std::vector<std::vector<float>> completion_logprobs(model::CausalLM& model, cons
     opts.replay_routed_experts = p.replay;
     opts.replay_topk_indices = p.replay_topk;
     auto fwd = model.forward(p.batch, opts);
-    if (temperature != 1.0) fwd.hidden = fwd.hidden / temperature;
-    auto lp = model.token_logprobs(fwd, p.targets)
+    auto lp = model.token_logprobs(fwd, p.targets, 1024, temperature)
                   .index_select(0, p.completion_positions.to(fwd.hidden.device()))
                   .to(torch::kCPU)
                   .contiguous();

@@ -21,7 +21,13 @@ struct LogprobConfig {
   /// the convention of actors/rollout/sampling.hpp.
   double temperature = 1.0;
   int64_t chunk = 1024;                      ///< vocabulary-projection chunk, tokens
-  MSGPACK_DEFINE_MAP(max_tokens_per_microbatch, routing_replay, temperature, chunk);
+  /// The true on-policy mode (experiment key algorithm.true_on_policy; docs/gpu.md): the
+  /// policy (and the reference) run batch-invariant kernels (CausalLM::set_batch_invariant), as
+  /// the rollout engines do (EngineOptions::true_on_policy, filled from this key), so that the
+  /// trainer's log-prob of every rollout token equals the engine's bit for bit (with
+  /// routing_replay). Slower in both; off by default.
+  bool true_on_policy = false;
+  MSGPACK_DEFINE_MAP(max_tokens_per_microbatch, routing_replay, temperature, chunk, true_on_policy);
 };
 
 /// The RL loss (actors/trainer/losses.hpp has the formulas).

@@ -3,18 +3,24 @@
 #include "kernels/moe.hpp"
 #include "kernels/rms_norm.hpp"
 
+#include <stdexcept>
+
 namespace kiln::model {
 
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
   weight = register_parameter("weight", torch::ones({dim}));
 }
 
-torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   // CUDA: the fused kernel (same math, kernels/rms_norm.hpp); elsewhere the composite below.
-  if (x.is_cuda() && x.scalar_type() == weight.scalar_type()) return kernels::rms_norm(x, weight, eps_);
+  if (x.is_cuda() && x.scalar_type() == weight.scalar_type()) return kernels::rms_norm(x, weight, eps);
   auto xf = x.to(torch::kFloat32);
-  auto normed = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps_);
+  auto normed = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
   return weight * normed.to(x.scalar_type());
+}
+
+torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
+  return batch_invariant_ ? invariant_rms_norm(x, weight, eps_) : rms_norm(x, weight, eps_);
 }
 
 torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& positions, double theta, bool interleaved) {
@@ -40,7 +46,14 @@ SwiGLUImpl::SwiGLUImpl(int64_t dim, int64_t intermediate, std::optional<double> 
   down = register_module("down", lin(intermediate, dim));
 }
 
-torch::Tensor SwiGLUImpl::forward(const torch::Tensor& x) { return down(kernels::swiglu(gate(x), up(x), limit_)); }
+torch::Tensor SwiGLUImpl::forward(const torch::Tensor& x) {
+  if (!batch_invariant_) return down(kernels::swiglu(gate(x), up(x), limit_));
+  if (limit_)
+    throw std::invalid_argument("SwiGLU: the batch-invariant mode has no clamped SwiGLU (swiglu_limit " +
+                                std::to_string(*limit_) + ")");
+  auto act = invariant_swiglu(invariant_linear(x, gate->weight), invariant_linear(x, up->weight));
+  return invariant_linear(act, down->weight);
+}
 
 PackedBatch PackedBatch::from_documents(const std::vector<std::vector<int64_t>>& docs) {
   if (docs.empty()) throw std::invalid_argument("PackedBatch: no documents");

@@ -5,11 +5,17 @@
 
 #include <optional>
 
+#include "model/blocks/batch_invariant.hpp"
+
 namespace kiln::model {
 
 /// RMSNorm (Zhang & Sennrich 2019), as transformers' Glm4MoeLiteRMSNorm / T5LayerNorm:
-/// y = weight * (x_fp32 * rsqrt(mean(x_fp32^2, -1) + eps)).to(x.dtype). x: [..., D].
-class RMSNormImpl : public torch::nn::Module {
+/// y = weight * (x_fp32 * rsqrt(mean(x_fp32^2, -1) + eps)).to(x.dtype). x: [..., D], weight [D].
+/// CUDA tensors of weight's dtype: the fused kernel (kernels/rms_norm.hpp); elsewhere ATen ops.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+
+/// The module of rms_norm; with set_batch_invariant(true), invariant_rms_norm.
+class RMSNormImpl : public torch::nn::Module, public BatchInvariantSwitch {
  public:
   RMSNormImpl(int64_t dim, double eps);
   torch::Tensor forward(const torch::Tensor& x);
@@ -31,7 +37,9 @@ torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& positions,
 
 /// SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x)). x: [T, D] -> [T, D].
 /// swiglu_limit: transformers' clamped form (GLM-5.3-Flash's Glm5NextTextMLP; kernels::swiglu).
-class SwiGLUImpl : public torch::nn::Module {
+/// With set_batch_invariant(true): invariant_linear and invariant_swiglu (no limit: refused
+/// with std::invalid_argument in forward).
+class SwiGLUImpl : public torch::nn::Module, public BatchInvariantSwitch {
  public:
   SwiGLUImpl(int64_t dim, int64_t intermediate, std::optional<double> swiglu_limit = std::nullopt);
   torch::Tensor forward(const torch::Tensor& x);

@@ -1,6 +1,8 @@
 #include "model/blocks/logprobs.hpp"
 
+#include "kernels/batch_invariant.hpp"
 #include "kernels/logprobs.hpp"
+#include "model/blocks/batch_invariant.hpp"
 
 namespace kiln::model {
 
@@ -114,6 +116,58 @@ torch::Tensor token_logprobs(const torch::Tensor& hidden_TD, const torch::Tensor
   TORCH_CHECK(chunk > 0, "token_logprobs: chunk must be > 0");
   return ChunkedLogProbs::apply(hidden_TD, weight_VD, targets_T.to(hidden_TD.device(), torch::kInt64), chunk, false,
                                  keep_logits(hidden_TD, weight_VD))[0];
+}
+
+torch::Tensor invariant_lm_logits(const torch::Tensor& hidden_ND, const torch::Tensor& weight_VD) {
+  torch::NoGradGuard no_grad;
+  return kernels::bi_linear(hidden_ND, weight_VD, torch::kFloat32);  // [N, V]
+}
+
+TemperedLogits invariant_tempered_logits(const torch::Tensor& logits_MV, const torch::Tensor& temperature_M) {
+  TORCH_CHECK(logits_MV.dim() == 2 && logits_MV.scalar_type() == torch::kFloat32, "invariant_tempered_logits: logits ",
+              "must be [M, V] fp32, got ", logits_MV.sizes(), " ", logits_MV.scalar_type());
+  TORCH_CHECK(temperature_M.dim() == 1 && temperature_M.size(0) == logits_MV.size(0) &&
+                  temperature_M.scalar_type() == torch::kFloat32,
+              "invariant_tempered_logits: temperature must be [M] = [", logits_MV.size(0), "] fp32, got ",
+              temperature_M.sizes(), " ", temperature_M.scalar_type());
+  torch::NoGradGuard no_grad;
+  // A tensor divisor, not a scalar one: ATen may turn division by a scalar into a product with
+  // its reciprocal on some devices, which rounds differently.
+  auto z = logits_MV / temperature_M.to(logits_MV.device()).unsqueeze(1);  // [M, V]
+  return {z, kernels::bi_logsumexp(z)};
+}
+
+torch::Tensor token_logprobs_invariant(const torch::Tensor& hidden_TD, const torch::Tensor& weight_VD,
+                                       const torch::Tensor& targets_T, double temperature, int64_t chunk) {
+  TORCH_CHECK(hidden_TD.dim() == 2 && weight_VD.dim() == 2 && hidden_TD.size(1) == weight_VD.size(1),
+              "token_logprobs_invariant: hidden [T, D] and weight [V, D] expected, got ", hidden_TD.sizes(), " and ",
+              weight_VD.sizes());
+  TORCH_CHECK(targets_T.dim() == 1 && targets_T.size(0) == hidden_TD.size(0),
+              "token_logprobs_invariant: targets must be [T]");
+  TORCH_CHECK(chunk > 0 && temperature > 0, "token_logprobs_invariant: chunk and temperature must be > 0, got ", chunk,
+              " and ", temperature);
+  auto targets = targets_T.to(hidden_TD.device(), torch::kInt64);
+  return invariant_forward(
+      [temperature, chunk](const std::vector<torch::Tensor>& in) {
+        const auto &h = in[0], &w = in[1], &tg = in[2];
+        const int64_t T = h.size(0);
+        auto out = torch::empty({T}, h.options().dtype(torch::kFloat32));
+        for (int64_t s = 0; s < T; s += chunk) {
+          const int64_t n = std::min(chunk, T - s);
+          auto t = tg.narrow(0, s, n);
+          auto [z, lse] = invariant_tempered_logits(
+              invariant_lm_logits(h.narrow(0, s, n), w),
+              torch::full({n}, float(temperature), h.options().dtype(torch::kFloat32)));
+          auto lp = z.gather(1, t.clamp_min(0).unsqueeze(1)).squeeze(1) - lse;  // [n]
+          out.narrow(0, s, n).copy_(torch::where(t >= 0, lp, torch::zeros_like(lp)));
+        }
+        return out;
+      },
+      [temperature, chunk](const std::vector<torch::Tensor>& in) {
+        const auto hidden = temperature != 1.0 ? in[0] / temperature : in[0];
+        return token_logprobs(hidden, in[1], in[2], chunk);
+      },
+      {hidden_TD, weight_VD, targets});
 }
 
 torch::Tensor next_token_targets(const torch::Tensor& input_ids, const torch::Tensor& cu_seqlens) {

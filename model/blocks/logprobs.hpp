@@ -33,6 +33,26 @@ std::pair<torch::Tensor, torch::Tensor> token_logprobs_and_entropy(const torch::
                                                                    const torch::Tensor& weight_VD,
                                                                    const torch::Tensor& targets_T, int64_t chunk = 1024);
 
+/// The true on-policy mode's output head (CausalLM::set_batch_invariant), written once for the
+/// rollout sampler (actors/rollout/sampling.hpp) and the trainer: a token's log-prob has the
+/// same bits on both sides. Logits: kernels::bi_linear(hidden_ND, weight_VD) in fp32 -> [N, V]
+/// (no autograd). hidden and weight: same dtype (fp32/bf16).
+torch::Tensor invariant_lm_logits(const torch::Tensor& hidden_ND, const torch::Tensor& weight_VD);
+/// The tempered log-softmax's pieces: z = logits / temperature (fp32, elementwise per row),
+/// lse = kernels::bi_logsumexp(z), so that log p(v) = z[v] - lse. logits_MV [M, V] fp32,
+/// temperature_M [M] fp32 (> 0) -> z [M, V], lse [M] fp32. No autograd.
+struct TemperedLogits {
+  torch::Tensor z, lse;
+};
+TemperedLogits invariant_tempered_logits(const torch::Tensor& logits_MV, const torch::Tensor& temperature_M);
+/// token_logprobs in the true on-policy mode: log p(target) = z[target] - lse of
+/// invariant_tempered_logits(invariant_lm_logits(hidden, weight), temperature) per chunk of
+/// `chunk` tokens (0 where target < 0). hidden_TD [T, D], weight_VD [V, D] (same dtype),
+/// targets_T [T] int64 -> [T] fp32. Differentiable in hidden and weight with the gradients of
+/// token_logprobs(hidden / temperature, ...) (recomputed in the backward: invariant_forward).
+torch::Tensor token_logprobs_invariant(const torch::Tensor& hidden_TD, const torch::Tensor& weight_VD,
+                                       const torch::Tensor& targets_T, double temperature, int64_t chunk = 1024);
+
 /// Next-token targets of a packed batch: targets[t] = input_ids[t+1] when t+1 is in the same
 /// document, else -1 (the last token of each document predicts nothing, never the next
 /// document's first token). input_ids: [T], cu_seqlens: [B+1] -> [T] int64.

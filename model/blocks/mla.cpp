@@ -4,6 +4,7 @@
 #include <tuple>
 
 #include "kernels/attention.hpp"
+#include "kernels/batch_invariant.hpp"
 #include "kernels/mla_decode.hpp"
 
 namespace kiln::model {
@@ -37,24 +38,29 @@ MLAImpl::MLAImpl(const MLAOptions& opt) : o_(opt) {
   o = register_module("o", linear(c.num_heads * c.v_head_dim, c.hidden));
 }
 
+torch::Tensor MLAImpl::project(torch::nn::Linear& l, const torch::Tensor& x) {
+  return batch_invariant_ ? invariant_linear(x, l->weight) : l(x);
+}
+
 torch::Tensor MLAImpl::forward(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cu_seqlens,
                                int64_t max_seqlen) {
   const int64_t T = x.size(0), H = o_.num_heads, N = o_.qk_nope_head_dim, R = o_.qk_rope_head_dim,
                 V = o_.v_head_dim, C = o_.kv_lora_rank;
-  auto qs = (q_a ? q_b(q_a_norm(q_a(x))) : q(x)).view({T, H, N + R});  // [T, H, N+R]
+  auto qs = (q_a ? project(q_b, q_a_norm(project(q_a, x))) : project(q, x)).view({T, H, N + R});  // [T, H, N+R]
   auto q_nope = qs.narrow(-1, 0, N);
   auto q_rope = apply_rope(qs.narrow(-1, N, R), positions, o_.rope_theta, o_.rope_interleave);
-  auto ckv = kv_a(x);                                                   // [T, C+R]
+  auto ckv = project(kv_a, x);                                          // [T, C+R]
   auto latent = kv_a_norm(ckv.narrow(-1, 0, C));                        // [T, C]
   auto k_rope = apply_rope(ckv.narrow(-1, C, R).unsqueeze(1), positions, o_.rope_theta, o_.rope_interleave);  // [T, 1, R]
-  auto kv = kv_b(latent).view({T, H, N + V});                           // [T, H, N+V]
+  auto kv = project(kv_b, latent).view({T, H, N + V});                  // [T, H, N+V]
   auto k = torch::cat({kv.narrow(-1, 0, N), k_rope.expand({T, H, R})}, -1);  // [T, H, N+R]
   auto v = kv.narrow(-1, N, V);                                         // [T, H, V]
   auto qf = torch::cat({q_nope, q_rope}, -1);                          // [T, H, N+R]
   // Each document attends only to itself: FlashAttention varlen on CUDA, per-document SDPA
-  // elsewhere (kernels/attention.hpp).
-  auto attn = kernels::varlen_attention(qf, k, v, cu_seqlens, o_.softmax_scale, max_seqlen);  // [T, H, V]
-  return o(attn.reshape({T, H * V}));
+  // elsewhere (kernels/attention.hpp); in the mode the batch-invariant kernel.
+  auto attn = batch_invariant_ ? invariant_attention(qf, k, v, cu_seqlens, o_.softmax_scale, max_seqlen)
+                               : kernels::varlen_attention(qf, k, v, cu_seqlens, o_.softmax_scale, max_seqlen);  // [T, H, V]
+  return project(o, attn.reshape({T, H * V}));
 }
 
 CachedLayout::CachedLayout(const std::vector<CachedSlice>& slices, int64_t block_size, torch::Device device)
@@ -179,33 +185,41 @@ const CachedLayout::Padded& CachedLayout::padded() const {
 // The training path's arithmetic on cached latents: expand each sequence's latents through
 // kv_b to per-head keys and values (as forward() does for the whole document) and run the
 // same FlashAttention kernel, end-aligned causal. Costs a kv_b GEMM over every cached token per
-// step, but rollout log-probs then follow the trainer's (same roundings, same kernel).
+// step, but rollout log-probs then follow the trainer's (same roundings, same kernel). In the
+// batch-invariant mode: kernels::bi_linear and kernels::bi_attention, the trainer's bits.
 torch::Tensor MLAImpl::cached_expanded(const torch::Tensor& q, const CachedLayout& layout, torch::Tensor& cache) {
   const int64_t H = o_.num_heads, Nd = o_.qk_nope_head_dim, R = o_.qk_rope_head_dim, V = o_.v_head_dim,
                 C = o_.kv_lora_rank;
   const auto& L = layout.varlen();
   auto kv = cache.view({-1, C + R}).index_select(0, L.key_slots);                                // [Tk, C+R]
   const int64_t Tk = kv.size(0);
-  auto kvb = kv_b(kv.narrow(-1, 0, C)).view({Tk, H, Nd + V});                                     // [Tk, H, Nd+V]
+  auto kvb = project(kv_b, kv.narrow(-1, 0, C)).view({Tk, H, Nd + V});                            // [Tk, H, Nd+V]
   auto k = torch::cat({kvb.narrow(-1, 0, Nd), kv.narrow(-1, C, R).unsqueeze(1).expand({Tk, H, R})}, -1);
-  auto attn = kernels::varlen_attention_cached(q, k, kvb.narrow(-1, Nd, V), L.cu_q, L.cu_k, o_.softmax_scale, L.max_q,
-                                               L.max_k);                                          // [N, H, V]
-  return o(attn.reshape({q.size(0), H * V}));
+  auto attn = batch_invariant_
+                  ? kernels::bi_attention(q, k, kvb.narrow(-1, Nd, V), L.cu_q, L.cu_k, o_.softmax_scale)
+                  : kernels::varlen_attention_cached(q, k, kvb.narrow(-1, Nd, V), L.cu_q, L.cu_k, o_.softmax_scale,
+                                                     L.max_q, L.max_k);                           // [N, H, V]
+  return project(o, attn.reshape({q.size(0), H * V}));
 }
 
 torch::Tensor MLAImpl::forward_cached(const torch::Tensor& x, const torch::Tensor& positions, const CachedLayout& layout,
                                      torch::Tensor& cache) {
   const int64_t N = x.size(0), H = o_.num_heads, Nd = o_.qk_nope_head_dim, R = o_.qk_rope_head_dim,
                 V = o_.v_head_dim, C = o_.kv_lora_rank;
-  auto qs = (q_a ? q_b(q_a_norm(q_a(x))) : q(x)).view({N, H, Nd + R});                        // [N, H, Nd+R]
+  auto qs = (q_a ? project(q_b, q_a_norm(project(q_a, x))) : project(q, x)).view({N, H, Nd + R});  // [N, H, Nd+R]
   auto q_nope = qs.narrow(-1, 0, Nd);
   auto q_rope = apply_rope(qs.narrow(-1, Nd, R), positions, o_.rope_theta, o_.rope_interleave);  // [N, H, R]
-  auto ckv = kv_a(x);                                                                          // [N, C+R]
+  auto ckv = project(kv_a, x);                                                                 // [N, C+R]
   auto latent = kv_a_norm(ckv.narrow(-1, 0, C));                                               // [N, C]
   auto k_rope = apply_rope(ckv.narrow(-1, C, R).unsqueeze(1), positions, o_.rope_theta, o_.rope_interleave).squeeze(1);
   // Write the new entries into their pages.
   auto flat = cache.view({-1, C + R});                                                         // [blocks*BS, C+R]
   flat.index_copy_(0, layout.new_slots(), torch::cat({latent, k_rope}, -1).to(cache.scalar_type()));
+  if (batch_invariant_) {  // the trainer's formula, whatever the device (the cache holds the trainer's values)
+    TORCH_CHECK(cache.scalar_type() == x.scalar_type(), "MLA forward_cached: the batch-invariant mode needs the cache in ",
+                "the model's dtype ", x.scalar_type(), ", got ", cache.scalar_type());
+    return cached_expanded(torch::cat({q_nope, q_rope}, -1), layout, cache);
+  }
   if (x.is_cuda() && cache.scalar_type() == x.scalar_type() && !layout.on_device_only() &&
       !(absorbed_decode_ && layout.decode())) {
     auto q_full = torch::cat({q_nope, q_rope}, -1);                                            // [N, H, Nd+R]

@@ -83,7 +83,13 @@ class CachedLayout {
   mutable std::optional<Padded> padded_;
 };
 
-class MLAImpl : public torch::nn::Module {
+/// With set_batch_invariant(true) (the true on-policy mode, blocks/batch_invariant.hpp): every
+/// projection is invariant_linear, the norms invariant_rms_norm (their own switches), forward's
+/// attention invariant_attention, and forward_cached always takes the expanded form
+/// (cached_expanded: kv_b over the cached latents by kernels::bi_linear, kernels::bi_attention
+/// end-aligned), on every device and whatever set_absorbed_decode says: the engine then runs
+/// the trainer's formula with the same bits per token.
+class MLAImpl : public torch::nn::Module, public BatchInvariantSwitch {
  public:
   explicit MLAImpl(const MLAOptions& opt);
   /// x: [T, D], positions: [T] int64, cu_seqlens: [B+1] int64 -> [T, D]. max_seqlen: the
@@ -125,6 +131,7 @@ class MLAImpl : public torch::nn::Module {
   torch::nn::Linear q{nullptr};     ///< [H*(N+R), D], when q_lora_rank is null
  private:
   torch::Tensor cached_expanded(const torch::Tensor& q, const CachedLayout& layout, torch::Tensor& cache);
+  torch::Tensor project(torch::nn::Linear& l, const torch::Tensor& x);  ///< l(x), invariant_linear in the mode
   bool absorbed_decode_ = false;
   bool decode_kernel_ = false;
 

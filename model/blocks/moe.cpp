@@ -9,7 +9,7 @@
 namespace kiln::model {
 
 RouteResult route_from_scores(const torch::Tensor& scores_TE, const torch::Tensor& bias_E, const RouterOptions& o,
-                              const std::optional<torch::Tensor>& given_ids_TK, bool validate) {
+                              const std::optional<torch::Tensor>& given_ids_TK, bool validate, bool batch_invariant) {
   const int64_t T = scores_TE.size(0), E = o.num_experts, K = o.top_k;
   torch::Tensor ids;
   if (given_ids_TK) {
@@ -32,7 +32,13 @@ RouteResult route_from_scores(const torch::Tensor& scores_TE, const torch::Tenso
     ids = std::get<1>(choice.topk(K, -1, /*largest=*/true, /*sorted=*/true));  // [T, K]
   }
   auto w = scores_TE.gather(1, ids);  // [T, K] unbiased scores: gradients reach the router
-  if (o.norm_topk_prob) w = w / (w.sum(-1, true) + 1e-20);
+  if (o.norm_topk_prob && batch_invariant) {
+    auto sum = w.narrow(1, 0, 1);  // [T, 1], then + slot 1, + slot 2, ...
+    for (int64_t k = 1; k < K; ++k) sum = sum + w.narrow(1, k, 1);
+    w = w / (sum + 1e-20);
+  } else if (o.norm_topk_prob) {
+    w = w / (w.sum(-1, true) + 1e-20);
+  }
   return RouteResult{ids, w * o.routed_scaling_factor};
 }
 
@@ -43,6 +49,11 @@ TopKRouterImpl::TopKRouterImpl(const RouterOptions& o) : o_(o) {
 
 RouteResult TopKRouterImpl::forward(const torch::Tensor& x, const std::optional<torch::Tensor>& given_ids_TK,
                                     bool validate_given) {
+  if (batch_invariant_) {
+    auto logits = invariant_linear(x.to(torch::kFloat32), weight.to(torch::kFloat32));  // [T, E] fp32
+    return route_from_scores(invariant_sigmoid(logits), e_score_correction_bias, o_, given_ids_TK, validate_given,
+                             /*batch_invariant=*/true);
+  }
   auto logits = torch::nn::functional::linear(x.to(torch::kFloat32), weight.to(torch::kFloat32));  // [T, E] fp32
   if (!given_ids_TK && o_.n_group == 1 && logits.is_cuda()) {
     // Fused sigmoid + bias + top-k (kernels/moe.hpp) picks the experts; the weights still come
@@ -61,6 +72,7 @@ Dispatched dispatch(const torch::Tensor& x_TD, const RouteResult& r, int64_t num
   d.token_index = torch::div(order, K, "floor");                                 // [T*K]
   d.x = x_TD.index_select(0, d.token_index);                                     // [T*K, D]
   d.weight = r.weights.reshape({-1}).index_select(0, order);                     // [T*K]
+  d.pair_index = order;
   // Rows per expert from the sorted ids' boundaries: on the device, of static shape [E] and
   // without a host read (bincount on CUDA reads the largest id on the host), so that a decode
   // step can be captured in a CUDA graph.
@@ -78,12 +90,21 @@ GroupedExpertsImpl::GroupedExpertsImpl(int64_t num_experts, int64_t hidden, int6
 
 torch::Tensor GroupedExpertsImpl::forward(const torch::Tensor& x, const torch::Tensor& counts) {
   // Grouped GEMM on CUDA bf16, one GEMM pair per expert elsewhere (kernels/moe.hpp).
+  if (batch_invariant_) return invariant_grouped_swiglu(x, counts, w_gate_up_EFD, w_down_EDF, limit_);
   return kernels::grouped_swiglu(x, counts, w_gate_up_EFD, w_down_EDF, limit_);
 }
 
-torch::Tensor combine(const torch::Tensor& rows, const Dispatched& d, int64_t num_tokens) {
+torch::Tensor combine(const torch::Tensor& rows, const Dispatched& d, int64_t num_tokens, bool batch_invariant) {
   auto weighted = (rows * d.weight.unsqueeze(-1)).to(rows.scalar_type());  // [T*K, D]
-  return torch::zeros({num_tokens, rows.size(1)}, rows.options()).index_add(0, d.token_index, weighted);
+  if (!batch_invariant || num_tokens == 0)
+    return torch::zeros({num_tokens, rows.size(1)}, rows.options()).index_add(0, d.token_index, weighted);
+  const int64_t M = d.pair_index.size(0), K = M / num_tokens;
+  // row_of[t*K + k]: the row holding token t's slot k (the inverse of the dispatch order).
+  auto row_of = torch::empty_like(d.pair_index).scatter_(0, d.pair_index, torch::arange(M, d.pair_index.options()));
+  auto by_token = weighted.index_select(0, row_of).view({num_tokens, K, rows.size(1)});  // [T, K, D]
+  auto y = by_token.select(1, 0);
+  for (int64_t k = 1; k < K; ++k) y = y + by_token.select(1, k);
+  return y;  // [T, D]
 }
 
 void check_expert_slice(const ExpertSlice& slice, int64_t num_experts, const std::string& where) {
@@ -122,7 +143,7 @@ torch::Tensor MoEImpl::forward(const torch::Tensor& x, const std::optional<torch
   } else {
     rows = experts(d.x, d.counts);
   }
-  auto y = combine(rows, d, x.size(0));
+  auto y = combine(rows, d, x.size(0), batch_invariant_);
   if (shared) y = y + shared(x);
   return y;
 }

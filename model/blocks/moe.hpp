@@ -43,12 +43,17 @@ struct RouteResult {
 /// norm_topk_prob (denominator + 1e-20), times routed_scaling_factor.
 /// given_ids_TK: routing replay: use these experts instead of choosing; weights as above.
 /// validate: check given ids lie in [0, E) (a host read; skipped for kernel-made ids).
+/// batch_invariant: the normalising sum over K runs in slot order k = 0, 1, ... (elementwise
+/// adds), not as a reduction whose order may depend on T (the true on-policy mode).
 RouteResult route_from_scores(const torch::Tensor& scores_TE, const torch::Tensor& bias_E, const RouterOptions& o,
-                              const std::optional<torch::Tensor>& given_ids_TK = std::nullopt, bool validate = true);
+                              const std::optional<torch::Tensor>& given_ids_TK = std::nullopt, bool validate = true,
+                              bool batch_invariant = false);
 
 /// Step 1, route. Parameters: weight [E, D] (model dtype), e_score_correction_bias [E], kept
-/// fp32 whatever the model dtype (see Glm4MoeLiteModelImpl::to_dtype).
-class TopKRouterImpl : public torch::nn::Module {
+/// fp32 whatever the model dtype (see Glm4MoeLiteModelImpl::to_dtype). With
+/// set_batch_invariant(true): fp32 logits by invariant_linear, scores by invariant_sigmoid, the
+/// weights normalised in slot order (route_from_scores' batch_invariant).
+class TopKRouterImpl : public torch::nn::Module, public BatchInvariantSwitch {
  public:
   explicit TopKRouterImpl(const RouterOptions& o);
   /// x: [T, D]; logits are computed in fp32 as transformers does.
@@ -70,13 +75,15 @@ struct Dispatched {
   torch::Tensor token_index;   ///< [T*K] int64, source token of each row
   torch::Tensor weight;        ///< [T*K] fp32 combine weight of each row
   torch::Tensor counts;        ///< [E] int64 rows per expert, on x's device
+  torch::Tensor pair_index;    ///< [T*K] int64, the (token, slot) pair t*K + k of each row
 };
 Dispatched dispatch(const torch::Tensor& x_TD, const RouteResult& r, int64_t num_experts);
 
 /// Step 3, experts stored grouped: w_gate_up_EFD [E, 2F, D] (gate rows then up rows, as
 /// transformers' gate_up_proj), w_down_EDF [E, D, F]. SwiGLU per expert on its rows, clamped
-/// at swiglu_limit when set (kernels::swiglu).
-class GroupedExpertsImpl : public torch::nn::Module {
+/// at swiglu_limit when set (kernels::swiglu). With set_batch_invariant(true):
+/// invariant_grouped_swiglu (no limit).
+class GroupedExpertsImpl : public torch::nn::Module, public BatchInvariantSwitch {
  public:
   GroupedExpertsImpl(int64_t num_experts, int64_t hidden, int64_t intermediate,
                      std::optional<double> swiglu_limit = std::nullopt);
@@ -90,12 +97,16 @@ class GroupedExpertsImpl : public torch::nn::Module {
 TORCH_MODULE(GroupedExperts);
 
 /// Step 4, combine: y[t] = sum over rows r of token t of weight[r] * rows[r]. -> [T, D].
-torch::Tensor combine(const torch::Tensor& rows, const Dispatched& d, int64_t num_tokens);
+/// Default: index_add (on CUDA with atomics: the order of the K terms varies from run to run).
+/// batch_invariant: each token's K weighted rows gathered and added in slot order
+/// ((r_0 + r_1) + r_2) + ... (the true on-policy mode).
+torch::Tensor combine(const torch::Tensor& rows, const Dispatched& d, int64_t num_tokens, bool batch_invariant = false);
 
 /// The MoE feed-forward: routed experts plus shared experts (one SwiGLU of width
 /// n_shared * F), as Glm4MoeLiteMoE; with swiglu_limit, routed and shared experts clamp as
-/// Glm5NextTextMoE's do.
-class MoEImpl : public torch::nn::Module {
+/// Glm5NextTextMoE's do. With set_batch_invariant(true) (its router, experts and shared expert
+/// have their own switches): the combine in slot order.
+class MoEImpl : public torch::nn::Module, public BatchInvariantSwitch {
  public:
   /// `slice`: build only those routed experts (grouped tensors [E/ranks, ...]), e.g. to load a
   /// checkpoint's share of an ep rank without ever holding all E. Throws std::invalid_argument

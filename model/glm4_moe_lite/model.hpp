@@ -77,6 +77,8 @@ class Glm4MoeLiteModel : public CausalLM {
   /// The final norm and lm_head (untied: GLM-4.7-Flash's tie_word_embeddings is false).
   std::vector<torch::Tensor> head_parameters() override { return {norm->weight, lm_head->weight}; }
   std::vector<std::vector<std::string>> weight_sync_groups(bool hf_names = true) const override;
+  /// Every block has its batch-invariant form (the true on-policy mode).
+  bool supports_batch_invariant() const override { return true; }
   void set_absorbed_decode(bool on) override {
     for (auto& l : layers) l->attn->set_absorbed_decode(on);
   }
