@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 
 #include "actors/rollout/engine.hpp"
 #include "actors/trainer/trainer.hpp"
@@ -77,7 +78,7 @@ TEST_CASE("CUDA bf16 true on-policy at GLM-4.7-Flash widths: trainer log-probs e
     tc.lr = 1e-7;
     trainer::Trainer trainer(m, tc);
     auto metrics = trainer.train_step(samples);
-    MESSAGE("CUDA bf16 GLM-4.7-Flash widths, mode " << (mode ? "true_on_policy" : "default") << ": " << n
+    MESSAGE("CUDA bf16 GLM-4.7-Flash widths, mode " << std::string(mode ? "true_on_policy" : "default") << ": " << n
                                                     << " tokens, no-grad |trainer - engine| max " << max_diff
                                                     << ", mean " << sum_diff / double(std::max<int64_t>(1, n))
                                                     << "; training forward mean "
