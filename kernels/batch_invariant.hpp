@@ -45,7 +45,8 @@ at::Tensor bi_grouped_linear(const at::Tensor& x_MK, const at::Tensor& counts_E,
 /// Training is the case cu_q == cu_k.
 ///   out[t, h] = sum_j softmax_j(scale q[t, h] . k[j, h]) v[j, h]
 /// q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv] (one dtype, fp32/bf16) -> out [Tq, H, Dv]
-/// in q's dtype; cu_q, cu_k [B+1] int64 (any device). fp32 math per (query, head): keys in
+/// in q's dtype; cu_q, cu_k [B+1] int64 or int32 (any device; the model's packed forward
+/// passes its int32 device copy of cu_seqlens). fp32 math per (query, head): keys in
 /// blocks of 64 from key 0, each score a dot in fixed order over Dqk, the online softmax
 /// (Milakov & Gimelshein 2018; FlashAttention's rescaling) updated block by block in key
 /// order; keys past the causal limit are never touched. CUDA, bf16, Dqk = Dv in {128, 256}:

@@ -205,3 +205,31 @@ TEST_CASE("--set with bare text that is not UTF-8 is refused by key") {
   CHECK_THROWS_WITH_AS(c.set("run.name=caf\xe9"), doctest::Contains("--set 'run.name': the value is not valid TOML, nor text in UTF-8"),
                        std::invalid_argument);
 }
+
+TEST_CASE("algorithm.true_on_policy reaches the engines and is refused by name with settings it contradicts") {
+  ExperimentConfig c;
+  CHECK_FALSE(c.engine_for_run().true_on_policy);
+  c.set("algorithm.true_on_policy=true");
+  CHECK(c.trainer.logprobs.true_on_policy);
+  CHECK(c.trainer_for_run().logprobs.true_on_policy);
+  CHECK(c.engine_for_run().true_on_policy);  // one key for both sides
+  CHECK_FALSE(c.rollout.engine.true_on_policy);  // no rollout key of its own
+  c.validate();
+  CHECK(c.to_toml().find("true_on_policy = true") != std::string::npos);
+  ExperimentConfig absorbed = c;
+  absorbed.set("rollout.absorbed_decode=true");
+  CHECK_THROWS_WITH_AS(absorbed.validate(),
+                       doctest::Contains("'algorithm.true_on_policy' contradicts rollout.absorbed_decode = true"),
+                       std::invalid_argument);
+  ExperimentConfig graphs = absorbed;
+  graphs.set("rollout.cuda_graphs=true");
+  CHECK_THROWS_WITH_AS(graphs.validate(), doctest::Contains("'algorithm.true_on_policy' contradicts rollout."),
+                       std::invalid_argument);
+  ExperimentConfig http = c;
+  http.set("rollout.backend=\"http\"");
+  http.set("rollout.urls=[\"http://127.0.0.1:30000\"]");
+  CHECK_THROWS_WITH_AS(http.validate(), doctest::Contains("'algorithm.true_on_policy' needs rollout.backend \"engine\""),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(c.set("algorithm.true_on_policy=1"), doctest::Contains("'algorithm.true_on_policy' must be true or false"),
+                       std::invalid_argument);
+}
