@@ -356,6 +356,8 @@ void launch_mma(const GemmParams& p, int64_t mtiles, int device) {
 void gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), E = w.dim() == 3 ? w.size(0) : 1, N = w.size(-2);
   if (M == 0 || N == 0) return;
+  TORCH_CHECK((N + 31) / 32 <= 65535, "bi_linear: N = ", N, " output columns, over the kernels' grid limit of ",
+              65535 * 32);
   GemmParams p{x.data_ptr(), w.data_ptr(), y.data_ptr(), M, N, K, E, nullptr, nullptr};
   const bool mma = x.scalar_type() == at::kBFloat16 && K % 8 == 0 && K > 0;
   const bool small = M <= 64 * E;  // decode-sized: at most 64 rows per group on average
