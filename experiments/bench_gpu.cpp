@@ -63,13 +63,14 @@ int run_gpu_bench(const GpuBenchOptions& o) {
   const double flops = 3.0 * glm4_forward_flops(cfg, o.docs, n);
 
   // forward + backward (the comparison with transformers: same tokens, same loss)
-  reset_peak();
-  double fb = median_seconds(o.warmup, o.steps, [&] {
+  auto forward_backward = [&] {
     policy->zero_grad();
     auto out = policy->forward(batch);
     auto lp = policy->token_logprobs(out, targets, 4096);
     (-lp.sum() / double(o.tokens - o.docs)).backward();
-  });
+  };
+  reset_peak();
+  double fb = median_seconds(o.warmup, o.steps, forward_backward);
   const double fb_peak = peak_gib();
   J["train_tokens_per_s"] = double(o.tokens) / fb;
   J["train_step_s"] = fb;
@@ -140,7 +141,6 @@ int run_gpu_bench(const GpuBenchOptions& o) {
   eo.block_size = 16;
   eo.cache_blocks = o.rollout_prompts * ((o.rollout_prompt_tokens + o.rollout_new_tokens) / 16 + 2);
   eo.absorbed_decode = o.absorbed_decode;
-  rollout::Engine engine(engine_model, eo);
   std::vector<rollout::GenerationRequest> reqs;
   for (int64_t i = 0; i < o.rollout_prompts; ++i) {
     rollout::GenerationRequest r;
@@ -152,42 +152,89 @@ int run_gpu_bench(const GpuBenchOptions& o) {
     r.sampling.seed = uint64_t(100 + i);
     reqs.push_back(std::move(r));
   }
-  torch::cuda::synchronize();
-  const messaging::Stopwatch tr0;
-  auto completions = engine.generate(reqs);
-  torch::cuda::synchronize();
-  const double rollout_s = tr0.seconds();
-  std::vector<trainer::Sample> samples;
+  // The engine's completions as samples, with the time of the generation and the tokens made,
+  // after an untimed short generation on the same engine (first-call costs out of the timing).
+  auto run_rollout = [&](const rollout::EngineOptions& options, double& seconds, int64_t& tokens) {
+    rollout::Engine engine(engine_model, options);
+    std::vector<rollout::GenerationRequest> warm(reqs.begin(), reqs.begin() + std::min<std::size_t>(reqs.size(), 4));
+    for (auto& r : warm) r.sampling.max_new_tokens = std::min<int64_t>(r.sampling.max_new_tokens, 4);
+    (void)engine.generate(warm);
+    torch::cuda::synchronize();
+    const messaging::Stopwatch tr0;
+    auto completions = engine.generate(reqs);
+    torch::cuda::synchronize();
+    seconds = tr0.seconds();
+    std::vector<trainer::Sample> out;
+    tokens = 0;
+    for (auto& c : completions) {
+      trainer::Sample s;
+      s.prompt = c.prompt;
+      s.completion = c.tokens;
+      s.behavior_logprobs = c.logprobs;
+      s.routed_experts = c.routed_experts;
+      s.advantage = float(out.size() % 2 ? 1 : -1);
+      tokens += int64_t(c.tokens.size());
+      out.push_back(std::move(s));
+    }
+    return out;
+  };
+  // |trainer - rollout| log-prob over the samples' tokens: sum, max, count, first tokens' sum.
+  struct Gap {
+    double sum = 0, max = 0, first_sum = 0;
+    int64_t n = 0;
+  };
+  auto gap_of = [&](const std::vector<trainer::Sample>& ss) {
+    auto train_lp = trainer::completion_logprobs(*policy, ss, o.tokens, /*routing_replay=*/true);
+    Gap g;
+    for (std::size_t i = 0; i < ss.size(); ++i)
+      for (std::size_t j = 0; j < train_lp[i].size(); ++j) {
+        const double d = std::abs(double(train_lp[i][j]) - double(ss[i].behavior_logprobs[j]));
+        g.sum += d;
+        g.max = std::max(g.max, d);
+        ++g.n;
+        if (j == 0) g.first_sum += d;  // sampled from the prefill step (large GEMMs, like training's)
+      }
+    return g;
+  };
+  double rollout_s = 0;
   int64_t gen_tokens = 0;
-  for (auto& c : completions) {
-    trainer::Sample s;
-    s.prompt = c.prompt;
-    s.completion = c.tokens;
-    s.behavior_logprobs = c.logprobs;
-    s.routed_experts = c.routed_experts;
-    s.advantage = float(samples.size() % 2 ? 1 : -1);
-    gen_tokens += int64_t(c.tokens.size());
-    samples.push_back(std::move(s));
-  }
+  auto samples = run_rollout(eo, rollout_s, gen_tokens);
   J["rollout_time_s"] = rollout_s;
   J["rollout_tokens_per_s"] = double(gen_tokens) / rollout_s;
-  auto train_lp = trainer::completion_logprobs(*policy, samples, o.tokens, /*routing_replay=*/true);
-  double diff_sum = 0, diff_max = 0, first_sum = 0;
-  int64_t diff_n = 0;
-  for (std::size_t i = 0; i < samples.size(); ++i)
-    for (std::size_t j = 0; j < train_lp[i].size(); ++j) {
-      const double d = std::abs(double(train_lp[i][j]) - double(samples[i].behavior_logprobs[j]));
-      diff_sum += d;
-      diff_max = std::max(diff_max, d);
-      ++diff_n;
-      if (j == 0) first_sum += d;  // sampled from the prefill step (large GEMMs, like training's)
-    }
+  const Gap gap = gap_of(samples);
+  const double diff_sum = gap.sum, diff_max = gap.max, first_sum = gap.first_sum;
+  const int64_t diff_n = gap.n;
   J["train_rollout_logprob_abs_diff_first_token_mean"] = first_sum / double(std::max<std::size_t>(1, samples.size()));
   J["train_rollout_logprob_abs_diff_decode_mean"] =
       (diff_sum - first_sum) / double(std::max<int64_t>(1, diff_n - int64_t(samples.size())));
   J["train_rollout_logprob_abs_diff_mean"] = diff_sum / double(std::max<int64_t>(1, diff_n));
   J["train_rollout_logprob_abs_diff_max"] = diff_max;
   J["train_rollout_tokens"] = diff_n;
+
+  // 3b. The true on-policy mode: the same forward+backward and rollout with the batch-invariant
+  // kernels on both sides (policy and engine), and that mode's train/rollout diff.
+  double fb_bi = 0, rollout_bi_s = 0;
+  Gap gap_bi;
+  if (o.true_on_policy) {
+    policy->set_batch_invariant(true);
+    fb_bi = median_seconds(o.warmup, o.steps, forward_backward);
+    policy->zero_grad();
+    auto eo_bi = eo;
+    eo_bi.true_on_policy = true;  // the engine turns engine_model's switch on
+    eo_bi.absorbed_decode = false;  // the mode runs the expanded decode (the trainer's formula)
+    int64_t tokens_bi = 0;
+    auto samples_bi = run_rollout(eo_bi, rollout_bi_s, tokens_bi);
+    gap_bi = gap_of(samples_bi);
+    policy->set_batch_invariant(false);
+    engine_model->set_batch_invariant(false);
+    J["true_on_policy_train_tokens_per_s"] = double(o.tokens) / fb_bi;
+    J["true_on_policy_train_step_s"] = fb_bi;
+    J["true_on_policy_rollout_time_s"] = rollout_bi_s;
+    J["true_on_policy_rollout_tokens_per_s"] = double(tokens_bi) / rollout_bi_s;
+    J["true_on_policy_train_rollout_logprob_abs_diff_mean"] = gap_bi.sum / double(std::max<int64_t>(1, gap_bi.n));
+    J["true_on_policy_train_rollout_logprob_abs_diff_max"] = gap_bi.max;
+    J["true_on_policy_train_rollout_tokens"] = gap_bi.n;
+  }
 
   // full trainer step: bf16 policy, fp32 masters + AdamW, on the rollout's samples
   {
@@ -252,6 +299,16 @@ int run_gpu_bench(const GpuBenchOptions& o) {
               J["train_rollout_logprob_abs_diff_mean"].get<double>(), diff_max, (long long)diff_n,
               J["train_rollout_logprob_abs_diff_first_token_mean"].get<double>(),
               J["train_rollout_logprob_abs_diff_decode_mean"].get<double>());
+  if (o.true_on_policy) {
+    std::printf("  true on-policy mode (batch-invariant kernels, algorithm.true_on_policy):\n");
+    std::printf("    forward+backward   %8.3f s  %9.0f tokens/s  (%.2fx the default's time)\n", fb_bi,
+                double(o.tokens) / fb_bi, fb_bi / fb);
+    std::printf("    rollout (engine)   %8.3f s  %9.0f generated tokens/s  (%.2fx the default's time)\n", rollout_bi_s,
+                J["true_on_policy_rollout_tokens_per_s"].get<double>(), rollout_bi_s / rollout_s);
+    std::printf("    train/rollout |logprob diff| mean %.2e max %.2e over %lld tokens\n",
+                J["true_on_policy_train_rollout_logprob_abs_diff_mean"].get<double>(), gap_bi.max,
+                (long long)gap_bi.n);
+  }
   if (!o.json_path.empty()) std::ofstream(o.json_path) << J.dump(2) << "\n";
   return 0;
 }

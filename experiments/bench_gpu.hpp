@@ -11,7 +11,10 @@
 //  - update_weights_time: device-to-device weight sync into a rollout engine's model, with and
 //    without the post-copy check, and a plain copy of the same bytes;
 //  - train/rollout log-prob abs diff: completions sampled by the CUDA rollout engine, their
-//    behaviour log-probs against the trainer's packed forward (routing replay on).
+//    behaviour log-probs against the trainer's packed forward (routing replay on);
+//  - with true_on_policy: the forward+backward (train tokens/s) and the rollout (generated
+//    tokens/s) again with the batch-invariant kernels on both sides (algorithm.true_on_policy),
+//    and that mode's train/rollout log-prob abs diff (0 expected), beside the default's.
 // Prints a table, and with json_path writes every number as JSON (used by
 // experiments/bench_gpu_vs_transformers.py, which runs transformers on the same shapes).
 // Also writes the model's HF config.json to config_dir when set.
@@ -28,6 +31,7 @@ struct GpuBenchOptions {
   int64_t rollout_prompts = 32, rollout_prompt_tokens = 256, rollout_new_tokens = 32;
   bool absorbed_decode = false;  ///< the engine's rollout.absorbed_decode
   bool activation_checkpointing = false;  ///< also forward+backward with checkpointing per layer
+  bool true_on_policy = false;  ///< also train and rollout in the true on-policy mode (docs/gpu.md)
   std::string json_path, config_dir;
 };
 

@@ -8,6 +8,10 @@
 #include <limits>
 #include <vector>
 
+#ifdef KILN_CUDA
+#include "kernels/batch_invariant_cuda.hpp"
+#endif
+
 namespace kiln::kernels {
 
 namespace {
@@ -30,10 +34,16 @@ void check_float_dtype(const at::Tensor& t, const char* op, const char* name) {
               " must be fp32 or bf16, got ", t.scalar_type());
 }
 
-// CUDA inputs: the kernels of kernels/batch_invariant.cu take them where the build has them.
-void check_cpu(const at::Tensor& t, const char* op) {
-  TORCH_CHECK(t.device().is_cpu(), op, ": tensor on ", t.device(),
-              ", but only the CPU implementation is built (kernels/batch_invariant.cu not in this tree)");
+// True when the op runs on the GPU (kernels/batch_invariant.cu, kernels/batch_invariant_cuda.hpp);
+// false on the CPU; throws for a CUDA tensor in a build without CUDA and for other devices.
+bool on_cuda(const at::Tensor& t, const char* op) {
+  if (t.device().is_cpu()) return false;
+  TORCH_CHECK(t.is_cuda(), op, ": tensor on ", t.device(), "; the batch-invariant ops run on CPU and CUDA");
+#ifdef KILN_CUDA
+  return true;
+#else
+  TORCH_CHECK(false, op, ": CUDA tensor, but kiln was built without CUDA");
+#endif
 }
 
 at::Tensor as_fp32(const at::Tensor& t) { return t.to(at::kFloat).contiguous(); }
@@ -62,7 +72,13 @@ at::Tensor bi_linear(const at::Tensor& x_MK, const at::Tensor& w_NK, std::option
   TORCH_CHECK(x_MK.scalar_type() == w_NK.scalar_type(), "bi_linear: x and w dtypes differ (", x_MK.scalar_type(),
               ", ", w_NK.scalar_type(), ")");
   TORCH_CHECK(x_MK.device() == w_NK.device(), "bi_linear: x on ", x_MK.device(), " but w on ", w_NK.device());
-  check_cpu(x_MK, "bi_linear");
+  if (on_cuda(x_MK, "bi_linear")) {
+#ifdef KILN_CUDA
+    const auto out = out_dtype.value_or(x_MK.scalar_type());
+    TORCH_CHECK(out == at::kFloat || out == at::kBFloat16, "bi_linear: out_dtype ", out, " (fp32 or bf16 on CUDA)");
+    return cuda::bi_linear_cuda(x_MK, w_NK, out);
+#endif
+  }
   const int64_t M = x_MK.size(0), N = w_NK.size(0), K = x_MK.size(1);
   auto x = as_fp32(x_MK), w = as_fp32(w_NK);
   auto y = torch::empty({M, N}, x.options());  // fp32 accumulator
@@ -78,10 +94,16 @@ at::Tensor bi_grouped_linear(const at::Tensor& x_MK, const at::Tensor& counts_E,
               x_MK.scalar_type(), ", ", w_ENK.scalar_type(), ")");
   TORCH_CHECK(x_MK.device() == w_ENK.device(), "bi_grouped_linear: x on ", x_MK.device(), " but w on ",
               w_ENK.device());
-  check_cpu(x_MK, "bi_grouped_linear");
+  const bool gpu = on_cuda(x_MK, "bi_grouped_linear");
   const int64_t M = x_MK.size(0), E = w_ENK.size(0), N = w_ENK.size(1), K = x_MK.size(1);
   TORCH_CHECK(counts_E.dim() == 1 && counts_E.size(0) == E, "bi_grouped_linear: counts must be [E] = [", E,
               "], got ", counts_E.sizes());
+  if (gpu && counts_E.is_cuda()) {
+#ifdef KILN_CUDA
+    // Counts already on the GPU stay there (no host read, so their sum is not checked here).
+    return cuda::bi_grouped_linear_cuda(x_MK, counts_E, w_ENK);
+#endif
+  }
   auto counts = counts_E.to(at::kCPU).to(at::kLong).contiguous();
   const auto* c = counts.data_ptr<int64_t>();
   int64_t total = 0;
@@ -90,6 +112,11 @@ at::Tensor bi_grouped_linear(const at::Tensor& x_MK, const at::Tensor& counts_E,
     total += c[e];
   }
   TORCH_CHECK(total == M, "bi_grouped_linear: counts sum to ", total, " but x has M = ", M, " rows");
+  if (gpu) {
+#ifdef KILN_CUDA
+    return cuda::bi_grouped_linear_cuda(x_MK, counts, w_ENK);
+#endif
+  }
   auto x = as_fp32(x_MK), w = as_fp32(w_ENK);
   auto y = torch::empty({M, N}, x.options());
   int64_t row = 0;
@@ -113,10 +140,16 @@ at::Tensor bi_attention(const at::Tensor& q, const at::Tensor& k, const at::Tens
               "bi_attention: q, k, v dtypes differ (", q.scalar_type(), ", ", k.scalar_type(), ", ", v.scalar_type(),
               ")");
   TORCH_CHECK(q.device() == k.device() && q.device() == v.device(), "bi_attention: q, k, v on different devices");
-  check_cpu(q, "bi_attention");
+  const bool gpu = on_cuda(q, "bi_attention");
   TORCH_CHECK(cu_q.dim() == 1 && cu_q.size(0) >= 2 && cu_q.sizes() == cu_k.sizes(),
               "bi_attention: cu_q and cu_k must both be [B+1] with B >= 1, got ", cu_q.sizes(), " and ",
               cu_k.sizes());
+  if (gpu && cu_q.is_cuda() && cu_k.is_cuda()) {
+#ifdef KILN_CUDA
+    // Offsets already on the GPU stay there (no host read, so they are not checked here).
+    return cuda::bi_attention_cuda(q, k, v, cu_q, cu_k, scale);
+#endif
+  }
   auto cq = cu_q.to(at::kCPU).to(at::kLong).contiguous(), ck = cu_k.to(at::kCPU).to(at::kLong).contiguous();
   const auto *a = cq.data_ptr<int64_t>(), *c = ck.data_ptr<int64_t>();
   const int64_t B = cq.size(0) - 1, Tq = q.size(0), Tk = k.size(0), H = q.size(1), Dqk = q.size(2), Dv = v.size(2);
@@ -130,6 +163,11 @@ at::Tensor bi_attention(const at::Tensor& q, const at::Tensor& k, const at::Tens
     TORCH_CHECK(n >= 0 && L >= 0 && n <= L, "bi_attention: sequence ", b, " has ", n, " queries and ", L,
                 " keys (need 0 <= queries <= keys)");
     for (int64_t t = a[b]; t < a[b + 1]; ++t) seq_of[t] = b;
+  }
+  if (gpu) {
+#ifdef KILN_CUDA
+    return cuda::bi_attention_cuda(q, k, v, cq, ck, scale);
+#endif
   }
   auto qf = as_fp32(q), kf = as_fp32(k), vf = as_fp32(v);
   auto out = torch::empty({Tq, H, Dv}, qf.options());
@@ -178,7 +216,11 @@ at::Tensor bi_rms_norm(const at::Tensor& x_TD, const at::Tensor& w_D, double eps
   TORCH_CHECK(x_TD.scalar_type() == w_D.scalar_type(), "bi_rms_norm: x and w dtypes differ (", x_TD.scalar_type(),
               ", ", w_D.scalar_type(), ")");
   TORCH_CHECK(x_TD.device() == w_D.device(), "bi_rms_norm: x on ", x_TD.device(), " but w on ", w_D.device());
-  check_cpu(x_TD, "bi_rms_norm");
+  if (on_cuda(x_TD, "bi_rms_norm")) {
+#ifdef KILN_CUDA
+    return cuda::bi_rms_norm_cuda(x_TD, w_D, eps);
+#endif
+  }
   const int64_t T = x_TD.size(0), D = x_TD.size(1);
   auto xf = as_fp32(x_TD);
   auto rstd = torch::empty({T}, xf.options());  // [T]
@@ -199,7 +241,11 @@ at::Tensor bi_rms_norm(const at::Tensor& x_TD, const at::Tensor& w_D, double eps
 at::Tensor bi_logsumexp(const at::Tensor& x_MN) {
   TORCH_CHECK(x_MN.dim() == 2, "bi_logsumexp: x must be [M, N], got ", x_MN.sizes());
   check_float_dtype(x_MN, "bi_logsumexp", "x");
-  check_cpu(x_MN, "bi_logsumexp");
+  if (on_cuda(x_MN, "bi_logsumexp")) {
+#ifdef KILN_CUDA
+    return cuda::bi_logsumexp_cuda(x_MN);
+#endif
+  }
   const int64_t M = x_MN.size(0), N = x_MN.size(1);
   auto xf = as_fp32(x_MN);
   auto lse = torch::empty({M}, xf.options());

@@ -13,7 +13,8 @@
 // Tq queries, Tk keys, H heads, Dqk/Dv head dims, B sequences.
 // Dtypes: fp32 or bf16 inputs; every accumulation in fp32. Devices: CPU runs plain loops
 // over the data (kernels/batch_invariant.cpp, parallel over rows/output elements only, never
-// over a reduced dim); CUDA runs kernels/batch_invariant.cu where the build has it.
+// over a reduced dim); CUDA runs kernels/batch_invariant.cu where the build has it
+// (kernels/batch_invariant_cuda.hpp: bf16 GEMMs and attention on tensor cores, docs/gpu.md).
 // The values are not bitwise equal to the ordinary ops (a different summation order), only
 // close (tests/kernels/batch_invariant_test.cpp states the tolerances). None of the ops is
 // differentiable: model/blocks/batch_invariant.hpp wraps them for training.
@@ -33,7 +34,9 @@ at::Tensor bi_linear(const at::Tensor& x_MK, const at::Tensor& w_NK,
 /// Rows of x sorted by group (expert): counts_E [E] int64 (any device) rows per group,
 /// sum = M; y[r] = x[r] . w[e(r)]^T (y[r, n] = sum_k x[r, k] w[e(r), n, k]), fp32 accumulation.
 /// x_MK [M, K], w_ENK [E, N, K] (same dtype fp32/bf16, same device) -> [M, N] in x's dtype.
-/// Throws when counts has the wrong length, a negative count, or does not sum to M.
+/// Throws when counts has the wrong length, a negative count, or does not sum to M (on CUDA
+/// only for counts on the CPU: counts already on the GPU are not read back, and rows they do
+/// not cover come out zero).
 at::Tensor bi_grouped_linear(const at::Tensor& x_MK, const at::Tensor& counts_E, const at::Tensor& w_ENK);
 
 /// The cached-attention form of kernels/attention.hpp's varlen_attention_cached: sequence b
@@ -46,7 +49,9 @@ at::Tensor bi_grouped_linear(const at::Tensor& x_MK, const at::Tensor& counts_E,
 /// passes its int32 device copy of cu_seqlens). fp32 math per (query, head): keys in
 /// blocks of 64 from key 0, each score a dot in fixed order over Dqk, the online softmax
 /// (Milakov & Gimelshein 2018; FlashAttention's rescaling) updated block by block in key
-/// order; keys past the causal limit are never touched.
+/// order; keys past the causal limit are never touched. CUDA, bf16, Dqk = Dv in {128, 256}:
+/// QK^T and PV on tensor cores in the same fixed order, P rounded to bf16 before PV (as
+/// FlashAttention); offsets already on the GPU are not read back (nor checked).
 at::Tensor bi_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
                         const at::Tensor& cu_k, double scale);
 
