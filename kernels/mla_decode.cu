@@ -28,6 +28,7 @@
 #include <cstdint>
 
 #include "kernels/mla_decode_cuda.hpp"
+#include "kernels/mma_bf16.cuh"
 
 namespace kiln::kernels::cuda {
 
@@ -61,21 +62,6 @@ __device__ __forceinline__ void ld_a_fragment(uint32_t (&a)[4], const __nv_bfloa
   a[1] = ld32(p + 8 * ld);
   a[2] = ld32(p + 8);
   a[3] = ld32(p + 8 * ld + 8);
-}
-
-__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&d)[4], const __nv_bfloat16* p) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-               : "r"(s));
 }
 
 // 16 bytes global -> shared; bytes = 0 fills zeros (a masked entry).
@@ -204,7 +190,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const __nv_bfloat16* k_ = kt + (warp * 16 + nt * 8 + g) * LD + kk + 2 * t;
         const uint32_t b0 = ld32(k_), b1 = ld32(k_ + 8);
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) mma(s[mt][nt], a[mt], b0, b1);
+        for (int mt = 0; mt < 2; ++mt) mma_bf16(s[mt][nt], a[mt], b0, b1);
       }
     }
 
@@ -284,8 +270,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         ldmatrix_x4_trans(bv, kt + (kk + r + 8 * (mi & 1)) * LD + pair * 16 + 8 * (mi >> 1));
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
-          mma(o[pp][mt][0], a[mt], bv[0], bv[1]);
-          mma(o[pp][mt][1], a[mt], bv[2], bv[3]);
+          mma_bf16(o[pp][mt][0], a[mt], bv[0], bv[1]);
+          mma_bf16(o[pp][mt][1], a[mt], bv[2], bv[3]);
         }
       }
     }

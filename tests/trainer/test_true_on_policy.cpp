@@ -81,23 +81,14 @@ TEST_CASE("true on-policy: the trainer's log-probs equal the engine's exactly (f
     CHECK(policy->batch_invariant() == mode);
 
     // No-grad packed forward (what the reference and recompute_old_logprobs run).
-    auto lp = trainer::completion_logprobs(*policy, samples, trainer_config(mode).logprobs);
-    double max_diff = 0, sum_diff = 0;
-    int64_t n = 0;
-    for (std::size_t i = 0; i < samples.size(); ++i) {
-      REQUIRE(lp[i].size() == samples[i].behavior_logprobs.size());
-      for (std::size_t j = 0; j < lp[i].size(); ++j) {
-        const double d = std::abs(double(lp[i][j]) - double(samples[i].behavior_logprobs[j]));
-        max_diff = std::max(max_diff, d);
-        sum_diff += d;
-        ++n;
-      }
-    }
+    const auto gap = test::train_rollout_gap(*policy, samples, trainer_config(mode).logprobs);
+    const double max_diff = gap.max;
+    const int64_t n = gap.n;
     // The training forward, with gradients (the mode's autograd functions): its mean
     // |policy - behaviour| over the trained tokens.
     auto metrics = trainer.train_step(samples);
     MESSAGE("mode " << std::string(mode ? "true_on_policy" : "default") << ": " << n << " tokens, no-grad max |trainer - engine| = "
-                    << max_diff << ", mean " << sum_diff / double(n)
+                    << max_diff << ", mean " << gap.mean
                     << "; training forward mean = " << metrics.train_rollout_logprob_abs_diff);
     CHECK(n >= 60);
     if (mode) {

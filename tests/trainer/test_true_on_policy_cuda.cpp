@@ -62,25 +62,16 @@ TEST_CASE("CUDA bf16 true on-policy at GLM-4.7-Flash widths: trainer log-probs e
     trainer::TrainerConfig tc;
     tc.logprobs.max_tokens_per_microbatch = 2048;  // packs of other compositions than the engine's batches
     tc.logprobs.true_on_policy = mode;
-    auto lp = trainer::completion_logprobs(*m, samples, tc.logprobs);
-    double max_diff = 0, sum_diff = 0;
-    int64_t n = 0;
-    for (std::size_t i = 0; i < samples.size(); ++i) {
-      REQUIRE(lp[i].size() == samples[i].behavior_logprobs.size());
-      for (std::size_t j = 0; j < lp[i].size(); ++j) {
-        const double d = std::abs(double(lp[i][j]) - double(samples[i].behavior_logprobs[j]));
-        max_diff = std::max(max_diff, d);
-        sum_diff += d;
-        ++n;
-      }
-    }
+    const auto gap = test::train_rollout_gap(*m, samples, tc.logprobs);
+    const double max_diff = gap.max;
+    const int64_t n = gap.n;
     // The training forward (autograd through the mode's functions) on the same samples.
     tc.lr = 1e-7;
     trainer::Trainer trainer(m, tc);
     auto metrics = trainer.train_step(samples);
     MESSAGE("CUDA bf16 GLM-4.7-Flash widths, mode " << std::string(mode ? "true_on_policy" : "default") << ": " << n
                                                     << " tokens, no-grad |trainer - engine| max " << max_diff
-                                                    << ", mean " << sum_diff / double(std::max<int64_t>(1, n))
+                                                    << ", mean " << gap.mean
                                                     << "; training forward mean "
                                                     << metrics.train_rollout_logprob_abs_diff);
     CHECK(n >= 1024);

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <memory>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -94,25 +95,39 @@ inline std::vector<trainer::Sample> rollout_samples(std::shared_ptr<model::Causa
   return generate_samples(m, reqs, 1.0f, -0.5f, options);
 }
 
-/// |trainer - rollout| per-token log-prob of `samples` under `m` (routing replayed): mean,
-/// max, and the number of tokens.
+/// |trainer - rollout| per-token log-prob of `samples`: mean, max, and the number of tokens.
 struct LogprobGap {
   double mean = 0, max = 0;
   int64_t n = 0;
 };
-inline LogprobGap train_rollout_gap(model::CausalLM& m, const std::vector<trainer::Sample>& samples) {
-  auto lp = trainer::completion_logprobs(m, samples, 4096, /*routing_replay=*/true);
+/// The gap of per-sample log-probs `lp` (completion_logprobs' shape) to the samples' behaviour
+/// log-probs.
+inline LogprobGap logprob_gap(const std::vector<std::vector<float>>& lp, const std::vector<trainer::Sample>& samples) {
   LogprobGap g;
   double sum = 0;
-  for (std::size_t i = 0; i < samples.size(); ++i)
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    if (lp[i].size() != samples[i].behavior_logprobs.size())
+      throw std::logic_error("logprob_gap: sample " + std::to_string(i) + " has " + std::to_string(lp[i].size()) +
+                             " log-probs but " + std::to_string(samples[i].behavior_logprobs.size()) +
+                             " behaviour log-probs");
     for (std::size_t j = 0; j < lp[i].size(); ++j) {
       const double d = std::abs(double(lp[i][j]) - double(samples[i].behavior_logprobs[j]));
       sum += d;
       g.max = std::max(g.max, d);
       ++g.n;
     }
+  }
   g.mean = sum / double(std::max<int64_t>(1, g.n));
   return g;
+}
+/// The gap of `samples` under `m`'s no-grad packed forward with log-prob settings `c`.
+inline LogprobGap train_rollout_gap(model::CausalLM& m, const std::vector<trainer::Sample>& samples,
+                                    const trainer::LogprobConfig& c) {
+  return logprob_gap(trainer::completion_logprobs(m, samples, c), samples);
+}
+/// The same in packs of 4096 tokens, routing replayed.
+inline LogprobGap train_rollout_gap(model::CausalLM& m, const std::vector<trainer::Sample>& samples) {
+  return logprob_gap(trainer::completion_logprobs(m, samples, 4096, /*routing_replay=*/true), samples);
 }
 
 /// Everything a Trainer's step may change, copied: the policy's parameters, the master

@@ -1,0 +1,32 @@
+#pragma once
+// Tensor-core building blocks shared by the .cu files that run bf16 mma.sync (sm_80 and later,
+// Hopper included): the m16n8k16 product with fp32 accumulation and the transposing 4-matrix
+// shared-memory load. Fragment layouts: PTX ISA, "Matrix Fragments for mma.m16n8k16" and
+// "ldmatrix". Device code only; include from .cu files.
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace kiln::kernels::cuda {
+
+/// c += a (16x16 bf16, row) * b (16x8 bf16, col), fp32 accumulation: mma.sync.m16n8k16.
+/// a: the thread's 4 registers of the A fragment, b0/b1: its 2 of the B fragment, c: its 4
+/// accumulators.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/// Four 8x8 bf16 matrices from shared memory, transposed (ldmatrix.x4.trans); p: this thread's
+/// row address (threads 8i..8i+7 give the rows of matrix i).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&d)[4], const __nv_bfloat16* p) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+               : "r"(s));
+}
+
+}  // namespace kiln::kernels::cuda
