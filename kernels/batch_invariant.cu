@@ -156,17 +156,6 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// 16 bytes global -> shared; bytes = 0 fills zeros.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
 // CTA tile BM x BN, warp tile WM x WN, BK k per pipeline stage, STAGES stages. Shared rows are
 // padded by 8 bf16 (80 or 144 bytes): the 8 rows of an ldmatrix hit distinct banks.
 template <int BM, int BN, int WM, int WN, int BK, int STAGES>

@@ -64,17 +64,6 @@ __device__ __forceinline__ void ld_a_fragment(uint32_t (&a)[4], const __nv_bfloa
   a[3] = ld32(p + 8 * ld + 8);
 }
 
-// 16 bytes global -> shared; bytes = 0 fills zeros (a masked entry).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
 // q_lat [B, H, C], q_rope [B, H, R], cache [G*Z, D], table [B, W], lengths [B];
 // o_part [B, splits, H, C] fp32, ml_part [B, splits, H, 2] fp32 (m in base 2 of the scaled score, l).
 template <int C, int R>

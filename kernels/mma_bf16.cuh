@@ -1,8 +1,9 @@
 #pragma once
 // Tensor-core building blocks shared by the .cu files that run bf16 mma.sync (sm_80 and later,
-// Hopper included): the m16n8k16 product with fp32 accumulation and the transposing 4-matrix
-// shared-memory load. Fragment layouts: PTX ISA, "Matrix Fragments for mma.m16n8k16" and
-// "ldmatrix". Device code only; include from .cu files.
+// Hopper included): the m16n8k16 product with fp32 accumulation, the transposing 4-matrix
+// shared-memory load, and the 16-byte asynchronous global -> shared copy (cp.async) that feeds
+// them. Fragment layouts and instructions: PTX ISA, "Matrix Fragments for mma.m16n8k16",
+// "ldmatrix", "cp.async". Device code only; include from .cu files.
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -27,6 +28,20 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&d)[4], const __nv_b
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
                : "r"(s));
+}
+
+/// 16 bytes global -> shared (cp.async.cg); bytes = 0 fills the 16 bytes with zeros (a masked
+/// or out-of-range element).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(bytes));
+}
+/// Closes the group of cp.async issued so far by this thread.
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+/// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
 }  // namespace kiln::kernels::cuda
