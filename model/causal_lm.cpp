@@ -13,6 +13,10 @@ torch::Tensor CausalLM::logits(const ForwardOutput& out) {
   return torch::nn::functional::linear(out.hidden, lm_head_weight());  // [T, V]
 }
 
+torch::Tensor CausalLM::fp32_logits(const torch::Tensor& hidden_ND) {
+  return batch_invariant_ ? invariant_lm_logits(hidden_ND, lm_head_weight()) : lm_logits(hidden_ND, lm_head_weight());
+}
+
 torch::Tensor CausalLM::token_logprobs(const ForwardOutput& out, const torch::Tensor& targets, int64_t chunk,
                                        double temperature) {
   if (batch_invariant_) return token_logprobs_invariant(out.hidden, lm_head_weight(), targets, temperature, chunk);

@@ -221,6 +221,10 @@ class CausalLM : public torch::nn::Module {
 
   /// [T, V] logits in the model's dtype.
   torch::Tensor logits(const ForwardOutput& out);
+  /// [N, V] fp32 logits of hidden states [N, D], where they live, as the trainer's log-prob head
+  /// computes them (blocks/logprobs.hpp's lm_logits; in the batch-invariant mode
+  /// invariant_lm_logits, the trainer's bits): what the rollout engine samples from.
+  torch::Tensor fp32_logits(const torch::Tensor& hidden_ND);
   /// [T] fp32 log-probs of targets under logits / temperature (see blocks/logprobs.hpp: the
   /// hidden states divided by the temperature, then token_logprobs; in the batch-invariant mode
   /// token_logprobs_invariant, the rollout sampler's formula), never [T, V] in fp32.

@@ -2,7 +2,6 @@
 
 #include <stdexcept>
 
-#include "model/blocks/logprobs.hpp"
 
 namespace kiln::rollout {
 
@@ -82,7 +81,7 @@ DecodeGraphs::Graph& DecodeGraphs::graph_for(int64_t Bb, int64_t Wb) {
   torch::NoGradGuard no_grad;
   auto body = [&] {
     auto out = model_.forward_decode(g->ids, g->positions, g->table, cache_, /*want_routing=*/true);
-    g->logits = model::lm_logits(out.hidden, model_.lm_head_weight());  // [Bb, V] fp32
+    g->logits = model_.fp32_logits(out.hidden);                         // [Bb, V] fp32
     g->routed_experts = out.routed_experts;                              // [Bb, L, K]
     if (sample_) g->sampled = rows.sample(g->logits);                    // [Bb, 3] fp64
   };

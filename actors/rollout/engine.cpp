@@ -3,7 +3,6 @@
 #include <thread>
 
 #include "kernels/moe_decode.hpp"
-#include "model/blocks/logprobs.hpp"
 
 #include <algorithm>
 #include <optional>
@@ -38,12 +37,6 @@ void check_request(const GenerationRequest& r, int64_t vocab) {
       throw std::invalid_argument("request " + std::to_string(r.id) + ": prompt token " + std::to_string(t) +
                                   " outside the vocabulary [0, " + std::to_string(vocab) + ")");
   r.sampling.validate();
-}
-
-// [B, V] fp32 logits of hidden states [B, D], where they live: the batch-invariant head in the
-// true on-policy mode (the trainer's bits), else the trainer's ordinary one.
-torch::Tensor head_logits(model::CausalLM& m, const torch::Tensor& h) {
-  return m.batch_invariant() ? model::invariant_lm_logits(h, m.lm_head_weight()) : model::lm_logits(h, m.lm_head_weight());
 }
 }  // namespace
 
@@ -249,7 +242,7 @@ std::vector<Completion> Engine::step() {
     ++shared_prompts_;
   }
   // [B, V] fp32, as the trainer's; stays on the device
-  if (!graphed) logits = head_logits(*model_, sharing.empty() ? h : torch::cat(rows, 0));
+  if (!graphed) logits = model_->fp32_logits(sharing.empty() ? h : torch::cat(rows, 0));
 
   std::vector<SampledToken> tokens;
   if (sampled.defined()) {
@@ -362,7 +355,7 @@ std::vector<Completion> generate_without_cache(model::CausalLM& model, const std
     for (std::size_t j = 0; j < live.size(); ++j) {
       const std::size_t i = live[j];
       const int64_t s = cu[int64_t(j)].item<int64_t>(), e = cu[int64_t(j) + 1].item<int64_t>();
-      auto logits = head_logits(model, fwd.hidden.narrow(0, e - 1, 1));  // [1, V]
+      auto logits = model.fp32_logits(fwd.hidden.narrow(0, e - 1, 1));  // [1, V]
       record(out[i],
              sample_tokens(logits, {&requests[i].sampling}, {int64_t(out[i].tokens.size())}, true,
                            model.batch_invariant())[0],
