@@ -4,6 +4,7 @@
 
 #ifdef KILN_CUDA
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
@@ -53,6 +54,13 @@ void CapturedGraph::replay() {
   const c10::cuda::CUDAGuard guard(impl_->device);
   impl_->graph.replay();
 }
+
+bool CapturedGraph::capturing(torch::Device device) {
+  if (!device.is_cuda()) return false;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(device.index()).stream(), &status));
+  return status != cudaStreamCaptureStatusNone;
+}
 #else
 struct CapturedGraph::Impl {};
 
@@ -65,6 +73,8 @@ CapturedGraph::CapturedGraph(torch::Device, const GraphPool&, const std::functio
 }
 
 void CapturedGraph::replay() { throw std::logic_error("CapturedGraph: this build has no CUDA kernels (KILN_CUDA)"); }
+
+bool CapturedGraph::capturing(torch::Device) { return false; }
 #endif
 
 CapturedGraph::~CapturedGraph() = default;

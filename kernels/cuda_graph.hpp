@@ -38,6 +38,9 @@ class CapturedGraph {
   CapturedGraph& operator=(const CapturedGraph&) = delete;
   /// Launches the captured kernels on the current stream of the capture's device.
   void replay();
+  /// Whether the current stream of `device` is capturing a graph now (false for a device that
+  /// is not CUDA, or in a build without CUDA kernels).
+  static bool capturing(torch::Device device);
 
  private:
   struct Impl;

@@ -1,13 +1,14 @@
 // Absorbed MLA decode attention over the paged latent cache (kernels/mla_decode.hpp).
 //
-// split kernel: one CTA of 4 warps per (context chunk, sequence). The CTA keeps the sequence's
-// queries (all heads, padded to 32 rows) in shared memory and streams the chunk's cache entries
-// through a double buffer of 64-entry tiles (cp.async, 16-byte pieces, each row looked up in the
-// block table), so each entry is read from memory once for all heads. Per tile:
-//   S = Q K^T        [32 x 64]: warp w the tile's keys 16w..16w+15, mma.sync m16n8k16 bf16
+// split kernel: one CTA of 8 warps per (context chunk, sequence). The CTA keeps the sequence's
+// queries (all heads, padded to 32 rows, loaded by cp.async with the first tile) in shared
+// memory and streams the chunk's cache entries through a double buffer of 64-entry tiles
+// (cp.async, 16-byte pieces; each entry's cache row looked up in the block table once, by one
+// thread, into shared memory), so each entry is read from memory once for all heads. Per tile:
+//   S = Q K^T        [32 x 64]: warp w the tile's keys 8w..8w+7, mma.sync m16n8k16 bf16
 //   online softmax   (fp32, base 2: the scale folded with log2 e); row maxima across warps
 //                    through shared memory, P rounded to bf16 into shared memory
-//   O = O * alpha + P V   [32 x C]: warp w the output columns 16w, 16(w+4), ...; V = the
+//   O = O * alpha + P V   [32 x C]: warp w the output columns 16w, 16(w+8), ...; V = the
 //                    tile's latent columns, fragments by ldmatrix.trans
 // and writes its unnormalised O with the row max m and sum l (fp32) for the chunk.
 // combine kernel: one CTA per (head, sequence): out = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s.
@@ -34,8 +35,11 @@ namespace kiln::kernels::cuda {
 
 namespace {
 
-constexpr int kWarps = 4, kThreads = 32 * kWarps;
+constexpr int kWarps = 8, kThreads = 32 * kWarps;
 constexpr int kTile = 64;   // cache entries per tile
+constexpr int kKeysPerWarp = kTile / kWarps;  // of S = Q K^T
+constexpr int kKeyTiles = kKeysPerWarp / 8;   // n-tiles of 8 keys per warp
+static_assert(kKeysPerWarp % 8 == 0, "whole n-tiles of keys per warp");
 constexpr int kRows = 32;   // query rows: heads, padded
 constexpr int kLdp = kTile + 8;  // P row stride (bf16), conflict-free fragment loads
 
@@ -48,8 +52,8 @@ struct Shape {
   static constexpr int kPairs = C / 16;          // 16-column groups of the output
   static constexpr int kPairsPerWarp = (kPairs + kWarps - 1) / kWarps;
   static constexpr std::size_t smem = sizeof(__nv_bfloat16) * (kRows * LD + 2 * kTile * LD + kRows * kLdp) +
-                                      sizeof(float) * kWarps * kRows;
-  static_assert(C % 16 == 0 && D % 8 == 0, "latent width a multiple of 16, entry width of 8");
+                                      sizeof(float) * kWarps * kRows + sizeof(int64_t) * 2 * kTile;
+  static_assert(C % 16 == 0 && R % 8 == 0, "latent width a multiple of 16, rope width of 8 (16-byte pieces)");
 };
 
 __device__ __forceinline__ uint32_t ld32(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
@@ -79,6 +83,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __nv_bfloat16* ks = qs + kRows * LD;                               // [2][kTile][LD]
   __nv_bfloat16* ps = ks + 2 * kTile * LD;                           // [kRows][kLdp]
   float* red = reinterpret_cast<float*>(ps + kRows * kLdp);          // [kWarps][kRows]
+  int64_t* rows = reinterpret_cast<int64_t*>(red + kWarps * kRows);  // [2][kTile] cache offsets (-1: none)
 
   const int b = blockIdx.y, split = blockIdx.x;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -97,38 +102,49 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   const int64_t* row_pages = table + int64_t(b) * W;
 
+  // Every thread issues its 16-byte pieces of a tile without waiting on a page lookup: one
+  // thread per entry looks its row up first (all at once), then the CTA syncs. The caller
+  // syncs between a stage's last reads and its next load.
   auto load_tile = [&](int stage, int k0) {
+    int64_t* ro = rows + stage * kTile;
+    if (tid < kTile) {
+      const int pos = k0 + tid;
+      ro[tid] = pos < end ? (row_pages[pos / Z] * Z + pos % Z) * D : -1;
+    }
+    __syncthreads();
     __nv_bfloat16* dst = ks + stage * kTile * LD;
     for (int i = tid; i < kTile * S::kPieces; i += kThreads) {
-      const int r = i / S::kPieces, piece = i - r * S::kPieces, pos = k0 + r;
-      const __nv_bfloat16* src = cache;
-      int bytes = 0;
-      if (pos < end) {
-        src = cache + (row_pages[pos / Z] * Z + pos % Z) * D + piece * 8;
-        bytes = 16;
-      }
-      cp_async16(dst + r * LD + piece * 8, src, bytes);
+      const int r = i / S::kPieces, piece = i - r * S::kPieces;
+      const int64_t off = ro[r];
+      cp_async16(dst + r * LD + piece * 8, off >= 0 ? cache + off + piece * 8 : cache, off >= 0 ? 16 : 0);
     }
     cp_async_commit();
   };
-  load_tile(0, start);
 
-  // Queries (rows >= H and columns >= D zero), and the entries' padding columns zero.
-  const __nv_bfloat16 zero = __float2bfloat16(0.f);
-  for (int i = tid; i < kRows * DP; i += kThreads) {
-    const int h = i / DP, d = i - h * DP;
-    __nv_bfloat16 v = zero;
+  // Queries by cp.async too, in the first tile's group: row h < H of q_latent then q_rope (both
+  // 16-byte aligned, the launcher checks), rows >= H zero-filled; the columns >= D (only when
+  // D is not a multiple of 16) and the entries' padding columns set to zero here.
+  constexpr int kQPieces = C / 8 + R / 8;
+  for (int i = tid; i < kRows * kQPieces; i += kThreads) {
+    const int h = i / kQPieces, piece = i - h * kQPieces;
+    const __nv_bfloat16* src = q_lat;
+    int bytes = 0;
     if (h < H) {
-      if (d < C) v = q_lat[(int64_t(b) * H + h) * C + d];
-      else if (d < D) v = q_rope[(int64_t(b) * H + h) * R + (d - C)];
+      src = piece < C / 8 ? q_lat + (int64_t(b) * H + h) * C + piece * 8
+                          : q_rope + (int64_t(b) * H + h) * R + (piece - C / 8) * 8;
+      bytes = 16;
     }
-    qs[h * LD + d] = v;
+    cp_async16(qs + h * LD + piece * 8, src, bytes);
   }
-  if constexpr (DP > D)
+  load_tile(0, start);
+  const __nv_bfloat16 zero = __float2bfloat16(0.f);
+  if constexpr (DP > D) {
+    for (int i = tid; i < kRows * (DP - D); i += kThreads) qs[(i / (DP - D)) * LD + D + i % (DP - D)] = zero;
     for (int i = tid; i < 2 * kTile * (DP - D); i += kThreads) {
       const int r = i / (DP - D), d = D + i % (DP - D);
       ks[r * LD + d] = zero;
     }
+  }
 
   // This thread's query rows: g, g+8 (m-tile 0), 16+g, 24+g (m-tile 1).
   float m_row[4], l_row[4];
@@ -159,12 +175,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();
     const __nv_bfloat16* kt = ks + (it & 1) * kTile * LD;
 
-    // S = Q K^T over this warp's 16 keys.
-    float s[2][2][4];
+    // S = Q K^T over this warp's kKeysPerWarp keys.
+    float s[2][kKeyTiles][4];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+      for (int nt = 0; nt < kKeyTiles; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
 #pragma unroll 4
@@ -175,25 +191,26 @@ __global__ void __launch_bounds__(kThreads, 1)
         ld_a_fragment(a[mt], qs + (mt * 16 + g) * LD + kk + 2 * t, LD);
       }
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const __nv_bfloat16* k_ = kt + (warp * 16 + nt * 8 + g) * LD + kk + 2 * t;
+      for (int nt = 0; nt < kKeyTiles; ++nt) {
+        const __nv_bfloat16* k_ = kt + (warp * kKeysPerWarp + nt * 8 + g) * LD + kk + 2 * t;
         const uint32_t b0 = ld32(k_), b1 = ld32(k_ + 8);
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) mma_bf16(s[mt][nt], a[mt], b0, b1);
       }
     }
 
-    // Online softmax. Element (mt, nt, e): row index i = 2 mt + e / 2, key warp*16 + nt*8 + 2t + e%2.
+    // Online softmax. Element (mt, nt, e): row index i = 2 mt + e / 2, key
+    // warp * kKeysPerWarp + nt*8 + 2t + e%2.
     float tile_max[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) tile_max[i] = -INFINITY;
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+      for (int nt = 0; nt < kKeyTiles; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int key = k0 + warp * 16 + nt * 8 + 2 * t + (e & 1);
+          const int key = k0 + warp * kKeysPerWarp + nt * 8 + 2 * t + (e & 1);
           const float z = key < end ? s[mt][nt][e] * scale_log2 : -INFINITY;
           s[mt][nt][e] = z;
           tile_max[2 * mt + (e >> 1)] = fmaxf(tile_max[2 * mt + (e >> 1)], z);
@@ -222,13 +239,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+      for (int nt = 0; nt < kKeyTiles; ++nt)
 #pragma unroll
         for (int hi = 0; hi < 2; ++hi) {
           const int i = 2 * mt + hi;
           const float p0 = exp2f(s[mt][nt][2 * hi] - m_row[i]), p1 = exp2f(s[mt][nt][2 * hi + 1] - m_row[i]);
           l_row[i] += p0 + p1;
-          *reinterpret_cast<__nv_bfloat162*>(ps + (16 * mt + 8 * hi + g) * kLdp + warp * 16 + nt * 8 + 2 * t) =
+          *reinterpret_cast<__nv_bfloat162*>(ps + (16 * mt + 8 * hi + g) * kLdp + warp * kKeysPerWarp + nt * 8 +
+                                             2 * t) =
               __floats2bfloat162_rn(p0, p1);
         }
 #pragma unroll
@@ -352,6 +370,12 @@ void launch(const at::Tensor& q_latent, const at::Tensor& q_rope, const at::Tens
   int64_t chunk = (cap + splits - 1) / splits;
   chunk = (chunk + kTile - 1) / kTile * kTile;
   splits = (cap + chunk - 1) / chunk;
+  // The split kernel loads the queries in 16-byte pieces: rows of contiguous tensors whose
+  // starts are 16-byte aligned (a view at an odd offset is copied).
+  const auto aligned = [](const at::Tensor& t) {
+    return reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone();
+  };
+  const at::Tensor ql = aligned(q_latent), qr = aligned(q_rope);
   auto f32 = q_latent.options().dtype(at::kFloat);
   auto o_part = at::empty({B, splits, H, C}, f32);
   auto ml_part = at::empty({B, splits, H, 2}, f32);
@@ -366,7 +390,7 @@ void launch(const at::Tensor& q_latent, const at::Tensor& q_rope, const at::Tens
   }
   const float scale_log2 = float(scale * 1.4426950408889634);
   kernel<<<dim3(unsigned(splits), unsigned(B)), kThreads, S::smem, stream>>>(
-      static_cast<const __nv_bfloat16*>(q_latent.data_ptr()), static_cast<const __nv_bfloat16*>(q_rope.data_ptr()),
+      static_cast<const __nv_bfloat16*>(ql.data_ptr()), static_cast<const __nv_bfloat16*>(qr.data_ptr()),
       static_cast<const __nv_bfloat16*>(cache.data_ptr()), static_cast<const int64_t*>(block_table.data_ptr()),
       static_cast<const int64_t*>(lengths.data_ptr()), static_cast<float*>(o_part.data_ptr()),
       static_cast<float*>(ml_part.data_ptr()), int(H), int(W), int(Z), int(chunk), int(splits), scale_log2);

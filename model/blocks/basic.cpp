@@ -1,7 +1,16 @@
 #include "model/blocks/basic.hpp"
 
+#include "kernels/cuda_graph.hpp"
 #include "kernels/moe.hpp"
 #include "kernels/rms_norm.hpp"
+#include "kernels/rope.hpp"
+
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 #include <stdexcept>
 
@@ -23,20 +32,56 @@ torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
   return batch_invariant_ ? invariant_rms_norm(x, weight, eps_) : rms_norm(x, weight, eps_);
 }
 
-torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& positions, double theta, bool interleaved) {
-  const int64_t R = x.size(-1);
-  auto fopts = torch::TensorOptions().dtype(torch::kFloat32).device(x.device());
+namespace {
+// [T, R/2] each, in dtype: apply_rope's angles pos * theta^(-2i/R) (fp32) and their cos, sin.
+std::pair<torch::Tensor, torch::Tensor> rope_cos_sin(const torch::Tensor& positions, int64_t R, double theta,
+                                                     torch::Dtype dtype) {
+  auto fopts = torch::TensorOptions().dtype(torch::kFloat32).device(positions.device());
   auto inv_freq = 1.0 / torch::pow(theta, torch::arange(0, R, 2, fopts) / double(R));  // [R/2]
   auto angles = positions.to(torch::kFloat32).unsqueeze(-1) * inv_freq;                  // [T, R/2]
-  auto cos = angles.cos().unsqueeze(1).to(x.scalar_type());                              // [T, 1, R/2]
-  auto sin = angles.sin().unsqueeze(1).to(x.scalar_type());
-  if (interleaved) {
-    auto pairs = x.unflatten(-1, {R / 2, 2});  // [T, H, R/2, 2]
-    auto x0 = pairs.select(-1, 0), x1 = pairs.select(-1, 1);
-    return torch::stack({x0 * cos - x1 * sin, x1 * cos + x0 * sin}, -1).flatten(-2);  // [T, H, R]
-  }
-  auto x0 = x.narrow(-1, 0, R / 2), x1 = x.narrow(-1, R / 2, R / 2);
-  return torch::cat({x0 * cos - x1 * sin, x1 * cos + x0 * sin}, -1);
+  return {angles.cos().to(dtype), angles.sin().to(dtype)};
+}
+}  // namespace
+
+torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& positions, double theta, bool interleaved) {
+  auto [cos, sin] = rope_cos_sin(positions, x.size(-1), theta, x.scalar_type());
+  return kernels::rope_rotate_rows(x, cos, sin, interleaved);
+}
+
+RopeTable rope_table(int64_t positions, int64_t R, double theta, torch::Dtype dtype, torch::Device device) {
+  if (positions < 1 || R < 2 || R % 2 != 0)
+    throw std::invalid_argument("rope_table: " + std::to_string(positions) + " positions and R = " + std::to_string(R) +
+                                ": need >= 1 and an even R >= 2");
+  struct Entry {
+    RopeTable now;
+    std::vector<RopeTable> kept;  // the smaller ones handed out before
+  };
+  // Never destroyed: a static destructor would free CUDA memory after the CUDA runtime's exit.
+  static auto* mutex = new std::mutex;
+  static auto* tables = new std::map<std::tuple<std::string, int, double, int64_t>, Entry>;
+  const std::lock_guard<std::mutex> lock(*mutex);
+  auto& e = (*tables)[{device.str(), int(dtype), theta, R}];
+  if (e.now.cos.defined() && e.now.cos.size(0) >= positions) return e.now;
+  if (kernels::CapturedGraph::capturing(device))
+    throw std::logic_error("rope_table: " + std::to_string(positions) + " positions asked for on " + device.str() +
+                           " while its stream captures a CUDA graph (the table has " +
+                           std::to_string(e.now.cos.defined() ? e.now.cos.size(0) : 0) +
+                           "): make it before the capture");
+  int64_t size = 4096;
+  while (size < positions) size *= 2;
+  torch::NoGradGuard no_grad;
+  auto [cos, sin] = rope_cos_sin(torch::arange(size, torch::TensorOptions().dtype(torch::kInt64).device(device)), R,
+                                 theta, dtype);
+  if (e.now.cos.defined()) e.kept.push_back(e.now);
+  e.now = {cos, sin};
+  return e.now;
+}
+
+torch::Tensor apply_rope_cached(const torch::Tensor& x, const torch::Tensor& positions, int64_t max_positions,
+                                double theta, bool interleaved) {
+  if (!x.is_cuda()) return apply_rope(x, positions, theta, interleaved);
+  const auto t = rope_table(max_positions, x.size(-1), theta, x.scalar_type(), x.device());
+  return kernels::rope_rotate(x, positions, t.cos, t.sin, interleaved);
 }
 
 SwiGLUImpl::SwiGLUImpl(int64_t dim, int64_t intermediate, std::optional<double> swiglu_limit) : limit_(swiglu_limit) {

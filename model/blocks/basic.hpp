@@ -35,6 +35,23 @@ TORCH_MODULE(RMSNorm);
 /// x: [T, H, R], positions: [T] int64 -> [T, H, R].
 torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& positions, double theta, bool interleaved);
 
+/// apply_rope's cos and sin of every position < `positions` ([P, R/2] each, `dtype`, on
+/// `device`), computed by apply_rope's own ops, so the rows equal what apply_rope computes for
+/// those positions. One table per (device, dtype, theta, R) in the process, made larger when
+/// more positions are asked for; a table once handed out stays allocated (captured CUDA graphs
+/// read it), and growing one while the device's stream captures a graph throws
+/// std::logic_error (make it before the capture, e.g. in the warm-up run).
+struct RopeTable {
+  torch::Tensor cos, sin;
+};
+RopeTable rope_table(int64_t positions, int64_t R, double theta, torch::Dtype dtype, torch::Device device);
+
+/// apply_rope for inference (no gradient) with every position < max_positions: on CUDA the
+/// rows of rope_table(max_positions) by kernels::rope_rotate (one kernel, the same bits as
+/// apply_rope); elsewhere apply_rope.
+torch::Tensor apply_rope_cached(const torch::Tensor& x, const torch::Tensor& positions, int64_t max_positions,
+                                double theta, bool interleaved);
+
 /// SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x)). x: [T, D] -> [T, D].
 /// swiglu_limit: transformers' clamped form (GLM-5.3-Flash's Glm5NextTextMLP; kernels::swiglu).
 /// With set_batch_invariant(true): invariant_linear and invariant_swiglu (no limit: refused

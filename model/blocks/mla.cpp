@@ -68,6 +68,7 @@ CachedLayout::CachedLayout(const std::vector<CachedSlice>& slices, int64_t block
   std::vector<int64_t> rows;
   for (const auto& s : slices) {
     decode_ = decode_ && s.count == 1;
+    max_length_ = std::max(max_length_, s.cached + s.count);
     for (int64_t j = 0; j < s.count; ++j) {
       const int64_t pos = s.cached + j;
       rows.push_back((*s.blocks)[pos / block_size] * block_size + pos % block_size);
@@ -88,15 +89,13 @@ CachedLayout::CachedLayout(const torch::Tensor& positions, const torch::Tensor& 
                                 ", block_size " + std::to_string(block_size));
   const int64_t B = positions.size(0), BS = block_size;
   batch_ = B;
+  max_length_ = std::max<int64_t>(1, block_table.size(1) * BS);
   auto opts = positions.options();
   // The new token's row: its page (block_table[b, pos / BS]) and offset.
   new_slots_ = block_table.gather(1, positions.div(BS, "floor").unsqueeze(1)).squeeze(1) * BS + positions.remainder(BS);
   Padded d;
   d.n_max = 1;
   d.s_max = block_table.size(1) * BS;
-  auto p = torch::arange(d.s_max, opts).view({1, d.s_max});
-  auto slots = block_table.index_select(1, p.view({-1}).div(BS, "floor")) * BS + p.remainder(BS);  // [B, s_max]
-  d.key_slots = slots.masked_fill(p > positions.view({B, 1}), 0).view({-1});
   d.query_rows = torch::arange(B, opts);
   d.cached = positions;
   d.counts = torch::ones({B}, opts);
@@ -173,13 +172,20 @@ const CachedLayout::Padded& CachedLayout::padded() const {
   }
   auto i64 = [&](const std::vector<int64_t>& v) { return torch::tensor(v, torch::kInt64).to(device_); };
   std::tie(d.block_table, d.lengths) = block_table_padded(d.s_max);
-  d.key_slots = slots_of(d.block_table, d.lengths, d.s_max, block_size_).view({-1});
   d.query_rows = i64(query_rows);
   d.cached = i64(cached);
   d.counts = i64(counts);
   d.keep = i64(keep);
   padded_ = std::move(d);
   return *padded_;
+}
+
+const torch::Tensor& CachedLayout::padded_key_slots() const {
+  if (!padded_key_slots_) {
+    const auto& P = padded();
+    padded_key_slots_ = slots_of(P.block_table, P.lengths, P.s_max, block_size_).view({-1});
+  }
+  return *padded_key_slots_;
 }
 
 // The training path's arithmetic on cached latents: expand each sequence's latents through
@@ -208,10 +214,13 @@ torch::Tensor MLAImpl::forward_cached(const torch::Tensor& x, const torch::Tenso
                 V = o_.v_head_dim, C = o_.kv_lora_rank;
   auto qs = (q_a ? project(q_b, q_a_norm(project(q_a, x))) : project(q, x)).view({N, H, Nd + R});  // [N, H, Nd+R]
   auto q_nope = qs.narrow(-1, 0, Nd);
-  auto q_rope = apply_rope(qs.narrow(-1, Nd, R), positions, o_.rope_theta, o_.rope_interleave);  // [N, H, R]
+  // Rope from the cached cos/sin table (one kernel on CUDA), the same bits as forward()'s.
+  const int64_t max_len = layout.max_length();
+  auto q_rope = apply_rope_cached(qs.narrow(-1, Nd, R), positions, max_len, o_.rope_theta, o_.rope_interleave);  // [N, H, R]
   auto ckv = project(kv_a, x);                                                                 // [N, C+R]
   auto latent = kv_a_norm(ckv.narrow(-1, 0, C));                                               // [N, C]
-  auto k_rope = apply_rope(ckv.narrow(-1, C, R).unsqueeze(1), positions, o_.rope_theta, o_.rope_interleave).squeeze(1);
+  auto k_rope =
+      apply_rope_cached(ckv.narrow(-1, C, R).unsqueeze(1), positions, max_len, o_.rope_theta, o_.rope_interleave).squeeze(1);
   // Write the new entries into their pages.
   auto flat = cache.view({-1, C + R});                                                         // [blocks*BS, C+R]
   flat.index_copy_(0, layout.new_slots(), torch::cat({latent, k_rope}, -1).to(cache.scalar_type()));
@@ -242,7 +251,7 @@ torch::Tensor MLAImpl::forward_cached(const torch::Tensor& x, const torch::Tenso
   const auto& P = layout.padded();
   const int64_t B = layout.batch(), n_max = P.n_max, s_max = P.s_max;
   auto dev = x.device();
-  auto kv = flat.index_select(0, P.key_slots).view({B, s_max, C + R}).to(x.scalar_type());    // [B, S, C+R]
+  auto kv = flat.index_select(0, layout.padded_key_slots()).view({B, s_max, C + R}).to(x.scalar_type());    // [B, S, C+R]
   auto lat = kv.narrow(-1, 0, C), kr = kv.narrow(-1, C, R);
   auto ql = q_lat.index_select(0, P.query_rows).view({B, n_max, H, C});                         // [B, n, H, C]
   auto qr = q_rope.index_select(0, P.query_rows).view({B, n_max, H, R});                        // [B, n, H, R]

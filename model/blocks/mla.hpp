@@ -44,6 +44,9 @@ class CachedLayout {
   bool on_device_only() const { return slices_ == nullptr; }
   /// Every slice adds one token (a decode step).
   bool decode() const { return decode_; }
+  /// Above every position of the step's tokens: the most cached + new tokens of a slice, or
+  /// W * block_size for a layout of device tensors.
+  int64_t max_length() const { return max_length_; }
   /// [N] int64: the cache rows (block * block_size + offset) the new tokens are written to.
   const torch::Tensor& new_slots() const { return new_slots_; }
 
@@ -58,7 +61,6 @@ class CachedLayout {
   /// Padded form (latent-space attention): B x s_max keys, B x n_max queries.
   struct Padded {
     int64_t n_max = 0, s_max = 0;
-    torch::Tensor key_slots;   ///< [B*s_max] int64 cache rows (row 0 past a slice's length)
     torch::Tensor query_rows;  ///< [B*n_max] int64 rows of the step's tokens (0 for padding)
     torch::Tensor cached, counts;  ///< [B] int64
     torch::Tensor keep;        ///< [N] int64: the padded rows that are real tokens, in step order
@@ -68,6 +70,9 @@ class CachedLayout {
     torch::Tensor block_table, lengths;
   };
   const Padded& padded() const;
+  /// [B*s_max] int64: the padded form's cache rows of every key (row 0 past a slice's length),
+  /// made on first use (the decode kernel reads the block table instead).
+  const torch::Tensor& padded_key_slots() const;
 
  private:
   // The slices' page tables [B, ceil(s_max / block_size)] and lengths [B], on the device.
@@ -75,12 +80,13 @@ class CachedLayout {
   torch::Tensor key_slots_padded(int64_t s_max) const;  // [B, s_max], from the block tables
   const std::vector<CachedSlice>* slices_ = nullptr;
   int64_t block_size_;
-  int64_t batch_ = 0;
+  int64_t batch_ = 0, max_length_ = 1;
   torch::Device device_;
   bool decode_ = true;
   torch::Tensor new_slots_;
   mutable std::optional<Varlen> varlen_;
   mutable std::optional<Padded> padded_;
+  mutable std::optional<torch::Tensor> padded_key_slots_;
 };
 
 /// With set_batch_invariant(true) (the true on-policy mode, blocks/batch_invariant.hpp): every
