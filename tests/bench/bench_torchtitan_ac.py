@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+"""torchtitan with activation checkpointing at long packs, the peer of
+`kiln bench gpu --tokens 32768 --docs 32 --activation-checkpointing` (issue 14).
+
+Runs the varlen model of the torchtitan peer's benchmark (../shared/peers/torchtitan/bench_tt.py:
+torchtitan 0.3.0's DeepSeek-V3 code at GLM-4.7-Flash shapes, 4 layers, bf16, the same FLOP count
+and MFU formula) with DOCS documents of 1024 tokens in one packed micro-batch, and torchtitan's
+own FullAC policy (torchtitan.distributed.activation_checkpoint.FullAC: every block recomputed in
+the backward) applied before torch.compile, in torchtitan's order. Prints bench_tt's RESULT line
+(median step time, tokens/s, peak memory).
+
+Usage (GPU machine, torchtitan's wheels on PYTHONPATH as the peer's README says):
+  python3 tests/bench/bench_torchtitan_ac.py --peer DIR [--docs 32] [--compile] [--no-ac]
+Local smoke test: add --tiny --device cpu.
+"""
+
+import argparse
+import importlib.util
+import os
+import sys
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--peer", required=True, help="folder holding bench_tt.py")
+    ap.add_argument("--docs", type=int, default=32, help="documents of 1024 tokens in the pack")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--no-ac", action="store_true", help="without activation checkpointing")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args()
+    path = os.path.join(args.peer, "bench_tt.py")
+    if not os.path.isfile(path):
+        sys.exit(f"bench_torchtitan_ac: no bench_tt.py in {args.peer}")
+    spec = importlib.util.spec_from_file_location("bench_tt", path)
+    tt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tt)
+    if args.docs < 1:
+        sys.exit(f"bench_torchtitan_ac: --docs {args.docs} < 1")
+    tt.GLM["n_docs"] = args.docs
+    tt.TINY["n_docs"] = args.docs
+    build = tt.build_model
+
+    def build_with_ac(c, attn, device, notes):
+        cfg, model = build(c, attn, device, notes)
+        if not args.no_ac:
+            from torchtitan.distributed.activation_checkpoint import FullAC
+
+            FullAC(FullAC.Config()).apply(model)
+            notes.append("torchtitan FullAC on every block")
+        return cfg, model
+
+    tt.build_model = build_with_ac
+    tt.run_variant(argparse.Namespace(variant="varlen", compile=args.compile, tiny=args.tiny, device=args.device,
+                                      warmup=args.warmup, steps=args.steps))
+
+
+if __name__ == "__main__":
+    main()
