@@ -82,6 +82,31 @@ at::Tensor router_topk_ref(const at::Tensor& logits, const at::Tensor& bias, int
   return std::get<1>(choice.topk(k, -1, /*largest=*/true, /*sorted=*/true));
 }
 
+std::pair<at::Tensor, at::Tensor> router_topk_weights_ref(const at::Tensor& logits, const at::Tensor& bias, int64_t k,
+                                                          bool norm_topk_prob, double routed_scaling_factor) {
+  auto ids = router_topk_ref(logits, bias, k);
+  auto w = logits.to(torch::kFloat32).sigmoid().gather(1, ids);  // [T, K]
+  if (norm_topk_prob) w = w / (w.sum(-1, true) + 1e-20);
+  return {ids, w * routed_scaling_factor};
+}
+
+std::pair<at::Tensor, at::Tensor> router_topk_weights(const at::Tensor& logits, const at::Tensor& bias, int64_t k,
+                                                      bool norm_topk_prob, double routed_scaling_factor) {
+#ifdef KILN_CUDA
+  if (logits.is_cuda() && logits.scalar_type() == at::kFloat && bias.scalar_type() == at::kFloat &&
+      logits.dim() == 2 && logits.size(1) <= 512 && k <= 16) {
+    TORCH_CHECK(bias.dim() == 1 && bias.size(0) == logits.size(1), "router_topk_weights: logits must be [T, E] and ",
+                "bias [E], got ", logits.sizes(), " and ", bias.sizes());
+    TORCH_CHECK(k >= 1 && k <= logits.size(1), "router_topk_weights: k = ", k, " outside [1, E]");
+    auto ids = torch::empty({logits.size(0), k}, logits.options().dtype(torch::kInt64));
+    auto w = torch::empty({logits.size(0), k}, logits.options());
+    cuda::router_topk(logits.contiguous(), bias.contiguous(), ids, &w, norm_topk_prob, routed_scaling_factor);
+    return {ids, w};
+  }
+#endif
+  return router_topk_weights_ref(logits, bias, k, norm_topk_prob, routed_scaling_factor);
+}
+
 at::Tensor router_topk(const at::Tensor& logits, const at::Tensor& bias, int64_t k) {
 #ifdef KILN_CUDA
   if (logits.is_cuda() && logits.scalar_type() == at::kFloat && bias.scalar_type() == at::kFloat &&

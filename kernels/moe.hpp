@@ -23,10 +23,16 @@
 // logits [T, E] fp32, bias [E] fp32 -> ids [T, K] int64. CUDA: one warp per token fusing the
 // sigmoid, the bias and K rounds of warp arg-max (E <= 512, K <= 16); otherwise LibTorch topk.
 // Ties break toward the lower expert id in the kernel; torch::topk leaves tie order unspecified.
+// router_topk_weights (inference, no autograd): router_topk's ids and the weights of
+// model::route_from_scores: w[t, k] = sigmoid(logits[t, ids[t, k]]), divided by (their sum over
+// k + 1e-20) when norm_topk_prob, times routed_scaling_factor -> (ids [T, K] int64, weights
+// [T, K] fp32). The CUDA kernel sums over k in k order; the reference with LibTorch's sum
+// (equal to the rounding of that sum).
 // Throws c10::Error on shape or dtype mismatch.
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <utility>
 
 namespace kiln::kernels {
 
@@ -40,5 +46,9 @@ bool grouped_swiglu_uses_grouped_mm(const at::Tensor& x, const at::Tensor& w_gat
 
 at::Tensor router_topk(const at::Tensor& logits_TE, const at::Tensor& bias_E, int64_t k);
 at::Tensor router_topk_ref(const at::Tensor& logits_TE, const at::Tensor& bias_E, int64_t k);
+std::pair<at::Tensor, at::Tensor> router_topk_weights(const at::Tensor& logits_TE, const at::Tensor& bias_E,
+                                                      int64_t k, bool norm_topk_prob, double routed_scaling_factor);
+std::pair<at::Tensor, at::Tensor> router_topk_weights_ref(const at::Tensor& logits_TE, const at::Tensor& bias_E,
+                                                          int64_t k, bool norm_topk_prob, double routed_scaling_factor);
 
 }  // namespace kiln::kernels

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "kernels/moe.hpp"
+#include "kernels/moe_dispatch.hpp"
 #include "model/blocks/moe_ep.hpp"
 
 namespace kiln::model {
@@ -58,6 +59,11 @@ RouteResult TopKRouterImpl::forward(const torch::Tensor& x, const std::optional<
   if (!given_ids_TK && o_.n_group == 1 && logits.is_cuda()) {
     // Fused sigmoid + bias + top-k (kernels/moe.hpp) picks the experts; the weights still come
     // from the differentiable scores below.
+    if (!torch::GradMode::is_enabled()) {  // inference: the weights from the same kernel
+      auto [ids, w] = kernels::router_topk_weights(logits, e_score_correction_bias.to(torch::kFloat32), o_.top_k,
+                                                   o_.norm_topk_prob, o_.routed_scaling_factor);
+      return RouteResult{ids, w};
+    }
     auto ids = kernels::router_topk(logits.detach(), e_score_correction_bias.to(torch::kFloat32), o_.top_k);
     return route_from_scores(logits.sigmoid(), e_score_correction_bias, o_, ids, /*validate=*/false);
   }
@@ -92,19 +98,16 @@ struct GatherRows : public torch::autograd::Function<GatherRows> {
 
 Dispatched dispatch(const torch::Tensor& x_TD, const RouteResult& r, int64_t num_experts) {
   const int64_t K = r.expert_ids.size(1);
-  auto flat = r.expert_ids.reshape({-1});                                        // [T*K]
-  auto [sorted, order] = flat.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);  // [T*K] each
+  // The order on the device, of static shape and without a host read (capturable in a CUDA
+  // graph): one kernel for a decode step's few slots, a stable sort otherwise.
+  auto o = kernels::dispatch_order(r.expert_ids.to(torch::kInt64), num_experts);
   Dispatched d;
-  d.slot = order;
-  d.token_index = torch::div(order, K, "floor");                                 // [T*K]
-  d.row_of_slot = torch::empty_like(order).scatter_(0, order, torch::arange(order.size(0), order.options()));
+  d.slot = o.slot;
+  d.token_index = o.token_index;                                                 // [T*K]
+  d.row_of_slot = o.row_of_slot;
   d.x = GatherRows::apply(x_TD, d.token_index, d.row_of_slot, K);               // [T*K, D]
   d.weight_TK = r.weights;                                                       // [T, K]
-  // Rows per expert from the sorted ids' boundaries: on the device, of static shape [E] and
-  // without a host read (bincount on CUDA reads the largest id on the host), so that a decode
-  // step can be captured in a CUDA graph.
-  auto bounds = torch::searchsorted(sorted, torch::arange(num_experts + 1, flat.options()));  // [E+1]
-  d.counts = bounds.narrow(0, 1, num_experts) - bounds.narrow(0, 0, num_experts);
+  d.counts = o.counts;                                                           // [E]
   return d;
 }
 
@@ -123,6 +126,8 @@ torch::Tensor GroupedExpertsImpl::forward(const torch::Tensor& x, const torch::T
 
 torch::Tensor combine(const torch::Tensor& rows, const Dispatched& d, int64_t num_tokens, bool batch_invariant) {
   const int64_t K = d.weight_TK.size(1), D = rows.size(1);
+  // Inference: one kernel on CUDA (the fp32 sum over k in k order), LibTorch's ops elsewhere.
+  if (!batch_invariant && !torch::GradMode::is_enabled()) return kernels::moe_combine(rows, d.row_of_slot, d.weight_TK);
   auto by_slot = GatherRows::apply(rows, d.row_of_slot, d.slot, 1).view({num_tokens, K, D});  // [T, K, D]
   auto weighted = by_slot * d.weight_TK.unsqueeze(-1);                                          // [T, K, D] fp32
   if (!batch_invariant) return weighted.sum(1).to(rows.scalar_type());

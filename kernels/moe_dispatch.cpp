@@ -1,0 +1,81 @@
+#include "kernels/moe_dispatch.hpp"
+
+#include <torch/torch.h>
+
+#ifdef KILN_CUDA
+#include "kernels/moe_dispatch_cuda.hpp"
+#endif
+
+namespace kiln::kernels {
+
+namespace {
+void check_ids(const at::Tensor& ids, int64_t E) {
+  TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong, "dispatch_order: ids must be [T, K] int64, got ",
+              ids.sizes(), " ", ids.scalar_type());
+  TORCH_CHECK(E >= 1, "dispatch_order: num_experts ", E, " < 1");
+}
+void check_combine(const at::Tensor& rows, const at::Tensor& row_of_slot, const at::Tensor& w) {
+  TORCH_CHECK(rows.dim() == 2 && row_of_slot.dim() == 1 && w.dim() == 2 && row_of_slot.size(0) == w.numel() &&
+                  rows.size(0) == w.numel(),
+              "moe_combine: rows [M, D], row_of_slot [M] and weights [T, K] with M = T*K expected, got ",
+              rows.sizes(), ", ", row_of_slot.sizes(), ", ", w.sizes());
+  TORCH_CHECK(row_of_slot.scalar_type() == at::kLong && w.scalar_type() == at::kFloat,
+              "moe_combine: row_of_slot must be int64 and weights fp32, got ", row_of_slot.scalar_type(), " and ",
+              w.scalar_type());
+  TORCH_CHECK(row_of_slot.device() == rows.device() && w.device() == rows.device(), "moe_combine: row_of_slot (",
+              row_of_slot.device(), ") and weights (", w.device(), ") must be on rows' device (", rows.device(), ")");
+}
+}  // namespace
+
+DispatchOrder dispatch_order_ref(const at::Tensor& ids_TK, int64_t num_experts) {
+  check_ids(ids_TK, num_experts);
+  const int64_t K = ids_TK.size(1);
+  auto flat = ids_TK.reshape({-1});                                                          // [M]
+  auto [sorted, order] = flat.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);        // [M] each
+  DispatchOrder d;
+  d.slot = order;
+  d.token_index = torch::div(order, K, "floor");
+  d.row_of_slot = torch::empty_like(order).scatter_(0, order, torch::arange(order.size(0), order.options()));
+  // Rows per expert from the sorted ids' boundaries: of static shape [E] and without a host
+  // read (bincount on CUDA reads the largest id on the host).
+  auto bounds = torch::searchsorted(sorted, torch::arange(num_experts + 1, flat.options()));  // [E+1]
+  d.counts = bounds.narrow(0, 1, num_experts) - bounds.narrow(0, 0, num_experts);
+  return d;
+}
+
+DispatchOrder dispatch_order(const at::Tensor& ids_TK, int64_t num_experts) {
+  check_ids(ids_TK, num_experts);
+#ifdef KILN_CUDA
+  const int64_t M = ids_TK.numel();
+  if (ids_TK.is_cuda() && M >= 1 && M <= cuda::kDispatchMaxSlots && num_experts <= cuda::kDispatchMaxExperts) {
+    auto opts = ids_TK.options();
+    DispatchOrder d{at::empty({M}, opts), at::empty({M}, opts), at::empty({M}, opts), at::empty({num_experts}, opts)};
+    cuda::dispatch_order(ids_TK.contiguous(), num_experts, d.slot, d.token_index, d.row_of_slot, d.counts);
+    return d;
+  }
+#endif
+  return dispatch_order_ref(ids_TK, num_experts);
+}
+
+at::Tensor moe_combine_ref(const at::Tensor& rows_MD, const at::Tensor& row_of_slot_M, const at::Tensor& weights_TK) {
+  check_combine(rows_MD, row_of_slot_M, weights_TK);
+  const int64_t T = weights_TK.size(0), K = weights_TK.size(1), D = rows_MD.size(1);
+  auto by_slot = rows_MD.index_select(0, row_of_slot_M).view({T, K, D});  // [T, K, D]
+  return (by_slot * weights_TK.unsqueeze(-1)).sum(1).to(rows_MD.scalar_type());
+}
+
+at::Tensor moe_combine(const at::Tensor& rows_MD, const at::Tensor& row_of_slot_M, const at::Tensor& weights_TK) {
+  check_combine(rows_MD, row_of_slot_M, weights_TK);
+#ifdef KILN_CUDA
+  const auto dt = rows_MD.scalar_type();
+  if (rows_MD.is_cuda() && (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf)) {
+    auto out = at::empty({weights_TK.size(0), rows_MD.size(1)}, rows_MD.options());
+    if (out.numel() > 0)
+      cuda::moe_combine(rows_MD.contiguous(), row_of_slot_M.contiguous(), weights_TK.contiguous(), out);
+    return out;
+  }
+#endif
+  return moe_combine_ref(rows_MD, row_of_slot_M, weights_TK);
+}
+
+}  // namespace kiln::kernels

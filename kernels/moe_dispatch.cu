@@ -1,0 +1,162 @@
+// MoE dispatch order and combine (kernels/moe_dispatch.hpp).
+//
+// dispatch_order: one CTA of 1024 threads; warp w owns slots 32w..32w+31 (M <= 1024). Each lane
+// finds the lanes of its warp with the same expert (__match_any_sync), its rank among the lower
+// ones, and the lowest of them records the warp's count for that expert in table[w][e]; a thread
+// per expert turns its column into offsets over the warps (in warp order), an exclusive scan
+// over experts gives each expert's first row, and row = first[e] + table[w][e] + rank: rows in
+// expert order, ties in slot order, as a stable sort gives.
+// combine: one CTA per token, threads over the hidden dim, the K rows' fp32 products summed in
+// k order and rounded once.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+
+#include "kernels/moe_dispatch_cuda.hpp"
+
+namespace kiln::kernels::cuda {
+
+namespace {
+
+constexpr int kThreads = 1024, kWarps = kThreads / 32;
+static_assert(kDispatchMaxSlots == kThreads && kDispatchMaxExperts <= kThreads, "one slot and one expert a thread");
+
+// Dynamic shared memory, (kWarps + 2) * E ints: table [kWarps][E], first [E], total [E].
+__global__ void __launch_bounds__(kThreads) dispatch_order_kernel(const int64_t* __restrict__ ids, int M, int K,
+                                                                   int E, int64_t* __restrict__ slot,
+                                                                   int64_t* __restrict__ token_index,
+                                                                   int64_t* __restrict__ row_of_slot,
+                                                                   int64_t* __restrict__ counts) {
+  extern __shared__ int smem[];
+  int* table = smem;              // [kWarps][E]
+  int* first = smem + kWarps * E;  // [E]
+  int* total = first + E;          // [E]
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  for (int i = tid; i < kWarps * E; i += kThreads) table[i] = 0;
+  __syncthreads();
+  const bool valid = tid < M;
+  int e = -1 - lane;  // distinct per idle lane: matches no other lane
+  if (valid) {
+    const int64_t v = ids[tid];
+    e = int(v < 0 ? 0 : (v >= E ? E - 1 : v));
+  }
+  const unsigned peers = __match_any_sync(0xffffffffu, e);
+  const int rank = __popc(peers & ((1u << lane) - 1u));
+  if (valid && rank == 0) table[warp * E + e] = __popc(peers);
+  __syncthreads();
+  if (tid < E) {  // column e: counts of the warps -> offsets within the expert, in warp order
+    int run = 0;
+    for (int w = 0; w < kWarps; ++w) {
+      const int c = table[w * E + tid];
+      table[w * E + tid] = run;
+      run += c;
+    }
+    first[tid] = run;  // scanned below
+    total[tid] = run;
+    counts[tid] = run;
+  }
+  __syncthreads();
+  // Exclusive scan of the totals over experts (Hillis-Steele, in place through a register).
+  for (int step = 1; step < E; step <<= 1) {
+    int add = 0;
+    if (tid < E && tid >= step) add = first[tid - step];
+    __syncthreads();
+    if (tid < E) first[tid] += add;
+    __syncthreads();
+  }
+  if (valid) {
+    const int row = (first[e] - total[e]) + table[warp * E + e] + rank;  // inclusive scan -> the expert's start
+    slot[row] = tid;
+    token_index[row] = tid / K;
+    row_of_slot[tid] = row;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float to_f(T v);
+template <>
+__device__ __forceinline__ float to_f<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <>
+__device__ __forceinline__ float to_f<__half>(__half v) { return __half2float(v); }
+template <typename T>
+__device__ __forceinline__ T from_f(float v);
+template <>
+__device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+
+template <typename T>
+__global__ void combine_kernel(const T* __restrict__ rows, const int64_t* __restrict__ row_of_slot,
+                               const float* __restrict__ weights, T* __restrict__ out, int K, int64_t D) {
+  const int64_t t = blockIdx.x;
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+    float acc = 0.f;
+    for (int k = 0; k < K; ++k) {
+      const int64_t r = row_of_slot[t * K + k];
+      acc = __fadd_rn(acc, __fmul_rn(to_f(rows[r * D + d]), weights[t * K + k]));
+    }
+    out[t * D + d] = from_f<T>(acc);
+  }
+}
+
+}  // namespace
+
+void dispatch_order(const at::Tensor& ids, int64_t num_experts, at::Tensor& slot, at::Tensor& token_index,
+                    at::Tensor& row_of_slot, at::Tensor& counts) {
+  const c10::cuda::CUDAGuard guard(ids.device());
+  const int M = int(ids.numel()), K = int(ids.size(1)), E = int(num_experts);
+  TORCH_CHECK(M >= 1 && M <= kDispatchMaxSlots && E >= 1 && E <= kDispatchMaxExperts, "dispatch_order: kernel for ",
+              "1..", kDispatchMaxSlots, " slots and 1..", kDispatchMaxExperts, " experts, got ", M, " and ", E);
+  const std::size_t smem = sizeof(int) * std::size_t((kWarps + 2) * E);
+  // Past 48 KB (E > 353) the kernel must opt in: once per device, for the largest E.
+  static std::array<std::atomic<bool>, 64> raised{};
+  const int device = ids.get_device();
+  if (smem > 48 * 1024 && (device >= int(raised.size()) || !raised[std::size_t(device)].load())) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(dispatch_order_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        int(sizeof(int) * (kWarps + 2) * kDispatchMaxExperts)));
+    if (device < int(raised.size())) raised[std::size_t(device)].store(true);
+  }
+  dispatch_order_kernel<<<1, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
+      ids.data_ptr<int64_t>(), M, K, E, slot.data_ptr<int64_t>(), token_index.data_ptr<int64_t>(),
+      row_of_slot.data_ptr<int64_t>(), counts.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void moe_combine(const at::Tensor& rows, const at::Tensor& row_of_slot, const at::Tensor& weights, at::Tensor& out) {
+  const c10::cuda::CUDAGuard guard(rows.device());
+  const int64_t T = weights.size(0), D = rows.size(1);
+  const int K = int(weights.size(1));
+  const int threads = D >= 256 ? 256 : 64;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  switch (rows.scalar_type()) {
+    case at::kFloat:
+      combine_kernel<float><<<unsigned(T), threads, 0, stream>>>(rows.data_ptr<float>(), row_of_slot.data_ptr<int64_t>(),
+                                                                  weights.data_ptr<float>(), out.data_ptr<float>(), K, D);
+      break;
+    case at::kBFloat16:
+      combine_kernel<__nv_bfloat16><<<unsigned(T), threads, 0, stream>>>(
+          static_cast<const __nv_bfloat16*>(rows.data_ptr()), row_of_slot.data_ptr<int64_t>(),
+          weights.data_ptr<float>(), static_cast<__nv_bfloat16*>(out.data_ptr()), K, D);
+      break;
+    case at::kHalf:
+      combine_kernel<__half><<<unsigned(T), threads, 0, stream>>>(static_cast<const __half*>(rows.data_ptr()),
+                                                                   row_of_slot.data_ptr<int64_t>(),
+                                                                   weights.data_ptr<float>(),
+                                                                   static_cast<__half*>(out.data_ptr()), K, D);
+      break;
+    default: TORCH_CHECK(false, "moe_combine: no kernel for dtype ", rows.scalar_type());
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace kiln::kernels::cuda

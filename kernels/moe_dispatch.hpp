@@ -1,0 +1,37 @@
+#pragma once
+// The index work and the combine of model::MoE's dispatch (model/blocks/moe.hpp) as kernels.
+// Legend: T tokens, K experts per token, E experts, M = T*K slots (slot t*K + k is token t's
+// k-th expert), D hidden.
+//
+// dispatch_order: the M rows of the expert computation in expert order, ties in slot order
+// (a stable sort of the flat expert ids):
+//   slot [M]         the slot of row r
+//   token_index [M]  slot / K: the token row r reads
+//   row_of_slot [M]  the inverse permutation: row_of_slot[slot[r]] = r
+//   counts [E]       rows per expert
+// ids [T, K] int64 in [0, E) (all int64, on ids' device). CUDA with M <= 1024 and E <= 1024:
+// one CTA (kernels/moe_dispatch.cu: per-warp ranks by __match_any_sync over 32-slot chunks,
+// per-chunk and per-expert offsets in shared memory; an id outside [0, E) is clamped into
+// it); otherwise the reference: LibTorch's stable sort, searchsorted for the counts (no host
+// read: the step stays capturable in a CUDA graph). Both give the same integers.
+//
+// moe_combine: y[t] = sum_k weights[t, k] * rows[row_of_slot[t*K + k]], products and sum in
+// fp32 (k = 0, 1, ... in the kernel), rounded once to rows' dtype. rows [M, D], row_of_slot
+// [M] int64, weights [T, K] fp32 -> [T, D]. CUDA (bf16, fp16 or fp32 rows): one kernel; else the reference (index_select, the products, sum over K),
+// whose sum order is LibTorch's: the two agree to the rounding of the fp32 sum. No autograd
+// (the training path is model::combine's).
+// Throws c10::Error on shapes, dtypes or devices that disagree, naming them.
+#include <ATen/core/Tensor.h>
+
+namespace kiln::kernels {
+
+struct DispatchOrder {
+  at::Tensor slot, token_index, row_of_slot, counts;
+};
+DispatchOrder dispatch_order(const at::Tensor& ids_TK, int64_t num_experts);
+DispatchOrder dispatch_order_ref(const at::Tensor& ids_TK, int64_t num_experts);
+
+at::Tensor moe_combine(const at::Tensor& rows_MD, const at::Tensor& row_of_slot_M, const at::Tensor& weights_TK);
+at::Tensor moe_combine_ref(const at::Tensor& rows_MD, const at::Tensor& row_of_slot_M, const at::Tensor& weights_TK);
+
+}  // namespace kiln::kernels

@@ -1,0 +1,106 @@
+// The MoE dispatch order, combine and router weights as kernels (kernels/moe_dispatch.hpp,
+// kernels/moe.hpp router_topk_weights): on CPU the references' properties and the errors; on
+// a GPU the kernels against the references: the same integers for the order (every slot count
+// of a decode step, 8 to 1024 experts, skewed and uniform choices), the combine within the
+// rounding of its fp32 sum, the router's ids equal and weights within fp32 rounding.
+#include <doctest/doctest.h>
+#include <torch/torch.h>
+
+#include <vector>
+
+#include "kernels/moe.hpp"
+#include "kernels/moe_dispatch.hpp"
+#include "tests/kernels/kernel_test_util.hpp"
+
+using namespace kiln;
+using kiln::test::skip_without_cuda_kernels;
+
+namespace {
+// [T, K] distinct experts per token (as top-k gives), drawn from the first `spread` experts.
+torch::Tensor random_ids(int64_t T, int64_t K, int64_t E, int64_t spread) {
+  auto ids = torch::empty({T, K}, torch::kInt64);
+  for (int64_t t = 0; t < T; ++t) ids[t] = torch::randperm(spread, torch::kInt64).narrow(0, 0, K);
+  (void)E;
+  return ids;
+}
+}  // namespace
+
+TEST_CASE("dispatch_order_ref: rows in expert order, ties in slot order, and its inverse and counts") {
+  auto ids = torch::tensor({2, 0, 1, 2, 0, 1, 2, 3}, torch::kInt64).view({4, 2});  // T 4, K 2
+  auto d = kernels::dispatch_order_ref(ids, 5);
+  CHECK(torch::equal(d.slot, torch::tensor({1, 4, 2, 5, 0, 3, 6, 7}, torch::kInt64)));
+  CHECK(torch::equal(d.token_index, torch::tensor({0, 2, 1, 2, 0, 1, 3, 3}, torch::kInt64)));
+  CHECK(torch::equal(d.row_of_slot.index_select(0, d.slot), torch::arange(8, torch::kInt64)));
+  CHECK(torch::equal(d.counts, torch::tensor({2, 2, 3, 1, 0}, torch::kInt64)));
+  CHECK(torch::equal(kernels::dispatch_order(ids, 5).slot, d.slot));  // CPU: the reference
+  CHECK_THROWS_WITH_AS(kernels::dispatch_order(ids.to(torch::kInt32), 5), doctest::Contains("[T, K] int64"),
+                       c10::Error);
+  CHECK_THROWS_WITH_AS(kernels::dispatch_order(ids, 0), doctest::Contains("num_experts 0 < 1"), c10::Error);
+}
+
+TEST_CASE("moe_combine_ref sums each token's weighted rows; its errors") {
+  auto rows = torch::tensor({1.f, 2.f, 10.f, 20.f, 100.f, 200.f}).view({3, 2});  // M 3 (T 3, K 1)
+  auto w = torch::tensor({0.5f, 2.f, 1.f}).view({3, 1});
+  auto y = kernels::moe_combine(rows, torch::tensor({2, 0, 1}, torch::kInt64), w);
+  CHECK(torch::equal(y, torch::tensor({50.f, 100.f, 2.f, 4.f, 10.f, 20.f}).view({3, 2})));
+  CHECK_THROWS_WITH_AS(kernels::moe_combine(rows, torch::tensor({0, 1}, torch::kInt64), w),
+                       doctest::Contains("M = T*K"), c10::Error);
+  CHECK_THROWS_WITH_AS(kernels::moe_combine(rows, torch::tensor({2, 0, 1}, torch::kInt64), w.to(torch::kFloat64)),
+                       doctest::Contains("weights fp32"), c10::Error);
+}
+
+TEST_CASE("CUDA: dispatch_order kernel gives the reference's integers") {
+  if (skip_without_cuda_kernels()) return;
+  torch::manual_seed(6);
+  const torch::Device dev(torch::kCUDA);
+  struct Case {
+    int64_t T, K, E, spread;
+  };
+  const std::vector<Case> cases{{1, 4, 64, 64},   {32, 4, 64, 64},   {256, 4, 64, 64}, {256, 4, 64, 5},
+                                {7, 2, 8, 8},     {128, 8, 288, 288}, {1, 1, 1, 1},    {1024, 1, 1024, 1024},
+                                {100, 3, 1024, 17}, {33, 8, 512, 512}};
+  for (const auto& c : cases) {
+    auto ids = random_ids(c.T, c.K, c.E, c.spread).to(dev);
+    auto want = kernels::dispatch_order_ref(ids, c.E);
+    auto got = kernels::dispatch_order(ids, c.E);
+    INFO("T " << c.T << " K " << c.K << " E " << c.E << " spread " << c.spread);
+    CHECK(torch::equal(got.slot, want.slot));
+    CHECK(torch::equal(got.token_index, want.token_index));
+    CHECK(torch::equal(got.row_of_slot, want.row_of_slot));
+    CHECK(torch::equal(got.counts, want.counts));
+  }
+}
+
+TEST_CASE("CUDA: moe_combine kernel equals the reference within its fp32 sum's rounding") {
+  if (skip_without_cuda_kernels()) return;
+  torch::manual_seed(7);
+  const torch::Device dev(torch::kCUDA);
+  for (auto dtype : {torch::kBFloat16, torch::kFloat32})
+    for (int64_t T : {1, 32, 256}) {
+      const int64_t K = 4, D = 2048;
+      auto rows = torch::randn({T * K, D}, torch::TensorOptions().dtype(dtype).device(dev));
+      auto perm = torch::randperm(T * K, torch::TensorOptions().dtype(torch::kInt64).device(dev));
+      auto w = torch::rand({T, K}, torch::TensorOptions().dtype(torch::kFloat32).device(dev));
+      auto got = kernels::moe_combine(rows, perm, w), want = kernels::moe_combine_ref(rows, perm, w);
+      auto err = (got.to(torch::kFloat32) - want.to(torch::kFloat32)).abs().max().item<float>();
+      auto scale = want.to(torch::kFloat32).abs().max().item<float>();
+      INFO("dtype " << dtype << " T " << T << " err " << err << " of " << scale);
+      CHECK(err <= scale * (dtype == torch::kBFloat16 ? 1.0f / 128 : 1e-6f));
+    }
+}
+
+TEST_CASE("CUDA: router_topk_weights kernel equals the reference") {
+  if (skip_without_cuda_kernels()) return;
+  torch::manual_seed(8);
+  const torch::Device dev(torch::kCUDA);
+  for (bool norm : {true, false})
+    for (int64_t T : {1, 32, 300}) {
+      auto logits = torch::randn({T, 64}, torch::TensorOptions().device(dev)) * 3;
+      auto bias = torch::randn({64}, torch::TensorOptions().device(dev)) * 0.1;
+      auto [ids, w] = kernels::router_topk_weights(logits, bias, 4, norm, 1.8);
+      auto [ids_ref, w_ref] = kernels::router_topk_weights_ref(logits, bias, 4, norm, 1.8);
+      CHECK(torch::equal(ids, ids_ref));
+      CHECK(torch::allclose(w, w_ref, 1e-6, 1e-7));
+      CHECK(torch::equal(ids, kernels::router_topk(logits, bias, 4)));
+    }
+}
