@@ -40,6 +40,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/dtype.cuh"
 #include "kernels/batch_invariant_cuda.hpp"
 #include "kernels/mma_bf16.cuh"
 
@@ -47,10 +48,6 @@ namespace kiln::kernels::cuda {
 
 namespace {
 
-template <class T> __device__ __forceinline__ float to_f(T v) { return static_cast<float>(v); }
-template <> __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <class T> __device__ __forceinline__ T from_f(float v) { return static_cast<T>(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f(float v) { return __float2bfloat16(v); }
 
 template <class F>
 void dispatch_float(at::ScalarType t, const char* op, F f) {

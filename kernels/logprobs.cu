@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "kernels/dtype.cuh"
 #include "kernels/logprobs_cuda.hpp"
 
 namespace kiln::kernels::cuda {
@@ -12,12 +13,6 @@ namespace kiln::kernels::cuda {
 namespace {
 constexpr int kThreads = 512;
 
-template <class T> __device__ __forceinline__ float to_f(T v);
-template <> __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <> __device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-template <class T> __device__ __forceinline__ T from_f(float v);
-template <> __device__ __forceinline__ __nv_bfloat16 from_f(float v) { return __float2bfloat16(v); }
-template <> __device__ __forceinline__ __half from_f(float v) { return __float2half(v); }
 
 // Online softmax state: max m, s = sum exp(z - m), sz = sum exp(z - m) z.
 struct Acc {

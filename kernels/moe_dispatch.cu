@@ -18,6 +18,7 @@
 #include <atomic>
 #include <cstdint>
 
+#include "kernels/dtype.cuh"
 #include "kernels/moe_dispatch_cuda.hpp"
 
 namespace kiln::kernels::cuda {
@@ -77,23 +78,6 @@ __global__ void __launch_bounds__(kThreads) dispatch_order_kernel(const int64_t*
     row_of_slot[tid] = row;
   }
 }
-
-template <typename T>
-__device__ __forceinline__ float to_f(T v);
-template <>
-__device__ __forceinline__ float to_f<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <>
-__device__ __forceinline__ float to_f<__half>(__half v) { return __half2float(v); }
-template <typename T>
-__device__ __forceinline__ T from_f(float v);
-template <>
-__device__ __forceinline__ float from_f<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <>
-__device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
 
 template <typename T>
 __global__ void combine_kernel(const T* __restrict__ rows, const int64_t* __restrict__ row_of_slot,

@@ -8,6 +8,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "kernels/dtype.cuh"
 #include "kernels/rms_norm_cuda.hpp"
 
 namespace kiln::kernels::cuda {
@@ -26,12 +27,6 @@ struct RmsNormParams {  // passed by value
   float eps;
 };
 
-template <class T> __device__ __forceinline__ float to_f(T v) { return static_cast<float>(v); }
-template <> __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <> __device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-template <class T> __device__ __forceinline__ T from_f(float v) { return static_cast<T>(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f(float v) { return __float2bfloat16(v); }
-template <> __device__ __forceinline__ __half from_f(float v) { return __float2half(v); }
 
 __device__ float block_sum(float v) {
   __shared__ float warp_sums[kThreads / 32];

@@ -11,52 +11,35 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/dtype.cuh"
 #include "kernels/rope_cuda.hpp"
 
 namespace kiln::kernels::cuda {
 
 namespace {
 
-template <typename T>
-struct Io;
-template <>
-struct Io<float> {
-  static __device__ __forceinline__ float load(float v) { return v; }
-  static __device__ __forceinline__ float round(float v) { return v; }
-};
-template <>
-struct Io<__nv_bfloat16> {
-  static __device__ __forceinline__ float load(__nv_bfloat16 v) { return __bfloat162float(v); }
-  static __device__ __forceinline__ __nv_bfloat16 round(float v) { return __float2bfloat16_rn(v); }
-};
-template <>
-struct Io<__half> {
-  static __device__ __forceinline__ float load(__half v) { return __half2float(v); }
-  static __device__ __forceinline__ __half round(float v) { return __float2half_rn(v); }
-};
-
 // x [T, H, R] with strides (sx_t, sx_h, 1); out [T, H, R] contiguous; tables [P, R/2].
 template <typename T>
 __global__ void rope_kernel(const T* __restrict__ x, const int64_t* __restrict__ positions, const T* __restrict__ cos_t,
                             const T* __restrict__ sin_t, T* __restrict__ out, int64_t n_pairs, int H, int half,
                             int64_t sx_t, int64_t sx_h, int64_t P, bool interleaved) {
-  using I = Io<T>;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n_pairs; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t row = i / half;  // t * H + h
     const int p = int(i - row * half);
     const int64_t t = row / H, h = row - t * H;
     int64_t pos = positions[t];
     pos = pos < 0 ? 0 : (pos >= P ? P - 1 : pos);
-    const float c = I::load(cos_t[pos * half + p]), s = I::load(sin_t[pos * half + p]);
+    const float c = to_f(cos_t[pos * half + p]), s = to_f(sin_t[pos * half + p]);
     const T* xr = x + t * sx_t + h * sx_h;
     T* orow = out + row * 2 * half;
     const int j0 = interleaved ? 2 * p : p, j1 = interleaved ? 2 * p + 1 : p + half;
-    const float x0 = I::load(xr[j0]), x1 = I::load(xr[j1]);
-    // x0 c - x1 s and x1 c + x0 s: each product rounded, then the sum.
-    const float x0c = I::load(I::round(__fmul_rn(x0, c))), x1s = I::load(I::round(__fmul_rn(x1, s)));
-    const float x1c = I::load(I::round(__fmul_rn(x1, c))), x0s = I::load(I::round(__fmul_rn(x0, s)));
-    orow[j0] = I::round(__fsub_rn(x0c, x1s));
-    orow[j1] = I::round(__fadd_rn(x1c, x0s));
+    const float x0 = to_f(xr[j0]), x1 = to_f(xr[j1]);
+    // x0 c - x1 s and x1 c + x0 s: each product rounded to T, then the sum.
+    auto r = [](float v) { return to_f(from_f<T>(v)); };
+    const float x0c = r(__fmul_rn(x0, c)), x1s = r(__fmul_rn(x1, s));
+    const float x1c = r(__fmul_rn(x1, c)), x0s = r(__fmul_rn(x0, s));
+    orow[j0] = from_f<T>(__fsub_rn(x0c, x1s));
+    orow[j1] = from_f<T>(__fadd_rn(x1c, x0s));
   }
 }
 
