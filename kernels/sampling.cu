@@ -4,7 +4,8 @@
 //   top-p (if on): the same descent over digit histograms of kept mass (fixed point, 2^-32 of the
 //     largest e, so that sums are exact and the choice deterministic), to the smallest kept e;
 //   inverse CDF: kept mass per warp chunk, then one warp scans the chunk holding u * total.
-// Every reduction has a fixed order: the same inputs give the same token on every run.
+// Every reduction has a fixed order: the same inputs give the same token on every run. The
+// passes over a row issue kUnroll loads per thread before taking them in index order.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -18,6 +19,7 @@ namespace kiln::kernels::cuda {
 
 namespace {
 constexpr int kThreads = 512, kWarps = kThreads / 32;
+constexpr int kUnroll = 8;  // loads in flight per thread in the passes over a row
 constexpr double kMassScale = 4294967296.0;  // 2^32: e in [0, 1] as fixed point
 
 struct Soft {
@@ -67,8 +69,9 @@ struct Row {
   const float* logits;
   int64_t V;
   float T, m;  // temperature (1 for greedy rows), max of logits / T
-  __device__ float e(int64_t i) const {
-    const float x = logits[i] / T;
+  __device__ float e(int64_t i) const { return e_of(logits[i]); }
+  __device__ float e_of(float logit) const {
+    const float x = logit / T;
     return x > -INFINITY ? __expf(x - m) : 0.f;
   }
 };
@@ -134,12 +137,23 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* __restric
   Soft st{-INFINITY, 0.f, 0.f};
   float bv = -INFINITY;
   int64_t bi = INT64_MAX;
-  for (int64_t i = tid; i < V; i += kThreads) {
-    const float l = r.logits[i];
-    soft_add(st, l / r.T);
-    if (l > bv) {
-      bv = l;
-      bi = i;
+  // kUnroll loads in flight per thread, then taken in index order (the order of a plain loop).
+  for (int64_t i0 = tid; i0 < V; i0 += int64_t(kUnroll) * kThreads) {
+    float l[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int64_t i = i0 + int64_t(j) * kThreads;
+      l[j] = i < V ? r.logits[i] : -INFINITY;
+    }
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int64_t i = i0 + int64_t(j) * kThreads;
+      if (i >= V) break;
+      soft_add(st, l[j] / r.T);
+      if (l[j] > bv) {
+        bv = l[j];
+        bi = i;
+      }
     }
   }
   for (int o = 16; o > 0; o >>= 1) {
@@ -233,9 +247,19 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* __restric
     const int64_t C = ((V + kWarps - 1) / kWarps + 31) / 32 * 32;
     const int64_t begin = int64_t(warp) * C, end = begin + C < V ? begin + C : V;
     float part = 0.f;
-    for (int64_t i = begin + lane; i < end; i += 32) {
-      const float e = r.e(i);
-      part += e >= keep_e ? e : 0.f;
+    for (int64_t i0 = begin + lane; i0 < end; i0 += 32 * kUnroll) {
+      float l[kUnroll];
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        const int64_t i = i0 + 32 * j;
+        l[j] = i < end ? r.logits[i] : -INFINITY;
+      }
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        if (i0 + 32 * j >= end) break;
+        const float e = r.e_of(l[j]);
+        part += e >= keep_e ? e : 0.f;
+      }
     }
     part = warp_sum_f(part);
     if (lane == 0) s_chunk[warp] = part;
@@ -261,9 +285,12 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* __restric
       const float left = s_target;
       float run = 0.f;
       int64_t found = -1, last_kept = -1;
+      float l_next = cb + lane < ce ? r.logits[cb + lane] : -INFINITY;  // one window ahead
       for (int64_t base = cb; base < ce && found < 0; base += 32) {
         const int64_t i = base + lane;
-        float e = i < ce ? r.e(i) : 0.f;
+        const float l = l_next;
+        l_next = i + 32 < ce ? r.logits[i + 32] : -INFINITY;
+        float e = i < ce ? r.e_of(l) : 0.f;
         if (e < keep_e) e = 0.f;
         float incl = e;  // inclusive scan over the warp
         for (int o = 1; o < 32; o <<= 1) {
