@@ -1,15 +1,14 @@
 // Absorbed MLA decode attention over the paged latent cache (kernels/mla_decode.hpp).
 //
-// split kernel: one CTA of 6 warps per (context chunk, sequence). The CTA keeps the sequence's
+// split kernel: one CTA of 8 warps per (context chunk, sequence). The CTA keeps the sequence's
 // queries (all heads, padded to 32 rows, loaded by cp.async with the first tile) in shared
-// memory and streams the chunk's cache entries through three stages of 48-entry tiles (two
-// tiles in flight while one is computed; cp.async, 16-byte pieces; each entry's cache row
-// looked up in the block table once, by one thread, into shared memory), so each entry is read
-// from memory once for all heads. Per tile:
-//   S = Q K^T        [32 x 48]: warp w the tile's keys 8w..8w+7, mma.sync m16n8k16 bf16
+// memory and streams the chunk's cache entries through a double buffer of 64-entry tiles
+// (cp.async, 16-byte pieces; each entry's cache row looked up in the block table once, by one
+// thread, into shared memory), so each entry is read from memory once for all heads. Per tile:
+//   S = Q K^T        [32 x 64]: warp w the tile's keys 8w..8w+7, mma.sync m16n8k16 bf16
 //   online softmax   (fp32, base 2: the scale folded with log2 e); row maxima across warps
 //                    through shared memory, P rounded to bf16 into shared memory
-//   O = O * alpha + P V   [32 x C]: warp w the output columns 16w, 16(w+6), ...; V = the
+//   O = O * alpha + P V   [32 x C]: warp w the output columns 16w, 16(w+8), ...; V = the
 //                    tile's latent columns, fragments by ldmatrix.trans
 // and writes its unnormalised O with the row max m and sum l (fp32) for the chunk.
 // combine kernel: one CTA per (head, sequence): out = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s.
@@ -36,9 +35,8 @@ namespace kiln::kernels::cuda {
 
 namespace {
 
-constexpr int kWarps = 6, kThreads = 32 * kWarps;
-constexpr int kTile = 48;   // cache entries per tile
-constexpr int kStages = 3;  // tiles in shared memory: two loading while one is computed
+constexpr int kWarps = 8, kThreads = 32 * kWarps;
+constexpr int kTile = 64;   // cache entries per tile
 constexpr int kKeysPerWarp = kTile / kWarps;  // of S = Q K^T
 constexpr int kKeyTiles = kKeysPerWarp / 8;   // n-tiles of 8 keys per warp
 static_assert(kKeysPerWarp % 8 == 0, "whole n-tiles of keys per warp");
@@ -53,8 +51,8 @@ struct Shape {
   static constexpr int kPieces = D / 8;          // 16-byte pieces per entry
   static constexpr int kPairs = C / 16;          // 16-column groups of the output
   static constexpr int kPairsPerWarp = (kPairs + kWarps - 1) / kWarps;
-  static constexpr std::size_t smem = sizeof(__nv_bfloat16) * (kRows * LD + kStages * kTile * LD + kRows * kLdp) +
-                                      sizeof(float) * kWarps * kRows + sizeof(int64_t) * kStages * kTile;
+  static constexpr std::size_t smem = sizeof(__nv_bfloat16) * (kRows * LD + 2 * kTile * LD + kRows * kLdp) +
+                                      sizeof(float) * kWarps * kRows + sizeof(int64_t) * 2 * kTile;
   static_assert(C % 16 == 0 && R % 8 == 0, "latent width a multiple of 16, rope width of 8 (16-byte pieces)");
 };
 
@@ -82,10 +80,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int D = S::D, DP = S::DP, LD = S::LD;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [kRows][LD]
-  __nv_bfloat16* ks = qs + kRows * LD;                               // [kStages][kTile][LD]
-  __nv_bfloat16* ps = ks + kStages * kTile * LD;                     // [kRows][kLdp]
+  __nv_bfloat16* ks = qs + kRows * LD;                               // [2][kTile][LD]
+  __nv_bfloat16* ps = ks + 2 * kTile * LD;                           // [kRows][kLdp]
   float* red = reinterpret_cast<float*>(ps + kRows * kLdp);          // [kWarps][kRows]
-  int64_t* rows = reinterpret_cast<int64_t*>(red + kWarps * kRows);  // [kStages][kTile] cache offsets (-1: none)
+  int64_t* rows = reinterpret_cast<int64_t*>(red + kWarps * kRows);  // [2][kTile] cache offsets (-1: none)
 
   const int b = blockIdx.y, split = blockIdx.x;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -138,13 +136,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     cp_async16(qs + h * LD + piece * 8, src, bytes);
   }
-  const int tiles = (end - start + kTile - 1) / kTile;
-  load_tile(0, start);                          // group 0: the queries and tile 0
-  if (tiles > 1) load_tile(1, start + kTile);  // group 1
+  load_tile(0, start);
   const __nv_bfloat16 zero = __float2bfloat16(0.f);
   if constexpr (DP > D) {
     for (int i = tid; i < kRows * (DP - D); i += kThreads) qs[(i / (DP - D)) * LD + D + i % (DP - D)] = zero;
-    for (int i = tid; i < kStages * kTile * (DP - D); i += kThreads) {
+    for (int i = tid; i < 2 * kTile * (DP - D); i += kThreads) {
       const int r = i / (DP - D), d = D + i % (DP - D);
       ks[r * LD + d] = zero;
     }
@@ -167,21 +163,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int e = 0; e < 4; ++e) o[pp][mt][nt][e] = 0.f;
 
+  const int tiles = (end - start + kTile - 1) / kTile;
   for (int it = 0; it < tiles; ++it) {
     const int k0 = start + it * kTile;
-    // Group g holds tile g; groups complete in order: tile it is in once at most the later
-    // ones issued are pending. Stage (it + 2) % kStages last held tile it - 1, done with at
-    // the previous iteration's closing barrier.
-    if (it + 2 < tiles) {
-      load_tile((it + 2) % kStages, k0 + 2 * kTile);
-      cp_async_wait<2>();
-    } else if (it + 1 < tiles) {
+    if (it + 1 < tiles) {
+      load_tile((it + 1) & 1, k0 + kTile);
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
     __syncthreads();
-    const __nv_bfloat16* kt = ks + (it % kStages) * kTile * LD;
+    const __nv_bfloat16* kt = ks + (it & 1) * kTile * LD;
 
     // S = Q K^T over this warp's kKeysPerWarp keys.
     float s[2][kKeyTiles][4];
