@@ -81,8 +81,9 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   };
   auto text_list = [&](const std::string& key, std::vector<std::string>& ref) {
     f[key] = {[&ref, key](const toml::node& n, const std::string& w) {
-                if (n.is_string()) {  // one item
-                  ref = {n.as_string()->get()};
+                if (n.is_string()) {  // one item; "" none (the text form of an empty list in earlier files)
+                  const auto& one = n.as_string()->get();
+                  ref = one.empty() ? std::vector<std::string>{} : std::vector<std::string>{one};
                   return;
                 }
                 if (!n.is_array()) bad(w, key, "must be a list of strings, e.g. [\"a\", \"b\"]");
@@ -179,7 +180,7 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   integer("placement.engine_restarts", c.placement.engine_restarts);
   text("placement.reference", c.placement.reference);
   text("placement.trainer", c.placement.trainer);
-  text("placement.rollout_device", c.placement.rollout_device);
+  text_list("placement.rollout_device", c.placement.rollout_device);
   text("placement.reference_device", c.placement.reference_device);
   integer("parallel.dp", c.parallel.dp);
   integer("parallel.ep", c.parallel.ep);

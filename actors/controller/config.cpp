@@ -1,5 +1,6 @@
 #include "actors/controller/config.hpp"
 
+#include <map>
 #include <stdexcept>
 
 namespace kiln::controller {
@@ -80,8 +81,16 @@ void Config::validate() const {
            (d.rfind("cuda:", 0) == 0 && d.size() > 5 && d.find_first_not_of("0123456789", 5) == std::string::npos);
   };
   need(is_device(model.device), "model.device", "must be \"cpu\", \"cuda\" or \"cuda:N\"");
-  need(placement.rollout_device.empty() || is_device(placement.rollout_device), "placement.rollout_device",
-       "must be \"\" (model.device), \"cpu\", \"cuda\" or \"cuda:N\"");
+  for (const auto& d : placement.rollout_device)
+    need(is_device(d), "placement.rollout_device",
+         "must be \"cpu\", \"cuda\" or \"cuda:N\" (one for every engine, or a list of one per engine), got \"" + d +
+             "\"");
+  need(placement.rollout_device.size() <= 1 ||
+           int64_t(placement.rollout_device.size()) == placement.rollout_engines,
+       "placement.rollout_device",
+       "lists " + std::to_string(placement.rollout_device.size()) + " devices for " +
+           std::to_string(placement.rollout_engines) +
+           " engines (placement.rollout_engines): give one device for every engine or one per engine");
   need(placement.rollout_device.empty() || placement.mode == "multi_process", "placement.rollout_device",
        "needs placement.mode \"multi_process\" (engines in their own processes)");
   need(placement.reference_device.empty() || is_device(placement.reference_device), "placement.reference_device",
@@ -127,10 +136,21 @@ void Config::validate() const {
          "broadcasts to engine processes)");
     need(a.staleness == 0, "weight_sync.transport",
          "\"collective\" needs algorithm.staleness = 0 (it broadcasts the trainer's live weights)");
-    const auto& r = placement.rollout_device.empty() ? model.device : placement.rollout_device;
-    need((r == "cpu") == (model.device == "cpu"), "placement.rollout_device",
-         "must be a GPU when model.device is one, and \"cpu\" when it is \"cpu\", for weight_sync.transport "
-         "\"collective\" (NCCL between GPUs, Gloo between CPU processes)");
+    // NCCL's group holds trainer rank 0 and every engine, one process per GPU.
+    std::map<std::string, std::string> gpu_of;  // "cuda:N" -> who holds it
+    if (model.device != "cpu") gpu_of[model.device == "cuda" ? "cuda:0" : model.device] = "trainer rank 0 (model.device)";
+    for (int64_t i = 0; i < placement.rollout_engines; ++i) {
+      const auto r = placement.engine_device(std::size_t(i), model.device);
+      need((r == "cpu") == (model.device == "cpu"), "placement.rollout_device",
+           "must be a GPU when model.device is one, and \"cpu\" when it is \"cpu\", for weight_sync.transport "
+           "\"collective\" (NCCL between GPUs, Gloo between CPU processes)");
+      if (r == "cpu") continue;
+      const auto [at, fresh] = gpu_of.emplace(r == "cuda" ? "cuda:0" : r, "engine " + std::to_string(i));
+      need(fresh, "placement.rollout_device",
+           "puts engine " + std::to_string(i) + " on " + at->first + " beside " + at->second +
+               ": weight_sync.transport \"collective\" needs every engine and trainer rank 0 on GPUs of their own "
+               "(one process per GPU in NCCL's group)");
+    }
   }
   need(task.name == "next_digit" || task.name == "arithmetic" || task.name == "countdown" || task.name == "jsonl",
        "task.name", "must be \"next_digit\", \"arithmetic\", \"countdown\" or \"jsonl\"");

@@ -104,8 +104,14 @@ struct PlacementConfig {
   int64_t engine_restarts = 3;
   std::string reference = "controller";  ///< "controller" | "process": ref/0 in a kiln node
   std::string trainer = "controller";    ///< "controller" | "process": trainer/0 in a kiln node
-  /// multi_process: the engines' device ("cpu", "cuda", "cuda:N"); "": model.device
-  std::string rollout_device;
+  /// multi_process: the engines' devices ("cpu", "cuda", "cuda:N"): one for every engine, or
+  /// one per engine (engine i on entry i: data-parallel rollout over GPUs); empty: model.device
+  std::vector<std::string> rollout_device;
+  /// The device of engine i: its entry of rollout_device, the one entry, or model_device.
+  std::string engine_device(std::size_t i, const std::string& model_device) const {
+    if (rollout_device.empty()) return model_device;
+    return rollout_device.size() == 1 ? rollout_device.front() : rollout_device.at(i);
+  }
   /// reference = "process": the reference node's device ("cpu", "cuda", "cuda:N"); "": model.device
   std::string reference_device;
 };

@@ -160,7 +160,7 @@ RemoteEngines::RemoteEngines(const NodeSite& site, const Config& c, TrainerHandl
       max_restarts_(c.placement.engine_restarts),
       nodes_(std::size_t(c.placement.rollout_engines)),
       restarts_in_a_row_(nodes_.size(), 0) {
-  if (!c.placement.rollout_device.empty()) init_.model.device = c.placement.rollout_device;
+  for (std::size_t i = 0; i < nodes_.size(); ++i) devices_.push_back(c.placement.engine_device(i, c.model.device));
   trainer_ = &trainer;
   if (c.weight_sync.transport == "collective")
     collective_ = std::make_unique<weight_sync::CollectiveSender>(site.gateway, trainer.policy_device(),
@@ -202,7 +202,9 @@ void RemoteEngines::start_node(std::size_t i) {
   // until its connection is up, requests fail at once (peer_lost); ask again for up to 300 s.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(300);
   for (;;) {
-    auto r = site_.gateway.request(make_envelope(init_, Kind::request, "controller", nodes_[i]->actor()),
+    auto init = init_;
+    init.model.device = devices_[i];
+    auto r = site_.gateway.request(make_envelope(init, Kind::request, "controller", nodes_[i]->actor()),
                                    std::chrono::seconds(300))
                  .get();
     if (r) return;

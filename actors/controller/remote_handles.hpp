@@ -107,6 +107,7 @@ class RemoteEngines : public RolloutEngines {
   std::unique_ptr<weight_sync::CollectiveSender> collective_;
   bool regroup_ = false;  ///< an engine was replaced since the group formed
   messaging::RolloutInit init_;
+  std::vector<std::string> devices_;  // engine i's device (placement.rollout_device)
   int64_t group_size_;
   int64_t max_restarts_;
   std::vector<std::unique_ptr<Node>> nodes_;

@@ -3,14 +3,15 @@
 code NCCL runs between GPUs): the trainer broadcasts each version to the engine nodes over a
 c10d group.
 1. Two engine nodes, 5 steps: every metric equal to the same run with weight sync over ZeroMQ
-   messages (the engines hold the same weights bit for bit, or their rollouts would differ);
+   messages (the engines hold the same weights bit for bit, or their rollouts would differ;
+   the collective run places the engines by a list, one device per engine);
    also with the trainer over two data-parallel ranks (parallel.dp = 2), and over two
    expert-parallel ranks (parallel.ep = 2: rank 0 gathers each expert tensor from both ranks as
    it packs it), where each rank's peak memory is logged every step.
 2. An engine node killed mid-run (twice): it is restarted, every engine joins a new group, and
    the run ends with the metrics of the uninterrupted run.
 3. Refused by name: collective with one process, with staleness > 0, with a trainer node, a
-   GPU engine for a CPU trainer; a bad transport name.
+   GPU engine for a CPU trainer; a device list of the wrong length; a bad transport name.
 Usage: check_collective_sync.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
 import json, os, shutil, signal, subprocess, sys, time
 
@@ -46,7 +47,8 @@ def same(a, b, what):
 
 # 1. the same run over messages and over the broadcast group
 steps = ["--set", "run.steps=5"]
-if run("messages", *steps) and run("collective", *steps, *collective):
+per_engine = ["--set", 'placement.rollout_device=["cpu", "cpu"]']
+if run("messages", *steps) and run("collective", *steps, *collective, *per_engine):
     same("messages", "collective", "collective vs messages")
     syncs = [m["update_weights_time"] for m in metrics(f"{work}/collective")]
     checks.append((all(t > 0 for t in syncs), f"collective: update_weights_time logged every step {syncs}"))
@@ -88,6 +90,7 @@ refused([*multi, *collective, "--set", "algorithm.staleness=1"], "algorithm.stal
 refused([*multi, *collective, "--set", "placement.reference=process", "--set", "placement.trainer=process"],
         "weight_sync.transport")
 refused([*multi, *collective, "--set", "placement.rollout_device=cuda:1"], "placement.rollout_device")
+refused([*multi, *collective, "--set", 'placement.rollout_device=["cpu", "cpu", "cpu"]'], "lists 3 devices for 2 engines")
 refused([*multi, "--set", "weight_sync.transport=nccl"], "weight_sync.transport")
 refused(["--set", "placement.rollout_device=cuda"], "placement.rollout_device")
 

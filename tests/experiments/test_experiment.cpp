@@ -174,6 +174,47 @@ TEST_CASE("rollout.backend http: rollout.urls as a list or one string round-trip
                        std::invalid_argument);
 }
 
+TEST_CASE("placement.rollout_device: one device for every engine or one per engine, checked by name") {
+  ExperimentConfig c;
+  c.set("placement.mode=multi_process");
+  c.set("placement.rollout_engines=3");
+  CHECK(c.placement.rollout_device.empty());
+  CHECK(c.placement.engine_device(2, "cpu") == "cpu");  // model.device
+  c.set("placement.rollout_device=cpu");
+  CHECK_NOTHROW(c.validate());
+  CHECK(c.placement.engine_device(1, "cuda") == "cpu");
+  c.set("placement.rollout_device=[\"cuda:1\", \"cuda:2\", \"cuda:3\"]");
+  CHECK_NOTHROW(c.validate());
+  CHECK(c.placement.engine_device(0, "cuda") == "cuda:1");
+  CHECK(c.placement.engine_device(2, "cuda") == "cuda:3");
+  const auto toml = c.to_toml();
+  CHECK(toml.find("rollout_device = [\"cuda:1\", \"cuda:2\", \"cuda:3\"]") != std::string::npos);
+  c.set("placement.rollout_device=[\"cuda:1\", \"cuda:2\"]");
+  CHECK_THROWS_WITH_AS(c.validate(), doctest::Contains("'placement.rollout_device' lists 2 devices for 3 engines"),
+                       std::invalid_argument);
+  c.set("placement.rollout_device=[\"cuda:1\", \"gpu1\", \"cuda:3\"]");
+  CHECK_THROWS_WITH_AS(c.validate(), doctest::Contains("got \"gpu1\""), std::invalid_argument);
+  c.set("placement.rollout_device=\"\"");  // the text of an empty list in files written before lists
+  CHECK(c.placement.rollout_device.empty());
+  // The collective weight sync (NCCL): engines and trainer rank 0 on GPUs of their own.
+  ExperimentConfig n;
+  for (const char* kv : {"model.device=cuda:0", "placement.mode=multi_process", "placement.rollout_engines=2",
+                         "weight_sync.transport=collective", "placement.rollout_device=[\"cuda:1\", \"cuda:2\"]"})
+    n.set(kv);
+  CHECK_NOTHROW(n.validate());
+  n.set("placement.rollout_device=[\"cuda:1\", \"cuda:1\"]");
+  CHECK_THROWS_WITH_AS(n.validate(), doctest::Contains("puts engine 1 on cuda:1 beside engine 0"), std::invalid_argument);
+  n.set("placement.rollout_device=[\"cuda:2\", \"cuda\"]");
+  CHECK_THROWS_WITH_AS(n.validate(), doctest::Contains("puts engine 1 on cuda:0 beside trainer rank 0"),
+                       std::invalid_argument);
+  n.set("placement.rollout_device=[\"cuda:2\", \"cpu\"]");
+  CHECK_THROWS_WITH_AS(n.validate(), doctest::Contains("must be a GPU when model.device is one"), std::invalid_argument);
+  ExperimentConfig single;
+  single.set("placement.rollout_device=cpu");
+  CHECK_THROWS_WITH_AS(single.validate(), doctest::Contains("needs placement.mode \"multi_process\""),
+                       std::invalid_argument);
+}
+
 TEST_CASE("max_new_tokens that cannot fit the engine's cache with a prompt is refused before the run") {
   ExperimentConfig c;
   c.set("algorithm.max_new_tokens=1000000");
