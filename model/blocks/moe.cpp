@@ -57,9 +57,9 @@ RouteResult TopKRouterImpl::forward(const torch::Tensor& x, const std::optional<
   }
   auto logits = torch::nn::functional::linear(x.to(torch::kFloat32), weight.to(torch::kFloat32));  // [T, E] fp32
   if (!given_ids_TK && o_.n_group == 1 && logits.is_cuda()) {
-    // Fused sigmoid + bias + top-k (kernels/moe.hpp) picks the experts; the weights still come
-    // from the differentiable scores below.
-    if (!torch::GradMode::is_enabled()) {  // inference: the weights from the same kernel
+    // Fused sigmoid + bias + top-k (kernels/moe.hpp) picks the experts. Inference: the weights
+    // from the same kernel; training: from the differentiable scores below.
+    if (!torch::GradMode::is_enabled()) {
       auto [ids, w] = kernels::router_topk_weights(logits, e_score_correction_bias.to(torch::kFloat32), o_.top_k,
                                                    o_.norm_topk_prob, o_.routed_scaling_factor);
       return RouteResult{ids, w};

@@ -70,9 +70,11 @@ class TopKRouterImpl : public torch::nn::Module, public BatchInvariantSwitch {
 TORCH_MODULE(TopKRouter);
 
 /// Step 2, dispatch: the T*K (token, slot) pairs sorted by expert (stable). A pair (t, k) is
-/// slot t*K + k. Dispatch and combine move rows by gathers only, forward and backward (no
-/// index_add: no atomics, so the same sums in the same order on every run): the backward of
-/// the dispatch gathers each slot's gradient back by `row_of_slot` and sums a token's K slots.
+/// slot t*K + k. The order, its inverse and the counts come from kernels::dispatch_order (one
+/// kernel for a decode step's few slots on CUDA, a stable sort otherwise: the same integers).
+/// Dispatch and combine move rows by gathers only, forward and backward (no index_add: no
+/// atomics, so the same sums in the same order on every run): the backward of the dispatch
+/// gathers each slot's gradient back by `row_of_slot` and sums a token's K slots.
 struct Dispatched {
   torch::Tensor x;             ///< [T*K, D] token rows in expert order
   torch::Tensor token_index;   ///< [T*K] int64, source token of each row
@@ -104,7 +106,8 @@ TORCH_MODULE(GroupedExperts);
 /// products and their sum in fp32 (k in order), rounded once to rows' dtype. rows: [T*K, D]
 /// in d's row order -> [T, D]. batch_invariant (the true on-policy mode): the K fp32 products
 /// added elementwise in slot order ((p_0 + p_1) + p_2) + ..., so that a token's sum does not
-/// depend on how many tokens share the launch.
+/// depend on how many tokens share the launch. Without gradients (inference, not
+/// batch_invariant): kernels::moe_combine, one kernel on CUDA.
 torch::Tensor combine(const torch::Tensor& rows, const Dispatched& d, int64_t num_tokens, bool batch_invariant = false);
 
 /// The MoE feed-forward: routed experts plus shared experts (one SwiGLU of width
