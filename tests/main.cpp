@@ -1,21 +1,35 @@
 // The doctest main of every suite, with one rule added: a run that executes no test case
 // fails. ctest runs one test case per entry (doctest_discover_tests); an entry whose filter
 // matches no case (a name that CMake split at a ';', a renamed case) would else pass having
-// tested nothing. Query runs (--list-test-cases, --help, ...) are not test runs.
+// tested nothing. Query runs (--list-test-cases, --help, ...) are not test runs, but a listing
+// that holds a name with a ';' fails, so the build (doctest_discover_tests lists the cases
+// after linking) stops there, naming the case, instead of CI finding split entries.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
 #include <cstdio>
+#include <cstring>
 
 namespace {
 
 unsigned test_cases_run = 0;
+bool listed_name_with_semicolon = false;
 
-// A listener that only records how many test cases the run executed.
+// A listener that records how many test cases the run executed, and refuses listed names
+// that CMake's list syntax would split.
 struct CountTestCases : doctest::IReporter {
   explicit CountTestCases(const doctest::ContextOptions&) {}
   void test_run_end(const doctest::TestRunStats& stats) override { test_cases_run = stats.numTestCasesPassingFilters; }
-  void report_query(const doctest::QueryData&) override {}
+  void report_query(const doctest::QueryData& query) override {
+    for (unsigned i = 0; i < query.num_data; ++i) {
+      const char* name = query.data[i]->m_name;
+      if (name != nullptr && std::strchr(name, ';') != nullptr) {
+        std::fprintf(stderr, "test case \"%s\" (%s:%d) has a ';' in its name: ctest would split it into entries that match no case; use ',' instead\n",
+                     name, query.data[i]->m_file.c_str(), query.data[i]->m_line);
+        listed_name_with_semicolon = true;
+      }
+    }
+  }
   void test_run_start() override {}
   void test_case_start(const doctest::TestCaseData&) override {}
   void test_case_reenter(const doctest::TestCaseData&) override {}
@@ -34,6 +48,7 @@ DOCTEST_REGISTER_LISTENER("count_test_cases", 1, CountTestCases);
 int main(int argc, char** argv) {
   doctest::Context context(argc, argv);
   const int rc = context.run();
+  if (listed_name_with_semicolon) return 1;
   if (context.shouldExit() || rc != 0) return rc;
   if (test_cases_run == 0) {
     std::fprintf(stderr, "no test case ran: the filters match none (ctest splits a test case's name at ';', doctest's filters at an unescaped ',')\n");

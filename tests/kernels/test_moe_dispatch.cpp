@@ -38,7 +38,7 @@ TEST_CASE("dispatch_order_ref: rows in expert order, ties in slot order, and its
   CHECK_THROWS_WITH_AS(kernels::dispatch_order(ids, 0), doctest::Contains("num_experts 0 < 1"), c10::Error);
 }
 
-TEST_CASE("moe_combine_ref sums each token's weighted rows; its errors") {
+TEST_CASE("moe_combine_ref sums each token's weighted rows, and names what it refuses") {
   auto rows = torch::tensor({1.f, 2.f, 10.f, 20.f, 100.f, 200.f}).view({3, 2});  // M 3 (T 3, K 1)
   auto w = torch::tensor({0.5f, 2.f, 1.f}).view({3, 1});
   auto y = kernels::moe_combine(rows, torch::tensor({2, 0, 1}, torch::kInt64), w);

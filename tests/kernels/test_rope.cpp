@@ -78,7 +78,7 @@ TEST_CASE("rope_rotate names the shapes, dtypes and devices it refuses") {
                   c10::Error);
 }
 
-TEST_CASE("CUDA: rope kernel equals apply_rope bit for bit (fp32, bf16, fp16; strided q, [T, 1, R] k)") {
+TEST_CASE("CUDA: rope kernel equals apply_rope bit for bit (fp32, bf16, fp16, strided q, [T, 1, R] k)") {
   if (skip_without_cuda_kernels()) return;
   torch::manual_seed(4);
   const torch::Device dev(torch::kCUDA);
@@ -97,7 +97,7 @@ TEST_CASE("CUDA: rope kernel equals apply_rope bit for bit (fp32, bf16, fp16; st
       }
 }
 
-TEST_CASE("CUDA: rope kernel in a CUDA graph follows new positions; a table does not grow under capture") {
+TEST_CASE("CUDA: rope kernel in a CUDA graph follows new positions, and a table does not grow under capture") {
   if (skip_without_cuda_kernels()) return;
   torch::manual_seed(5);
   const torch::Device dev(torch::kCUDA);
