@@ -86,10 +86,10 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
                   ref = one.empty() ? std::vector<std::string>{} : std::vector<std::string>{one};
                   return;
                 }
-                if (!n.is_array()) bad(w, key, "must be a list of strings, e.g. [\"a\", \"b\"]");
+                if (!n.is_array()) bad(w, key, "must be a string or a list of strings, e.g. \"a\" or [\"a\", \"b\"]");
                 std::vector<std::string> v;
                 for (const auto& x : *n.as_array()) {
-                  if (!x.is_string()) bad(w, key, "must be a list of strings, e.g. [\"a\", \"b\"]");
+                  if (!x.is_string()) bad(w, key, "must be a string or a list of strings, e.g. \"a\" or [\"a\", \"b\"]");
                   v.push_back(x.as_string()->get());
                 }
                 ref = std::move(v);

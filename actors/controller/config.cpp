@@ -76,25 +76,36 @@ void Config::validate() const {
   }
   need(placement.mode == "single_process" || placement.mode == "multi_process", "placement.mode",
        "must be \"single_process\" or \"multi_process\" (rollout engine in a kiln node child process)");
+  // "cuda:N" in torch's own spelling: N without leading zeros and within c10::DeviceIndex
+  // (int8_t, so <= 127); "cuda:01" would pass a digits-only check, then fail in torch, and
+  // dodge the one-GPU-each check below as a name other than "cuda:1".
   auto is_device = [](const std::string& d) {
-    return d == "cpu" || d == "cuda" ||
-           (d.rfind("cuda:", 0) == 0 && d.size() > 5 && d.find_first_not_of("0123456789", 5) == std::string::npos);
+    if (d == "cpu" || d == "cuda") return true;
+    if (d.rfind("cuda:", 0) != 0) return false;
+    const auto n = d.substr(5);
+    return !n.empty() && n.size() <= 3 && n.find_first_not_of("0123456789") == std::string::npos &&
+           (n == "0" || n[0] != '0') && std::stoi(n) <= 127;
   };
-  need(is_device(model.device), "model.device", "must be \"cpu\", \"cuda\" or \"cuda:N\"");
+  need(is_device(model.device), "model.device", "must be \"cpu\", \"cuda\" or \"cuda:N\" (N in [0, 127])");
+  need(placement.rollout_engines >= 1 && placement.rollout_engines <= 64, "placement.rollout_engines",
+       "must be in [1, 64]");
+  need(placement.rollout_engines == 1 || placement.mode == "multi_process", "placement.rollout_engines",
+       "must be 1 with placement.mode \"single_process\" (several engines run as kiln node processes)");
+  need(placement.rollout_device.empty() || placement.mode == "multi_process", "placement.rollout_device",
+       "needs placement.mode \"multi_process\" (engines in their own processes)");
   for (const auto& d : placement.rollout_device)
     need(is_device(d), "placement.rollout_device",
-         "must be \"cpu\", \"cuda\" or \"cuda:N\" (one for every engine, or a list of one per engine), got \"" + d +
+         "must be \"cpu\", \"cuda\" or \"cuda:N\" (N in [0, 127]; one for every engine, or a list of one per engine), got \"" + d +
              "\"");
   need(placement.rollout_device.size() <= 1 ||
            int64_t(placement.rollout_device.size()) == placement.rollout_engines,
        "placement.rollout_device",
        "lists " + std::to_string(placement.rollout_device.size()) + " devices for " +
-           std::to_string(placement.rollout_engines) +
-           " engines (placement.rollout_engines): give one device for every engine or one per engine");
-  need(placement.rollout_device.empty() || placement.mode == "multi_process", "placement.rollout_device",
-       "needs placement.mode \"multi_process\" (engines in their own processes)");
+           std::to_string(placement.rollout_engines) + (placement.rollout_engines == 1 ? " engine" : " engines") +
+           " (placement.rollout_engines): give one device for every engine (a string, or a list of one) or one per "
+           "engine");
   need(placement.reference_device.empty() || is_device(placement.reference_device), "placement.reference_device",
-       "must be \"\" (model.device), \"cpu\", \"cuda\" or \"cuda:N\"");
+       "must be \"\" (model.device), \"cpu\", \"cuda\" or \"cuda:N\" (N in [0, 127])");
   need(placement.reference_device.empty() || placement.reference == "process", "placement.reference_device",
        "needs placement.reference \"process\" (the reference in its own process)");
   need(model.dtype == "fp32" || model.dtype == "bf16", "model.dtype", "must be \"fp32\" or \"bf16\"");
@@ -108,10 +119,6 @@ void Config::validate() const {
        "placement.trainer",
        "\"process\" needs placement.mode \"multi_process\" and placement.reference \"process\" "
        "(the controller then holds no model)");
-  need(placement.rollout_engines >= 1 && placement.rollout_engines <= 64, "placement.rollout_engines",
-       "must be in [1, 64]");
-  need(placement.rollout_engines == 1 || placement.mode == "multi_process", "placement.rollout_engines",
-       "must be 1 with placement.mode \"single_process\" (several engines run as kiln node processes)");
   need(placement.rollout_engines <= a.prompts_per_step, "placement.rollout_engines",
        "must be <= algorithm.prompts_per_step (each engine gets whole prompt groups)");
   need(placement.engine_restarts >= 0 && placement.engine_restarts <= 20, "placement.engine_restarts",

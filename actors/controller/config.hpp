@@ -104,7 +104,7 @@ struct PlacementConfig {
   int64_t engine_restarts = 3;
   std::string reference = "controller";  ///< "controller" | "process": ref/0 in a kiln node
   std::string trainer = "controller";    ///< "controller" | "process": trainer/0 in a kiln node
-  /// multi_process: the engines' devices ("cpu", "cuda", "cuda:N"): one for every engine, or
+  /// multi_process: the engines' devices ("cpu", "cuda", "cuda:N"): one for every engine (one entry), or
   /// one per engine (engine i on entry i: data-parallel rollout over GPUs); empty: model.device
   std::vector<std::string> rollout_device;
   /// The device of engine i: its entry of rollout_device, the one entry, or model_device.

@@ -158,7 +158,7 @@ TEST_CASE("rollout.backend http: rollout.urls as a list or one string round-trip
   for (const auto& line : {std::string("rollout.backend=http"), std::string("rollout.urls=[\"http://a:1\", \"http://b:2\"]")})
     again.set(line);
   CHECK(again.to_toml() == toml);
-  CHECK_THROWS_WITH_AS(c.set("rollout.urls=[1, 2]"), doctest::Contains("'rollout.urls' must be a list of strings"),
+  CHECK_THROWS_WITH_AS(c.set("rollout.urls=[1, 2]"), doctest::Contains("'rollout.urls' must be a string or a list of strings"),
                        std::invalid_argument);
   c.set("rollout.urls=[\"ftp://a:1\"]");
   CHECK_THROWS_WITH_AS(c.validate(), doctest::Contains("http://HOST:PORT"), std::invalid_argument);
@@ -194,8 +194,22 @@ TEST_CASE("placement.rollout_device: one device for every engine or one per engi
                        std::invalid_argument);
   c.set("placement.rollout_device=[\"cuda:1\", \"gpu1\", \"cuda:3\"]");
   CHECK_THROWS_WITH_AS(c.validate(), doctest::Contains("got \"gpu1\""), std::invalid_argument);
+  // torch's spelling only: no leading zeros ("cuda:01" would else dodge the one-GPU-each
+  // check below as a name other than "cuda:1"), indices within c10::DeviceIndex.
+  for (const char* d : {"cuda:01", "cuda:00", "cuda:128", "cuda:99999999999", "cuda:", "cuda:-1", "CPU", ""}) {
+    c.set(std::string("placement.rollout_device=[\"cuda:1\", \"") + d + "\", \"cuda:3\"]");
+    const std::string named = std::string("got \"") + d + "\"";
+    CHECK_THROWS_WITH_AS(c.validate(), doctest::Contains(named.c_str()), std::invalid_argument);
+  }
+  c.set("placement.rollout_device=[\"cuda:0\", \"cuda:10\", \"cuda:127\"]");
+  CHECK_NOTHROW(c.validate());
   c.set("placement.rollout_device=\"\"");  // the text of an empty list in files written before lists
   CHECK(c.placement.rollout_device.empty());
+  // A string, or a list of strings: the type error says both.
+  CHECK_THROWS_WITH_AS(c.set("placement.rollout_device=5"),
+                       doctest::Contains("must be a string or a list of strings"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(c.set("placement.rollout_device=[\"cpu\", 1]"),
+                       doctest::Contains("must be a string or a list of strings"), std::invalid_argument);
   // The collective weight sync (NCCL): engines and trainer rank 0 on GPUs of their own.
   ExperimentConfig n;
   for (const char* kv : {"model.device=cuda:0", "placement.mode=multi_process", "placement.rollout_engines=2",
@@ -213,6 +227,20 @@ TEST_CASE("placement.rollout_device: one device for every engine or one per engi
   single.set("placement.rollout_device=cpu");
   CHECK_THROWS_WITH_AS(single.validate(), doctest::Contains("needs placement.mode \"multi_process\""),
                        std::invalid_argument);
+  // The mode is named before a list's length, and the engine count's range before both.
+  single.set("placement.rollout_device=[\"cpu\", \"cpu\"]");
+  CHECK_THROWS_WITH_AS(single.validate(), doctest::Contains("'placement.rollout_device' needs placement.mode"),
+                       std::invalid_argument);
+  single.set("placement.mode=multi_process");
+  single.set("placement.rollout_engines=0");
+  CHECK_THROWS_WITH_AS(single.validate(), doctest::Contains("'placement.rollout_engines' must be in [1, 64]"),
+                       std::invalid_argument);
+  single.set("placement.rollout_engines=1");
+  CHECK_THROWS_WITH_AS(single.validate(), doctest::Contains("lists 2 devices for 1 engine ("), std::invalid_argument);
+  // model.device and placement.reference_device take the same spellings.
+  ExperimentConfig d;
+  d.set("model.device=cuda:007");
+  CHECK_THROWS_WITH_AS(d.validate(), doctest::Contains("'model.device' must be"), std::invalid_argument);
 }
 
 TEST_CASE("max_new_tokens that cannot fit the engine's cache with a prompt is refused before the run") {
