@@ -31,14 +31,19 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
+    # The arguments first: the peer's import needs torchtitan and takes seconds.
+    for name, value, least in (("--docs", args.docs, 1), ("--steps", args.steps, 1), ("--warmup", args.warmup, 0)):
+        if value < least:
+            ap.error(f"{name} {value} < {least}")
     path = os.path.join(args.peer, "bench_tt.py")
     if not os.path.isfile(path):
         sys.exit(f"bench_torchtitan_ac: no bench_tt.py in {args.peer}")
     spec = importlib.util.spec_from_file_location("bench_tt", path)
     tt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tt)
-    if args.docs < 1:
-        sys.exit(f"bench_torchtitan_ac: --docs {args.docs} < 1")
+    try:
+        spec.loader.exec_module(tt)
+    except ImportError as e:
+        sys.exit(f"bench_torchtitan_ac: {path} cannot be imported: {e} (install the wheels of the peer's whl/ folder)")
     tt.GLM["n_docs"] = args.docs
     tt.TINY["n_docs"] = args.docs
     build = tt.build_model

@@ -33,19 +33,33 @@ def main():
     ap.add_argument("file")
     ap.add_argument("--top", type=int, default=25)
     a = ap.parse_args()
-    lines = [ln for ln in open(a.file, errors="replace") if ln.startswith('"')]
+    if a.top < 1:
+        ap.error(f"--top {a.top} < 1")
+    try:
+        with open(a.file, errors="replace") as fh:
+            lines = [ln for ln in fh if ln.startswith('"')]
+    except OSError as e:
+        sys.exit(f"ncu_kernel_summary: cannot read {a.file}: {e.strerror}")
     if not lines:
         sys.exit(f"ncu_kernel_summary: no ncu CSV rows in {a.file}")
-    rows = list(csv.DictReader(io.StringIO("".join(lines))))
+    reader = csv.DictReader(io.StringIO("".join(lines)))
+    missing = {"Kernel Name", "Metric Name", "Metric Value"} - set(reader.fieldnames or [])
+    if missing:
+        sys.exit(f"ncu_kernel_summary: {a.file}'s CSV header lacks {sorted(missing)} (run ncu with --csv)")
     total = collections.Counter()
     count = collections.Counter()
-    for r in rows:
+    for line, r in enumerate(reader, start=2):
         if r.get("Metric Name") != "gpu__time_duration.sum":
             continue
-        unit = r.get("Metric Unit", "nsecond")
+        if r.get("Metric Value") is None or r.get("Kernel Name") is None:
+            sys.exit(f"ncu_kernel_summary: CSV row {line} of {a.file} has fewer fields than its header")
+        unit = r.get("Metric Unit") or "nsecond"
         if unit not in UNIT_US:
-            sys.exit(f"ncu_kernel_summary: unknown unit {unit!r}")
-        us = float(r["Metric Value"].replace(",", "")) * UNIT_US[unit]
+            sys.exit(f"ncu_kernel_summary: unknown unit {unit!r} in CSV row {line} of {a.file}")
+        try:
+            us = float(r["Metric Value"].replace(",", "")) * UNIT_US[unit]
+        except ValueError:
+            sys.exit(f"ncu_kernel_summary: CSV row {line} of {a.file}: Metric Value {r['Metric Value']!r} is not a number")
         f = family(r["Kernel Name"])
         total[f] += us
         count[f] += 1
