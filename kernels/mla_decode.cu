@@ -1,16 +1,21 @@
 // Absorbed MLA decode attention over the paged latent cache (kernels/mla_decode.hpp).
 //
-// split kernel: one CTA of 8 warps per (context chunk, sequence). The CTA keeps the sequence's
-// queries (all heads, padded to 32 rows, loaded by cp.async with the first tile) in shared
-// memory and streams the chunk's cache entries through a double buffer of 64-entry tiles
-// (cp.async, 16-byte pieces; each entry's cache row looked up in the block table once, by one
-// thread, into shared memory), so each entry is read from memory once for all heads. Per tile:
-//   S = Q K^T        [32 x 64]: warp w the tile's keys 8w..8w+7, mma.sync m16n8k16 bf16
-//   online softmax   (fp32, base 2: the scale folded with log2 e); row maxima across warps
-//                    through shared memory, P rounded to bf16 into shared memory
-//   O = O * alpha + P V   [32 x C]: warp w the output columns 16w, 16(w+8), ...; V = the
-//                    tile's latent columns, fragments by ldmatrix.trans
-// and writes its unnormalised O with the row max m and sum l (fp32) for the chunk.
+// split kernel: one CTA of 8 warps per (context chunk, sequence). It streams the chunk's cache
+// entries through a double buffer of 64-entry tiles in shared memory (cp.async, 16-byte pieces;
+// each entry's cache row looked up in the block table once, by one thread), so each entry is
+// read from memory once for all heads. The heads are the mma's N dimension (NT n-tiles of 8
+// heads, padded; 20 heads: 3): the queries are B fragments loaded once (with the first tile)
+// into registers and held for the whole chunk, so per tile only the cache is read from shared
+// memory. Warp w = (key group kg = w / 4, D quarter dq = w % 4). Per tile:
+//   S^T = K Q^T      [64 keys x 8NT heads]: warp (kg, dq) keys 32kg..32kg+31 (two m-tiles, A
+//                    fragments by ldmatrix) over its quarter of the entry's C+R columns; the
+//                    four quarters' partial scores summed in shared memory in quarter order
+//   online softmax   warp w: heads w, w+8, ... (lane: keys lane, lane+32), fp32, base 2 (the
+//                    scale folded with log2 e); P rounded to bf16 into shared memory
+//                    [head][key], each head's rescale alpha beside it
+//   O^T = O^T alpha + V^T P^T   [C x 8NT]: warp w the latent columns 16(w + 8j)..+15 (A
+//                    fragments of V^T by ldmatrix.trans), P^T as B fragments
+// and writes its unnormalised O with each head's max m and sum l (fp32) for the chunk.
 // combine kernel: one CTA per (head, sequence): out = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s.
 // Fragment layouts: PTX ISA, "Matrix Fragments for mma.m16n8k16" (g = lane / 4, t = lane % 4):
 //   A (16x16, row): a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..)
@@ -27,6 +32,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 
 #include "kernels/mla_decode_cuda.hpp"
 #include "kernels/mma_bf16.cuh"
@@ -37,56 +43,51 @@ namespace {
 
 constexpr int kWarps = 8, kThreads = 32 * kWarps;
 constexpr int kTile = 64;   // cache entries per tile
-constexpr int kKeysPerWarp = kTile / kWarps;  // of S = Q K^T
-constexpr int kKeyTiles = kKeysPerWarp / 8;   // n-tiles of 8 keys per warp
-static_assert(kKeysPerWarp % 8 == 0, "whole n-tiles of keys per warp");
-constexpr int kRows = 32;   // query rows: heads, padded
 constexpr int kLdp = kTile + 8;  // P row stride (bf16), conflict-free fragment loads
-
-template <int C, int R>
-struct Shape {
-  static constexpr int D = C + R;                // entry width
-  static constexpr int DP = (D + 15) / 16 * 16;  // padded to the mma's k
-  static constexpr int LD = DP + 8;              // shared row stride (bf16): 16-byte rows, no bank conflicts
-  static constexpr int kPieces = D / 8;          // 16-byte pieces per entry
-  static constexpr int kPairs = C / 16;          // 16-column groups of the output
-  static constexpr int kPairsPerWarp = (kPairs + kWarps - 1) / kWarps;
-  static constexpr std::size_t smem = sizeof(__nv_bfloat16) * (kRows * LD + 2 * kTile * LD + kRows * kLdp) +
-                                      sizeof(float) * kWarps * kRows + sizeof(int64_t) * 2 * kTile;
-  static_assert(C % 16 == 0 && R % 8 == 0, "latent width a multiple of 16, rope width of 8 (16-byte pieces)");
-};
 
 __device__ __forceinline__ uint32_t ld32(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
-// The A fragment of mma.m16n8k16 for this thread from a row-major bf16 tile with leading
-// dimension ld, `p` at (row g, column 2t) of the 16x16 block: rows g and g+8, columns 2t and
-// 2t+8 (PTX ISA, "Matrix Fragments for mma.m16n8k16").
-__device__ __forceinline__ void ld_a_fragment(uint32_t (&a)[4], const __nv_bfloat16* p, int ld) {
-  a[0] = ld32(p);
-  a[1] = ld32(p + 8 * ld);
-  a[2] = ld32(p + 8);
-  a[3] = ld32(p + 8 * ld + 8);
-}
+// C latent width, R rope width, NT n-tiles of 8 heads (H <= 8 NT).
+template <int C, int R, int NT>
+struct Shape {
+  static constexpr int D = C + R, DP = (D + 15) / 16 * 16, LD = DP + 8;
+  static constexpr int kPieces = D / 8;
+  static constexpr int KK = DP / 16;             // k-steps of 16 over an entry
+  static constexpr int KQ = (KK + 3) / 4;        // of them per D quarter
+  static constexpr int NH = NT * 8;              // heads, padded
+  static constexpr int PSTR = NH + 1;            // partial-score row stride (fp32): conflict-free column reads
+  static constexpr int kMTiles = C / 16;         // output m-tiles (16 latent columns)
+  static constexpr int kMtPerWarp = (kMTiles + kWarps - 1) / kWarps;
+  // Queries [NH][LD] bf16 (then reused for the partial scores [4][kTile][PSTR] fp32), the cache
+  // double buffer [2][kTile][LD], P [NH][kLdp] bf16, alpha [NH] fp32, cache offsets [2][kTile].
+  static constexpr std::size_t q_bytes = sizeof(__nv_bfloat16) * NH * LD;
+  static constexpr std::size_t part_bytes = sizeof(float) * 4 * kTile * PSTR;
+  static constexpr std::size_t head_bytes = ((q_bytes > part_bytes ? q_bytes : part_bytes) + 15) / 16 * 16;
+  static constexpr std::size_t smem = head_bytes + sizeof(__nv_bfloat16) * (2 * kTile * LD + NH * kLdp) +
+                                      sizeof(float) * NH + sizeof(int64_t) * 2 * kTile;
+  static_assert(C % 16 == 0 && R % 8 == 0, "latent width a multiple of 16, rope width of 8 (16-byte pieces)");
+  static_assert(kWarps == 8 && kTile == 64, "8 warps: 2 key groups of 32 x 4 D quarters");
+};
 
-// q_lat [B, H, C], q_rope [B, H, R], cache [G*Z, D], table [B, W], lengths [B];
-// o_part [B, splits, H, C] fp32, ml_part [B, splits, H, 2] fp32 (m in base 2 of the scaled score, l).
-template <int C, int R>
+template <int C, int R, int NT>
 __global__ void __launch_bounds__(kThreads, 1)
     split_kernel(const __nv_bfloat16* __restrict__ q_lat, const __nv_bfloat16* __restrict__ q_rope,
-                 const __nv_bfloat16* __restrict__ cache, const int64_t* __restrict__ table,
-                 const int64_t* __restrict__ lengths, float* __restrict__ o_part, float* __restrict__ ml_part, int H,
-                 int W, int Z, int chunk, int splits, float scale_log2) {
-  using S = Shape<C, R>;
-  constexpr int D = S::D, DP = S::DP, LD = S::LD;
+                   const __nv_bfloat16* __restrict__ cache, const int64_t* __restrict__ table,
+                   const int64_t* __restrict__ lengths, float* __restrict__ o_part, float* __restrict__ ml_part, int H,
+                   int W, int Z, int chunk, int splits, float scale_log2) {
+  using S = Shape<C, R, NT>;
+  constexpr int D = S::D, DP = S::DP, LD = S::LD, NH = S::NH, KQ = S::KQ, PSTR = S::PSTR;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [kRows][LD]
-  __nv_bfloat16* ks = qs + kRows * LD;                               // [2][kTile][LD]
-  __nv_bfloat16* ps = ks + 2 * kTile * LD;                           // [kRows][kLdp]
-  float* red = reinterpret_cast<float*>(ps + kRows * kLdp);          // [kWarps][kRows]
-  int64_t* rows = reinterpret_cast<int64_t*>(red + kWarps * kRows);  // [2][kTile] cache offsets (-1: none)
+  __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(smem_raw);             // [NH][LD]
+  float* part = reinterpret_cast<float*>(smem_raw);                           // [4][kTile][PSTR], after Q
+  __nv_bfloat16* ks = reinterpret_cast<__nv_bfloat16*>(smem_raw + S::head_bytes);  // [2][kTile][LD]
+  __nv_bfloat16* ps = ks + 2 * kTile * LD;                                    // [NH][kLdp]
+  float* alpha_s = reinterpret_cast<float*>(ps + NH * kLdp);                  // [NH]
+  int64_t* rows = reinterpret_cast<int64_t*>(alpha_s + NH);                   // [2][kTile] (-1: none)
 
   const int b = blockIdx.y, split = blockIdx.x;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int kg = warp >> 2, dq = warp & 3;
   const int64_t cap = int64_t(W) * Z;
   int64_t len = lengths[b];
   len = len < 0 ? 0 : (len > cap ? cap : len);
@@ -101,10 +102,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
   const int64_t* row_pages = table + int64_t(b) * W;
-
-  // Every thread issues its 16-byte pieces of a tile without waiting on a page lookup: one
-  // thread per entry looks its row up first (all at once), then the CTA syncs. The caller
-  // syncs between a stage's last reads and its next load.
   auto load_tile = [&](int stage, int k0) {
     int64_t* ro = rows + stage * kTile;
     if (tid < kTile) {
@@ -121,11 +118,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     cp_async_commit();
   };
 
-  // Queries by cp.async too, in the first tile's group: row h < H of q_latent then q_rope (both
-  // 16-byte aligned, the launcher checks), rows >= H zero-filled; the columns >= D (only when
-  // D is not a multiple of 16) and the entries' padding columns set to zero here.
+  // Queries by cp.async in the first tile's group (rows >= H zero-filled); padding columns
+  // (D not a multiple of 16) zeroed here, P's padded heads zeroed once (alpha 0 there).
   constexpr int kQPieces = C / 8 + R / 8;
-  for (int i = tid; i < kRows * kQPieces; i += kThreads) {
+  for (int i = tid; i < NH * kQPieces; i += kThreads) {
     const int h = i / kQPieces, piece = i - h * kQPieces;
     const __nv_bfloat16* src = q_lat;
     int bytes = 0;
@@ -139,29 +135,27 @@ __global__ void __launch_bounds__(kThreads, 1)
   load_tile(0, start);
   const __nv_bfloat16 zero = __float2bfloat16(0.f);
   if constexpr (DP > D) {
-    for (int i = tid; i < kRows * (DP - D); i += kThreads) qs[(i / (DP - D)) * LD + D + i % (DP - D)] = zero;
-    for (int i = tid; i < 2 * kTile * (DP - D); i += kThreads) {
-      const int r = i / (DP - D), d = D + i % (DP - D);
-      ks[r * LD + d] = zero;
-    }
+    for (int i = tid; i < NH * (DP - D); i += kThreads) qs[(i / (DP - D)) * LD + D + i % (DP - D)] = zero;
+    for (int i = tid; i < 2 * kTile * (DP - D); i += kThreads) ks[(i / (DP - D)) * LD + D + i % (DP - D)] = zero;
   }
+  for (int i = tid; i < (NH - H) * kLdp; i += kThreads) ps[H * kLdp + i] = zero;
+  for (int h = H + tid; h < NH; h += kThreads) alpha_s[h] = 0.f;
 
-  // This thread's query rows: g, g+8 (m-tile 0), 16+g, 24+g (m-tile 1).
-  float m_row[4], l_row[4];
+  // This warp's heads (softmax): w + 8j, j < NT; running max and this lane's share of the sum.
+  float m_h[NT], l_h[NT];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    m_row[i] = -INFINITY;
-    l_row[i] = 0.f;
+  for (int j = 0; j < NT; ++j) {
+    m_h[j] = -INFINITY;
+    l_h[j] = 0.f;
   }
-  float o[S::kPairsPerWarp][2][2][4];
+  float o[S::kMtPerWarp][NT][4];
 #pragma unroll
-  for (int pp = 0; pp < S::kPairsPerWarp; ++pp)
+  for (int j = 0; j < S::kMtPerWarp; ++j)
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[pp][mt][nt][e] = 0.f;
+      for (int e = 0; e < 4; ++e) o[j][nt][e] = 0.f;
+  uint32_t qb[KQ][NT][2];  // B fragments of Q^T over this warp's D quarter, loaded with the first tile
 
   const int tiles = (end - start + kTile - 1) / kTile;
   for (int it = 0; it < tiles; ++it) {
@@ -173,158 +167,146 @@ __global__ void __launch_bounds__(kThreads, 1)
       cp_async_wait<0>();
     }
     __syncthreads();
+    if (it == 0) {
+#pragma unroll
+      for (int j = 0; j < KQ; ++j)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const int kk = dq * KQ + j;
+          const __nv_bfloat16* q = qs + (nt * 8 + g) * LD + kk * 16 + 2 * t;
+          qb[j][nt][0] = kk < S::KK ? ld32(q) : 0u;
+          qb[j][nt][1] = kk < S::KK ? ld32(q + 8) : 0u;
+        }
+      __syncthreads();  // the queries' shared memory becomes the partial scores
+    }
     const __nv_bfloat16* kt = ks + (it & 1) * kTile * LD;
 
-    // S = Q K^T over this warp's kKeysPerWarp keys.
-    float s[2][kKeyTiles][4];
+    // S^T partial: keys 32kg + 16mt + (g, g+8), heads nt*8 + 2t (+1), this warp's D quarter.
+    float s[2][NT][4];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < kKeyTiles; ++nt)
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
-#pragma unroll 4
-    for (int kk = 0; kk < DP; kk += 16) {
-      uint32_t a[2][4];
+    {
+      const int mi = lane >> 3, r = lane & 7;
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        ld_a_fragment(a[mt], qs + (mt * 16 + g) * LD + kk + 2 * t, LD);
-      }
-#pragma unroll
-      for (int nt = 0; nt < kKeyTiles; ++nt) {
-        const __nv_bfloat16* k_ = kt + (warp * kKeysPerWarp + nt * 8 + g) * LD + kk + 2 * t;
-        const uint32_t b0 = ld32(k_), b1 = ld32(k_ + 8);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) mma_bf16(s[mt][nt], a[mt], b0, b1);
-      }
-    }
-
-    // Online softmax. Element (mt, nt, e): row index i = 2 mt + e / 2, key
-    // warp * kKeysPerWarp + nt*8 + 2t + e%2.
-    float tile_max[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) tile_max[i] = -INFINITY;
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < kKeyTiles; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = k0 + warp * kKeysPerWarp + nt * 8 + 2 * t + (e & 1);
-          const float z = key < end ? s[mt][nt][e] * scale_log2 : -INFINITY;
-          s[mt][nt][e] = z;
-          tile_max[2 * mt + (e >> 1)] = fmaxf(tile_max[2 * mt + (e >> 1)], z);
-        }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
-      tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
-    }
-    if (t == 0) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) red[warp * kRows + 8 * i + g] = tile_max[i];  // row 8i + g
-    }
-    __syncthreads();
-    float alpha[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float mx = red[8 * i + g];
-#pragma unroll
-      for (int w = 1; w < kWarps; ++w) mx = fmaxf(mx, red[w * kRows + 8 * i + g]);
-      const float m_new = fmaxf(m_row[i], mx);  // finite: the tile holds a key of the sequence
-      alpha[i] = exp2f(m_row[i] - m_new);
-      m_row[i] = m_new;
-      l_row[i] *= alpha[i];
-    }
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < kKeyTiles; ++nt)
-#pragma unroll
-        for (int hi = 0; hi < 2; ++hi) {
-          const int i = 2 * mt + hi;
-          const float p0 = exp2f(s[mt][nt][2 * hi] - m_row[i]), p1 = exp2f(s[mt][nt][2 * hi + 1] - m_row[i]);
-          l_row[i] += p0 + p1;
-          *reinterpret_cast<__nv_bfloat162*>(ps + (16 * mt + 8 * hi + g) * kLdp + warp * kKeysPerWarp + nt * 8 +
-                                             2 * t) =
-              __floats2bfloat162_rn(p0, p1);
-        }
-#pragma unroll
-    for (int pp = 0; pp < S::kPairsPerWarp; ++pp)
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) o[pp][mt][nt][e] *= alpha[2 * mt + (e >> 1)];
-    __syncthreads();
-
-    // O += P V: V = the tile's latent columns [kTile, C].
-#pragma unroll
-    for (int kk = 0; kk < kTile; kk += 16) {
-      uint32_t a[2][4];
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        ld_a_fragment(a[mt], ps + (mt * 16 + g) * kLdp + kk + 2 * t, kLdp);
-      }
-#pragma unroll
-      for (int pp = 0; pp < S::kPairsPerWarp; ++pp) {
-        const int pair = warp + pp * kWarps;
-        if (S::kPairs % kWarps != 0 && pair >= S::kPairs) break;
-        // Matrices: (keys kk..+7, cols c0..+7), (keys kk+8.., c0..), (kk.., c0+8..), (kk+8.., c0+8..).
-        const int mi = lane >> 3, r = lane & 7;
-        uint32_t bv[4];
-        ldmatrix_x4_trans(bv, kt + (kk + r + 8 * (mi & 1)) * LD + pair * 16 + 8 * (mi >> 1));
+      for (int j = 0; j < KQ; ++j) {
+        const int kk = dq * KQ + j;
+        if (KQ * 4 != S::KK && kk >= S::KK) break;
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
-          mma_bf16(o[pp][mt][0], a[mt], bv[0], bv[1]);
-          mma_bf16(o[pp][mt][1], a[mt], bv[2], bv[3]);
+          // Matrices (keys 0-7, k 0-7), (keys 8-15, k 0-7), (keys 0-7, k 8-15), (keys 8-15, k 8-15).
+          uint32_t a[4];
+          ldmatrix_x4(a, kt + (32 * kg + 16 * mt + r + 8 * (mi & 1)) * LD + kk * 16 + 8 * (mi >> 1));
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) mma_bf16(s[mt][nt], a, qb[j][nt][0], qb[j][nt][1]);
         }
       }
     }
-    __syncthreads();  // the next tile's load reuses this stage, its softmax ps and red
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = 32 * kg + 16 * mt + g + 8 * (e >> 1), h = nt * 8 + 2 * t + (e & 1);
+          part[(dq * kTile + key) * PSTR + h] = s[mt][nt][e];
+        }
+    __syncthreads();
+
+    // Online softmax per head, lane: keys lane and lane + 32 of the tile.
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const int h = warp + 8 * j;
+      if (h >= H) break;  // warp-uniform
+      float z[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int key = lane + 32 * i;
+        const float sc = ((part[key * PSTR + h] + part[(kTile + key) * PSTR + h]) + part[(2 * kTile + key) * PSTR + h]) +
+                         part[(3 * kTile + key) * PSTR + h];
+        z[i] = k0 + key < end ? sc * scale_log2 : -INFINITY;
+      }
+      float mx = fmaxf(z[0], z[1]);
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float m_new = fmaxf(m_h[j], mx);  // finite: the tile holds a key of the sequence
+      const float alpha = exp2f(m_h[j] - m_new);
+      m_h[j] = m_new;
+      const float p0 = exp2f(z[0] - m_new), p1 = exp2f(z[1] - m_new);
+      l_h[j] = l_h[j] * alpha + (p0 + p1);
+      ps[h * kLdp + lane] = __float2bfloat16(p0);
+      ps[h * kLdp + lane + 32] = __float2bfloat16(p1);
+      if (lane == 0) alpha_s[h] = alpha;
+    }
+    __syncthreads();
+
+    // O^T = O^T * alpha + V^T P^T over the tile's 64 keys.
+#pragma unroll
+    for (int j = 0; j < S::kMtPerWarp; ++j) {
+      if (S::kMTiles % kWarps != 0 && warp + kWarps * j >= S::kMTiles) break;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const float a0 = alpha_s[nt * 8 + 2 * t], a1 = alpha_s[nt * 8 + 2 * t + 1];
+        o[j][nt][0] *= a0;
+        o[j][nt][1] *= a1;
+        o[j][nt][2] *= a0;
+        o[j][nt][3] *= a1;
+      }
+    }
+    {
+      const int mi = lane >> 3, r = lane & 7;
+#pragma unroll
+      for (int kk = 0; kk < kTile; kk += 16) {
+        uint32_t bp[NT][2];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const __nv_bfloat16* p_ = ps + (nt * 8 + g) * kLdp + kk + 2 * t;
+          bp[nt][0] = ld32(p_);
+          bp[nt][1] = ld32(p_ + 8);
+        }
+#pragma unroll
+        for (int j = 0; j < S::kMtPerWarp; ++j) {
+          const int c0 = (warp + kWarps * j) * 16;
+          if (S::kMTiles % kWarps != 0 && c0 >= C) break;
+          // Matrices of V [key][c]: (keys 0-7, c 0-7), (keys 0-7, c 8-15), (keys 8-15, c 0-7),
+          // (keys 8-15, c 8-15), transposed: the A fragment of V^T [c][key].
+          uint32_t a[4];
+          ldmatrix_x4_trans(a, kt + (kk + r + 8 * (mi >> 1)) * LD + c0 + 8 * (mi & 1));
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) mma_bf16(o[j][nt], a, bp[nt][0], bp[nt][1]);
+        }
+      }
+    }
+    __syncthreads();  // the next tile's load reuses this stage; its scores reuse part, ps and alpha
   }
 
-  // l: this thread's keys -> the quad's -> every warp's.
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    l_row[i] += __shfl_xor_sync(0xffffffffu, l_row[i], 1);
-    l_row[i] += __shfl_xor_sync(0xffffffffu, l_row[i], 2);
-  }
-  if (t == 0) {
+  for (int j = 0; j < NT; ++j) {
+    const int h = warp + 8 * j;
+    if (h >= H) break;
+    float l = l_h[j];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) red[warp * kRows + 8 * i + g] = l_row[i];
-  }
-  __syncthreads();
-  if (warp == 0 && t == 0) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int h = 8 * i + g;
-      if (h >= H) continue;
-      float l = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) l += red[w * kRows + h];
-      ml[2 * h] = m_row[i];
+    for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+    if (lane == 0) {
+      ml[2 * h] = m_h[j];
       ml[2 * h + 1] = l;
     }
   }
   float* op = o_part + (int64_t(b) * splits + split) * H * C;
 #pragma unroll
-  for (int pp = 0; pp < S::kPairsPerWarp; ++pp) {
-    const int pair = warp + pp * kWarps;
-    if (S::kPairs % kWarps != 0 && pair >= S::kPairs) break;
+  for (int j = 0; j < S::kMtPerWarp; ++j) {
+    const int c0 = (warp + kWarps * j) * 16;
+    if (S::kMTiles % kWarps != 0 && c0 >= C) break;
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int hi = 0; hi < 2; ++hi) {
-          const int h = 16 * mt + 8 * hi + g;
-          if (h >= H) continue;
-          const int c = pair * 16 + nt * 8 + 2 * t;
-          *reinterpret_cast<float2*>(op + int64_t(h) * C + c) =
-              make_float2(o[pp][mt][nt][2 * hi], o[pp][mt][nt][2 * hi + 1]);
-        }
+      for (int e = 0; e < 4; ++e) {
+        const int h = nt * 8 + 2 * t + (e & 1), c = c0 + g + 8 * (e >> 1);
+        if (h < H) op[int64_t(h) * C + c] = o[j][nt][e];
+      }
   }
 }
 
@@ -356,20 +338,26 @@ __global__ void combine_kernel(const float* __restrict__ o_part, const float* __
   }
 }
 
-template <int C, int R>
+// Chunks per sequence from the static shapes (B, the table's W*Z capacity, the SM count): as
+// many as fill the SMs with one wave of CTAs (one resident per SM), at least one, at most one
+// per tile. Measured on an H200 (docs/benchmarks.md): one chunk per sequence is fastest from
+// batch 128 up, four at batch 32; more chunks per sequence than one wave only add CTA set-up and
+// partial results to combine. Returns {splits, chunk}.
+std::pair<int64_t, int64_t> choose_splits(int64_t B, int64_t cap, int sms) {
+  const int64_t tiles = (cap + kTile - 1) / kTile;
+  const int64_t want = std::max<int64_t>(1, std::min<int64_t>(sms / std::max<int64_t>(B, 1), tiles));
+  const int64_t chunk = (tiles + want - 1) / want * kTile;
+  return {(cap + chunk - 1) / chunk, chunk};
+}
+
+template <int C, int R, int NT>
 void launch(const at::Tensor& q_latent, const at::Tensor& q_rope, const at::Tensor& cache,
             const at::Tensor& block_table, const at::Tensor& lengths, double scale, at::Tensor& out) {
-  using S = Shape<C, R>;
+  using S = Shape<C, R, NT>;
   const int64_t B = q_latent.size(0), H = q_latent.size(1), W = block_table.size(1), Z = cache.size(1);
   const int64_t cap = W * Z;
-  // Chunks per sequence from the static shapes: about two CTAs per SM over the batch, at
-  // least one tile each.
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t most = (cap + kTile - 1) / kTile;
-  int64_t splits = std::max<int64_t>(1, std::min<int64_t>((2 * sms + B - 1) / B, most));
-  int64_t chunk = (cap + splits - 1) / splits;
-  chunk = (chunk + kTile - 1) / kTile * kTile;
-  splits = (cap + chunk - 1) / chunk;
+  const auto [splits, chunk] = choose_splits(B, cap, sms);
   // The split kernel loads the queries in 16-byte pieces: rows of contiguous tensors whose
   // starts are 16-byte aligned (a view at an odd offset is copied).
   const auto aligned = [](const at::Tensor& t) {
@@ -380,16 +368,17 @@ void launch(const at::Tensor& q_latent, const at::Tensor& q_rope, const at::Tens
   auto o_part = at::empty({B, splits, H, C}, f32);
   auto ml_part = at::empty({B, splits, H, 2}, f32);
   auto stream = at::cuda::getCurrentCUDAStream();
-  auto kernel = split_kernel<C, R>;
+  auto kernel = split_kernel<C, R, NT>;
+  const std::size_t smem = S::smem;
   static_assert(S::smem <= 227 * 1024, "shared memory of the split kernel");
   static std::array<std::atomic<bool>, 64> raised{};  // per device, once (not again under graph capture)
   const int device = q_latent.get_device();
   if (device >= int(raised.size()) || !raised[std::size_t(device)].load()) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::smem)));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     if (device < int(raised.size())) raised[std::size_t(device)].store(true);
   }
   const float scale_log2 = float(scale * 1.4426950408889634);
-  kernel<<<dim3(unsigned(splits), unsigned(B)), kThreads, S::smem, stream>>>(
+  kernel<<<dim3(unsigned(splits), unsigned(B)), kThreads, smem, stream>>>(
       static_cast<const __nv_bfloat16*>(ql.data_ptr()), static_cast<const __nv_bfloat16*>(qr.data_ptr()),
       static_cast<const __nv_bfloat16*>(cache.data_ptr()), static_cast<const int64_t*>(block_table.data_ptr()),
       static_cast<const int64_t*>(lengths.data_ptr()), static_cast<float*>(o_part.data_ptr()),
@@ -409,8 +398,14 @@ void mla_decode_attention(const at::Tensor& q_latent, const at::Tensor& q_rope, 
                           const at::Tensor& block_table, const at::Tensor& lengths, double scale, at::Tensor& out) {
   const c10::cuda::CUDAGuard guard(q_latent.device());
   const int64_t C = q_latent.size(2), R = q_rope.size(2);
-  if (C == 512 && R == 64) launch<512, 64>(q_latent, q_rope, cache, block_table, lengths, scale, out);
-  else if (C == 32 && R == 8) launch<32, 8>(q_latent, q_rope, cache, block_table, lengths, scale, out);
+  const int64_t H = q_latent.size(1);
+  if (C == 512 && R == 64) {
+    if (H <= 16) launch<512, 64, 2>(q_latent, q_rope, cache, block_table, lengths, scale, out);
+    else if (H <= 24) launch<512, 64, 3>(q_latent, q_rope, cache, block_table, lengths, scale, out);
+    else launch<512, 64, 4>(q_latent, q_rope, cache, block_table, lengths, scale, out);
+  } else if (C == 32 && R == 8) {
+    launch<32, 8, 4>(q_latent, q_rope, cache, block_table, lengths, scale, out);
+  }
   else TORCH_CHECK(false, "mla_decode_attention: no kernel for latent width ", C, " and rope width ", R);
 }
 

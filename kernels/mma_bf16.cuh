@@ -21,6 +21,16 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+/// Four 8x8 bf16 matrices from shared memory (ldmatrix.x4): thread (g = lane / 4, t = lane % 4)
+/// gets elements (g, 2t) and (g, 2t+1) of matrix i in d[i]; p: this thread's row address
+/// (threads 8i..8i+7 give the rows of matrix i).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&d)[4], const __nv_bfloat16* p) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+               : "r"(s));
+}
+
 /// Four 8x8 bf16 matrices from shared memory, transposed (ldmatrix.x4.trans); p: this thread's
 /// row address (threads 8i..8i+7 give the rows of matrix i).
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&d)[4], const __nv_bfloat16* p) {

@@ -123,7 +123,8 @@ TEST_CASE("CUDA: MLA decode kernel equals the reference on ragged lengths, batch
       {20, 512, 64, 16, {3000}},                               // long, one sequence (many chunks)
       {20, 512, 64, 16, {8200, 1, 777, 4096, 130, 5000, 63, 2049}},
       {20, 512, 64, 64, std::vector<int64_t>(96, 0)},          // batch 96, lengths filled below
-      {16, 512, 64, 16, {300, 1, 1025}},                       // H < 20
+      {16, 512, 64, 16, {300, 1, 1025}},                       // H < 20 (two n-tiles of heads)
+      {32, 512, 64, 16, {100, 1, 2000}},                       // H = 32 (four n-tiles of heads)
       {4, 32, 8, 4, {1, 4, 5, 40, 3, 129}},                    // the debug flavor's widths
   };
   for (auto c : cases) {
