@@ -1,0 +1,115 @@
+// The decode step's two bandwidth-bound kernels on the GPU, each against the device's copy rate
+// measured in the same run (read + write bytes of a 2 GiB device-to-device copy):
+// - kernels::mla_decode_attention (absorbed MLA over the paged latent cache) at GLM-4.7-Flash's
+//   widths (20 heads, latent 512, rope 64, pages of 16) for batch x context shapes: time per call
+//   and the cache bytes it must read (B x context x 576 x 2) per second;
+// - kernels::sample_rows over [B, 154880] fp32 logits: plain rows (temperature 1) and rows with
+//   top-p 0.95: time per call and logits bytes per second.
+// Prints one table per kernel. Usage: kiln_bench_decode_kernels [--iters N]
+#include <ATen/cuda/CUDAContext.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kernels/mla_decode.hpp"
+#include "kernels/sampling.hpp"
+
+namespace {
+template <class F>
+double seconds(F f, int iters) {
+  for (int i = 0; i < 3; ++i) f();
+  torch::cuda::synchronize();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < iters; ++i) f();
+  torch::cuda::synchronize();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / iters;
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  int iters = 20;
+  std::string only;
+  bool contiguous = false;  // pages in order (else shuffled, as a long-running engine hands them out)
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--iters") == 0 && i + 1 < argc) {
+      iters = std::atoi(argv[++i]);
+    } else if (std::strcmp(argv[i], "--contiguous-pages") == 0) {
+      contiguous = true;
+    } else if (std::strcmp(argv[i], "--only") == 0 && i + 1 < argc) {
+      only = argv[++i];
+    } else {
+      std::fprintf(stderr, "usage: %s [--iters N] [--only mla|sampling] [--contiguous-pages]\n", argv[0]);
+      return 2;
+    }
+  }
+  if (!only.empty() && only != "mla" && only != "sampling") {
+    std::fprintf(stderr, "kiln_bench_decode_kernels: --only %s: not mla or sampling\n", only.c_str());
+    return 2;
+  }
+  if (iters < 1) {
+    std::fprintf(stderr, "kiln_bench_decode_kernels: --iters %d < 1\n", iters);
+    return 2;
+  }
+  if (!torch::cuda::is_available()) {
+    std::printf("kiln_bench_decode_kernels: needs a GPU\n");
+    return 2;
+  }
+  torch::NoGradGuard no_grad;
+  torch::manual_seed(0);
+  const auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  double copy_gbs = 0;
+  {
+    auto src = torch::randn({int64_t(1) << 30}, bf16), dst = torch::empty_like(src);
+    copy_gbs = 2.0 * double(src.numel()) * 2 / seconds([&] { dst.copy_(src); }, 10) / 1e9;
+  }
+  std::printf("kiln_bench_decode_kernels on %s: copy rate %.0f GB/s (read + write)\n",
+              at::cuda::getCurrentDeviceProperties()->name, copy_gbs);
+
+  const int64_t H = 20, C = 512, R = 64, Z = 16, new_tokens = 32;
+  if (only != "sampling") {
+  std::printf("mla_decode_attention, %lld heads, latent %lld + rope %lld, pages of %lld (%s)\n", (long long)H,
+              (long long)C, (long long)R, (long long)Z, contiguous ? "pages in order" : "pages shuffled");
+  std::printf("%8s %6s %12s %12s %10s\n", "context", "batch", "us", "cache_GB/s", "of_copy");
+  for (int64_t P : {1024, 8192})
+    for (int64_t B : {1, 32, 128, 256}) {
+      const int64_t per = (P + new_tokens + Z - 1) / Z;  // pages per sequence, as the engine sizes them
+      auto cache = torch::randn({B * per, Z, C + R}, bf16);
+      const auto i64 = torch::TensorOptions().dtype(torch::kInt64).device(torch::kCUDA);
+      auto table = (contiguous ? torch::arange(B * per, i64) : torch::randperm(B * per, i64)).view({B, per});
+      auto lengths = torch::full({B}, P, torch::TensorOptions().dtype(torch::kInt64).device(torch::kCUDA));
+      auto ql = torch::randn({B, H, C}, bf16), qr = torch::randn({B, H, R}, bf16);
+      const double scale = 1.0 / std::sqrt(256.0);
+      if (!kiln::kernels::mla_decode_kernel_supports(ql, qr, cache)) {
+        std::printf("mla_decode_attention: the kernel does not take these inputs (no CUDA kernels in this build?)\n");
+        return 2;
+      }
+      const double s = seconds([&] { kiln::kernels::mla_decode_attention(ql, qr, cache, table, lengths, scale); }, iters);
+      const double bytes = double(B) * double(P) * double(C + R) * 2;
+      std::printf("%8lld %6lld %12.1f %12.0f %9.1f%%\n", (long long)P, (long long)B, s * 1e6, bytes / s / 1e9,
+                  100.0 * bytes / s / 1e9 / copy_gbs);
+    }
+  }
+  if (only == "mla") return 0;
+
+  const int64_t V = 154880;
+  std::printf("sample_rows, V = %lld fp32 logits\n", (long long)V);
+  std::printf("%6s %8s %12s %12s %10s\n", "batch", "rows", "us", "logits_GB/s", "of_copy");
+  for (int64_t B : {1, 32, 128, 256})
+    for (bool top_p : {false, true}) {
+      auto logits = 3 * torch::randn({B, V}, torch::TensorOptions().device(torch::kCUDA));
+      auto dev = [](torch::Tensor t) { return t.to(torch::kCUDA); };
+      auto T = dev(torch::ones({B}, torch::kFloat64)), K = dev(torch::zeros({B}, torch::kInt64)),
+           Pp = dev(torch::full({B}, top_p ? 0.95 : 1.0, torch::kFloat64)), seed = dev(torch::arange(B, torch::kInt64)),
+           step = dev(torch::zeros({B}, torch::kInt64));
+      const double s = seconds([&] { kiln::kernels::sample_rows(logits, T, K, Pp, seed, step); }, iters);
+      const double bytes = double(B) * double(V) * 4;
+      std::printf("%6lld %8s %12.1f %12.0f %9.1f%%\n", (long long)B, top_p ? "top_p" : "plain", s * 1e6,
+                  bytes / s / 1e9, 100.0 * bytes / s / 1e9 / copy_gbs);
+    }
+  return 0;
+}
