@@ -93,30 +93,38 @@ void group_sharing(const std::shared_ptr<model::CausalLM>& model, int64_t prompt
   std::printf("GRPO group: %lld samples of one %lld-token prompt, %lld new tokens each\n", (long long)n,
               (long long)prompt, (long long)new_tokens);
   std::printf("%14s %16s %12s %10s %14s\n", "share_prompts", "prefilled_tok", "mean_ttft", "group_s", "same_tokens");
-  std::vector<std::vector<int64_t>> first;
-  for (bool share : {false, true}) {
-    rollout::EngineOptions eo;
-    eo.block_size = 16;
-    eo.max_batch = n;
-    eo.max_prefill_tokens = n * prompt;
-    eo.cache_blocks = n * ((prompt + new_tokens + 15) / 16);
-    eo.share_prompts = share;
-    rollout::Engine engine(model, eo);
-    const messaging::Stopwatch t;
-    auto done = engine.generate(group);
-    const double s = t.seconds();
-    double ttft = 0;
-    std::sort(done.begin(), done.end(), [](const auto& a, const auto& b) { return a.id < b.id; });
-    std::vector<std::vector<int64_t>> tokens;
-    for (const auto& c : done) {
-      ttft += c.time_to_first_token_s / double(done.size());
-      tokens.push_back(c.tokens);
+  // Default kernels, then the true on-policy mode (batch-invariant kernels: a shared prompt's
+  // rows are computed as the unshared ones', so the tokens are equal in bf16 too).
+  const bool invariant_too = model->supports_batch_invariant();
+  for (bool invariant : {false, true}) {
+    if (invariant && !invariant_too) break;
+    std::vector<std::vector<int64_t>> first;
+    for (bool share : {false, true}) {
+      rollout::EngineOptions eo;
+      eo.block_size = 16;
+      eo.max_batch = n;
+      eo.max_prefill_tokens = n * prompt;
+      eo.cache_blocks = n * ((prompt + new_tokens + 15) / 16);
+      eo.share_prompts = share;
+      eo.true_on_policy = invariant;
+      rollout::Engine engine(model, eo);
+      const messaging::Stopwatch t;
+      auto done = engine.generate(group);
+      const double s = t.seconds();
+      double ttft = 0;
+      std::sort(done.begin(), done.end(), [](const auto& a, const auto& b) { return a.id < b.id; });
+      std::vector<std::vector<int64_t>> tokens;
+      for (const auto& c : done) {
+        ttft += c.time_to_first_token_s / double(done.size());
+        tokens.push_back(c.tokens);
+      }
+      if (!share) first = tokens;
+      std::printf("%14s %16lld %11.4fs %9.3fs %14s\n", share ? (invariant ? "on, invariant" : "on") : (invariant ? "off, invariant" : "off"),
+                  (long long)engine.prefilled_tokens(), ttft, s, share ? (tokens == first ? "yes" : "NO") : "-");
+      std::fflush(stdout);
     }
-    if (!share) first = tokens;
-    std::printf("%14s %16lld %11.4fs %9.3fs %14s\n", share ? "on" : "off", (long long)engine.prefilled_tokens(), ttft, s,
-                share ? (tokens == first ? "yes" : "NO") : "-");
-    std::fflush(stdout);
   }
+  model->set_batch_invariant(false);
 }
 
 double median_of(std::vector<double> v) {
