@@ -356,6 +356,7 @@ void launch(const at::Tensor& q_latent, const at::Tensor& q_rope, const at::Tens
   using S = Shape<C, R, NT>;
   const int64_t B = q_latent.size(0), H = q_latent.size(1), W = block_table.size(1), Z = cache.size(1);
   const int64_t cap = W * Z;
+  if (B == 0 || H == 0) return;  // nothing to attend (an empty grid is not a launch)
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const auto [splits, chunk] = choose_splits(B, cap, sms);
   // The split kernel loads the queries in 16-byte pieces: rows of contiguous tensors whose
