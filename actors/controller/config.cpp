@@ -86,7 +86,8 @@ void Config::validate() const {
     return !n.empty() && n.size() <= 3 && n.find_first_not_of("0123456789") == std::string::npos &&
            (n == "0" || n[0] != '0') && std::stoi(n) <= 127;
   };
-  need(is_device(model.device), "model.device", "must be \"cpu\", \"cuda\" or \"cuda:N\" (N in [0, 127])");
+  need(is_device(model.device), "model.device",
+       "must be \"cpu\", \"cuda\" or \"cuda:N\" (N in [0, 127], no leading zeros), got \"" + model.device + "\"");
   need(placement.rollout_engines >= 1 && placement.rollout_engines <= 64, "placement.rollout_engines",
        "must be in [1, 64]");
   need(placement.rollout_engines == 1 || placement.mode == "multi_process", "placement.rollout_engines",
@@ -95,7 +96,7 @@ void Config::validate() const {
        "needs placement.mode \"multi_process\" (engines in their own processes)");
   for (const auto& d : placement.rollout_device)
     need(is_device(d), "placement.rollout_device",
-         "must be \"cpu\", \"cuda\" or \"cuda:N\" (N in [0, 127]; one for every engine, or a list of one per engine), got \"" + d +
+         "must be \"cpu\", \"cuda\" or \"cuda:N\" (N in [0, 127], no leading zeros; one for every engine, or a list of one per engine), got \"" + d +
              "\"");
   need(placement.rollout_device.size() <= 1 ||
            int64_t(placement.rollout_device.size()) == placement.rollout_engines,
@@ -105,7 +106,8 @@ void Config::validate() const {
            " (placement.rollout_engines): give one device for every engine (a string, or a list of one) or one per "
            "engine");
   need(placement.reference_device.empty() || is_device(placement.reference_device), "placement.reference_device",
-       "must be \"\" (model.device), \"cpu\", \"cuda\" or \"cuda:N\" (N in [0, 127])");
+       "must be \"\" (model.device), \"cpu\", \"cuda\" or \"cuda:N\" (N in [0, 127], no leading zeros), got \"" +
+           placement.reference_device + "\"");
   need(placement.reference_device.empty() || placement.reference == "process", "placement.reference_device",
        "needs placement.reference \"process\" (the reference in its own process)");
   need(model.dtype == "fp32" || model.dtype == "bf16", "model.dtype", "must be \"fp32\" or \"bf16\"");
@@ -120,7 +122,8 @@ void Config::validate() const {
        "\"process\" needs placement.mode \"multi_process\" and placement.reference \"process\" "
        "(the controller then holds no model)");
   need(placement.rollout_engines <= a.prompts_per_step, "placement.rollout_engines",
-       "must be <= algorithm.prompts_per_step (each engine gets whole prompt groups)");
+       "must be <= algorithm.prompts_per_step (each engine gets whole prompt groups), got " +
+           std::to_string(placement.rollout_engines) + " engines for " + std::to_string(a.prompts_per_step) + " prompts");
   need(placement.engine_restarts >= 0 && placement.engine_restarts <= 20, "placement.engine_restarts",
        "must be in [0, 20]");
   const auto& par = parallel;

@@ -241,6 +241,12 @@ TEST_CASE("placement.rollout_device: one device for every engine or one per engi
   ExperimentConfig d;
   d.set("model.device=cuda:007");
   CHECK_THROWS_WITH_AS(d.validate(), doctest::Contains("'model.device' must be"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(d.validate(), doctest::Contains("got \"cuda:007\""), std::invalid_argument);  // the value named
+  ExperimentConfig r;
+  for (const char* kv : {"placement.mode=multi_process", "placement.reference=process", "placement.reference_device=gpu"})
+    r.set(kv);
+  CHECK_THROWS_WITH_AS(r.validate(), doctest::Contains("'placement.reference_device' must be"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(r.validate(), doctest::Contains("got \"gpu\""), std::invalid_argument);
 }
 
 TEST_CASE("max_new_tokens that cannot fit the engine's cache with a prompt is refused before the run") {
