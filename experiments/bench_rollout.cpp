@@ -92,6 +92,8 @@ void group_sharing(const std::shared_ptr<model::CausalLM>& model, int64_t prompt
   }
   std::printf("GRPO group: %lld samples of one %lld-token prompt, %lld new tokens each\n", (long long)n,
               (long long)prompt, (long long)new_tokens);
+  std::printf("(same_tokens: the shared run's tokens against the unshared run's of the same mode; \"invariant\": the true "
+              "on-policy mode's batch-invariant kernels)\n");
   std::printf("%14s %16s %12s %10s %14s\n", "share_prompts", "prefilled_tok", "mean_ttft", "group_s", "same_tokens");
   // Default kernels, then the true on-policy mode (batch-invariant kernels: a shared prompt's
   // rows are computed as the unshared ones', so the tokens are equal in bf16 too).

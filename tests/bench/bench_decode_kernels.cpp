@@ -5,10 +5,12 @@
 //   and the cache bytes it must read (B x context x 576 x 2) per second;
 // - kernels::sample_rows over [B, 154880] fp32 logits: plain rows (temperature 1) and rows with
 //   top-p 0.95: time per call and logits bytes per second.
-// Prints one table per kernel. Usage: kiln_bench_decode_kernels [--iters N]
+// Prints one table per kernel.
+// Usage: kiln_bench_decode_kernels [--iters N] [--only mla|sampling] [--contiguous-pages]
 #include <ATen/cuda/CUDAContext.h>
 #include <torch/torch.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -35,25 +37,34 @@ int main(int argc, char** argv) {
   int iters = 20;
   std::string only;
   bool contiguous = false;  // pages in order (else shuffled, as a long-running engine hands them out)
+  const char* usage = "usage: kiln_bench_decode_kernels [--iters N] [--only mla|sampling] [--contiguous-pages]\n";
   for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--iters") == 0 && i + 1 < argc) {
-      iters = std::atoi(argv[++i]);
-    } else if (std::strcmp(argv[i], "--contiguous-pages") == 0) {
+    const std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      std::printf("%s", usage);
+      return 0;
+    } else if (a == "--iters" && i + 1 < argc) {
+      const std::string v = argv[++i];
+      char* end = nullptr;
+      errno = 0;
+      const long n = std::strtol(v.c_str(), &end, 10);
+      if (v.empty() || *end != '\0' || errno == ERANGE || n < 1 || n > 100000) {
+        std::fprintf(stderr, "kiln_bench_decode_kernels: --iters '%s': not a whole number in [1, 100000]\n", v.c_str());
+        return 2;
+      }
+      iters = int(n);
+    } else if (a == "--contiguous-pages") {
       contiguous = true;
-    } else if (std::strcmp(argv[i], "--only") == 0 && i + 1 < argc) {
+    } else if (a == "--only" && i + 1 < argc) {
       only = argv[++i];
+      if (only != "mla" && only != "sampling") {
+        std::fprintf(stderr, "kiln_bench_decode_kernels: --only %s: not mla or sampling\n", only.c_str());
+        return 2;
+      }
     } else {
-      std::fprintf(stderr, "usage: %s [--iters N] [--only mla|sampling] [--contiguous-pages]\n", argv[0]);
+      std::fprintf(stderr, "kiln_bench_decode_kernels: unknown or incomplete argument '%s'\n%s", a.c_str(), usage);
       return 2;
     }
-  }
-  if (!only.empty() && only != "mla" && only != "sampling") {
-    std::fprintf(stderr, "kiln_bench_decode_kernels: --only %s: not mla or sampling\n", only.c_str());
-    return 2;
-  }
-  if (iters < 1) {
-    std::fprintf(stderr, "kiln_bench_decode_kernels: --iters %d < 1\n", iters);
-    return 2;
   }
   if (!torch::cuda::is_available()) {
     std::printf("kiln_bench_decode_kernels: needs a GPU\n");
