@@ -121,8 +121,9 @@ void group_sharing(const std::shared_ptr<model::CausalLM>& model, int64_t prompt
         tokens.push_back(c.tokens);
       }
       if (!share) first = tokens;
-      std::printf("%14s %16lld %11.4fs %9.3fs %14s\n", share ? (invariant ? "on, invariant" : "on") : (invariant ? "off, invariant" : "off"),
-                  (long long)engine.prefilled_tokens(), ttft, s, share ? (tokens == first ? "yes" : "NO") : "-");
+      const char* row = share ? (invariant ? "on, invariant" : "on") : (invariant ? "off, invariant" : "off");
+      std::printf("%14s %16lld %11.4fs %9.3fs %14s\n", row, (long long)engine.prefilled_tokens(), ttft, s,
+                  share ? (tokens == first ? "yes" : "NO") : "-");
       std::fflush(stdout);
     }
   }

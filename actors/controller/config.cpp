@@ -5,10 +5,73 @@
 
 namespace kiln::controller {
 
+namespace {
+
+void need(bool ok, const std::string& key, const std::string& why) {
+  if (!ok) throw std::invalid_argument("experiment: key '" + key + "' " + why);
+}
+
+// "cuda:N" in torch's own spelling: N without leading zeros and within c10::DeviceIndex
+// (int8_t, so <= 127); "cuda:01" would pass a digits-only check, then fail in torch, and
+// dodge the one-GPU-each check below as a name other than "cuda:1".
+bool is_device(const std::string& d) {
+  if (d == "cpu" || d == "cuda") return true;
+  if (d.rfind("cuda:", 0) != 0) return false;
+  const auto n = d.substr(5);
+  return !n.empty() && n.size() <= 3 && n.find_first_not_of("0123456789") == std::string::npos &&
+         (n == "0" || n[0] != '0') && std::stoi(n) <= 127;
+}
+
+// Where the actors run: placement.*, model.device and model.dtype.
+void validate_placement(const Config& c) {
+  need(c.placement.mode == "single_process" || c.placement.mode == "multi_process", "placement.mode",
+       "must be \"single_process\" or \"multi_process\" (rollout engine in a kiln node child process)");
+  need(is_device(c.model.device), "model.device",
+       "must be \"cpu\", \"cuda\" or \"cuda:N\" (N in [0, 127], no leading zeros), got \"" + c.model.device + "\"");
+  need(c.placement.rollout_engines >= 1 && c.placement.rollout_engines <= 64, "placement.rollout_engines",
+       "must be in [1, 64]");
+  need(c.placement.rollout_engines == 1 || c.placement.mode == "multi_process", "placement.rollout_engines",
+       "must be 1 with placement.mode \"single_process\" (several engines run as kiln node processes)");
+  need(c.placement.rollout_device.empty() || c.placement.mode == "multi_process", "placement.rollout_device",
+       "needs placement.mode \"multi_process\" (engines in their own processes)");
+  for (const auto& d : c.placement.rollout_device)
+    need(is_device(d), "placement.rollout_device",
+         "must be \"cpu\", \"cuda\" or \"cuda:N\" (N in [0, 127], no leading zeros; one for every engine, or a "
+         "list of one per engine), got \"" + d + "\"");
+  need(c.placement.rollout_device.size() <= 1 ||
+           int64_t(c.placement.rollout_device.size()) == c.placement.rollout_engines,
+       "placement.rollout_device",
+       "lists " + std::to_string(c.placement.rollout_device.size()) + " devices for " +
+           std::to_string(c.placement.rollout_engines) + (c.placement.rollout_engines == 1 ? " engine" : " engines") +
+           " (placement.rollout_engines): give one device for every engine (a string, or a list of one) or one per "
+           "engine");
+  need(c.placement.reference_device.empty() || is_device(c.placement.reference_device), "placement.reference_device",
+       "must be \"\" (model.device), \"cpu\", \"cuda\" or \"cuda:N\" (N in [0, 127], no leading zeros), got \"" +
+           c.placement.reference_device + "\"");
+  need(c.placement.reference_device.empty() || c.placement.reference == "process", "placement.reference_device",
+       "needs placement.reference \"process\" (the reference in its own process)");
+  need(c.model.dtype == "fp32" || c.model.dtype == "bf16", "model.dtype", "must be \"fp32\" or \"bf16\"");
+  need(c.placement.reference == "controller" || c.placement.reference == "process", "placement.reference",
+       "must be \"controller\" or \"process\"");
+  need(c.placement.reference == "controller" || c.placement.mode == "multi_process", "placement.reference",
+       "must be \"controller\" with placement.mode \"single_process\"");
+  need(c.placement.trainer == "controller" || c.placement.trainer == "process", "placement.trainer",
+       "must be \"controller\" or \"process\"");
+  need(c.placement.trainer == "controller" || (c.placement.mode == "multi_process" && c.placement.reference == "process"),
+       "placement.trainer",
+       "\"process\" needs placement.mode \"multi_process\" and placement.reference \"process\" "
+       "(the controller then holds no model)");
+  need(c.placement.rollout_engines <= c.algorithm.prompts_per_step, "placement.rollout_engines",
+       "must be <= algorithm.prompts_per_step (each engine gets whole prompt groups), got " +
+           std::to_string(c.placement.rollout_engines) + " engines for " + std::to_string(c.algorithm.prompts_per_step) +
+           " prompts");
+  need(c.placement.engine_restarts >= 0 && c.placement.engine_restarts <= 20, "placement.engine_restarts",
+       "must be in [0, 20]");
+}
+
+}  // namespace
+
 void Config::validate() const {
-  auto need = [](bool ok, const std::string& key, const std::string& why) {
-    if (!ok) throw std::invalid_argument("experiment: key '" + key + "' " + why);
-  };
   const auto& a = algorithm;
   need(run.steps >= 1, "run.steps", "must be >= 1");
   need(!run.output_dir.empty(), "run.output_dir", "must not be empty");
@@ -74,58 +137,7 @@ void Config::validate() const {
          "contradicts rollout.cuda_graphs = true: the captured decode step attends in latent space, not with the "
          "trainer's formula; set rollout.cuda_graphs = false");
   }
-  need(placement.mode == "single_process" || placement.mode == "multi_process", "placement.mode",
-       "must be \"single_process\" or \"multi_process\" (rollout engine in a kiln node child process)");
-  // "cuda:N" in torch's own spelling: N without leading zeros and within c10::DeviceIndex
-  // (int8_t, so <= 127); "cuda:01" would pass a digits-only check, then fail in torch, and
-  // dodge the one-GPU-each check below as a name other than "cuda:1".
-  auto is_device = [](const std::string& d) {
-    if (d == "cpu" || d == "cuda") return true;
-    if (d.rfind("cuda:", 0) != 0) return false;
-    const auto n = d.substr(5);
-    return !n.empty() && n.size() <= 3 && n.find_first_not_of("0123456789") == std::string::npos &&
-           (n == "0" || n[0] != '0') && std::stoi(n) <= 127;
-  };
-  need(is_device(model.device), "model.device",
-       "must be \"cpu\", \"cuda\" or \"cuda:N\" (N in [0, 127], no leading zeros), got \"" + model.device + "\"");
-  need(placement.rollout_engines >= 1 && placement.rollout_engines <= 64, "placement.rollout_engines",
-       "must be in [1, 64]");
-  need(placement.rollout_engines == 1 || placement.mode == "multi_process", "placement.rollout_engines",
-       "must be 1 with placement.mode \"single_process\" (several engines run as kiln node processes)");
-  need(placement.rollout_device.empty() || placement.mode == "multi_process", "placement.rollout_device",
-       "needs placement.mode \"multi_process\" (engines in their own processes)");
-  for (const auto& d : placement.rollout_device)
-    need(is_device(d), "placement.rollout_device",
-         "must be \"cpu\", \"cuda\" or \"cuda:N\" (N in [0, 127], no leading zeros; one for every engine, or a list of one per engine), got \"" + d +
-             "\"");
-  need(placement.rollout_device.size() <= 1 ||
-           int64_t(placement.rollout_device.size()) == placement.rollout_engines,
-       "placement.rollout_device",
-       "lists " + std::to_string(placement.rollout_device.size()) + " devices for " +
-           std::to_string(placement.rollout_engines) + (placement.rollout_engines == 1 ? " engine" : " engines") +
-           " (placement.rollout_engines): give one device for every engine (a string, or a list of one) or one per "
-           "engine");
-  need(placement.reference_device.empty() || is_device(placement.reference_device), "placement.reference_device",
-       "must be \"\" (model.device), \"cpu\", \"cuda\" or \"cuda:N\" (N in [0, 127], no leading zeros), got \"" +
-           placement.reference_device + "\"");
-  need(placement.reference_device.empty() || placement.reference == "process", "placement.reference_device",
-       "needs placement.reference \"process\" (the reference in its own process)");
-  need(model.dtype == "fp32" || model.dtype == "bf16", "model.dtype", "must be \"fp32\" or \"bf16\"");
-  need(placement.reference == "controller" || placement.reference == "process", "placement.reference",
-       "must be \"controller\" or \"process\"");
-  need(placement.reference == "controller" || placement.mode == "multi_process", "placement.reference",
-       "must be \"controller\" with placement.mode \"single_process\"");
-  need(placement.trainer == "controller" || placement.trainer == "process", "placement.trainer",
-       "must be \"controller\" or \"process\"");
-  need(placement.trainer == "controller" || (placement.mode == "multi_process" && placement.reference == "process"),
-       "placement.trainer",
-       "\"process\" needs placement.mode \"multi_process\" and placement.reference \"process\" "
-       "(the controller then holds no model)");
-  need(placement.rollout_engines <= a.prompts_per_step, "placement.rollout_engines",
-       "must be <= algorithm.prompts_per_step (each engine gets whole prompt groups), got " +
-           std::to_string(placement.rollout_engines) + " engines for " + std::to_string(a.prompts_per_step) + " prompts");
-  need(placement.engine_restarts >= 0 && placement.engine_restarts <= 20, "placement.engine_restarts",
-       "must be in [0, 20]");
+  validate_placement(*this);
   const auto& par = parallel;
   need(par.dp >= 1 && par.dp <= 1024, "parallel.dp", "must be in [1, 1024]");
   need(par.ep >= 1 && par.ep <= 1024, "parallel.ep", "must be in [1, 1024]");
