@@ -345,7 +345,7 @@ __global__ void combine_kernel(const float* __restrict__ o_part, const float* __
 // partial results to combine. Returns {splits, chunk}.
 std::pair<int64_t, int64_t> choose_splits(int64_t B, int64_t cap, int sms) {
   const int64_t tiles = (cap + kTile - 1) / kTile;
-  const int64_t want = std::max<int64_t>(1, std::min<int64_t>(sms / std::max<int64_t>(B, 1), tiles));
+  const int64_t want = std::max<int64_t>(1, std::min<int64_t>(sms / B, tiles));  // B >= 1: the launcher returns on 0
   const int64_t chunk = (tiles + want - 1) / want * kTile;
   return {(cap + chunk - 1) / chunk, chunk};
 }

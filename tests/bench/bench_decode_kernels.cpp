@@ -12,11 +12,10 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <string>
-#include <vector>
 
 #include "kernels/mla_decode.hpp"
 #include "kernels/sampling.hpp"
