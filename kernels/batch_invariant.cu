@@ -35,14 +35,13 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
-#include <array>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 
 #include "kernels/dtype.cuh"
 #include "kernels/batch_invariant_cuda.hpp"
 #include "kernels/mma_bf16.cuh"
+#include "kernels/smem_opt_in.cuh"
 
 namespace kiln::kernels::cuda {
 
@@ -58,14 +57,6 @@ void dispatch_float(at::ScalarType t, const char* op, F f) {
   }
 }
 
-// Raises a kernel's dynamic shared-memory limit once per device (not again under graph capture).
-template <class Kernel>
-void allow_smem(Kernel kernel, std::size_t bytes, std::array<std::atomic<bool>, 64>& raised, int device) {
-  if (bytes <= 48 * 1024) return;
-  if (device < int(raised.size()) && raised[std::size_t(device)].load()) return;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-  if (device < int(raised.size())) raised[std::size_t(device)].store(true);
-}
 
 // ---------------------------------------------------------------------------------------------
 // Segments (groups of rows / sequences of queries) -> tiles, on the device.
@@ -316,9 +307,9 @@ __global__ void __launch_bounds__(kSimtThreads) gemm_simt_kernel(GemmParams p) {
 template <int BM, int BN, int WM, int WN, int BK, int STAGES, class Out>
 void launch_mma(const GemmParams& p, int64_t mtiles, int device) {
   using S = MmaTile<BM, BN, WM, WN, BK, STAGES>;
-  static std::array<std::atomic<bool>, 64> raised{};
+  static SmemOptIn opt_in;
   auto kernel = gemm_mma_kernel<S, BM, BN, WM, WN, Out>;
-  allow_smem(kernel, S::smem, raised, device);
+  opt_in.raise(kernel, S::smem, device);
   const dim3 grid(unsigned(mtiles), unsigned((p.N + BN - 1) / BN));
   kernel<<<grid, S::kThreads, S::smem, at::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -812,9 +803,9 @@ namespace {
 template <int DQK, int DV, int W>
 void launch_attention_mma(const AttnParams& p, int64_t tiles, int device) {
   constexpr std::size_t smem = sizeof(__nv_bfloat16) * ((16 * W + kKB) * (DQK + 8) + kKB * (DV + 8));
-  static std::array<std::atomic<bool>, 64> raised{};
+  static SmemOptIn opt_in;
   auto kernel = attention_mma_kernel<DQK, DV, W>;
-  allow_smem(kernel, smem, raised, device);
+  opt_in.raise(kernel, smem, device);
   kernel<<<dim3(unsigned(tiles), unsigned(p.H)), 32 * W, smem, at::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -855,9 +846,9 @@ at::Tensor bi_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at:
   auto seg = segment_tiles(cq, true, B, kQB, q.device());
   p.first_tile = seg.data_ptr<int64_t>() + B;
   dispatch_float(q.scalar_type(), "bi_attention", [&](auto tag) {
-    static std::array<std::atomic<bool>, 64> raised{};
+    static SmemOptIn opt_in;
     auto kernel = attention_kernel<decltype(tag)>;
-    allow_smem(kernel, smem, raised, device);
+    opt_in.raise(kernel, smem, device);
     const dim3 grid(unsigned((Tq + kQB - 1) / kQB + B), unsigned(H));
     kernel<<<grid, kAttnThreads, smem, at::cuda::getCurrentCUDAStream()>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

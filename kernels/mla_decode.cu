@@ -28,14 +28,13 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
-#include <array>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <utility>
 
 #include "kernels/mla_decode_cuda.hpp"
 #include "kernels/mma_bf16.cuh"
+#include "kernels/smem_opt_in.cuh"
 
 namespace kiln::kernels::cuda {
 
@@ -372,12 +371,8 @@ void launch(const at::Tensor& q_latent, const at::Tensor& q_rope, const at::Tens
   auto kernel = split_kernel<C, R, NT>;
   const std::size_t smem = S::smem;
   static_assert(S::smem <= 227 * 1024, "shared memory of the split kernel");
-  static std::array<std::atomic<bool>, 64> raised{};  // per device, once (not again under graph capture)
-  const int device = q_latent.get_device();
-  if (device >= int(raised.size()) || !raised[std::size_t(device)].load()) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    if (device < int(raised.size())) raised[std::size_t(device)].store(true);
-  }
+  static SmemOptIn opt_in;
+  opt_in.raise(kernel, smem, q_latent.get_device());
   const float scale_log2 = float(scale * 1.4426950408889634);
   kernel<<<dim3(unsigned(splits), unsigned(B)), kThreads, smem, stream>>>(
       static_cast<const __nv_bfloat16*>(ql.data_ptr()), static_cast<const __nv_bfloat16*>(qr.data_ptr()),

@@ -14,12 +14,11 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <array>
-#include <atomic>
 #include <cstdint>
 
 #include "kernels/dtype.cuh"
 #include "kernels/moe_dispatch_cuda.hpp"
+#include "kernels/smem_opt_in.cuh"
 
 namespace kiln::kernels::cuda {
 
@@ -102,14 +101,9 @@ void dispatch_order(const at::Tensor& ids, int64_t num_experts, at::Tensor& slot
   TORCH_CHECK(M >= 1 && M <= kDispatchMaxSlots && E >= 1 && E <= kDispatchMaxExperts, "dispatch_order: kernel for ",
               "1..", kDispatchMaxSlots, " slots and 1..", kDispatchMaxExperts, " experts, got ", M, " and ", E);
   const std::size_t smem = sizeof(int) * std::size_t((kWarps + 2) * E);
-  // Past 48 KB (E > 353) the kernel must opt in: once per device, for the largest E.
-  static std::array<std::atomic<bool>, 64> raised{};
-  const int device = ids.get_device();
-  if (smem > 48 * 1024 && (device >= int(raised.size()) || !raised[std::size_t(device)].load())) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(dispatch_order_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        int(sizeof(int) * (kWarps + 2) * kDispatchMaxExperts)));
-    if (device < int(raised.size())) raised[std::size_t(device)].store(true);
-  }
+  // Past 48 KB (E > 353) the kernel must opt in: for the largest E, once per device.
+  static SmemOptIn opt_in;
+  opt_in.raise(dispatch_order_kernel, sizeof(int) * std::size_t((kWarps + 2) * kDispatchMaxExperts), ids.get_device());
   dispatch_order_kernel<<<1, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
       ids.data_ptr<int64_t>(), M, K, E, slot.data_ptr<int64_t>(), token_index.data_ptr<int64_t>(),
       row_of_slot.data_ptr<int64_t>(), counts.data_ptr<int64_t>());
