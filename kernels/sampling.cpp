@@ -32,7 +32,8 @@ void check(const at::Tensor& logits, const at::Tensor& temperature, const at::Te
 
 bool sample_rows_uses_kernel(const at::Tensor& logits) {
 #ifdef KILN_CUDA
-  return logits.is_cuda() && logits.scalar_type() == at::kFloat;
+  return logits.is_cuda() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
+         logits.size(1) <= cuda::kMaxVocab;
 #else
   (void)logits;
   return false;

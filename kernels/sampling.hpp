@@ -18,12 +18,12 @@
 // logits [B, V] fp32; temperature [B] fp64 (>= 0); top_k [B] int64 (>= 0); top_p [B] fp64 in
 // (0, 1]; seed [B] int64 (the request's seed, its bits as uint64); step [B] int64 (>= 0, the
 // token's index in its completion) -> [B, 3] fp64: token id, logprob (nats), entropy (nats).
-// CUDA fp32 logits run kernels/sampling.cu (Hopper: a plain row over a cluster of 8 CTAs, a row
-// with top-k or top-p on one CTA; no host sync: capturable in a CUDA graph; the parameters on the
-// logits' device); anything else the LibTorch reference sample_rows_ref (it reads the parameters
-// on the host, from any device). The two draw the same token except where their cumulative sums
-// round differently at a token boundary. Throws c10::Error on shape
-// or dtype mismatch.
+// CUDA fp32 logits of V <= kernels::cuda::kMaxVocab (393216) run kernels/sampling.cu (Hopper:
+// each row over a cluster of 8 CTAs, each holding its slice of the row in shared memory; no host
+// sync: capturable in a CUDA graph; the parameters on the logits' device); anything else the
+// LibTorch reference sample_rows_ref (it reads the parameters on the host, from any device). The
+// two draw the same token except where their cumulative sums round differently at a token
+// boundary. Throws c10::Error on shape or dtype mismatch.
 #include <ATen/core/Tensor.h>
 
 namespace kiln::kernels {

@@ -3,8 +3,8 @@
 // - kernels::mla_decode_attention (absorbed MLA over the paged latent cache) at GLM-4.7-Flash's
 //   widths (20 heads, latent 512, rope 64, pages of 16) for batch x context shapes: time per call
 //   and the cache bytes it must read (B x context x 576 x 2) per second;
-// - kernels::sample_rows over [B, 154880] fp32 logits: plain rows (temperature 1) and rows with
-//   top-p 0.95: time per call and logits bytes per second.
+// - kernels::sample_rows over [B, 154880] fp32 logits: plain rows (temperature 1), rows with
+//   top-p 0.95 and rows with top-k 50: time per call and logits bytes per second.
 // Prints one table per kernel.
 // Usage: kiln_bench_decode_kernels [--iters N] [--only mla|sampling] [--contiguous-pages]
 #include <ATen/cuda/CUDAContext.h>
@@ -110,16 +110,17 @@ int main(int argc, char** argv) {
   std::printf("sample_rows, V = %lld fp32 logits\n", (long long)V);
   std::printf("%6s %8s %12s %12s %10s\n", "batch", "rows", "us", "logits_GB/s", "of_copy");
   for (int64_t B : {1, 32, 128, 256})
-    for (bool top_p : {false, true}) {
+    for (const std::string rows : {"plain", "top_p", "top_k"}) {
       auto logits = 3 * torch::randn({B, V}, torch::TensorOptions().device(torch::kCUDA));
       auto dev = [](torch::Tensor t) { return t.to(torch::kCUDA); };
-      auto T = dev(torch::ones({B}, torch::kFloat64)), K = dev(torch::zeros({B}, torch::kInt64)),
-           Pp = dev(torch::full({B}, top_p ? 0.95 : 1.0, torch::kFloat64)), seed = dev(torch::arange(B, torch::kInt64)),
-           step = dev(torch::zeros({B}, torch::kInt64));
+      auto T = dev(torch::ones({B}, torch::kFloat64)),
+           K = dev(torch::full({B}, rows == "top_k" ? 50 : 0, torch::kInt64)),
+           Pp = dev(torch::full({B}, rows == "top_p" ? 0.95 : 1.0, torch::kFloat64)),
+           seed = dev(torch::arange(B, torch::kInt64)), step = dev(torch::zeros({B}, torch::kInt64));
       const double s = seconds([&] { kiln::kernels::sample_rows(logits, T, K, Pp, seed, step); }, iters);
       const double bytes = double(B) * double(V) * 4;
-      std::printf("%6lld %8s %12.1f %12.0f %9.1f%%\n", (long long)B, top_p ? "top_p" : "plain", s * 1e6,
-                  bytes / s / 1e9, 100.0 * bytes / s / 1e9 / copy_gbs);
+      std::printf("%6lld %8s %12.1f %12.0f %9.1f%%\n", (long long)B, rows.c_str(), s * 1e6, bytes / s / 1e9,
+                  100.0 * bytes / s / 1e9 / copy_gbs);
     }
   return 0;
 }

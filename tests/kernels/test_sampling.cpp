@@ -1,11 +1,13 @@
 // Batched sampling (kernels/sampling.hpp) and its counter-based generator (kernels/philox.hpp):
 // Philox against Random123's known answers; the LibTorch reference's draws against the
 // distribution (CPU); the CUDA kernel against the reference on fresh random logits of the
-// vocabulary's size (tokens, log-probs, entropies), run to run, and inside a CUDA graph.
+// vocabulary's size (tokens, log-probs, entropies), at ties and peaks, run to run, and inside a
+// CUDA graph; past the kernel's vocabulary, the reference.
 #include <doctest/doctest.h>
 #include <torch/torch.h>
 
 #include <cmath>
+#include <vector>
 
 #include "kernels/cuda_graph.hpp"
 #include "kernels/philox.hpp"
@@ -146,6 +148,60 @@ TEST_CASE("CUDA: the sampling kernel draws the reference's tokens, log-probs and
     CAPTURE(same);
     CHECK(same >= B - 2);  // a token may differ only where cumulative sums round differently at a boundary
   }
+}
+
+TEST_CASE("CUDA: the sampling kernel at ties and peaks draws the reference's tokens, and a row past its vocabulary falls back") {
+  if (skip_without_cuda_kernels()) return;
+  const torch::Device dev(torch::kCUDA);
+  const int64_t V = 154880, B = 40;
+  auto logits = torch::zeros({B, V});
+  std::vector<double> t, p;
+  std::vector<int64_t> k, only;  // only: the one token a row can draw (-1: any)
+  for (int64_t b = 0; b < B; ++b) {
+    const int kind = int(b % 8);
+    auto row = logits[b];
+    int64_t one = -1;
+    if (kind == 2 || kind == 3) {  // one finite logit: the rest masked
+      one = (b * 7919) % V;
+      row.fill_(-INFINITY);
+      row[one] = 1.5f;
+    } else if (kind == 4 || kind == 5) {  // ten large logits over noise: the nucleus is theirs
+      row.copy_(torch::randn({V}));
+      row.index_put_({torch::arange(b, V, V / 10)}, 25.0f);
+    } else if (kind == 6 || kind == 7) {  // three tied maxima: top-k 2 keeps all three
+      row.copy_(torch::randn({V}) - 10);
+      row.index_put_({torch::tensor({int64_t(5), b * 100, V - 1})}, 4.0f);
+    }  // kinds 0, 1: every logit equal (all tied: top-k and top-p keep the whole row)
+    t.push_back(kind % 2 ? 1.0 : 0.8);
+    k.push_back(kind == 0 ? 50 : kind == 3 ? 5 : kind == 6 || kind == 7 ? 2 : 0);
+    p.push_back(kind == 1 ? 0.3 : kind == 2 || kind == 4 ? 0.9 : kind == 5 ? 0.2 : kind == 7 ? 0.5 : 1.0);
+    only.push_back(one);
+  }
+  Rows rows{torch::tensor(t, torch::kFloat64), torch::tensor(k, torch::kInt64), torch::tensor(p, torch::kFloat64),
+            torch::arange(500, 500 + B, torch::kInt64), torch::arange(0, B, torch::kInt64)};
+  REQUIRE(kernels::sample_rows_uses_kernel(logits.to(dev)));
+  auto ref = sample(logits, rows, /*ref=*/true);
+  auto got = sample(logits.to(dev), rows.to(dev), /*ref=*/false).cpu();
+  int same = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    CAPTURE(b);
+    const int64_t tok = int64_t(got[b][0].item<double>()), want = int64_t(ref[b][0].item<double>());
+    if (b % 8 < 2)  // a flat row: the reference's fp32 cumsum of 154880 equal terms drifts a few tokens
+      CHECK(std::abs(tok - want) <= V / 1000);
+    else
+      same += tok == want;
+    if (only[std::size_t(b)] >= 0) CHECK(tok == only[std::size_t(b)]);
+    if (b % 8 == 4 || b % 8 == 5) CHECK(logits[b][tok].item<float>() == 25.0f);
+    if (b % 8 == 6 || b % 8 == 7) CHECK(logits[b][tok].item<float>() == 4.0f);
+    CHECK(got[b][1].item<double>() == doctest::Approx(ref[b][1].item<double>()).epsilon(1e-4));
+  }
+  CAPTURE(same);
+  CHECK(same >= B - B / 4 - 1);  // the 30 rows past the flat ones
+  // Past the kernel's vocabulary (each CTA's slice in shared memory), sample_rows is the reference.
+  auto wide = torch::randn({2, 400000});
+  Rows two = same_rows(2, 1.0, 0, 0.9, 3);
+  CHECK_FALSE(kernels::sample_rows_uses_kernel(wide.to(dev)));
+  CHECK(torch::equal(sample(wide.to(dev), two.to(dev), false), sample(wide.to(dev), two.to(dev), true)));
 }
 
 TEST_CASE("CUDA: the sampling kernel's frequencies follow the distribution, top-k and top-p sets included") {
