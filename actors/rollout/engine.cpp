@@ -90,6 +90,25 @@ Engine::Sequence* Engine::prompt_holder(const Sequence& s, const std::vector<std
   return nullptr;
 }
 
+void Engine::HostRows::append(const torch::Tensor& t, int64_t start, int64_t count) {
+  if (rows == 0) {
+    a = t.size(1);
+    w = t.size(2);
+  } else if (t.size(1) != a || t.size(2) != w) {
+    throw std::logic_error("engine: routing rows of [" + std::to_string(t.size(1)) + ", " + std::to_string(t.size(2)) +
+                           "] after rows of [" + std::to_string(a) + ", " + std::to_string(w) + "]");
+  }
+  const int64_t* p = t.data_ptr<int64_t>() + start * a * w;
+  values.insert(values.end(), p, p + count * a * w);
+  rows += count;
+}
+
+torch::Tensor Engine::HostRows::tensor() const {
+  auto t = torch::empty({rows, a, w}, torch::kInt64);
+  std::copy(values.begin(), values.end(), t.data_ptr<int64_t>());
+  return t;
+}
+
 void Engine::release(Sequence& s) {
   if (s.slot >= 0) free_slots_.push_back(s.slot);
   s.slot = -1;
@@ -110,7 +129,7 @@ void Engine::check(const GenerationRequest& request) const {
 
 void Engine::submit(GenerationRequest request) {
   check(request);
-  auto s = std::make_unique<Sequence>(Sequence{std::move(request), {}, {}, {}, 0, Clock::now()});
+  auto s = std::make_unique<Sequence>(Sequence{std::move(request), {}, {}, {}, {}, 0, Clock::now()});
   s->out.id = s->request.id;
   s->out.prompt = s->request.prompt;
   waiting_.push_back(std::move(s));
@@ -200,7 +219,7 @@ std::vector<Completion> Engine::step() {
     auto g = graphs_->run(ids, pos, pages, params, steps);
     logits = g.logits;
     sampled = g.sampled;
-    experts = g.routed_experts.to(torch::kCPU);
+    experts = g.routed_experts.to(torch::kCPU).contiguous();
   } else if (!batch.empty()) {
     auto out = model_->forward_cached(torch::tensor(ids, torch::kInt64).to(device),
                                       torch::tensor(pos, torch::kInt64).to(device), slices, *cache_,
@@ -208,19 +227,20 @@ std::vector<Completion> Engine::step() {
     std::vector<int64_t> last;
     for (const auto& sl : slices) last.push_back(sl.start + sl.count - 1);
     h = out.hidden.index_select(0, torch::tensor(last, torch::kInt64).to(device));
-    experts = out.routed_experts.to(torch::kCPU);
-    if (out.topk_indices.defined()) topk = out.topk_indices.to(torch::kCPU);
+    experts = out.routed_experts.to(torch::kCPU).contiguous();
+    if (out.topk_indices.defined()) topk = out.topk_indices.to(torch::kCPU).contiguous();
   }
   for (std::size_t i = 0; i < batch.size(); ++i) {
     auto* s = batch[i];
-    s->expert_rows.push_back(experts.narrow(0, slices[i].start, slices[i].count));
-    if (topk.defined()) s->topk_rows.push_back(topk.narrow(0, slices[i].start, slices[i].count));
     if (s->cached == 0) {  // its prompt went through the model: what sharers of it reuse
       prefilled_tokens_ += slices[i].count;
       s->prompt_version = version_;
       s->prompt_hidden = h[int64_t(i)];
-      s->prompt_experts = s->expert_rows.back();
-      if (topk.defined()) s->prompt_topk = s->topk_rows.back();
+      s->prompt_experts = experts.narrow(0, slices[i].start, slices[i].count);
+      if (topk.defined()) s->prompt_topk = topk.narrow(0, slices[i].start, slices[i].count);
+    } else {
+      s->decode_experts.append(experts, slices[i].start, slices[i].count);
+      if (topk.defined()) s->decode_topk.append(topk, slices[i].start, slices[i].count);
     }
     s->cached += slices[i].count;
   }
@@ -234,8 +254,6 @@ std::vector<Completion> Engine::step() {
     s->prompt_hidden = holder->prompt_hidden;
     s->prompt_experts = holder->prompt_experts;
     s->prompt_topk = holder->prompt_topk;
-    s->expert_rows.push_back(s->prompt_experts);
-    if (s->prompt_topk.defined()) s->topk_rows.push_back(s->prompt_topk);
     s->cached = P;
     rows.push_back(s->prompt_hidden.unsqueeze(0));
     batch.push_back(s);
@@ -271,8 +289,11 @@ std::vector<Completion> Engine::step() {
       ++it;
       continue;
     }
-    s.out.routed_experts = torch::cat(s.expert_rows, 0);  // [P + n - 1, L, K]
-    if (!s.topk_rows.empty()) s.out.topk_indices = torch::cat(s.topk_rows, 0);  // [P + n - 1, Ls, W]
+    auto all_rows = [](const torch::Tensor& prompt, const HostRows& decode) {  // [P + n - 1, ., .]
+      return decode.rows == 0 ? prompt.clone() : torch::cat({prompt, decode.tensor()}, 0);
+    };
+    s.out.routed_experts = all_rows(s.prompt_experts, s.decode_experts);  // [P + n - 1, L, K]
+    if (s.prompt_topk.defined()) s.out.topk_indices = all_rows(s.prompt_topk, s.decode_topk);  // [P + n - 1, Ls, W]
     release(s);
     done.push_back(std::move(s.out));
     it = running_.erase(it);

@@ -78,19 +78,29 @@ class Engine : public RolloutBackend {
   std::size_t running() const { return running_.size(); }
 
  private:
+  /// int64 rows [rows, A, W] appended on the host one decode step at a time (a sequence's routed
+  /// experts [., L, K] or sparse-attention top-k indices [., Ls, W]): a step costs a copy of its
+  /// values, not a tensor per sequence; tensor() makes them one at the end.
+  struct HostRows {
+    std::vector<int64_t> values;
+    int64_t rows = 0, a = 0, w = 0;
+    /// Rows [start, start + count) of a contiguous [T, A, W] int64 CPU tensor; std::logic_error
+    /// when A or W differ from the first piece's.
+    void append(const torch::Tensor& t, int64_t start, int64_t count);
+    torch::Tensor tensor() const;  ///< [rows, A, W] int64 (a copy)
+  };
   struct Sequence {
     GenerationRequest request;
     std::vector<int64_t> blocks;
     Completion out;
-    std::vector<torch::Tensor> expert_rows;  // [rows, L, K] pieces
-    int64_t cached = 0;                      // tokens whose latents are in the cache
+    HostRows decode_experts, decode_topk;  // the rows after the prompt's, one per decode step
+    int64_t cached = 0;                    // tokens whose latents are in the cache
     std::chrono::steady_clock::time_point submitted;
     // After its prompt went through the model (prefill or shared): the version of the weights
     // that did it (-1: not yet), the hidden state of the last prompt token [D] and the
     // prompt's routed experts [P, L, K].
     int64_t prompt_version = -1;
-    torch::Tensor prompt_hidden, prompt_experts, prompt_topk;
-    std::vector<torch::Tensor> topk_rows;  // [rows, Ls, W] pieces (models with sparse-attention layers)
+    torch::Tensor prompt_hidden, prompt_experts, prompt_topk;  // prompt_topk: models with sparse-attention layers
     int64_t slot = -1;                     // its slot of the decode cache while it runs
   };
   bool finished(Sequence& s) const;
