@@ -2,24 +2,28 @@
 // 512 threads (Hopper thread-block clusters; the CTAs exchange their shares through distributed
 // shared memory), each CTA one contiguous slice of the vocabulary, which it reads from global
 // memory once and keeps in shared memory for the rest of the row:
-// 1. pass 1 over the slice: online max / sum of exp / sum of exp * x over x = logits / T, and the
-//    arg-max; the cluster's statistics merged in rank order by every CTA; greedy rows end here;
-// 2. the slice's logits replaced by e = exp(x - max) in shared memory;
+// 1. pass 1 (global -> shared): the slice's max logit and its arg-max; the cluster's merged in
+//    rank order by every CTA, so that m = max(logits) / T is known to all (division rounds
+//    monotonically: it is the max of x = logits / T);
+// 2. pass 2 (shared): e = exp(x - m) in place, and per warp chunk sum e and sum e * x; the
+//    cluster's sums in rank order give log Z and the entropy; greedy rows end here;
 // 3. rows with top-k or top-p: the threshold on e found by a radix select over e's bits (three
 //    10-bit digits; e in [0, 1] has < 2^30 bit patterns, ordered as the values): each pass, every
 //    CTA's histogram of its candidates (counts, and for top-p fixed-point masses, 2^-32 of the
 //    largest e, so that sums are exact integers and the choice does not depend on the order of
 //    the shared-memory atomics), the cluster's histograms summed per digit by every CTA, the
 //    digit chosen from the suffix sums by the whole CTA. Top-k: the k-th largest e. Top-p (after
-//    top-k): the smallest kept e whose kept mass strictly above is < p * the kept mass;
-// 4. inverse CDF over the kept entries in vocabulary order: the slice's kept mass per warp chunk,
-//    the CTA holding u * total found in rank order, its chunk, and the entry inside it
-//    (block_find).
+//    top-k): the smallest kept e whose kept mass strictly above is < p * the kept mass, its
+//    passes skipping the entries that a bound from the kept total and count puts out of the
+//    nucleus for sure;
+// 4. inverse CDF over the kept entries in vocabulary order: the slice's kept mass per warp chunk
+//    (pass 2's sums when nothing is filtered), the CTA holding u * total found in rank order, its
+//    chunk, and the entry inside it (block_find).
 // Every floating-point reduction has a fixed order and the integer ones are exact: the same
 // inputs give the same token on every run. Shared memory per CTA: the slice (kernels/
 // sampling_cuda.hpp's kMaxVocab bounds it) and two histograms (double-buffered, so that one
 // cluster barrier per pass separates a pass's reads of the other CTAs' histograms from their
-// reuse).
+// reuse). Indices inside a row are 32-bit (V <= kMaxVocab).
 #include <ATen/cuda/CUDAContext.h>
 #include <cooperative_groups.h>
 #include <c10/cuda/CUDAException.h>
@@ -46,33 +50,8 @@ constexpr double kMassScale = 4294967296.0;  // 2^32: e in [0, 1] as fixed point
 constexpr int64_t slice_length(int64_t V) { return ((V + kCluster - 1) / kCluster + 3) / 4 * 4; }
 static_assert(slice_length(kMaxVocab) * 4 + 2 * kBins * 12 + 4096 <= 227 * 1024, "shared memory of kMaxVocab");
 
-struct Soft {
-  float m, s, w;  // running max of x, sum exp(x - m), sum exp(x - m) * x
-};
-
-__device__ inline void soft_add(Soft& a, float x) {
-  if (!(x > -INFINITY)) return;  // -inf (masked) or NaN: no mass
-  if (x > a.m) {
-    const float c = __expf(a.m - x);
-    a.s = a.s * c + 1.f;
-    a.w = a.w * c + x;
-    a.m = x;
-  } else {
-    const float e = __expf(x - a.m);
-    a.s += e;
-    a.w += e * x;
-  }
-}
-
-__device__ inline Soft soft_merge(Soft a, Soft b) {
-  if (b.m == -INFINITY) return a;
-  if (a.m == -INFINITY) return b;
-  const float m = fmaxf(a.m, b.m), ca = __expf(a.m - m), cb = __expf(b.m - m);
-  return Soft{m, a.s * ca + b.s * cb, a.w * ca + b.w * cb};
-}
-
 // The larger (value, index); equal values: the lower index.
-__device__ inline void argmax_merge(float& v, int64_t& i, float ov, int64_t oi) {
+__device__ inline void argmax_merge(float& v, int& i, float ov, int oi) {
   if (ov > v || (ov == v && oi < i)) {
     v = ov;
     i = oi;
@@ -88,17 +67,19 @@ __device__ inline unsigned long long fixed_mass(float e) { return (unsigned long
 
 // Entries i..i+3 of the row (-inf past hi): one 16-byte load when `vec` (the row's start
 // 16-byte aligned and i a multiple of 4) and the group is whole, else element by element.
-__device__ inline float4 load4(const float* __restrict__ row, int64_t i, int64_t hi, bool vec) {
+__device__ inline float4 load4(const float* __restrict__ row, int i, int hi, bool vec) {
   if (vec && i + 4 <= hi) return *reinterpret_cast<const float4*>(row + i);
   return make_float4(i < hi ? row[i] : -INFINITY, i + 1 < hi ? row[i + 1] : -INFINITY,
                      i + 2 < hi ? row[i + 2] : -INFINITY, i + 3 < hi ? row[i + 3] : -INFINITY);
 }
 __device__ inline float at4(const float4& v, int q) { return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w; }
 
-struct Share {  // one CTA's pass 1
-  Soft st;
-  float bv;
-  int64_t bi;
+struct Best {  // the largest logit and its row index (INT_MAX: none)
+  float v;
+  int i;
+};
+struct Sums {  // sum e and sum e * x
+  float s, w;
 };
 
 struct Hist {  // one CTA's histogram of a digit: candidates and their fixed-point mass per digit
@@ -138,59 +119,75 @@ __device__ unsigned long long block_exclusive_scan(unsigned long long v, unsigne
   return before + incl - v;
 }
 
-// Pass 1 over the slice [lo, hi) of the row: copies it to `cache` (cache[j] = logits[lo + j], whole
-// groups of 4, -inf past hi) and computes the softmax statistics of x = logits / T and the arg-max
-// of the logits, each thread's entries in index order, then the warp's tree, then the warps in
-// order. The result in every thread of the CTA.
-__device__ void load_slice(const float* __restrict__ row, int64_t lo, int64_t hi, bool vec, float T,
-                           float* __restrict__ cache, Share& out) {
-  __shared__ Share s_part[kWarps];
+// Pass 1 over the slice's n entries (row_lo: the row from the slice's start): copies them to
+// `cache` (whole groups of 4, -inf past n) and finds the largest logit and its index (lo + j; the
+// lowest of equal ones), each thread's entries in index order, then the warp's tree, then the
+// warps in order. The result in every thread of the CTA.
+__device__ Best load_slice(const float* __restrict__ row_lo, int lo, int n, bool vec, float* __restrict__ cache) {
+  __shared__ Best s_part[kWarps];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  Soft st{-INFINITY, 0.f, 0.f};
   float bv = -INFINITY;
-  int64_t bi = INT64_MAX;
-  // Thread tid takes the groups of 4 entries at lo + 4 (tid + k kThreads), kGroups of them in
-  // flight, then each group's entries in index order (lo is a multiple of 4).
-  for (int64_t i0 = lo + 4 * int64_t(tid); i0 < hi; i0 += int64_t(4 * kGroups) * kThreads) {
+  int bi = INT_MAX;
+  // Thread tid takes the groups of 4 entries at 4 (tid + k kThreads), kGroups of them in flight.
+  for (int j0 = 4 * tid; j0 < n; j0 += 4 * kGroups * kThreads) {
     float4 v[kGroups];
 #pragma unroll
-    for (int j = 0; j < kGroups; ++j) v[j] = load4(row, i0 + int64_t(4 * j) * kThreads, hi, vec);
+    for (int g = 0; g < kGroups; ++g) v[g] = load4(row_lo, j0 + 4 * g * kThreads, n, vec);
 #pragma unroll
-    for (int j = 0; j < kGroups; ++j) {
-      const int64_t g = i0 + int64_t(4 * j) * kThreads;
-      if (g >= hi) break;
-      *reinterpret_cast<float4*>(cache + (g - lo)) = v[j];
+    for (int g = 0; g < kGroups; ++g) {
+      const int j = j0 + 4 * g * kThreads;
+      if (j >= n) break;
+      *reinterpret_cast<float4*>(cache + j) = v[g];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float l = at4(v[j], q);
-        if (g + q >= hi) break;
-        soft_add(st, l / T);
-        if (l > bv) {
-          bv = l;
-          bi = g + q;
+      for (int q = 0; q < 4; ++q)  // -inf past n: never larger
+        if (at4(v[g], q) > bv) {
+          bv = at4(v[g], q);
+          bi = lo + j + q;
         }
-      }
     }
   }
-  for (int o = 16; o > 0; o >>= 1) {
-    st = soft_merge(st, Soft{__shfl_xor_sync(0xffffffffu, st.m, o), __shfl_xor_sync(0xffffffffu, st.s, o),
-                             __shfl_xor_sync(0xffffffffu, st.w, o)});
-    argmax_merge(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
-  }
-  if (lane == 0) s_part[warp] = Share{st, bv, bi};
+  for (int o = 16; o > 0; o >>= 1) argmax_merge(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
+  if (lane == 0) s_part[warp] = Best{bv, bi};
   __syncthreads();
-  out = s_part[0];
-  for (int w = 1; w < kWarps; ++w) {
-    out.st = soft_merge(out.st, s_part[w].st);
-    argmax_merge(out.bv, out.bi, s_part[w].bv, s_part[w].bi);
+  Best out = s_part[0];
+  for (int w = 1; w < kWarps; ++w) argmax_merge(out.v, out.i, s_part[w].v, s_part[w].i);
+  return out;
+}
+
+// Pass 2 over the warp's chunk [begin, end) of the slice in shared memory (begin a multiple of 4;
+// -inf past the slice): e = exp(x - m), x = logits / T (UnitT: T = 1, no division), written in
+// place when `store`; sum e and sum e * x in index order per lane, then the warp's tree. The
+// result in every lane.
+template <bool UnitT>
+__device__ Sums warp_exp_sums(float* __restrict__ cache, int begin, int end, float T, float m, bool store) {
+  const int lane = threadIdx.x & 31;
+  float s = 0.f, w = 0.f;
+  for (int j0 = begin + 4 * lane; j0 < end; j0 += 4 * 32) {
+    float4 v = *reinterpret_cast<const float4*>(cache + j0);
+    float e[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float x = UnitT ? at4(v, q) : at4(v, q) / T;
+      const bool finite_x = x > -INFINITY;  // -inf (masked, padding) or NaN: no mass
+      e[q] = finite_x ? __expf(x - m) : 0.f;
+      s += e[q];
+      w += finite_x ? e[q] * x : 0.f;
+    }
+    if (store) *reinterpret_cast<float4*>(cache + j0) = make_float4(e[0], e[1], e[2], e[3]);
   }
+  for (int o = 16; o > 0; o >>= 1) {
+    s += __shfl_xor_sync(0xffffffffu, s, o);
+    w += __shfl_xor_sync(0xffffffffu, w, o);
+  }
+  return Sums{s, w};
 }
 
 // The CTA's histogram of digit (key >> shift) & (kBins - 1) over the slice's n entries e (in
-// shared memory) with key >= floor and (key & mask) == prefix, key = e's bits; masses only when
-// `with_mass`. The integer atomics make the result independent of their order.
+// shared memory) with key >= floor and (key & mask) == prefix, key = e's bits; with `with_mass`
+// their masses, and only entries of fixed-point mass >= min_mass. The integer atomics make the
+// result independent of their order.
 __device__ void slice_histogram(const float* __restrict__ e, int n, uint32_t floor, uint32_t prefix, uint32_t mask,
-                                int shift, bool with_mass, Hist& h) {
+                                int shift, bool with_mass, unsigned long long min_mass, Hist& h) {
   const int tid = threadIdx.x;
   for (int i = tid; i < kBins; i += kThreads) {
     h.count[i] = 0;
@@ -203,8 +200,10 @@ __device__ void slice_histogram(const float* __restrict__ e, int n, uint32_t flo
     const uint32_t key = __float_as_uint(v);
     if (key >= floor && (key & mask) == prefix) {
       const unsigned d = (key >> shift) & (kBins - 1);
+      const unsigned long long f = with_mass ? fixed_mass(v) : 0ull;
+      if (with_mass && f < min_mass) continue;
       atomicAdd(&h.count[d], 1u);
-      if (with_mass) add_mass(h, d, fixed_mass(v));
+      if (with_mass) add_mass(h, d, f);
     }
   }
   __syncthreads();
@@ -225,6 +224,7 @@ __device__ Digits cluster_digits(cg::cluster_group& cluster, Hist& h, bool with_
   g.d0 = kBins - 1 - 2 * int(threadIdx.x);
   g.d1 = g.d0 - 1;
   g.c0 = g.c1 = g.m0 = g.m1 = 0;
+#pragma unroll
   for (int c = 0; c < kCluster; ++c) {
     const Hist* o = cluster.map_shared_rank(&h, c);
     g.c0 += o->count[g.d0];
@@ -333,12 +333,13 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kThreads, 2)
                   const int64_t* __restrict__ seed, const int64_t* __restrict__ step, double* __restrict__ out) {
   extern __shared__ float4 s_cache4[];
   float* const cache = reinterpret_cast<float*>(s_cache4);
-  __shared__ Share s_share, s_all;
+  __shared__ Best s_best;
+  __shared__ Sums s_sums, s_warp_sums[kWarps];
   __shared__ Hist s_hist[2];
   __shared__ float s_warp_mass[kWarps], s_cta_mass[kCluster];
-  __shared__ float s_target;
-  __shared__ int s_chosen, s_warp, s_digit;
-  __shared__ unsigned long long s_above;
+  __shared__ float s_target, s_log_z, s_entropy;
+  __shared__ int s_chosen, s_warp, s_digit, s_argmax;
+  __shared__ unsigned long long s_above, s_kept[2];
 
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = int(cluster.block_rank());
@@ -349,55 +350,80 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kThreads, 2)
   const float T = greedy ? 1.f : float(Td);
   const float* row = logits + b * V;
   const bool vec = V % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
-  const int64_t L = slice_length(V);
-  const int64_t lo = int64_t(rank) * L < V ? int64_t(rank) * L : V, hi = lo + L < V ? lo + L : V;
-  const int n = int(hi - lo);
+  const int L = int(slice_length(V));
+  const int lo = rank * L < int(V) ? rank * L : int(V), n = (lo + L < int(V) ? lo + L : int(V)) - lo;
+  const int64_t k = top_k[b];
+  const double p = top_p[b];
+  const bool filtered = !greedy && ((k > 0 && k < V) || p < 1.0);
 
-  // 1. Pass 1, merged in rank order by every CTA: the same statistics in all of them.
-  Share mine;
-  load_slice(row, lo, hi, vec, T, cache, mine);
-  if (tid == 0) s_share = mine;
-  cluster.sync();  // every CTA's share written
+  // 1. The largest logit, merged in rank order by every CTA: the same in all of them.
+  const Best mine = load_slice(row + lo, lo, n, vec, cache);
+  if (tid == 0) s_best = mine;
+  cluster.sync();  // every CTA's best written
   if (tid == 0) {
-    Share all = *cluster.map_shared_rank(&s_share, 0);
+    Best all = *cluster.map_shared_rank(&s_best, 0);
     for (int c = 1; c < kCluster; ++c) {
-      const Share o = *cluster.map_shared_rank(&s_share, c);
-      all.st = soft_merge(all.st, o.st);
-      argmax_merge(all.bv, all.bi, o.bv, o.bi);
+      const Best o = *cluster.map_shared_rank(&s_best, c);
+      argmax_merge(all.v, all.i, o.v, o.i);
     }
-    s_all = all;
+    s_argmax = all.i == INT_MAX ? 0 : all.i;
+    s_target = all.v > -INFINITY ? all.v / T : -INFINITY;  // m
   }
   __syncthreads();
-  const Share all = s_all;
-  const float m = all.st.m, log_z = all.st.m + logf(all.st.s);
-  const float entropy = log_z - all.st.w / all.st.s;
-  const int64_t argmax = all.bi == INT64_MAX ? 0 : all.bi;
+  const float m = s_target;
+  const int argmax = s_argmax;
+
+  // 2. e and the sums, warp w holding [w Cw, (w+1) Cw) of the slice.
+  const int Cw = ((n + kWarps - 1) / kWarps + 31) / 32 * 32;
+  const int wb = warp * Cw < n ? warp * Cw : n, we = wb + Cw < n ? wb + Cw : n;
+  const Sums ws = T == 1.f ? warp_exp_sums<true>(cache, wb, we, T, m, !greedy)
+                           : warp_exp_sums<false>(cache, wb, we, T, m, !greedy);
+  if (lane == 0) {
+    s_warp_sums[warp] = ws;
+    s_warp_mass[warp] = ws.s;  // the kept mass when nothing is filtered
+  }
+  __syncthreads();
+  if (tid == 0) {
+    Sums cta{0.f, 0.f};
+    for (int w = 0; w < kWarps; ++w) {
+      cta.s += s_warp_sums[w].s;
+      cta.w += s_warp_sums[w].w;
+    }
+    s_sums = cta;
+  }
+  cluster.sync();  // every CTA's sums written
+  if (tid == 0) {
+    Sums all{0.f, 0.f};
+    float mass[kCluster];
+    for (int c = 0; c < kCluster; ++c) {
+      const Sums o = *cluster.map_shared_rank(&s_sums, c);
+      mass[c] = o.s;
+      all.s += o.s;
+      all.w += o.w;
+    }
+    s_log_z = m + logf(all.s);
+    s_entropy = s_log_z - all.w / all.s;
+    if (!greedy && !filtered) {  // the CTA holding u * total, the same choice in every CTA
+      const float u = philox_uniform(uint64_t(seed[b]), uint64_t(step[b]));
+      float rest;
+      s_chosen = pick_chunk(mass, kCluster, u * (1.f - 1e-6f) * all.s, rest);
+      s_target = rest;
+    }
+  }
+  __syncthreads();
+  const float log_z = s_log_z, entropy = s_entropy;
   auto write = [&](int64_t token) {
     out[b * 3 + 0] = double(token);
     out[b * 3 + 1] = double(row[token] / T - log_z);
     out[b * 3 + 2] = double(entropy);
   };
   if (greedy) {
-    cluster.sync();  // no CTA leaves while another reads its share
+    cluster.sync();  // no CTA leaves while another reads its shares
     if (rank == 0 && tid == 0) write(argmax);
     return;
   }
 
-  // 2. e = exp(x - m) in place (0 for -inf and NaN logits); whole groups, padding included.
-  for (int j = 4 * tid; j < n; j += 4 * kThreads) {
-    float4 v = s_cache4[j / 4];
-    auto e_of = [&](float l) {
-      const float x = l / T;
-      return x > -INFINITY ? __expf(x - m) : 0.f;
-    };
-    v = make_float4(e_of(v.x), e_of(v.y), e_of(v.z), e_of(v.w));
-    s_cache4[j / 4] = v;
-  }
-  __syncthreads();
-
   // 3. The threshold: kept entries are those whose e has bits >= keep.
-  const int64_t k = top_k[b];
-  const double p = top_p[b];
   uint32_t keep = 0;
   int pass = 0;  // histogram passes so far (the buffer alternates)
   if (k > 0 && k < V) {  // the k-th largest e, digit by digit from the top
@@ -406,7 +432,7 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kThreads, 2)
     for (int digit = kDigits - 1; digit >= 0; --digit, ++pass) {
       const int shift = digit * kDigitBits;
       Hist& h = s_hist[pass & 1];
-      slice_histogram(cache, n, 0, prefix, mask, shift, /*with_mass=*/false, h);
+      slice_histogram(cache, n, 0, prefix, mask, shift, /*with_mass=*/false, 0, h);
       if (tid == 0) {
         s_digit = 0;
         s_above = 0;
@@ -431,19 +457,48 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kThreads, 2)
     keep = prefix;
   }
   if (p < 1.0) {  // the smallest kept e whose kept mass strictly above is < p * the kept mass
+    // The kept mass F and count N of the cluster (exact integers). An entry of mass f has at
+    // least F - N f strictly above it (the others are at most f each): when that is >= the limit
+    // it is out of the nucleus for sure, and so is every smaller one. The passes skip them, which
+    // changes no mass above the nucleus' edge, so not the edge (a flat row skips most entries, a
+    // peaked one its whole tail).
+    unsigned long long f_sum = 0, count = 0;
+    for (int j = tid; j < n; j += kThreads) {
+      const float v = cache[j];
+      if (__float_as_uint(v) >= keep) {
+        f_sum += fixed_mass(v);
+        ++count;
+      }
+    }
+    unsigned long long cta_f, cta_n;
+    block_exclusive_scan(f_sum, cta_f);
+    block_exclusive_scan(count, cta_n);
+    if (tid == 0) {
+      s_kept[0] = cta_f;
+      s_kept[1] = cta_n;
+    }
+    cluster.sync();  // every CTA's kept mass and count written
+    unsigned long long F = 0, N = 0;
+#pragma unroll
+    for (int c = 0; c < kCluster; ++c) {
+      const unsigned long long* o = cluster.map_shared_rank(s_kept, c);
+      F += o[0];
+      N += o[1];
+    }
+    const double limit = p * double(F);  // F < 2^53: exact in fp64
+    const double q = N > 0 ? (double(F) - limit) / double(N) : 0.0;
+    const unsigned long long min_mass = q > 1.0 ? (unsigned long long)(q * (1.0 - 1e-9)) : 0ull;  // below q
     uint32_t prefix = 0, mask = 0;
     unsigned long long above = 0;
-    double limit = 0;
     for (int digit = kDigits - 1; digit >= 0; --digit, ++pass) {
       const int shift = digit * kDigitBits;
       Hist& h = s_hist[pass & 1];
-      slice_histogram(cache, n, keep, prefix, mask, shift, /*with_mass=*/true, h);
+      slice_histogram(cache, n, keep, prefix, mask, shift, /*with_mass=*/true, min_mass, h);
       if (tid == 0) s_digit = kBins;  // none
       cluster.sync();  // every CTA's histogram of this pass written
       const Digits g = cluster_digits(cluster, h, true);
       unsigned long long total;
       const unsigned long long m0 = above + block_exclusive_scan(g.m0 + g.m1, total), m1 = m0 + g.m0;
-      if (digit == kDigits - 1) limit = p * double(total);  // the first pass sees every kept entry
       // The digits whose mass strictly above is < limit are the top ones: the lowest of them
       // that holds a candidate.
       if (g.c1 > 0 && double(m1) < limit)
@@ -465,30 +520,31 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kThreads, 2)
     keep = keep > prefix ? keep : prefix;
   }
 
-  // 4. Inverse CDF: the slice's kept mass per warp chunk, warp w holding [w Cw, (w+1) Cw).
-  const int Cw = ((n + kWarps - 1) / kWarps + 31) / 32 * 32;
-  const int wb = warp * Cw < n ? warp * Cw : n, we = wb + Cw < n ? wb + Cw : n;
-  const float part = warp_kept_mass(cache, wb, we, keep);
-  if (lane == 0) s_warp_mass[warp] = part;
-  __syncthreads();
-  if (tid == 0) {
-    float cta = 0.f;
-    for (int w = 0; w < kWarps; ++w) cta += s_warp_mass[w];
-    s_cta_mass[rank] = cta;
-  }
-  cluster.sync();  // every CTA's mass written (each CTA's own s_cta_mass[rank]); histograms read
-  if (tid == 0) {  // the CTA holding u * total, the same choice in every CTA
-    float mass[kCluster], total = 0.f;
-    for (int c = 0; c < kCluster; ++c) {
-      mass[c] = cluster.map_shared_rank(s_cta_mass, c)[c];
-      total += mass[c];
+  // 4. Inverse CDF. Filtered rows: the slice's kept mass per warp chunk, then the CTA holding
+  // u * total, the same choice in every CTA (plain rows chose it from pass 2's sums).
+  if (filtered) {
+    const float part = warp_kept_mass(cache, wb, we, keep);
+    if (lane == 0) s_warp_mass[warp] = part;
+    __syncthreads();
+    if (tid == 0) {
+      float cta = 0.f;
+      for (int w = 0; w < kWarps; ++w) cta += s_warp_mass[w];
+      s_cta_mass[rank] = cta;
     }
-    const float u = philox_uniform(uint64_t(seed[b]), uint64_t(step[b]));
-    float rest;
-    s_chosen = pick_chunk(mass, kCluster, u * (1.f - 1e-6f) * total, rest);
-    s_target = rest;
+    cluster.sync();  // every CTA's mass written (each CTA's own s_cta_mass[rank]); histograms read
+    if (tid == 0) {
+      float mass[kCluster], total = 0.f;
+      for (int c = 0; c < kCluster; ++c) {
+        mass[c] = cluster.map_shared_rank(s_cta_mass, c)[c];
+        total += mass[c];
+      }
+      const float u = philox_uniform(uint64_t(seed[b]), uint64_t(step[b]));
+      float rest;
+      s_chosen = pick_chunk(mass, kCluster, u * (1.f - 1e-6f) * total, rest);
+      s_target = rest;
+    }
   }
-  cluster.sync();  // no CTA leaves while another reads its mass
+  cluster.sync();  // no CTA leaves while another reads its shares
   if (s_chosen != rank) return;
   if (tid == 0) {
     float rest;
