@@ -43,7 +43,6 @@ constexpr int kThreads = 512, kWarps = kThreads / 32;
 constexpr int kGroups = 4;   // 16-byte groups of 4 entries in flight per thread in pass 1
 constexpr int kCluster = 8;  // CTAs per row (the portable cluster size)
 constexpr int kDigitBits = 10, kBins = 1 << kDigitBits, kDigits = 3;  // keys: e's bits, < 2^30
-constexpr double kMassScale = 4294967296.0;  // 2^32: e in [0, 1] as fixed point
 
 // Entries per CTA: the row split in kCluster slices, each a multiple of 4 entries (whole 16-byte
 // groups, so that every slice of an aligned row starts aligned).
@@ -63,7 +62,18 @@ __device__ inline float warp_sum_f(float v) {
   return v;
 }
 
-__device__ inline unsigned long long fixed_mass(float e) { return (unsigned long long)(double(e) * kMassScale); }
+// floor(e * 2^32) for e in [0, 1], from e's bits (exact, as the fp64 product truncated, without
+// the fp64 conversions): the 24-bit significand shifted by the exponent. Past 1 (NaN from a
+// +inf logit): 2^32.
+__device__ inline unsigned long long fixed_mass(float e) {
+  const uint32_t bits = __float_as_uint(e);
+  const int E = int(bits >> 23);  // the biased exponent (e >= 0: no sign bit)
+  if (E == 0) return 0;           // zero or subnormal: below 2^-126
+  if (E > 127) return 1ull << 32;
+  const unsigned long long sig = (bits & 0x7fffffu) | 0x800000u;
+  const int shift = E - 118;  // e = sig 2^(E - 150), so e 2^32 = sig 2^(E - 118)
+  return shift >= 0 ? sig << shift : shift > -24 ? sig >> -shift : 0ull;
+}
 
 // Entries i..i+3 of the row (-inf past hi): one 16-byte load when `vec` (the row's start
 // 16-byte aligned and i a multiple of 4) and the group is whole, else element by element.
