@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <sstream>
 #include <stdexcept>
 #include <toml++/toml.h>
 
@@ -42,11 +43,35 @@ std::string toml_quoted(const std::string& text) {
   return out + "\"";
 }
 
+// A wrong-typed value as the error shows it: a string quoted, a number or boolean as written,
+// a table or array by kind (not its whole text).
+std::string got(const toml::node& n) {
+  if (n.is_table()) return "a table";
+  if (n.is_array()) return "an array";
+  if (n.is_string()) return toml_quoted(n.as_string()->get());
+  std::ostringstream os;
+  n.visit([&](const auto& v) {
+    if constexpr (!toml::is_table<decltype(v)> && !toml::is_array<decltype(v)>) os << v;
+  });
+  return os.str();
+}
+
+// Text of an integer outside int64 (TOML cannot hold it, so --set reads it as text).
+bool integer_text_out_of_range(const toml::node& n) {
+  if (!n.is_string()) return false;
+  const auto& t = n.as_string()->get();
+  const char* first = t.data() + (!t.empty() && t[0] == '+' ? 1 : 0);
+  int64_t v = 0;
+  const auto r = std::from_chars(first, t.data() + t.size(), v);
+  return r.ec == std::errc::result_out_of_range && r.ptr == t.data() + t.size();
+}
+
 std::map<std::string, Field> fields(ExperimentConfig& c) {
   std::map<std::string, Field> f;
   auto integer = [&](const std::string& key, int64_t& ref) {
     f[key] = {[&ref, key](const toml::node& n, const std::string& w) {
-                if (!n.is_integer()) bad(w, key, "must be an integer");
+                if (integer_text_out_of_range(n)) bad(w, key, "must be an integer in [-2^63, 2^63), got " + n.as_string()->get());
+                if (!n.is_integer()) bad(w, key, "must be an integer, got " + got(n));
                 ref = n.as_integer()->get();
               },
               [&ref] { return std::to_string(ref); }};
@@ -55,7 +80,7 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
     f[key] = {[&ref, key](const toml::node& n, const std::string& w) {
                 if (n.is_integer()) ref = double(n.as_integer()->get());
                 else if (n.is_floating_point()) ref = n.as_floating_point()->get();
-                else bad(w, key, "must be a number");
+                else bad(w, key, "must be a number, got " + got(n));
                 if (!std::isfinite(ref)) bad(w, key, "must be a finite number");
               },
               [&ref] {
@@ -67,14 +92,14 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   };
   auto boolean = [&](const std::string& key, bool& ref) {
     f[key] = {[&ref, key](const toml::node& n, const std::string& w) {
-                if (!n.is_boolean()) bad(w, key, "must be true or false");
+                if (!n.is_boolean()) bad(w, key, "must be true or false, got " + got(n));
                 ref = n.as_boolean()->get();
               },
               [&ref] { return std::string(ref ? "true" : "false"); }};
   };
   auto text = [&](const std::string& key, std::string& ref) {
     f[key] = {[&ref, key](const toml::node& n, const std::string& w) {
-                if (!n.is_string()) bad(w, key, "must be a string");
+                if (!n.is_string()) bad(w, key, "must be a string, got " + got(n));
                 ref = n.as_string()->get();
               },
               [&ref] { return toml_quoted(ref); }};

@@ -181,7 +181,21 @@ int main(int argc, char** argv) {
   if (bench_msg->parsed()) return kiln::experiments::run_messaging_bench(mb);
 #ifdef KILN_WITH_TORCH
   if (bench_rollout->parsed()) {
-    if (ro.device == "cuda" && bench_rollout->get_option("--batch-sizes")->count() == 0) ro.batch_sizes = {1, 32, 128, 256};
+    // Each device reads its own options: one given for the other device would be ignored.
+    const bool cuda = ro.device == "cuda";
+    for (const char* name : {"--layers", "--contexts", "--modes", "--split", "--split-profile", "--flavor", "--prompt-tokens"}) {
+      const bool cuda_only = std::string(name) != "--flavor" && std::string(name) != "--prompt-tokens";
+      if (bench_rollout->get_option(name)->count() > 0 && cuda_only != cuda) {
+        std::fprintf(stderr, "kiln bench rollout: %s is read with --device %s only (this run: --device %s)\n", name,
+                     cuda_only ? "cuda" : "cpu", ro.device.c_str());
+        return 2;
+      }
+    }
+    if (ro.split_profile && !ro.split) {
+      std::fprintf(stderr, "kiln bench rollout: --split-profile needs --split\n");
+      return 2;
+    }
+    if (cuda && bench_rollout->get_option("--batch-sizes")->count() == 0) ro.batch_sizes = {1, 32, 128, 256};
     return kiln::experiments::run_rollout_bench(ro);
   }
   if (bench_serve->parsed()) return kiln::experiments::run_serve_bench(so);

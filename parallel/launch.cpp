@@ -17,7 +17,14 @@ constexpr std::size_t kMaxHosts = 1'000'000;
 
 [[noreturn]] void refuse(const std::string& why) { throw std::invalid_argument("launch: " + why); }
 
-std::string quoted(std::string_view s) { return "'" + std::string(s) + "'"; }
+std::string quoted(std::string_view s) {
+  std::string out;  // appended, not "'" + text: gcc 12's -Wrestrict misreads that insert at the front
+  out.reserve(s.size() + 2);
+  out += '\'';
+  out += s;
+  out += '\'';
+  return out;
+}
 
 // A decimal integer in [lo, hi], the whole string (no sign, no spaces).
 long long parse_integer(std::string_view text, long long lo, long long hi, const std::string& what) {

@@ -1,4 +1,5 @@
 #include "actors/controller/config.hpp"
+#include "actors/shown_value.hpp"
 
 #include <map>
 #include <stdexcept>
@@ -29,7 +30,7 @@ void validate_placement(const Config& c) {
   need(is_device(c.model.device), "model.device",
        "must be \"cpu\", \"cuda\" or \"cuda:N\" (N in [0, 127], no leading zeros), got \"" + c.model.device + "\"");
   need(c.placement.rollout_engines >= 1 && c.placement.rollout_engines <= 64, "placement.rollout_engines",
-       "must be in [1, 64]");
+       "must be in [1, 64], got " + shown(c.placement.rollout_engines));
   need(c.placement.rollout_engines == 1 || c.placement.mode == "multi_process", "placement.rollout_engines",
        "must be 1 with placement.mode \"single_process\" (several engines run as kiln node processes)");
   need(c.placement.rollout_device.empty() || c.placement.mode == "multi_process", "placement.rollout_device",
@@ -66,35 +67,38 @@ void validate_placement(const Config& c) {
            std::to_string(c.placement.rollout_engines) + " engines for " + std::to_string(c.algorithm.prompts_per_step) +
            " prompts");
   need(c.placement.engine_restarts >= 0 && c.placement.engine_restarts <= 20, "placement.engine_restarts",
-       "must be in [0, 20]");
+       "must be in [0, 20], got " + shown(c.placement.engine_restarts));
 }
 
 }  // namespace
 
 void Config::validate() const {
   const auto& a = algorithm;
-  need(run.steps >= 1, "run.steps", "must be >= 1");
+  need(run.steps >= 1, "run.steps", "must be >= 1, got " + shown(run.steps));
   need(!run.output_dir.empty(), "run.output_dir", "must not be empty");
-  need(run.checkpoint_every >= 0, "run.checkpoint_every", "must be >= 0");
-  need(a.prompts_per_step >= 1, "algorithm.prompts_per_step", "must be >= 1");
-  need(a.samples_per_prompt >= 2, "algorithm.samples_per_prompt", "must be >= 2 (GRPO compares samples of one prompt)");
-  need(a.max_new_tokens >= 1, "algorithm.max_new_tokens", "must be >= 1");
-  need(a.staleness >= 0, "algorithm.staleness", "must be >= 0");
-  need(a.update_delay_ms >= 0, "algorithm.update_delay_ms", "must be >= 0");
-  need(a.max_nonfinite_steps >= 0, "algorithm.max_nonfinite_steps", "must be >= 0 (0: never stop for them)");
-  need(a.top_p > 0 && a.top_p <= 1, "algorithm.top_p", "must be in (0, 1]");
-  need(a.top_k >= 0, "algorithm.top_k", "must be >= 0 (0: off)");
+  need(run.checkpoint_every >= 0, "run.checkpoint_every", "must be >= 0, got " + shown(run.checkpoint_every));
+  need(a.prompts_per_step >= 1, "algorithm.prompts_per_step", "must be >= 1, got " + shown(a.prompts_per_step));
+  need(a.samples_per_prompt >= 2, "algorithm.samples_per_prompt",
+       "must be >= 2 (GRPO compares samples of one prompt), got " + shown(a.samples_per_prompt));
+  need(a.max_new_tokens >= 1, "algorithm.max_new_tokens", "must be >= 1, got " + shown(a.max_new_tokens));
+  need(a.staleness >= 0, "algorithm.staleness", "must be >= 0, got " + shown(a.staleness));
+  need(a.update_delay_ms >= 0, "algorithm.update_delay_ms", "must be >= 0, got " + shown(a.update_delay_ms));
+  need(a.max_nonfinite_steps >= 0, "algorithm.max_nonfinite_steps",
+       "must be >= 0 (0: never stop for them), got " + shown(a.max_nonfinite_steps));
+  need(a.top_p > 0 && a.top_p <= 1, "algorithm.top_p", "must be in (0, 1], got " + shown(a.top_p));
+  need(a.top_k >= 0, "algorithm.top_k", "must be >= 0 (0: off), got " + shown(a.top_k));
   // The trainer's keys live in [algorithm] too; its own check names them.
   trainer_for_run().validate([](const std::string& field) {
     const bool parallel = field == "reduce_dtype";  // (fsdp and reshard_after_forward are booleans: always valid)
     return "experiment: key '" + std::string(parallel ? "parallel." : "algorithm.") + field + "'";
   });
   const auto& e = rollout.engine;
-  need(e.step_delay_ms >= 0, "rollout.step_delay_ms", "must be >= 0");
+  need(e.step_delay_ms >= 0, "rollout.step_delay_ms", "must be >= 0, got " + shown(e.step_delay_ms));
   need(e.cache_blocks >= 1 && e.block_size >= 1 && e.max_batch >= 1, "rollout.cache_blocks",
-       "rollout.cache_blocks, block_size and max_batch must be >= 1");
-  need(e.cache_blocks <= (int64_t(1) << 32), "rollout.cache_blocks", "must be <= 2^32");
-  need(e.block_size <= 4096, "rollout.block_size", "must be <= 4096 tokens");
+       "rollout.cache_blocks, block_size and max_batch must be >= 1, got " + shown(e.cache_blocks) + ", " +
+           shown(e.block_size) + " and " + shown(e.max_batch));
+  need(e.cache_blocks <= (int64_t(1) << 32), "rollout.cache_blocks", "must be <= 2^32, got " + shown(e.cache_blocks));
+  need(e.block_size <= 4096, "rollout.block_size", "must be <= 4096 tokens, got " + shown(e.block_size));
   const int64_t cache_tokens = e.cache_blocks * e.block_size;
   need(a.max_new_tokens < cache_tokens, "algorithm.max_new_tokens",
        std::to_string(a.max_new_tokens) + " cannot fit the engine's cache of " + std::to_string(cache_tokens) +
@@ -114,8 +118,8 @@ void Config::validate() const {
          "must be 1 with rollout.backend \"http\" (the servers at rollout.urls are the engines)");
     need(weight_sync.transport == "messages", "weight_sync.transport",
          "must be \"messages\" with rollout.backend \"http\" (rollout.weight_update says how the servers get weights)");
-    need(rollout.http_timeout_s >= 1, "rollout.http_timeout_s", "must be >= 1");
-    need(rollout.http_retry_s >= 0, "rollout.http_retry_s", "must be >= 0");
+    need(rollout.http_timeout_s >= 1, "rollout.http_timeout_s", "must be >= 1, got " + shown(rollout.http_timeout_s));
+    need(rollout.http_retry_s >= 0, "rollout.http_retry_s", "must be >= 0, got " + shown(rollout.http_retry_s));
     need(rollout.weight_update == "disk" || rollout.weight_update == "distributed", "rollout.weight_update",
          "must be \"disk\" (files under rollout.weights_dir) or \"distributed\" (a c10d broadcast group with the "
          "servers), got \"" + rollout.weight_update + "\"");
@@ -124,7 +128,8 @@ void Config::validate() const {
     need(rollout.urls.empty(), "rollout.urls", "is read by rollout.backend \"http\" only");
     need(rollout.weight_update == "disk", "rollout.weight_update", "is read by rollout.backend \"http\" only");
   }
-  need(rollout.weight_update_timeout_s >= 1, "rollout.weight_update_timeout_s", "must be >= 1");
+  need(rollout.weight_update_timeout_s >= 1, "rollout.weight_update_timeout_s",
+       "must be >= 1, got " + shown(rollout.weight_update_timeout_s));
   if (trainer.logprobs.true_on_policy) {
     // The mode needs kiln's engine to run the trainer's formula in batch-invariant kernels.
     need(rollout.backend == "engine", "algorithm.true_on_policy",
@@ -139,17 +144,19 @@ void Config::validate() const {
   }
   validate_placement(*this);
   const auto& par = parallel;
-  need(par.dp >= 1 && par.dp <= 1024, "parallel.dp", "must be in [1, 1024]");
-  need(par.ep >= 1 && par.ep <= 1024, "parallel.ep", "must be in [1, 1024]");
+  need(par.dp >= 1 && par.dp <= 1024, "parallel.dp", "must be in [1, 1024], got " + shown(par.dp));
+  need(par.ep >= 1 && par.ep <= 1024, "parallel.ep", "must be in [1, 1024], got " + shown(par.ep));
   need(par.dp * par.ep == 1 || placement.trainer == "controller", "parallel.dp",
        "and parallel.ep must be 1 with placement.trainer \"process\" (trainer rank 0 is the controller's process)");
   need(par.dp * par.ep == 1 || model.device == "cpu" || model.device == "cuda", "model.device",
        "must be \"cpu\" or \"cuda\" with several trainer ranks (each rank takes the GPU of its LOCAL_RANK)");
-  need(par.master_port >= 0 && par.master_port <= 65535, "parallel.master_port", "must be in [0, 65535] (0: a free port)");
-  need(par.store_timeout_s >= 1 && par.store_timeout_s <= 86400, "parallel.store_timeout_s", "must be in [1, 86400]");
+  need(par.master_port >= 0 && par.master_port <= 65535, "parallel.master_port",
+       "must be in [0, 65535] (0: a free port), got " + shown(par.master_port));
+  need(par.store_timeout_s >= 1 && par.store_timeout_s <= 86400, "parallel.store_timeout_s",
+       "must be in [1, 86400], got " + shown(par.store_timeout_s));
   need(par.collective_timeout_s >= 1 && par.collective_timeout_s <= 86400, "parallel.collective_timeout_s",
-       "must be in [1, 86400]");
-  need(weight_sync.bucket_mib > 0, "weight_sync.bucket_mib", "must be > 0");
+       "must be in [1, 86400], got " + shown(par.collective_timeout_s));
+  need(weight_sync.bucket_mib > 0, "weight_sync.bucket_mib", "must be > 0, got " + shown(weight_sync.bucket_mib));
   need(weight_sync.transport == "messages" || weight_sync.transport == "collective", "weight_sync.transport",
        "must be \"messages\" or \"collective\"");
   if (weight_sync.transport == "collective") {
@@ -176,6 +183,14 @@ void Config::validate() const {
   }
   need(task.name == "next_digit" || task.name == "arithmetic" || task.name == "countdown" || task.name == "jsonl",
        "task.name", "must be \"next_digit\", \"arithmetic\", \"countdown\" or \"jsonl\"");
+  if (task.name == "arithmetic") {
+    need(task.min_digits >= 1 && task.min_digits <= task.max_digits && task.max_digits <= 9, "task.min_digits",
+         "and task.max_digits must satisfy 1 <= min_digits <= max_digits <= 9 with task.name \"arithmetic\", got " +
+             shown(task.min_digits) + " and " + shown(task.max_digits));
+    need(!task.operators.empty() && task.operators.find_first_not_of("+-*") == std::string::npos, "task.operators",
+         "must be a non-empty string of \"+\", \"-\" and \"*\" with task.name \"arithmetic\", got \"" + task.operators +
+             "\"");
+  }
   need(task.name != "jsonl" || !task.path.empty(), "task.path", "must name a JSONL file with task.name \"jsonl\"");
   need(task.name == "jsonl" || task.path.empty(), "task.path",
        "is read by task.name \"jsonl\" only (task.name is \"" + task.name + "\")");

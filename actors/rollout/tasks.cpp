@@ -158,7 +158,8 @@ ExpressionCheck check_countdown_expression(std::string_view text, const std::vec
 
 ArithmeticTask::ArithmeticTask(ArithmeticOptions o) : o_(std::move(o)) {
   if (o_.min_digits < 1 || o_.max_digits < o_.min_digits || o_.max_digits > 9)
-    throw std::invalid_argument("arithmetic: digits must satisfy 1 <= min_digits <= max_digits <= 9");
+    throw std::invalid_argument("arithmetic: digits must satisfy 1 <= min_digits <= max_digits <= 9, got " +
+                                std::to_string(o_.min_digits) + " and " + std::to_string(o_.max_digits));
   if (o_.operators.empty() || o_.operators.find_first_not_of("+-*") != std::string::npos)
     throw std::invalid_argument("arithmetic: operators must be a non-empty subset of \"+-*\", got \"" + o_.operators + "\"");
 }
@@ -182,9 +183,11 @@ double ArithmeticTask::reward(const Problem& problem, std::string_view completio
 }
 
 CountdownTask::CountdownTask(CountdownOptions o) : o_(o) {
-  if (o_.count < 2 || o_.count > 6) throw std::invalid_argument("countdown: count must be in [2, 6]");
+  if (o_.count < 2 || o_.count > 6)
+    throw std::invalid_argument("countdown: count must be in [2, 6], got " + std::to_string(o_.count));
   if (o_.min_value < 1 || o_.max_value < o_.min_value || o_.max_value > 1000)
-    throw std::invalid_argument("countdown: values must satisfy 1 <= min_value <= max_value <= 1000");
+    throw std::invalid_argument("countdown: values must satisfy 1 <= min_value <= max_value <= 1000, got " +
+                                std::to_string(o_.min_value) + " and " + std::to_string(o_.max_value));
 }
 
 Problem CountdownTask::sample(std::mt19937_64& rng) const {
@@ -213,7 +216,10 @@ Problem CountdownTask::sample(std::mt19937_64& rng) const {
     p.target = v;
     p.answer = expr;
     std::string nums;
-    for (auto n : p.numbers) nums += (nums.empty() ? "" : ",") + std::to_string(n);
+    for (auto n : p.numbers) {
+      if (!nums.empty()) nums += ',';
+      nums += std::to_string(n);
+    }
     p.prompt = nums + ":" + std::to_string(v) + "=";
     return p;
   }

@@ -42,6 +42,45 @@ TEST_CASE("a file overrides some keys and --set any") {
   CHECK(c.trainer.lr == 3.0);
 }
 
+TEST_CASE("type and range errors echo the value they refuse") {
+  auto refused = [](const std::string& set) {
+    ExperimentConfig c;
+    try {
+      c.set(set);
+      c.validate();
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  CHECK(refused("run.steps=\"many\"").find("'run.steps' must be an integer, got \"many\"") != std::string::npos);
+  CHECK(refused("run.steps=1.5").find("'run.steps' must be an integer, got 1.5") != std::string::npos);
+  CHECK(refused("run.steps=[1]").find("'run.steps' must be an integer, got an array") != std::string::npos);
+  // Past int64 TOML cannot hold the number: --set reads it as text, and the error says why.
+  CHECK(refused("run.steps=99999999999999999999").find("must be an integer in [-2^63, 2^63), got 99999999999999999999") !=
+        std::string::npos);
+  CHECK(refused("run.steps=\"12\"").find("'run.steps' must be an integer, got \"12\"") != std::string::npos);
+  CHECK(refused("algorithm.lr=\"big\"").find("'algorithm.lr' must be a number, got \"big\"") != std::string::npos);
+  CHECK(refused("run.overwrite=1").find("'run.overwrite' must be true or false, got 1") != std::string::npos);
+  CHECK(refused("model.device=0").find("'model.device' must be a string, got 0") != std::string::npos);
+  CHECK(refused("run.steps=0").find("'run.steps' must be >= 1, got 0") != std::string::npos);
+  CHECK(refused("algorithm.top_p=1.5").find("'algorithm.top_p' must be in (0, 1], got 1.5") != std::string::npos);
+  CHECK(refused("algorithm.lr=-0.001").find("'algorithm.lr' must be > 0, got -0.001") != std::string::npos);
+  CHECK(refused("rollout.block_size=8192").find("must be <= 4096 tokens, got 8192") != std::string::npos);
+  ExperimentConfig a;
+  a.set("task.name=arithmetic");
+  a.set("task.max_digits=12");
+  CHECK_THROWS_WITH_AS(a.validate(),
+                       doctest::Contains("'task.min_digits' and task.max_digits must satisfy 1 <= min_digits <= "
+                                         "max_digits <= 9 with task.name \"arithmetic\", got 1 and 12"),
+                       std::invalid_argument);
+  a.set("task.max_digits=3");
+  a.set("task.operators=+/");
+  CHECK_THROWS_WITH_AS(a.validate(), doctest::Contains("'task.operators' must be a non-empty string"), std::invalid_argument);
+  a.set("task.operators=*");
+  CHECK_NOTHROW(a.validate());
+}
+
 TEST_CASE("unknown keys, wrong types and bad values are rejected by name") {
   CHECK_THROWS_WITH_AS(ExperimentConfig::from_file(write("[algorithm]\nlearning_rate = 0.1\n")),
                        doctest::Contains("'algorithm.learning_rate' is not an experiment key"), std::invalid_argument);

@@ -1,0 +1,29 @@
+#!/usr/bin/env python3
+"""`kiln bench rollout` refuses, with exit code 2 and the option's name, an option the chosen
+device would ignore (cuda-only options on --device cpu, cpu-only ones on --device cuda) and
+--split-profile without --split; every refusal comes before any model is built.
+Usage: check_bench_args.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
+import subprocess, sys
+
+kiln = sys.argv[1]
+checks = []
+cases = [
+    (("--device", "cpu", "--split"), "--split is read with --device cuda only"),
+    (("--split",), "--split is read with --device cuda only"),  # cpu is the default device
+    (("--device", "cpu", "--modes", "graphs"), "--modes is read with --device cuda only"),
+    (("--device", "cpu", "--layers", "4"), "--layers is read with --device cuda only"),
+    (("--device", "cpu", "--contexts", "1024"), "--contexts is read with --device cuda only"),
+    (("--device", "cpu", "--split-profile"), "--split-profile is read with --device cuda only"),
+    (("--device", "cuda", "--flavor", "debug"), "--flavor is read with --device cpu only"),
+    (("--device", "cuda", "--prompt-tokens", "64"), "--prompt-tokens is read with --device cpu only"),
+    (("--device", "cuda", "--split-profile"), "--split-profile needs --split"),
+]
+for args, needle in cases:
+    r = subprocess.run([kiln, "bench", "rollout", *args], capture_output=True, text=True, timeout=60)
+    checks.append((r.returncode == 2 and needle in r.stderr,
+                   f"{' '.join(args)}: exit {r.returncode}, stderr names it ({r.stderr.strip()[-160:]})"))
+failed = [m for ok, m in checks if not ok]
+for ok, m in checks:
+    print(("PASS " if ok else "FAIL ") + m)
+print(f"{len(checks) - len(failed)} passed, {len(failed)} failed")
+sys.exit(1 if failed else 0)
