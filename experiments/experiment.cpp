@@ -1,4 +1,5 @@
 #include "experiments/experiment.hpp"
+#include "actors/shown_value.hpp"
 
 #include <charconv>
 #include <cmath>
@@ -84,10 +85,8 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
                 if (!std::isfinite(ref)) bad(w, key, "must be a finite number");
               },
               [&ref] {
-                // Shortest text that reads back to the same double (<< kept 6 digits).
-                char buf[64];
-                auto t = std::string(buf, std::to_chars(buf, buf + sizeof buf, ref).ptr);
-                return t.find_first_of(".e") == std::string::npos ? t + ".0" : t;
+                const auto t = shown(ref);  // shortest text that reads back to the same double
+                return t.find_first_of(".e") == std::string::npos ? t + ".0" : t;  // a TOML float
               }};
   };
   auto boolean = [&](const std::string& key, bool& ref) {
