@@ -1,5 +1,6 @@
 // The kiln command line: `kiln node`, `kiln bench ...`, `kiln model ...`, `kiln serve`, `kiln run`.
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdio>
 #include <string>
 
@@ -62,12 +63,16 @@ int main(int argc, char** argv) {
   bench_model->add_option("--repeats", mo.repeats, "Measurements (best is shown)")->check(CLI::Range(1, 100));
   kiln::experiments::RolloutBenchOptions ro;
   auto* bench_rollout = bench_cmd->add_subcommand("rollout", "Engine decode tokens/s and TTFT vs no-cache recompute");
-  bench_rollout->add_option("--batch-sizes", ro.batch_sizes, "Batch sizes")->default_str("1 8 32 64")->check(CLI::Range(int64_t(1), int64_t(4096)));
-  bench_rollout->add_option("--prompt-tokens", ro.prompt_tokens, "Prompt length")->check(CLI::Range(int64_t(1), int64_t(65536)));
-  bench_rollout->add_option("--new-tokens", ro.new_tokens, "Tokens generated per request")->check(CLI::Range(int64_t(1), int64_t(65536)));
-  bench_rollout->add_option("--flavor", ro.flavor, "glm4_moe_lite flavor (cpu)");
-  bench_rollout->add_option("--device", ro.device, "cpu, or cuda: GLM-4.7-Flash dims, expanded vs absorbed decode vs the roofline")
-      ->check(CLI::IsMember({"cpu", "cuda"}));
+  bench_rollout->add_option("--batch-sizes", ro.batch_sizes, "Batch sizes")->default_str("1 8 32 64; cuda: 1 32 128 256")->check(CLI::Range(int64_t(1), int64_t(4096)));
+  bench_rollout->add_option("--prompt-tokens", ro.prompt_tokens, "cpu: prompt length")
+      ->capture_default_str()->check(CLI::Range(int64_t(1), int64_t(65536)));
+  bench_rollout->add_option("--new-tokens", ro.new_tokens, "Tokens generated per request")
+      ->capture_default_str()->check(CLI::Range(int64_t(1), int64_t(65536)));
+  bench_rollout->add_option("--flavor", ro.flavor, "cpu: glm4_moe_lite flavor")->capture_default_str();
+  bench_rollout->add_option("--device", ro.device,
+                            "cpu (--flavor) or cuda (GLM-4.7-Flash dims, decode modes against the roofline); both "
+                            "end with a GRPO group: 8 samples of one 2048-token prompt, shared or not")
+      ->capture_default_str()->check(CLI::IsMember({"cpu", "cuda"}));
   bench_rollout->add_option("--layers", ro.layers, "cuda: decoder layers at GLM-4.7-Flash dimensions (first dense)")
       ->check(CLI::Range(int64_t(2), int64_t(47)));
   bench_rollout->add_option("--contexts", ro.contexts, "cuda: prompt lengths")->default_str("1024 8192")
@@ -173,7 +178,30 @@ int main(int argc, char** argv) {
   run_cmd->add_option("experiment", experiment, "Experiment file (TOML); none: the built-in default");
   run_cmd->add_option("--set", overrides, "Override a key: section.key=value (repeatable)");
 
-  CLI11_PARSE(app, argc, argv);
+  // A word where a command goes that names none: said as such (CLI11 says "A subcommand is required").
+  {
+    const CLI::App* level = &app;
+    for (int i = 1; i < argc && argv[i][0] != '-'; ++i) {
+      const auto subs = level->get_subcommands([](const CLI::App*) { return true; });
+      if (subs.empty()) break;  // a command's own positional arguments from here
+      const auto it = std::find_if(subs.begin(), subs.end(), [&](const CLI::App* c) { return c->check_name(argv[i]); });
+      if (it == subs.end()) {
+        std::string names;
+        for (const auto* c : subs) names += (names.empty() ? "" : ", ") + c->get_name();
+        std::fprintf(stderr, "kiln: unknown command '%s' (commands%s%s: %s)\n", argv[i], level == &app ? "" : " of ",
+                     level == &app ? "" : level->get_name().c_str(), names.c_str());
+        return 2;
+      }
+      level = *it;
+    }
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // --help and --version exit 0; a refused command line exits 2, as kiln's own checks do
+    // (CLI11's own codes, 105-114, say which of its checks refused it, which no caller reads).
+    return app.exit(e) == 0 ? 0 : 2;
+  }
   if (node_cmd->parsed()) {
     if (node.name.empty()) node.name = "node-" + std::to_string(::getpid());
     return kiln::experiments::run_node(node);

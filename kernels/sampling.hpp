@@ -18,7 +18,7 @@
 // logits [B, V] fp32; temperature [B] fp64 (>= 0); top_k [B] int64 (>= 0); top_p [B] fp64 in
 // (0, 1]; seed [B] int64 (the request's seed, its bits as uint64); step [B] int64 (>= 0, the
 // token's index in its completion) -> [B, 3] fp64: token id, logprob (nats), entropy (nats).
-// CUDA fp32 logits of V <= kernels::cuda::kMaxVocab (393216) run kernels/sampling.cu (Hopper:
+// CUDA fp32 logits of V <= kSampleKernelMaxVocab (393216) run kernels/sampling.cu (Hopper:
 // each row over a cluster of 8 CTAs, each holding its slice of the row in shared memory; no host
 // sync: capturable in a CUDA graph; the parameters on the logits' device); anything else the
 // LibTorch reference sample_rows_ref (it reads the parameters on the host, from any device). The
@@ -26,7 +26,13 @@
 // boundary. Throws c10::Error on shape or dtype mismatch.
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
+
 namespace kiln::kernels {
+
+/// The largest vocabulary the CUDA kernel takes: each of a row's 8 CTAs holds its eighth of the
+/// row in shared memory (196 KB at this V); past it sample_rows is the reference.
+constexpr int64_t kSampleKernelMaxVocab = 393216;
 
 at::Tensor sample_rows(const at::Tensor& logits_BV, const at::Tensor& temperature, const at::Tensor& top_k,
                        const at::Tensor& top_p, const at::Tensor& seed, const at::Tensor& step);

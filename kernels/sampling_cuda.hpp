@@ -5,10 +5,11 @@
 
 #include <cstdint>
 
+#include "kernels/sampling.hpp"
+
 namespace kiln::kernels::cuda {
-/// The largest vocabulary the kernel takes: each of a row's 8 CTAs holds its eighth of the row
-/// in shared memory (196 KB at this V). sample_rows throws past it.
-constexpr int64_t kMaxVocab = 393216;
+/// kernels::kSampleKernelMaxVocab: cuda::sample_rows throws past it.
+constexpr int64_t kMaxVocab = kSampleKernelMaxVocab;
 
 void sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
                  const at::Tensor& top_p, const at::Tensor& seed, const at::Tensor& step, at::Tensor& out);

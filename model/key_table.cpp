@@ -95,16 +95,17 @@ std::vector<std::pair<std::string, torch::Tensor>> named_tensors(torch::nn::Modu
 void throw_if_misfit(const std::string& where, const std::string& what, const std::vector<std::string>& missing,
                      const std::vector<std::string>& unexpected) {
   if (missing.empty() && unexpected.empty()) return;
+  // The first few names of each list: a checkpoint of another model misses hundreds.
+  constexpr std::size_t kShown = 8;
+  auto names = [&](const std::vector<std::string>& keys) {
+    std::string out;
+    for (std::size_t i = 0; i < keys.size() && i < kShown; ++i) out += " " + keys[i];
+    if (keys.size() > kShown) out += " ... (" + std::to_string(keys.size() - kShown) + " more)";
+    return out;
+  };
   std::string msg = where + " does not fit " + what + ":";
-  if (!missing.empty()) {
-    msg += " missing " + std::to_string(missing.size()) + " key(s):";
-    for (const auto& k : missing) msg += " " + k;
-    msg += ";";
-  }
-  if (!unexpected.empty()) {
-    msg += " unexpected " + std::to_string(unexpected.size()) + " key(s):";
-    for (const auto& k : unexpected) msg += " " + k;
-  }
+  if (!missing.empty()) msg += " missing " + std::to_string(missing.size()) + " key(s):" + names(missing) + ";";
+  if (!unexpected.empty()) msg += " unexpected " + std::to_string(unexpected.size()) + " key(s):" + names(unexpected);
   throw checkpoint::CheckpointError(msg);
 }
 

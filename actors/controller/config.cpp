@@ -51,7 +51,8 @@ void validate_placement(const Config& c) {
            c.placement.reference_device + "\"");
   need(c.placement.reference_device.empty() || c.placement.reference == "process", "placement.reference_device",
        "needs placement.reference \"process\" (the reference in its own process)");
-  need(c.model.dtype == "fp32" || c.model.dtype == "bf16", "model.dtype", "must be \"fp32\" or \"bf16\"");
+  need(c.model.dtype == "fp32" || c.model.dtype == "bf16", "model.dtype",
+       "must be \"fp32\" or \"bf16\", got \"" + c.model.dtype + "\"");
   need(c.placement.reference == "controller" || c.placement.reference == "process", "placement.reference",
        "must be \"controller\" or \"process\"");
   need(c.placement.reference == "controller" || c.placement.mode == "multi_process", "placement.reference",
@@ -94,9 +95,9 @@ void Config::validate() const {
   });
   const auto& e = rollout.engine;
   need(e.step_delay_ms >= 0, "rollout.step_delay_ms", "must be >= 0, got " + shown(e.step_delay_ms));
-  need(e.cache_blocks >= 1 && e.block_size >= 1 && e.max_batch >= 1, "rollout.cache_blocks",
-       "rollout.cache_blocks, block_size and max_batch must be >= 1, got " + shown(e.cache_blocks) + ", " +
-           shown(e.block_size) + " and " + shown(e.max_batch));
+  need(e.cache_blocks >= 1, "rollout.cache_blocks", "must be >= 1, got " + shown(e.cache_blocks));
+  need(e.block_size >= 1, "rollout.block_size", "must be >= 1, got " + shown(e.block_size));
+  need(e.max_batch >= 1, "rollout.max_batch", "must be >= 1, got " + shown(e.max_batch));
   need(e.cache_blocks <= (int64_t(1) << 32), "rollout.cache_blocks", "must be <= 2^32, got " + shown(e.cache_blocks));
   need(e.block_size <= 4096, "rollout.block_size", "must be <= 4096 tokens, got " + shown(e.block_size));
   const int64_t cache_tokens = e.cache_blocks * e.block_size;
@@ -104,7 +105,7 @@ void Config::validate() const {
        std::to_string(a.max_new_tokens) + " cannot fit the engine's cache of " + std::to_string(cache_tokens) +
            " tokens with a prompt (rollout.cache_blocks x rollout.block_size)");
   need(rollout.backend == "engine" || rollout.backend == "http", "rollout.backend",
-       "must be \"engine\" (kiln's engine) or \"http\" (servers at rollout.urls)");
+       "must be \"engine\" (kiln's engine) or \"http\" (servers at rollout.urls), got \"" + rollout.backend + "\"");
   if (rollout.backend == "http") {
     need(!rollout.urls.empty(), "rollout.urls", "must list at least one server with rollout.backend \"http\"");
     for (const auto& u : rollout.urls)
@@ -182,11 +183,14 @@ void Config::validate() const {
     }
   }
   need(task.name == "next_digit" || task.name == "arithmetic" || task.name == "countdown" || task.name == "jsonl",
-       "task.name", "must be \"next_digit\", \"arithmetic\", \"countdown\" or \"jsonl\"");
+       "task.name",
+       "must be \"next_digit\", \"arithmetic\", \"countdown\" or \"jsonl\", got \"" + task.name + "\"");
   if (task.name == "arithmetic") {
-    need(task.min_digits >= 1 && task.min_digits <= task.max_digits && task.max_digits <= 9, "task.min_digits",
-         "and task.max_digits must satisfy 1 <= min_digits <= max_digits <= 9 with task.name \"arithmetic\", got " +
-             shown(task.min_digits) + " and " + shown(task.max_digits));
+    const bool min_ok = task.min_digits >= 1 && task.min_digits <= 9;
+    need(min_ok, "task.min_digits", "must be in [1, 9] with task.name \"arithmetic\", got " + shown(task.min_digits));
+    need(task.max_digits >= task.min_digits && task.max_digits <= 9, "task.max_digits",
+         "must be in [task.min_digits, 9] = [" + shown(task.min_digits) + ", 9] with task.name \"arithmetic\", got " +
+             shown(task.max_digits));
     need(!task.operators.empty() && task.operators.find_first_not_of("+-*") == std::string::npos, "task.operators",
          "must be a non-empty string of \"+\", \"-\" and \"*\" with task.name \"arithmetic\", got \"" + task.operators +
              "\"");

@@ -1,11 +1,19 @@
 #include "actors/controller/metrics.hpp"
 
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <sstream>
 #include <nlohmann/json.hpp>
 
 #include "actors/trainer/losses.hpp"
+
+extern char** environ;
 
 namespace kiln::controller {
 
@@ -98,14 +106,48 @@ void MetricsLog::print_progress(const StepRow& row, int64_t steps, int64_t promp
     std::fprintf(stderr, "step %3lld: skipped, policy unchanged: %s\n", (long long)row.step, row.train.skip_reason.c_str());
 }
 
+namespace {
+// A path as a gnuplot single-quoted string (a quote inside doubled).
+std::string gnuplot_quoted(const std::string& text) {
+  std::string out = "'";
+  for (char ch : text) out += ch == '\'' ? std::string("''") : std::string(1, ch);
+  return out + "'";
+}
+}  // namespace
+
 void MetricsLog::plot() const {
-  auto tsv = dir_ / "metrics.tsv";
-  auto png = dir_ / "reward_kl.png";
-  std::string cmd = "gnuplot -e \"set terminal png size 900,500; set output '" + png.string() +
-                    "'; set xlabel 'step'; set ylabel 'reward'; set y2label 'KL'; set y2tics; set ytics nomirror; "
-                    "set key left top; plot '" + tsv.string() + "' using 1:2 with lines lw 2 title 'reward mean', '" +
-                    tsv.string() + "' using 1:3 axes x1y2 with lines title 'KL'\" 2>&1";
-  if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "kiln run: plotting with gnuplot failed (is gnuplot installed?)\n");
+  const auto tsv = dir_ / "metrics.tsv", png = dir_ / "reward_kl.png", script = dir_ / "reward_kl.gp";
+  // One row: ranges around its point (gnuplot warns of an empty range otherwise).
+  std::ifstream in(tsv);
+  std::string line, first;
+  int64_t rows = 0;
+  for (double step = 0; std::getline(in, line);)
+    if (std::istringstream(line) >> step && rows++ == 0) first = line;  // numeric rows (a header is not)
+  std::string ranges;
+  if (rows == 1) {
+    std::istringstream f(first);
+    double step = 0, reward = 0, kl = 0;
+    f >> step >> reward >> kl;
+    char buf[256];
+    std::snprintf(buf, sizeof buf, "set xrange [%g:%g]; set yrange [%g:%g]; set y2range [%g:%g]; ", step - 1, step + 1,
+                  reward - 0.5, reward + 0.5, kl - 0.5, kl + 0.5);
+    ranges = buf;
+  }
+  // The script in a file and gnuplot started without a shell: a run directory's name is data.
+  std::ofstream(script) << "set terminal png size 900,500; set output " << gnuplot_quoted(png.string())
+                        << "; set xlabel 'step'; set ylabel 'reward'; set y2label 'KL'; set y2tics; set ytics nomirror; "
+                        << "set key left top; " << ranges << "plot " << gnuplot_quoted(tsv.string())
+                        << " using 1:2 with linespoints lw 2 title 'reward mean', " << gnuplot_quoted(tsv.string())
+                        << " using 1:3 axes x1y2 with lines title 'KL'\n";
+  std::string prog = "gnuplot", arg = script.string();
+  char* argv[] = {prog.data(), arg.data(), nullptr};
+  pid_t pid = -1;
+  int status = 0;
+  const bool ran = posix_spawnp(&pid, "gnuplot", nullptr, nullptr, argv, environ) == 0 && ::waitpid(pid, &status, 0) == pid &&
+                   WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  std::error_code ec;
+  std::filesystem::remove(script, ec);
+  if (!ran) std::fprintf(stderr, "kiln run: plotting with gnuplot failed (is gnuplot installed?)\n");
 }
 
 int64_t MetricsLog::drop_rows_from(const std::filesystem::path& dir, int64_t first_step) {

@@ -17,6 +17,7 @@ namespace fs = std::filesystem;
 
 RunLock::RunLock(const fs::path& dir, const std::string& resume_from, bool overwrite) {
   std::error_code ec;
+  if (!fs::exists(dir, ec)) created_ = dir;
   fs::create_directories(dir, ec);
   if (ec) throw std::runtime_error("cannot create the run directory '" + dir.string() + "': " + ec.message());
   const auto lock = dir / ".lock";
@@ -55,7 +56,15 @@ RunLock::RunLock(const fs::path& dir, const std::string& resume_from, bool overw
 }
 
 RunLock::~RunLock() {
+  std::error_code ec;
+  if (fd_ >= 0 && !created_.empty()) {  // ours, and nothing but the lock in it: gone again
+    bool only_lock = true;
+    for (const auto& e : fs::directory_iterator(created_, ec)) only_lock = only_lock && e.path().filename() == ".lock";
+    if (!ec && only_lock) fs::remove(created_ / ".lock", ec);  // while the flock is held
+    else created_.clear();
+  }
   if (fd_ >= 0) ::close(fd_);  // releases the flock
+  if (!created_.empty()) fs::remove(created_, ec);  // only if still empty (another run may have begun there)
 }
 
 fs::path checkpoint_dir(const fs::path& run, int64_t step) {

@@ -17,7 +17,8 @@ class RunLock {
   /// why the lock file cannot be made. A run directory that already holds a run
   /// (RUN/metrics.jsonl with rows) is accepted when `resume_from` is one of its own
   /// checkpoints, or with `overwrite`; otherwise refused, saying how to resume, choose another
-  /// directory, or overwrite.
+  /// directory, or overwrite. A directory this lock created is removed again on release when
+  /// the run left nothing in it but the lock file (a run refused at start-up, e.g. by its model).
   RunLock(const std::filesystem::path& dir, const std::string& resume_from, bool overwrite);
   ~RunLock();
   RunLock(const RunLock&) = delete;
@@ -25,6 +26,7 @@ class RunLock {
 
  private:
   int fd_ = -1;
+  std::filesystem::path created_;  // the directory, when this lock created it
 };
 
 /// RUN/checkpoints/step_NNNNNN.

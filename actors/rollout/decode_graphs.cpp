@@ -2,6 +2,8 @@
 
 #include <stdexcept>
 
+#include "kernels/sampling.hpp"
+
 
 namespace kiln::rollout {
 
@@ -83,7 +85,16 @@ DecodeGraphs::Graph& DecodeGraphs::graph_for(int64_t Bb, int64_t Wb) {
     auto out = model_.forward_decode(g->ids, g->positions, g->table, cache_, /*want_routing=*/true);
     g->logits = model_.fp32_logits(out.hidden);                         // [Bb, V] fp32
     g->routed_experts = out.routed_experts;                              // [Bb, L, K]
-    if (sample_) g->sampled = rows.sample(g->logits);                    // [Bb, 3] fp64
+    if (sample_) {
+      // The warm-up runs this eagerly, so a vocabulary past the kernel's is refused before the
+      // capture (the reference sampler reads the host, which a graph cannot hold).
+      if (!kernels::sample_rows_uses_kernel(g->logits))
+        throw std::invalid_argument("rollout.sampling_kernel with rollout.cuda_graphs: the sampling kernel takes fp32 "
+                                    "CUDA logits of up to " + std::to_string(kernels::kSampleKernelMaxVocab) + " tokens a row, these are " +
+                                    std::to_string(g->logits.size(1)) + " on " + g->logits.device().str() +
+                                    ": set rollout.sampling_kernel = false");
+      g->sampled = rows.sample(g->logits);  // [Bb, 3] fp64
+    }
   };
   g->graph = std::make_unique<kernels::CapturedGraph>(device_, pool_, body);
   slot = std::move(g);

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """`kiln bench rollout` refuses, with exit code 2 and the option's name, an option the chosen
 device would ignore (cuda-only options on --device cpu, cpu-only ones on --device cuda) and
---split-profile without --split; every refusal comes before any model is built.
+--split-profile without --split; every refusal comes before any model is built. Also kiln's
+command line: an unknown command is named, and the option parser's refusals exit 2.
 Usage: check_bench_args.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
 import subprocess, sys
 
@@ -22,6 +23,14 @@ for args, needle in cases:
     r = subprocess.run([kiln, "bench", "rollout", *args], capture_output=True, text=True, timeout=60)
     checks.append((r.returncode == 2 and needle in r.stderr,
                    f"{' '.join(args)}: exit {r.returncode}, stderr names it ({r.stderr.strip()[-160:]})"))
+# The command line itself: an unknown command is named with the commands there are, and a value
+# the option parser refuses exits 2 as well (not CLI11's own codes, 105-114).
+for args, needle in [(("frobnicate",), "unknown command 'frobnicate' (commands: "),
+                     (("bench", "nope"), "unknown command 'nope' (commands of bench: "),
+                     (("bench", "rollout", "--batch-sizes", "0"), "--batch-sizes"),
+                     (("run", "--bogus"), "--bogus")]:
+    r = subprocess.run([kiln, *args], capture_output=True, text=True, timeout=60)
+    checks.append((r.returncode == 2 and needle in r.stderr, f"kiln {' '.join(args)}: exit {r.returncode} ({r.stderr.strip()[-160:]})"))
 failed = [m for ok, m in checks if not ok]
 for ok, m in checks:
     print(("PASS " if ok else "FAIL ") + m)

@@ -3,7 +3,9 @@
 resuming or told run.overwrite=true), a refused run changes no file, two runs cannot share a
 directory (the second is refused naming the first's pid; a dead run's lock blocks nothing),
 and Ctrl-C finishes the step, checkpoints and prints the command that continues the run, which
-then trains every step exactly once. Also: an experiment "file" that is a directory is refused.
+then trains every step exactly once; a run refused at start-up removes the directory it made;
+a directory's name with quotes and $(...) is plotted into, nothing run.
+Also: an experiment "file" that is a directory is refused.
 Usage: check_run_dir.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
 import json, os, shutil, signal, subprocess, sys, time
 
@@ -93,9 +95,23 @@ r = run(f"{work}/huge", "algorithm.prompts_per_step=100000000")
 checks.append((r.returncode == 2 and "algorithm.prompts_per_step" in r.stderr and "GiB per step" in r.stderr
                and not os.path.exists(f"{work}/huge/config.toml"), f"100M prompts per step are refused by name ({r.stderr.strip()[-200:]})"))
 
+# 5b. A run refused at start-up (by its model) leaves no directory of its own making behind.
+r = run(f"{work}/fresh_refused", "model.flavor=huge")
+checks.append((r.returncode == 2 and not os.path.exists(f"{work}/fresh_refused"),
+               f"a run refused by its model leaves no new directory behind ({r.stderr.strip()[-160:]})"))
+
 # 6. An experiment "file" that is a directory.
 r = subprocess.run([kiln, "run", work], capture_output=True, text=True, timeout=60)
 checks.append((r.returncode == 2 and "is a directory" in r.stderr, f"kiln run DIR is refused ({r.stderr.strip()[-200:]})"))
+
+# 7. A run directory's name is data, also to the plot: quotes and a command substitution in it
+# neither break the plot nor run anything (gnuplot used to be started through a shell).
+odd = f"{work}/it's $(touch {work}/pwned)"
+r = subprocess.run([kiln, "run", "--set", "logging.progress=false", "--set", "algorithm.prompts_per_step=8",
+                    "--set", "run.steps=1", "--set", f"run.output_dir={odd}"], capture_output=True, text=True, timeout=300)
+checks.append((r.returncode == 0 and os.path.exists(os.path.join(odd, "reward_kl.png")) and not os.path.exists(f"{work}/pwned")
+               and "Warning" not in r.stderr and "Warning" not in r.stdout,
+               f"an odd run directory name: plotted, nothing executed, no gnuplot warning ({r.stderr.strip()[-200:]})"))
 
 for ok, what in checks:
     print(("ok   " if ok else "FAIL ") + what)

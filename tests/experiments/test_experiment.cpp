@@ -67,12 +67,18 @@ TEST_CASE("type and range errors echo the value they refuse") {
   CHECK(refused("algorithm.top_p=1.5").find("'algorithm.top_p' must be in (0, 1], got 1.5") != std::string::npos);
   CHECK(refused("algorithm.lr=-0.001").find("'algorithm.lr' must be > 0, got -0.001") != std::string::npos);
   CHECK(refused("rollout.block_size=8192").find("must be <= 4096 tokens, got 8192") != std::string::npos);
+  CHECK(refused("rollout.block_size=0").find("'rollout.block_size' must be >= 1, got 0") != std::string::npos);
+  CHECK(refused("rollout.max_batch=0").find("'rollout.max_batch' must be >= 1, got 0") != std::string::npos);
+  CHECK(refused("task.min_digits=0").find("accepted") != std::string::npos);  // read by the arithmetic task only
+  CHECK(refused("task.name=bogus").find("got \"bogus\"") != std::string::npos);
+  CHECK(refused("model.dtype=fp16").find("'model.dtype' must be \"fp32\" or \"bf16\", got \"fp16\"") != std::string::npos);
+  CHECK(refused("rollout.backend=carrier").find("got \"carrier\"") != std::string::npos);
   ExperimentConfig a;
   a.set("task.name=arithmetic");
   a.set("task.max_digits=12");
   CHECK_THROWS_WITH_AS(a.validate(),
-                       doctest::Contains("'task.min_digits' and task.max_digits must satisfy 1 <= min_digits <= "
-                                         "max_digits <= 9 with task.name \"arithmetic\", got 1 and 12"),
+                       doctest::Contains("'task.max_digits' must be in [task.min_digits, 9] = [1, 9] with task.name "
+                                         "\"arithmetic\", got 12"),
                        std::invalid_argument);
   a.set("task.max_digits=3");
   a.set("task.operators=+/");

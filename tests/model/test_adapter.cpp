@@ -11,6 +11,7 @@
 #include "messaging/torch_tensor.hpp"
 #include "model/glm4_moe_lite/model.hpp"
 #include "model/glm4_moe_lite/state_dict_adapter.hpp"
+#include "model/key_table.hpp"
 
 using namespace kiln;
 using namespace kiln::model;
@@ -86,6 +87,22 @@ TEST_CASE("missing and unexpected keys are all listed in one error") {
   CHECK(err.find("model.layers.1.self_attn.kv_b_proj.weight") != std::string::npos);
   CHECK(err.find("model.layers.2.mlp.experts.5.up_proj.weight") != std::string::npos);
   CHECK(err.find("unexpected 1 key(s): model.layers.0.self_attn.rotary_emb.inv_freq") != std::string::npos);
+}
+
+TEST_CASE("a checkpoint of another model: each list of keys is cut to its first eight, with the count") {
+  std::vector<std::string> missing, unexpected{"extra.weight"};
+  for (int i = 0; i < 300; ++i) missing.push_back("model.layers." + std::to_string(i) + ".w");
+  std::string err;
+  try {
+    throw_if_misfit("ckpt", "a model", missing, unexpected);
+  } catch (const checkpoint::CheckpointError& e) {
+    err = e.what();
+  }
+  CHECK(err.find("missing 300 key(s): model.layers.0.w") != std::string::npos);
+  CHECK(err.find("model.layers.7.w ... (292 more);") != std::string::npos);
+  CHECK(err.find("model.layers.8.w") == std::string::npos);
+  CHECK(err.find("unexpected 1 key(s): extra.weight") != std::string::npos);
+  CHECK(err.size() < 600);
 }
 
 TEST_CASE("a tensor of the wrong dtype or shape for its key is named") {
