@@ -137,7 +137,8 @@ void MetricsLog::plot() const {
   std::ofstream(script) << "set terminal png size 900,500; set output " << gnuplot_quoted(png.string())
                         << "; set xlabel 'step'; set ylabel 'reward'; set y2label 'KL'; set y2tics; set ytics nomirror; "
                         << "set key left top; " << ranges << "plot " << gnuplot_quoted(tsv.string())
-                        << " using 1:2 with linespoints lw 2 title 'reward mean', " << gnuplot_quoted(tsv.string())
+                        << " using 1:2 with " << (rows == 1 ? "points" : "lines") << " lw 2 title 'reward mean', "
+                        << gnuplot_quoted(tsv.string())
                         << " using 1:3 axes x1y2 with lines title 'KL'\n";
   std::string prog = "gnuplot", arg = script.string();
   char* argv[] = {prog.data(), arg.data(), nullptr};
