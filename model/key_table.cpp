@@ -95,8 +95,8 @@ std::vector<std::pair<std::string, torch::Tensor>> named_tensors(torch::nn::Modu
 void throw_if_misfit(const std::string& where, const std::string& what, const std::vector<std::string>& missing,
                      const std::vector<std::string>& unexpected) {
   if (missing.empty() && unexpected.empty()) return;
-  // The first few names of each list: a checkpoint of another model misses hundreds.
-  constexpr std::size_t kShown = 8;
+  // The first names of each list: a checkpoint of another model misses hundreds.
+  constexpr std::size_t kShown = 32;
   auto names = [&](const std::vector<std::string>& keys) {
     std::string out;
     for (std::size_t i = 0; i < keys.size() && i < kShown; ++i) out += " " + keys[i];
