@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <string>
+#include <utility>
 
 #include <unistd.h>
 
@@ -24,6 +25,52 @@
 #include "experiments/ranks.hpp"
 #include "experiments/serve.hpp"
 #endif
+
+namespace {
+
+// A word where a command goes that names none, said as such with the commands there are (CLI11
+// says "A subcommand is required"). True when refused (the message printed).
+bool refuse_unknown_command(const CLI::App& app, int argc, char** argv) {
+  const CLI::App* level = &app;
+  for (int i = 1; i < argc && argv[i][0] != '-'; ++i) {
+    const auto subs = level->get_subcommands([](const CLI::App*) { return true; });
+    if (subs.empty()) return false;  // a command's own positional arguments from here
+    const auto it = std::find_if(subs.begin(), subs.end(), [&](const CLI::App* c) { return c->check_name(argv[i]); });
+    if (it == subs.end()) {
+      std::string names;
+      for (const auto* c : subs) names += (names.empty() ? "" : ", ") + c->get_name();
+      std::fprintf(stderr, "kiln: unknown command '%s' (commands%s%s: %s)\n", argv[i], level == &app ? "" : " of ",
+                   level == &app ? "" : level->get_name().c_str(), names.c_str());
+      return true;
+    }
+    level = *it;
+  }
+  return false;
+}
+
+#ifdef KILN_WITH_TORCH
+// `kiln bench rollout`: each device reads its own options, so one given for the other device,
+// or --split-profile without --split, is refused rather than ignored. True when refused.
+bool refuse_other_device_options(const CLI::App& bench, const kiln::experiments::RolloutBenchOptions& ro) {
+  const std::pair<const char*, const char*> read_by[] = {{"--layers", "cuda"},     {"--contexts", "cuda"},
+                                                         {"--modes", "cuda"},      {"--split", "cuda"},
+                                                         {"--split-profile", "cuda"}, {"--flavor", "cpu"},
+                                                         {"--prompt-tokens", "cpu"}};
+  for (const auto& [name, device] : read_by)
+    if (bench.get_option(name)->count() > 0 && ro.device != device) {
+      std::fprintf(stderr, "kiln bench rollout: %s is read with --device %s only (this run: --device %s)\n", name,
+                   device, ro.device.c_str());
+      return true;
+    }
+  if (ro.split_profile && !ro.split) {
+    std::fprintf(stderr, "kiln bench rollout: --split-profile needs --split\n");
+    return true;
+  }
+  return false;
+}
+#endif
+
+}  // namespace
 
 int main(int argc, char** argv) {
   kiln::actors::register_diag_actor_kind();      // kiln node --actor diag/N
@@ -178,23 +225,7 @@ int main(int argc, char** argv) {
   run_cmd->add_option("experiment", experiment, "Experiment file (TOML); none: the built-in default");
   run_cmd->add_option("--set", overrides, "Override a key: section.key=value (repeatable)");
 
-  // A word where a command goes that names none: said as such (CLI11 says "A subcommand is required").
-  {
-    const CLI::App* level = &app;
-    for (int i = 1; i < argc && argv[i][0] != '-'; ++i) {
-      const auto subs = level->get_subcommands([](const CLI::App*) { return true; });
-      if (subs.empty()) break;  // a command's own positional arguments from here
-      const auto it = std::find_if(subs.begin(), subs.end(), [&](const CLI::App* c) { return c->check_name(argv[i]); });
-      if (it == subs.end()) {
-        std::string names;
-        for (const auto* c : subs) names += (names.empty() ? "" : ", ") + c->get_name();
-        std::fprintf(stderr, "kiln: unknown command '%s' (commands%s%s: %s)\n", argv[i], level == &app ? "" : " of ",
-                     level == &app ? "" : level->get_name().c_str(), names.c_str());
-        return 2;
-      }
-      level = *it;
-    }
-  }
+  if (refuse_unknown_command(app, argc, argv)) return 2;
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -209,20 +240,8 @@ int main(int argc, char** argv) {
   if (bench_msg->parsed()) return kiln::experiments::run_messaging_bench(mb);
 #ifdef KILN_WITH_TORCH
   if (bench_rollout->parsed()) {
-    // Each device reads its own options: one given for the other device would be ignored.
+    if (refuse_other_device_options(*bench_rollout, ro)) return 2;
     const bool cuda = ro.device == "cuda";
-    for (const char* name : {"--layers", "--contexts", "--modes", "--split", "--split-profile", "--flavor", "--prompt-tokens"}) {
-      const bool cuda_only = std::string(name) != "--flavor" && std::string(name) != "--prompt-tokens";
-      if (bench_rollout->get_option(name)->count() > 0 && cuda_only != cuda) {
-        std::fprintf(stderr, "kiln bench rollout: %s is read with --device %s only (this run: --device %s)\n", name,
-                     cuda_only ? "cuda" : "cpu", ro.device.c_str());
-        return 2;
-      }
-    }
-    if (ro.split_profile && !ro.split) {
-      std::fprintf(stderr, "kiln bench rollout: --split-profile needs --split\n");
-      return 2;
-    }
     if (cuda && bench_rollout->get_option("--batch-sizes")->count() == 0) ro.batch_sizes = {1, 32, 128, 256};
     return kiln::experiments::run_rollout_bench(ro);
   }

@@ -103,10 +103,11 @@ void Engine::HostRows::append(const torch::Tensor& t, int64_t start, int64_t cou
   rows += count;
 }
 
-torch::Tensor Engine::HostRows::tensor() const {
+torch::Tensor Engine::HostRows::after(const torch::Tensor& prompt) const {
+  if (rows == 0) return prompt.clone();
   auto t = torch::empty({rows, a, w}, torch::kInt64);
   std::copy(values.begin(), values.end(), t.data_ptr<int64_t>());
-  return t;
+  return torch::cat({prompt, t}, 0);
 }
 
 void Engine::release(Sequence& s) {
@@ -289,11 +290,8 @@ std::vector<Completion> Engine::step() {
       ++it;
       continue;
     }
-    auto all_rows = [](const torch::Tensor& prompt, const HostRows& decode) {  // [P + n - 1, ., .]
-      return decode.rows == 0 ? prompt.clone() : torch::cat({prompt, decode.tensor()}, 0);
-    };
-    s.out.routed_experts = all_rows(s.prompt_experts, s.decode_experts);  // [P + n - 1, L, K]
-    if (s.prompt_topk.defined()) s.out.topk_indices = all_rows(s.prompt_topk, s.decode_topk);  // [P + n - 1, Ls, W]
+    s.out.routed_experts = s.decode_experts.after(s.prompt_experts);  // [P + n - 1, L, K]
+    if (s.prompt_topk.defined()) s.out.topk_indices = s.decode_topk.after(s.prompt_topk);  // [P + n - 1, Ls, W]
     release(s);
     done.push_back(std::move(s.out));
     it = running_.erase(it);

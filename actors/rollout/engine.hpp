@@ -80,14 +80,15 @@ class Engine : public RolloutBackend {
  private:
   /// int64 rows [rows, A, W] appended on the host one decode step at a time (a sequence's routed
   /// experts [., L, K] or sparse-attention top-k indices [., Ls, W]): a step costs a copy of its
-  /// values, not a tensor per sequence; tensor() makes them one at the end.
+  /// values, not a tensor per sequence; after() joins them to the prompt's rows at the end.
   struct HostRows {
     std::vector<int64_t> values;
     int64_t rows = 0, a = 0, w = 0;
     /// Rows [start, start + count) of a contiguous [T, A, W] int64 CPU tensor; std::logic_error
     /// when A or W differ from the first piece's.
     void append(const torch::Tensor& t, int64_t start, int64_t count);
-    torch::Tensor tensor() const;  ///< [rows, A, W] int64 (a copy)
+    /// `prompt` [P, A, W] followed by these rows: [P + rows, A, W] int64, a new tensor.
+    torch::Tensor after(const torch::Tensor& prompt) const;
   };
   struct Sequence {
     GenerationRequest request;
