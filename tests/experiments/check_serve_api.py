@@ -190,7 +190,8 @@ with Checks(work) as check:
     # 4. a client that disconnects: its sequence is cancelled, its pages freed
     slow, slow_url = check.server(kiln, "slow", ["--set", "rollout.step_delay_ms=100"])
     port = int(slow_url.rsplit(":", 1)[1])
-    body = json.dumps({"input_ids": [2, 5, 6], "sampling_params": {"max_new_tokens": 500}}).encode()
+    # ignore_eos: an early <eos> (the seed is drawn per request) would end it before it is seen running
+    body = json.dumps({"input_ids": [2, 5, 6], "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}).encode()
     sock = socket.create_connection(("127.0.0.1", port))
     sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
                  + str(len(body)).encode() + b"\r\n\r\n" + body)
