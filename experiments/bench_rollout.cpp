@@ -28,7 +28,8 @@ namespace {
 // The first five as they were measured before the sampling and experts kernels (both off);
 // graphs_sampling, graphs_experts and graphs_all: graphs_kernel with rollout.sampling_kernel,
 // rollout.moe_decode_kernel, or both.
-enum class Mode { expanded, absorbed, graphs, kernel, graphs_kernel, graphs_sampling, graphs_experts, graphs_all };
+// graphs_overlap: graphs_sampling with rollout.overlap_schedule (off in all the others).
+enum class Mode { expanded, absorbed, graphs, kernel, graphs_kernel, graphs_sampling, graphs_experts, graphs_all, graphs_overlap };
 
 double decode_step_seconds(const std::shared_ptr<model::CausalLM>& model, int64_t vocab, int64_t context, int64_t batch,
                            int64_t new_tokens, Mode mode) {
@@ -48,21 +49,40 @@ double decode_step_seconds(const std::shared_ptr<model::CausalLM>& model, int64_
   eo.max_prefill_tokens = std::max<int64_t>(context, 65536);
   eo.cache_blocks = batch * ((context + new_tokens + 15) / 16);
   eo.absorbed_decode = mode != Mode::expanded;
-  const bool later = mode == Mode::graphs_sampling || mode == Mode::graphs_experts || mode == Mode::graphs_all;
+  const bool later = mode == Mode::graphs_sampling || mode == Mode::graphs_experts || mode == Mode::graphs_all ||
+                     mode == Mode::graphs_overlap;
   eo.cuda_graphs = mode == Mode::graphs || mode == Mode::graphs_kernel || later;
   eo.mla_decode_kernel = mode == Mode::kernel || mode == Mode::graphs_kernel || later;
-  eo.sampling_kernel = mode == Mode::graphs_sampling || mode == Mode::graphs_all;
+  eo.sampling_kernel = mode == Mode::graphs_sampling || mode == Mode::graphs_all || mode == Mode::graphs_overlap;
+  eo.overlap_schedule = mode == Mode::graphs_overlap;
   eo.moe_decode_kernel = mode == Mode::graphs_experts || mode == Mode::graphs_all;
   try {
+    const messaging::Stopwatch setup;
     rollout::Engine engine(model, eo);
     for (auto& r : reqs) engine.submit(std::move(r));
+    const double setup_s = setup.seconds();
     std::vector<double> decode;
+    double prefill_s = 0;
+    int64_t prefill_steps = 0;
     while (engine.has_work()) {
       const bool pure = engine.waiting() == 0;  // every running sequence has its prompt cached
       const messaging::Stopwatch t;
-      engine.step();  // ends with the host read of the sampled tokens (synchronised)
-      if (pure) decode.push_back(t.seconds());
+      engine.step();  // ends with the host read of a step's sampled tokens (with overlap_schedule the next one runs)
+      if (pure) {
+        decode.push_back(t.seconds());
+      } else {
+        prefill_s += t.seconds();
+        ++prefill_steps;
+      }
     }
+    double decode_s = 0;
+    for (double d : decode) decode_s += d;
+    // Where a cell's wall time goes (stderr; the table is stdout): the first graphed step
+    // includes its graphs' capture.
+    std::fprintf(stderr, "  [context %lld, batch %lld: engine set-up %.2f s, %lld prefill steps %.2f s, %zu decode "
+                 "steps %.2f s (the first %.2f s; %lld graphs captured)]\n", (long long)context, (long long)batch,
+                 setup_s, (long long)prefill_steps, prefill_s, decode.size(), decode_s, decode.empty() ? 0.0 : decode[0],
+                 (long long)engine.graphs_captured());
     if (decode.size() < 3) return 0;
     std::sort(decode.begin(), decode.end());
     return decode[decode.size() / 2];
@@ -282,8 +302,9 @@ int run_rollout_bench_cuda(const RolloutBenchOptions& o) {
     else if (m == "graphs-sampling") modes.emplace_back(Mode::graphs_sampling, "graphs-sampling");
     else if (m == "graphs-experts") modes.emplace_back(Mode::graphs_experts, "graphs-experts");
     else if (m == "graphs-all") modes.emplace_back(Mode::graphs_all, "graphs-all");
+    else if (m == "graphs-overlap") modes.emplace_back(Mode::graphs_overlap, "graphs-overlap");
     else throw std::invalid_argument("--modes: '" + m + "' is not expanded, absorbed, graphs, kernel, graphs-kernel, "
-                                     "graphs-sampling, graphs-experts or graphs-all");
+                                     "graphs-sampling, graphs-experts, graphs-all or graphs-overlap");
   }
   if (modes.empty()) throw std::invalid_argument("--modes: none given");
   std::printf("%8s %6s %10s", "context", "batch", "roofline");

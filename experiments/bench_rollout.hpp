@@ -38,8 +38,10 @@ struct RolloutBenchOptions {
   /// the paged-cache attention kernel); these five with rollout.sampling_kernel and
   /// rollout.moe_decode_kernel off (as they were measured before those existed); then
   /// "graphs-sampling", "graphs-experts" and "graphs-all": graphs-kernel with the sampling kernel
-  /// (in the graph), the decode experts kernels, or both. The speedup column is the first mode's
-  /// step time over the last's.
+  /// (in the graph), the decode experts kernels, or both; these three with
+  /// rollout.overlap_schedule off; "graphs-overlap": graphs-sampling with it on (the engine's
+  /// default: step n + 1 queued before step n's tokens are read). The speedup column is the
+  /// first mode's step time over the last's.
   std::vector<std::string> modes = {"expanded", "absorbed", "graphs"};
   /// cuda: instead of the table, where a graphed decode step's time goes, per (context, batch):
   /// the engine's step (graphs-kernel, and graphs-all) against the parts it is made of, each

@@ -189,6 +189,7 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   boolean("rollout.mla_decode_kernel", c.rollout.engine.mla_decode_kernel);
   boolean("rollout.sampling_kernel", c.rollout.engine.sampling_kernel);
   boolean("rollout.moe_decode_kernel", c.rollout.engine.moe_decode_kernel);
+  boolean("rollout.overlap_schedule", c.rollout.engine.overlap_schedule);
   boolean("rollout.share_prompts", c.rollout.engine.share_prompts);
   text_list("rollout.urls", c.rollout.urls);
   integer("rollout.http_timeout_s", c.rollout.http_timeout_s);

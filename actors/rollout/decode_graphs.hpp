@@ -7,7 +7,10 @@
 // routed experts read from its static outputs. With `sample` (EngineOptions::sampling_kernel) the
 // graph ends with the batch's sampling (kernels::sample_rows over the logits, the rows' sampling
 // parameters and token indices being inputs too): a step's one host read is then its [B, 3]
-// tokens, log-probs and entropies.
+// tokens, log-probs and entropies. launch() queues such a step without waiting for it, its ids
+// on the host or taken on the device from the previous launch's samples (SampledIds), and
+// read() waits for its results: the engine queues step n + 1 before it reads step n's tokens
+// (EngineOptions::overlap_schedule), so the host's work between steps hides behind the GPU's.
 //
 // Buckets: a batch of B sequences runs in the graph of the next power of two >= B, its rows
 // past B inert (token 0 at position 0 on the scratch page, a cache page no sequence holds: their
@@ -31,6 +34,7 @@
 
 #include "actors/rollout/sampling.hpp"
 #include "kernels/cuda_graph.hpp"
+#include "kernels/stream_event.hpp"
 #include "model/causal_lm.hpp"
 
 namespace kiln::rollout {
@@ -62,6 +66,42 @@ class DecodeGraphs {
            const std::vector<const std::vector<int64_t>*>& pages, const std::vector<const SamplingParams*>& params = {},
            const std::vector<int64_t>& steps = {});
 
+  /// A step of graphs that sample, launched with launch() and not yet read: behind the graph its
+  /// sampled rows and routed experts are copied into pinned host memory, and an event marks
+  /// when they are there. Move-only; dropping one unread is safe (its copies land in memory the
+  /// host allocator keeps until they did).
+  struct Launched {
+    int64_t rows = 0;              ///< B
+    uint64_t serial = 0;           ///< which launch of this object it was (1, 2, ...)
+    torch::Tensor sampled_device;  ///< [B, 3] fp64, a view of the graph's output: valid until it replays again
+    torch::Tensor sampled_host;    ///< [B, 3] fp64, pinned
+    torch::Tensor experts_host;    ///< [B, L, K] int64, pinned
+    std::shared_ptr<kernels::StreamEvent> ready;
+  };
+  /// Token ids of a step taken on the device from the previous launch's samples, so that the
+  /// step can be queued before the host has read them (the engine's overlapped decode): row b
+  /// feeds the token sampled in row rows[b] of `from`.
+  struct SampledIds {
+    const Launched* from = nullptr;
+    std::vector<int64_t> rows;
+  };
+  /// Queues one decode step (graphs that sample only) and returns without waiting for it:
+  /// run()'s arguments, with the ids given on the host or as SampledIds of the last launch
+  /// (std::invalid_argument for another launch or a row outside it). read() waits for it.
+  Launched launch(const std::vector<int64_t>& ids, const std::vector<int64_t>& positions,
+                  const std::vector<const std::vector<int64_t>*>& pages, const std::vector<const SamplingParams*>& params,
+                  const std::vector<int64_t>& steps);
+  Launched launch(const SampledIds& ids, const std::vector<int64_t>& positions,
+                  const std::vector<const std::vector<int64_t>*>& pages, const std::vector<const SamplingParams*>& params,
+                  const std::vector<int64_t>& steps);
+  /// A launched step's results on the host, once it ran (blocks until then): per row the
+  /// sampled token, its log-prob and entropy, and routed_experts [B, L, K] int64 (CPU, pinned).
+  struct Read {
+    std::vector<SampledToken> tokens;
+    torch::Tensor routed_experts;
+  };
+  static Read read(const Launched& step);
+
   /// The batch bucket of B >= 1: the next power of two.
   static int64_t batch_bucket(int64_t batch);
   /// The page bucket of W >= 1 pages (see above), at most max(W, max_pages).
@@ -71,15 +111,22 @@ class DecodeGraphs {
 
  private:
   struct Graph {
-    /// [Bb * (2 + Wb + 5)] int64, pinned host memory: ids, positions, table, and the rows'
-    /// sampling parameters (write_sampling_rows; used with `sample`)
-    torch::Tensor staging;
-    torch::Tensor inputs;   ///< the same on the device; ids, positions and table are views of it
-    torch::Tensor ids, positions, table, sampling;
+    /// [Bb * (2 + Wb + 5 + 1)] int64 on the device: ids, positions, table, the rows' sampling
+    /// parameters (write_sampling_rows; used with `sample`) and the rows of SampledIds (read
+    /// outside the graph); the named tensors are views of it
+    torch::Tensor inputs;
+    torch::Tensor ids, positions, table, sampling, id_rows;
     torch::Tensor logits, routed_experts, sampled;  ///< the captured outputs
     std::unique_ptr<kernels::CapturedGraph> graph;
   };
   Graph& graph_for(int64_t batch_bucket, int64_t pages_bucket);
+  /// Checks a step's inputs, picks (captures) its graph and queues the copy of its inputs from
+  /// fresh pinned memory (host_ids, or the ids of `from` when host_ids is null).
+  Graph& stage(const std::vector<int64_t>* host_ids, const SampledIds* from, const std::vector<int64_t>& positions,
+               const std::vector<const std::vector<int64_t>*>& pages, const std::vector<const SamplingParams*>& params,
+               const std::vector<int64_t>& steps);
+  /// Replays g for B rows and queues the copies of its samples and routed experts to the host.
+  Launched queue(Graph& g, int64_t B);
   void check_weights() const;
 
   model::CausalLM& model_;
@@ -96,6 +143,7 @@ class DecodeGraphs {
   };
   std::vector<Weight> weights_;
   int64_t replays_ = 0;
+  uint64_t launches_ = 0;  // launch() calls so far
 };
 
 }  // namespace kiln::rollout

@@ -111,6 +111,9 @@ torch::Tensor Engine::HostRows::after(const torch::Tensor& prompt) const {
 }
 
 void Engine::release(Sequence& s) {
+  if (in_flight_)  // the queued step still writes this sequence's next position; its token is dropped
+    for (auto& row : in_flight_->rows)
+      if (row == &s) row = nullptr;
   if (s.slot >= 0) free_slots_.push_back(s.slot);
   s.slot = -1;
   for (auto b : s.blocks)
@@ -146,6 +149,7 @@ std::vector<Completion> Engine::step() {
   if (paused_) return {};
   // Few-row MoE steps (decode) take the decode experts kernels, graphs captured here included.
   const kernels::DecodeExpertsGuard experts_kernel(o_.moe_decode_kernel);
+  if (in_flight_) return advance();  // a decode step queued by the last call: read it (and queue the next)
   // Admit waiting requests (FIFO) while pages, batch slots and the prefill budget allow.
   std::vector<std::unique_ptr<Sequence>> admitted;
   std::vector<std::pair<Sequence*, Sequence*>> sharing;  // (sequence, the holder of its prompt)
@@ -206,6 +210,7 @@ std::vector<Completion> Engine::step() {
   // A pure decode step (every sequence feeds one token, none shares a prompt) replays a graph.
   const bool graphed = graphs_ && !batch.empty() && sharing.empty() &&
                        std::all_of(batch.begin(), batch.end(), [](const Sequence* s) { return s->cached > 0; });
+  if (graphed && o_.sampling_kernel && o_.overlap_schedule) return launch_and_advance(batch);
   if (graphed) {
     std::vector<const std::vector<int64_t>*> pages;
     std::vector<const SamplingParams*> params;
@@ -276,7 +281,6 @@ std::vector<Completion> Engine::step() {
     tokens = sample_tokens(logits, params, steps, o_.sampling_kernel,
                            model_->batch_invariant());  // the whole batch where the logits are
   }
-  std::vector<Completion> done;
   for (std::size_t i = 0; i < batch.size(); ++i) {
     auto* s = batch[i];
     record(s->out, tokens[i], version_);
@@ -284,6 +288,13 @@ std::vector<Completion> Engine::step() {
       s->out.time_to_first_token_s = std::chrono::duration<double>(Clock::now() - s->submitted).count();
   }
   for (auto& s : admitted) running_.push_back(std::move(s));
+  auto done = take_finished();
+  if (o_.step_delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(o_.step_delay_ms));
+  return done;
+}
+
+std::vector<Completion> Engine::take_finished() {
+  std::vector<Completion> done;
   for (auto it = running_.begin(); it != running_.end();) {
     auto& s = **it;
     if (!finished(s)) {
@@ -296,8 +307,80 @@ std::vector<Completion> Engine::step() {
     done.push_back(std::move(s.out));
     it = running_.erase(it);
   }
+  return done;
+}
+
+std::vector<Completion> Engine::launch_and_advance(const std::vector<Sequence*>& batch) {
+  std::vector<int64_t> ids, pos, steps;
+  std::vector<const std::vector<int64_t>*> pages;
+  std::vector<const SamplingParams*> params;
+  for (auto* s : batch) {
+    ids.push_back(s->out.tokens.back());
+    pos.push_back(s->cached);
+    pages.push_back(&s->blocks);
+    params.push_back(&s->request.sampling);
+    steps.push_back(int64_t(s->out.tokens.size()));
+  }
+  in_flight_ = InFlight{graphs_->launch(ids, pos, pages, params, steps), batch};
+  return advance();
+}
+
+std::vector<Completion> Engine::advance() {
+  InFlight cur = std::move(*in_flight_);
+  in_flight_.reset();
+  // The next step, queued before this one's tokens are read, when it is a pure decode step: no
+  // request waits (it would be admitted, a prefill), and a row goes on (one that this step does
+  // not bring to max_new_tokens; a stop token it may draw is seen only at the read, and that
+  // row's next token dropped). Row b feeds what this step samples for it, at the next position.
+  std::optional<InFlight> next;
+  if (waiting_.empty()) {
+    DecodeGraphs::SampledIds ids{&cur.step, {}};
+    std::vector<Sequence*> rows;
+    std::vector<int64_t> pos, steps;
+    std::vector<const std::vector<int64_t>*> pages;
+    std::vector<const SamplingParams*> params;
+    for (int64_t b = 0; b < int64_t(cur.rows.size()); ++b) {
+      Sequence* s = cur.rows[std::size_t(b)];
+      if (!s || int64_t(s->out.tokens.size()) + 1 >= s->request.sampling.max_new_tokens) continue;
+      ids.rows.push_back(b);
+      rows.push_back(s);
+      pos.push_back(s->cached + 1);
+      pages.push_back(&s->blocks);
+      params.push_back(&s->request.sampling);
+      steps.push_back(int64_t(s->out.tokens.size()) + 1);
+    }
+    if (!rows.empty()) {
+      try {
+        next = InFlight{graphs_->launch(ids, pos, pages, params, steps), std::move(rows)};
+        ++overlapped_steps_;
+      } catch (...) {
+        in_flight_ = std::move(cur);  // still queued, still to be read
+        throw;
+      }
+    }
+  }
+  const auto read = DecodeGraphs::read(cur.step);  // waits for cur; the GPU goes on with next
+  for (std::size_t b = 0; b < cur.rows.size(); ++b) {
+    Sequence* s = cur.rows[b];
+    if (!s) continue;
+    s->decode_experts.append(read.routed_experts, int64_t(b), 1);
+    s->cached += 1;
+    record(s->out, read.tokens[b], version_);
+  }
+  in_flight_ = std::move(next);
+  auto done = take_finished();
+  if (in_flight_ && std::none_of(in_flight_->rows.begin(), in_flight_->rows.end(), [](Sequence* s) { return s; }))
+    in_flight_.reset();  // every row finished: nothing of it to read
   if (o_.step_delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(o_.step_delay_ms));
   return done;
+}
+
+void Engine::pause() {
+  if (in_flight_) {
+    in_flight_->step.ready->synchronize();  // done before weights are written under it
+    in_flight_.reset();
+  }
+  paused_ = true;
 }
 
 std::vector<Completion> Engine::generate(std::vector<GenerationRequest> requests) {

@@ -20,6 +20,7 @@
 #include <chrono>
 #include <deque>
 #include <memory>
+#include <optional>
 
 #include "actors/rollout/backend.hpp"
 #include "actors/rollout/decode_graphs.hpp"
@@ -50,7 +51,9 @@ class Engine : public RolloutBackend {
   std::vector<Completion> step() override;
   std::vector<Completion> generate(std::vector<GenerationRequest> requests) override;
   bool has_work() const override { return !waiting_.empty() || !running_.empty(); }
-  void pause() override { paused_ = true; }
+  /// With a decode step queued ahead (overlap_schedule), waits for it and drops it unread: its
+  /// sequences run it again after resume(), at the weights they then hold.
+  void pause() override;
   void resume() override { paused_ = false; }
   bool paused() const override { return paused_; }
   void update_weights(const std::vector<messaging::Tensor>& hf_tensors, int64_t version) override;
@@ -74,6 +77,8 @@ class Engine : public RolloutBackend {
   /// Decode steps run by replaying a CUDA graph (cuda_graphs), and graphs captured so far.
   int64_t graph_steps() const { return graphs_ ? graphs_->replays() : 0; }
   int64_t graphs_captured() const { return graphs_ ? graphs_->captured() : 0; }
+  /// Decode steps queued before the previous step's tokens were read (overlap_schedule).
+  int64_t overlapped_steps() const { return overlapped_steps_; }
   std::size_t waiting() const { return waiting_.size(); }
   std::size_t running() const { return running_.size(); }
 
@@ -104,6 +109,22 @@ class Engine : public RolloutBackend {
     torch::Tensor prompt_hidden, prompt_experts, prompt_topk;  // prompt_topk: models with sparse-attention layers
     int64_t slot = -1;                     // its slot of the decode cache while it runs
   };
+  /// A graphed decode step queued on the device and not yet read (overlap_schedule): row b
+  /// is rows[b]'s next token, nullptr once that sequence finished or was cancelled.
+  struct InFlight {
+    DecodeGraphs::Launched step;
+    std::vector<Sequence*> rows;
+  };
+  /// Queues the graphed decode step of `batch` (each sequence's last token, on the host) and
+  /// reads it through advance().
+  std::vector<Completion> launch_and_advance(const std::vector<Sequence*>& batch);
+  /// Queues the step after in_flight_ when it is a pure decode step too (no request waiting,
+  /// a row not ending at max_new_tokens), its ids from in_flight_'s samples on the device; then
+  /// reads in_flight_, records its tokens and returns the sequences that finished.
+  std::vector<Completion> advance();
+  /// Moves the running sequences that finished out of running_ (their pages freed, their rows
+  /// of in_flight_ dropped) into completions.
+  std::vector<Completion> take_finished();
   bool finished(Sequence& s) const;
   /// A sequence of running_ or `admitted` whose prompt equals s's and went (or goes, this
   /// step) through the model at the current version; nullptr when none.
@@ -117,9 +138,10 @@ class Engine : public RolloutBackend {
   std::unique_ptr<DecodeGraphs> graphs_;       // cuda_graphs: over cache_, scratch page cache_blocks
   std::vector<int64_t> free_, free_slots_;
   std::vector<int32_t> refs_;  // per page: sequences holding it
-  int64_t prefilled_tokens_ = 0, shared_prompts_ = 0;
+  int64_t prefilled_tokens_ = 0, shared_prompts_ = 0, overlapped_steps_ = 0;
   std::deque<std::unique_ptr<Sequence>> waiting_;
   std::vector<std::unique_ptr<Sequence>> running_;
+  std::optional<InFlight> in_flight_;
   bool paused_ = false;
   int64_t version_ = 0;
 };

@@ -51,6 +51,15 @@ struct EngineOptions {
   /// step). Equal within bf16 rounding. Off by default: on an H200 the graphed step at batch 32
   /// was no faster with them (docs/benchmarks.md, "Rollout decode: where the step's time goes").
   bool moe_decode_kernel = false;
+  /// CUDA graphs with the sampling kernel: a decode step whose successor is a decode step too
+  /// (no request waiting for admission) queues that successor before it reads its own tokens,
+  /// the successor's ids taken on the device from its samples (SGLang's overlap scheduler), so
+  /// that the host's work between steps (reading the tokens, stop checks, the next step's page
+  /// tables) runs while the GPU computes. A row whose sequence the read step finished (a stop
+  /// token) is computed once more and dropped; a sequence reaching max_new_tokens is left out
+  /// beforehand. The same tokens, log-probs and routed experts as without. No effect unless
+  /// cuda_graphs and sampling_kernel are on. On by default.
+  bool overlap_schedule = true;
   /// The true on-policy mode (CausalLM::set_batch_invariant): the model's forward, the
   /// expanded cache attention on every device, and the sampled token's log-prob (z[token] -
   /// bi_logsumexp(z), z = bi_linear logits / T: model::invariant_tempered_logits) in
@@ -61,7 +70,8 @@ struct EngineOptions {
   /// batch-invariant forward.
   bool true_on_policy = false;
   MSGPACK_DEFINE_MAP(cache_blocks, block_size, max_batch, max_prefill_tokens, step_delay_ms, absorbed_decode,
-                     share_prompts, cuda_graphs, mla_decode_kernel, sampling_kernel, moe_decode_kernel, true_on_policy);
+                     share_prompts, cuda_graphs, mla_decode_kernel, sampling_kernel, moe_decode_kernel, true_on_policy,
+                     overlap_schedule);
 };
 
 }  // namespace kiln::rollout

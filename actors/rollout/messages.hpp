@@ -16,7 +16,7 @@ namespace kiln::messaging {
 /// arrive as weight_sync.bucket/commit before the first rollout.generate.
 struct RolloutInit {
   static constexpr std::string_view kType = "rollout.init";
-  static constexpr uint32_t kVersion = 8;  ///< v4: engine.absorbed_decode; v5: engine.cuda_graphs; v6: engine.mla_decode_kernel; v7: engine.sampling_kernel, engine.moe_decode_kernel; v8: engine.true_on_policy
+  static constexpr uint32_t kVersion = 9;  ///< v4: engine.absorbed_decode; v5: engine.cuda_graphs; v6: engine.mla_decode_kernel; v7: engine.sampling_kernel, engine.moe_decode_kernel; v8: engine.true_on_policy; v9: engine.overlap_schedule
   model::ModelSpec model;         ///< device must be "cpu" (engine processes run on the CPU so far)
   rollout::EngineOptions engine;  ///< cache, batch and the testing step delay
   MSGPACK_DEFINE_MAP(model, engine);

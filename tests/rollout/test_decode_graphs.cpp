@@ -2,7 +2,7 @@
 // model's decode step on device tensors (CausalLM::forward_decode) against forward_cached on
 // the CPU, the buckets, the settings refused, and on CUDA the graphed engine against the eager
 // one (bucket padding, requests finishing mid-batch, a weight update between steps, a weight
-// that moved).
+// that moved), and the overlap schedule against the serial one.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -292,4 +292,83 @@ TEST_CASE("CUDA bf16: sampling in the graph draws the reference sampler's tokens
   const double worst = compare(run_all(after, requests()), got, 1e-4);
   MESSAGE("in-graph sampling kernel vs reference sampler: |log-prob diff| max " << worst);
   CHECK(in_graph.graph_steps() >= 20);
+}
+
+TEST_CASE("CUDA bf16: the overlap schedule (step n + 1 queued before step n is read) gives the serial schedule's tokens, through stops, admissions, a cancel and a pause") {
+  if (test::skip_without_gpu()) return;
+  auto m = graph_model(17);
+  m->to(torch::Device(torch::kCUDA));
+  m->to_dtype(torch::kBFloat16);
+  EngineOptions o;
+  o.cache_blocks = 256;
+  o.block_size = 4;
+  o.max_batch = 4;  // 6 requests: two wait, and join as others finish (prefill steps between decode steps)
+  o.absorbed_decode = true;
+  o.cuda_graphs = true;
+  o.sampling_kernel = true;
+  auto serial = o;
+  serial.overlap_schedule = false;
+  auto requests = [](int64_t stop_id) {
+    std::vector<GenerationRequest> rs;
+    const int64_t lens[] = {5, 21, 12, 9, 3, 30}, news[] = {25, 2, 30, 17, 1, 12};
+    for (int64_t i = 0; i < 6; ++i) {
+      rs.push_back(req(uint64_t(i), lens[i], news[i], uint64_t(700 + i)));
+      rs.back().sampling.top_p = i == 2 ? 0.9 : 1.0;
+      if (i == 0 && stop_id >= 0) rs.back().sampling.stop_token_ids = {stop_id};
+    }
+    return rs;
+  };
+  auto bitwise = [](const std::map<uint64_t, Completion>& got, const std::map<uint64_t, Completion>& want) {
+    REQUIRE(got.size() == want.size());
+    for (const auto& [id, w] : want) {
+      const auto& g = got.at(id);
+      CHECK_MESSAGE(g.tokens == w.tokens, "request " << id);
+      CHECK_MESSAGE(g.logprobs == w.logprobs, "request " << id);
+      CHECK_MESSAGE(torch::equal(g.routed_experts, w.routed_experts), "request " << id);
+      CHECK(g.finish_reason == w.finish_reason);
+    }
+  };
+  // Without stop tokens every step holds the serial schedule's rows (a row reaching
+  // max_new_tokens is left out of the step queued after it): the same graphs, the same bits.
+  Engine e_serial(m, serial), e_overlap(m, o);
+  const auto want = run_all(e_serial, requests(-1));
+  bitwise(run_all(e_overlap, requests(-1)), want);
+  CHECK(e_overlap.overlapped_steps() >= 20);
+  CHECK(e_serial.overlapped_steps() == 0);
+  CHECK(e_overlap.free_blocks() == o.cache_blocks);  // every page back
+
+  // A stop id request 0 draws at its 8th token: the step queued after that one still carries
+  // its row (computed, dropped), the only difference from the serial schedule's rows.
+  const int64_t stop_id = want.at(0).tokens.at(7);
+  Engine s2(m, serial), o2(m, o);
+  const auto want_stop = run_all(s2, requests(stop_id));
+  REQUIRE(want_stop.at(0).tokens.size() <= 8);
+  CHECK(want_stop.at(0).finish_reason == FinishReason::stop);
+  const auto got_stop = run_all(o2, requests(stop_id));
+  MESSAGE("overlap vs serial with a stop token: |log-prob diff| max " << compare(got_stop, want_stop, 2e-2));
+  CHECK(got_stop.at(0).finish_reason == FinishReason::stop);
+
+  // Both schedules through the same calls: a cancel while a step is queued (its row then
+  // dropped), a pause (the queued step dropped, run again after resume()).
+  auto script = [&](const EngineOptions& eo) {
+    Engine e(m, eo);
+    for (auto& r : requests(-1)) e.submit(std::move(r));
+    std::map<uint64_t, Completion> out;
+    for (int i = 0; i < 6; ++i)
+      for (auto& c : e.step()) out[c.id] = std::move(c);
+    CHECK(e.cancel(3));
+    for (int i = 0; i < 3; ++i)
+      for (auto& c : e.step()) out[c.id] = std::move(c);
+    e.pause();
+    CHECK(e.step().empty());
+    e.resume();
+    while (e.has_work())
+      for (auto& c : e.step()) out[c.id] = std::move(c);
+    CHECK(out.count(3) == 0);
+    CHECK(out.size() == 5);
+    CHECK(e.free_blocks() == eo.cache_blocks);
+    return out;
+  };
+  MESSAGE("overlap vs serial through a cancel and a pause: |log-prob diff| max "
+          << compare(script(o), script(serial), 2e-2));
 }
