@@ -28,8 +28,12 @@ namespace {
 // The first five as they were measured before the sampling and experts kernels (both off);
 // graphs_sampling, graphs_experts and graphs_all: graphs_kernel with rollout.sampling_kernel,
 // rollout.moe_decode_kernel, or both.
-// graphs_overlap: graphs_sampling with rollout.overlap_schedule (off in all the others).
-enum class Mode { expanded, absorbed, graphs, kernel, graphs_kernel, graphs_sampling, graphs_experts, graphs_all, graphs_overlap };
+// graphs_overlap: graphs_sampling with rollout.overlap_schedule (off in all the others);
+// graphs_overlap_all: graphs_all with it.
+enum class Mode {
+  expanded, absorbed, graphs, kernel, graphs_kernel, graphs_sampling, graphs_experts, graphs_all, graphs_overlap,
+  graphs_overlap_all
+};
 
 double decode_step_seconds(const std::shared_ptr<model::CausalLM>& model, int64_t vocab, int64_t context, int64_t batch,
                            int64_t new_tokens, Mode mode) {
@@ -50,12 +54,13 @@ double decode_step_seconds(const std::shared_ptr<model::CausalLM>& model, int64_
   eo.cache_blocks = batch * ((context + new_tokens + 15) / 16);
   eo.absorbed_decode = mode != Mode::expanded;
   const bool later = mode == Mode::graphs_sampling || mode == Mode::graphs_experts || mode == Mode::graphs_all ||
-                     mode == Mode::graphs_overlap;
+                     mode == Mode::graphs_overlap || mode == Mode::graphs_overlap_all;
   eo.cuda_graphs = mode == Mode::graphs || mode == Mode::graphs_kernel || later;
   eo.mla_decode_kernel = mode == Mode::kernel || mode == Mode::graphs_kernel || later;
-  eo.sampling_kernel = mode == Mode::graphs_sampling || mode == Mode::graphs_all || mode == Mode::graphs_overlap;
-  eo.overlap_schedule = mode == Mode::graphs_overlap;
-  eo.moe_decode_kernel = mode == Mode::graphs_experts || mode == Mode::graphs_all;
+  const bool overlap = mode == Mode::graphs_overlap || mode == Mode::graphs_overlap_all;
+  eo.sampling_kernel = mode == Mode::graphs_sampling || mode == Mode::graphs_all || overlap;
+  eo.overlap_schedule = overlap;
+  eo.moe_decode_kernel = mode == Mode::graphs_experts || mode == Mode::graphs_all || mode == Mode::graphs_overlap_all;
   try {
     const messaging::Stopwatch setup;
     rollout::Engine engine(model, eo);
@@ -303,8 +308,9 @@ int run_rollout_bench_cuda(const RolloutBenchOptions& o) {
     else if (m == "graphs-experts") modes.emplace_back(Mode::graphs_experts, "graphs-experts");
     else if (m == "graphs-all") modes.emplace_back(Mode::graphs_all, "graphs-all");
     else if (m == "graphs-overlap") modes.emplace_back(Mode::graphs_overlap, "graphs-overlap");
+    else if (m == "graphs-overlap-all") modes.emplace_back(Mode::graphs_overlap_all, "graphs-overlap-all");
     else throw std::invalid_argument("--modes: '" + m + "' is not expanded, absorbed, graphs, kernel, graphs-kernel, "
-                                     "graphs-sampling, graphs-experts, graphs-all or graphs-overlap");
+                                     "graphs-sampling, graphs-experts, graphs-all, graphs-overlap or graphs-overlap-all");
   }
   if (modes.empty()) throw std::invalid_argument("--modes: none given");
   std::printf("%8s %6s %10s", "context", "batch", "roofline");

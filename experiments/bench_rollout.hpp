@@ -40,8 +40,8 @@ struct RolloutBenchOptions {
   /// "graphs-sampling", "graphs-experts" and "graphs-all": graphs-kernel with the sampling kernel
   /// (in the graph), the decode experts kernels, or both; these three with
   /// rollout.overlap_schedule off; "graphs-overlap": graphs-sampling with it on (the engine's
-  /// default: step n + 1 queued before step n's tokens are read). The speedup column is the
-  /// first mode's step time over the last's.
+  /// default: step n + 1 queued before step n's tokens are read), "graphs-overlap-all":
+  /// graphs-all with it on. The speedup column is the first mode's step time over the last's.
   std::vector<std::string> modes = {"expanded", "absorbed", "graphs"};
   /// cuda: instead of the table, where a graphed decode step's time goes, per (context, batch):
   /// the engine's step (graphs-kernel, and graphs-all) against the parts it is made of, each

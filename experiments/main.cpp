@@ -126,10 +126,11 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t(1), int64_t(131072)));
   bench_rollout->add_option("--modes", ro.modes,
                             "cuda: decode modes, as columns (expanded absorbed graphs kernel graphs-kernel graphs-sampling "
-                            "graphs-experts graphs-all graphs-overlap)")
+                            "graphs-experts graphs-all graphs-overlap graphs-overlap-all)")
       ->default_str("expanded absorbed graphs")
       ->check(CLI::IsMember({"expanded", "absorbed", "graphs", "kernel", "graphs-kernel", "graphs-sampling",
-                             "graphs-experts", "graphs-all", "graphs-overlap"}));
+                             "graphs-experts", "graphs-all", "graphs-overlap",
+                             "graphs-overlap-all"}));
   bench_rollout->add_flag("--split", ro.split, "cuda: where a graphed decode step's time goes (step, replay, sampling, copies)");
   bench_rollout->add_flag("--split-profile", ro.split_profile,
                           "cuda, with --split: one replay per shape inside cudaProfilerStart/Stop, for ncu");

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <atomic>
 #include <initializer_list>
 #include <limits>
 
@@ -16,7 +17,10 @@ namespace kiln::kernels {
 
 namespace {
 thread_local int64_t decode_rows = 0;  // DecodeExpertsGuard's bound on this thread; 0: off
+std::atomic<int64_t> kernel_calls{0};
 }  // namespace
+
+int64_t grouped_swiglu_decode_kernel_calls() { return kernel_calls.load(); }
 
 DecodeExpertsGuard::DecodeExpertsGuard(bool on, int64_t max_rows) : previous_(decode_rows) {
   decode_rows = on ? max_rows : 0;
@@ -30,11 +34,7 @@ bool grouped_swiglu_decode_supports(const at::Tensor& x, const at::Tensor& w1, c
         w2.scalar_type() == at::kBFloat16 && x.dim() == 2 && w1.dim() == 3 && w2.dim() == 3))
     return false;
   const int64_t D = x.size(1), F = w2.size(2);
-  // The widths the kernels are compiled for (in 256-wide chunks: a weight row per warp in registers).
-  auto chunks_in = [](int64_t n, std::initializer_list<int64_t> compiled) {
-    return n % 256 == 0 && std::find(compiled.begin(), compiled.end(), n / 256) != compiled.end();
-  };
-  return chunks_in(D, {1, 2, 4, 6, 8}) && chunks_in(F, {1, 2, 4, 6, 8, 12, 16});
+  return D >= 64 && F >= 64 && D % 64 == 0 && F % 64 == 0;  // the kernels' K chunks and weight tiles
 #else
   (void)x;
   (void)w1;
@@ -58,6 +58,7 @@ at::Tensor grouped_swiglu_decode(const at::Tensor& x, const at::Tensor& counts, 
     const float limit = swiglu_limit ? float(*swiglu_limit) : std::numeric_limits<float>::infinity();
     cuda::grouped_swiglu_decode(x.contiguous(), counts.to(x.device()).contiguous(), w1.contiguous(), w2.contiguous(),
                                 limit, act, y);
+    ++kernel_calls;
     return y;
   }
 #endif

@@ -10,13 +10,15 @@
 // counts [E] int64 on x's device summing to M, w_gate_up_EFD [E, 2F, D], w_down_EDF [E, D, F]
 // -> [M, D] in x's dtype.
 // CUDA (kernels/moe_decode.cu, when grouped_swiglu_decode_supports()): two kernels, gate/up with
-// the SwiGLU, then down; a block per (8 output rows, expert), one warp per output row holding
-// that weight row in registers (read once, 16-byte streaming loads) and looping over the
-// expert's rows four at a time (fp32 accumulation, rows read from L2); an expert with no rows
-// reads nothing. Gate and up are rounded to x's dtype before the activation and the activation
-// after it, as the grouped-GEMM path rounds its outputs. The row counts stay on the device (no
-// host sync: capturable in a CUDA graph). Any row distribution is correct; time grows with the
-// rows of the most loaded expert, so the caller takes it for small M only (MoE decode steps).
+// the SwiGLU, then down; a CTA per (64 weight rows, expert) streams those rows' weights once
+// (a 4-stage cp.async pipeline, chunks of 64 along K) and multiplies them with the expert's rows
+// (32 per pass) on the tensor cores (mma.sync m16n8k16, fp32 accumulation; the weights as the
+// 16-row operand, the rows as the 8-column one); an expert with no rows reads nothing. Gate and
+// up are rounded to x's dtype before the activation and the activation after it, as the
+// grouped-GEMM path rounds its outputs. The row counts stay on the device (no host sync:
+// capturable in a CUDA graph). Any row distribution is correct; an expert with more than 32
+// rows streams its weights once per 32, so the caller takes it for small M only (MoE decode
+// steps).
 // Elsewhere (CPU, other dtypes or widths) it is kernels::grouped_swiglu.
 // Throws c10::Error on shape mismatch.
 #include <ATen/core/Tensor.h>
@@ -41,18 +43,20 @@ class DecodeExpertsGuard {
   DecodeExpertsGuard& operator=(const DecodeExpertsGuard&) = delete;
   /// Rows up to which grouped_swiglu takes the decode kernels on this thread now; 0: none.
   static int64_t max_rows();
-  /// The default bound: 256 rows (B * K <= 256, e.g. 64 sequences at K = 4). The kernels' fp32
-  /// FMAs grow with the rows, the weight bytes do not: past that the grouped GEMM's tensor cores
-  /// are faster (docs/benchmarks.md).
-  static constexpr int64_t kDecodeExpertsMaxRows = 256;
+  /// The default bound: 1024 rows (B * K <= 1024, e.g. 256 sequences at K = 4: ~16 rows per
+  /// expert of 64). Past it, experts of more than 32 rows become common and each reads its
+  /// weights again per 32 rows; the grouped GEMM reads them once (docs/benchmarks.md).
+  static constexpr int64_t kDecodeExpertsMaxRows = 1024;
 
  private:
   int64_t previous_;
 };
 
 /// True when grouped_swiglu_decode runs its kernels for these inputs: a CUDA build, CUDA bf16 x
-/// and weights, D of 256 x {1, 2, 4, 6, 8} and F of 256 x {1, 2, 4, 6, 8, 12, 16} (GLM-4.7-Flash:
-/// D 2048, F 1536).
+/// and weights, D and F multiples of 64 (GLM-4.7-Flash: D 2048, F 1536).
 bool grouped_swiglu_decode_supports(const at::Tensor& x, const at::Tensor& w_gate_up_EFD, const at::Tensor& w_down_EDF);
+/// Calls of grouped_swiglu_decode that ran its CUDA kernels, in this process so far (what tests
+/// tell the two paths apart by: both round alike, so their outputs may be equal bit for bit).
+int64_t grouped_swiglu_decode_kernel_calls();
 
 }  // namespace kiln::kernels

@@ -44,13 +44,14 @@ struct EngineOptions {
   /// sums round differently at a token boundary). Either way a request's uniforms are Philox of
   /// (its seed, the token's index): the same seed gives the same tokens. On by default.
   bool sampling_kernel = true;
-  /// CUDA bf16: the routed experts of steps with at most 256 (token, expert) rows (decode steps of
-  /// up to 64 sequences at GLM-4.7-Flash's top-4) run the decode kernels of
-  /// kernels/moe_decode.hpp (each touched expert's weights read once, in registers, an untouched
-  /// expert's not at all) instead of the grouped GEMM (kernels::DecodeExpertsGuard around the
-  /// step). Equal within bf16 rounding. Off by default: on an H200 the graphed step at batch 32
-  /// was no faster with them (docs/benchmarks.md, "Rollout decode: where the step's time goes").
-  bool moe_decode_kernel = false;
+  /// CUDA bf16: the routed experts of steps with at most 1024 (token, expert) rows (decode steps
+  /// of up to 256 sequences at GLM-4.7-Flash's top-4) run the decode kernels of
+  /// kernels/moe_decode.hpp (each touched expert's weights streamed once through the tensor
+  /// cores, an untouched expert's not read) instead of the grouped GEMM
+  /// (kernels::DecodeExpertsGuard around the step). Equal within bf16 rounding. On by default: on
+  /// an H200 they run at 87-91% of the copy rate where the grouped GEMM runs at 52-66%
+  /// (docs/benchmarks.md, "Rollout decode: the routed experts on the tensor cores").
+  bool moe_decode_kernel = true;
   /// CUDA graphs with the sampling kernel: a decode step whose successor is a decode step too
   /// (no request waiting for admission) queues that successor before it reads its own tokens,
   /// the successor's ids taken on the device from its samples (SGLang's overlap scheduler), so

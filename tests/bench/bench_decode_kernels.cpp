@@ -5,8 +5,12 @@
 //   and the cache bytes it must read (B x context x 576 x 2) per second;
 // - kernels::sample_rows over [B, 154880] fp32 logits: plain rows (temperature 1), rows with
 //   top-p 0.95 and rows with top-k 50: time per call and logits bytes per second.
+// - the routed experts of a decode step at GLM-4.7-Flash's widths (64 experts, D 2048, F 1536,
+//   B x 4 rows routed uniformly at random): kernels::grouped_swiglu_decode against
+//   kernels::grouped_swiglu (the grouped GEMM), time per call (gate/up and down) and the touched
+//   experts' weight bytes per second.
 // Prints one table per kernel.
-// Usage: kiln_bench_decode_kernels [--iters N] [--only mla|sampling] [--contiguous-pages]
+// Usage: kiln_bench_decode_kernels [--iters N] [--only mla|sampling|experts] [--contiguous-pages]
 #include <ATen/cuda/CUDAContext.h>
 #include <torch/torch.h>
 
@@ -18,6 +22,8 @@
 #include <string>
 
 #include "kernels/mla_decode.hpp"
+#include "kernels/moe.hpp"
+#include "kernels/moe_decode.hpp"
 #include "kernels/sampling.hpp"
 
 namespace {
@@ -36,7 +42,7 @@ int main(int argc, char** argv) {
   int iters = 20;
   std::string only;
   bool contiguous = false;  // pages in order (else shuffled, as a long-running engine hands them out)
-  const char* usage = "usage: kiln_bench_decode_kernels [--iters N] [--only mla|sampling] [--contiguous-pages]\n";
+  const char* usage = "usage: kiln_bench_decode_kernels [--iters N] [--only mla|sampling|experts] [--contiguous-pages]\n";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--help" || a == "-h") {
@@ -56,8 +62,8 @@ int main(int argc, char** argv) {
       contiguous = true;
     } else if (a == "--only" && i + 1 < argc) {
       only = argv[++i];
-      if (only != "mla" && only != "sampling") {
-        std::fprintf(stderr, "kiln_bench_decode_kernels: --only %s: not mla or sampling\n", only.c_str());
+      if (only != "mla" && only != "sampling" && only != "experts") {
+        std::fprintf(stderr, "kiln_bench_decode_kernels: --only %s: not mla, sampling or experts\n", only.c_str());
         return 2;
       }
     } else {
@@ -81,7 +87,7 @@ int main(int argc, char** argv) {
               at::cuda::getCurrentDeviceProperties()->name, copy_gbs);
 
   const int64_t H = 20, C = 512, R = 64, Z = 16, new_tokens = 32;
-  if (only != "sampling") {
+  if (only.empty() || only == "mla") {
   std::printf("mla_decode_attention, %lld heads, latent %lld + rope %lld, pages of %lld (%s)\n", (long long)H,
               (long long)C, (long long)R, (long long)Z, contiguous ? "pages in order" : "pages shuffled");
   std::printf("%8s %6s %12s %12s %10s\n", "context", "batch", "us", "cache_GB/s", "of_copy");
@@ -104,7 +110,28 @@ int main(int argc, char** argv) {
                   100.0 * bytes / s / 1e9 / copy_gbs);
     }
   }
-  if (only == "mla") return 0;
+  if (only.empty() || only == "experts") {
+    const int64_t E = 64, D = 2048, F = 1536, K = 4;
+    auto w1 = torch::randn({E, 2 * F, D}, bf16) / std::sqrt(double(D)), w2 = torch::randn({E, D, F}, bf16) / std::sqrt(double(F));
+    std::printf("routed experts of a decode step: %lld experts, D %lld, F %lld, top-%lld, rows routed at random\n",
+                (long long)E, (long long)D, (long long)F, (long long)K);
+    std::printf("%6s %6s %8s %12s %12s %10s %12s %10s %9s\n", "batch", "rows", "touched", "decode_us", "GB/s", "of_copy",
+                "grouped_us", "of_copy", "speedup");
+    for (int64_t B : {1, 8, 32, 64, 128, 256}) {
+      const int64_t M = B * K;
+      auto counts = torch::bincount(torch::randint(E, {M}, torch::kInt64), {}, E);
+      const int64_t touched = (counts > 0).sum().item<int64_t>();
+      counts = counts.to(torch::kCUDA);
+      auto x = torch::randn({M, D}, bf16);
+      const double bytes = double(touched) * 3.0 * double(D) * double(F) * 2;
+      const double sd = seconds([&] { kiln::kernels::grouped_swiglu_decode(x, counts, w1, w2); }, iters);
+      const double sg = seconds([&] { kiln::kernels::grouped_swiglu(x, counts, w1, w2); }, iters);
+      std::printf("%6lld %6lld %8lld %12.1f %12.0f %9.1f%% %12.1f %9.1f%% %8.2fx\n", (long long)B, (long long)M,
+                  (long long)touched, sd * 1e6, bytes / sd / 1e9, 100.0 * bytes / sd / 1e9 / copy_gbs, sg * 1e6,
+                  100.0 * bytes / sg / 1e9 / copy_gbs, sg / sd);
+    }
+  }
+  if (!only.empty() && only != "sampling") return 0;
 
   const int64_t V = 154880;
   std::printf("sample_rows, V = %lld fp32 logits\n", (long long)V);
