@@ -89,8 +89,11 @@ for rows in (3, 6):
     os.kill(pid_of(out, "rollout_node"), signal.SIGKILL)
 _, err = p.communicate(timeout=300)
 checks.append((p.returncode == 0, f"restarted rollout node: the run exits 0 (got {p.returncode}: {err.strip()[-300:]})"))
-checks.append((err.count("rollout node rollout/0 lost") == 2 and "restarting it" in err,
-               "restarted rollout node: each loss is reported, naming the engine, with the restart"))
+# >= 2: on a loaded machine a restarted node can also miss its heartbeats once and be restarted
+# again (seen in a CI run beside two builds: three losses reported, the run still exact)
+losses = err.count("rollout node rollout/0 lost")
+checks.append((losses >= 2 and "restarting it" in err,
+               f"restarted rollout node: each loss is reported, naming the engine, with the restart ({losses} reported)"))
 if p.returncode == 0 and os.path.exists(f"{base}/metrics.jsonl"):
     a, b = metrics(base), metrics(out)
     checks.append(([m["step"] for m in b] == list(range(1, 13)), "restarted rollout node: 12 steps, each once"))
