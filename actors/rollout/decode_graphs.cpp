@@ -34,6 +34,13 @@ DecodeGraphs::DecodeGraphs(model::CausalLM& model, model::DecodeCache& cache, in
   for (const auto& b : model.named_buffers(/*recurse=*/true)) weights_.push_back({b.key(), b.value(), b.value().data_ptr()});
 }
 
+DecodeGraphs::~DecodeGraphs() {
+  try {
+    if (last_ready_) last_ready_->synchronize();
+  } catch (...) {  // a device error surfaces at the next CUDA call; a destructor must not throw
+  }
+}
+
 int64_t DecodeGraphs::batch_bucket(int64_t batch) {
   if (batch < 1) throw std::invalid_argument("DecodeGraphs::batch_bucket: batch " + std::to_string(batch) + " < 1");
   int64_t b = 1;
@@ -212,6 +219,7 @@ DecodeGraphs::Launched DecodeGraphs::queue(Graph& g, int64_t B) {
   l.sampled_host.copy_(l.sampled_device, /*non_blocking=*/true);
   l.experts_host.copy_(g.routed_experts.narrow(0, 0, B), /*non_blocking=*/true);
   l.ready = std::make_shared<kernels::StreamEvent>(device_);
+  last_ready_ = l.ready;
   return l;
 }
 

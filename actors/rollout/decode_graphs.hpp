@@ -47,6 +47,11 @@ class DecodeGraphs {
   /// std::invalid_argument naming what does not hold.
   DecodeGraphs(model::CausalLM& model, model::DecodeCache& cache, int64_t page_size, int64_t scratch_page,
                int64_t max_pages, bool sample = false);
+  /// Waits for the last launched step (a step queued and never read, e.g. one whose rows all
+  /// finished), so that no graph is destroyed while it runs.
+  ~DecodeGraphs();
+  DecodeGraphs(const DecodeGraphs&) = delete;
+  DecodeGraphs& operator=(const DecodeGraphs&) = delete;
 
   struct Step {
     torch::Tensor logits;          ///< [B, V] fp32 on the device (lm_logits of the hidden states)
@@ -144,6 +149,7 @@ class DecodeGraphs {
   std::vector<Weight> weights_;
   int64_t replays_ = 0;
   uint64_t launches_ = 0;  // launch() calls so far
+  std::shared_ptr<kernels::StreamEvent> last_ready_;  // the last launch()'s event
 };
 
 }  // namespace kiln::rollout
