@@ -326,6 +326,20 @@ TEST_CASE("--set with bare text that is not UTF-8 is refused by key") {
                        std::invalid_argument);
 }
 
+TEST_CASE("--set with an array or inline table cut short is refused as such, not taken as text") {
+  ExperimentConfig c;
+  CHECK_THROWS_WITH_AS(c.set("rollout.urls=[\"http://a:1\", \"http://b:2\""),
+                       doctest::Contains("--set 'rollout.urls': '[\"http://a:1\", \"http://b:2\"' starts as a TOML array but "
+                                         "does not parse"),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(c.set("run.name= {a = 1"), doctest::Contains("starts as a TOML inline table"), std::invalid_argument);
+  CHECK(c.rollout.urls.empty());  // nothing applied
+  c.set("run.name=\"[draft]\"");  // quoted: text
+  CHECK(c.run.name == "[draft]");
+  c.set("rollout.urls=[\"http://a:1\"]");
+  CHECK(c.rollout.urls == std::vector<std::string>{"http://a:1"});
+}
+
 TEST_CASE("algorithm.true_on_policy reaches the engines and is refused by name with settings it contradicts") {
   ExperimentConfig c;
   CHECK_FALSE(c.engine_for_run().true_on_policy);
