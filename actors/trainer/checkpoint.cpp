@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <type_traits>
 
 #include "model/checkpoint/safetensors.hpp"
 
@@ -283,15 +284,39 @@ CheckpointState read_checkpoint_state(const std::filesystem::path& dir) {
   if (!in) throw std::invalid_argument("no state.json in '" + dir.string() + "'");
   CheckpointState st;
   uint64_t in_flight_bytes = 0;
+  nlohmann::json j;
   try {
-    auto j = nlohmann::json::parse(in);
-    st.step = j.at("step").get<int64_t>();
-    st.policy_version = j.at("policy_version").get<int64_t>();
-    st.prompt_rng = j.at("prompt_rng").get<std::string>();
-    if (j.contains("in_flight_rollouts_bytes")) in_flight_bytes = j.at("in_flight_rollouts_bytes").get<uint64_t>();
+    j = nlohmann::json::parse(in);
   } catch (const std::exception& e) {
     throw std::invalid_argument("state.json in '" + dir.string() + "': " + e.what());
   }
+  // Each field by name, with the value found when it has the wrong type (nlohmann's get<> would
+  // truncate 3.5 to 3 and wrap -5 into an unsigned).
+  auto field = [&](const char* name, auto& out) {
+    using T = std::decay_t<decltype(out)>;
+    if (!j.is_object() || !j.contains(name))
+      throw std::invalid_argument("state.json in '" + dir.string() + "': no '" + name + "'");
+    const auto& v = j.at(name);
+    bool ok = false;
+    const char* want = "";
+    if constexpr (std::is_same_v<T, std::string>) {
+      ok = v.is_string();
+      want = "a string";
+    } else if constexpr (std::is_unsigned_v<T>) {
+      ok = v.is_number_unsigned();
+      want = "a whole number >= 0";
+    } else {
+      ok = v.is_number_integer();
+      want = "a whole number";
+    }
+    if (!ok)
+      throw std::invalid_argument("state.json in '" + dir.string() + "': '" + name + "' is " + v.dump() + ", not " + want);
+    out = v.get<T>();
+  };
+  field("step", st.step);
+  field("policy_version", st.policy_version);
+  field("prompt_rng", st.prompt_rng);
+  if (j.is_object() && j.contains("in_flight_rollouts_bytes")) field("in_flight_rollouts_bytes", in_flight_bytes);
   const auto file = dir / kInFlightRolloutsFile;
   std::error_code ec;
   const bool present = std::filesystem::exists(file, ec);

@@ -4,6 +4,8 @@
 // both is the same.
 #include <doctest/doctest.h>
 
+#include <fstream>
+
 #include "../scratch.hpp"
 #include "actors/trainer/checkpoint.hpp"
 #include "trainer_fixture.hpp"
@@ -48,4 +50,24 @@ TEST_CASE("a checkpoint after one step loads into a fresh trainer bit for bit, f
     loaded.train_step(samples);
     for (const auto& d : differences(snapshot(t), snapshot(loaded))) FAIL_CHECK("differs one step later: " << d);
   }
+}
+
+TEST_CASE("a state.json with a field missing or of another type is refused naming the field and the value") {
+  const std::filesystem::path dir = test::scratch_path("checkpoint-bad-state");
+  std::filesystem::create_directories(dir);
+  auto write = [&](const std::string& text) { std::ofstream(dir / "state.json") << text; };
+  write(R"({"step": "three", "policy_version": 3, "prompt_rng": "x"})");
+  CHECK_THROWS_WITH_AS(read_checkpoint_state(dir), doctest::Contains("'step' is \"three\", not a whole number"), std::invalid_argument);
+  write(R"({"step": 3, "prompt_rng": "x"})");
+  CHECK_THROWS_WITH_AS(read_checkpoint_state(dir), doctest::Contains("no 'policy_version'"), std::invalid_argument);
+  write(R"({"step": 3, "policy_version": 3, "prompt_rng": "x", "in_flight_rollouts_bytes": -5})");
+  CHECK_THROWS_WITH_AS(read_checkpoint_state(dir), doctest::Contains("'in_flight_rollouts_bytes' is -5, not a whole number >= 0"), std::invalid_argument);
+  write(R"({"step": 3.5, "policy_version": 3, "prompt_rng": "x"})");
+  CHECK_THROWS_WITH_AS(read_checkpoint_state(dir), doctest::Contains("'step' is 3.5"), std::invalid_argument);
+  write("[1, 2]");
+  CHECK_THROWS_WITH_AS(read_checkpoint_state(dir), doctest::Contains("no 'step'"), std::invalid_argument);
+  write(R"({"step": 3, "policy_version": 4, "prompt_rng": "x"})");
+  const auto st = read_checkpoint_state(dir);
+  CHECK(st.step == 3);
+  CHECK(st.policy_version == 4);
 }
