@@ -264,10 +264,12 @@ void ExperimentConfig::set(const std::string& assignment) {
     v = toml::parse("v = " + value);
   } catch (const toml::parse_error& e) {
     const auto first = value.find_first_not_of(" \t");
-    if (first != std::string::npos && (value[first] == '[' || value[first] == '{'))  // a list or table cut short, not text
+    const char c = first == std::string::npos ? ' ' : value[first];
+    if (c == '[' || c == '{' || c == '"' || c == '\'')  // a list, table or string cut short, not bare text
       throw std::invalid_argument("--set '" + key + "': '" + value + "' starts as a TOML " +
-                                  (value[first] == '[' ? "array" : "inline table") + " but does not parse (" +
-                                  std::string(e.description()) + "); quote it (\"...\") to give it as text");
+                                  (c == '[' ? "array" : c == '{' ? "inline table" : "string") + " but does not parse (" +
+                                  std::string(e.description()) + ")" +
+                                  (c == '[' || c == '{' ? "; to give text that starts so, quote it (\"...\")" : ""));
     try {  // bare text: read as a quoted string, which also refuses bytes that are not UTF-8
       v = toml::parse("v = " + toml_quoted(value));
     } catch (const toml::parse_error& e) {

@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <type_traits>
 
@@ -291,7 +292,7 @@ CheckpointState read_checkpoint_state(const std::filesystem::path& dir) {
     throw std::invalid_argument("state.json in '" + dir.string() + "': " + e.what());
   }
   // Each field by name, with the value found when it has the wrong type (nlohmann's get<> would
-  // truncate 3.5 to 3 and wrap -5 into an unsigned).
+  // truncate 3.5 to 3 and wrap -5 into an unsigned). Every count here is >= 0.
   auto field = [&](const char* name, auto& out) {
     using T = std::decay_t<decltype(out)>;
     if (!j.is_object() || !j.contains(name))
@@ -302,12 +303,9 @@ CheckpointState read_checkpoint_state(const std::filesystem::path& dir) {
     if constexpr (std::is_same_v<T, std::string>) {
       ok = v.is_string();
       want = "a string";
-    } else if constexpr (std::is_unsigned_v<T>) {
-      ok = v.is_number_unsigned();
-      want = "a whole number >= 0";
     } else {
-      ok = v.is_number_integer();
-      want = "a whole number";
+      ok = v.is_number_unsigned() && v.get<uint64_t>() <= uint64_t(std::numeric_limits<int64_t>::max());
+      want = "a whole number in [0, 2^63)";
     }
     if (!ok)
       throw std::invalid_argument("state.json in '" + dir.string() + "': '" + name + "' is " + v.dump() + ", not " + want);

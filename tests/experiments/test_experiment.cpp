@@ -326,13 +326,16 @@ TEST_CASE("--set with bare text that is not UTF-8 is refused by key") {
                        std::invalid_argument);
 }
 
-TEST_CASE("--set with an array or inline table cut short is refused as such, not taken as text") {
+TEST_CASE("--set with an array, inline table or string cut short is refused as such, not taken as text") {
   ExperimentConfig c;
   CHECK_THROWS_WITH_AS(c.set("rollout.urls=[\"http://a:1\", \"http://b:2\""),
                        doctest::Contains("--set 'rollout.urls': '[\"http://a:1\", \"http://b:2\"' starts as a TOML array but "
                                          "does not parse"),
                        std::invalid_argument);
   CHECK_THROWS_WITH_AS(c.set("run.name= {a = 1"), doctest::Contains("starts as a TOML inline table"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(c.set("run.name=\"abc"), doctest::Contains("'\"abc' starts as a TOML string but does not parse"),
+                       std::invalid_argument);  // was kept as the text "abc with its quote
+  CHECK_THROWS_WITH_AS(c.set("run.name='abc"), doctest::Contains("starts as a TOML string"), std::invalid_argument);
   CHECK(c.rollout.urls.empty());  // nothing applied
   c.set("run.name=\"[draft]\"");  // quoted: text
   CHECK(c.run.name == "[draft]");

@@ -57,11 +57,15 @@ TEST_CASE("a state.json with a field missing or of another type is refused namin
   std::filesystem::create_directories(dir);
   auto write = [&](const std::string& text) { std::ofstream(dir / "state.json") << text; };
   write(R"({"step": "three", "policy_version": 3, "prompt_rng": "x"})");
-  CHECK_THROWS_WITH_AS(read_checkpoint_state(dir), doctest::Contains("'step' is \"three\", not a whole number"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(read_checkpoint_state(dir), doctest::Contains("'step' is \"three\", not a whole number in [0, 2^63)"), std::invalid_argument);
   write(R"({"step": 3, "prompt_rng": "x"})");
   CHECK_THROWS_WITH_AS(read_checkpoint_state(dir), doctest::Contains("no 'policy_version'"), std::invalid_argument);
   write(R"({"step": 3, "policy_version": 3, "prompt_rng": "x", "in_flight_rollouts_bytes": -5})");
-  CHECK_THROWS_WITH_AS(read_checkpoint_state(dir), doctest::Contains("'in_flight_rollouts_bytes' is -5, not a whole number >= 0"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(read_checkpoint_state(dir), doctest::Contains("'in_flight_rollouts_bytes' is -5, not a whole number"), std::invalid_argument);
+  write(R"({"step": -1, "policy_version": 3, "prompt_rng": "x"})");  // was read as step -1: three steps for two
+  CHECK_THROWS_WITH_AS(read_checkpoint_state(dir), doctest::Contains("'step' is -1"), std::invalid_argument);
+  write(R"({"step": 1, "policy_version": -5, "prompt_rng": "x"})");
+  CHECK_THROWS_WITH_AS(read_checkpoint_state(dir), doctest::Contains("'policy_version' is -5"), std::invalid_argument);
   write(R"({"step": 3.5, "policy_version": 3, "prompt_rng": "x"})");
   CHECK_THROWS_WITH_AS(read_checkpoint_state(dir), doctest::Contains("'step' is 3.5"), std::invalid_argument);
   write("[1, 2]");
