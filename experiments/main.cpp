@@ -125,8 +125,12 @@ int main(int argc, char** argv) {
   bench_rollout->add_option("--contexts", ro.contexts, "cuda: prompt lengths")->default_str("1024 8192")
       ->check(CLI::Range(int64_t(1), int64_t(131072)));
   bench_rollout->add_option("--modes", ro.modes,
-                            "cuda: decode modes, as columns (expanded absorbed graphs kernel graphs-kernel graphs-sampling "
-                            "graphs-experts graphs-all graphs-overlap graphs-overlap-all)")
+                            "cuda: decode modes, as columns, separated by spaces: expanded (the eager engine), absorbed "
+                            "(rollout.absorbed_decode), graphs (+ rollout.cuda_graphs), kernel / graphs-kernel (absorbed, "
+                            "eager / graphed, + rollout.mla_decode_kernel), graphs-sampling / graphs-experts / graphs-all "
+                            "(graphs-kernel + rollout.sampling_kernel / rollout.moe_decode_kernel / both), graphs-overlap "
+                            "/ graphs-overlap-all (graphs-sampling / graphs-all + rollout.overlap_schedule); the rollout.* "
+                            "keys a mode does not name are off")
       ->default_str("expanded absorbed graphs")
       ->check(CLI::IsMember({"expanded", "absorbed", "graphs", "kernel", "graphs-kernel", "graphs-sampling",
                              "graphs-experts", "graphs-all", "graphs-overlap",
