@@ -73,11 +73,11 @@ class DecodeGraphs {
 
   /// A step of graphs that sample, launched with launch() and not yet read: behind the graph its
   /// sampled rows and routed experts are copied into pinned host memory, and an event marks
-  /// when they are there. Move-only; dropping one unread is safe (its copies land in memory the
-  /// host allocator keeps until they did).
+  /// when they are there. Dropping one unread is safe (its copies land in memory the host
+  /// allocator keeps until they did).
   struct Launched {
     int64_t rows = 0;              ///< B
-    uint64_t serial = 0;           ///< which launch of this object it was (1, 2, ...)
+    uint64_t serial = 0;           ///< which replay of this object it was (1, 2, ...; run() counts too)
     torch::Tensor sampled_device;  ///< [B, 3] fp64, a view of the graph's output: valid until it replays again
     torch::Tensor sampled_host;    ///< [B, 3] fp64, pinned
     torch::Tensor experts_host;    ///< [B, L, K] int64, pinned
@@ -148,7 +148,7 @@ class DecodeGraphs {
   };
   std::vector<Weight> weights_;
   int64_t replays_ = 0;
-  uint64_t launches_ = 0;  // launch() calls so far
+  uint64_t launches_ = 0;  // replays so far by launch() and run(): a Launched's serial
   std::shared_ptr<kernels::StreamEvent> last_ready_;  // the last launch()'s event
 };
 
