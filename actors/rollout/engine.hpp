@@ -17,6 +17,11 @@
 // unshared run's with the same seed. With a cache whose slots hold state (a recurrent state
 // that advances with every token), only a sequence prefilled in the same step shares its
 // prompt: its slot is copied right after that prefill.
+//
+// Overlap schedule (EngineOptions::overlap_schedule, with cuda_graphs and sampling_kernel): a
+// graphed decode step() may return with the next decode step already queued on the GPU (its ids
+// taken there from the step's samples); the next step() reads it. Between-steps calls see the
+// tokens read so far; pause() waits for a queued step and drops it (run again after resume()).
 #include <chrono>
 #include <deque>
 #include <memory>
