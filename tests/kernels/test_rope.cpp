@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels/cuda_graph.hpp"
+#include "kernels/stream_event.hpp"
 #include "kernels/rope.hpp"
 #include "model/blocks/basic.hpp"
 #include "tests/kernels/kernel_test_util.hpp"
@@ -122,4 +123,16 @@ TEST_CASE("CUDA: rope kernel in a CUDA graph follows new positions, and a table 
                                                   model::rope_table(huge, 62, kTheta, torch::kBFloat16, dev);
                                               }),
                        doctest::Contains("while its stream captures a CUDA graph"), std::logic_error);
+}
+
+TEST_CASE("StreamEvent refuses a device that is not CUDA, and on CUDA completes after the work queued before it") {
+  CHECK_THROWS_AS(kernels::StreamEvent(torch::Device(torch::kCPU)), std::exception);
+  if (skip_without_cuda_kernels()) return;
+  const torch::Device dev(torch::kCUDA);
+  auto a = torch::randn({4096, 4096}, torch::TensorOptions().device(dev));
+  auto b = a.matmul(a);
+  kernels::StreamEvent done(dev);
+  done.synchronize();
+  CHECK(done.done());
+  CHECK(torch::allclose(b.cpu(), a.cpu().matmul(a.cpu()), 1e-3, 1e-2));
 }
