@@ -1,5 +1,7 @@
 #include "actors/controller/run_dir.hpp"
 
+#include "actors/trainer/checkpoint.hpp"
+
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/file.h>
@@ -73,17 +75,7 @@ fs::path checkpoint_dir(const fs::path& run, int64_t step) {
   return run / "checkpoints" / name;
 }
 
-fs::path newest_checkpoint(const fs::path& run) {
-  fs::path newest;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(run / "checkpoints", ec)) {
-    const auto name = e.path().filename().string();
-    if (name.rfind("step_", 0) == 0 && name.find('.') == std::string::npos && fs::exists(e.path() / "state.json") &&
-        (newest.empty() || name > newest.filename().string()))
-      newest = e.path();
-  }
-  return newest;
-}
+fs::path newest_checkpoint(const fs::path& run) { return trainer::newest_checkpoint_in(run / "checkpoints"); }
 
 std::string continue_hint(const fs::path& run) {
   const auto newest = newest_checkpoint(run);

@@ -280,9 +280,29 @@ void save_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, 
   fs::rename(tmp, dir);
 }
 
+std::filesystem::path newest_checkpoint_in(const std::filesystem::path& parent) {
+  std::filesystem::path newest;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(parent, ec)) {
+    const auto name = e.path().filename().string();
+    if (name.rfind("step_", 0) == 0 && name.find('.') == std::string::npos &&
+        std::filesystem::exists(e.path() / "state.json", ec) && (newest.empty() || name > newest.filename().string()))
+      newest = e.path();
+  }
+  return newest;
+}
+
 CheckpointState read_checkpoint_state(const std::filesystem::path& dir) {
   std::ifstream in(dir / "state.json");
-  if (!in) throw std::invalid_argument("no state.json in '" + dir.string() + "'");
+  if (!in) {
+    // A run directory, or its checkpoints/, given for one checkpoint: name the newest inside.
+    auto newest = newest_checkpoint_in(dir / "checkpoints");
+    if (newest.empty()) newest = newest_checkpoint_in(dir);
+    throw std::invalid_argument("no state.json in '" + dir.string() + "'" +
+                                (newest.empty() ? std::string()
+                                                : " (a checkpoint is one step_N directory; the newest here is '" +
+                                                      newest.string() + "')"));
+  }
   CheckpointState st;
   uint64_t in_flight_bytes = 0;
   nlohmann::json j;

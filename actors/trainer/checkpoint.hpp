@@ -52,8 +52,13 @@ void save_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, 
                      const CheckpointState& state);
 
 /// Reads DIR/state.json (and DIR/in_flight_rollouts.msgpack when present). Throws
-/// std::invalid_argument naming the directory when it is missing or lacks a field.
+/// std::invalid_argument naming the directory when it is missing or lacks a field; when DIR
+/// is a run directory (or its checkpoints/ directory) the message names its newest checkpoint.
 CheckpointState read_checkpoint_state(const std::filesystem::path& dir);
+
+/// The newest complete checkpoint directly in PARENT (a step_N directory with its state.json;
+/// step_N.partial ones are incomplete; the largest N by name, zero-padded), or an empty path.
+std::filesystem::path newest_checkpoint_in(const std::filesystem::path& parent);
 
 /// Loads policy weights, optimizer state and master weights from `dir` into `policy` and
 /// `trainer` (whose version becomes the saved one) and returns the loop state. Throws

@@ -75,3 +75,28 @@ TEST_CASE("a state.json with a field missing or of another type is refused namin
   CHECK(st.step == 3);
   CHECK(st.policy_version == 4);
 }
+
+TEST_CASE("a run directory given for a checkpoint is refused naming its newest complete checkpoint") {
+  namespace fs = std::filesystem;
+  const fs::path run = test::scratch_path("checkpoint-run-dir");
+  fs::remove_all(run);
+  for (const char* step : {"step_000002", "step_000010", "step_000012.partial"}) {
+    fs::create_directories(run / "checkpoints" / step);
+    std::ofstream(run / "checkpoints" / step / "state.json") << R"({"step": 1, "policy_version": 1, "prompt_rng": "x"})";
+  }
+  fs::create_directories(run / "checkpoints" / "step_000011");  // no state.json: cut short
+  const auto newest = (run / "checkpoints" / "step_000010").string();
+  CHECK(newest_checkpoint_in(run / "checkpoints").string() == newest);
+  CHECK_THROWS_WITH_AS(read_checkpoint_state(run), doctest::Contains(("the newest here is '" + newest + "'").c_str()), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(read_checkpoint_state(run / "checkpoints"), doctest::Contains(("the newest here is '" + newest + "'").c_str()),
+                       std::invalid_argument);
+  CHECK(newest_checkpoint_in(run / "nothing").empty());
+  const fs::path empty = test::scratch_path("checkpoint-empty-dir");
+  fs::create_directories(empty);
+  try {
+    (void)read_checkpoint_state(empty);
+    FAIL("an empty directory was read as a checkpoint");
+  } catch (const std::invalid_argument& e) {
+    CHECK(std::string(e.what()) == "no state.json in '" + empty.string() + "'");
+  }
+}
