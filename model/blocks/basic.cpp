@@ -1,6 +1,7 @@
 #include "model/blocks/basic.hpp"
 
 #include "kernels/cuda_graph.hpp"
+#include "kernels/linear_unsplit.hpp"
 #include "kernels/moe.hpp"
 #include "kernels/rms_norm.hpp"
 #include "kernels/rope.hpp"
@@ -91,8 +92,39 @@ SwiGLUImpl::SwiGLUImpl(int64_t dim, int64_t intermediate, std::optional<double> 
   down = register_module("down", lin(intermediate, dim));
 }
 
+namespace {
+// Forward by kernels::linear_unsplit, backward by mm (the gradients need no fixed order).
+struct UnsplitLinear : public torch::autograd::Function<UnsplitLinear> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x_MK, const torch::Tensor& w_NK) {
+    ctx->save_for_backward({x_MK, w_NK});
+    return kernels::linear_unsplit(x_MK, w_NK);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& x = saved[0];
+    const auto& w = saved[1];
+    const auto g = grads[0].contiguous();  // [M, N]
+    return {ctx->needs_input_grad(0) ? g.mm(w) : torch::Tensor(), ctx->needs_input_grad(1) ? g.t().mm(x) : torch::Tensor()};
+  }
+};
+}  // namespace
+
+torch::Tensor unsplit_linear(const torch::Tensor& x, const torch::Tensor& w) {
+  const int64_t K = w.size(1);
+  if (x.dim() < 1 || x.size(-1) != K)
+    throw std::invalid_argument("unsplit_linear: x's last dim must be w's K = " + std::to_string(K) + ", got x " +
+                                c10::str(x.sizes()));
+  auto x2 = x.reshape({-1, K});
+  if (!kernels::linear_unsplit_uses_cublaslt(x2, w)) return torch::linear(x, w);
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = w.size(0);
+  return UnsplitLinear::apply(x2, w).view(out_shape);
+}
+
 torch::Tensor SwiGLUImpl::forward(const torch::Tensor& x) {
-  if (!batch_invariant_) return down(kernels::swiglu(gate(x), up(x), limit_));
+  if (!batch_invariant_)
+    return unsplit_linear(kernels::swiglu(unsplit_linear(x, gate->weight), unsplit_linear(x, up->weight), limit_),
+                          down->weight);
   if (limit_)
     throw std::invalid_argument("SwiGLU: the batch-invariant mode has no clamped SwiGLU (swiglu_limit " +
                                 std::to_string(*limit_) + ")");

@@ -52,10 +52,18 @@ RopeTable rope_table(int64_t positions, int64_t R, double theta, torch::Dtype dt
 torch::Tensor apply_rope_cached(const torch::Tensor& x, const torch::Tensor& positions, int64_t max_positions,
                                 double theta, bool interleaved);
 
+/// A projection without split-K: x [..., K], w [N, K] -> [..., N], the value of torch's
+/// linear (no bias), its forward by kernels::linear_unsplit (on CUDA in bf16/fp16 cuBLASLt with
+/// each output summed over K in one pass; elsewhere at::linear) and its backward by torch's mm.
+/// A token's output then has the same bits whether it rides in a decode step of a few rows or
+/// in the trainer's micro-batch of thousands (kernels/linear_unsplit.hpp says why cuBLAS's own
+/// choice does not): MLA's projections and the SwiGLU MLPs use it in the default mode.
+torch::Tensor unsplit_linear(const torch::Tensor& x, const torch::Tensor& w);
+
 /// SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x)). x: [T, D] -> [T, D].
 /// swiglu_limit: transformers' clamped form (GLM-5.3-Flash's Glm5NextTextMLP; kernels::swiglu).
-/// With set_batch_invariant(true): invariant_linear and invariant_swiglu (no limit: refused
-/// with std::invalid_argument in forward).
+/// Projections by unsplit_linear; with set_batch_invariant(true) invariant_linear and
+/// invariant_swiglu (no limit: refused with std::invalid_argument in forward).
 class SwiGLUImpl : public torch::nn::Module, public BatchInvariantSwitch {
  public:
   SwiGLUImpl(int64_t dim, int64_t intermediate, std::optional<double> swiglu_limit = std::nullopt);

@@ -39,7 +39,7 @@ MLAImpl::MLAImpl(const MLAOptions& opt) : o_(opt) {
 }
 
 torch::Tensor MLAImpl::project(torch::nn::Linear& l, const torch::Tensor& x) {
-  return batch_invariant_ ? invariant_linear(x, l->weight) : l(x);
+  return batch_invariant_ ? invariant_linear(x, l->weight) : unsplit_linear(x, l->weight);
 }
 
 torch::Tensor MLAImpl::forward(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cu_seqlens,
@@ -245,7 +245,7 @@ torch::Tensor MLAImpl::forward_cached(const torch::Tensor& x, const torch::Tenso
     const auto& P = layout.padded();
     auto o_lat = kernels::mla_decode_attention(q_lat, q_rope, cache, P.block_table, P.lengths,
                                                o_.softmax_scale);                                // [N, H, C]
-    return o(torch::einsum("nhc,hvc->nhv", {o_lat, w_uv}).reshape({N, H * V}));
+    return project(o, torch::einsum("nhc,hvc->nhv", {o_lat, w_uv}).reshape({N, H * V}));
   }
   // All slices in one padded batch: B slices, up to n_max new tokens and s_max keys each.
   const auto& P = layout.padded();
@@ -269,7 +269,7 @@ torch::Tensor MLAImpl::forward_cached(const torch::Tensor& x, const torch::Tenso
   auto p = torch::softmax(scores.to(torch::kFloat32), -1).to(x.scalar_type());                  // [B, H, n, S]
   auto o_lat = torch::einsum("bhns,bsc->bnhc", {p, lat});                                        // [B, n, H, C]
   auto out = torch::einsum("bnhc,hvc->bnhv", {o_lat, w_uv}).reshape({B * n_max, H * V});        // [B*n, H*V]
-  return o(out.index_select(0, P.keep));  // rows 0..N-1
+  return project(o, out.index_select(0, P.keep));  // rows 0..N-1
 }
 
 }  // namespace kiln::model

@@ -9,8 +9,11 @@
 //   B x 4 rows routed uniformly at random): kernels::grouped_swiglu_decode against
 //   kernels::grouped_swiglu (the grouped GEMM), time per call (gate/up and down) and the touched
 //   experts' weight bytes per second.
+// - the projections cuBLAS splits over K at few rows (o_proj [2048 x 5120], the dense layer's
+//   down [2048 x 10240]): kernels::linear_unsplit (no split-K: the trainer's bits) against
+//   at::linear (cuBLAS's choice), time per call and weight bytes per second.
 // Prints one table per kernel.
-// Usage: kiln_bench_decode_kernels [--iters N] [--only mla|sampling|experts] [--contiguous-pages]
+// Usage: kiln_bench_decode_kernels [--iters N] [--only mla|sampling|experts|linear] [--contiguous-pages]
 #include <ATen/cuda/CUDAContext.h>
 #include <torch/torch.h>
 
@@ -21,6 +24,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "kernels/linear_unsplit.hpp"
 #include "kernels/mla_decode.hpp"
 #include "kernels/moe.hpp"
 #include "kernels/moe_decode.hpp"
@@ -42,7 +46,7 @@ int main(int argc, char** argv) {
   int iters = 20;
   std::string only;
   bool contiguous = false;  // pages in order (else shuffled, as a long-running engine hands them out)
-  const char* usage = "usage: kiln_bench_decode_kernels [--iters N] [--only mla|sampling|experts] [--contiguous-pages]\n";
+  const char* usage = "usage: kiln_bench_decode_kernels [--iters N] [--only mla|sampling|experts|linear] [--contiguous-pages]\n";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--help" || a == "-h") {
@@ -62,8 +66,8 @@ int main(int argc, char** argv) {
       contiguous = true;
     } else if (a == "--only" && i + 1 < argc) {
       only = argv[++i];
-      if (only != "mla" && only != "sampling" && only != "experts") {
-        std::fprintf(stderr, "kiln_bench_decode_kernels: --only %s: not mla, sampling or experts\n", only.c_str());
+      if (only != "mla" && only != "sampling" && only != "experts" && only != "linear") {
+        std::fprintf(stderr, "kiln_bench_decode_kernels: --only %s: not mla, sampling, experts or linear\n", only.c_str());
         return 2;
       }
     } else {
@@ -129,6 +133,23 @@ int main(int argc, char** argv) {
       std::printf("%6lld %6lld %8lld %12.1f %12.0f %9.1f%% %12.1f %9.1f%% %8.2fx\n", (long long)B, (long long)M,
                   (long long)touched, sd * 1e6, bytes / sd / 1e9, 100.0 * bytes / sd / 1e9 / copy_gbs, sg * 1e6,
                   100.0 * bytes / sg / 1e9 / copy_gbs, sg / sd);
+    }
+  }
+  if (only.empty() || only == "linear") {
+    std::printf("projections without split-K (kernels::linear_unsplit) vs cuBLAS's choice (at::linear), bf16\n");
+    std::printf("%14s %6s %12s %12s %10s %12s %10s %9s\n", "N x K", "rows", "unsplit_us", "GB/s", "of_copy", "cublas_us",
+                "of_copy", "cost");
+    for (auto [N, K] : {std::pair<int64_t, int64_t>{2048, 5120}, {2048, 10240}}) {
+      auto w = torch::randn({N, K}, bf16);
+      for (int64_t M : {1, 8, 32, 128, 256}) {
+        auto x = torch::randn({M, K}, bf16);
+        const double bytes = double(N) * double(K) * 2;
+        const double su = seconds([&] { kiln::kernels::linear_unsplit(x, w); }, iters);
+        const double sc = seconds([&] { at::linear(x, w); }, iters);
+        std::printf("%7lld x %5lld %6lld %12.1f %12.0f %9.1f%% %12.1f %9.1f%% %8.2fx\n", (long long)N, (long long)K,
+                    (long long)M, su * 1e6, bytes / su / 1e9, 100.0 * bytes / su / 1e9 / copy_gbs, sc * 1e6,
+                    100.0 * bytes / sc / 1e9 / copy_gbs, su / sc);
+      }
     }
   }
   if (!only.empty() && only != "sampling") return 0;

@@ -1,0 +1,150 @@
+#include "kernels/linear_unsplit.hpp"
+
+#include <ATen/ATen.h>
+
+#ifdef KILN_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cublasLt.h>
+
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <map>
+#include <memory>
+#endif
+
+namespace kiln::kernels {
+
+namespace {
+
+void check_inputs(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_unsplit: x [M, K] and w [N, K] with one K, got x ",
+              x.sizes(), " and w ", w.sizes());
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "linear_unsplit: x is ", x.scalar_type(), ", w is ", w.scalar_type());
+  TORCH_CHECK(x.device() == w.device(), "linear_unsplit: x on ", x.device(), ", w on ", w.device());
+}
+
+#ifdef KILN_CUDA
+void check_lt(cublasStatus_t s, const char* what) {
+  TORCH_CHECK(s == CUBLAS_STATUS_SUCCESS, "linear_unsplit: ", what, " failed: ", cublasLtGetStatusString(s));
+}
+
+// The largest power of two <= 256 that divides the address (cuBLASLt's heuristics otherwise
+// assume 256-byte aligned operands).
+uint32_t alignment_of(const void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  uint32_t al = 256;
+  while (al > 1 && a % al) al /= 2;
+  return al;
+}
+
+struct Key {
+  int device, dtype;
+  int64_t m, n, k, ldx;
+  uint32_t ax, aw, ay;
+  bool operator<(const Key& o) const {
+    return std::tie(device, dtype, m, n, k, ldx, ax, aw, ay) < std::tie(o.device, o.dtype, o.m, o.n, o.k, o.ldx, o.ax, o.aw, o.ay);
+  }
+};
+
+// RAII for the descriptors of one call.
+struct Descs {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+  ~Descs() {
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (c) cublasLtMatrixLayoutDestroy(c);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+struct Plan {
+  Descs d;
+  cublasLtMatmulAlgo_t algo{};
+};
+#endif
+
+}  // namespace
+
+bool linear_unsplit_uses_cublaslt(const at::Tensor& x_MK, const at::Tensor& w_NK) {
+#ifdef KILN_CUDA
+  const auto t = x_MK.scalar_type();
+  return x_MK.is_cuda() && (t == at::kBFloat16 || t == at::kHalf) && x_MK.size(1) % 8 == 0 && w_NK.size(0) % 8 == 0;
+#else
+  (void)x_MK;
+  (void)w_NK;
+  return false;
+#endif
+}
+
+at::Tensor linear_unsplit(const at::Tensor& x_MK, const at::Tensor& w_NK) {
+  check_inputs(x_MK, w_NK);
+  if (!linear_unsplit_uses_cublaslt(x_MK, w_NK) || x_MK.size(0) == 0) return at::linear(x_MK, w_NK);
+#ifdef KILN_CUDA
+  const auto x = x_MK.stride(1) == 1 && x_MK.stride(0) >= x_MK.size(1) && x_MK.stride(0) % 8 == 0 ? x_MK : x_MK.contiguous();
+  const auto w = w_NK.contiguous();
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1), ldx = x.stride(0);
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto y = at::empty({M, N}, x.options());
+  const cudaDataType_t dt = x.scalar_type() == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
+
+  // Column-major view: y^T [N, M] = (w [N, K] as col-major K x N, transposed) x (x as col-major K x M).
+  // One plan (descriptors and the heuristic's algorithm) per shape, row stride and alignment,
+  // made on first use and kept: a call then costs one cublasLtMatmul.
+  const Key key{x.device().index(), int(dt), M, N, K, ldx, alignment_of(x.data_ptr()), alignment_of(w.data_ptr()),
+                alignment_of(y.data_ptr())};
+  static std::mutex mu;
+  static std::map<Key, std::unique_ptr<Plan>> plans;
+  auto handle = at::cuda::getCurrentCUDABlasLtHandle();
+  Plan* plan = nullptr;
+  {
+    const std::lock_guard<std::mutex> lock(mu);
+    auto& slot = plans[key];
+    if (!slot) {
+      auto p = std::make_unique<Plan>();
+      auto& d = p->d;
+      check_lt(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
+      const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+      check_lt(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta), "setting TRANSA");
+      check_lt(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb), "setting TRANSB");
+      check_lt(cublasLtMatrixLayoutCreate(&d.a, dt, uint64_t(K), uint64_t(N), K), "layout of w");
+      check_lt(cublasLtMatrixLayoutCreate(&d.b, dt, uint64_t(K), uint64_t(M), ldx), "layout of x");
+      check_lt(cublasLtMatrixLayoutCreate(&d.c, dt, uint64_t(N), uint64_t(M), N), "layout of y");
+      check_lt(cublasLtMatmulPreferenceCreate(&d.pref), "cublasLtMatmulPreferenceCreate");
+      const uint64_t workspace = 0;
+      const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_NONE;  // no split-K of any kind
+      check_lt(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof workspace),
+               "setting the workspace");
+      check_lt(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof schemes),
+               "setting the reduction-scheme mask");
+      check_lt(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &key.aw, sizeof key.aw), "alignment of w");
+      check_lt(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &key.ax, sizeof key.ax), "alignment of x");
+      check_lt(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &key.ay, sizeof key.ay), "alignment of y");
+      check_lt(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.ay, sizeof key.ay), "alignment of y");
+      cublasLtMatmulHeuristicResult_t result{};
+      int found = 0;
+      check_lt(cublasLtMatmulAlgoGetHeuristic(handle, d.op, d.a, d.b, d.c, d.c, d.pref, 1, &result, &found),
+               "cublasLtMatmulAlgoGetHeuristic");
+      TORCH_CHECK(found > 0, "linear_unsplit: cuBLASLt has no algorithm without split-K for x [", M, ", ", K, "] (row stride ",
+                  ldx, ") and w [", N, ", ", K, "] in ", x.scalar_type());
+      p->algo = result.algo;
+      slot = std::move(p);
+    }
+    plan = slot.get();  // plans are never erased: the pointer stays valid
+  }
+  const auto& d = plan->d;
+  const float alpha = 1.0f, beta = 0.0f;
+  check_lt(cublasLtMatmul(handle, d.op, &alpha, w.data_ptr(), d.a, x.data_ptr(), d.b, &beta, y.data_ptr(), d.c, y.data_ptr(), d.c,
+                          &plan->algo, nullptr, 0, at::cuda::getCurrentCUDAStream(x.device().index()).stream()),
+           "cublasLtMatmul");
+  return y;
+#else
+  return at::linear(x_MK, w_NK);
+#endif
+}
+
+}  // namespace kiln::kernels

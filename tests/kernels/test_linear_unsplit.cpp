@@ -1,0 +1,99 @@
+// kernels::linear_unsplit and model::unsplit_linear: on CPU the value of at::linear and its
+// gradients, and the errors; on a GPU (GLM-4.7-Flash's two projections that cuBLAS splits over
+// K at few rows: o_proj [2048 x 5120], the dense layer's down projection [2048 x 10240]) every
+// row has the same bits whatever the number of rows sharing the call (1 .. 8192), its offset
+// in the batch or the row stride, inside a CUDA graph too, and the backward is torch's.
+#include <doctest/doctest.h>
+#include <torch/torch.h>
+
+#include <vector>
+
+#include "kernels/cuda_graph.hpp"
+#include "kernels/linear_unsplit.hpp"
+#include "model/blocks/basic.hpp"
+#include "tests/kernels/kernel_test_util.hpp"
+
+using namespace kiln;
+using kiln::test::skip_without_cuda_kernels;
+
+namespace {
+bool same_bits(const torch::Tensor& a, const torch::Tensor& b) { return a.sizes() == b.sizes() && torch::equal(a, b); }
+}  // namespace
+
+TEST_CASE("linear_unsplit on CPU is at::linear, unsplit_linear has linear's gradients, and bad shapes are refused by name") {
+  torch::manual_seed(1);
+  auto x = torch::randn({5, 3, 16});
+  auto w = torch::randn({24, 16});
+  CHECK(same_bits(kernels::linear_unsplit(x.view({15, 16}), w), at::linear(x.view({15, 16}), w)));
+  auto xa = x.clone().requires_grad_(), wa = w.clone().requires_grad_();
+  auto xb = x.clone().requires_grad_(), wb = w.clone().requires_grad_();
+  auto ya = model::unsplit_linear(xa, wa);
+  CHECK(ya.sizes() == std::vector<int64_t>{5, 3, 24});
+  (ya * ya).sum().backward();
+  (torch::linear(xb, wb).pow(2)).sum().backward();
+  CHECK(torch::allclose(xa.grad(), xb.grad()));
+  CHECK(torch::allclose(wa.grad(), wb.grad()));
+  CHECK_THROWS_WITH_AS(kernels::linear_unsplit(torch::randn({4, 8}), torch::randn({6, 9})),
+                       doctest::Contains("x [M, K] and w [N, K] with one K, got x [4, 8] and w [6, 9]"), c10::Error);
+  CHECK_THROWS_WITH_AS(kernels::linear_unsplit(torch::randn({4, 8}), torch::randn({6, 8}, torch::kFloat64)),
+                       doctest::Contains("x is Float, w is Double"), c10::Error);
+  CHECK_THROWS_WITH_AS(model::unsplit_linear(torch::randn({4, 7}), torch::randn({6, 8})),
+                       doctest::Contains("x's last dim must be w's K = 8, got x [4, 7]"), std::invalid_argument);
+  CHECK_FALSE(kernels::linear_unsplit_uses_cublaslt(torch::randn({4, 8}).to(torch::kBFloat16), torch::randn({8, 8}).to(torch::kBFloat16)));
+}
+
+TEST_CASE("CUDA: linear_unsplit gives a row the same bits at every batch size, offset and row stride (GLM-4.7-Flash's split-K shapes)") {
+  if (skip_without_cuda_kernels()) return;
+  torch::manual_seed(2);
+  torch::NoGradGuard no_grad;
+  const auto opt = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  for (auto [N, K] : std::vector<std::pair<int64_t, int64_t>>{{2048, 5120}, {2048, 10240}, {576, 2048}}) {
+    CAPTURE(N);
+    CAPTURE(K);
+    auto w = torch::randn({N, K}, opt) / std::sqrt(double(K));
+    auto x = torch::randn({8192, K}, opt);
+    REQUIRE(kernels::linear_unsplit_uses_cublaslt(x, w));
+    const auto ref = kernels::linear_unsplit(x, w);  // [8192, N]
+    // cuBLAS's own GEMM at this many rows does not split either: the same bits.
+    CHECK(same_bits(ref, at::linear(x, w)));
+    int64_t split_rows = 0;  // batch sizes at which cuBLAS's own choice differs (split-K)
+    for (int64_t m : {1, 2, 3, 8, 17, 32, 64, 128, 256, 1024}) {
+      CAPTURE(m);
+      CHECK(same_bits(kernels::linear_unsplit(x.narrow(0, 0, m), w), ref.narrow(0, 0, m)));
+      CHECK(same_bits(kernels::linear_unsplit(x.narrow(0, 8192 - m, m).contiguous(), w), ref.narrow(0, 8192 - m, m)));
+      split_rows += !same_bits(at::linear(x.narrow(0, 0, m), w), ref.narrow(0, 0, m));
+    }
+    // Rows of a wider tensor (row stride 2K) and an odd offset into it.
+    auto wide = torch::randn({40, 2 * K}, opt);
+    auto view = wide.narrow(1, 8, K);
+    CHECK(same_bits(kernels::linear_unsplit(view, w), kernels::linear_unsplit(view.contiguous(), w)));
+    MESSAGE("N " << N << " K " << K << ": cuBLAS's own GEMM differs from the unsplit one at " << split_rows
+                 << " of 10 batch sizes");
+  }
+}
+
+TEST_CASE("CUDA: linear_unsplit in a CUDA graph, and unsplit_linear's gradients are torch's") {
+  if (skip_without_cuda_kernels()) return;
+  torch::manual_seed(3);
+  const auto opt = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  auto w = torch::randn({2048, 5120}, opt) / 70.0;
+  auto x = torch::randn({32, 5120}, opt);
+  torch::Tensor y;
+  {
+    torch::NoGradGuard no_grad;
+    auto pool = kernels::GraphPool::make();
+    kernels::CapturedGraph graph(torch::Device(torch::kCUDA), pool, [&] { y = kernels::linear_unsplit(x, w); });
+    for (int round = 0; round < 2; ++round) {
+      x.copy_(torch::randn_like(x));
+      graph.replay();
+      CHECK(same_bits(y, kernels::linear_unsplit(x, w)));
+    }
+  }
+  auto xa = x.clone().requires_grad_(), wa = w.clone().requires_grad_();
+  auto xb = x.clone().requires_grad_(), wb = w.clone().requires_grad_();
+  auto g = torch::randn({32, 2048}, opt);
+  (model::unsplit_linear(xa, wa) * g).sum().backward();
+  (torch::linear(xb, wb) * g).sum().backward();
+  CHECK(same_bits(xa.grad(), xb.grad()));
+  CHECK(torch::allclose(wa.grad().to(torch::kFloat32), wb.grad().to(torch::kFloat32), 1e-2, 1e-2));
+}
