@@ -210,6 +210,27 @@ int run_gpu_bench(const GpuBenchOptions& o) {
   J["train_rollout_logprob_abs_diff_mean"] = diff_sum / double(std::max<int64_t>(1, diff_n));
   J["train_rollout_logprob_abs_diff_max"] = diff_max;
   J["train_rollout_tokens"] = diff_n;
+  // Two gaps that the train/rollout one contains: the trainer's log-probs at micro-batches of
+  // 1024 tokens against o.tokens' (an op whose bits depend on the rows sharing it), and the
+  // engine's copy of the weights through the trainer's own path (a weight-sync difference).
+  {
+    const auto base = trainer::completion_logprobs(*policy, samples, o.tokens, /*routing_replay=*/true);
+    auto gap_to_base = [&](const std::vector<std::vector<float>>& other, const char* key) {
+      double sum = 0, mx = 0;
+      int64_t n = 0;
+      for (std::size_t i = 0; i < base.size(); ++i)
+        for (std::size_t j = 0; j < base[i].size(); ++j) {
+          const double d = std::abs(double(base[i][j]) - double(other[i][j]));
+          sum += d;
+          mx = std::max(mx, d);
+          ++n;
+        }
+      J[std::string(key) + "_mean"] = sum / double(std::max<int64_t>(1, n));
+      J[std::string(key) + "_max"] = mx;
+    };
+    gap_to_base(trainer::completion_logprobs(*policy, samples, 1024, true), "trainer_microbatch_1024_logprob_abs_diff");
+    gap_to_base(trainer::completion_logprobs(*engine_model, samples, o.tokens, true), "engine_weights_trainer_path_logprob_abs_diff");
+  }
 
   // 3b. The true on-policy mode: the same forward+backward and rollout with the batch-invariant
   // kernels on both sides (policy and engine), and that mode's train/rollout diff.
@@ -299,6 +320,12 @@ int run_gpu_bench(const GpuBenchOptions& o) {
               J["train_rollout_logprob_abs_diff_mean"].get<double>(), diff_max, (long long)diff_n,
               J["train_rollout_logprob_abs_diff_first_token_mean"].get<double>(),
               J["train_rollout_logprob_abs_diff_decode_mean"].get<double>());
+  std::printf("    of which: trainer at micro-batches of 1024 vs %lld tokens: mean %.2e max %.2e; the engine's weights "
+              "through the trainer's path: mean %.2e max %.2e\n",
+              (long long)o.tokens, J["trainer_microbatch_1024_logprob_abs_diff_mean"].get<double>(),
+              J["trainer_microbatch_1024_logprob_abs_diff_max"].get<double>(),
+              J["engine_weights_trainer_path_logprob_abs_diff_mean"].get<double>(),
+              J["engine_weights_trainer_path_logprob_abs_diff_max"].get<double>());
   if (o.true_on_policy) {
     std::printf("  true on-policy mode (batch-invariant kernels, algorithm.true_on_policy):\n");
     std::printf("    forward+backward   %8.3f s  %9.0f tokens/s  (%.2fx the default's time)\n", fb_bi,

@@ -73,7 +73,9 @@ struct Plan {
 bool linear_unsplit_uses_cublaslt(const at::Tensor& x_MK, const at::Tensor& w_NK) {
 #ifdef KILN_CUDA
   const auto t = x_MK.scalar_type();
-  return x_MK.is_cuda() && (t == at::kBFloat16 || t == at::kHalf) && x_MK.size(1) % 8 == 0 && w_NK.size(0) % 8 == 0;
+  const int64_t per16 = t == at::kFloat ? 4 : 8;  // elements in 16 bytes
+  return x_MK.is_cuda() && (t == at::kBFloat16 || t == at::kHalf || t == at::kFloat) && x_MK.size(1) % per16 == 0 &&
+         w_NK.size(0) % per16 == 0;
 #else
   (void)x_MK;
   (void)w_NK;
@@ -85,12 +87,23 @@ at::Tensor linear_unsplit(const at::Tensor& x_MK, const at::Tensor& w_NK) {
   check_inputs(x_MK, w_NK);
   if (!linear_unsplit_uses_cublaslt(x_MK, w_NK) || x_MK.size(0) == 0) return at::linear(x_MK, w_NK);
 #ifdef KILN_CUDA
-  const auto x = x_MK.stride(1) == 1 && x_MK.stride(0) >= x_MK.size(1) && x_MK.stride(0) % 8 == 0 ? x_MK : x_MK.contiguous();
+  // fp32 runs on CUDA cores, where cuBLASLt's kernels for 1-2 rows add a row's products in
+  // another order than its kernels for more rows: fewer than 32 rows are zero-padded to 32 (the
+  // H200 gave the same bits at 32 .. 8192 rows; the router's 32 x 2048 input is 256 KB).
+  constexpr int64_t kMinFp32Rows = 32;
+  if (x_MK.scalar_type() == at::kFloat && x_MK.size(0) < kMinFp32Rows) {
+    auto padded = at::zeros({kMinFp32Rows, x_MK.size(1)}, x_MK.options());
+    padded.narrow(0, 0, x_MK.size(0)).copy_(x_MK);
+    return linear_unsplit(padded, w_NK).narrow(0, 0, x_MK.size(0)).contiguous();
+  }
+  const int64_t per16 = x_MK.scalar_type() == at::kFloat ? 4 : 8;
+  const auto x =
+      x_MK.stride(1) == 1 && x_MK.stride(0) >= x_MK.size(1) && x_MK.stride(0) % per16 == 0 ? x_MK : x_MK.contiguous();
   const auto w = w_NK.contiguous();
   const int64_t M = x.size(0), N = w.size(0), K = x.size(1), ldx = x.stride(0);
   const c10::cuda::CUDAGuard guard(x.device());
   auto y = at::empty({M, N}, x.options());
-  const cudaDataType_t dt = x.scalar_type() == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
+  const cudaDataType_t dt = x.scalar_type() == at::kBFloat16 ? CUDA_R_16BF : x.scalar_type() == at::kHalf ? CUDA_R_16F : CUDA_R_32F;
 
   // Column-major view: y^T [N, M] = (w [N, K] as col-major K x N, transposed) x (x as col-major K x M).
   // One plan (descriptors and the heuristic's algorithm) per shape, row stride and alignment,

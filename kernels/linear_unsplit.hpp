@@ -11,11 +11,12 @@
 // tokens: with the split, a decoded token's hidden state differs from the trainer's in the last
 // bit of every o_proj output, and its log-prob by ~5e-3 (docs/benchmarks.md).
 //
-// CUDA bf16/fp16: cuBLASLt (fp32 accumulation) with the heuristic's reduction schemes masked to
+// CUDA bf16/fp16/fp32: cuBLASLt (fp32 accumulation; fp32 inputs in full fp32, CUBLAS_COMPUTE_32F, never
+// TF32) with the heuristic's reduction schemes masked to
 // CUBLASLT_REDUCTION_SCHEME_NONE (NVIDIA's recommended way to rule out split-K:
 // CUDALibrarySamples issue 243; vLLM's batch-invariant mode on Hopper limits the workspace to
 // the same end), no workspace, the algorithm chosen once per shape and alignment and cached.
-// Elsewhere (CPU, fp32): at::linear (CPU GEMMs do not split K by batch size).
+// Elsewhere (CPU, other dtypes): at::linear (CPU GEMMs do not split K by batch size).
 //
 // Legend: M rows, K reduced dim, N output columns.
 #include <ATen/core/Tensor.h>
@@ -28,8 +29,8 @@ namespace kiln::kernels {
 /// cuBLASLt's status when it finds no algorithm without split-K or fails to run.
 at::Tensor linear_unsplit(const at::Tensor& x_MK, const at::Tensor& w_NK);
 
-/// Whether linear_unsplit runs cuBLASLt for these inputs (CUDA build, CUDA bf16/fp16, K and N
-/// multiples of 8) rather than at::linear.
+/// Whether linear_unsplit runs cuBLASLt for these inputs (CUDA build, CUDA bf16/fp16 with K and N
+/// multiples of 8, or fp32 with K and N multiples of 4) rather than at::linear.
 bool linear_unsplit_uses_cublaslt(const at::Tensor& x_MK, const at::Tensor& w_NK);
 
 }  // namespace kiln::kernels

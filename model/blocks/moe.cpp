@@ -55,7 +55,9 @@ RouteResult TopKRouterImpl::forward(const torch::Tensor& x, const std::optional<
     return route_from_scores(invariant_sigmoid(logits), e_score_correction_bias, o_, given_ids_TK, validate_given,
                              /*batch_invariant=*/true);
   }
-  auto logits = torch::nn::functional::linear(x.to(torch::kFloat32), weight.to(torch::kFloat32));  // [T, E] fp32
+  // fp32 without split-K (cuBLAS splits this [E x D] GEMM at every row count): a token's
+  // routing weights are the same bits in a decode step and in the trainer's micro-batch.
+  auto logits = unsplit_linear(x.to(torch::kFloat32), weight.to(torch::kFloat32));  // [T, E] fp32
   if (!given_ids_TK && o_.n_group == 1 && logits.is_cuda()) {
     // Fused sigmoid + bias + top-k (kernels/moe.hpp) picks the experts. Inference: the weights
     // from the same kernel; training: from the differentiable scores below.

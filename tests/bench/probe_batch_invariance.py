@@ -101,6 +101,35 @@ def probe_attention(gen):
             "decode_batch1_vs_batch32": {"rows_differ": f_one, "max_abs": d_one}}
 
 
+def probe_trainer_ops(gen):
+    """The other GEMMs of the trainer's packed forward: the router's fp32 [64 x 2048] and the
+    log-prob head's bf16 GEMM with fp32 output [154880 x 2048] (lm_logits), and FlashAttention
+    over one document packed with 27 others vs alone."""
+    out = {}
+    w = torch.randn(64, 2048, generator=gen, device="cuda") / 2048 ** 0.5
+    x = torch.randn(BIG_M, 2048, generator=gen, device="cuda")
+    ref = x @ w.t()
+    out["router_fp32"] = {m: dict(zip(("rows_differ", "max_abs"), frac_rows_differ(x[:m] @ w.t(), ref[:m])))
+                          for m in SMALL_M}
+    wh = (torch.randn(154880, 2048, generator=gen, device="cuda") / 2048 ** 0.5).bfloat16()
+    xh = torch.randn(4096, 2048, generator=gen, device="cuda").bfloat16()
+    refh = torch.mm(xh, wh.t(), out_dtype=torch.float32)
+    out["lm_head_fp32_out"] = {m: dict(zip(("rows_differ", "max_abs"),
+                                           frac_rows_differ(torch.mm(xh[:m], wh.t(), out_dtype=torch.float32), refh[:m])))
+                               for m in SMALL_M if m <= 1024}
+    h, d, length, b = 20, 256, 288, 28
+    q = torch.randn(b * length, h, d, generator=gen, device="cuda").bfloat16()
+    k = torch.randn(b * length, h, d, generator=gen, device="cuda").bfloat16()
+    v = torch.randn(b * length, h, d, generator=gen, device="cuda").bfloat16()
+    cu = torch.arange(0, (b + 1) * length, length, dtype=torch.int32, device="cuda")
+    full = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, length, length, 0.0, True, False, scale=0.0625)[0]
+    one = torch.ops.aten._flash_attention_forward(q[-length:].contiguous(), k[-length:].contiguous(), v[-length:].contiguous(),
+                                                  cu[:2], cu[:2], length, length, 0.0, True, False, scale=0.0625)[0]
+    fr, dm = frac_rows_differ(one.flatten(1), full[-length:].flatten(1))
+    out["flash_prefill_alone_vs_packed"] = {"rows_differ": fr, "max_abs": dm}
+    return out
+
+
 def run(variant):
     if variant == "no_reduced_precision_reduction":
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
@@ -111,6 +140,7 @@ def run(variant):
     if variant == "default":
         res["grouped_mm"] = probe_grouped(gen)
         res["flash_attention"] = probe_attention(gen)
+        res["trainer_ops"] = probe_trainer_ops(gen)
     return res
 
 
@@ -125,6 +155,11 @@ def show(res):
                 print("  grouped_mm skipped:", cells)
                 continue
             print(f"  {name:16s} " + " ".join(f"{p}/expert {c['rows_differ']:.2f}" for p, c in cells.items()))
+    for name, cells in res.get("trainer_ops", {}).items():
+        if "rows_differ" in cells:
+            print(f"  {name}: rows differ {cells['rows_differ']:.2f}, max |diff| {cells['max_abs']:.2e}")
+        else:
+            print(f"  {name:16s} " + " ".join(f"M={m}:{c['rows_differ']:.2f}" for m, c in cells.items()))
     if "flash_attention" in res:
         for name, c in res["flash_attention"].items():
             print(f"  flash {name}: rows differ {c['rows_differ']:.2f}, max |diff| {c['max_abs']:.2e}")

@@ -1,8 +1,9 @@
 // kernels::linear_unsplit and model::unsplit_linear: on CPU the value of at::linear and its
 // gradients, and the errors; on a GPU (GLM-4.7-Flash's two projections that cuBLAS splits over
-// K at few rows: o_proj [2048 x 5120], the dense layer's down projection [2048 x 10240]) every
-// row has the same bits whatever the number of rows sharing the call (1 .. 8192), its offset
-// in the batch or the row stride, inside a CUDA graph too, and the backward is torch's.
+// K at few rows: o_proj [2048 x 5120], the dense layer's down projection [2048 x 10240]; the
+// router's fp32 [64 x 2048], which cuBLAS splits at every row count) every row has the same bits
+// whatever the number of rows sharing the call (1 .. 8192), its offset in the batch or the row
+// stride, inside a CUDA graph too, and the backward is torch's.
 #include <doctest/doctest.h>
 #include <torch/torch.h>
 
@@ -69,6 +70,23 @@ TEST_CASE("CUDA: linear_unsplit gives a row the same bits at every batch size, o
     CHECK(same_bits(kernels::linear_unsplit(view, w), kernels::linear_unsplit(view.contiguous(), w)));
     MESSAGE("N " << N << " K " << K << ": cuBLAS's own GEMM differs from the unsplit one at " << split_rows
                  << " of 10 batch sizes");
+  }
+}
+
+TEST_CASE("CUDA: linear_unsplit in fp32 (the router's [64 x 2048]) gives a row the same bits at every batch size, close to at::linear") {
+  if (skip_without_cuda_kernels()) return;
+  torch::manual_seed(4);
+  torch::NoGradGuard no_grad;
+  const auto opt = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kFloat32);
+  auto w = torch::randn({64, 2048}, opt) / std::sqrt(2048.0);
+  auto x = torch::randn({8192, 2048}, opt);
+  REQUIRE(kernels::linear_unsplit_uses_cublaslt(x, w));
+  const auto ref = kernels::linear_unsplit(x, w);
+  CHECK(torch::allclose(ref, at::linear(x, w), 1e-5, 1e-5));
+  CHECK(torch::allclose(ref.cpu(), at::linear(x.cpu(), w.cpu()), 1e-5, 1e-5));  // full fp32, not TF32
+  for (int64_t m : {1, 2, 32, 128, 1024}) {
+    CAPTURE(m);
+    CHECK(same_bits(kernels::linear_unsplit(x.narrow(0, 8192 - m, m).contiguous(), w), ref.narrow(0, 8192 - m, m)));
   }
 }
 
