@@ -85,7 +85,8 @@ bool linear_unsplit_uses_cublaslt(const at::Tensor& x_MK, const at::Tensor& w_NK
 
 at::Tensor linear_unsplit(const at::Tensor& x_MK, const at::Tensor& w_NK) {
   check_inputs(x_MK, w_NK);
-  if (!linear_unsplit_uses_cublaslt(x_MK, w_NK) || x_MK.size(0) == 0) return at::linear(x_MK, w_NK);
+  if (!linear_unsplit_uses_cublaslt(x_MK, w_NK) || x_MK.size(0) == 0 || x_MK.size(1) == 0 || w_NK.size(0) == 0)
+    return at::linear(x_MK, w_NK);
 #ifdef KILN_CUDA
   // fp32 runs on CUDA cores, where cuBLASLt's kernels for 1-2 rows add a row's products in
   // another order than its kernels for more rows: fewer than 32 rows are zero-padded to 32 (the
@@ -97,10 +98,14 @@ at::Tensor linear_unsplit(const at::Tensor& x_MK, const at::Tensor& w_NK) {
     return linear_unsplit(padded, w_NK).narrow(0, 0, x_MK.size(0)).contiguous();
   }
   const int64_t per16 = x_MK.scalar_type() == at::kFloat ? 4 : 8;
-  const auto x =
-      x_MK.stride(1) == 1 && x_MK.stride(0) >= x_MK.size(1) && x_MK.stride(0) % per16 == 0 ? x_MK : x_MK.contiguous();
-  const auto w = w_NK.contiguous();
-  const int64_t M = x.size(0), N = w.size(0), K = x.size(1), ldx = x.stride(0);
+  // Rows with unit column stride, a row stride of whole 16-byte units and a 16-byte aligned start
+  // are read in place; anything else is copied first (clone: contiguous() keeps a 1-row view).
+  const bool in_place = x_MK.stride(1) == 1 && (x_MK.size(0) == 1 || (x_MK.stride(0) >= x_MK.size(1) &&
+                                                                      x_MK.stride(0) % per16 == 0)) &&
+                        alignment_of(x_MK.data_ptr()) >= 16;
+  const auto x = in_place ? x_MK : x_MK.clone(at::MemoryFormat::Contiguous);
+  const auto w = w_NK.is_contiguous() && alignment_of(w_NK.data_ptr()) >= 16 ? w_NK : w_NK.clone(at::MemoryFormat::Contiguous);
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1), ldx = M == 1 ? K : x.stride(0);
   const c10::cuda::CUDAGuard guard(x.device());
   auto y = at::empty({M, N}, x.options());
   const cudaDataType_t dt = x.scalar_type() == at::kBFloat16 ? CUDA_R_16BF : x.scalar_type() == at::kHalf ? CUDA_R_16F : CUDA_R_32F;
@@ -110,15 +115,20 @@ at::Tensor linear_unsplit(const at::Tensor& x_MK, const at::Tensor& w_NK) {
   // made on first use and kept: a call then costs one cublasLtMatmul.
   const Key key{x.device().index(), int(dt), M, N, K, ldx, alignment_of(x.data_ptr()), alignment_of(w.data_ptr()),
                 alignment_of(y.data_ptr())};
-  static std::mutex mu;
-  static std::map<Key, std::unique_ptr<Plan>> plans;
+  // Never destroyed (a thread may still call in while statics are torn down at exit); at most
+  // kMaxPlans kept (the row count is in the key: cached keys grow every decode step), then
+  // dropped all at once (a plan in use stays alive through its shared_ptr).
+  constexpr std::size_t kMaxPlans = 4096;
+  static auto* mu = new std::mutex;
+  static auto* plans = new std::map<Key, std::shared_ptr<Plan>>;
   auto handle = at::cuda::getCurrentCUDABlasLtHandle();
-  Plan* plan = nullptr;
+  std::shared_ptr<Plan> plan;
   {
-    const std::lock_guard<std::mutex> lock(mu);
-    auto& slot = plans[key];
+    const std::lock_guard<std::mutex> lock(*mu);
+    if (plans->size() >= kMaxPlans && !plans->count(key)) plans->clear();
+    auto& slot = (*plans)[key];
     if (!slot) {
-      auto p = std::make_unique<Plan>();
+      auto p = std::make_shared<Plan>();
       auto& d = p->d;
       check_lt(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
       const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
@@ -147,7 +157,7 @@ at::Tensor linear_unsplit(const at::Tensor& x_MK, const at::Tensor& w_NK) {
       p->algo = result.algo;
       slot = std::move(p);
     }
-    plan = slot.get();  // plans are never erased: the pointer stays valid
+    plan = slot;
   }
   const auto& d = plan->d;
   const float alpha = 1.0f, beta = 0.0f;

@@ -3,10 +3,11 @@
 //
 // Why: cuBLAS's heuristics split the reduction over K (split-K) for GEMMs of few rows and a
 // long K, and the split changes the order in which a row's products are added. On the H200
-// that is the only way a row of torch.mm's result depends on how many rows share the call, at
+// that is how a row of torch.mm's result comes to depend on how many rows share the call, at
 // GLM-4.7-Flash's shapes (tests/bench/probe_batch_invariance.py: o_proj [2048 x 5120] splits at
-// M < 256, the dense layer's down projection [2048 x 10240] at M < 1024; every other
-// projection, torch._grouped_mm and FlashAttention varlen give the same bits at every M). A
+// M < 256, the dense layer's down projection [2048 x 10240] at M < 1024, the router's fp32
+// [64 x 2048] at every M; the other bf16 projections, torch._grouped_mm and FlashAttention
+// varlen give the same bits at every M). A
 // rollout decode step runs those GEMMs at M = its batch, the trainer at M = its micro-batch's
 // tokens: with the split, a decoded token's hidden state differs from the trainer's in the last
 // bit of every o_proj output, and its log-prob by ~5e-3 (docs/benchmarks.md).

@@ -53,11 +53,13 @@ torch::Tensor apply_rope_cached(const torch::Tensor& x, const torch::Tensor& pos
                                 double theta, bool interleaved);
 
 /// A projection without split-K: x [..., K], w [N, K] -> [..., N], the value of torch's
-/// linear (no bias), its forward by kernels::linear_unsplit (on CUDA in bf16/fp16 cuBLASLt with
-/// each output summed over K in one pass; elsewhere at::linear) and its backward by torch's mm.
+/// linear (no bias), its forward by kernels::linear_unsplit (on CUDA in bf16/fp16/fp32 cuBLASLt
+/// with each output summed over K in one pass; elsewhere at::linear) and its backward by torch's
+/// mm.
 /// A token's output then has the same bits whether it rides in a decode step of a few rows or
 /// in the trainer's micro-batch of thousands (kernels/linear_unsplit.hpp says why cuBLAS's own
-/// choice does not): MLA's projections and the SwiGLU MLPs use it in the default mode.
+/// choice does not): MLA's projections, the SwiGLU MLPs and the MoE router's fp32 logits use it
+/// in the default mode.
 torch::Tensor unsplit_linear(const torch::Tensor& x, const torch::Tensor& w);
 
 /// SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x)). x: [T, D] -> [T, D].

@@ -58,7 +58,7 @@ TEST_CASE("CUDA: linear_unsplit gives a row the same bits at every batch size, o
     // cuBLAS's own GEMM at this many rows does not split either: the same bits.
     CHECK(same_bits(ref, at::linear(x, w)));
     int64_t split_rows = 0;  // batch sizes at which cuBLAS's own choice differs (split-K)
-    for (int64_t m : {1, 2, 3, 8, 17, 32, 64, 128, 256, 1024}) {
+    for (int64_t m : {1, 2, 3, 8, 17, 32, 64, 128, 256, 1000, 1024, 4097}) {
       CAPTURE(m);
       CHECK(same_bits(kernels::linear_unsplit(x.narrow(0, 0, m), w), ref.narrow(0, 0, m)));
       CHECK(same_bits(kernels::linear_unsplit(x.narrow(0, 8192 - m, m).contiguous(), w), ref.narrow(0, 8192 - m, m)));
@@ -68,8 +68,10 @@ TEST_CASE("CUDA: linear_unsplit gives a row the same bits at every batch size, o
     auto wide = torch::randn({40, 2 * K}, opt);
     auto view = wide.narrow(1, 8, K);
     CHECK(same_bits(kernels::linear_unsplit(view, w), kernels::linear_unsplit(view.contiguous(), w)));
+    auto odd = wide.narrow(1, 1, K);  // 2 bytes past a 16-byte boundary: copied, not refused
+    CHECK(same_bits(kernels::linear_unsplit(odd, w), kernels::linear_unsplit(odd.contiguous(), w)));
     MESSAGE("N " << N << " K " << K << ": cuBLAS's own GEMM differs from the unsplit one at " << split_rows
-                 << " of 10 batch sizes");
+                 << " of 12 batch sizes");
   }
 }
 
