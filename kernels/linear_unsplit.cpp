@@ -89,8 +89,8 @@ at::Tensor linear_unsplit(const at::Tensor& x_MK, const at::Tensor& w_NK) {
     return at::linear(x_MK, w_NK);
 #ifdef KILN_CUDA
   // fp32 runs on CUDA cores, where cuBLASLt's kernels for 1-2 rows add a row's products in
-  // another order than its kernels for more rows: fewer than 32 rows are zero-padded to 32 (the
-  // H200 gave the same bits at 32 .. 8192 rows; the router's 32 x 2048 input is 256 KB).
+  // another order than its kernels for more rows: fewer than 32 rows are zero-padded to 32 (on
+  // the H200, 32, 128 and 1024 rows gave 8192 rows' bits; the router's 32 x 2048 input is 256 KB).
   constexpr int64_t kMinFp32Rows = 32;
   if (x_MK.scalar_type() == at::kFloat && x_MK.size(0) < kMinFp32Rows) {
     auto padded = at::zeros({kMinFp32Rows, x_MK.size(1)}, x_MK.options());
