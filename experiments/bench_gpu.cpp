@@ -24,6 +24,28 @@
 
 namespace kiln::experiments {
 
+namespace {
+// |a - b| over per-sample log-prob lists of the same lengths: sum, max, count, and the sum over
+// each sample's first token (sampled from the prefill step, large GEMMs like training's).
+struct Gap {
+  double sum = 0, max = 0, first_sum = 0;
+  int64_t n = 0;
+};
+
+Gap logprob_gap(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
+  Gap g;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    for (std::size_t j = 0; j < a[i].size(); ++j) {
+      const double d = std::abs(double(a[i][j]) - double(b[i][j]));
+      g.sum += d;
+      g.max = std::max(g.max, d);
+      ++g.n;
+      if (j == 0) g.first_sum += d;
+    }
+  return g;
+}
+}  // namespace
+
 int run_gpu_bench(const GpuBenchOptions& o) {
   if (int bad = check_cuda_and_packing("gpu", o.tokens, o.docs, 2)) return bad;
   const torch::Device dev(torch::kCUDA, 0);
@@ -178,23 +200,11 @@ int run_gpu_bench(const GpuBenchOptions& o) {
     }
     return out;
   };
-  // |trainer - rollout| log-prob over the samples' tokens: sum, max, count, first tokens' sum.
-  struct Gap {
-    double sum = 0, max = 0, first_sum = 0;
-    int64_t n = 0;
-  };
+  // |trainer - rollout| log-prob over the samples' tokens (sampled_gap).
   auto gap_of = [&](const std::vector<trainer::Sample>& ss) {
-    auto train_lp = trainer::completion_logprobs(*policy, ss, o.tokens, /*routing_replay=*/true);
-    Gap g;
-    for (std::size_t i = 0; i < ss.size(); ++i)
-      for (std::size_t j = 0; j < train_lp[i].size(); ++j) {
-        const double d = std::abs(double(train_lp[i][j]) - double(ss[i].behavior_logprobs[j]));
-        g.sum += d;
-        g.max = std::max(g.max, d);
-        ++g.n;
-        if (j == 0) g.first_sum += d;  // sampled from the prefill step (large GEMMs, like training's)
-      }
-    return g;
+    std::vector<std::vector<float>> behavior;
+    for (const auto& s : ss) behavior.push_back(s.behavior_logprobs);
+    return logprob_gap(trainer::completion_logprobs(*policy, ss, o.tokens, /*routing_replay=*/true), behavior);
   };
   double rollout_s = 0;
   int64_t gen_tokens = 0;
@@ -216,17 +226,9 @@ int run_gpu_bench(const GpuBenchOptions& o) {
   {
     const auto base = trainer::completion_logprobs(*policy, samples, o.tokens, /*routing_replay=*/true);
     auto gap_to_base = [&](const std::vector<std::vector<float>>& other, const char* key) {
-      double sum = 0, mx = 0;
-      int64_t n = 0;
-      for (std::size_t i = 0; i < base.size(); ++i)
-        for (std::size_t j = 0; j < base[i].size(); ++j) {
-          const double d = std::abs(double(base[i][j]) - double(other[i][j]));
-          sum += d;
-          mx = std::max(mx, d);
-          ++n;
-        }
-      J[std::string(key) + "_mean"] = sum / double(std::max<int64_t>(1, n));
-      J[std::string(key) + "_max"] = mx;
+      const Gap g = logprob_gap(base, other);
+      J[std::string(key) + "_mean"] = g.sum / double(std::max<int64_t>(1, g.n));
+      J[std::string(key) + "_max"] = g.max;
     };
     gap_to_base(trainer::completion_logprobs(*policy, samples, 1024, true), "trainer_microbatch_1024_logprob_abs_diff");
     gap_to_base(trainer::completion_logprobs(*engine_model, samples, o.tokens, true), "engine_weights_trainer_path_logprob_abs_diff");
