@@ -114,6 +114,7 @@ torch::Tensor unsplit_linear(const torch::Tensor& x, const torch::Tensor& w) {
   if (x.dim() < 1 || x.size(-1) != K)
     throw std::invalid_argument("unsplit_linear: x's last dim must be w's K = " + std::to_string(K) + ", got x " +
                                 c10::str(x.sizes()));
+  if (!x.is_cuda()) return torch::linear(x, w);
   auto x2 = x.reshape({-1, K});
   if (!kernels::linear_unsplit_uses_cublaslt(x2, w)) return torch::linear(x, w);
   auto out_shape = x.sizes().vec();
