@@ -86,7 +86,11 @@ std::pair<at::Tensor, at::Tensor> router_topk_weights_ref(const at::Tensor& logi
                                                           bool norm_topk_prob, double routed_scaling_factor) {
   auto ids = router_topk_ref(logits, bias, k);
   auto w = logits.to(torch::kFloat32).sigmoid().gather(1, ids);  // [T, K]
-  if (norm_topk_prob) w = w / (w.sum(-1, true) + 1e-20);
+  if (norm_topk_prob) {  // over k in k order, as the kernel (and model::route_from_scores)
+    auto sum = w.narrow(1, 0, 1);
+    for (int64_t j = 1; j < k; ++j) sum = sum + w.narrow(1, j, 1);
+    w = w / (sum + 1e-20);
+  }
   return {ids, w * routed_scaling_factor};
 }
 

@@ -26,8 +26,7 @@
 // router_topk_weights (inference, no autograd): router_topk's ids and the weights of
 // model::route_from_scores: w[t, k] = sigmoid(logits[t, ids[t, k]]), divided by (their sum over
 // k + 1e-20) when norm_topk_prob, times routed_scaling_factor -> (ids [T, K] int64, weights
-// [T, K] fp32). The CUDA kernel sums over k in k order; the reference with LibTorch's sum
-// (equal to the rounding of that sum).
+// [T, K] fp32). Kernel and reference both sum over k in k order: the same bits.
 // Throws c10::Error on shape or dtype mismatch.
 #include <ATen/core/Tensor.h>
 

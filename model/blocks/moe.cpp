@@ -10,7 +10,7 @@
 namespace kiln::model {
 
 RouteResult route_from_scores(const torch::Tensor& scores_TE, const torch::Tensor& bias_E, const RouterOptions& o,
-                              const std::optional<torch::Tensor>& given_ids_TK, bool validate, bool batch_invariant) {
+                              const std::optional<torch::Tensor>& given_ids_TK, bool validate) {
   const int64_t T = scores_TE.size(0), E = o.num_experts, K = o.top_k;
   torch::Tensor ids;
   if (given_ids_TK) {
@@ -33,12 +33,13 @@ RouteResult route_from_scores(const torch::Tensor& scores_TE, const torch::Tenso
     ids = std::get<1>(choice.topk(K, -1, /*largest=*/true, /*sorted=*/true));  // [T, K]
   }
   auto w = scores_TE.gather(1, ids);  // [T, K] unbiased scores: gradients reach the router
-  if (o.norm_topk_prob && batch_invariant) {
+  if (o.norm_topk_prob) {
+    // Slot order k = 0, 1, ... (elementwise adds), as kernels::router_topk_weights sums: a
+    // reduction's order over the K terms is torch's, and one flipped last bit of a routing
+    // weight was the default mode's whole train/rollout gap under routing replay.
     auto sum = w.narrow(1, 0, 1);  // [T, 1], then + slot 1, + slot 2, ...
     for (int64_t k = 1; k < K; ++k) sum = sum + w.narrow(1, k, 1);
     w = w / (sum + 1e-20);
-  } else if (o.norm_topk_prob) {
-    w = w / (w.sum(-1, true) + 1e-20);
   }
   return RouteResult{ids, w * o.routed_scaling_factor};
 }
@@ -52,8 +53,7 @@ RouteResult TopKRouterImpl::forward(const torch::Tensor& x, const std::optional<
                                     bool validate_given) {
   if (batch_invariant_) {
     auto logits = invariant_linear(x.to(torch::kFloat32), weight.to(torch::kFloat32));  // [T, E] fp32
-    return route_from_scores(invariant_sigmoid(logits), e_score_correction_bias, o_, given_ids_TK, validate_given,
-                             /*batch_invariant=*/true);
+    return route_from_scores(invariant_sigmoid(logits), e_score_correction_bias, o_, given_ids_TK, validate_given);
   }
   // fp32 without split-K (cuBLAS splits this [E x D] GEMM at every row count): a token's
   // routing weights are the same bits in a decode step and in the trainer's micro-batch.

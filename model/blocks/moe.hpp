@@ -40,19 +40,17 @@ struct RouteResult {
 /// bias_E: [E] fp32 score-correction bias. The bias is added (in fp32) only to choose experts,
 /// group-limited (group score = sum of its top-2 biased scores; keep topk_group groups);
 /// weights are the unbiased scores of the chosen experts, normalised to sum 1 if
-/// norm_topk_prob (denominator + 1e-20), times routed_scaling_factor.
+/// norm_topk_prob (denominator + 1e-20), times routed_scaling_factor. The normalising sum runs
+/// in slot order k = 0, 1, ... (elementwise adds, not a reduction whose order is torch's): the
+/// same bits as the engine's kernels::router_topk_weights, whatever T.
 /// given_ids_TK: routing replay: use these experts instead of choosing; weights as above.
 /// validate: check given ids lie in [0, E) (a host read; skipped for kernel-made ids).
-/// batch_invariant: the normalising sum over K runs in slot order k = 0, 1, ... (elementwise
-/// adds), not as a reduction whose order may depend on T (the true on-policy mode).
 RouteResult route_from_scores(const torch::Tensor& scores_TE, const torch::Tensor& bias_E, const RouterOptions& o,
-                              const std::optional<torch::Tensor>& given_ids_TK = std::nullopt, bool validate = true,
-                              bool batch_invariant = false);
+                              const std::optional<torch::Tensor>& given_ids_TK = std::nullopt, bool validate = true);
 
 /// Step 1, route. Parameters: weight [E, D] (model dtype), e_score_correction_bias [E], kept
 /// fp32 whatever the model dtype (see Glm4MoeLiteModelImpl::to_dtype). With
-/// set_batch_invariant(true): fp32 logits by invariant_linear, scores by invariant_sigmoid, the
-/// weights normalised in slot order (route_from_scores' batch_invariant).
+/// set_batch_invariant(true): fp32 logits by invariant_linear, scores by invariant_sigmoid.
 class TopKRouterImpl : public torch::nn::Module, public BatchInvariantSwitch {
  public:
   explicit TopKRouterImpl(const RouterOptions& o);

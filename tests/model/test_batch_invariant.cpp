@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include "kernels/batch_invariant.hpp"
+#include "kernels/moe.hpp"
 #include "model/blocks/batch_invariant.hpp"
 #include "model/blocks/moe.hpp"
 
@@ -56,15 +57,24 @@ TEST_CASE("invariant_forward gives the invariant value with the reference's grad
   CHECK(torch::allclose(gl[1], wl[1], 1e-5, 1e-6));
 }
 
-TEST_CASE("MoE dispatch and combine by gathers equal index_select and index_add in values and gradients and the mode's slot-order sum is exact") {
+TEST_CASE("MoE dispatch and combine by gathers equal index_select and index_add in values and gradients, routing weights are summed in slot order as the engine's, and the mode's slot-order combine is exact") {
   torch::manual_seed(2);
   const int64_t T = 11, E = 6, K = 3, D = 5;
   auto scores = torch::rand({T, E});
   RouterOptions o{D, E, K, 1, 1, true, 1.8};
   auto r = route_from_scores(scores, torch::zeros({E}), o);
-  auto r_inv = route_from_scores(scores, torch::zeros({E}), o, std::nullopt, true, /*batch_invariant=*/true);
-  CHECK(torch::equal(r.expert_ids, r_inv.expert_ids));
-  CHECK(torch::allclose(r.weights, r_inv.weights, 1e-6, 1e-7));
+  // The routing weights: the K scores summed in slot order, the same bits as the engine's
+  // kernels::router_topk_weights (whose reference is that formula) from the same logits.
+  for (int64_t t : {int64_t(0), T - 1}) {
+    auto sum = scores[t][r.expert_ids[t][0]];
+    for (int64_t k = 1; k < K; ++k) sum = sum + scores[t][r.expert_ids[t][k]];
+    for (int64_t k = 0; k < K; ++k)
+      CHECK(torch::equal(r.weights[t][k], scores[t][r.expert_ids[t][k]] / (sum + 1e-20) * 1.8));
+  }
+  auto logits = torch::logit(scores);
+  auto [ids_engine, w_engine] = kiln::kernels::router_topk_weights_ref(logits, torch::zeros({E}), K, true, 1.8);
+  auto r_replay = route_from_scores(logits.sigmoid(), torch::zeros({E}), o, ids_engine);
+  CHECK(torch::equal(r_replay.weights, w_engine));
   auto x = torch::randn({T, D}, torch::requires_grad());
   auto rows = torch::randn({T * K, D}, torch::requires_grad());
   auto d = dispatch(x, r, E);
