@@ -28,7 +28,10 @@
 // block's keys in order, a key entering a row only if it is within the row's causal limit.
 // A decode query (one row of its CTA) and the same token among a training pack's queries run
 // this same sequence on the same values.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>

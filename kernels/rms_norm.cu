@@ -1,5 +1,7 @@
 // Fused RMSNorm kernels: one block per row, fp32 accumulation, warp-shuffle reductions.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/sum.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 

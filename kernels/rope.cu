@@ -1,7 +1,7 @@
 // RoPE rotation by cos/sin tables (kernels/rope.hpp): one thread per (token, head, pair), the
 // token's row of the tables read by position. Each product and each sum rounded to the dtype
 // with the _rn intrinsics (no fused multiply-add), as LibTorch's mul, sub and add compute them.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>

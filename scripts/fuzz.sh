@@ -24,7 +24,7 @@ export CCACHE_DIR="${CCACHE_DIR:-${KILN_CACHE:-$HOME/.cache/kiln}/ccache}"
 export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$ROOT}" CCACHE_NOHASHDIR="${CCACHE_NOHASHDIR:-1}"
 cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER="$CXX" \
   -DCMAKE_C_COMPILER="$CC" -DKILN_WITH_TORCH=OFF -DKILN_FUZZ=ON >&2
-cmake --build "$BUILD" -j"$(nproc)" --target "${HARNESSES[@]/#/kiln_fuzz_}" >&2
+cmake --build "$BUILD" -j"$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)" --target "${HARNESSES[@]/#/kiln_fuzz_}" >&2
 
 printf '%-18s %10s %10s  %s\n' harness inputs exec/s result
 # The harnesses write each input to a scratch file (the readers take paths): tmpfs, not disk.

@@ -57,5 +57,5 @@ targets=(); for t in ${KILN_BUILD_TARGETS:-}; do targets+=(--target "$t"); done
 # The build runs test executables too (doctest's test discovery): they need the same libraries.
 # shellcheck source=/dev/null
 source "$PREFIX/env.sh"
-cmake --build "$BUILD" -j"$(nproc)" "${targets[@]}" >&2
+cmake --build "$BUILD" -j"$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)" "${targets[@]}" >&2
 echo "$BUILD"
