@@ -82,15 +82,17 @@ at::Tensor router_topk_ref(const at::Tensor& logits, const at::Tensor& bias, int
   return std::get<1>(choice.topk(k, -1, /*largest=*/true, /*sorted=*/true));
 }
 
+at::Tensor sum_in_slot_order(const at::Tensor& w) {
+  auto sum = w.narrow(1, 0, 1);  // [T, 1], then + slot 1, + slot 2, ...
+  for (int64_t k = 1; k < w.size(1); ++k) sum = sum + w.narrow(1, k, 1);
+  return sum;
+}
+
 std::pair<at::Tensor, at::Tensor> router_topk_weights_ref(const at::Tensor& logits, const at::Tensor& bias, int64_t k,
                                                           bool norm_topk_prob, double routed_scaling_factor) {
   auto ids = router_topk_ref(logits, bias, k);
   auto w = logits.to(torch::kFloat32).sigmoid().gather(1, ids);  // [T, K]
-  if (norm_topk_prob) {  // over k in k order, as the kernel (and model::route_from_scores)
-    auto sum = w.narrow(1, 0, 1);
-    for (int64_t j = 1; j < k; ++j) sum = sum + w.narrow(1, j, 1);
-    w = w / (sum + 1e-20);
-  }
+  if (norm_topk_prob) w = w / (sum_in_slot_order(w) + 1e-20);  // k order, as the kernel
   return {ids, w * routed_scaling_factor};
 }
 

@@ -26,7 +26,9 @@
 // router_topk_weights (inference, no autograd): router_topk's ids and the weights of
 // model::route_from_scores: w[t, k] = sigmoid(logits[t, ids[t, k]]), divided by (their sum over
 // k + 1e-20) when norm_topk_prob, times routed_scaling_factor -> (ids [T, K] int64, weights
-// [T, K] fp32). Kernel and reference both sum over k in k order: the same bits.
+// [T, K] fp32). Kernel and reference both sum over k in k order (sum_in_slot_order): the same bits.
+// sum_in_slot_order: w [T, K] -> [T, 1], w[:, 0] + w[:, 1] + ... added left to right
+// (elementwise, differentiable), not by a reduction whose order over K is LibTorch's.
 // Throws c10::Error on shape or dtype mismatch.
 #include <ATen/core/Tensor.h>
 
@@ -45,6 +47,7 @@ bool grouped_swiglu_uses_grouped_mm(const at::Tensor& x, const at::Tensor& w_gat
 
 at::Tensor router_topk(const at::Tensor& logits_TE, const at::Tensor& bias_E, int64_t k);
 at::Tensor router_topk_ref(const at::Tensor& logits_TE, const at::Tensor& bias_E, int64_t k);
+at::Tensor sum_in_slot_order(const at::Tensor& w_TK);
 std::pair<at::Tensor, at::Tensor> router_topk_weights(const at::Tensor& logits_TE, const at::Tensor& bias_E,
                                                       int64_t k, bool norm_topk_prob, double routed_scaling_factor);
 std::pair<at::Tensor, at::Tensor> router_topk_weights_ref(const at::Tensor& logits_TE, const at::Tensor& bias_E,

@@ -33,14 +33,9 @@ RouteResult route_from_scores(const torch::Tensor& scores_TE, const torch::Tenso
     ids = std::get<1>(choice.topk(K, -1, /*largest=*/true, /*sorted=*/true));  // [T, K]
   }
   auto w = scores_TE.gather(1, ids);  // [T, K] unbiased scores: gradients reach the router
-  if (o.norm_topk_prob) {
-    // Slot order k = 0, 1, ... (elementwise adds), as kernels::router_topk_weights sums: a
-    // reduction's order over the K terms is torch's, and one flipped last bit of a routing
-    // weight was the default mode's whole train/rollout gap under routing replay.
-    auto sum = w.narrow(1, 0, 1);  // [T, 1], then + slot 1, + slot 2, ...
-    for (int64_t k = 1; k < K; ++k) sum = sum + w.narrow(1, k, 1);
-    w = w / (sum + 1e-20);
-  }
+  // Slot order, as kernels::router_topk_weights sums: one flipped last bit of a routing weight
+  // was the default mode's whole train/rollout gap under routing replay.
+  if (o.norm_topk_prob) w = w / (kernels::sum_in_slot_order(w) + 1e-20);
   return RouteResult{ids, w * o.routed_scaling_factor};
 }
 
