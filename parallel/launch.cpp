@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <charconv>
+#include <fstream>
+#include <random>
 #include <cstdlib>
 #include <stdexcept>
 
@@ -258,18 +260,48 @@ LaunchInfo read_launch_from_environment() {
   });
 }
 
-int free_loopback_port() {
+namespace {
+
+// Binds a TCP socket on 127.0.0.1 at `port` (0: the kernel picks) and returns the port bound,
+// or -1 when it is taken.
+int bind_loopback(int port) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) throw std::runtime_error("cannot open a socket to find a free TCP port");
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(port));
   socklen_t len = sizeof a;
   const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
                   ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
   ::close(fd);
-  if (!ok) throw std::runtime_error("cannot find a free TCP port on 127.0.0.1");
-  return ntohs(a.sin_port);
+  return ok ? ntohs(a.sin_port) : -1;
+}
+
+// The lowest port the kernel hands out to outgoing connections (ip_local_port_range).
+int ephemeral_port_low() {
+  std::ifstream f("/proc/sys/net/ipv4/ip_local_port_range");
+  int low = 0;
+  return (f >> low) && low > 0 ? low : 32768;  // Linux's default
+}
+
+}  // namespace
+
+int free_loopback_port() {
+  // The kernel's own choice (port 0) comes from the range it also gives every connect(), so a
+  // connection elsewhere can take it before the store binds it (EADDRINUSE at rendezvous, seen
+  // under ctest -j). Draw from below that range instead and check the port is free.
+  constexpr int kLowest = 15000;  // above the ports services commonly listen on
+  const int highest = ephemeral_port_low() - 1;
+  if (highest - kLowest >= 1000) {
+    std::mt19937 rng(std::random_device{}());
+    std::uniform_int_distribution<int> pick(kLowest, highest);
+    for (int attempt = 0; attempt < 200; ++attempt)
+      if (const int port = bind_loopback(pick(rng)); port > 0) return port;
+  }
+  const int port = bind_loopback(0);  // a narrow or exhausted range: the kernel's choice
+  if (port <= 0) throw std::runtime_error("cannot find a free TCP port on 127.0.0.1");
+  return port;
 }
 
 }  // namespace kiln::parallel

@@ -56,8 +56,11 @@ LaunchInfo read_launch(const EnvLookup& env);
 /// read_launch over this process's environment (getenv).
 LaunchInfo read_launch_from_environment();
 
-/// A TCP port on 127.0.0.1 that was free a moment ago (for a store this process serves next).
-/// Throws std::runtime_error when the system hands out none.
+/// A TCP port on 127.0.0.1 that was free a moment ago (for a store this process serves next),
+/// drawn at random from 15000 up to below the kernel's ephemeral range (ip_local_port_range):
+/// a port from that range can be taken by any process's outgoing connection before the store
+/// binds it. Falls back to the kernel's choice when the range below is narrower than 1000
+/// ports or 200 draws are taken. Throws std::runtime_error when the system hands out none.
 int free_loopback_port();
 
 /// Expands a Slurm host list: "gpu[01-03,07],cpu5" -> gpu01 gpu02 gpu03 gpu07 cpu5. Keeps the

@@ -19,7 +19,10 @@
 5. parallel.dp = 3 under a launch of 2 ranks, and placement.trainer = "process" with dp 2, are
    refused by name.
 Usage: check_data_parallel.py PATH_TO_KILN WORK_DIR PATH_TO_TORCHRUN. Prints "N passed, M failed"."""
-import json, os, shutil, signal, socket, subprocess, sys, time
+import json, os, shutil, signal, subprocess, sys, time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from loopback_port import free_port  # noqa: E402
 
 kiln, work, torchrun = sys.argv[1], sys.argv[2], sys.argv[3]
 shutil.rmtree(work, ignore_errors=True)
@@ -86,10 +89,7 @@ if all(ok for ok, _ in checks):
 if not os.path.exists(torchrun):
     print(f"KILN_TEST_SKIPPED: no torchrun at {torchrun}")
     sys.exit(0)
-s = socket.socket()
-s.bind(("127.0.0.1", 0))
-port = s.getsockname()[1]
-s.close()
+port = free_port()
 agents = []
 for node in range(2):
     log = open(f"{work}/torchrun_node{node}.log", "w+")

@@ -2,13 +2,16 @@
 torch.distributed: SGLang's init_custom_process_group (the group's store keys as torch lays them
 out) and the update protocol (the request in flight while rank 0 broadcasts each tensor in
 order). Shared by check_serve_distributed.py (Gloo) and check_serve_nccl.py."""
-import socket, threading
+import os, sys, threading
 from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
 from serve_util import http
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from loopback_port import free_port  # noqa: E402,F401  (check_serve_*.py import it from here)
 
 
 def init_custom_process_group(address, port, world, rank, group_name, backend="gloo"):
@@ -20,12 +23,6 @@ def init_custom_process_group(address, port, world, rank, group_name, backend="g
     pg, _ = _new_process_group_helper(world, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world)}
     return pg
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def in_thread(fn):

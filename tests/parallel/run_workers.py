@@ -17,15 +17,12 @@
         two torchrun agents (--nnodes 2 --node-rank 0|1 --nproc-per-node 2, c10d rendezvous on
         loopback) run the collectives scenario; prints KILN_TEST_SKIPPED when PATH is absent.
 """
-import argparse, os, signal, socket, subprocess, sys, tempfile, time
+import argparse, os, signal, subprocess, sys, tempfile, time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from loopback_port import free_port  # noqa: E402
 
 DEADLINE_S = 30.0
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def base_env():

@@ -4,7 +4,14 @@
 
 #include <doctest/doctest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <fstream>
 #include <map>
+#include <set>
 #include <stdexcept>
 
 using namespace kiln::parallel;
@@ -206,4 +213,28 @@ TEST_CASE("launch: a single process is world 1 and a WORLD_SIZE or LOCAL_RANK wi
         "launch: WORLD_SIZE='4' (single-process environment) is set but RANK is not: set RANK too, or launch with torchrun");
   CHECK(refusal({{"LOCAL_RANK", "2"}}).find("LOCAL_RANK='2' (single-process environment) is set but RANK is not") !=
         std::string::npos);
+}
+
+TEST_CASE("launch: free_loopback_port gives distinct ports below the kernel's ephemeral range that a listener binds") {
+  int ephemeral_low = 32768;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> ephemeral_low;
+  std::set<int> seen;
+  for (int i = 0; i < 20; ++i) {
+    const int port = free_loopback_port();
+    if (ephemeral_low - 15000 >= 1000) {
+      CHECK(port >= 15000);
+      CHECK(port < ephemeral_low);
+    }
+    seen.insert(port);
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    REQUIRE(fd >= 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    CHECK(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+    CHECK(::listen(fd, 1) == 0);
+    ::close(fd);
+  }
+  CHECK(seen.size() >= 15);  // random draws, not one port handed out again and again
 }
