@@ -12,6 +12,7 @@
 
 #ifdef KILN_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <cuda_profiler_api.h>
 #endif
 
 #include "actors/rollout/engine.hpp"
@@ -100,6 +101,19 @@ int run_gpu_bench(const GpuBenchOptions& o) {
   J["peak_memory_gib"] = fb_peak;
   J["model_tflop_per_step"] = flops / 1e12;
   policy->zero_grad();
+  if (o.profile) {  // ncu --profile-from-start off: one forward+backward, then stop
+#ifdef KILN_CUDA
+    torch::cuda::synchronize();
+    cudaProfilerStart();
+    forward_backward();
+    torch::cuda::synchronize();
+    cudaProfilerStop();
+#endif
+    std::printf("kiln bench gpu --profile: %lld layers, %lld tokens in %lld documents: forward+backward %.4f s "
+                "(median, unprofiled), %.0f tokens/s; profiled one more\n",
+                (long long)o.layers, (long long)o.tokens, (long long)o.docs, fb, double(o.tokens) / fb);
+    return 0;
+  }
   // The same with activation checkpointing per layer (algorithm.activation_checkpointing): the
   // speed/memory trade, MFU still counted on the model's 3x forward FLOPs (not the recompute).
   double fb_ckpt = 0, fb_ckpt_peak = 0;

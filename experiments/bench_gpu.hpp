@@ -15,6 +15,8 @@
 //  - with true_on_policy: the forward+backward (train tokens/s) and the rollout (generated
 //    tokens/s) again with the batch-invariant kernels on both sides (algorithm.true_on_policy),
 //    and that mode's train/rollout log-prob abs diff (0 expected), beside the default's.
+// With profile: only the forward+backward, then one more between cudaProfilerStart and
+// cudaProfilerStop (for `ncu --profile-from-start off`), and nothing else.
 // Prints a table, and with json_path writes every number as JSON (used by
 // experiments/bench_gpu_vs_transformers.py, which runs transformers on the same shapes).
 // Also writes the model's HF config.json to config_dir when set.
@@ -32,6 +34,7 @@ struct GpuBenchOptions {
   bool absorbed_decode = false;  ///< the engine's rollout.absorbed_decode
   bool activation_checkpointing = false;  ///< also forward+backward with checkpointing per layer
   bool true_on_policy = false;  ///< also train and rollout in the true on-policy mode (docs/gpu.md)
+  bool profile = false;  ///< after timing forward+backward, run one more inside cudaProfilerStart/Stop and stop there
   std::string json_path, config_dir;
 };
 

@@ -36,6 +36,18 @@ __device__ __forceinline__ Acc add(Acc a, float z) {
 template <class T> __device__ __forceinline__ float load_f(T v) { return to_f(v); }
 template <> __device__ __forceinline__ float load_f(float v) { return v; }
 
+// N values of K stored with one instruction (8 or 16 bytes).
+template <class K, int N>
+struct alignas(sizeof(K) * N) Pack {
+  K v[N];
+};
+
+// 16-byte vectors per thread loaded before any is used: kUnroll loads in flight per thread
+// (one per iteration kept the 16k resident threads of an H200 SM short of the bandwidth).
+// Thread t still visits vectors t, t + kThreads, t + 2 kThreads, ... in that order, so each
+// row's accumulation order, and its bits, do not depend on the unrolling.
+constexpr int kUnroll = 4;
+
 // z row-major [n, V] in T (fp32 logits from the GEMM, or 16-bit); keep: optional copy of z
 // rounded to K (the model's dtype), for the backward.
 template <class T, class K>
@@ -48,24 +60,45 @@ __global__ void __launch_bounds__(kThreads) fwd(const T* __restrict__ z, const i
   K* kr = keep ? keep + row * V : nullptr;
   // a: the logits as given; a16: as kept (rounded to K), whose softmax the backward uses.
   Acc a{-INFINITY, 0.f, 0.f}, a16{-INFINITY, 0.f, 0.f};
-  auto take = [&](int64_t i, float x) {
-    a = add(a, x);
+  auto take_vec = [&](int64_t i, const uint4& u) {  // vector i: elements i*kVec ..
+    const T* e = reinterpret_cast<const T*>(&u);
     if (kr) {
-      const K r = from_f<K>(x);
-      kr[i] = r;
-      a16 = add(a16, to_f(r));
+      Pack<K, kVec> out;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const float x = load_f(e[j]);
+        a = add(a, x);
+        out.v[j] = from_f<K>(x);
+        a16 = add(a16, to_f(out.v[j]));
+      }
+      reinterpret_cast<Pack<K, kVec>*>(kr)[i] = out;
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) a = add(a, load_f(e[j]));
     }
   };
-  if (V % kVec == 0) {  // 16-byte loads
+  if (V % kVec == 0) {  // 16-byte loads, kUnroll in flight
     const uint4* v = reinterpret_cast<const uint4*>(zr);
-    for (int64_t i = threadIdx.x; i < V / kVec; i += kThreads) {
-      uint4 u = v[i];
-      const T* e = reinterpret_cast<const T*>(&u);
+    const int64_t nv = V / kVec;
+    int64_t i = threadIdx.x;
+    for (; i + (kUnroll - 1) * kThreads < nv; i += kUnroll * kThreads) {
+      uint4 u[kUnroll];
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) take(i * kVec + j, load_f(e[j]));
+      for (int r = 0; r < kUnroll; ++r) u[r] = v[i + r * kThreads];
+#pragma unroll
+      for (int r = 0; r < kUnroll; ++r) take_vec(i + r * kThreads, u[r]);
     }
+    for (; i < nv; i += kThreads) take_vec(i, v[i]);
   } else {
-    for (int64_t i = threadIdx.x; i < V; i += kThreads) take(i, load_f(zr[i]));
+    for (int64_t i = threadIdx.x; i < V; i += kThreads) {
+      const float x = load_f(zr[i]);
+      a = add(a, x);
+      if (kr) {
+        const K r = from_f<K>(x);
+        kr[i] = r;
+        a16 = add(a16, to_f(r));
+      }
+    }
   }
   auto warp_merge = [](Acc x) {
     for (int o = 16; o > 0; o >>= 1) {
@@ -108,6 +141,8 @@ __global__ void __launch_bounds__(kThreads) fwd(const T* __restrict__ z, const i
 
 // dz (in K, the model's dtype) from z in T. dz may be z (in place, T = K): each thread loads
 // its elements before it stores them, and no thread reads another's (z and dz not restrict).
+// Stores: one 8- or 16-byte store per vector (element-wise 2-byte stores made this kernel
+// ~4x slower than its bytes at the copy rate).
 template <class T, class K>
 __global__ void __launch_bounds__(kThreads) bwd(const T* z, const int64_t* __restrict__ targets,
                                                 const float* __restrict__ lse, const float* __restrict__ g_lp,
@@ -126,16 +161,28 @@ __global__ void __launch_bounds__(kThreads) bwd(const T* z, const int64_t* __res
     if (g_ent) d -= ge * p * (zv - mz);
     return from_f<K>(d);
   };
+  auto vec = [&](int64_t i, const uint4& u) {
+    const T* e = reinterpret_cast<const T*>(&u);
+    Pack<K, kVec> o;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) o.v[j] = one(i * kVec + j, load_f(e[j]));
+    return o;
+  };
   if (V % kVec == 0) {
     const uint4* v = reinterpret_cast<const uint4*>(zr);
-    for (int64_t i = threadIdx.x; i < V / kVec; i += kThreads) {
-      uint4 u = v[i];
-      const T* e = reinterpret_cast<const T*>(&u);
-      K o[kVec];
+    auto* out = reinterpret_cast<Pack<K, kVec>*>(dr);
+    const int64_t nv = V / kVec;
+    int64_t i = threadIdx.x;
+    for (; i + (kUnroll - 1) * kThreads < nv; i += kUnroll * kThreads) {
+      uint4 u[kUnroll];
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) o[j] = one(i * kVec + j, load_f(e[j]));
+      for (int r = 0; r < kUnroll; ++r) u[r] = v[i + r * kThreads];  // all loads before any store
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) dr[i * kVec + j] = o[j];
+      for (int r = 0; r < kUnroll; ++r) out[i + r * kThreads] = vec(i + r * kThreads, u[r]);
+    }
+    for (; i < nv; i += kThreads) {
+      const uint4 u = v[i];
+      out[i] = vec(i, u);
     }
   } else {
     for (int64_t i = threadIdx.x; i < V; i += kThreads) dr[i] = one(i, load_f(zr[i]));

@@ -1,6 +1,7 @@
 #include "kernels/moe.hpp"
 
 #include "kernels/moe_decode.hpp"
+#include "kernels/swiglu.hpp"
 
 #include <torch/torch.h>
 
@@ -69,8 +70,7 @@ at::Tensor grouped_swiglu(const at::Tensor& x, const at::Tensor& counts, const a
   // [E, F, D] views with the reduction dim contiguous, the layout the Hopper kernel takes.
   auto offs = counts.to(x.device()).cumsum(0).to(torch::kInt32);
   auto gu = at::_grouped_mm(x.contiguous(), w1.transpose(-2, -1), offs);  // [M, 2F]
-  const int64_t F = gu.size(-1) / 2;
-  auto act = swiglu(gu.narrow(-1, 0, F), gu.narrow(-1, F, F), swiglu_limit);  // [M, F]
+  auto act = swiglu_packed(gu, swiglu_limit);  // [M, F]: one kernel each way (kernels/swiglu.hpp)
   return at::_grouped_mm(act.contiguous(), w2.transpose(-2, -1), offs);    // [M, D]
 }
 

@@ -25,6 +25,13 @@ void check_combine(const at::Tensor& rows, const at::Tensor& row_of_slot, const 
   TORCH_CHECK(row_of_slot.device() == rows.device() && w.device() == rows.device(), "moe_combine: row_of_slot (",
               row_of_slot.device(), ") and weights (", w.device(), ") must be on rows' device (", rows.device(), ")");
 }
+void check_combine_grad(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& grad) {
+  TORCH_CHECK(grad.dim() == 2 && grad.size(0) == w.size(0) && grad.size(1) == rows.size(1),
+              "moe_combine_backward: grad must be [T, D] = [", w.size(0), ", ", rows.size(1), "], got ", grad.sizes());
+  TORCH_CHECK(grad.scalar_type() == rows.scalar_type() && grad.device() == rows.device(),
+              "moe_combine_backward: grad (", grad.scalar_type(), ", ", grad.device(), ") must have rows' dtype and ",
+              "device (", rows.scalar_type(), ", ", rows.device(), ")");
+}
 }  // namespace
 
 DispatchOrder dispatch_order_ref(const at::Tensor& ids_TK, int64_t num_experts) {
@@ -76,6 +83,36 @@ at::Tensor moe_combine(const at::Tensor& rows_MD, const at::Tensor& row_of_slot_
   }
 #endif
   return moe_combine_ref(rows_MD, row_of_slot_M, weights_TK);
+}
+
+CombineGrads moe_combine_backward_ref(const at::Tensor& rows_MD, const at::Tensor& row_of_slot_M,
+                                      const at::Tensor& weights_TK, const at::Tensor& grad_TD) {
+  check_combine(rows_MD, row_of_slot_M, weights_TK);
+  check_combine_grad(rows_MD, weights_TK, grad_TD);
+  const int64_t T = weights_TK.size(0), K = weights_TK.size(1), D = rows_MD.size(1);
+  auto g = grad_TD.to(at::kFloat).unsqueeze(1);                                   // [T, 1, D]
+  auto by_slot = rows_MD.index_select(0, row_of_slot_M).view({T, K, D});          // [T, K, D]
+  auto grad_by_slot = (g * weights_TK.unsqueeze(-1)).to(rows_MD.scalar_type());   // [T, K, D]
+  auto grad_rows = torch::empty_like(rows_MD).index_copy_(0, row_of_slot_M, grad_by_slot.view({T * K, D}));
+  return {grad_rows, (by_slot * g).sum(-1)};                                       // [M, D], [T, K] fp32
+}
+
+CombineGrads moe_combine_backward(const at::Tensor& rows_MD, const at::Tensor& row_of_slot_M,
+                                  const at::Tensor& weights_TK, const at::Tensor& grad_TD) {
+  check_combine(rows_MD, row_of_slot_M, weights_TK);
+  check_combine_grad(rows_MD, weights_TK, grad_TD);
+#ifdef KILN_CUDA
+  const auto dt = rows_MD.scalar_type();
+  if (rows_MD.is_cuda() && (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf)) {
+    CombineGrads out{at::empty_like(rows_MD, at::MemoryFormat::Contiguous),
+                     at::empty(weights_TK.sizes(), weights_TK.options())};
+    if (weights_TK.numel() > 0)
+      cuda::moe_combine_backward(rows_MD.contiguous(), row_of_slot_M.contiguous(), weights_TK.contiguous(),
+                                 grad_TD.contiguous(), out.rows_MD, out.weights_TK);
+    return out;
+  }
+#endif
+  return moe_combine_backward_ref(rows_MD, row_of_slot_M, weights_TK, grad_TD);
 }
 
 }  // namespace kiln::kernels

@@ -7,7 +7,9 @@
 // over experts gives each expert's first row, and row = first[e] + table[w][e] + rank: rows in
 // expert order, ties in slot order, as a stable sort gives.
 // combine: one CTA per token, threads over the hidden dim, the K rows' fp32 products summed in
-// k order and rounded once.
+// k order and rounded once. combine_backward: one CTA per token, for each k the row's gradient
+// written (weight * grad_y, rounded once) while each thread sums its part of the dot product
+// rows . grad_y; the parts are summed per warp (shuffles) and the warps' in warp order.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -92,6 +94,40 @@ __global__ void combine_kernel(const T* __restrict__ rows, const int64_t* __rest
   }
 }
 
+constexpr int kCombineThreads = 256;
+
+template <typename T>
+__global__ void __launch_bounds__(kCombineThreads)
+    combine_backward_kernel(const T* __restrict__ rows, const int64_t* __restrict__ row_of_slot,
+                            const float* __restrict__ weights, const T* __restrict__ grad, T* __restrict__ grad_rows,
+                            float* __restrict__ grad_weights, int K, int64_t D) {
+  constexpr int kWarpsC = kCombineThreads / 32;
+  __shared__ float part[kWarpsC];
+  const int64_t t = blockIdx.x;
+  const T* g = grad + t * D;
+  for (int k = 0; k < K; ++k) {
+    const int64_t r = row_of_slot[t * K + k];
+    const float w = weights[t * K + k];
+    const T* x = rows + r * D;
+    T* gx = grad_rows + r * D;
+    float dot = 0.f;
+    for (int64_t d = threadIdx.x; d < D; d += kCombineThreads) {
+      const float gd = to_f(g[d]);
+      gx[d] = from_f<T>(__fmul_rn(gd, w));
+      dot = __fmaf_rn(to_f(x[d]), gd, dot);
+    }
+    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = dot;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float sum = part[0];
+      for (int i = 1; i < kWarpsC; ++i) sum += part[i];
+      grad_weights[t * K + k] = sum;
+    }
+    __syncthreads();  // part is rewritten by the next k
+  }
+}
+
 }  // namespace
 
 void dispatch_order(const at::Tensor& ids, int64_t num_experts, at::Tensor& slot, at::Tensor& token_index,
@@ -133,6 +169,28 @@ void moe_combine(const at::Tensor& rows, const at::Tensor& row_of_slot, const at
                                                                    static_cast<__half*>(out.data_ptr()), K, D);
       break;
     default: TORCH_CHECK(false, "moe_combine: no kernel for dtype ", rows.scalar_type());
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void moe_combine_backward(const at::Tensor& rows, const at::Tensor& row_of_slot, const at::Tensor& weights,
+                          const at::Tensor& grad, at::Tensor& grad_rows, at::Tensor& grad_weights) {
+  const c10::cuda::CUDAGuard guard(rows.device());
+  const int64_t T = weights.size(0), D = rows.size(1);
+  const int K = int(weights.size(1));
+  auto stream = at::cuda::getCurrentCUDAStream();
+  auto launch = [&](auto tag) {
+    using T_ = decltype(tag);
+    combine_backward_kernel<T_><<<unsigned(T), kCombineThreads, 0, stream>>>(
+        static_cast<const T_*>(rows.data_ptr()), row_of_slot.data_ptr<int64_t>(), weights.data_ptr<float>(),
+        static_cast<const T_*>(grad.data_ptr()), static_cast<T_*>(grad_rows.data_ptr()),
+        grad_weights.data_ptr<float>(), K, D);
+  };
+  switch (rows.scalar_type()) {
+    case at::kFloat: launch(float{}); break;
+    case at::kBFloat16: launch(__nv_bfloat16{}); break;
+    case at::kHalf: launch(__half{}); break;
+    default: TORCH_CHECK(false, "moe_combine_backward: no kernel for dtype ", rows.scalar_type());
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -19,7 +19,16 @@
 // fp32 (k = 0, 1, ... in the kernel), rounded once to rows' dtype. rows [M, D], row_of_slot
 // [M] int64, weights [T, K] fp32 -> [T, D]. CUDA (bf16, fp16 or fp32 rows): one kernel; else the reference (index_select, the products, sum over K),
 // whose sum order is LibTorch's: the two agree to the rounding of the fp32 sum. No autograd
-// (the training path is model::combine's).
+// (its gradient is moe_combine_backward; model::combine ties the two together for training).
+//
+// moe_combine_backward: moe_combine's gradients for grad_y [T, D] (rows' dtype):
+//   rows    [M, D]: grad_rows[row_of_slot[t*K + k]] = weights[t, k] * grad_y[t]  (fp32 product,
+//                   rounded once to rows' dtype; every row written once: no atomics)
+//   weights [T, K]: sum_d rows[row_of_slot[t*K + k], d] * grad_y[t, d]           (fp32)
+// CUDA (bf16, fp16 or fp32 rows): one kernel, one CTA per token (its K dot products summed per
+// thread in d order, then across the CTA in a fixed order: the same bits on every run); else the
+// reference (the autograd formulas of the reference forward: products, index_copy, sum over D),
+// equal to the kernel up to the order of the fp32 sums over D.
 // Throws c10::Error on shapes, dtypes or devices that disagree, naming them.
 #include <ATen/core/Tensor.h>
 
@@ -33,5 +42,13 @@ DispatchOrder dispatch_order_ref(const at::Tensor& ids_TK, int64_t num_experts);
 
 at::Tensor moe_combine(const at::Tensor& rows_MD, const at::Tensor& row_of_slot_M, const at::Tensor& weights_TK);
 at::Tensor moe_combine_ref(const at::Tensor& rows_MD, const at::Tensor& row_of_slot_M, const at::Tensor& weights_TK);
+
+struct CombineGrads {
+  at::Tensor rows_MD, weights_TK;
+};
+CombineGrads moe_combine_backward(const at::Tensor& rows_MD, const at::Tensor& row_of_slot_M,
+                                  const at::Tensor& weights_TK, const at::Tensor& grad_TD);
+CombineGrads moe_combine_backward_ref(const at::Tensor& rows_MD, const at::Tensor& row_of_slot_M,
+                                      const at::Tensor& weights_TK, const at::Tensor& grad_TD);
 
 }  // namespace kiln::kernels

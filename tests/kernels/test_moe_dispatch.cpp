@@ -49,6 +49,33 @@ TEST_CASE("moe_combine_ref sums each token's weighted rows, and names what it re
                        doctest::Contains("weights fp32"), c10::Error);
 }
 
+TEST_CASE("moe_combine_backward_ref equals autograd through the reference forward, and names what it refuses") {
+  torch::manual_seed(9);
+  const int64_t T = 5, K = 3, D = 7;
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    auto rows = torch::randn({T * K, D}).to(dtype).requires_grad_();
+    auto w = torch::rand({T, K}).requires_grad_();
+    auto perm = torch::randperm(T * K, torch::kInt64);
+    auto g = torch::randn({T, D}).to(dtype);
+    kernels::moe_combine_ref(rows, perm, w).backward(g);
+    auto got = kernels::moe_combine_backward_ref(rows.detach(), perm, w.detach(), g);
+    INFO("dtype " << dtype);
+    CHECK((got.rows_MD.scalar_type() == dtype));
+    CHECK((got.weights_TK.scalar_type() == torch::kFloat32));
+    CHECK(torch::equal(got.rows_MD, rows.grad()));  // the same products, rounded once
+    CHECK(torch::allclose(got.weights_TK, w.grad(), 1e-5, 1e-6));
+    // the row of slot (t, k) gets weight[t, k] * g[t]: slot 4 is token 1's k = 1
+    auto want_row = (g[1].to(torch::kFloat32) * w[1][1].item<float>()).to(dtype);
+    CHECK(torch::equal(got.rows_MD[perm[4].item<int64_t>()], want_row));
+  }
+  auto rows = torch::randn({T * K, D}), w = torch::rand({T, K});
+  auto perm = torch::randperm(T * K, torch::kInt64);
+  CHECK_THROWS_WITH_AS(kernels::moe_combine_backward(rows, perm, w, torch::randn({T, D + 1})),
+                       doctest::Contains("grad must be [T, D] = [5, 7]"), c10::Error);
+  CHECK_THROWS_WITH_AS(kernels::moe_combine_backward(rows, perm, w, torch::randn({T, D}).to(torch::kBFloat16)),
+                       doctest::Contains("must have rows' dtype"), c10::Error);
+}
+
 TEST_CASE("CUDA: dispatch_order kernel gives the reference's integers") {
   if (skip_without_cuda_kernels()) return;
   torch::manual_seed(6);
@@ -86,6 +113,32 @@ TEST_CASE("CUDA: moe_combine kernel equals the reference within its fp32 sum's r
       auto scale = want.to(torch::kFloat32).abs().max().item<float>();
       INFO("dtype " << dtype << " T " << T << " err " << err << " of " << scale);
       CHECK(err <= scale * (dtype == torch::kBFloat16 ? 1.0f / 128 : 1e-6f));
+    }
+}
+
+TEST_CASE("CUDA: moe_combine_backward kernel equals the reference, the same bits on every run") {
+  if (skip_without_cuda_kernels()) return;
+  torch::manual_seed(10);
+  const torch::Device dev(torch::kCUDA);
+  for (auto dtype : {torch::kBFloat16, torch::kFloat32})
+    for (int64_t T : {1, 33, 512}) {
+      const int64_t K = 4, D = 2048;
+      auto opt = torch::TensorOptions().dtype(dtype).device(dev);
+      auto rows = torch::randn({T * K, D}, opt);
+      auto perm = torch::randperm(T * K, torch::TensorOptions().dtype(torch::kInt64).device(dev));
+      auto w = torch::rand({T, K}, torch::TensorOptions().dtype(torch::kFloat32).device(dev));
+      auto g = torch::randn({T, D}, opt);
+      auto got = kernels::moe_combine_backward(rows, perm, w, g);
+      auto want = kernels::moe_combine_backward_ref(rows, perm, w, g);
+      INFO("dtype " << dtype << " T " << T);
+      CHECK(torch::equal(got.rows_MD, want.rows_MD));  // one fp32 product, rounded once, both ways
+      auto err = (got.weights_TK - want.weights_TK).abs().max().item<float>();
+      auto scale = want.weights_TK.abs().max().item<float>() + 1.f;
+      INFO("weights err " << err << " of " << scale);
+      CHECK(err <= scale * 1e-4f);  // fp32 dot products of 2048 terms in two orders
+      auto again = kernels::moe_combine_backward(rows, perm, w, g);
+      CHECK(torch::equal(again.weights_TK, got.weights_TK));
+      CHECK(torch::equal(again.rows_MD, got.rows_MD));
     }
 }
 

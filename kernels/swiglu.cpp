@@ -1,0 +1,65 @@
+#include "kernels/swiglu.hpp"
+
+#include <torch/torch.h>
+
+#include "kernels/moe.hpp"
+
+#ifdef KILN_CUDA
+#include "kernels/swiglu_cuda.hpp"
+#endif
+
+namespace kiln::kernels {
+
+namespace {
+void check(const at::Tensor& gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "swiglu_packed: gu must be [M, 2F], got ", gu.sizes());
+}
+
+#ifdef KILN_CUDA
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct SwigluPacked : public torch::autograd::Function<SwigluPacked> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& gu) {
+    ctx->save_for_backward({gu});
+    auto out = at::empty({gu.size(0), gu.size(1) / 2}, gu.options());
+    if (out.numel() > 0) cuda::swiglu_packed_forward(gu, out);
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto gu = ctx->get_saved_variables()[0];
+    auto dy = grads[0].to(gu.scalar_type()).contiguous();
+    auto dgu = at::empty_like(gu);
+    if (dgu.numel() > 0) cuda::swiglu_packed_backward(gu, dy, dgu);
+    return {dgu};
+  }
+};
+#endif
+}  // namespace
+
+bool swiglu_packed_uses_kernel(const at::Tensor& gu, std::optional<double> limit) {
+#ifdef KILN_CUDA
+  return !limit && gu.is_cuda() && (gu.scalar_type() == at::kBFloat16 || gu.scalar_type() == at::kHalf) &&
+         gu.dim() == 2 && gu.is_contiguous() && gu.size(1) % 16 == 0;
+#else
+  (void)gu;
+  (void)limit;
+  return false;
+#endif
+}
+
+at::Tensor swiglu_packed_ref(const at::Tensor& gu, std::optional<double> limit) {
+  check(gu);
+  const int64_t F = gu.size(1) / 2;
+  return swiglu(gu.narrow(1, 0, F), gu.narrow(1, F, F), limit);
+}
+
+at::Tensor swiglu_packed(const at::Tensor& gu, std::optional<double> limit) {
+  check(gu);
+#ifdef KILN_CUDA
+  if (swiglu_packed_uses_kernel(gu, limit)) return SwigluPacked::apply(gu);
+#endif
+  return swiglu_packed_ref(gu, limit);
+}
+
+}  // namespace kiln::kernels

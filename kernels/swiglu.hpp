@@ -1,0 +1,31 @@
+#pragma once
+// SwiGLU activation over a packed gate/up projection (Shazeer 2020, "GLU Variants Improve
+// Transformer", arXiv:2002.05202), the layout of grouped_swiglu's first grouped GEMM
+// (kernels/moe.hpp): gu [M, 2F] holds the gate columns [0, F) and then the up columns [F, 2F).
+//
+//   swiglu_packed(gu) = silu(gate) * up  -> [M, F] in gu's dtype,  silu(x) = x / (1 + e^-x)
+//
+// Differentiable in gu: the backward writes d gate and d up into one [M, 2F] gradient (no
+// zero-filled halves added together, as autograd through two narrow views does).
+// Rounding: LibTorch's, op by op (the reference below: silu rounded to gu's dtype, then the
+// product rounded; backward: d up = dy * silu(gate), d s = dy * up, each rounded, then d gate =
+// d s * sig (1 + gate (1 - sig)) rounded, sig = 1 / (1 + e^-gate), every op in fp32), so the
+// kernel agrees with the reference to within a 16-bit rounding step (expf may differ in its
+// last bit from the one LibTorch was built with).
+// CUDA, bf16 or fp16, gu contiguous with F a multiple of 8 and no limit: one kernel each way
+// (kernels/swiglu.cu, 16-byte vectors); anything else (CPU, fp32, swiglu_limit): the reference.
+// swiglu_limit: transformers' clamped form (kernels::swiglu).
+// Throws c10::Error when gu is not [M, 2F].
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace kiln::kernels {
+
+at::Tensor swiglu_packed(const at::Tensor& gu_M2F, std::optional<double> swiglu_limit = std::nullopt);
+/// kernels::swiglu on the two halves (LibTorch ops, differentiable through autograd).
+at::Tensor swiglu_packed_ref(const at::Tensor& gu_M2F, std::optional<double> swiglu_limit = std::nullopt);
+/// True when swiglu_packed runs the kernels for this input.
+bool swiglu_packed_uses_kernel(const at::Tensor& gu_M2F, std::optional<double> swiglu_limit = std::nullopt);
+
+}  // namespace kiln::kernels
