@@ -15,9 +15,8 @@ Local smoke test: add --tiny --device cpu.
 """
 
 import argparse
-import importlib.util
-import os
-import sys
+
+from torchtitan_peer import load_bench_tt
 
 
 def main():
@@ -35,15 +34,7 @@ def main():
     for name, value, least in (("--docs", args.docs, 1), ("--steps", args.steps, 1), ("--warmup", args.warmup, 0)):
         if value < least:
             ap.error(f"{name} {value} < {least}")
-    path = os.path.join(args.peer, "bench_tt.py")
-    if not os.path.isfile(path):
-        sys.exit(f"bench_torchtitan_ac: no bench_tt.py in {args.peer}")
-    spec = importlib.util.spec_from_file_location("bench_tt", path)
-    tt = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(tt)
-    except ImportError as e:
-        sys.exit(f"bench_torchtitan_ac: {path} cannot be imported: {e} (install the wheels of the peer's whl/ folder)")
+    tt = load_bench_tt(args.peer, "bench_torchtitan_ac")
     tt.GLM["n_docs"] = args.docs
     tt.TINY["n_docs"] = args.docs
     build = tt.build_model

@@ -12,21 +12,11 @@ Needs torchtitan importable (PEER/torchtitan/whl installed into PYTHONPATH, as t
 """
 
 import argparse
-import importlib.util
-import os
 import statistics
 import sys
 import time
 
-
-def load_peer(path):
-    script = os.path.join(path, "bench_tt.py")
-    if not os.path.isfile(script):
-        sys.exit(f"profile_torchtitan: no bench_tt.py in --peer {path}")
-    spec = importlib.util.spec_from_file_location("bench_tt", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from torchtitan_peer import load_bench_tt
 
 
 def main():
@@ -42,7 +32,7 @@ def main():
 
     if not torch.cuda.is_available():
         sys.exit("profile_torchtitan: needs a CUDA GPU (ncu profiles GPU kernels)")
-    tt = load_peer(a.peer)
+    tt = load_bench_tt(a.peer, "profile_torchtitan")
     notes = []
     c = tt.GLM
     tt.apply_shims(notes)
