@@ -1,5 +1,7 @@
 #include "kernels/logprobs.hpp"
 
+#include <cstdint>
+
 #include <torch/torch.h>
 
 #ifdef KILN_CUDA
@@ -9,6 +11,8 @@
 namespace kiln::kernels {
 
 namespace {
+// Starts on a 16-byte boundary (the CUDA kernels' vector loads and stores).
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0; }
 void check(const at::Tensor& z, const at::Tensor& targets) {
   TORCH_CHECK(z.dim() == 2 && targets.dim() == 1 && targets.size(0) == z.size(0),
               "logprob kernels: z must be [n, V] and targets [n], got ", z.sizes(), " and ", targets.sizes());
@@ -70,7 +74,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprob_chunk_forward
                                                                                  const at::Tensor& keep,
                                                                                  KeptStats* kept) {
   const auto model_dtype = keep.defined() ? keep.scalar_type() : (half(z.scalar_type()) ? z.scalar_type() : at::kBFloat16);
-  if (!use_cuda(z, model_dtype) || (keep.defined() && (!keep.is_contiguous() || keep.sizes() != z.sizes())))
+  if (!use_cuda(z, model_dtype) || (keep.defined() && (!keep.is_contiguous() || keep.sizes() != z.sizes())) ||
+      !aligned16(z) || (keep.defined() && !aligned16(keep)))  // the kernels' vector loads and stores
     return logprob_chunk_forward_ref(z, targets, with_entropy, keep, kept);
 #ifdef KILN_CUDA
   check(z, targets);
@@ -113,8 +118,11 @@ at::Tensor logprob_chunk_backward(const at::Tensor& z, const at::Tensor& targets
   }
 #ifdef KILN_CUDA
   check(z, targets);
-  auto zc = z.contiguous();
-  auto dz = out.defined() ? out : torch::empty(zc.sizes(), zc.options().dtype(out_dtype));
+  // The kernel's 16-byte loads and vector stores need 16-byte aligned rows: a view that starts
+  // elsewhere is copied (z) or written through a fresh tensor (out).
+  auto zc = aligned16(z) ? z.contiguous() : z.clone(at::MemoryFormat::Contiguous);
+  const bool into_out = out.defined() && aligned16(out);
+  auto dz = into_out ? out : torch::empty(zc.sizes(), zc.options().dtype(out_dtype));
   auto tc = targets.to(z.device(), at::kLong).contiguous();
   auto lc = lse.to(at::kFloat).contiguous(), gc = g_lp.to(at::kFloat).contiguous();
   at::Tensor ge, mz;
@@ -123,7 +131,7 @@ at::Tensor logprob_chunk_backward(const at::Tensor& z, const at::Tensor& targets
     mz = mean_z.to(at::kFloat).contiguous();
   }
   cuda::logprob_backward(zc, tc, lc, gc, g_ent.defined() ? &ge : nullptr, g_ent.defined() ? &mz : nullptr, dz);
-  return dz;
+  return out.defined() && !into_out ? out.copy_(dz) : dz;
 #else
   return logprob_chunk_backward_ref(z, targets, lse, g_lp, g_ent, mean_z, out_dtype);
 #endif

@@ -12,7 +12,7 @@
 // d s * sig (1 + gate (1 - sig)) rounded, sig = 1 / (1 + e^-gate), every op in fp32), so the
 // kernel agrees with the reference to within a 16-bit rounding step (expf may differ in its
 // last bit from the one LibTorch was built with).
-// CUDA, bf16 or fp16, gu contiguous with F a multiple of 8 and no limit: one kernel each way
+// CUDA, bf16 or fp16, gu contiguous from a 16-byte boundary with F a multiple of 8 and no limit: one kernel each way
 // (kernels/swiglu.cu, 16-byte vectors); anything else (CPU, fp32, swiglu_limit): the reference.
 // swiglu_limit: transformers' clamped form (kernels::swiglu).
 // Throws c10::Error when gu is not [M, 2F].
