@@ -1,8 +1,8 @@
 #include "kernels/logprobs.hpp"
 
-#include <cstdint>
-
 #include <torch/torch.h>
+
+#include "kernels/alignment.hpp"
 
 #ifdef KILN_CUDA
 #include "kernels/logprobs_cuda.hpp"
@@ -11,8 +11,6 @@
 namespace kiln::kernels {
 
 namespace {
-// Starts on a 16-byte boundary (the CUDA kernels' vector loads and stores).
-bool aligned16(const at::Tensor& t) { return reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0; }
 void check(const at::Tensor& z, const at::Tensor& targets) {
   TORCH_CHECK(z.dim() == 2 && targets.dim() == 1 && targets.size(0) == z.size(0),
               "logprob kernels: z must be [n, V] and targets [n], got ", z.sizes(), " and ", targets.sizes());

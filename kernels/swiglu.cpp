@@ -2,8 +2,7 @@
 
 #include <torch/torch.h>
 
-#include <cstdint>
-
+#include "kernels/alignment.hpp"
 #include "kernels/moe.hpp"
 
 #ifdef KILN_CUDA
@@ -31,7 +30,7 @@ struct SwigluPacked : public torch::autograd::Function<SwigluPacked> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto gu = ctx->get_saved_variables()[0];
     auto dy = grads[0].to(gu.scalar_type()).contiguous();
-    if (reinterpret_cast<std::uintptr_t>(dy.data_ptr()) % 16 != 0) dy = dy.clone();  // the kernel's 16-byte loads
+    if (!aligned16(dy)) dy = dy.clone();  // the kernel's 16-byte loads
     auto dgu = at::empty_like(gu);
     if (dgu.numel() > 0) cuda::swiglu_packed_backward(gu, dy, dgu);
     return {dgu};
@@ -43,8 +42,7 @@ struct SwigluPacked : public torch::autograd::Function<SwigluPacked> {
 bool swiglu_packed_uses_kernel(const at::Tensor& gu, std::optional<double> limit) {
 #ifdef KILN_CUDA
   return !limit && gu.is_cuda() && (gu.scalar_type() == at::kBFloat16 || gu.scalar_type() == at::kHalf) &&
-         gu.dim() == 2 && gu.is_contiguous() && gu.size(1) % 16 == 0 &&
-         reinterpret_cast<std::uintptr_t>(gu.data_ptr()) % 16 == 0;  // 16-byte vectors
+         gu.dim() == 2 && gu.is_contiguous() && gu.size(1) % 16 == 0 && aligned16(gu);
 #else
   (void)gu;
   (void)limit;
