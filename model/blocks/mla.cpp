@@ -6,6 +6,7 @@
 #include "kernels/attention.hpp"
 #include "kernels/batch_invariant.hpp"
 #include "kernels/mla_decode.hpp"
+#include "kernels/mla_rope.hpp"
 
 namespace kiln::model {
 
@@ -47,15 +48,28 @@ torch::Tensor MLAImpl::forward(const torch::Tensor& x, const torch::Tensor& posi
   const int64_t T = x.size(0), H = o_.num_heads, N = o_.qk_nope_head_dim, R = o_.qk_rope_head_dim,
                 V = o_.v_head_dim, C = o_.kv_lora_rank;
   auto qs = (q_a ? project(q_b, q_a_norm(project(q_a, x))) : project(q, x)).view({T, H, N + R});  // [T, H, N+R]
-  auto q_nope = qs.narrow(-1, 0, N);
-  auto q_rope = apply_rope(qs.narrow(-1, N, R), positions, o_.rope_theta, o_.rope_interleave);
-  auto ckv = project(kv_a, x);                                          // [T, C+R]
-  auto latent = kv_a_norm(ckv.narrow(-1, 0, C));                        // [T, C]
-  auto k_rope = apply_rope(ckv.narrow(-1, C, R).unsqueeze(1), positions, o_.rope_theta, o_.rope_interleave);  // [T, 1, R]
-  auto kv = project(kv_b, latent).view({T, H, N + V});                  // [T, H, N+V]
-  auto k = torch::cat({kv.narrow(-1, 0, N), k_rope.expand({T, H, R})}, -1);  // [T, H, N+R]
-  auto v = kv.narrow(-1, N, V);                                         // [T, H, V]
-  auto qf = torch::cat({q_nope, q_rope}, -1);                          // [T, H, N+R]
+  auto ckv = project(kv_a, x);                                                                  // [T, C+R]
+  // Split, not two narrow views: the backward writes both parts' gradients into one [T, C+R]
+  // (a narrow's backward zero-fills a whole [T, C+R] each, then the two are added).
+  auto ckv_parts = ckv.split_with_sizes({C, R}, -1);
+  auto latent = kv_a_norm(ckv_parts[0]);                                                        // [T, C]
+  auto kv = project(kv_b, latent).view({T, H, N + V});                                          // [T, H, N+V]
+  torch::Tensor qf, k, v;
+  if (x.is_cuda() && max_seqlen > 0) {
+    // The query's and keys' rope and the concatenations in one kernel each way
+    // (kernels/mla_rope.hpp), the cos/sin rows from the table the rollout engine reads: the same
+    // bits as the composite below. Positions lie in [0, max_seqlen) (forward's contract).
+    const auto table = rope_table(max_seqlen, R, o_.rope_theta, x.scalar_type(), x.device());
+    qf = kernels::mla_rope_q(qs, N, positions, table.cos, table.sin, o_.rope_interleave);               // [T, H, N+R]
+    std::tie(k, v) = kernels::mla_rope_kv(kv, ckv_parts[1], N, positions, table.cos, table.sin,
+                                          o_.rope_interleave);                                        // [T, H, N+R], [T, H, V]
+  } else {
+    auto q_rope = apply_rope(qs.narrow(-1, N, R), positions, o_.rope_theta, o_.rope_interleave);
+    auto k_rope = apply_rope(ckv_parts[1].unsqueeze(1), positions, o_.rope_theta, o_.rope_interleave);  // [T, 1, R]
+    k = torch::cat({kv.narrow(-1, 0, N), k_rope.expand({T, H, R})}, -1);                         // [T, H, N+R]
+    v = kv.narrow(-1, N, V);                                                                    // [T, H, V]
+    qf = torch::cat({qs.narrow(-1, 0, N), q_rope}, -1);                                         // [T, H, N+R]
+  }
   // Each document attends only to itself: FlashAttention varlen on CUDA, per-document SDPA
   // elsewhere (kernels/attention.hpp); in the mode the batch-invariant kernel.
   auto attn = batch_invariant_ ? invariant_attention(qf, k, v, cu_seqlens, o_.softmax_scale, max_seqlen)

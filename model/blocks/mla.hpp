@@ -99,7 +99,8 @@ class MLAImpl : public torch::nn::Module, public BatchInvariantSwitch {
  public:
   explicit MLAImpl(const MLAOptions& opt);
   /// x: [T, D], positions: [T] int64, cu_seqlens: [B+1] int64 -> [T, D]. max_seqlen: the
-  /// longest document, or 0 to read it off cu_seqlens.
+  /// longest document, or 0 to read it off cu_seqlens; when given, every position must lie in
+  /// [0, max_seqlen) (on CUDA the rope reads rows of a table that long: model::rope_table).
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cu_seqlens,
                         int64_t max_seqlen = 0);
 

@@ -91,6 +91,15 @@ ForwardOutput Glm4MoeLiteModel::forward(const PackedBatch& batch, const ForwardO
   const auto* cu = cu_host.data_ptr<int64_t>();
   int64_t max_seqlen = 0;
   for (int64_t b = 0; b + 1 < cu_host.size(0); ++b) max_seqlen = std::max(max_seqlen, cu[b + 1] - cu[b]);
+  // MLA's rope reads a table of max_seqlen rows on CUDA (MLAImpl::forward): every position must
+  // lie below it. PackedBatch numbers each document 0..len-1; a caller that numbers otherwise
+  // gets a longer bound (read on the host, where the trainer packs its batches).
+  if (T > 0) {
+    const auto pos_host = batch.position_ids.to(torch::kCPU);
+    const int64_t lo = pos_host.min().item<int64_t>(), hi = pos_host.max().item<int64_t>();
+    if (lo < 0) throw std::invalid_argument("position_ids must be >= 0, got " + std::to_string(lo));
+    max_seqlen = std::max(max_seqlen, hi + 1);
+  }
   auto cu_dev = batch.cu_seqlens.to(dev, torch::kInt32);
   std::optional<torch::Tensor> replay_all;
   if (options.replay_routed_experts) {

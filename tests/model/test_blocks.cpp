@@ -159,6 +159,45 @@ TEST_CASE("CUDA bf16: log-probs from kept logits and their gradients from two wh
                     doctest::Contains("modified by an inplace operation"), c10::Error);
 }
 
+TEST_CASE("CUDA bf16: MLA's forward with the fused rope kernels gives the composite's bits, and gradients within bf16 steps") {
+  if (kiln::test::skip_without_gpu()) return;
+  torch::manual_seed(3);
+  // GLM-4.7-Flash's attention widths, 4 documents of different lengths.
+  auto c = glm4_moe_lite::flavors::glm47_flash().attention;
+  MLA attn(MLAOptions{2048, c.num_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim,
+                      c.v_head_dim, c.rope_theta, c.rope_interleave, c.softmax_scale()});
+  attn->to(torch::kCUDA, torch::kBFloat16);
+  for (auto& p : attn->parameters()) p.data().normal_(0.0, 0.02).add_(p.dim() == 1 ? 1.0 : 0.0);
+  const std::vector<int64_t> lens = {300, 17, 512, 171};
+  std::vector<int64_t> pos, cu = {0};
+  for (int64_t n : lens) {
+    for (int64_t i = 0; i < n; ++i) pos.push_back(i);
+    cu.push_back(cu.back() + n);
+  }
+  const int64_t T = cu.back();
+  auto positions = torch::tensor(pos, torch::kInt64).to(torch::kCUDA);
+  auto cu32 = torch::tensor(cu, torch::kInt64).to(torch::kCUDA, torch::kInt32);
+  auto x = torch::randn({T, 2048}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16));
+  auto dy = torch::randn_like(x);
+  auto run = [&](int64_t max_seqlen) {  // max_seqlen 0: the composite (per-call cos/sin, cat, narrow)
+    attn->zero_grad();
+    auto xi = x.clone().requires_grad_();
+    auto y = attn(xi, positions, cu32, max_seqlen);
+    y.backward(dy);
+    std::vector<torch::Tensor> grads{xi.grad()};
+    for (auto& p : attn->parameters()) grads.push_back(p.grad().clone());
+    return std::make_pair(y.detach(), grads);
+  };
+  auto [y_fused, g_fused] = run(512);
+  auto [y_comp, g_comp] = run(0);
+  CHECK(torch::equal(y_fused, y_comp));
+  REQUIRE(g_fused.size() == g_comp.size());
+  for (std::size_t i = 0; i < g_fused.size(); ++i) {
+    INFO("gradient " << i);
+    CHECK(kiln::test::rel_error(g_fused[i], g_comp[i]) <= 1e-2);
+  }
+}
+
 TEST_CASE("the glm47_flash flavor has GLM-4.7-Flash's published dimensions") {
   auto c = glm4_moe_lite::flavors::glm47_flash();
   CHECK(c.attention.q_lora_rank.value() == 768);

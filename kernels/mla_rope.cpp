@@ -1,0 +1,197 @@
+#include "kernels/mla_rope.hpp"
+
+#include <torch/torch.h>
+
+#include "kernels/alignment.hpp"
+#include "kernels/rope.hpp"
+
+#ifdef KILN_CUDA
+#include "kernels/mla_rope_cuda.hpp"
+#endif
+
+namespace kiln::kernels {
+
+namespace {
+void check_tables(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_t, const at::Tensor& sin_t,
+                  int64_t R, const char* what) {
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == x.size(0) && positions.scalar_type() == at::kLong, what,
+              ": positions must be [T] int64 with T = ", x.size(0), ", got ", positions.sizes(), " ",
+              positions.scalar_type());
+  TORCH_CHECK(cos_t.dim() == 2 && cos_t.sizes() == sin_t.sizes() && cos_t.size(1) * 2 == R && cos_t.size(0) >= 1, what,
+              ": cos and sin tables [P, R/2] with R = ", R, " expected, got ", cos_t.sizes(), " and ", sin_t.sizes());
+  TORCH_CHECK(cos_t.scalar_type() == x.scalar_type() && sin_t.scalar_type() == x.scalar_type(), what, ": the tables (",
+              cos_t.scalar_type(), ", ", sin_t.scalar_type(), ") must have the input's dtype (", x.scalar_type(), ")");
+  TORCH_CHECK(positions.device() == x.device() && cos_t.device() == x.device() && sin_t.device() == x.device(), what,
+              ": positions (", positions.device(), ") and tables (", cos_t.device(), ", ", sin_t.device(),
+              ") must be on the input's device (", x.device(), ")");
+}
+
+void check_q(const at::Tensor& qs, int64_t N, const at::Tensor& positions, const at::Tensor& cos_t,
+             const at::Tensor& sin_t) {
+  TORCH_CHECK(qs.dim() == 3 && N >= 0 && N < qs.size(2) && (qs.size(2) - N) % 2 == 0,
+              "mla_rope_q: qs [T, H, N+R] with 0 <= N and an even R > 0 expected, got ", qs.sizes(), " and N = ", N);
+  check_tables(qs, positions, cos_t, sin_t, qs.size(2) - N, "mla_rope_q");
+}
+
+void check_kv(const at::Tensor& kv, const at::Tensor& k_pe, int64_t N, const at::Tensor& positions,
+              const at::Tensor& cos_t, const at::Tensor& sin_t) {
+  TORCH_CHECK(kv.dim() == 3 && k_pe.dim() == 2 && k_pe.size(0) == kv.size(0) && N >= 0 && N < kv.size(2) &&
+                  k_pe.size(1) > 0 && k_pe.size(1) % 2 == 0,
+              "mla_rope_kv: kv [T, H, N+V] with 0 <= N < N+V and k_pe [T, R] with an even R > 0 expected, got kv ",
+              kv.sizes(), ", k_pe ", k_pe.sizes(), " and N = ", N);
+  TORCH_CHECK(k_pe.scalar_type() == kv.scalar_type() && k_pe.device() == kv.device(), "mla_rope_kv: k_pe (",
+              k_pe.scalar_type(), ", ", k_pe.device(), ") must have kv's dtype and device (", kv.scalar_type(), ", ",
+              kv.device(), ")");
+  check_tables(kv, positions, cos_t, sin_t, k_pe.size(1), "mla_rope_kv");
+}
+
+#ifdef KILN_CUDA
+// Elements in a 16-byte vector, 0 for dtypes without a kernel.
+int64_t vec_elems(const at::Tensor& t) {
+  const auto d = t.scalar_type();
+  return d == at::kBFloat16 || d == at::kHalf ? 8 : d == at::kFloat ? 4 : 0;
+}
+
+// A [T, H, D] or [T, D] tensor the kernels' 16-byte loads can read: last dim contiguous, the
+// other strides and the data on 16-byte boundaries.
+bool vector_ready(const at::Tensor& t, int64_t n) {
+  if (t.stride(-1) != 1 || !aligned16(t)) return false;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d)
+    if (t.stride(d) % n != 0) return false;
+  return true;
+}
+
+at::Tensor vector_ready_copy(const at::Tensor& t, int64_t n) {
+  if (vector_ready(t, n)) return t;
+  auto c = t.contiguous();
+  return aligned16(c) ? c : c.clone();
+}
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct MlaRopeQ : public torch::autograd::Function<MlaRopeQ> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& qs, int64_t N, const at::Tensor& positions,
+                            const at::Tensor& cos_t, const at::Tensor& sin_t, bool interleaved) {
+    ctx->save_for_backward({positions, cos_t, sin_t});
+    ctx->saved_data["N"] = N;
+    ctx->saved_data["interleaved"] = interleaved;
+    auto q = at::empty({qs.size(0), qs.size(1), qs.size(2)}, qs.options());
+    if (q.numel() > 0) cuda::mla_rope_q(qs, N, positions, cos_t, sin_t, interleaved, /*inverse=*/false, q);
+    return q;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const int64_t N = ctx->saved_data["N"].toInt();
+    auto dq = vector_ready_copy(grads[0].to(s[1].scalar_type()), vec_elems(s[1]));
+    auto dqs = at::empty({dq.size(0), dq.size(1), dq.size(2)}, dq.options());
+    if (dqs.numel() > 0)
+      cuda::mla_rope_q(dq, N, s[0], s[1], s[2], ctx->saved_data["interleaved"].toBool(), /*inverse=*/true, dqs);
+    return {dqs, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct MlaRopeKV : public torch::autograd::Function<MlaRopeKV> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& kv, const at::Tensor& k_pe, int64_t N,
+                               const at::Tensor& positions, const at::Tensor& cos_t, const at::Tensor& sin_t,
+                               bool interleaved) {
+    ctx->save_for_backward({positions, cos_t, sin_t});
+    ctx->saved_data["N"] = N;
+    ctx->saved_data["interleaved"] = interleaved;
+    const int64_t T = kv.size(0), H = kv.size(1), R = k_pe.size(1), V = kv.size(2) - N;
+    ctx->saved_data["R"] = R;
+    ctx->saved_data["V"] = V;
+    auto k = at::empty({T, H, N + R}, kv.options()), v = at::empty({T, H, V}, kv.options());
+    if (T * H > 0) cuda::mla_rope_kv_forward(kv, k_pe, N, positions, cos_t, sin_t, interleaved, k, v);
+    return {k, v};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const int64_t N = ctx->saved_data["N"].toInt(), R = ctx->saved_data["R"].toInt(),
+                  V = ctx->saved_data["V"].toInt(), n = vec_elems(s[1]);
+    const auto dtype = s[1].scalar_type();
+    auto dk = grads[0], dv = grads[1];
+    // An output that took no part in the loss has no gradient: zeros of its shape.
+    const auto& given = dk.defined() ? dk : dv;
+    const int64_t T = given.size(0), H = given.size(1);
+    const auto opts = given.options().dtype(dtype);
+    dk = vector_ready_copy(dk.defined() ? dk.to(dtype) : at::zeros({T, H, N + R}, opts), n);
+    dv = vector_ready_copy(dv.defined() ? dv.to(dtype) : at::zeros({T, H, V}, opts), n);
+    auto dkv = at::empty({T, H, N + V}, dk.options());
+    auto dk_pe = at::empty({T, R}, dk.options());
+    if (T * H > 0)
+      cuda::mla_rope_kv_backward(dk, dv, N, s[0], s[1], s[2], ctx->saved_data["interleaved"].toBool(), dkv, dk_pe);
+    return {dkv, dk_pe, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+#endif
+}  // namespace
+
+at::Tensor mla_rope_q_ref(const at::Tensor& qs, int64_t N, const at::Tensor& positions, const at::Tensor& cos_t,
+                          const at::Tensor& sin_t, bool interleaved) {
+  check_q(qs, N, positions, cos_t, sin_t);
+  const int64_t R = qs.size(2) - N;
+  auto rope = rope_rotate_ref(qs.narrow(-1, N, R), positions, cos_t, sin_t, interleaved);  // [T, H, R]
+  return torch::cat({qs.narrow(-1, 0, N), rope}, -1);                                     // [T, H, N+R]
+}
+
+std::pair<at::Tensor, at::Tensor> mla_rope_kv_ref(const at::Tensor& kv, const at::Tensor& k_pe, int64_t N,
+                                                  const at::Tensor& positions, const at::Tensor& cos_t,
+                                                  const at::Tensor& sin_t, bool interleaved) {
+  check_kv(kv, k_pe, N, positions, cos_t, sin_t);
+  const int64_t T = kv.size(0), H = kv.size(1), R = k_pe.size(1), V = kv.size(2) - N;
+  auto k_rope = rope_rotate_ref(k_pe.unsqueeze(1), positions, cos_t, sin_t, interleaved);  // [T, 1, R]
+  auto k = torch::cat({kv.narrow(-1, 0, N), k_rope.expand({T, H, R})}, -1);                // [T, H, N+R]
+  return {k, kv.narrow(-1, N, V).contiguous()};                                            // [T, H, V]
+}
+
+bool mla_rope_q_uses_kernel(const at::Tensor& qs, int64_t N) {
+#ifdef KILN_CUDA
+  const int64_t n = vec_elems(qs);
+  return qs.is_cuda() && n > 0 && qs.dim() == 3 && N >= 0 && N < qs.size(2) && N % n == 0 &&
+         (qs.size(2) - N) % (2 * n) == 0 && vector_ready(qs, n);
+#else
+  (void)qs;
+  (void)N;
+  return false;
+#endif
+}
+
+bool mla_rope_kv_uses_kernel(const at::Tensor& kv, const at::Tensor& k_pe, int64_t N) {
+#ifdef KILN_CUDA
+  const int64_t n = vec_elems(kv);
+  return kv.is_cuda() && n > 0 && kv.dim() == 3 && k_pe.dim() == 2 && k_pe.scalar_type() == kv.scalar_type() &&
+         N >= 0 && N < kv.size(2) && N % n == 0 && (kv.size(2) - N) % n == 0 && k_pe.size(1) % (2 * n) == 0 &&
+         vector_ready(kv, n) && vector_ready(k_pe, n);
+#else
+  (void)kv;
+  (void)k_pe;
+  (void)N;
+  return false;
+#endif
+}
+
+at::Tensor mla_rope_q(const at::Tensor& qs, int64_t N, const at::Tensor& positions, const at::Tensor& cos_t,
+                      const at::Tensor& sin_t, bool interleaved) {
+  check_q(qs, N, positions, cos_t, sin_t);
+#ifdef KILN_CUDA
+  if (mla_rope_q_uses_kernel(qs, N))
+    return MlaRopeQ::apply(qs, N, positions.contiguous(), cos_t.contiguous(), sin_t.contiguous(), interleaved);
+#endif
+  return mla_rope_q_ref(qs, N, positions, cos_t, sin_t, interleaved);
+}
+
+std::pair<at::Tensor, at::Tensor> mla_rope_kv(const at::Tensor& kv, const at::Tensor& k_pe, int64_t N,
+                                              const at::Tensor& positions, const at::Tensor& cos_t,
+                                              const at::Tensor& sin_t, bool interleaved) {
+  check_kv(kv, k_pe, N, positions, cos_t, sin_t);
+#ifdef KILN_CUDA
+  if (mla_rope_kv_uses_kernel(kv, k_pe, N)) {
+    auto out = MlaRopeKV::apply(kv, k_pe, N, positions.contiguous(), cos_t.contiguous(), sin_t.contiguous(), interleaved);
+    return {out[0], out[1]};
+  }
+#endif
+  return mla_rope_kv_ref(kv, k_pe, N, positions, cos_t, sin_t, interleaved);
+}
+
+}  // namespace kiln::kernels

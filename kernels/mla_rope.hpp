@@ -1,0 +1,54 @@
+#pragma once
+// MLA's attention inputs in training (DeepSeek-V2, arXiv:2405.04434 §2.1.3; transformers'
+// Glm4MoeLiteAttention): the query is q_b's output with RoPE on the last R dims of each head,
+// the key is kv_b's no-position part of each head with the one shared rope key k_pe appended
+// (rotated, the same for every head), the value is the rest of kv_b's output.
+//
+// Legend: T tokens, H heads, N no-position dims (qk_nope_head_dim), R rope dims (qk_rope_head_dim,
+// even), V value dims, P rows of the cos/sin tables (positions 0 .. P-1).
+//
+//   mla_rope_q(qs [T, H, N+R])               -> q [T, H, N+R]   = [qs[..., :N] | rope(qs[..., N:])]
+//   mla_rope_kv(kv [T, H, N+V], k_pe [T, R]) -> k [T, H, N+R]   = [kv[..., :N] | rope(k_pe) per head],
+//                                               v [T, H, V]     = kv[..., N:]
+//
+// The rotation is kernels::rope_rotate's (tables' rows at `positions`, every product and sum
+// rounded to the dtype), so q and k have the bits of the LibTorch composite that the reference
+// below computes, and of the rollout engine's rope (model::apply_rope_cached). Both ops are
+// differentiable in their tensor inputs. On CUDA (bf16, fp16 or fp32; last dims contiguous,
+// data and row/head strides on 16-byte boundaries; N, V multiples of 16 bytes' elements, R of
+// twice that) each runs one kernel forward and q one, kv two backward (kernels/mla_rope.cu):
+// where autograd through the composite ran ~70 small kernels per layer (the rotation's
+// products, two concatenations, the value copy, and for every narrow view a zero-filled
+// gradient, a copy and an add). The backward computes in fp32 and rounds once (the reference's
+// autograd rounds after each op): gradients agree within a rounding step of the dtype, not bit
+// for bit. A position outside [0, P) reads row 0 or P - 1 in the kernels (the reference refuses
+// it): callers size the tables from the largest position (model::rope_table).
+// Throws c10::Error on shapes, dtypes or devices that disagree, naming them.
+#include <ATen/core/Tensor.h>
+
+#include <utility>
+
+namespace kiln::kernels {
+
+/// qs [T, H, N+R] (last dim contiguous, any row and head strides), nope_dim N, positions [T]
+/// int64, cos_table and sin_table [P, R/2] (qs's dtype) -> q [T, H, N+R] contiguous.
+at::Tensor mla_rope_q(const at::Tensor& qs, int64_t nope_dim, const at::Tensor& positions, const at::Tensor& cos_table,
+                      const at::Tensor& sin_table, bool interleaved);
+/// kv [T, H, N+V], k_pe [T, R] (last dims contiguous), nope_dim N, positions and tables as
+/// mla_rope_q's -> {k [T, H, N+R], v [T, H, V]}, both contiguous.
+std::pair<at::Tensor, at::Tensor> mla_rope_kv(const at::Tensor& kv, const at::Tensor& k_pe, int64_t nope_dim,
+                                              const at::Tensor& positions, const at::Tensor& cos_table,
+                                              const at::Tensor& sin_table, bool interleaved);
+
+/// LibTorch references (rope_rotate_ref and concatenations), differentiable through autograd.
+at::Tensor mla_rope_q_ref(const at::Tensor& qs, int64_t nope_dim, const at::Tensor& positions,
+                          const at::Tensor& cos_table, const at::Tensor& sin_table, bool interleaved);
+std::pair<at::Tensor, at::Tensor> mla_rope_kv_ref(const at::Tensor& kv, const at::Tensor& k_pe, int64_t nope_dim,
+                                                  const at::Tensor& positions, const at::Tensor& cos_table,
+                                                  const at::Tensor& sin_table, bool interleaved);
+
+/// True when mla_rope_q / mla_rope_kv run the kernels for these inputs (else the references).
+bool mla_rope_q_uses_kernel(const at::Tensor& qs, int64_t nope_dim);
+bool mla_rope_kv_uses_kernel(const at::Tensor& kv, const at::Tensor& k_pe, int64_t nope_dim);
+
+}  // namespace kiln::kernels

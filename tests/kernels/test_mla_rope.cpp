@@ -1,0 +1,153 @@
+// mla_rope_q / mla_rope_kv (kernels/mla_rope.hpp): on CPU the references against the rotation
+// written out in fp64 (interleaved and half-split pairs), their gradients through autograd, and
+// what they refuse; on a GPU the kernels against the references: the forward bit for bit, the
+// gradients against an fp64 reference, at GLM-4.7-Flash's widths and at small shapes, from
+// strided views, in bf16, fp16 and fp32.
+#include <doctest/doctest.h>
+#include <torch/torch.h>
+
+#include "kernels/mla_rope.hpp"
+#include "model/blocks/basic.hpp"
+#include "tests/kernels/kernel_test_util.hpp"
+
+using namespace kiln;
+using kiln::test::skip_without_cuda_kernels;
+
+namespace {
+// x [T, H, R] rotated in fp64 by angle pos * theta^(-2i/R) of pair i.
+torch::Tensor rotate_f64(const torch::Tensor& x, const torch::Tensor& pos, double theta, bool interleaved) {
+  const int64_t R = x.size(-1);
+  auto xd = x.to(torch::kFloat64);
+  auto inv = 1.0 / torch::pow(theta, torch::arange(0, R, 2, torch::kFloat64) / double(R));      // [R/2]
+  auto ang = pos.to(torch::kFloat64).unsqueeze(-1) * inv;                                        // [T, R/2]
+  auto c = ang.cos().unsqueeze(1), s = ang.sin().unsqueeze(1);                                   // [T, 1, R/2]
+  torch::Tensor x0, x1;
+  if (interleaved) {
+    auto p = xd.unflatten(-1, {R / 2, 2});
+    x0 = p.select(-1, 0), x1 = p.select(-1, 1);
+    return torch::stack({x0 * c - x1 * s, x1 * c + x0 * s}, -1).flatten(-2);
+  }
+  x0 = xd.narrow(-1, 0, R / 2), x1 = xd.narrow(-1, R / 2, R / 2);
+  return torch::cat({x0 * c - x1 * s, x1 * c + x0 * s}, -1);
+}
+
+// max |a - b| over max |b|: the error against the largest value's scale.
+double rel_max(const torch::Tensor& a, const torch::Tensor& b) {
+  auto bd = b.to(torch::kFloat64);
+  return ((a.to(torch::kFloat64) - bd).abs().max() / bd.abs().max().clamp_min(1e-30)).item<double>();
+}
+}  // namespace
+
+TEST_CASE("mla_rope_q and mla_rope_kv references: the query's and keys' rope, the value split, and their gradients") {
+  torch::manual_seed(21);
+  const int64_t T = 7, H = 3, N = 4, R = 6, V = 5;
+  auto pos = torch::tensor({0, 1, 2, 0, 1, 5, 3}, torch::kInt64);
+  for (bool interleaved : {true, false}) {
+    INFO("interleaved " << interleaved);
+    const auto t = model::rope_table(8, R, 10000.0, torch::kFloat32, torch::kCPU);
+    auto qs = torch::randn({T, H, N + R}).requires_grad_();
+    auto q = kernels::mla_rope_q(qs, N, pos, t.cos, t.sin, interleaved);
+    CHECK(q.sizes() == torch::IntArrayRef({T, H, N + R}));
+    CHECK(torch::equal(q.narrow(-1, 0, N), qs.narrow(-1, 0, N)));
+    CHECK(rel_max(q.narrow(-1, N, R), rotate_f64(qs.detach().narrow(-1, N, R), pos, 10000.0, interleaved)) < 1e-5);
+
+    auto kv = torch::randn({T, H, N + V}).requires_grad_(), k_pe = torch::randn({T, R}).requires_grad_();
+    auto [k, v] = kernels::mla_rope_kv(kv, k_pe, N, pos, t.cos, t.sin, interleaved);
+    CHECK(k.sizes() == torch::IntArrayRef({T, H, N + R}));
+    CHECK(torch::equal(k.narrow(-1, 0, N), kv.narrow(-1, 0, N)));
+    CHECK(torch::equal(v, kv.narrow(-1, N, V)));
+    auto want = rotate_f64(k_pe.detach().unsqueeze(1), pos, 10000.0, interleaved).expand({T, H, R});
+    CHECK(rel_max(k.narrow(-1, N, R), want) < 1e-5);
+    CHECK_FALSE(kernels::mla_rope_q_uses_kernel(qs, N));  // CPU: the references
+    CHECK_FALSE(kernels::mla_rope_kv_uses_kernel(kv, k_pe, N));
+
+    // Gradients: the rotation's transpose, and k_pe's summed over the heads.
+    auto dq = torch::randn({T, H, N + R}), dk = torch::randn({T, H, N + R}), dv = torch::randn({T, H, V});
+    torch::autograd::backward({q, k, v}, {dq, dk, dv});
+    CHECK(torch::equal(qs.grad().narrow(-1, 0, N), dq.narrow(-1, 0, N)));
+    auto back = [&](const torch::Tensor& g) { return rotate_f64(g, -pos, 10000.0, interleaved); };  // R(-a) = R(a)^T
+    CHECK(rel_max(qs.grad().narrow(-1, N, R), back(dq.narrow(-1, N, R))) < 1e-5);
+    CHECK(torch::equal(kv.grad().narrow(-1, 0, N), dk.narrow(-1, 0, N)));
+    CHECK(torch::equal(kv.grad().narrow(-1, N, V), dv));
+    CHECK(rel_max(k_pe.grad(), back(dk.narrow(-1, N, R).sum(1, true)).squeeze(1)) < 1e-5);
+  }
+}
+
+TEST_CASE("mla_rope_q and mla_rope_kv refuse shapes, dtypes and devices that disagree, naming them") {
+  const auto t = model::rope_table(8, 4, 10000.0, torch::kFloat32, torch::kCPU);
+  auto pos = torch::zeros({5}, torch::kInt64);
+  CHECK_THROWS_WITH_AS(kernels::mla_rope_q(torch::randn({5, 2, 7}), 4, pos, t.cos, t.sin, true),
+                       doctest::Contains("even R > 0"), c10::Error);
+  CHECK_THROWS_WITH_AS(kernels::mla_rope_q(torch::randn({5, 2, 8}), 8, pos, t.cos, t.sin, true),
+                       doctest::Contains("N = 8"), c10::Error);
+  CHECK_THROWS_WITH_AS(kernels::mla_rope_q(torch::randn({5, 2, 8}), 4, torch::zeros({4}, torch::kInt64), t.cos, t.sin, true),
+                       doctest::Contains("positions must be [T] int64 with T = 5"), c10::Error);
+  CHECK_THROWS_WITH_AS(kernels::mla_rope_q(torch::randn({5, 2, 10}), 4, pos, t.cos, t.sin, true),
+                       doctest::Contains("R = 6"), c10::Error);
+  CHECK_THROWS_WITH_AS(kernels::mla_rope_q(torch::randn({5, 2, 8}, torch::kFloat64), 4, pos, t.cos, t.sin, true),
+                       doctest::Contains("must have the input's dtype"), c10::Error);
+  CHECK_THROWS_WITH_AS(kernels::mla_rope_kv(torch::randn({5, 2, 8}), torch::randn({4, 4}), 4, pos, t.cos, t.sin, true),
+                       doctest::Contains("k_pe [T, R]"), c10::Error);
+  CHECK_THROWS_WITH_AS(
+      kernels::mla_rope_kv(torch::randn({5, 2, 8}), torch::randn({5, 4}, torch::kFloat64), 4, pos, t.cos, t.sin, true),
+      doctest::Contains("must have kv's dtype"), c10::Error);
+}
+
+TEST_CASE("CUDA: mla_rope_q and mla_rope_kv kernels give the references' bits, and gradients within a rounding step") {
+  if (skip_without_cuda_kernels()) return;
+  torch::manual_seed(22);
+  const torch::Device dev(torch::kCUDA);
+  struct Shape {
+    int64_t T, H, N, R, V, C;
+  };
+  // GLM-4.7-Flash's attention (kv_lora 512 ahead of the rope key in kv_a's output), and a small one.
+  for (const Shape& sh : {Shape{1500, 20, 192, 64, 256, 512}, Shape{3, 2, 16, 32, 8, 24}})
+    for (auto dtype : {torch::kBFloat16, torch::kHalf, torch::kFloat32})
+      for (bool interleaved : {true, false}) {
+        INFO("T " << sh.T << " H " << sh.H << " dtype " << dtype << " interleaved " << interleaved);
+        auto opt = torch::TensorOptions().dtype(dtype).device(dev);
+        const auto t = model::rope_table(2048, sh.R, 1e6, dtype, dev);
+        auto pos = torch::randint(0, 2048, {sh.T}, opt.dtype(torch::kInt64));
+        // Strided views, as MLA hands them over: qs of q_b's output rows, kv of kv_b's, k_pe the
+        // tail of kv_a's [T, C+R] output.
+        auto qs = torch::randn({sh.T, sh.H * (sh.N + sh.R)}, opt).view({sh.T, sh.H, sh.N + sh.R});
+        auto kv = torch::randn({sh.T, sh.H, sh.N + sh.V}, opt);
+        auto ckv = torch::randn({sh.T, sh.C + sh.R}, opt);
+        auto k_pe = ckv.narrow(-1, sh.C, sh.R);
+        REQUIRE(kernels::mla_rope_q_uses_kernel(qs, sh.N));
+        REQUIRE(kernels::mla_rope_kv_uses_kernel(kv, k_pe, sh.N));
+        auto leaf = [](const torch::Tensor& x) { return x.detach().clone().requires_grad_(); };
+        auto qs1 = leaf(qs), kv1 = leaf(kv), ckv1 = leaf(ckv);
+        auto qs2 = leaf(qs), kv2 = leaf(kv), ckv2 = leaf(ckv);
+        auto q1 = kernels::mla_rope_q(qs1, sh.N, pos, t.cos, t.sin, interleaved);
+        auto kv_out1 = kernels::mla_rope_kv(kv1, ckv1.narrow(-1, sh.C, sh.R), sh.N, pos, t.cos, t.sin, interleaved);
+        auto q2 = kernels::mla_rope_q_ref(qs2, sh.N, pos, t.cos, t.sin, interleaved);
+        auto kv_out2 = kernels::mla_rope_kv_ref(kv2, ckv2.narrow(-1, sh.C, sh.R), sh.N, pos, t.cos, t.sin, interleaved);
+        CHECK(torch::equal(q1, q2));
+        CHECK(torch::equal(kv_out1.first, kv_out2.first));
+        CHECK(torch::equal(kv_out1.second, kv_out2.second));
+        CHECK(q1.is_contiguous());
+        CHECK(kv_out1.first.is_contiguous());
+        CHECK(kv_out1.second.is_contiguous());
+
+        auto dq = torch::randn_like(q1), dk = torch::randn_like(kv_out1.first), dv = torch::randn_like(kv_out1.second);
+        torch::autograd::backward({q1, kv_out1.first, kv_out1.second}, {dq, dk, dv});
+        torch::autograd::backward({q2, kv_out2.first, kv_out2.second}, {dq, dk, dv});
+        // fp64 reference gradients: the same tables' values, autograd through the reference.
+        auto d64 = torch::TensorOptions().dtype(torch::kFloat64).device(dev);
+        auto qs3 = qs.to(d64).requires_grad_(), kv3 = kv.to(d64).requires_grad_(), ckv3 = ckv.to(d64).requires_grad_();
+        auto c64 = t.cos.to(torch::kFloat64), s64 = t.sin.to(torch::kFloat64);
+        auto q3 = kernels::mla_rope_q_ref(qs3, sh.N, pos, c64, s64, interleaved);
+        auto kv_out3 = kernels::mla_rope_kv_ref(kv3, ckv3.narrow(-1, sh.C, sh.R), sh.N, pos, c64, s64, interleaved);
+        torch::autograd::backward({q3, kv_out3.first, kv_out3.second},
+                                  {dq.to(torch::kFloat64), dk.to(torch::kFloat64), dv.to(torch::kFloat64)});
+        // One rounding step of the largest value: 2^-8 (bf16), 2^-11 (fp16); fp32's sums over heads ~1e-6.
+        const double tol = dtype == torch::kBFloat16 ? 1.0 / 256 : dtype == torch::kHalf ? 1.0 / 2048 : 1e-5;
+        CHECK(rel_max(qs1.grad(), qs3.grad()) <= tol);
+        CHECK(rel_max(kv1.grad(), kv3.grad()) <= tol);
+        CHECK(rel_max(ckv1.grad(), ckv3.grad()) <= tol);
+        MESSAGE("k_pe gradient vs fp64: kernel " << rel_max(ckv1.grad(), ckv3.grad()) << ", autograd in the dtype "
+                                                 << rel_max(ckv2.grad(), ckv3.grad()));
+        CHECK(torch::equal(kv1.grad().narrow(-1, sh.N, sh.V), dv));  // the value's gradient untouched
+      }
+}
