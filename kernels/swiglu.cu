@@ -29,33 +29,43 @@ __device__ __forceinline__ float silu_grad_f(float dy, float x) {
   return dy * s * (1.f + x * (1.f - s));
 }
 
+// Row r of gate, up, dy and the outputs at r * its row stride (elements): one layout for the
+// packed [M, 2F] projection (gate and up halves of one row) and for two separate [M, F] tensors.
 template <class T>
-__global__ void __launch_bounds__(kThreads) fwd(const T* __restrict__ gu, T* __restrict__ out, int64_t n_vec,
+struct Rows {
+  const T* g;
+  const T* u;
+  int64_t gs, us;
+};
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) fwd(Rows<T> in, T* __restrict__ out, int64_t os, int64_t n_vec,
                                                 int64_t F) {
   const int64_t fv = F / kVec;
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n_vec; i += int64_t(gridDim.x) * kThreads) {
     const int64_t r = i / fv, c = (i % fv) * kVec;
-    const Vec<T> g = *reinterpret_cast<const Vec<T>*>(gu + r * 2 * F + c);
-    const Vec<T> u = *reinterpret_cast<const Vec<T>*>(gu + r * 2 * F + F + c);
+    const Vec<T> g = *reinterpret_cast<const Vec<T>*>(in.g + r * in.gs + c);
+    const Vec<T> u = *reinterpret_cast<const Vec<T>*>(in.u + r * in.us + c);
     Vec<T> o;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       const T s = from_f<T>(silu_f(to_f(g.v[j])));  // torch.silu, rounded
       o.v[j] = from_f<T>(to_f(s) * to_f(u.v[j]));   // * up, rounded
     }
-    *reinterpret_cast<Vec<T>*>(out + r * F + c) = o;
+    *reinterpret_cast<Vec<T>*>(out + r * os + c) = o;
   }
 }
 
 template <class T>
-__global__ void __launch_bounds__(kThreads) bwd(const T* __restrict__ gu, const T* __restrict__ dy,
-                                                T* __restrict__ dgu, int64_t n_vec, int64_t F) {
+__global__ void __launch_bounds__(kThreads) bwd(Rows<T> in, const T* __restrict__ dy, int64_t dys,
+                                                T* __restrict__ dg_out, int64_t dgs, T* __restrict__ du_out,
+                                                int64_t dus, int64_t n_vec, int64_t F) {
   const int64_t fv = F / kVec;
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n_vec; i += int64_t(gridDim.x) * kThreads) {
     const int64_t r = i / fv, c = (i % fv) * kVec;
-    const Vec<T> g = *reinterpret_cast<const Vec<T>*>(gu + r * 2 * F + c);
-    const Vec<T> u = *reinterpret_cast<const Vec<T>*>(gu + r * 2 * F + F + c);
-    const Vec<T> d = *reinterpret_cast<const Vec<T>*>(dy + r * F + c);
+    const Vec<T> g = *reinterpret_cast<const Vec<T>*>(in.g + r * in.gs + c);
+    const Vec<T> u = *reinterpret_cast<const Vec<T>*>(in.u + r * in.us + c);
+    const Vec<T> d = *reinterpret_cast<const Vec<T>*>(dy + r * dys + c);
     Vec<T> dg, du;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
@@ -65,8 +75,8 @@ __global__ void __launch_bounds__(kThreads) bwd(const T* __restrict__ gu, const 
       const T ds = from_f<T>(dyv * to_f(u.v[j]));                // d silu = dy * up
       dg.v[j] = from_f<T>(silu_grad_f(to_f(ds), x));             // d gate
     }
-    *reinterpret_cast<Vec<T>*>(dgu + r * 2 * F + c) = dg;
-    *reinterpret_cast<Vec<T>*>(dgu + r * 2 * F + F + c) = du;
+    *reinterpret_cast<Vec<T>*>(dg_out + r * dgs + c) = dg;
+    *reinterpret_cast<Vec<T>*>(du_out + r * dus + c) = du;
   }
 }
 
@@ -83,32 +93,58 @@ void dispatch(at::ScalarType t, F f) {
 }
 }  // namespace
 
-void swiglu_packed_forward(const at::Tensor& gu, at::Tensor& out) {
-  const c10::cuda::CUDAGuard guard(gu.device());
-  const int64_t M = gu.size(0), F = gu.size(1) / 2, n_vec = M * F / kVec;
-  TORCH_CHECK(F % kVec == 0, "swiglu_packed_forward: F = ", F, " is not a multiple of ", kVec);
+namespace {
+template <class T>
+Rows<T> rows_of(const at::Tensor& g, const at::Tensor& u) {
+  return Rows<T>{static_cast<const T*>(g.data_ptr()), static_cast<const T*>(u.data_ptr()), g.stride(0), u.stride(0)};
+}
+
+// gate, up [M, F] views (last dim contiguous); out [M, F].
+void forward(const at::Tensor& g, const at::Tensor& u, at::Tensor& out) {
+  const c10::cuda::CUDAGuard guard(g.device());
+  const int64_t M = g.size(0), F = g.size(1), n_vec = M * F / kVec;
+  TORCH_CHECK(F % kVec == 0, "swiglu kernels: F = ", F, " is not a multiple of ", kVec);
   auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch(gu.scalar_type(), [&](auto tag) {
+  dispatch(g.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    fwd<T><<<blocks_for(n_vec), kThreads, 0, stream>>>(static_cast<const T*>(gu.data_ptr()),
-                                                       static_cast<T*>(out.data_ptr()), n_vec, F);
+    fwd<T><<<blocks_for(n_vec), kThreads, 0, stream>>>(rows_of<T>(g, u), static_cast<T*>(out.data_ptr()),
+                                                       out.stride(0), n_vec, F);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void swiglu_packed_backward(const at::Tensor& gu, const at::Tensor& dy, at::Tensor& dgu) {
-  const c10::cuda::CUDAGuard guard(gu.device());
-  const int64_t M = gu.size(0), F = gu.size(1) / 2, n_vec = M * F / kVec;
-  TORCH_CHECK(F % kVec == 0 && dy.size(0) == M && dy.size(1) == F, "swiglu_packed_backward: dy ", dy.sizes(),
-              " for gu ", gu.sizes());
+void backward(const at::Tensor& g, const at::Tensor& u, const at::Tensor& dy, at::Tensor& dg, at::Tensor& du) {
+  const c10::cuda::CUDAGuard guard(g.device());
+  const int64_t M = g.size(0), F = g.size(1), n_vec = M * F / kVec;
+  TORCH_CHECK(F % kVec == 0 && dy.size(0) == M && dy.size(1) == F, "swiglu kernels: dy ", dy.sizes(), " for gate ",
+              g.sizes());
   auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch(gu.scalar_type(), [&](auto tag) {
+  dispatch(g.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    bwd<T><<<blocks_for(n_vec), kThreads, 0, stream>>>(static_cast<const T*>(gu.data_ptr()),
-                                                       static_cast<const T*>(dy.data_ptr()),
-                                                       static_cast<T*>(dgu.data_ptr()), n_vec, F);
+    bwd<T><<<blocks_for(n_vec), kThreads, 0, stream>>>(rows_of<T>(g, u), static_cast<const T*>(dy.data_ptr()),
+                                                       dy.stride(0), static_cast<T*>(dg.data_ptr()), dg.stride(0),
+                                                       static_cast<T*>(du.data_ptr()), du.stride(0), n_vec, F);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+}  // namespace
+
+void swiglu_packed_forward(const at::Tensor& gu, at::Tensor& out) {
+  const int64_t F = gu.size(1) / 2;
+  forward(gu.narrow(1, 0, F), gu.narrow(1, F, F), out);
+}
+
+void swiglu_packed_backward(const at::Tensor& gu, const at::Tensor& dy, at::Tensor& dgu) {
+  const int64_t F = gu.size(1) / 2;
+  auto dg = dgu.narrow(1, 0, F), du = dgu.narrow(1, F, F);
+  backward(gu.narrow(1, 0, F), gu.narrow(1, F, F), dy, dg, du);
+}
+
+void swiglu_pair_forward(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out) { forward(gate, up, out); }
+
+void swiglu_pair_backward(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& dy, at::Tensor& dgate,
+                          at::Tensor& dup) {
+  backward(gate, up, dy, dgate, dup);
 }
 
 }  // namespace kiln::kernels::cuda

@@ -28,4 +28,15 @@ at::Tensor swiglu_packed_ref(const at::Tensor& gu_M2F, std::optional<double> swi
 /// True when swiglu_packed runs the kernels for this input.
 bool swiglu_packed_uses_kernel(const at::Tensor& gu_M2F, std::optional<double> swiglu_limit = std::nullopt);
 
+/// kernels::swiglu(gate, up, limit) over two [M, F] tensors (the dense MLPs' and shared experts'
+/// separate gate and up projections) by the same kernels, rows read at their strides: one pass
+/// each way (autograd ran silu and mul, and backward two muls and silu_backward). Differentiable
+/// in both; the backward writes d gate and d up, each [M, F] contiguous. Kernel conditions as
+/// swiglu_packed's (CUDA bf16/fp16, no limit, F % 8 == 0, last dims contiguous, rows on 16-byte
+/// boundaries), else kernels::swiglu. Throws c10::Error when gate and up differ in shape.
+at::Tensor swiglu_pair(const at::Tensor& gate_MF, const at::Tensor& up_MF, std::optional<double> swiglu_limit = std::nullopt);
+/// True when swiglu_pair runs the kernels for these inputs.
+bool swiglu_pair_uses_kernel(const at::Tensor& gate_MF, const at::Tensor& up_MF,
+                             std::optional<double> swiglu_limit = std::nullopt);
+
 }  // namespace kiln::kernels

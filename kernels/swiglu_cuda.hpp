@@ -7,4 +7,10 @@ namespace kiln::kernels::cuda {
 void swiglu_packed_forward(const at::Tensor& gu, at::Tensor& out);
 /// gu [M, 2F], dy [M, F] (gu's dtype, contiguous) -> dgu [M, 2F] (contiguous).
 void swiglu_packed_backward(const at::Tensor& gu, const at::Tensor& dy, at::Tensor& dgu);
+/// gate, up [M, F] (gate's dtype, contiguous rows, row strides and data on 16-byte boundaries),
+/// F % 8 == 0 -> out [M, F] contiguous.
+void swiglu_pair_forward(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out);
+/// gate, up, dy [M, F] as above -> dgate, dup [M, F] contiguous.
+void swiglu_pair_backward(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& dy, at::Tensor& dgate,
+                          at::Tensor& dup);
 }  // namespace kiln::kernels::cuda

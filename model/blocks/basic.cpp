@@ -5,6 +5,7 @@
 #include "kernels/moe.hpp"
 #include "kernels/rms_norm.hpp"
 #include "kernels/rope.hpp"
+#include "kernels/swiglu.hpp"
 
 #include <map>
 #include <mutex>
@@ -124,7 +125,7 @@ torch::Tensor unsplit_linear(const torch::Tensor& x, const torch::Tensor& w) {
 
 torch::Tensor SwiGLUImpl::forward(const torch::Tensor& x) {
   if (!batch_invariant_)
-    return unsplit_linear(kernels::swiglu(unsplit_linear(x, gate->weight), unsplit_linear(x, up->weight), limit_),
+    return unsplit_linear(kernels::swiglu_pair(unsplit_linear(x, gate->weight), unsplit_linear(x, up->weight), limit_),
                           down->weight);
   if (limit_)
     throw std::invalid_argument("SwiGLU: the batch-invariant mode has no clamped SwiGLU (swiglu_limit " +

@@ -72,3 +72,47 @@ TEST_CASE("CUDA: swiglu_packed kernels equal the reference within one 16-bit rou
   CHECK_FALSE(kernels::swiglu_packed_uses_kernel(gu.to(torch::kFloat32)));
   CHECK(torch::equal(kernels::swiglu_packed(gu, 7.0), kernels::swiglu_packed_ref(gu, 7.0)));
 }
+
+TEST_CASE("swiglu_pair: silu(gate) * up of two tensors, differentiable in both, and what it refuses") {
+  torch::manual_seed(13);
+  auto gate = torch::randn({5, 8}).requires_grad_(), up = torch::randn({5, 8}).requires_grad_();
+  auto y = kernels::swiglu_pair(gate, up);
+  CHECK(torch::equal(y, kernels::swiglu(gate, up)));
+  auto dy = torch::randn({5, 8});
+  y.backward(dy);
+  auto g = gate.detach(), sig = torch::sigmoid(g);
+  CHECK(torch::allclose(gate.grad(), dy * up.detach() * sig * (1 + g * (1 - sig)), 1e-5, 1e-6));
+  CHECK(torch::allclose(up.grad(), dy * g * sig, 1e-5, 1e-6));
+  CHECK_FALSE(kernels::swiglu_pair_uses_kernel(gate, up));  // CPU: kernels::swiglu
+  CHECK(torch::equal(kernels::swiglu_pair(g, up.detach(), 0.5), kernels::swiglu(g, up.detach(), 0.5)));
+  CHECK_THROWS_WITH_AS(kernels::swiglu_pair(torch::randn({5, 8}), torch::randn({5, 4})),
+                       doctest::Contains("gate [5, 8] and up [5, 4] differ"), c10::Error);
+}
+
+TEST_CASE("CUDA: swiglu_pair kernels equal kernels::swiglu within one 16-bit rounding step, from strided rows too") {
+  if (skip_without_cuda_kernels()) return;
+  torch::manual_seed(14);
+  const torch::Device dev(torch::kCUDA);
+  for (auto dtype : {torch::kBFloat16, torch::kHalf})
+    for (auto [M, F] : {std::pair<int64_t, int64_t>{1, 8}, {37, 64}, {8192, 10240}}) {
+      auto opt = torch::TensorOptions().dtype(dtype).device(dev);
+      // gate contiguous, up a column block of a wider tensor (rows at a stride)
+      auto gate = (2 * torch::randn({M, F}, opt)).requires_grad_();
+      auto wide = (2 * torch::randn({M, F + 16}, opt)).requires_grad_();
+      auto up = wide.narrow(1, 16, F);
+      REQUIRE(kernels::swiglu_pair_uses_kernel(gate, up));
+      auto gate_ref = gate.detach().clone().requires_grad_(), up_ref = up.detach().clone().requires_grad_();
+      auto dy = torch::randn({M, F}, opt);
+      auto y = kernels::swiglu_pair(gate, up), y_ref = kernels::swiglu(gate_ref, up_ref);
+      y.backward(dy);
+      y_ref.backward(dy);
+      INFO("dtype " << dtype << " M " << M << " F " << F);
+      CHECK(max_steps(y, y_ref) <= 1.0);
+      CHECK(max_steps(gate.grad(), gate_ref.grad()) <= 1.0);
+      CHECK(max_steps(wide.grad().narrow(1, 16, F), up_ref.grad()) <= 1.0);
+      CHECK(torch::equal(wide.grad().narrow(1, 0, 16), torch::zeros({M, 16}, opt)));
+      const double same = torch::eq(y, y_ref).to(torch::kFloat64).mean().item<double>();
+      INFO("equal output elements " << same);
+      CHECK(same >= 0.999);
+    }
+}
