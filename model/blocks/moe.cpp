@@ -86,6 +86,12 @@ struct GatherRows : public torch::autograd::Function<GatherRows> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto inverse = ctx->get_saved_variables()[0];
     const int64_t group = ctx->saved_data["group"].toInt(), rows = ctx->saved_data["rows"].toInt();
+    if (group > 1 && grads[0].is_cuda()) {
+      // A row's `group` reads summed in fp32 by the combine kernel with unit weights: one pass
+      // where the gather and the sum over them ran two.
+      auto ones = at::ones({rows, group}, grads[0].options().dtype(torch::kFloat32));
+      return {kernels::moe_combine(grads[0], inverse, ones), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    }
     auto g = grads[0].index_select(0, inverse);  // [rows*group, D]
     if (group > 1) g = g.view({rows, group, g.size(1)}).sum(1);
     return {g, torch::Tensor(), torch::Tensor(), torch::Tensor()};

@@ -113,6 +113,11 @@ TEST_CASE("CUDA: moe_combine kernel equals the reference within its fp32 sum's r
       auto scale = want.to(torch::kFloat32).abs().max().item<float>();
       INFO("dtype " << dtype << " T " << T << " err " << err << " of " << scale);
       CHECK(err <= scale * (dtype == torch::kBFloat16 ? 1.0f / 128 : 1e-6f));
+      // The same rows from an address off a 16-byte boundary take the element-wise kernel: the
+      // same bits as the 16-byte one (the rollout engine's combine and the trainer's agree).
+      auto flat = torch::empty({T * K * D + 1}, rows.options());
+      auto shifted = flat.narrow(0, 1, T * K * D).view({T * K, D}).copy_(rows);
+      CHECK(torch::equal(kernels::moe_combine(shifted, perm, w), got));
     }
 }
 
