@@ -6,6 +6,8 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <type_traits>
 #include <c10/cuda/CUDAException.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -92,6 +94,90 @@ __global__ void __launch_bounds__(kThreads) rms_norm_bwd(RmsNormParams p) {
   for (int64_t i = threadIdx.x; i < p.dim; i += kThreads) p.dw[blockIdx.x * p.dim + i] = dw_acc[i];
 }
 
+// The backward with a warp per row: each lane holds VPL 16-byte vectors of the row (x, dy and
+// its columns of w in registers, loaded once), so a row is read once, its dot product is a
+// warp reduction (no block barrier per row), and each lane accumulates dw for its own columns
+// in registers over the warp's rows. At the end the block's warps add their dw in warp order
+// (the same sums on every run) and the block writes one partial row, as rms_norm_bwd does.
+// The first kernel read 2-byte elements twice per row and took ~64 us for 8192 x 2048 bf16 on
+// the H200, ~2.5x its bytes at the copy rate.
+template <class T>
+struct alignas(16) NVec {
+  static constexpr int n = 16 / sizeof(T);
+  T v[n];
+};
+
+template <class T, int VPL>
+__global__ void __launch_bounds__(kThreads) rms_norm_bwd_warp(RmsNormParams p) {
+  constexpr int n = NVec<T>::n, kWarpsB = kThreads / 32;
+  extern __shared__ float acc[];  // [dim]
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int nvec = int(p.dim / n);
+  NVec<T> wv[VPL];
+  float dw[VPL][n];
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) {
+    const int v = lane + 32 * j;
+    if (v < nvec) wv[j] = *reinterpret_cast<const NVec<T>*>(static_cast<const T*>(p.w) + int64_t(v) * n);
+#pragma unroll
+    for (int e = 0; e < n; ++e) dw[j][e] = 0.f;
+  }
+  for (int64_t row = int64_t(blockIdx.x) * kWarpsB + warp; row < p.rows; row += int64_t(gridDim.x) * kWarpsB) {
+    const T* x = static_cast<const T*>(p.x) + row * p.dim;
+    const T* dy = static_cast<const T*>(p.dy) + row * p.dim;
+    T* dx = static_cast<T*>(p.y) + row * p.dim;
+    NVec<T> xv[VPL], gv[VPL];
+#pragma unroll
+    for (int j = 0; j < VPL; ++j) {
+      const int v = lane + 32 * j;
+      if (v < nvec) {
+        xv[j] = *reinterpret_cast<const NVec<T>*>(x + int64_t(v) * n);
+        gv[j] = *reinterpret_cast<const NVec<T>*>(dy + int64_t(v) * n);
+      }
+    }
+    const float rstd = p.rstd[row];
+    float dot = 0.f;  // sum(dn * n)
+#pragma unroll
+    for (int j = 0; j < VPL; ++j)
+      if (lane + 32 * j < nvec)
+#pragma unroll
+        for (int e = 0; e < n; ++e) {
+          const float nn = to_f(xv[j].v[e]) * rstd, g = to_f(gv[j].v[e]);
+          dot += g * to_f(wv[j].v[e]) * nn;
+          dw[j][e] += g * nn;
+        }
+    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    const float mean_dot = dot / float(p.dim);
+#pragma unroll
+    for (int j = 0; j < VPL; ++j) {
+      const int v = lane + 32 * j;
+      if (v < nvec) {
+        NVec<T> o;
+#pragma unroll
+        for (int e = 0; e < n; ++e) {
+          const float nn = to_f(xv[j].v[e]) * rstd;
+          o.v[e] = from_f<T>(rstd * (to_f(gv[j].v[e]) * to_f(wv[j].v[e]) - nn * mean_dot));
+        }
+        *reinterpret_cast<NVec<T>*>(dx + int64_t(v) * n) = o;
+      }
+    }
+  }
+  for (int64_t i = threadIdx.x; i < p.dim; i += kThreads) acc[i] = 0.f;
+  __syncthreads();
+  for (int w = 0; w < kWarpsB; ++w) {  // warp order: the same sums on every run
+    if (warp == w)
+#pragma unroll
+      for (int j = 0; j < VPL; ++j) {
+        const int v = lane + 32 * j;
+        if (v < nvec)
+#pragma unroll
+          for (int e = 0; e < n; ++e) acc[v * n + e] += dw[j][e];
+      }
+    __syncthreads();
+  }
+  for (int64_t i = threadIdx.x; i < p.dim; i += kThreads) p.dw[blockIdx.x * p.dim + i] = acc[i];
+}
+
 template <class F>
 void dispatch(at::ScalarType t, F f) {
   switch (t) {
@@ -122,11 +208,37 @@ void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tens
   const size_t smem = size_t(x.size(1)) * sizeof(float);
   TORCH_CHECK(smem <= 48 * 1024, "rms_norm backward: D = ", x.size(1), " over the kernel's limit of 12288");
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  // The warp-per-row kernel: rows of at most 8 vectors a lane, every tensor on a 16-byte boundary.
+  const int64_t elem = int64_t(x.element_size()), D = x.size(1);
+  const int64_t vpl = (D * elem) % 16 == 0 ? (D * elem / 16 + 31) / 32 : 0;
+  auto aligned = [](const at::Tensor& t) { return reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0; };
+  if (vpl >= 1 && vpl <= 8 && aligned(x) && aligned(dy) && aligned(w) && aligned(dx)) {
+    const int64_t blocks = std::min<int64_t>((x.size(0) + kThreads / 32 - 1) / (kThreads / 32), 2 * int64_t(sms));
+    auto partial = at::empty({blocks, D}, x.options().dtype(at::kFloat));  // [blocks, D]
+    RmsNormParams p{x.data_ptr(), w.data_ptr(), dy.data_ptr(), dx.data_ptr(), rstd.data_ptr<float>(),
+                    partial.data_ptr<float>(), x.size(0), D, 0.f};
+    dispatch(x.scalar_type(), [&](auto tag) {
+      using T = decltype(tag);
+      auto launch = [&](auto vc) {
+        rms_norm_bwd_warp<T, decltype(vc)::value><<<unsigned(blocks), kThreads, smem, stream>>>(p);
+      };
+      switch (vpl) {
+        case 1: launch(std::integral_constant<int, 1>{}); break;
+        case 2: launch(std::integral_constant<int, 2>{}); break;
+        case 3: launch(std::integral_constant<int, 3>{}); break;
+        case 4: launch(std::integral_constant<int, 4>{}); break;
+        default: launch(std::integral_constant<int, 8>{}); break;  // 5..8: the masked lanes skip
+      }
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    at::sum_out(dw_fp32, partial, {0});
+    return;
+  }
   const int64_t blocks = std::min<int64_t>(x.size(0), 4 * int64_t(sms));
   auto partial = at::empty({blocks, x.size(1)}, x.options().dtype(at::kFloat));  // [blocks, D]
   RmsNormParams p{x.data_ptr(), w.data_ptr(), dy.data_ptr(), dx.data_ptr(), rstd.data_ptr<float>(),
                   partial.data_ptr<float>(), x.size(0), x.size(1), 0.f};
-  auto stream = at::cuda::getCurrentCUDAStream();
   dispatch(x.scalar_type(), [&](auto tag) {
     rms_norm_bwd<decltype(tag)><<<unsigned(blocks), kThreads, smem, stream>>>(p);
   });

@@ -39,7 +39,7 @@ TEST_CASE("RMSNorm CUDA kernel equals the reference, values and gradients") {
   if (test::skip_without_cuda_kernels()) return;
   torch::manual_seed(1);
   for (auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat16}) {
-    for (int64_t dim : {64, 512, 2048, 7168}) {
+    for (int64_t dim : {64, 512, 768, 2048, 7168}) {
       CAPTURE(dtype);
       CAPTURE(dim);
       auto x = torch::randn({333, dim}, torch::kCUDA).to(dtype);
