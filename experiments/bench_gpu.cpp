@@ -1,6 +1,7 @@
 #include "experiments/bench_gpu.hpp"
 #include "messaging/stopwatch.hpp"
 
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #ifdef KILN_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -112,6 +114,23 @@ int run_gpu_bench(const GpuBenchOptions& o) {
     std::printf("kiln bench gpu --profile: %lld layers, %lld tokens in %lld documents: forward+backward %.4f s "
                 "(median, unprofiled), %.0f tokens/s; profiled one more\n",
                 (long long)o.layers, (long long)o.tokens, (long long)o.docs, fb, double(o.tokens) / fb);
+    return 0;
+  }
+  if (!o.trace_path.empty()) {  // one forward+backward under Kineto, as a Chrome trace
+    namespace prof = torch::autograd::profiler;
+    using torch::profiler::impl::ActivityType;
+    const torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+    const std::set<ActivityType> activities{ActivityType::CPU, ActivityType::CUDA};
+    torch::cuda::synchronize();
+    prof::prepareProfiler(config, activities);
+    prof::enableProfiler(config, activities);
+    forward_backward();
+    torch::cuda::synchronize();
+    prof::disableProfiler()->save(o.trace_path);
+    std::printf("kiln bench gpu --trace: %lld layers, %lld tokens in %lld documents: forward+backward %.4f s "
+                "(median, untraced), %.0f tokens/s; one more traced into %s\n",
+                (long long)o.layers, (long long)o.tokens, (long long)o.docs, fb, double(o.tokens) / fb,
+                o.trace_path.c_str());
     return 0;
   }
   // The same with activation checkpointing per layer (algorithm.activation_checkpointing): the

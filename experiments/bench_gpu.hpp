@@ -16,7 +16,10 @@
 //    tokens/s) again with the batch-invariant kernels on both sides (algorithm.true_on_policy),
 //    and that mode's train/rollout log-prob abs diff (0 expected), beside the default's.
 // With profile: only the forward+backward, then one more between cudaProfilerStart and
-// cudaProfilerStop (for `ncu --profile-from-start off`), and nothing else.
+// cudaProfilerStop (for `ncu --profile-from-start off`), and nothing else. With trace_path: only
+// the forward+backward, then one more under LibTorch's Kineto profiler (CPU ops and CUDA
+// kernels), written there as a Chrome trace (tests/bench/trace_gaps.py reads where the GPU
+// waits for the host), and nothing else.
 // Prints a table, and with json_path writes every number as JSON (used by
 // experiments/bench_gpu_vs_transformers.py, which runs transformers on the same shapes).
 // Also writes the model's HF config.json to config_dir when set.
@@ -36,6 +39,7 @@ struct GpuBenchOptions {
   bool true_on_policy = false;  ///< also train and rollout in the true on-policy mode (docs/gpu.md)
   bool profile = false;  ///< after timing forward+backward, run one more inside cudaProfilerStart/Stop and stop there
   std::string json_path, config_dir;
+  std::string trace_path;  ///< after timing forward+backward, write one more's Kineto trace here and stop
 };
 
 int run_gpu_bench(const GpuBenchOptions& options);

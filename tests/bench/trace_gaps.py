@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""Where the GPU waits for the host, from a Kineto Chrome trace (`kiln bench gpu --trace FILE`,
+or torch.profiler's export_chrome_trace).
+
+Usage: python3 trace_gaps.py FILE.json [--top N] [--min-us US]
+
+The GPU's work is the union of its kernel, memcpy and memset intervals; an idle interval between
+two of them of at least --min-us is a gap. Each gap is charged to the CPU op that launched the
+work ending it (the kernel's launch call matched by correlation id, then the innermost and the
+outermost `cpu_op` around that call on its thread). Prints the span, busy and idle time, the
+launches, then the gaps' time summed by launching op (innermost and outermost), largest first,
+and the longest single gaps.
+"""
+
+import argparse
+import bisect
+import collections
+import json
+import sys
+
+GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("file")
+    ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--min-us", type=float, default=2.0)
+    a = ap.parse_args()
+    if a.top < 1 or a.min_us < 0:
+        ap.error(f"--top {a.top} must be >= 1 and --min-us {a.min_us} >= 0")
+    try:
+        with open(a.file) as fh:
+            doc = json.load(fh)
+    except (OSError, ValueError) as e:
+        sys.exit(f"trace_gaps: cannot read {a.file} as a JSON trace: {e}")
+    events = doc.get("traceEvents") if isinstance(doc, dict) else doc
+    if not isinstance(events, list):
+        sys.exit(f"trace_gaps: {a.file} has no traceEvents list")
+    gpu, launch, ops = [], {}, collections.defaultdict(list)
+    for e in events:
+        if not isinstance(e, dict) or e.get("ph") != "X" or "ts" not in e:
+            continue
+        cat, ts, dur = e.get("cat", ""), float(e["ts"]), float(e.get("dur", 0))
+        corr = (e.get("args") or {}).get("correlation")
+        if cat in GPU_CATS:
+            gpu.append((ts, ts + dur, corr, e.get("name", "?")))
+        elif cat == "cuda_runtime" and corr is not None:
+            launch[corr] = (e.get("tid"), ts)
+        elif cat == "cpu_op":
+            ops[e.get("tid")].append((ts, ts + dur, e.get("name", "?")))
+    if not gpu:
+        sys.exit(f"trace_gaps: no GPU kernels in {a.file} (traced without CUDA activities?)")
+    gpu.sort()
+    for tid in ops:
+        ops[tid].sort()
+    starts = {tid: [o[0] for o in v] for tid, v in ops.items()}
+
+    def enclosing(tid, ts):
+        """(innermost, outermost) cpu_op names around ts on thread tid."""
+        v = ops.get(tid, [])
+        i = bisect.bisect_right(starts.get(tid, []), ts)
+        around = [o for o in v[max(0, i - 400):i] if o[1] >= ts]
+        if not around:
+            return "(no cpu_op)", "(no cpu_op)"
+        inner = max(around, key=lambda o: o[0])
+        outer = min(around, key=lambda o: o[0])
+        return inner[2], outer[2]
+
+    span = gpu[-1][1] - gpu[0][0]
+    busy, idle, end = 0.0, 0.0, gpu[0][0]
+    by_inner, by_outer, gaps = collections.Counter(), collections.Counter(), []
+    for s, t, corr, name in gpu:
+        if s > end:
+            g = s - end
+            idle += g
+            if g >= a.min_us:
+                tid, lts = launch.get(corr, (None, None))
+                inner, outer = enclosing(tid, lts) if tid is not None else ("(launch not traced)",) * 2
+                by_inner[inner] += g
+                by_outer[outer] += g
+                gaps.append((g, inner, outer, name))
+        busy += max(0.0, t - max(s, end))
+        end = max(end, t)
+    print(f"GPU span {span / 1e3:.2f} ms: busy {busy / 1e3:.2f} ms, idle {idle / 1e3:.2f} ms "
+          f"({100 * idle / span:.1f}%), {len(gpu)} kernels/copies, {len(gaps)} gaps >= {a.min_us} us")
+    print("\nidle time by the op that launched the work after it (innermost cpu_op):")
+    for k, v in by_inner.most_common(a.top):
+        print(f"  {v:9.1f} us  {k[:100]}")
+    print("\nidle time by the outermost cpu_op around that launch:")
+    for k, v in by_outer.most_common(a.top):
+        print(f"  {v:9.1f} us  {k[:100]}")
+    print("\nlongest gaps:")
+    for g, inner, outer, name in sorted(gaps, reverse=True)[: a.top]:
+        print(f"  {g:9.1f} us  before {name[:60]}  (launched in {inner[:50]} / {outer[:40]})")
+
+
+if __name__ == "__main__":
+    main()
