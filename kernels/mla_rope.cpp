@@ -148,8 +148,9 @@ std::pair<at::Tensor, at::Tensor> mla_rope_kv_ref(const at::Tensor& kv, const at
 bool mla_rope_q_uses_kernel(const at::Tensor& qs, int64_t N) {
 #ifdef KILN_CUDA
   const int64_t n = vec_elems(qs);
+  // A row's vectors are one block's threads (kernels/mla_rope.cu), the heads a grid dimension.
   return qs.is_cuda() && n > 0 && qs.dim() == 3 && N >= 0 && N < qs.size(2) && N % n == 0 &&
-         (qs.size(2) - N) % (2 * n) == 0 && vector_ready(qs, n);
+         (qs.size(2) - N) % (2 * n) == 0 && qs.size(2) / n <= 1024 && qs.size(1) <= 65535 && vector_ready(qs, n);
 #else
   (void)qs;
   (void)N;
@@ -162,7 +163,7 @@ bool mla_rope_kv_uses_kernel(const at::Tensor& kv, const at::Tensor& k_pe, int64
   const int64_t n = vec_elems(kv);
   return kv.is_cuda() && n > 0 && kv.dim() == 3 && k_pe.dim() == 2 && k_pe.scalar_type() == kv.scalar_type() &&
          N >= 0 && N < kv.size(2) && N % n == 0 && (kv.size(2) - N) % n == 0 && k_pe.size(1) % (2 * n) == 0 &&
-         vector_ready(kv, n) && vector_ready(k_pe, n);
+         (kv.size(2) + k_pe.size(1)) / n <= 1024 && kv.size(1) <= 65535 && vector_ready(kv, n) && vector_ready(k_pe, n);
 #else
   (void)kv;
   (void)k_pe;

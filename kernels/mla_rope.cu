@@ -99,76 +99,74 @@ __device__ __forceinline__ void widen(const Vec<T>& a, float* f) {
   for (int e = 0; e < Vec<T>::n; ++e) f[e] = to_f(a.v[e]);
 }
 
+// The row kernels below run on a grid of (token blocks, heads) with blocks of (vectors of a
+// row) x (tokens): thread (v, y) of block (b, h) handles vector v of token b * blockDim.y + y,
+// head h. No index is divided (64-bit division is emulated, 32-bit costs ~20 instructions: with
+// one 16-byte vector a thread, a grid-stride loop with divisions held these copies near half
+// the H200's copy rate).
+
 // out [T*H, N+R] contiguous from in (row t, head h at t*st + h*sh): vpr vectors a row, the
 // first nv of them copied.
-template <class T, bool kTranspose, class I>
-__global__ void __launch_bounds__(kThreads) rope_q_kernel(const T* __restrict__ in, int64_t st, int64_t sh,
-                                                          T* __restrict__ out, Rope<T> r, I n_vec, I H, I vpr,
-                                                          int nv) {
+template <class T, bool kTranspose>
+__global__ void rope_q_kernel(const T* __restrict__ in, int64_t st, int64_t sh, T* __restrict__ out, Rope<T> r,
+                              int64_t T_, int nv) {
   constexpr int n = Vec<T>::n;
-  for (I i = I(blockIdx.x) * kThreads + threadIdx.x; i < n_vec; i += I(gridDim.x) * kThreads) {
-    const I row = i / vpr, t = row / H, h = row - t * H;
-    const int v = int(i - row * vpr);
-    const T* src = in + int64_t(t) * st + int64_t(h) * sh;
-    T* dst = out + int64_t(row) * vpr * n + int64_t(v) * n;
-    if (v < nv) {
-      store(dst, load(src + v * n));
-      continue;
-    }
-    const int j = (v - nv) * n;
-    const T* rope = src + nv * n;
-    float x[n], xp[n];
-    widen(load(rope + j), x);
-    if (!r.interleaved) widen(load(rope + r.partner(j)), xp);
-    const int64_t o = r.row(t);
-    store(dst, rotate<T, kTranspose>(x, xp, j, r.cos + o, r.sin + o, r));
+  const int64_t t = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (t >= T_) return;
+  const int h = blockIdx.y, H = gridDim.y, v = threadIdx.x, vpr = blockDim.x;
+  const T* src = in + t * st + h * sh;
+  T* dst = out + ((t * H + h) * vpr + v) * n;
+  if (v < nv) {
+    store(dst, load(src + v * n));
+    return;
   }
+  const int j = (v - nv) * n;
+  const T* rope = src + nv * n;
+  float x[n], xp[n];
+  widen(load(rope + j), x);
+  if (!r.interleaved) widen(load(rope + r.partner(j)), xp);
+  const int64_t o = r.row(t);
+  store(dst, rotate<T, kTranspose>(x, xp, j, r.cos + o, r.sin + o, r));
 }
 
 // k [T*H, N+R] and v [T*H, V] contiguous from kv (row t, head h at t*st + h*sh; nope then
 // value) and k_pe (row t at t*pst): nv + rv + vv vectors a (t, h).
-template <class T, class I>
-__global__ void __launch_bounds__(kThreads) rope_kv_forward(const T* __restrict__ kv, int64_t st, int64_t sh,
-                                                            const T* __restrict__ kpe, int64_t pst, T* __restrict__ k,
-                                                            T* __restrict__ vout, Rope<T> r, I n_vec, I H, int nv,
-                                                            int rv, int vv) {
+template <class T>
+__global__ void rope_kv_forward(const T* __restrict__ kv, int64_t st, int64_t sh, const T* __restrict__ kpe,
+                                int64_t pst, T* __restrict__ k, T* __restrict__ vout, Rope<T> r, int64_t T_, int nv,
+                                int rv) {
   constexpr int n = Vec<T>::n;
-  const I per = nv + rv + vv;
-  for (I i = I(blockIdx.x) * kThreads + threadIdx.x; i < n_vec; i += I(gridDim.x) * kThreads) {
-    const I row = i / per, t = row / H, h = row - t * H;
-    const int v = int(i - row * per);
-    const T* src = kv + int64_t(t) * st + int64_t(h) * sh;
-    if (v < nv) {
-      store(k + int64_t(row) * (nv + rv) * n + int64_t(v) * n, load(src + v * n));
-    } else if (v < nv + rv) {
-      const int j = (v - nv) * n;
-      const T* p = kpe + int64_t(t) * pst;
-      float x[n], xp[n];
-      widen(load(p + j), x);
-      if (!r.interleaved) widen(load(p + r.partner(j)), xp);
-      const int64_t o = r.row(t);
-      store(k + int64_t(row) * (nv + rv) * n + int64_t(v) * n, rotate<T, false>(x, xp, j, r.cos + o, r.sin + o, r));
-    } else {
-      const int w = v - nv - rv;
-      store(vout + int64_t(row) * vv * n + int64_t(w) * n, load(src + int64_t(nv + w) * n));
-    }
+  const int64_t t = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (t >= T_) return;
+  const int h = blockIdx.y, H = gridDim.y, v = threadIdx.x, vv = int(blockDim.x) - nv - rv;
+  const int64_t row = t * H + h;
+  const T* src = kv + t * st + h * sh;
+  if (v < nv) {
+    store(k + (row * (nv + rv) + v) * n, load(src + v * n));
+  } else if (v < nv + rv) {
+    const int j = (v - nv) * n;
+    const T* p = kpe + t * pst;
+    float x[n], xp[n];
+    widen(load(p + j), x);
+    if (!r.interleaved) widen(load(p + r.partner(j)), xp);
+    const int64_t o = r.row(t);
+    store(k + (row * (nv + rv) + v) * n, rotate<T, false>(x, xp, j, r.cos + o, r.sin + o, r));
+  } else {
+    const int w = v - nv - rv;
+    store(vout + (row * vv + w) * n, load(src + int64_t(nv + w) * n));
   }
 }
 
 // dkv [T*H, N+V] contiguous = [dk[..., :N] | dv]: nv + vv vectors a (t, h).
-template <class T, class I>
-__global__ void __launch_bounds__(kThreads) rope_kv_dkv(const T* __restrict__ dk, int64_t kst, int64_t ksh,
-                                                        const T* __restrict__ dv, int64_t vst, int64_t vsh,
-                                                        T* __restrict__ dkv, I n_vec, I H, int nv, int vv) {
+template <class T>
+__global__ void rope_kv_dkv(const T* __restrict__ dk, int64_t kst, int64_t ksh, const T* __restrict__ dv,
+                            int64_t vst, int64_t vsh, T* __restrict__ dkv, int64_t T_, int nv) {
   constexpr int n = Vec<T>::n;
-  const I per = nv + vv;
-  for (I i = I(blockIdx.x) * kThreads + threadIdx.x; i < n_vec; i += I(gridDim.x) * kThreads) {
-    const I row = i / per, t = row / H, h = row - t * H;
-    const int v = int(i - row * per);
-    const T* src = v < nv ? dk + int64_t(t) * kst + int64_t(h) * ksh + int64_t(v) * n
-                          : dv + int64_t(t) * vst + int64_t(h) * vsh + int64_t(v - nv) * n;
-    store(dkv + int64_t(row) * per * n + int64_t(v) * n, load(src));
-  }
+  const int64_t t = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (t >= T_) return;
+  const int h = blockIdx.y, H = gridDim.y, v = threadIdx.x, per = blockDim.x;
+  const T* src = v < nv ? dk + t * kst + h * ksh + int64_t(v) * n : dv + t * vst + h * vsh + int64_t(v - nv) * n;
+  store(dkv + ((t * H + h) * per + v) * n, load(src));
 }
 
 // dk_pe [T, R] = rotation^T(sum over h of dk[t, h, N:]) in fp32: one thread per (t, rope vector).
@@ -203,12 +201,13 @@ unsigned blocks_for(int64_t n_vec) {
   return unsigned(std::min<int64_t>(std::max<int64_t>(b, 1), int64_t(1) << 20));  // grid-stride beyond
 }
 
-// 32-bit index math when every vector index fits (64-bit division is emulated: it, not the
-// memory, bounded the first version of these copies), else 64-bit.
-template <class F>
-void with_index(int64_t n_vec, F f) {
-  if (n_vec + int64_t(kThreads) * (int64_t(1) << 20) < (int64_t(1) << 31)) f(uint32_t{});
-  else f(int64_t{});
+// Blocks of vpr x (tokens) threads, about 256 a block; a grid of (token blocks, H).
+struct RowGrid {
+  dim3 grid, block;
+};
+RowGrid row_grid(int64_t T, int64_t H, int vpr) {
+  const int ty = std::max(1, 256 / vpr);
+  return RowGrid{dim3(unsigned((T + ty - 1) / ty), unsigned(H)), dim3(unsigned(vpr), unsigned(ty))};
 }
 
 template <class F>
@@ -234,19 +233,14 @@ void mla_rope_q(const at::Tensor& in, int64_t nope_dim, const at::Tensor& positi
     using T = decltype(tag);
     constexpr int n = Vec<T>::n;
     const int H = int(in.size(1)), vpr = int(in.size(2) / n), nv = int(nope_dim / n);
-    const int64_t n_vec = in.size(0) * H * vpr;
     const auto r = rope_of<T>(positions, cos_table, sin_table, interleaved);
     const auto* src = static_cast<const T*>(in.data_ptr());
     auto* dst = static_cast<T*>(out.data_ptr());
-    with_index(n_vec, [&](auto idx) {
-      using I = decltype(idx);
-      if (inverse)
-        rope_q_kernel<T, true, I><<<blocks_for(n_vec), kThreads, 0, stream>>>(src, in.stride(0), in.stride(1), dst, r,
-                                                                              I(n_vec), I(H), I(vpr), nv);
-      else
-        rope_q_kernel<T, false, I><<<blocks_for(n_vec), kThreads, 0, stream>>>(src, in.stride(0), in.stride(1), dst,
-                                                                               r, I(n_vec), I(H), I(vpr), nv);
-    });
+    const auto g = row_grid(in.size(0), H, vpr);
+    if (inverse)
+      rope_q_kernel<T, true><<<g.grid, g.block, 0, stream>>>(src, in.stride(0), in.stride(1), dst, r, in.size(0), nv);
+    else
+      rope_q_kernel<T, false><<<g.grid, g.block, 0, stream>>>(src, in.stride(0), in.stride(1), dst, r, in.size(0), nv);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -260,14 +254,11 @@ void mla_rope_kv_forward(const at::Tensor& kv, const at::Tensor& k_pe, int64_t n
     using T = decltype(tag);
     constexpr int n = Vec<T>::n;
     const int H = int(kv.size(1)), nv = int(nope_dim / n), rv = int(k_pe.size(1) / n), vv = int(v.size(2) / n);
-    const int64_t n_vec = kv.size(0) * H * (nv + rv + vv);
-    with_index(n_vec, [&](auto idx) {
-      using I = decltype(idx);
-      rope_kv_forward<T, I><<<blocks_for(n_vec), kThreads, 0, stream>>>(
-          static_cast<const T*>(kv.data_ptr()), kv.stride(0), kv.stride(1), static_cast<const T*>(k_pe.data_ptr()),
-          k_pe.stride(0), static_cast<T*>(k.data_ptr()), static_cast<T*>(v.data_ptr()),
-          rope_of<T>(positions, cos_table, sin_table, interleaved), I(n_vec), I(H), nv, rv, vv);
-    });
+    const auto g = row_grid(kv.size(0), H, nv + rv + vv);
+    rope_kv_forward<T><<<g.grid, g.block, 0, stream>>>(
+        static_cast<const T*>(kv.data_ptr()), kv.stride(0), kv.stride(1), static_cast<const T*>(k_pe.data_ptr()),
+        k_pe.stride(0), static_cast<T*>(k.data_ptr()), static_cast<T*>(v.data_ptr()),
+        rope_of<T>(positions, cos_table, sin_table, interleaved), kv.size(0), nv, rv);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -281,13 +272,11 @@ void mla_rope_kv_backward(const at::Tensor& dk, const at::Tensor& dv, int64_t no
     using T = decltype(tag);
     constexpr int n = Vec<T>::n;
     const int H = int(dk.size(1)), nv = int(nope_dim / n), rv = int(dk_pe.size(1) / n), vv = int(dv.size(2) / n);
-    const int64_t T_ = dk.size(0), n_kv = T_ * H * (nv + vv), n_pe = T_ * rv;
-    with_index(n_kv, [&](auto idx) {
-      using I = decltype(idx);
-      rope_kv_dkv<T, I><<<blocks_for(n_kv), kThreads, 0, stream>>>(
-          static_cast<const T*>(dk.data_ptr()), dk.stride(0), dk.stride(1), static_cast<const T*>(dv.data_ptr()),
-          dv.stride(0), dv.stride(1), static_cast<T*>(dkv.data_ptr()), I(n_kv), I(H), nv, vv);
-    });
+    const int64_t T_ = dk.size(0), n_pe = T_ * rv;
+    const auto g = row_grid(T_, H, nv + vv);
+    rope_kv_dkv<T><<<g.grid, g.block, 0, stream>>>(static_cast<const T*>(dk.data_ptr()), dk.stride(0), dk.stride(1),
+                                                   static_cast<const T*>(dv.data_ptr()), dv.stride(0), dv.stride(1),
+                                                   static_cast<T*>(dkv.data_ptr()), T_, nv);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     rope_kv_dkpe<T><<<blocks_for(n_pe), kThreads, 0, stream>>>(static_cast<const T*>(dk.data_ptr()), dk.stride(0),
                                                                dk.stride(1), static_cast<T*>(dk_pe.data_ptr()),
