@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 #include <c10/cuda/CUDAException.h>
 #include <cuda_bf16.h>
@@ -178,6 +179,75 @@ __global__ void __launch_bounds__(kThreads) rms_norm_bwd_warp(RmsNormParams p) {
   for (int64_t i = threadIdx.x; i < p.dim; i += kThreads) p.dw[blockIdx.x * p.dim + i] = acc[i];
 }
 
+// The forward with a warp per row and the row in registers (16-byte loads, one read of x): the
+// same formula as rms_norm_fwd, its sum of squares added in another order (a lane's elements,
+// then the warp's lanes by shuffles). Rows are independent, so a row's bits do not depend on how
+// many rows share the launch (the rollout engine's and the trainer's agree).
+template <class T, int VPL>
+__global__ void __launch_bounds__(kThreads) rms_norm_fwd_warp(RmsNormParams p) {
+  constexpr int n = NVec<T>::n, kWarpsB = kThreads / 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int nvec = int(p.dim / n);
+  const int64_t row = int64_t(blockIdx.x) * kWarpsB + warp;
+  if (row >= p.rows) return;
+  const T* x = static_cast<const T*>(p.x) + row * p.dim;
+  T* y = static_cast<T*>(p.y) + row * p.dim;
+  NVec<T> xv[VPL];
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) {
+    const int v = lane + 32 * j;
+    if (v < nvec) {
+      xv[j] = *reinterpret_cast<const NVec<T>*>(x + int64_t(v) * n);
+#pragma unroll
+      for (int e = 0; e < n; ++e) {
+        const float f = to_f(xv[j].v[e]);
+        ss += f * f;
+      }
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  const float rstd = rsqrtf(ss / float(p.dim) + p.eps);
+  if (lane == 0) p.rstd[row] = rstd;
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) {
+    const int v = lane + 32 * j;
+    if (v < nvec) {
+      const NVec<T> wv = *reinterpret_cast<const NVec<T>*>(static_cast<const T*>(p.w) + int64_t(v) * n);
+      NVec<T> o;
+#pragma unroll
+      for (int e = 0; e < n; ++e) {
+        const T normed = from_f<T>(to_f(xv[j].v[e]) * rstd);  // rounded to x's dtype before the weight
+        o.v[e] = from_f<T>(to_f(wv.v[e]) * to_f(normed));
+      }
+      *reinterpret_cast<NVec<T>*>(y + int64_t(v) * n) = o;
+    }
+  }
+}
+
+// Vectors a lane for the warp kernels (rows of at most 8 a lane, every tensor on a 16-byte
+// boundary), 0 when the row takes the block kernels.
+int64_t warp_vectors_per_lane(std::initializer_list<const at::Tensor*> ts, int64_t D) {
+  const int64_t elem = int64_t(ts.begin()[0]->element_size());
+  if ((D * elem) % 16 != 0) return 0;
+  for (const auto* t : ts)
+    if (reinterpret_cast<std::uintptr_t>(t->data_ptr()) % 16 != 0) return 0;
+  const int64_t vpl = (D * elem / 16 + 31) / 32;
+  return vpl >= 1 && vpl <= 8 ? vpl : 0;
+}
+
+// Calls f(integral_constant<int, VPL>) with VPL the next size the warp kernels are built for.
+template <class F>
+void with_vpl(int64_t vpl, F f) {
+  switch (vpl) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;  // 5..8: the masked lanes skip
+  }
+}
+
 template <class F>
 void dispatch(at::ScalarType t, F f) {
   switch (t) {
@@ -195,6 +265,16 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& w, double eps, at::
                   x.size(0), x.size(1), float(eps)};
   if (p.rows == 0) return;
   auto stream = at::cuda::getCurrentCUDAStream();
+  if (const int64_t vpl = warp_vectors_per_lane({&x, &w, &y}, p.dim)) {
+    const int64_t blocks = (p.rows + kThreads / 32 - 1) / (kThreads / 32);
+    dispatch(x.scalar_type(), [&](auto tag) {
+      with_vpl(vpl, [&](auto vc) {
+        rms_norm_fwd_warp<decltype(tag), decltype(vc)::value><<<unsigned(blocks), kThreads, 0, stream>>>(p);
+      });
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
   dispatch(x.scalar_type(), [&](auto tag) {
     rms_norm_fwd<decltype(tag)><<<unsigned(p.rows), kThreads, 0, stream>>>(p);
   });
@@ -210,26 +290,16 @@ void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tens
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   auto stream = at::cuda::getCurrentCUDAStream();
   // The warp-per-row kernel: rows of at most 8 vectors a lane, every tensor on a 16-byte boundary.
-  const int64_t elem = int64_t(x.element_size()), D = x.size(1);
-  const int64_t vpl = (D * elem) % 16 == 0 ? (D * elem / 16 + 31) / 32 : 0;
-  auto aligned = [](const at::Tensor& t) { return reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0; };
-  if (vpl >= 1 && vpl <= 8 && aligned(x) && aligned(dy) && aligned(w) && aligned(dx)) {
+  const int64_t D = x.size(1);
+  if (const int64_t vpl = warp_vectors_per_lane({&x, &dy, &w, &dx}, D)) {
     const int64_t blocks = std::min<int64_t>((x.size(0) + kThreads / 32 - 1) / (kThreads / 32), 2 * int64_t(sms));
     auto partial = at::empty({blocks, D}, x.options().dtype(at::kFloat));  // [blocks, D]
     RmsNormParams p{x.data_ptr(), w.data_ptr(), dy.data_ptr(), dx.data_ptr(), rstd.data_ptr<float>(),
                     partial.data_ptr<float>(), x.size(0), D, 0.f};
     dispatch(x.scalar_type(), [&](auto tag) {
-      using T = decltype(tag);
-      auto launch = [&](auto vc) {
-        rms_norm_bwd_warp<T, decltype(vc)::value><<<unsigned(blocks), kThreads, smem, stream>>>(p);
-      };
-      switch (vpl) {
-        case 1: launch(std::integral_constant<int, 1>{}); break;
-        case 2: launch(std::integral_constant<int, 2>{}); break;
-        case 3: launch(std::integral_constant<int, 3>{}); break;
-        case 4: launch(std::integral_constant<int, 4>{}); break;
-        default: launch(std::integral_constant<int, 8>{}); break;  // 5..8: the masked lanes skip
-      }
+      with_vpl(vpl, [&](auto vc) {
+        rms_norm_bwd_warp<decltype(tag), decltype(vc)::value><<<unsigned(blocks), kThreads, smem, stream>>>(p);
+      });
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     at::sum_out(dw_fp32, partial, {0});
