@@ -134,6 +134,15 @@ torch::Tensor SwiGLUImpl::forward(const torch::Tensor& x) {
   return invariant_linear(act, down->weight);
 }
 
+torch::Tensor to_model_device(const torch::Tensor& t, torch::Device device, std::optional<torch::Dtype> dtype) {
+  auto src = dtype ? t.to(*dtype) : t;
+  if (src.device() == device) return src;
+  // Pinned: the copy is queued on the stream and the caching host allocator keeps the staging
+  // block until it has run.
+  if (src.is_cpu() && device.is_cuda()) return src.pin_memory().to(device, /*non_blocking=*/true);
+  return src.to(device);
+}
+
 PackedBatch PackedBatch::from_documents(const std::vector<std::vector<int64_t>>& docs) {
   if (docs.empty()) throw std::invalid_argument("PackedBatch: no documents");
   std::vector<int64_t> ids, pos, cu{0};

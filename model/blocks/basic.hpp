@@ -77,6 +77,14 @@ class SwiGLUImpl : public torch::nn::Module, public BatchInvariantSwitch {
 };
 TORCH_MODULE(SwiGLU);
 
+/// `t` on `device` (converted to `dtype` first, on its own device, when given) for a model's
+/// forward: from the host to a GPU staged through pinned memory and copied without blocking the
+/// host (a copy from pageable memory waits for the GPU's stream to drain, so the host could not
+/// queue the step's first kernels while the GPU still ran the previous step). Elsewhere
+/// Tensor::to.
+torch::Tensor to_model_device(const torch::Tensor& t, torch::Device device,
+                              std::optional<torch::Dtype> dtype = std::nullopt);
+
 /// Packed documents: T tokens of B documents back to back.
 struct PackedBatch {
   torch::Tensor input_ids;     ///< [T] int64

@@ -84,7 +84,7 @@ ForwardOutput Glm4MoeLiteModel::forward(const PackedBatch& batch, const ForwardO
   std::vector<torch::Tensor> ids;
   // Inputs may live on the host; the model's device decides (cu_seqlens stays on the host).
   const auto dev = embed->weight.device();
-  auto positions = batch.position_ids.to(dev);
+  auto positions = to_model_device(batch.position_ids, dev);
   // Document bounds on the device once (int32, FlashAttention's type), not once per layer:
   // a host->device copy from pageable memory waits for the stream.
   const auto cu_host = batch.cu_seqlens.to(torch::kCPU).contiguous();  // already on the host by contract
@@ -96,11 +96,12 @@ ForwardOutput Glm4MoeLiteModel::forward(const PackedBatch& batch, const ForwardO
   // gets a longer bound (read on the host, where the trainer packs its batches).
   if (T > 0) {
     const auto pos_host = batch.position_ids.to(torch::kCPU);
-    const int64_t lo = pos_host.min().item<int64_t>(), hi = pos_host.max().item<int64_t>();
+    const auto [lo_t, hi_t] = torch::aminmax(pos_host);
+    const int64_t lo = lo_t.item<int64_t>(), hi = hi_t.item<int64_t>();
     if (lo < 0) throw std::invalid_argument("position_ids must be >= 0, got " + std::to_string(lo));
     max_seqlen = std::max(max_seqlen, hi + 1);
   }
-  auto cu_dev = batch.cu_seqlens.to(dev, torch::kInt32);
+  auto cu_dev = to_model_device(batch.cu_seqlens, dev, torch::kInt32);
   std::optional<torch::Tensor> replay_all;
   if (options.replay_routed_experts) {
     // Expert ids in [0, E), checked once for every layer, where the ids live (on the host
@@ -108,9 +109,9 @@ ForwardOutput Glm4MoeLiteModel::forward(const PackedBatch& batch, const ForwardO
     const auto& r = *options.replay_routed_experts;
     if (r.numel() > 0 && (r.min().item<int64_t>() < 0 || r.max().item<int64_t>() >= config_.moe.num_experts))
       throw std::invalid_argument("replay_routed_experts must lie in [0, " + std::to_string(config_.moe.num_experts) + ")");
-    replay_all = r.to(dev, torch::kInt64);
+    replay_all = to_model_device(r, dev, torch::kInt64);
   }
-  auto x = embed(batch.input_ids.to(dev));  // [T, D]
+  auto x = embed(to_model_device(batch.input_ids, dev));  // [T, D]
   int64_t moe_index = 0, layer_index = 0;
   for (auto& layer : layers) {
     if (layer_hooks_) x = layer_hooks_->before_layer(layer_index, x);
