@@ -85,8 +85,7 @@ ForwardOutput Glm4MoeLiteModel::forward(const PackedBatch& batch, const ForwardO
   // Inputs may live on the host; the model's device decides (cu_seqlens stays on the host).
   const auto dev = embed->weight.device();
   auto positions = to_model_device(batch.position_ids, dev);
-  // Document bounds on the device once (int32, FlashAttention's type), not once per layer:
-  // a host->device copy from pageable memory waits for the stream.
+  // Document bounds on the device once (int32, FlashAttention's type), not once per layer.
   const auto cu_host = batch.cu_seqlens.to(torch::kCPU).contiguous();  // already on the host by contract
   const auto* cu = cu_host.data_ptr<int64_t>();
   int64_t max_seqlen = 0;

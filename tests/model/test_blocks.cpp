@@ -198,6 +198,20 @@ TEST_CASE("CUDA bf16: MLA's forward with the fused rope kernels gives the compos
   }
 }
 
+TEST_CASE("a packed batch's positions: a negative one is refused by name, one past its document still runs") {
+  glm4_moe_lite::Glm4MoeLiteModel model(glm4_moe_lite::flavors::debug());
+  auto batch = PackedBatch::from_documents({{1, 2, 3}, {4, 5}});
+  batch.position_ids = torch::tensor({0, 1, 2, 0, -1}, torch::kInt64);
+  CHECK_THROWS_WITH_AS(model.forward(batch), doctest::Contains("position_ids must be >= 0, got -1"),
+                       std::invalid_argument);
+  // Numbered past the longest document (a continued sequence): the rope's bound is the largest
+  // position + 1, not the document length (MLAImpl::forward).
+  batch.position_ids = torch::tensor({7, 8, 9, 0, 1}, torch::kInt64);
+  auto out = model.forward(batch);
+  CHECK(out.hidden.sizes() == torch::IntArrayRef({5, glm4_moe_lite::flavors::debug().hidden_size}));
+  CHECK(torch::isfinite(out.hidden).all().item<bool>());
+}
+
 TEST_CASE("the glm47_flash flavor has GLM-4.7-Flash's published dimensions") {
   auto c = glm4_moe_lite::flavors::glm47_flash();
   CHECK(c.attention.q_lora_rank.value() == 768);
