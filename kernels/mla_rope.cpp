@@ -61,11 +61,7 @@ bool vector_ready(const at::Tensor& t, int64_t n) {
   return true;
 }
 
-at::Tensor vector_ready_copy(const at::Tensor& t, int64_t n) {
-  if (vector_ready(t, n)) return t;
-  auto c = t.contiguous();
-  return aligned16(c) ? c : c.clone();
-}
+at::Tensor vector_ready_copy(const at::Tensor& t, int64_t n) { return vector_ready(t, n) ? t : aligned_contiguous(t); }
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
@@ -110,13 +106,9 @@ struct MlaRopeKV : public torch::autograd::Function<MlaRopeKV> {
     const int64_t N = ctx->saved_data["N"].toInt(), R = ctx->saved_data["R"].toInt(),
                   V = ctx->saved_data["V"].toInt(), n = vec_elems(s[1]);
     const auto dtype = s[1].scalar_type();
-    auto dk = grads[0], dv = grads[1];
-    // An output that took no part in the loss has no gradient: zeros of its shape.
-    const auto& given = dk.defined() ? dk : dv;
-    const int64_t T = given.size(0), H = given.size(1);
-    const auto opts = given.options().dtype(dtype);
-    dk = vector_ready_copy(dk.defined() ? dk.to(dtype) : at::zeros({T, H, N + R}, opts), n);
-    dv = vector_ready_copy(dv.defined() ? dv.to(dtype) : at::zeros({T, H, V}, opts), n);
+    // Autograd materializes the gradient of an output the loss did not use as zeros.
+    auto dk = vector_ready_copy(grads[0].to(dtype), n), dv = vector_ready_copy(grads[1].to(dtype), n);
+    const int64_t T = dk.size(0), H = dk.size(1);
     auto dkv = at::empty({T, H, N + V}, dk.options());
     auto dk_pe = at::empty({T, R}, dk.options());
     if (T * H > 0)
@@ -148,9 +140,10 @@ std::pair<at::Tensor, at::Tensor> mla_rope_kv_ref(const at::Tensor& kv, const at
 bool mla_rope_q_uses_kernel(const at::Tensor& qs, int64_t N) {
 #ifdef KILN_CUDA
   const int64_t n = vec_elems(qs);
-  // A row's vectors are one block's threads (kernels/mla_rope.cu), the heads a grid dimension.
+  // A row's vectors are one block's threads (at most 256: kernels/mla_rope.cu), the heads a grid
+  // dimension.
   return qs.is_cuda() && n > 0 && qs.dim() == 3 && N >= 0 && N < qs.size(2) && N % n == 0 &&
-         (qs.size(2) - N) % (2 * n) == 0 && qs.size(2) / n <= 1024 && qs.size(1) <= 65535 && vector_ready(qs, n);
+         (qs.size(2) - N) % (2 * n) == 0 && qs.size(2) / n <= 256 && qs.size(1) <= 65535 && vector_ready(qs, n);
 #else
   (void)qs;
   (void)N;
@@ -163,7 +156,7 @@ bool mla_rope_kv_uses_kernel(const at::Tensor& kv, const at::Tensor& k_pe, int64
   const int64_t n = vec_elems(kv);
   return kv.is_cuda() && n > 0 && kv.dim() == 3 && k_pe.dim() == 2 && k_pe.scalar_type() == kv.scalar_type() &&
          N >= 0 && N < kv.size(2) && N % n == 0 && (kv.size(2) - N) % n == 0 && k_pe.size(1) % (2 * n) == 0 &&
-         (kv.size(2) + k_pe.size(1)) / n <= 1024 && kv.size(1) <= 65535 && vector_ready(kv, n) && vector_ready(k_pe, n);
+         (kv.size(2) + k_pe.size(1)) / n <= 256 && kv.size(1) <= 65535 && vector_ready(kv, n) && vector_ready(k_pe, n);
 #else
   (void)kv;
   (void)k_pe;

@@ -108,7 +108,7 @@ __device__ __forceinline__ void widen(const Vec<T>& a, float* f) {
 // out [T*H, N+R] contiguous from in (row t, head h at t*st + h*sh): vpr vectors a row, the
 // first nv of them copied.
 template <class T, bool kTranspose>
-__global__ void rope_q_kernel(const T* __restrict__ in, int64_t st, int64_t sh, T* __restrict__ out, Rope<T> r,
+__global__ void __launch_bounds__(kThreads) rope_q_kernel(const T* __restrict__ in, int64_t st, int64_t sh, T* __restrict__ out, Rope<T> r,
                               int64_t T_, int nv) {
   constexpr int n = Vec<T>::n;
   const int64_t t = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
@@ -132,7 +132,7 @@ __global__ void rope_q_kernel(const T* __restrict__ in, int64_t st, int64_t sh, 
 // k [T*H, N+R] and v [T*H, V] contiguous from kv (row t, head h at t*st + h*sh; nope then
 // value) and k_pe (row t at t*pst): nv + rv + vv vectors a (t, h).
 template <class T>
-__global__ void rope_kv_forward(const T* __restrict__ kv, int64_t st, int64_t sh, const T* __restrict__ kpe,
+__global__ void __launch_bounds__(kThreads) rope_kv_forward(const T* __restrict__ kv, int64_t st, int64_t sh, const T* __restrict__ kpe,
                                 int64_t pst, T* __restrict__ k, T* __restrict__ vout, Rope<T> r, int64_t T_, int nv,
                                 int rv) {
   constexpr int n = Vec<T>::n;
@@ -159,7 +159,7 @@ __global__ void rope_kv_forward(const T* __restrict__ kv, int64_t st, int64_t sh
 
 // dkv [T*H, N+V] contiguous = [dk[..., :N] | dv]: nv + vv vectors a (t, h).
 template <class T>
-__global__ void rope_kv_dkv(const T* __restrict__ dk, int64_t kst, int64_t ksh, const T* __restrict__ dv,
+__global__ void __launch_bounds__(kThreads) rope_kv_dkv(const T* __restrict__ dk, int64_t kst, int64_t ksh, const T* __restrict__ dv,
                             int64_t vst, int64_t vsh, T* __restrict__ dkv, int64_t T_, int nv) {
   constexpr int n = Vec<T>::n;
   const int64_t t = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
@@ -201,12 +201,13 @@ unsigned blocks_for(int64_t n_vec) {
   return unsigned(std::min<int64_t>(std::max<int64_t>(b, 1), int64_t(1) << 20));  // grid-stride beyond
 }
 
-// Blocks of vpr x (tokens) threads, about 256 a block; a grid of (token blocks, H).
+// Blocks of vpr x (tokens) threads, at most kThreads (vpr <= kThreads: the callers' check); a
+// grid of (token blocks, H).
 struct RowGrid {
   dim3 grid, block;
 };
 RowGrid row_grid(int64_t T, int64_t H, int vpr) {
-  const int ty = std::max(1, 256 / vpr);
+  const int ty = std::max(1, kThreads / vpr);
   return RowGrid{dim3(unsigned((T + ty - 1) / ty), unsigned(H)), dim3(unsigned(vpr), unsigned(ty))};
 }
 

@@ -2,6 +2,8 @@
 
 #include <torch/torch.h>
 
+#include "kernels/alignment.hpp"
+
 #ifdef KILN_CUDA
 #include "kernels/rms_norm_cuda.hpp"
 #endif
@@ -47,7 +49,9 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x, const a
   check(x, w);
   if (!x.is_cuda()) return rms_norm_forward_ref(x, w, eps);
 #ifdef KILN_CUDA
-  auto xc = x.contiguous(), wc = w.contiguous();
+  // On 16-byte boundaries (a fresh copy when a view starts off one): which kernel runs, and so a
+  // row's bits, then depend on D alone (kernels/rms_norm.cu), not on where the row lies.
+  auto xc = aligned_contiguous(x), wc = aligned_contiguous(w);
   auto y = torch::empty_like(xc);
   auto rstd = torch::empty({x.size(0)}, x.options().dtype(at::kFloat));
   cuda::rms_norm_forward(xc, wc, eps, y, rstd);
@@ -62,7 +66,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& dy, const
   check(x, w);
   if (!x.is_cuda()) return rms_norm_backward_ref(dy, x, w, rstd);
 #ifdef KILN_CUDA
-  auto xc = x.contiguous(), wc = w.contiguous(), dyc = dy.contiguous();
+  auto xc = aligned_contiguous(x), wc = aligned_contiguous(w), dyc = aligned_contiguous(dy);
   auto dx = torch::empty_like(xc);
   auto dw = torch::empty({w.size(0)}, w.options().dtype(at::kFloat));  // written by the kernel's sum
   cuda::rms_norm_backward(dyc, xc, wc, rstd.contiguous(), dx, dw);

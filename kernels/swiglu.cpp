@@ -29,8 +29,7 @@ struct SwigluPacked : public torch::autograd::Function<SwigluPacked> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto gu = ctx->get_saved_variables()[0];
-    auto dy = grads[0].to(gu.scalar_type()).contiguous();
-    if (!aligned16(dy)) dy = dy.clone();  // the kernel's 16-byte loads
+    auto dy = aligned_contiguous(grads[0].to(gu.scalar_type()));  // the kernel's 16-byte loads
     auto dgu = at::empty_like(gu);
     if (dgu.numel() > 0) cuda::swiglu_packed_backward(gu, dy, dgu);
     return {dgu};
@@ -49,8 +48,7 @@ struct SwigluPair : public torch::autograd::Function<SwigluPair> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
-    auto dy = grads[0].to(s[0].scalar_type()).contiguous();
-    if (!aligned16(dy)) dy = dy.clone();  // the kernel's 16-byte loads
+    auto dy = aligned_contiguous(grads[0].to(s[0].scalar_type()));  // the kernel's 16-byte loads
     auto dgate = at::empty_like(s[0], at::MemoryFormat::Contiguous), dup = at::empty_like(s[1], at::MemoryFormat::Contiguous);
     if (dy.numel() > 0) cuda::swiglu_pair_backward(s[0], s[1], dy, dgate, dup);
     return {dgate, dup};

@@ -44,7 +44,7 @@ torch::Tensor MLAImpl::project(torch::nn::Linear& l, const torch::Tensor& x) {
 }
 
 torch::Tensor MLAImpl::forward(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cu_seqlens,
-                               int64_t max_seqlen) {
+                               int64_t max_seqlen, int64_t position_bound) {
   const int64_t T = x.size(0), H = o_.num_heads, N = o_.qk_nope_head_dim, R = o_.qk_rope_head_dim,
                 V = o_.v_head_dim, C = o_.kv_lora_rank;
   auto qs = (q_a ? project(q_b, q_a_norm(project(q_a, x))) : project(q, x)).view({T, H, N + R});  // [T, H, N+R]
@@ -55,11 +55,12 @@ torch::Tensor MLAImpl::forward(const torch::Tensor& x, const torch::Tensor& posi
   auto latent = kv_a_norm(ckv_parts[0]);                                                        // [T, C]
   auto kv = project(kv_b, latent).view({T, H, N + V});                                          // [T, H, N+V]
   torch::Tensor qf, k, v;
-  if (x.is_cuda() && max_seqlen > 0) {
+  const int64_t rope_rows = position_bound > 0 ? position_bound : max_seqlen;
+  if (x.is_cuda() && rope_rows > 0) {
     // The query's and keys' rope and the concatenations in one kernel each way
     // (kernels/mla_rope.hpp), the cos/sin rows from the table the rollout engine reads: the same
-    // bits as the composite below. Positions lie in [0, max_seqlen) (forward's contract).
-    const auto table = rope_table(max_seqlen, R, o_.rope_theta, x.scalar_type(), x.device());
+    // bits as the composite below. Positions lie in [0, rope_rows) (forward's contract).
+    const auto table = rope_table(rope_rows, R, o_.rope_theta, qs.scalar_type(), x.device());
     qf = kernels::mla_rope_q(qs, N, positions, table.cos, table.sin, o_.rope_interleave);               // [T, H, N+R]
     std::tie(k, v) = kernels::mla_rope_kv(kv, ckv_parts[1], N, positions, table.cos, table.sin,
                                           o_.rope_interleave);                                        // [T, H, N+R], [T, H, V]

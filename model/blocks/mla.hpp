@@ -99,10 +99,12 @@ class MLAImpl : public torch::nn::Module, public BatchInvariantSwitch {
  public:
   explicit MLAImpl(const MLAOptions& opt);
   /// x: [T, D], positions: [T] int64, cu_seqlens: [B+1] int64 -> [T, D]. max_seqlen: the
-  /// longest document, or 0 to read it off cu_seqlens; when given, every position must lie in
-  /// [0, max_seqlen) (on CUDA the rope reads rows of a table that long: model::rope_table).
+  /// longest document, or 0 to read it off cu_seqlens. position_bound: every position lies in
+  /// [0, position_bound) (0: in [0, max_seqlen), each document numbered from 0); on CUDA the
+  /// rope reads the rows of a cos/sin table that long (model::rope_table; with neither bound
+  /// known, the composite computes cos/sin per position).
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cu_seqlens,
-                        int64_t max_seqlen = 0);
+                        int64_t max_seqlen = 0, int64_t position_bound = 0);
 
   /// Incremental step against a paged latent cache, attention in latent space (DeepSeek-V2
   /// §2.1.2 weight absorption): kv_b's key half is absorbed into the query, its value half into

@@ -31,9 +31,9 @@ DecoderLayerImpl::DecoderLayerImpl(const Glm4MoeLiteConfig& c, int64_t index, Ex
 
 torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& positions,
                                         const torch::Tensor& cu_seqlens, int64_t max_seqlen,
-                                        const std::optional<torch::Tensor>& replay,
+                                        int64_t position_bound, const std::optional<torch::Tensor>& replay,
                                         torch::Tensor* expert_ids_out) {
-  auto h = x + attn(attn_norm(x), positions, cu_seqlens, max_seqlen);
+  auto h = x + attn(attn_norm(x), positions, cu_seqlens, max_seqlen, position_bound);
   auto y = mlp_norm(h);
   return h + (moe ? moe(y, replay, expert_ids_out, /*validate_replay=*/false) : mlp(y));  // checked in forward()
 }
@@ -90,15 +90,21 @@ ForwardOutput Glm4MoeLiteModel::forward(const PackedBatch& batch, const ForwardO
   const auto* cu = cu_host.data_ptr<int64_t>();
   int64_t max_seqlen = 0;
   for (int64_t b = 0; b + 1 < cu_host.size(0); ++b) max_seqlen = std::max(max_seqlen, cu[b + 1] - cu[b]);
-  // MLA's rope reads a table of max_seqlen rows on CUDA (MLAImpl::forward): every position must
-  // lie below it. PackedBatch numbers each document 0..len-1; a caller that numbers otherwise
-  // gets a longer bound (read on the host, where the trainer packs its batches).
+  // MLA's rope reads a cos/sin table of position_bound rows on CUDA (MLAImpl::forward): every
+  // position below it, and within the model's max_position_embeddings. Read on the host, where
+  // the trainer packs its batches (PackedBatch numbers each document 0..len-1; a continued
+  // sequence may start later).
+  int64_t position_bound = 0;
   if (T > 0) {
     const auto pos_host = batch.position_ids.to(torch::kCPU);
     const auto [lo_t, hi_t] = torch::aminmax(pos_host);
     const int64_t lo = lo_t.item<int64_t>(), hi = hi_t.item<int64_t>();
     if (lo < 0) throw std::invalid_argument("position_ids must be >= 0, got " + std::to_string(lo));
-    max_seqlen = std::max(max_seqlen, hi + 1);
+    if (hi >= config_.max_position_embeddings)
+      throw std::invalid_argument("position_ids must be < max_position_embeddings = " +
+                                  std::to_string(config_.max_position_embeddings) + " (config.json), got " +
+                                  std::to_string(hi));
+    position_bound = hi + 1;
   }
   auto cu_dev = to_model_device(batch.cu_seqlens, dev, torch::kInt32);
   std::optional<torch::Tensor> replay_all;
@@ -121,13 +127,15 @@ ForwardOutput Glm4MoeLiteModel::forward(const PackedBatch& batch, const ForwardO
     if (checkpoint_layers_) {  // the recomputation in the backward writes the same ids again
       auto out_ids = std::make_shared<torch::Tensor>();
       x = checkpointed(
-          [l = layer.ptr(), positions, cu_dev, max_seqlen, replay, out_ids, want_chosen](const torch::Tensor& in) {
-            return l->forward(in, positions, cu_dev, max_seqlen, replay, want_chosen ? out_ids.get() : nullptr);
+          [l = layer.ptr(), positions, cu_dev, max_seqlen, position_bound, replay, out_ids,
+           want_chosen](const torch::Tensor& in) {
+            return l->forward(in, positions, cu_dev, max_seqlen, position_bound, replay,
+                              want_chosen ? out_ids.get() : nullptr);
           },
           x);
       chosen = *out_ids;
     } else {
-      x = layer(x, positions, cu_dev, max_seqlen, replay, want_chosen ? &chosen : nullptr);
+      x = layer(x, positions, cu_dev, max_seqlen, position_bound, replay, want_chosen ? &chosen : nullptr);
     }
     if (layer_hooks_) x = layer_hooks_->after_layer(layer_index, x);
     ++layer_index;

@@ -19,9 +19,10 @@ class DecoderLayerImpl : public torch::nn::Module {
   /// `experts`: the routed experts a MoE layer holds (MoEImpl).
   DecoderLayerImpl(const Glm4MoeLiteConfig& c, int64_t index, ExpertSlice experts = {});
   /// x: [T, D] -> [T, D]. cu_seqlens [B+1] (any device, int32/int64), max_seqlen its longest
-  /// document (0: read off cu_seqlens). For MoE layers, replay/expert_ids_out as in MoEImpl::forward.
+  /// document (0: read off cu_seqlens), position_bound above every position (MLAImpl::forward).
+  /// For MoE layers, replay/expert_ids_out as in MoEImpl::forward.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cu_seqlens,
-                        int64_t max_seqlen, const std::optional<torch::Tensor>& replay_ids_TK,
+                        int64_t max_seqlen, int64_t position_bound, const std::optional<torch::Tensor>& replay_ids_TK,
                         torch::Tensor* expert_ids_out);
   /// Incremental step (MLAImpl::forward_cached); expert ids as in forward().
   torch::Tensor forward_cached(const torch::Tensor& x, const torch::Tensor& positions, const CachedLayout& layout,

@@ -93,6 +93,36 @@ TEST_CASE("mla_rope_q and mla_rope_kv refuse shapes, dtypes and devices that dis
       doctest::Contains("must have kv's dtype"), c10::Error);
 }
 
+TEST_CASE("CUDA: mla_rope kernels from padded head strides, and a loss that uses k alone") {
+  if (skip_without_cuda_kernels()) return;
+  torch::manual_seed(23);
+  const torch::Device dev(torch::kCUDA);
+  const int64_t T = 300, H = 4, N = 64, R = 32, V = 48;
+  auto opt = torch::TensorOptions().dtype(torch::kBFloat16).device(dev);
+  const auto t = model::rope_table(512, R, 1e4, torch::kBFloat16, dev);
+  auto pos = torch::randint(0, 512, {T}, opt.dtype(torch::kInt64));
+  // heads 8 elements apart beyond their width (head strides N+R+8 and N+V+8)
+  auto qs_wide = torch::randn({T, H, N + R + 8}, opt), kv_wide = torch::randn({T, H, N + V + 8}, opt);
+  auto qs = qs_wide.narrow(-1, 0, N + R);
+  auto k_pe = torch::randn({T, R}, opt);
+  REQUIRE(kernels::mla_rope_q_uses_kernel(qs, N));
+  REQUIRE(kernels::mla_rope_kv_uses_kernel(kv_wide.narrow(-1, 0, N + V), k_pe, N));
+  CHECK(torch::equal(kernels::mla_rope_q(qs, N, pos, t.cos, t.sin, true),
+                     kernels::mla_rope_q_ref(qs, N, pos, t.cos, t.sin, true)));
+  auto kvw1 = kv_wide.clone().requires_grad_(), kpe1 = k_pe.clone().requires_grad_();
+  auto kvw2 = kv_wide.clone().requires_grad_(), kpe2 = k_pe.clone().requires_grad_();
+  auto [k1, v1] = kernels::mla_rope_kv(kvw1.narrow(-1, 0, N + V), kpe1, N, pos, t.cos, t.sin, false);
+  auto [k2, v2] = kernels::mla_rope_kv_ref(kvw2.narrow(-1, 0, N + V), kpe2, N, pos, t.cos, t.sin, false);
+  CHECK(torch::equal(k1, k2));
+  CHECK(torch::equal(v1, v2));
+  auto dk = torch::randn_like(k1);
+  (k1.to(torch::kFloat32) * dk).sum().backward();  // v takes no part: its gradient is zeros
+  (k2.to(torch::kFloat32) * dk).sum().backward();
+  CHECK(torch::equal(kvw1.grad().narrow(-1, N, V + 8), torch::zeros({T, H, V + 8}, opt)));
+  CHECK(torch::equal(kvw1.grad().narrow(-1, 0, N), kvw2.grad().narrow(-1, 0, N)));
+  CHECK(rel_max(kpe1.grad(), kpe2.grad()) <= 1.0 / 128);
+}
+
 TEST_CASE("CUDA: mla_rope_q and mla_rope_kv kernels give the references' bits, and gradients within a rounding step") {
   if (skip_without_cuda_kernels()) return;
   torch::manual_seed(22);

@@ -121,6 +121,34 @@ TEST_CASE("CUDA: moe_combine kernel equals the reference within its fp32 sum's r
     }
 }
 
+TEST_CASE("CUDA: moe_combine's 16-byte kernels give the element kernels' bits, at every K they are built for and a ragged D") {
+  if (skip_without_cuda_kernels()) return;
+  torch::manual_seed(8);
+  const torch::Device dev(torch::kCUDA);
+  auto opt = torch::TensorOptions().dtype(torch::kBFloat16).device(dev);
+  for (int64_t K : {1, 2, 4, 6, 8})
+    for (int64_t D : {2048, 2056}) {  // 2056: 257 vectors, one thread of the CTA takes two
+      const int64_t T = 37;
+      INFO("K " << K << " D " << D);
+      auto rows = torch::randn({T * K, D}, opt);
+      auto perm = torch::randperm(T * K, torch::TensorOptions().dtype(torch::kInt64).device(dev));
+      auto w = torch::rand({T, K}, torch::TensorOptions().dtype(torch::kFloat32).device(dev));
+      auto g = torch::randn({T, D}, opt);
+      // the same values from an address off a 16-byte boundary: the element kernels
+      auto shifted = [&](const torch::Tensor& t) {
+        auto flat = torch::empty({t.numel() + 1}, t.options());
+        return flat.narrow(0, 1, t.numel()).view(t.sizes()).copy_(t);
+      };
+      CHECK(torch::equal(kernels::moe_combine(rows, perm, w), kernels::moe_combine(shifted(rows), perm, w)));
+      auto vec = kernels::moe_combine_backward(rows, perm, w, g);
+      auto elem = kernels::moe_combine_backward(shifted(rows), perm, w, shifted(g));
+      CHECK(torch::equal(vec.rows_MD, elem.rows_MD));
+      // the weights' fp32 dot products in another order per thread
+      CHECK((vec.weights_TK - elem.weights_TK).abs().max().item<float>() <=
+            1e-4f * (elem.weights_TK.abs().max().item<float>() + 1.f));
+    }
+}
+
 TEST_CASE("CUDA: moe_combine_backward kernel equals the reference, the same bits on every run") {
   if (skip_without_cuda_kernels()) return;
   torch::manual_seed(10);

@@ -3,6 +3,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kernels/mla_rope.hpp"
 #include "model/blocks/logprobs.hpp"
 #include "model/blocks/moe.hpp"
 #include "model/glm4_moe_lite/model.hpp"
@@ -179,18 +180,23 @@ TEST_CASE("CUDA bf16: MLA's forward with the fused rope kernels gives the compos
   auto cu32 = torch::tensor(cu, torch::kInt64).to(torch::kCUDA, torch::kInt32);
   auto x = torch::randn({T, 2048}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16));
   auto dy = torch::randn_like(x);
-  auto run = [&](int64_t max_seqlen) {  // max_seqlen 0: the composite (per-call cos/sin, cat, narrow)
+  auto run = [&](int64_t max_seqlen, int64_t position_bound) {  // 0, 0: the composite (per-call cos/sin, cat, narrow)
     attn->zero_grad();
     auto xi = x.clone().requires_grad_();
-    auto y = attn(xi, positions, cu32, max_seqlen);
+    auto y = attn(xi, positions, cu32, max_seqlen, position_bound);
     y.backward(dy);
     std::vector<torch::Tensor> grads{xi.grad()};
     for (auto& p : attn->parameters()) grads.push_back(p.grad().clone());
     return std::make_pair(y.detach(), grads);
   };
-  auto [y_fused, g_fused] = run(512);
-  auto [y_comp, g_comp] = run(0);
+  REQUIRE(kiln::kernels::mla_rope_q_uses_kernel(
+      torch::empty({T, c.num_heads, c.qk_head_dim()}, x.options()), c.qk_nope_head_dim));
+  auto [y_fused, g_fused] = run(512, 0);
+  auto [y_comp, g_comp] = run(0, 0);
   CHECK(torch::equal(y_fused, y_comp));
+  // A continued sequence: positions past its length, the table sized by position_bound.
+  positions = positions + 3000;
+  CHECK(torch::equal(run(512, 3512).first, run(0, 0).first));
   REQUIRE(g_fused.size() == g_comp.size());
   for (std::size_t i = 0; i < g_fused.size(); ++i) {
     INFO("gradient " << i);
@@ -198,18 +204,38 @@ TEST_CASE("CUDA bf16: MLA's forward with the fused rope kernels gives the compos
   }
 }
 
-TEST_CASE("a packed batch's positions: a negative one is refused by name, one past its document still runs") {
+TEST_CASE("a packed batch's positions: a negative one or one past max_position_embeddings is refused by name, one past its document still runs") {
   glm4_moe_lite::Glm4MoeLiteModel model(glm4_moe_lite::flavors::debug());
   auto batch = PackedBatch::from_documents({{1, 2, 3}, {4, 5}});
   batch.position_ids = torch::tensor({0, 1, 2, 0, -1}, torch::kInt64);
   CHECK_THROWS_WITH_AS(model.forward(batch), doctest::Contains("position_ids must be >= 0, got -1"),
                        std::invalid_argument);
-  // Numbered past the longest document (a continued sequence): the rope's bound is the largest
-  // position + 1, not the document length (MLAImpl::forward).
+  const int64_t max_pos = glm4_moe_lite::flavors::debug().max_position_embeddings;
+  batch.position_ids = torch::tensor(std::vector<int64_t>{0, 1, max_pos, 0, 1}, torch::kInt64);
+  CHECK_THROWS_WITH_AS(model.forward(batch), doctest::Contains("position_ids must be < max_position_embeddings"),
+                       std::invalid_argument);
+  // Numbered past the longest document (a continued sequence; on CUDA the rope's table is sized
+  // by the largest position, the CUDA MLA case below compares it with the composite).
   batch.position_ids = torch::tensor({7, 8, 9, 0, 1}, torch::kInt64);
   auto out = model.forward(batch);
   CHECK(out.hidden.sizes() == torch::IntArrayRef({5, glm4_moe_lite::flavors::debug().hidden_size}));
   CHECK(torch::isfinite(out.hidden).all().item<bool>());
+}
+
+TEST_CASE("CUDA bf16: the dispatch's backward (the combine kernel with unit weights) sums a token's K row gradients") {
+  if (kiln::test::skip_without_gpu()) return;
+  torch::manual_seed(4);
+  const int64_t T = 333, D = 2048, E = 64, K = 4;
+  auto opt = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  auto x = torch::randn({T, D}, opt).requires_grad_();
+  RouteResult r{torch::randint(0, E, {T, K}, opt.dtype(torch::kInt64)), torch::rand({T, K}, opt.dtype(torch::kFloat32))};
+  auto d = dispatch(x, r, E);
+  auto g = torch::randn({T * K, D}, opt);
+  (d.x.to(torch::kFloat32) * g.to(torch::kFloat32)).sum().backward();
+  // Reference: each row's gradient added into its token in fp32, rounded once.
+  auto want = torch::zeros({T, D}, opt.dtype(torch::kFloat32)).index_add_(0, d.token_index, g.to(torch::kFloat32));
+  CHECK(torch::equal(d.x.detach(), x.detach().index_select(0, d.token_index)));
+  CHECK(kiln::test::rel_error(x.grad(), want) <= 4e-3);  // one bf16 rounding of each sum
 }
 
 TEST_CASE("the glm47_flash flavor has GLM-4.7-Flash's published dimensions") {
