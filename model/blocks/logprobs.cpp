@@ -19,20 +19,22 @@ torch::Tensor chunk_logits(const torch::Tensor& h, const torch::Tensor& w, int64
 // recomputes each chunk's logits. dH/dz_v = -p_v (z_v - E_p[z]).
 struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
   static variable_list forward(AutogradContext* ctx, const torch::Tensor& hidden, const torch::Tensor& weight,
-                               const torch::Tensor& targets, int64_t chunk, bool with_entropy, bool keep_logits) {
+                               const torch::Tensor& targets, int64_t chunk, bool with_entropy, int64_t kept_rows) {
     const int64_t T = hidden.size(0);
-    // keep_logits: the whole [T, V] in the model's (16-bit) dtype, for the backward to reuse.
-    auto kept = keep_logits ? torch::empty({T, weight.size(0)}, hidden.options()) : torch::Tensor();
+    // The logits of the first kept_rows tokens (whole chunks, or all T) in the model's (16-bit)
+    // dtype, for the backward to reuse; the other chunks' are recomputed there.
+    auto kept = kept_rows > 0 ? torch::empty({kept_rows, weight.size(0)}, hidden.options()) : torch::Tensor();
     auto fopt = hidden.options().dtype(torch::kFloat32);
     auto out = torch::empty({T}, fopt), lse = torch::empty({T}, fopt);
     auto ent = torch::empty({with_entropy ? T : 0}, fopt), mean_z = torch::empty({with_entropy ? T : 0}, fopt);
     for (int64_t s = 0; s < T; s += chunk) {
       const int64_t n = std::min(chunk, T - s);
       kernels::KeptStats ks;
+      const bool keep = s < kept_rows;
       auto [lp, l, e, mz] = kernels::logprob_chunk_forward(chunk_logits(hidden, weight, s, n), targets.narrow(0, s, n),
-                                                           with_entropy,
-                                                           keep_logits ? kept.narrow(0, s, n) : torch::Tensor(), &ks);
-      if (keep_logits) {  // the backward differentiates the softmax of the kept values
+                                                           with_entropy, keep ? kept.narrow(0, s, n) : torch::Tensor(),
+                                                           &ks);
+      if (keep) {  // the backward differentiates the softmax of the kept values
         l = ks.lse;
         if (with_entropy) mz = ks.mean_z;
       }
@@ -59,29 +61,38 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
                                    : torch::zeros({T}, hidden.options().dtype(torch::kFloat32));
     auto g_ent = entropy_grad ? grads[1].to(torch::kFloat32) : torch::Tensor();
     const bool tensor_cores = hidden.is_cuda() && hidden.scalar_type() != torch::kFloat32;
-    if (kept.defined() && tensor_cores) {
-      // dz replaces the kept logits in place (they are read for nothing else; a second backward
-      // through this node fails autograd's saved-version check), then two whole GEMMs: the
-      // hidden gradient [T, V] x [V, D] and the weight gradient [V, T] x [T, D], K = T, with
-      // fp32 accumulation in the GEMM and one rounding to the weight's dtype — no fp32 [V, D]
-      // buffer read and written once per chunk.
-      kernels::logprob_chunk_backward(kept, targets, lse, g_lp, entropy_grad ? g_ent : torch::Tensor(),
-                                      entropy_grad ? mean_z : torch::Tensor(), hidden.scalar_type(), kept);
-      torch::autograd::impl::bump_version(kept);
-      return {kept.mm(weight), kept.t().mm(hidden), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
-    }
+    const int64_t K = kept.defined() ? kept.size(0) : 0;  // rows whose logits were kept
     auto grad_h = torch::empty_like(hidden);
-    auto grad_w = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32));
-    for (int64_t s = 0; s < T; s += chunk) {
+    torch::Tensor grad_w;  // fp32 [V, D], rounded to the weight's dtype once at the end
+    if (K > 0 && tensor_cores) {
+      // dz replaces the kept logits in place (they are read for nothing else; a second backward
+      // through this node fails autograd's saved-version check), then two GEMMs over all K rows:
+      // the hidden gradient [K, V] x [V, D] and the weight gradient [V, K] x [K, D], fp32
+      // accumulation in the GEMM — no fp32 [V, D] buffer read and written once per chunk.
+      kernels::logprob_chunk_backward(kept, targets.narrow(0, 0, K), lse.narrow(0, 0, K), g_lp.narrow(0, 0, K),
+                                      entropy_grad ? g_ent.narrow(0, 0, K) : torch::Tensor(),
+                                      entropy_grad ? mean_z.narrow(0, 0, K) : torch::Tensor(), hidden.scalar_type(),
+                                      kept);
+      torch::autograd::impl::bump_version(kept);
+      if (K == T)  // all kept: the weight's gradient rounded once by the GEMM itself
+        return {kept.mm(weight), kept.t().mm(hidden), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+      auto rows = grad_h.narrow(0, 0, K);
+      torch::mm_out(rows, kept, weight);
+      grad_w = at::mm(kept.t(), hidden.narrow(0, 0, K), torch::kFloat32);
+    } else {
+      grad_w = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32));
+    }
+    for (int64_t s = tensor_cores ? K : 0; s < T; s += chunk) {
       const int64_t n = std::min(chunk, T - s);
-      auto z = kept.defined() ? kept.narrow(0, s, n) : chunk_logits(hidden, weight, s, n);  // kept or recomputed
+      auto z = s < K ? kept.narrow(0, s, n) : chunk_logits(hidden, weight, s, n);  // kept or recomputed
       auto dz = kernels::logprob_chunk_backward(z, targets.narrow(0, s, n),
                                                 lse.narrow(0, s, n), g_lp.narrow(0, s, n),
                                                 entropy_grad ? g_ent.narrow(0, s, n) : torch::Tensor(),
                                                 entropy_grad ? mean_z.narrow(0, s, n) : torch::Tensor(),
                                                 hidden.scalar_type());  // [n, V] in the model's dtype
       auto h = hidden.narrow(0, s, n);
-      grad_h.narrow(0, s, n).copy_(dz.mm(weight));  // [n, D]
+      auto rows = grad_h.narrow(0, s, n);
+      torch::mm_out(rows, dz, weight);  // [n, D]
       if (tensor_cores)  // bf16 GEMM, fp32 accumulation into the [V, D] gradient
         grad_w = at::addmm(grad_w, dz.t(), h, torch::kFloat32);
       else
@@ -91,11 +102,16 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
   }
 };
 
-// Keep the logits for the backward when a backward will run, they are 16-bit, and they fit.
-bool keep_logits(const torch::Tensor& hidden, const torch::Tensor& weight) {
-  return torch::GradMode::is_enabled() && (hidden.requires_grad() || weight.requires_grad()) &&
-         hidden.scalar_type() != torch::kFloat32 && hidden.scalar_type() != torch::kFloat64 &&
-         hidden.size(0) * weight.size(0) * int64_t(hidden.element_size()) <= kKeepLogitsMaxBytes;
+// How many leading rows' logits the forward keeps for the backward: none unless a backward will
+// run and they are 16-bit; then all T when [T, V] fits in keep_bytes, else as many whole chunks
+// as fit (the rest are recomputed).
+int64_t kept_rows(const torch::Tensor& hidden, const torch::Tensor& weight, int64_t chunk, int64_t keep_bytes) {
+  if (!torch::GradMode::is_enabled() || !(hidden.requires_grad() || weight.requires_grad()) ||
+      hidden.scalar_type() == torch::kFloat32 || hidden.scalar_type() == torch::kFloat64)
+    return 0;
+  const int64_t T = hidden.size(0), row_bytes = std::max<int64_t>(1, weight.size(0) * int64_t(hidden.element_size()));
+  const int64_t rows = std::max<int64_t>(0, keep_bytes) / row_bytes;
+  return rows >= T ? T : rows / chunk * chunk;
 }
 }  // namespace
 
@@ -108,25 +124,26 @@ torch::Tensor lm_logits(const torch::Tensor& hidden_ND, const torch::Tensor& wei
 
 std::pair<torch::Tensor, torch::Tensor> token_logprobs_and_entropy(const torch::Tensor& hidden_TD,
                                                                    const torch::Tensor& weight_VD,
-                                                                   const torch::Tensor& targets_T, int64_t chunk) {
+                                                                   const torch::Tensor& targets_T, int64_t chunk,
+                                                                   int64_t keep_bytes) {
   TORCH_CHECK(hidden_TD.dim() == 2 && weight_VD.dim() == 2 && hidden_TD.size(1) == weight_VD.size(1),
               "token_logprobs_and_entropy: hidden [T, D] and weight [V, D] expected");
   TORCH_CHECK(targets_T.dim() == 1 && targets_T.size(0) == hidden_TD.size(0), "token_logprobs_and_entropy: targets [T]");
   TORCH_CHECK(chunk > 0, "token_logprobs_and_entropy: chunk must be > 0");
   auto r = ChunkedLogProbs::apply(hidden_TD, weight_VD, targets_T.to(hidden_TD.device(), torch::kInt64), chunk, true,
-                                 keep_logits(hidden_TD, weight_VD));
+                                 kept_rows(hidden_TD, weight_VD, chunk, keep_bytes));
   return {r[0], r[1]};
 }
 
 torch::Tensor token_logprobs(const torch::Tensor& hidden_TD, const torch::Tensor& weight_VD,
-                             const torch::Tensor& targets_T, int64_t chunk) {
+                             const torch::Tensor& targets_T, int64_t chunk, int64_t keep_bytes) {
   TORCH_CHECK(hidden_TD.dim() == 2 && weight_VD.dim() == 2 && hidden_TD.size(1) == weight_VD.size(1),
               "token_logprobs: hidden [T, D] and weight [V, D] expected, got ", hidden_TD.sizes(), " and ",
               weight_VD.sizes());
   TORCH_CHECK(targets_T.dim() == 1 && targets_T.size(0) == hidden_TD.size(0), "token_logprobs: targets must be [T]");
   TORCH_CHECK(chunk > 0, "token_logprobs: chunk must be > 0");
   return ChunkedLogProbs::apply(hidden_TD, weight_VD, targets_T.to(hidden_TD.device(), torch::kInt64), chunk, false,
-                                 keep_logits(hidden_TD, weight_VD))[0];
+                                 kept_rows(hidden_TD, weight_VD, chunk, keep_bytes))[0];
 }
 
 torch::Tensor invariant_lm_logits(const torch::Tensor& hidden_ND, const torch::Tensor& weight_VD) {

@@ -2,12 +2,15 @@
 // Per-token log-probabilities of given targets straight from the final hidden states, in
 // chunks of tokens: forward and backward hold at most [chunk, V] fp32 values, never [T, V]
 // in fp32 (with V = 154880 the full fp32 logits would be the memory peak of a training step).
-// When a backward will run, the model is 16-bit (bf16/fp16) and [T, V] in that dtype fits in
-// kKeepLogitsMaxBytes, the forward keeps those logits for the backward instead of recomputing
-// them (one GEMM of 2*T*V*D FLOPs saved; 2.5 GB at T = 8192, V = 154880 in bf16). On CUDA the
-// backward then writes the logits' gradient over the kept logits and runs two whole GEMMs (the
-// hidden's and the weight's gradient, fp32 accumulation inside the GEMM) instead of one pair
-// per chunk accumulating into an fp32 [V, D] buffer.
+// When a backward will run and the model is 16-bit (bf16/fp16), the forward keeps logits in that
+// dtype for the backward instead of recomputing them (one GEMM of 2*n*V*D FLOPs saved per kept
+// row n; 2.5 GB at T = 8192, V = 154880 in bf16): all [T, V] when they fit in `keep_bytes`
+// (default kKeepLogitsMaxBytes), else the first whole chunks that fit, the rest recomputed
+// (32k tokens: 3 of 8 chunks of 4096 at 4 GiB). On CUDA the backward then writes the logits'
+// gradient over the kept logits and runs two GEMMs over all kept rows (the hidden's and the
+// weight's gradient, fp32 accumulation inside the GEMM) instead of one pair per chunk
+// accumulating into an fp32 [V, D] buffer; with every row kept the weight's gradient is rounded
+// once by that GEMM (the bits of the whole-GEMM form).
 // The per-chunk softmax work runs in kernels/logprobs.hpp (fused CUDA kernels for 16-bit CUDA
 // logits, the LibTorch reference otherwise).
 // Legend: T tokens, D hidden, V vocabulary.
@@ -23,18 +26,21 @@ inline constexpr int64_t kKeepLogitsMaxBytes = int64_t(4) << 30;
 torch::Tensor lm_logits(const torch::Tensor& hidden_ND, const torch::Tensor& weight_VD);
 
 /// log softmax(hidden_TD @ weight_VD^T)[t, targets_T[t]], computed in fp32 per chunk of
-/// `chunk` tokens; backward recomputes each chunk's logits. Targets < 0 mark positions with
-/// no target: their log-prob is 0 and they get no gradient.
+/// `chunk` tokens; backward reuses the kept logits (at most keep_bytes of 16-bit [n, V], above)
+/// and recomputes the other chunks'. Targets < 0 mark positions with no target: their
+/// log-prob is 0 and they get no gradient.
 /// hidden_TD: [T, D], weight_VD: [V, D] (same dtype), targets_T: [T] int64 -> [T] fp32.
 /// Reference: equals torch.log_softmax(hidden @ weight.T, -1).gather(...) (tested).
 torch::Tensor token_logprobs(const torch::Tensor& hidden_TD, const torch::Tensor& weight_VD,
-                             const torch::Tensor& targets_T, int64_t chunk = 1024);
+                             const torch::Tensor& targets_T, int64_t chunk = 1024,
+                             int64_t keep_bytes = kKeepLogitsMaxBytes);
 
 /// As token_logprobs, plus the per-token entropy -sum_v p_v log p_v of the same distribution,
 /// also differentiable (dH/dz_v = -p_v (z_v - E_p[z]), z the fp32 logits). -> ([T], [T]) fp32.
 std::pair<torch::Tensor, torch::Tensor> token_logprobs_and_entropy(const torch::Tensor& hidden_TD,
                                                                    const torch::Tensor& weight_VD,
-                                                                   const torch::Tensor& targets_T, int64_t chunk = 1024);
+                                                                   const torch::Tensor& targets_T, int64_t chunk = 1024,
+                                                                   int64_t keep_bytes = kKeepLogitsMaxBytes);
 
 /// The true on-policy mode's output head (CausalLM::set_batch_invariant), written once for the
 /// rollout sampler (actors/rollout/sampling.hpp) and the trainer: a token's log-prob has the

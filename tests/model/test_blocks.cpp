@@ -135,29 +135,97 @@ TEST_CASE("chunked log-probs equal the full log-softmax, values and gradients, f
   }
 }
 
+namespace {
+// A bf16 log-prob head: hidden [T, D] and weight [V, D] (0.5 x normal, rounded to bf16), targets
+// in [0, V) with -1 at the rows `no_target`, upstream gradients g [T], and the fp32 reference
+// (log_softmax of the same bf16 values in fp32) with its gradients; `run(keep_bytes)` gives
+// token_logprobs' (log-probs, hidden gradient, weight gradient) at that budget.
+struct Bf16LogprobHead {
+  int64_t chunk;
+  torch::Tensor hidden, weight, targets, g, ref;
+  std::vector<torch::Tensor> ref_grads;
+  Bf16LogprobHead(int64_t T, int64_t D, int64_t V, int64_t chunk_, std::vector<int64_t> no_target,
+                  torch::Device dev, uint64_t seed)
+      : chunk(chunk_) {
+    torch::manual_seed(int64_t(seed));
+    hidden = (torch::randn({T, D}, dev) * 0.5).to(torch::kBFloat16).requires_grad_();
+    weight = (torch::randn({V, D}, dev) * 0.5).to(torch::kBFloat16).requires_grad_();
+    targets = torch::randint(0, V, {T}, torch::TensorOptions().device(dev).dtype(torch::kInt64));
+    for (int64_t t : no_target) targets[t] = -1;
+    g = torch::randn({T}, dev);
+    auto hr = hidden.detach().to(torch::kFloat32).requires_grad_();
+    auto wr = weight.detach().to(torch::kFloat32).requires_grad_();
+    ref = torch::log_softmax(hr.mm(wr.t()), -1).gather(1, targets.clamp_min(0).unsqueeze(1)).squeeze(1) *
+          (targets >= 0);
+    ref_grads = torch::autograd::grad({(ref * g).sum()}, {hr, wr});
+  }
+  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> run(int64_t keep_bytes, bool retain_graph = false) const {
+    auto lp = token_logprobs(hidden, weight, targets, chunk, keep_bytes);
+    auto grads = torch::autograd::grad({(lp * g).sum()}, {hidden, weight}, {}, retain_graph);
+    return {lp, grads[0], grads[1]};
+  }
+};
+}  // namespace
+
+TEST_CASE("bf16 log-probs with part of the logits kept equal the all-kept and the recomputed forms on CPU") {
+  // On CPU the recomputed bf16 logits are the kept ones (linear rounds to bf16), so the three
+  // forms must agree bit for bit: a kept chunk read for the wrong rows would not.
+  const int64_t T = 13, V = 50, row_bytes = V * 2;
+  const Bf16LogprobHead head(T, 16, V, /*chunk=*/4, {2, 9}, torch::kCPU, 3);
+  auto [lp_none, gh_none, gw_none] = head.run(0);
+  auto [lp_all, gh_all, gw_all] = head.run(T * row_bytes);
+  // Room for 9 rows: the first two whole chunks (8 rows) kept, the last 5 rows recomputed.
+  auto [lp_part, gh_part, gw_part] = head.run(9 * row_bytes);
+  CHECK(torch::equal(lp_part, lp_all));
+  CHECK(torch::equal(lp_part, lp_none));
+  CHECK(torch::equal(gh_part, gh_all));
+  CHECK(torch::equal(gh_part, gh_none));
+  CHECK(torch::equal(gw_part, gw_all));
+  CHECK(torch::equal(gw_part, gw_none));
+  CHECK((lp_part - head.ref).abs().max().item<double>() <= 0.05);
+  CHECK(kiln::test::rel_error(gh_part, head.ref_grads[0]) <= 2e-2);
+  CHECK(kiln::test::rel_error(gw_part, head.ref_grads[1]) <= 2e-2);
+}
+
+TEST_CASE("CUDA bf16: log-probs with part of the logits kept stay near the fp32 reference and near the all-kept and recomputed forms") {
+  if (kiln::test::skip_without_gpu()) return;
+  const int64_t T = 700, V = 1000;
+  const Bf16LogprobHead head(T, 64, V, /*chunk=*/128, {300}, torch::kCUDA, 4);
+  auto [lp_all, gh_all, gw_all] = head.run(T * V * 2);
+  auto [lp_none, gh_none, gw_none] = head.run(0);
+  auto [lp_part, gh_part, gw_part] = head.run(300 * V * 2);  // 256 rows kept, 444 recomputed
+  CHECK(torch::equal(lp_part, lp_all));
+  CHECK((lp_part - head.ref).abs().max().item<double>() <= 0.05);
+  CHECK((gh_part.scalar_type() == torch::kBFloat16));
+  CHECK((gw_part.scalar_type() == torch::kBFloat16));
+  for (const auto& [gh, gw] : {std::pair{gh_part, gw_part}, std::pair{gh_all, gw_all}, std::pair{gh_none, gw_none}}) {
+    CHECK(kiln::test::rel_error(gh, head.ref_grads[0]) <= 2e-2);
+    CHECK(kiln::test::rel_error(gw, head.ref_grads[1]) <= 2e-2);
+  }
+  CHECK(kiln::test::rel_error(gh_part.narrow(0, 0, 256), gh_all.narrow(0, 0, 256)) <= 1e-2);
+  CHECK(kiln::test::rel_error(gh_part.narrow(0, 256, T - 256), gh_none.narrow(0, 256, T - 256)) <= 1e-2);
+  // Kept logits are overwritten by their gradient (a second backward is refused); with room for
+  // less than one chunk nothing is kept and the graph runs twice.
+  auto twice = [&](int64_t keep_bytes) {
+    auto lp = std::get<0>(head.run(keep_bytes, /*retain_graph=*/true));
+    (void)torch::autograd::grad({(lp * head.g).sum()}, {head.hidden, head.weight});
+  };
+  CHECK_THROWS_WITH_AS(twice(300 * V * 2), doctest::Contains("modified by an inplace operation"), c10::Error);
+  CHECK_NOTHROW(twice(100 * V * 2));
+}
+
 TEST_CASE("CUDA bf16: log-probs from kept logits and their gradients from two whole GEMMs stay near the fp32 reference and a second backward is refused") {
   if (kiln::test::skip_without_gpu()) return;
-  torch::manual_seed(2);
-  const int64_t T = 300, D = 64, V = 1000;
-  auto h32 = torch::randn({T, D}, torch::kCUDA) * 0.5, w32 = torch::randn({V, D}, torch::kCUDA) * 0.5;
-  auto targets = torch::randint(0, V, {T}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kInt64));
-  targets[7] = -1;
-  auto g = torch::randn({T}, torch::kCUDA);
-  auto hidden = h32.to(torch::kBFloat16).requires_grad_(), weight = w32.to(torch::kBFloat16).requires_grad_();
-  auto hr = hidden.detach().to(torch::kFloat32).requires_grad_(), wr = weight.detach().to(torch::kFloat32).requires_grad_();
-  auto ref = torch::log_softmax(hr.mm(wr.t()), -1).gather(1, targets.clamp_min(0).unsqueeze(1)).squeeze(1) *
-             (targets >= 0);
-  auto ref_grads = torch::autograd::grad({(ref * g).sum()}, {hr, wr});
-  auto lp = token_logprobs(hidden, weight, targets, /*chunk=*/128);  // kept: 16-bit, grad enabled
-  CHECK((lp - ref).abs().max().item<double>() <= 0.05);                // bf16 logits kept
-  auto grads = torch::autograd::grad({(lp * g).sum()}, {hidden, weight}, {}, /*retain_graph=*/true);
-  CHECK((grads[0].scalar_type() == torch::kBFloat16));
-  CHECK((grads[1].scalar_type() == torch::kBFloat16));
-  CHECK(kiln::test::rel_error(grads[0], ref_grads[0]) <= 2e-2);
-  CHECK(kiln::test::rel_error(grads[1], ref_grads[1]) <= 2e-2);
+  const Bf16LogprobHead head(300, 64, 1000, /*chunk=*/128, {7}, torch::kCUDA, 2);
+  auto [lp, gh, gw] = head.run(kKeepLogitsMaxBytes, /*retain_graph=*/true);  // kept: 16-bit, grad enabled
+  CHECK((lp - head.ref).abs().max().item<double>() <= 0.05);                 // bf16 logits kept
+  CHECK((gh.scalar_type() == torch::kBFloat16));
+  CHECK((gw.scalar_type() == torch::kBFloat16));
+  CHECK(kiln::test::rel_error(gh, head.ref_grads[0]) <= 2e-2);
+  CHECK(kiln::test::rel_error(gw, head.ref_grads[1]) <= 2e-2);
   // The backward overwrote the kept logits with their gradient: autograd refuses to run it again.
-  CHECK_THROWS_WITH_AS(torch::autograd::grad({(lp * g).sum()}, {hidden, weight}),
-                    doctest::Contains("modified by an inplace operation"), c10::Error);
+  CHECK_THROWS_WITH_AS(torch::autograd::grad({(lp * head.g).sum()}, {head.hidden, head.weight}),
+                       doctest::Contains("modified by an inplace operation"), c10::Error);
 }
 
 TEST_CASE("CUDA bf16: MLA's forward with the fused rope kernels gives the composite's bits, and gradients within bf16 steps") {
