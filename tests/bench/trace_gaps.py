@@ -2,14 +2,15 @@
 """Where the GPU waits for the host, from a Kineto Chrome trace (`kiln bench gpu --trace FILE`,
 or torch.profiler's export_chrome_trace).
 
-Usage: python3 trace_gaps.py FILE.json [--top N] [--min-us US]
+Usage: python3 trace_gaps.py FILE.json [--top N] [--min-us US] [--kernels]
 
 The GPU's work is the union of its kernel, memcpy and memset intervals; an idle interval between
 two of them of at least --min-us is a gap. Each gap is charged to the CPU op that launched the
 work ending it (the kernel's launch call matched by correlation id, then the innermost and the
 outermost `cpu_op` around that call on its thread). Prints the span, busy and idle time, the
 launches, then the gaps' time summed by launching op (innermost and outermost), largest first,
-and the longest single gaps.
+and the longest single gaps; with --kernels also the GPU time summed by kernel name (and by the
+outermost cpu_op that launched it), largest first.
 """
 
 import argparse
@@ -26,6 +27,7 @@ def main():
     ap.add_argument("file")
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--min-us", type=float, default=2.0)
+    ap.add_argument("--kernels", action="store_true", help="also GPU time by kernel name and launching op")
     a = ap.parse_args()
     if a.top < 1 or a.min_us < 0:
         ap.error(f"--top {a.top} must be >= 1 and --min-us {a.min_us} >= 0")
@@ -84,15 +86,25 @@ def main():
         end = max(end, t)
     print(f"GPU span {span / 1e3:.2f} ms: busy {busy / 1e3:.2f} ms, idle {idle / 1e3:.2f} ms "
           f"({100 * idle / span:.1f}%), {len(gpu)} kernels/copies, {len(gaps)} gaps >= {a.min_us} us")
-    print("\nidle time by the op that launched the work after it (innermost cpu_op):")
-    for k, v in by_inner.most_common(a.top):
-        print(f"  {v:9.1f} us  {k[:100]}")
-    print("\nidle time by the outermost cpu_op around that launch:")
-    for k, v in by_outer.most_common(a.top):
-        print(f"  {v:9.1f} us  {k[:100]}")
+    def ranked(title, counter, label=lambda k: k[:100]):
+        print(f"\n{title}:")
+        for k, v in counter.most_common(a.top):
+            print(f"  {v:9.1f} us  {label(k)}")
+
+    ranked("idle time by the op that launched the work after it (innermost cpu_op)", by_inner)
+    ranked("idle time by the outermost cpu_op around that launch", by_outer)
     print("\nlongest gaps:")
     for g, inner, outer, name in sorted(gaps, reverse=True)[: a.top]:
         print(f"  {g:9.1f} us  before {name[:60]}  (launched in {inner[:50]} / {outer[:40]})")
+    if a.kernels:
+        by_name, by_op, count = collections.Counter(), collections.Counter(), collections.Counter()
+        for s, t, corr, name in gpu:
+            by_name[name] += t - s
+            count[name] += 1
+            tid, lts = launch.get(corr, (None, None))
+            by_op[enclosing(tid, lts)[1] if tid is not None else "(launch not traced)"] += t - s
+        ranked("GPU time by kernel (calls)", by_name, lambda k: f"{count[k]:5d}  {k[:110]}")
+        ranked("GPU time by the outermost cpu_op that launched it", by_op)
 
 
 if __name__ == "__main__":
