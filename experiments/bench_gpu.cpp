@@ -82,6 +82,9 @@ int run_gpu_bench(const GpuBenchOptions& o) {
     return m;
   };
   auto policy = build();
+  const auto kept_logits_bytes = int64_t(o.keep_logits_gib * double(int64_t(1) << 30));
+  policy->set_kept_logits_bytes(kept_logits_bytes);
+  J["keep_logits_gib"] = o.keep_logits_gib;
   const int64_t n = o.tokens / o.docs;
   auto batch = random_packed_documents(o.tokens, o.docs, cfg.vocab_size);
   auto targets = model::next_token_targets(batch.input_ids, batch.cu_seqlens).to(dev);
@@ -117,6 +120,9 @@ int run_gpu_bench(const GpuBenchOptions& o) {
     return 0;
   }
   if (!o.trace_path.empty()) {  // one forward+backward under Kineto, as a Chrome trace
+    // (with --activation-checkpointing: the checkpointed step, warmed up once)
+    policy->set_activation_checkpointing(o.activation_checkpointing, o.checkpoint_layers);
+    if (o.activation_checkpointing) forward_backward();
     namespace prof = torch::autograd::profiler;
     using torch::profiler::impl::ActivityType;
     const torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
@@ -128,16 +134,16 @@ int run_gpu_bench(const GpuBenchOptions& o) {
     torch::cuda::synchronize();
     prof::disableProfiler()->save(o.trace_path);
     std::printf("kiln bench gpu --trace: %lld layers, %lld tokens in %lld documents: forward+backward %.4f s "
-                "(median, untraced), %.0f tokens/s; one more traced into %s\n",
+                "(median, untraced), %.0f tokens/s; one more%s traced into %s\n",
                 (long long)o.layers, (long long)o.tokens, (long long)o.docs, fb, double(o.tokens) / fb,
-                o.trace_path.c_str());
+                o.activation_checkpointing ? " with activation checkpointing" : "", o.trace_path.c_str());
     return 0;
   }
   // The same with activation checkpointing per layer (algorithm.activation_checkpointing): the
   // speed/memory trade, MFU still counted on the model's 3x forward FLOPs (not the recompute).
   double fb_ckpt = 0, fb_ckpt_peak = 0;
   if (o.activation_checkpointing) {
-    policy->set_activation_checkpointing(true);
+    policy->set_activation_checkpointing(true, o.checkpoint_layers);
     reset_peak();
     fb_ckpt = median_seconds(o.warmup, o.steps, [&] {
       policy->zero_grad();
@@ -149,6 +155,7 @@ int run_gpu_bench(const GpuBenchOptions& o) {
     policy->set_activation_checkpointing(false);
     policy->zero_grad();
     J["checkpointed_train_tokens_per_s"] = double(o.tokens) / fb_ckpt;
+    J["checkpointed_layers"] = o.checkpoint_layers > 0 ? std::min(o.checkpoint_layers, o.layers) : o.layers;
     J["checkpointed_mfu"] = flops / fb_ckpt / (gemm_tflops * 1e12);
     J["checkpointed_peak_memory_gib"] = fb_ckpt_peak;
   }
@@ -165,7 +172,7 @@ int run_gpu_bench(const GpuBenchOptions& o) {
     auto h = (0.5 * torch::randn({o.tokens, cfg.hidden_size}, bf16)).requires_grad_();
     auto w = policy->lm_head_weight().detach().clone().requires_grad_();
     J["logprob_head_fwd_bwd_s"] = median_seconds(o.warmup, o.steps, [&] {
-      model::token_logprobs(h, w, targets, 4096).sum().backward();
+      model::token_logprobs(h, w, targets, 4096, kept_logits_bytes).sum().backward();
     });
     J["forward_no_grad_s"] = median_seconds(o.warmup, o.steps, [&] {
       torch::NoGradGuard ng;
@@ -297,6 +304,7 @@ int run_gpu_bench(const GpuBenchOptions& o) {
     trainer::TrainerConfig tc;
     tc.logprobs.max_tokens_per_microbatch = o.tokens;
     tc.lr = 1e-6;
+    tc.keep_logits_gib = o.keep_logits_gib;
     trainer::Trainer tr(policy, tc);
     std::vector<trainer::Sample> big;  // repeat the samples up to ~tokens
     int64_t tok = 0;
@@ -332,13 +340,17 @@ int run_gpu_bench(const GpuBenchOptions& o) {
     J["plain_copy_gbs"] = double(st.bytes) / plain / 1e9;
   }
 
-  std::printf("kiln bench gpu: %s, GLM-4.7-Flash dims, %lld layers, bf16, %lld tokens in %lld documents\n",
-              torch::cuda::device_count() ? "CUDA" : "-", (long long)o.layers, (long long)o.tokens, (long long)o.docs);
+  std::printf("kiln bench gpu: %s, GLM-4.7-Flash dims, %lld layers, bf16, %lld tokens in %lld documents, logits kept "
+              "up to %g GiB\n",
+              torch::cuda::device_count() ? "CUDA" : "-", (long long)o.layers, (long long)o.tokens, (long long)o.docs,
+              o.keep_logits_gib);
   std::printf("  measured limits: bf16 GEMM %.0f TFLOP/s, D2D copy %.0f GB/s (read+write)\n", gemm_tflops, copy_gbs);
   std::printf("  forward+backward     %8.3f s  %9.0f tokens/s  MFU %.1f%%  peak %.1f GiB\n", fb, double(o.tokens) / fb,
               100.0 * J["mfu"].get<double>(), fb_peak);
   if (o.activation_checkpointing)
-    std::printf("  forward+backward, activation checkpointing %8.3f s  %9.0f tokens/s  MFU %.1f%%  peak %.1f GiB\n",
+    std::printf("  forward+backward, activation checkpointing (%s) %8.3f s  %9.0f tokens/s  MFU %.1f%%  peak %.1f GiB\n",
+                o.checkpoint_layers > 0 ? ("first " + std::to_string(o.checkpoint_layers) + " layers").c_str()
+                                        : "every layer",
                 fb_ckpt, double(o.tokens) / fb_ckpt, 100.0 * J["checkpointed_mfu"].get<double>(), fb_ckpt_peak);
   std::printf("  trainer step (AdamW) %8.3f s  %9.0f tokens/s  peak %.1f GiB\n", J["trainer_step_s"].get<double>(),
               J["trainer_step_tokens_per_s"].get<double>(), J["trainer_step_peak_memory_gib"].get<double>());

@@ -36,6 +36,8 @@ struct GpuBenchOptions {
   int64_t rollout_prompts = 32, rollout_prompt_tokens = 256, rollout_new_tokens = 32;
   bool absorbed_decode = false;  ///< the engine's rollout.absorbed_decode
   bool activation_checkpointing = false;  ///< also forward+backward with checkpointing per layer
+  int64_t checkpoint_layers = 0;  ///< with activation_checkpointing: the first N layers only (0: all)
+  double keep_logits_gib = 4.0;  ///< the trainer's algorithm.keep_logits_gib, in every forward+backward timed
   bool true_on_policy = false;  ///< also train and rollout in the true on-policy mode (docs/gpu.md)
   bool profile = false;  ///< after timing forward+backward, run one more inside cudaProfilerStart/Stop and stop there
   std::string json_path, config_dir;

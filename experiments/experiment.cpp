@@ -169,6 +169,8 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   integer("algorithm.warmup_steps", t.warmup_steps);
   boolean("algorithm.recompute_old_logprobs", t.recompute_old_logprobs);
   boolean("algorithm.activation_checkpointing", t.activation_checkpointing);
+  integer("algorithm.activation_checkpointing_layers", t.activation_checkpointing_layers);
+  real("algorithm.keep_logits_gib", t.keep_logits_gib);
   boolean("algorithm.train_indexer", t.train_indexer);
   real("algorithm.mtp_loss_weight", t.mtp_loss_weight);
   integer("algorithm.mtp_depths", t.mtp_depths);

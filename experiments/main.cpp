@@ -158,10 +158,18 @@ int main(int argc, char** argv) {
   bench_gpu->add_option("--json", go.json_path, "Write every number as JSON here");
   bench_gpu->add_flag("--absorbed-decode", go.absorbed_decode, "Rollout decode in latent space (rollout.absorbed_decode)");
   bench_gpu->add_flag("--activation-checkpointing", go.activation_checkpointing, "Also time forward+backward with activation checkpointing per layer");
+  bench_gpu->add_option("--activation-checkpointing-layers", go.checkpoint_layers,
+                        "With --activation-checkpointing: checkpoint only the first N decoder layers "
+                        "(algorithm.activation_checkpointing_layers; 0: all)")
+      ->check(CLI::Range(int64_t(0), int64_t(47)));
+  bench_gpu->add_option("--keep-logits-gib", go.keep_logits_gib,
+                        "GiB of bf16 logits the log-prob head keeps for its backward (algorithm.keep_logits_gib; the "
+                        "rest recomputed)")
+      ->check(CLI::Range(0.0, 1048576.0));
   bench_gpu->add_flag("--true-on-policy", go.true_on_policy, "Also time training and rollout with batch-invariant kernels (algorithm.true_on_policy) and report that mode's train/rollout diff");
   bench_gpu->add_option("--trace", go.trace_path,
                         "Time forward+backward, then write one more's Chrome trace (Kineto: CPU ops, CUDA kernels) "
-                        "to this file and stop");
+                        "to this file and stop (with --activation-checkpointing: a checkpointed one)");
   bench_gpu->add_flag("--profile", go.profile, "Time forward+backward, then run one more inside cudaProfilerStart/Stop (ncu --profile-from-start off) and stop");
   bench_gpu->add_option("--config-dir", go.config_dir, "Write the benchmarked model's HF config.json here");
   kiln::experiments::Glm5BenchOptions g5;

@@ -21,7 +21,20 @@ torch::Tensor CausalLM::token_logprobs(const ForwardOutput& out, const torch::Te
                                        double temperature) {
   if (batch_invariant_) return token_logprobs_invariant(out.hidden, lm_head_weight(), targets, temperature, chunk);
   const auto hidden = temperature != 1.0 ? out.hidden / temperature : out.hidden;  // logits / T
-  return model::token_logprobs(hidden, lm_head_weight(), targets, chunk);
+  return model::token_logprobs(hidden, lm_head_weight(), targets, chunk, kept_logits_bytes_);
+}
+
+void CausalLM::set_activation_checkpointing(bool on, int64_t layers) {
+  if (layers < 0)
+    throw std::invalid_argument("activation checkpointing layers must be >= 0 (0: every layer), got " +
+                                std::to_string(layers));
+  checkpoint_layers_ = on;
+  checkpoint_count_ = layers;
+}
+
+void CausalLM::set_kept_logits_bytes(int64_t bytes) {
+  if (bytes < 0) throw std::invalid_argument("kept logits bytes must be >= 0, got " + std::to_string(bytes));
+  kept_logits_bytes_ = bytes;
 }
 
 void CausalLM::set_batch_invariant(bool on) {

@@ -12,6 +12,7 @@
 
 #include "messaging/tensor.hpp"
 #include "model/blocks/basic.hpp"
+#include "model/blocks/logprobs.hpp"
 #include "model/blocks/mla.hpp"
 #include "model/blocks/moe.hpp"
 #include "model/decode_cache.hpp"
@@ -172,10 +173,25 @@ class CausalLM : public torch::nn::Module {
   virtual std::vector<torch::Tensor> routed_expert_parameters() { return {}; }
 
   /// Activation checkpointing per decoder layer (blocks/activation_checkpoint.hpp) in forward()
-  /// with gradients on: each layer keeps only its input, and runs again in the backward.
-  /// Same loss and gradients; less memory, one more forward of the layers per step.
-  void set_activation_checkpointing(bool on) { checkpoint_layers_ = on; }
+  /// with gradients on: each checkpointed layer keeps only its input, and runs again in the
+  /// backward. Same loss and gradients; less memory, one more forward of those layers per step.
+  /// `layers` > 0 checkpoints only the first `layers` decoder layers (Megatron's
+  /// --recompute-method block --recompute-num-layers): the others keep their activations, a
+  /// trade between the two; 0 checkpoints every layer. Throws std::invalid_argument for
+  /// layers < 0.
+  void set_activation_checkpointing(bool on, int64_t layers = 0);
   bool activation_checkpointing() const { return checkpoint_layers_; }
+  int64_t activation_checkpointing_layers() const { return checkpoint_count_; }
+  /// Whether forward() checkpoints decoder layer `index` (0-based): what a package's forward asks.
+  bool checkpoints_layer(int64_t index) const {
+    return checkpoint_layers_ && (checkpoint_count_ == 0 || index < checkpoint_count_);
+  }
+  /// How many bytes of 16-bit logits token_logprobs may keep from its forward for its backward
+  /// (blocks/logprobs.hpp: all [T, V] when they fit, else the leading whole chunks that fit, the
+  /// rest recomputed; 0 recomputes all). Default kKeepLogitsMaxBytes (4 GiB). Throws
+  /// std::invalid_argument for a negative value.
+  void set_kept_logits_bytes(int64_t bytes);
+  int64_t kept_logits_bytes() const { return kept_logits_bytes_; }
 
   /// The true on-policy mode (experiment key algorithm.true_on_policy; docs/gpu.md): forward,
   /// forward_cached, logits and token_logprobs run batch-invariant ops
@@ -232,6 +248,8 @@ class CausalLM : public torch::nn::Module {
                                double temperature = 1.0);
  protected:
   bool checkpoint_layers_ = false;  ///< set_activation_checkpointing
+  int64_t checkpoint_count_ = 0;    ///< set_activation_checkpointing's layers (0: all)
+  int64_t kept_logits_bytes_ = kKeepLogitsMaxBytes;  ///< set_kept_logits_bytes
   bool batch_invariant_ = false;    ///< set_batch_invariant
   LayerHooks* layer_hooks_ = nullptr;  ///< set_layer_hooks
 };

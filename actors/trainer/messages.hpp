@@ -17,7 +17,7 @@ namespace kiln::messaging {
 /// model.device in model.dtype, with the trainer settings.
 struct TrainerInit {
   static constexpr std::string_view kType = "trainer.init";
-  static constexpr uint32_t kVersion = 3;  ///< v3: trainer.logprobs.true_on_policy
+  static constexpr uint32_t kVersion = 4;  ///< v3: trainer.logprobs.true_on_policy; v4: trainer.keep_logits_gib, activation_checkpointing_layers
   model::ModelSpec model;
   int64_t seed = 1;
   trainer::TrainerConfig trainer;

@@ -279,7 +279,8 @@ Trainer::Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config, 
   c_.validate();
   check_mtp(c_, *policy_);
   check_true_on_policy(c_, *policy_);
-  policy_->set_activation_checkpointing(c_.activation_checkpointing);
+  policy_->set_activation_checkpointing(c_.activation_checkpointing, c_.activation_checkpointing_layers);
+  policy_->set_kept_logits_bytes(int64_t(c_.keep_logits_gib * double(int64_t(1) << 30)));
   policy_->set_batch_invariant(c_.logprobs.true_on_policy);
   params_ = policy_->parameters();
   for (std::size_t i = 0; i < params_.size(); ++i)
@@ -305,7 +306,8 @@ Trainer::Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config, 
   c_.validate();
   check_mtp(c_, *policy_);
   check_true_on_policy(c_, *policy_);
-  policy_->set_activation_checkpointing(c_.activation_checkpointing);
+  policy_->set_activation_checkpointing(c_.activation_checkpointing, c_.activation_checkpointing_layers);
+  policy_->set_kept_logits_bytes(int64_t(c_.keep_logits_gib * double(int64_t(1) << 30)));
   policy_->set_batch_invariant(c_.logprobs.true_on_policy);
   if (!ep_.experts || !ep_.replicas)
     throw std::invalid_argument(std::string("Trainer: expert parallel needs both groups, got no ") +
@@ -620,7 +622,8 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
     if (c_.loss.entropy_coef != 0) {
       const auto scaled = temperature != 1.0 ? out.hidden / temperature : out.hidden;  // logits / T
       auto [lp_all, ent_all] =
-          model::token_logprobs_and_entropy(scaled, policy_->lm_head_weight(), p.targets, c_.logprobs.chunk);
+          model::token_logprobs_and_entropy(scaled, policy_->lm_head_weight(), p.targets, c_.logprobs.chunk,
+                                            policy_->kept_logits_bytes());
       // The true on-policy mode: the log-probs from the batch-invariant head (the rollout's bits).
       if (policy_->batch_invariant()) lp_all = policy_->token_logprobs(out, p.targets, c_.logprobs.chunk, temperature);
       t.logprob = lp_all.index_select(0, p.completion_positions);             // [Tc]

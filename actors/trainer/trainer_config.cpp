@@ -15,6 +15,10 @@ void TrainerConfig::validate(const FieldName& name) const {
   need(logprobs.temperature > 0, "temperature", "must be > 0, got " + shown(logprobs.temperature));
   need(logprobs.chunk >= 1, "chunk", "must be >= 1, got " + shown(logprobs.chunk));
   need(lr > 0, "lr", "must be > 0, got " + shown(lr));
+  need(activation_checkpointing_layers >= 0, "activation_checkpointing_layers",
+       "must be >= 0 (0: every layer), got " + shown(activation_checkpointing_layers));
+  need(std::isfinite(keep_logits_gib) && keep_logits_gib >= 0 && keep_logits_gib <= 1 << 20, "keep_logits_gib",
+       "must be in [0, 1048576] (0: recompute every chunk's logits), got " + shown(keep_logits_gib));
   need(!train_indexer, "train_indexer",
        "must be false: the RL loss does not train the sparse-attention indexer (its weights are frozen and it runs "
        "without gradient; it has its own training objective, a KL to dense attention, which kiln does not implement)");

@@ -61,6 +61,15 @@ struct TrainerConfig {
   /// policy's layers keep only their inputs and run again in the backward (long packs in less
   /// memory, one more forward of the layers per step; the same loss and gradients).
   bool activation_checkpointing = false;
+  /// With activation_checkpointing: checkpoint only the first N decoder layers (Megatron's
+  /// --recompute-method block --recompute-num-layers N), the others keep their activations;
+  /// 0: every layer.
+  int64_t activation_checkpointing_layers = 0;
+  /// GiB of the policy's 16-bit logits the log-prob head keeps from the forward for the
+  /// backward (CausalLM::set_kept_logits_bytes; model/blocks/logprobs.hpp): a micro-batch whose
+  /// [T, V] logits fit is not recomputed, a longer one keeps its leading chunks that fit and
+  /// recomputes the rest (one GEMM of 2*V*D FLOPs per recomputed token). 0: recompute all.
+  double keep_logits_gib = 4.0;
   /// Fully sharded data parallel for the decoder layers over the data-parallel ranks (experiment
   /// key parallel.fsdp; Trainer, FullyShardedLayers): no effect on one rank.
   bool fsdp = false;
@@ -89,7 +98,8 @@ struct TrainerConfig {
   PolicyLossConfig loss;
   MSGPACK_DEFINE_MAP(logprobs, lr, weight_decay, beta1, beta2, grad_clip, lr_schedule, warmup_steps, total_steps,
                      min_lr_ratio, recompute_old_logprobs, activation_checkpointing, fsdp, reshard_after_forward,
-                     train_indexer, mtp_loss_weight, mtp_depths, loss, reduce_dtype);
+                     train_indexer, mtp_loss_weight, mtp_depths, loss, reduce_dtype, keep_logits_gib,
+                     activation_checkpointing_layers);
 
   /// What a field is called where the settings came from, for error messages: e.g.
   /// "experiment: key 'algorithm.lr'" for "lr". Default: "trainer config: lr".

@@ -124,7 +124,7 @@ ForwardOutput Glm4MoeLiteModel::forward(const PackedBatch& batch, const ForwardO
     torch::Tensor chosen;
     if (layer->is_moe() && replay_all) replay = replay_all->select(1, moe_index);  // [T, K]
     const bool want_chosen = layer->is_moe() && want_ids;
-    if (checkpoint_layers_) {  // the recomputation in the backward writes the same ids again
+    if (checkpoints_layer(layer_index)) {  // the recomputation in the backward writes the same ids again
       auto out_ids = std::make_shared<torch::Tensor>();
       x = checkpointed(
           [l = layer.ptr(), positions, cu_dev, max_seqlen, position_bound, replay, out_ids,

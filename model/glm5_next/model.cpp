@@ -233,7 +233,7 @@ ForwardOutput Glm5NextModelImpl::forward(const PackedBatch& batch, const Forward
     if (moe && replay_experts) replay_ids = replay_experts->select(1, moe_i);  // [T, K]
     torch::Tensor ids;
     const bool want_ids = moe && want_experts;
-    if (checkpoint_layers_ && torch::GradMode::is_enabled()) {
+    if (checkpoints_layer(int64_t(i)) && torch::GradMode::is_enabled()) {
       // The recomputation in the backward writes the same ids and selection again.
       auto out_ids = std::make_shared<torch::Tensor>(), out_topk = std::make_shared<torch::Tensor>();
       streams = checkpointed(

@@ -104,6 +104,18 @@ TEST_CASE("unknown keys, wrong types and bad values are rejected by name") {
   ExperimentConfig d;
   d.set("algorithm.staleness=-1");
   CHECK_THROWS_WITH_AS(d.validate(), doctest::Contains("'algorithm.staleness'"), std::invalid_argument);
+  ExperimentConfig keep;
+  keep.set("algorithm.keep_logits_gib=-0.5");
+  CHECK_THROWS_WITH_AS(keep.validate(), doctest::Contains("'algorithm.keep_logits_gib' must be in [0, 1048576]"),
+                       std::invalid_argument);
+  keep.set("algorithm.keep_logits_gib=12");
+  CHECK_NOTHROW(keep.validate());
+  CHECK(keep.trainer.keep_logits_gib == 12.0);
+  keep.set("algorithm.activation_checkpointing_layers=-1");
+  CHECK_THROWS_WITH_AS(keep.validate(), doctest::Contains("'algorithm.activation_checkpointing_layers' must be >= 0"),
+                       std::invalid_argument);
+  keep.set("algorithm.activation_checkpointing_layers=3");
+  CHECK(keep.trainer.activation_checkpointing_layers == 3);
   ExperimentConfig e;
   e.set("algorithm.kl_estimator=k9");
   CHECK_THROWS_WITH_AS(e.validate(), doctest::Contains("'algorithm.kl_estimator'"), std::invalid_argument);

@@ -137,35 +137,89 @@ TEST_CASE("checkpointed() runs f without a graph and again in the backward with 
   CHECK(calls == 1);
 }
 
+TEST_CASE("keep_logits_gib: a bf16 policy's step is the same with every chunk's logits kept, some, or none") {
+  // On CPU the kept bf16 logits equal the recomputed ones (linear rounds to bf16), so the three
+  // budgets must give the same step bit for bit, entropy bonus included.
+  auto base = debug_model(11);
+  auto samples = rollout_samples(base, 6);
+  const int64_t row_bytes = base->config().vocab_size * 2;  // bf16 logits of one token
+  std::vector<StepMetrics> metrics;
+  std::vector<std::shared_ptr<model::glm4_moe_lite::Glm4MoeLiteModel>> models;
+  for (double gib : {0.0, double(20 * row_bytes) / double(int64_t(1) << 30), 4.0}) {
+    auto m = debug_model(11);
+    m->to_dtype(torch::kBFloat16);
+    TrainerConfig c;
+    c.logprobs.max_tokens_per_microbatch = 40;
+    c.logprobs.chunk = 8;  // 20 rows of room: two chunks of a 40-token micro-batch kept, the rest recomputed
+    c.loss.entropy_coef = 0.01;
+    c.keep_logits_gib = gib;
+    Trainer t(m, c);
+    CHECK(m->kept_logits_bytes() == int64_t(gib * double(int64_t(1) << 30)));
+    metrics.push_back(t.train_step(samples));
+    models.push_back(m);
+  }
+  for (std::size_t i = 1; i < metrics.size(); ++i) {
+    CAPTURE(i);
+    CHECK(metrics[i].loss == metrics[0].loss);
+    CHECK(metrics[i].entropy == metrics[0].entropy);
+    CHECK(metrics[i].grad_norm == metrics[0].grad_norm);
+    auto p0 = models[0]->named_parameters();
+    for (const auto& p : models[i]->named_parameters())
+      CHECK_MESSAGE(torch::equal(p.value(), p0[p.key()]), p.key() << ": the update differs");
+  }
+  TrainerConfig bad;
+  bad.keep_logits_gib = -1;
+  CHECK_THROWS_WITH_AS(Trainer(debug_model(1), bad), doctest::Contains("keep_logits_gib must be in [0, 1048576]"),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(base->set_kept_logits_bytes(-1), doctest::Contains("kept logits bytes must be >= 0, got -1"),
+                       std::invalid_argument);
+  TrainerConfig bad_layers;
+  bad_layers.activation_checkpointing = true;
+  bad_layers.activation_checkpointing_layers = -2;
+  CHECK_THROWS_WITH_AS(Trainer(debug_model(1), bad_layers),
+                       doctest::Contains("activation_checkpointing_layers must be >= 0 (0: every layer), got -2"),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(base->set_activation_checkpointing(true, -1),
+                       doctest::Contains("activation checkpointing layers must be >= 0"), std::invalid_argument);
+}
+
 TEST_CASE("activation checkpointing gives the same loss and gradients and routed experts with replay and without") {
   for (bool replay : {true, false}) {
     auto base = debug_model(9);
     auto samples = rollout_samples(base, 6);  // routed experts from the rollout
     std::vector<std::shared_ptr<model::glm4_moe_lite::Glm4MoeLiteModel>> models;
     std::vector<StepMetrics> metrics;
-    for (bool checkpointing : {false, true}) {
+    // none, every layer, the first two of the debug model's three (a dense and a MoE layer)
+    for (auto [checkpointing, layers] : {std::pair{false, 0}, std::pair{true, 0}, std::pair{true, 2}}) {
       auto m = debug_model(9);
       TrainerConfig c;
       c.logprobs.max_tokens_per_microbatch = 40;  // several micro-batches, packed documents
       c.logprobs.routing_replay = replay;
       c.loss.entropy_coef = 0.01;
       c.activation_checkpointing = checkpointing;
+      c.activation_checkpointing_layers = layers;
       Trainer t(m, c);
       CHECK(m->activation_checkpointing() == checkpointing);
+      CHECK(m->activation_checkpointing_layers() == layers);
+      CHECK(m->checkpoints_layer(1) == checkpointing);
+      CHECK(m->checkpoints_layer(2) == (checkpointing && layers == 0));
       metrics.push_back(t.train_step(samples));
       models.push_back(m);
     }
     CAPTURE(replay);
-    CHECK(metrics[1].micro_batches > 1);
-    CHECK(metrics[1].loss == metrics[0].loss);  // the same forward, bit for bit
-    CHECK(metrics[1].entropy == metrics[0].entropy);
-    CHECK(metrics[1].grad_norm == doctest::Approx(metrics[0].grad_norm).epsilon(1e-6));
-    auto p0 = models[0]->named_parameters();
-    for (const auto& p : models[1]->named_parameters()) {
-      CHECK_MESSAGE(p.value().grad().defined() == p0[p.key()].grad().defined(), p.key());
-      if (p.value().grad().defined())
-        CHECK_MESSAGE(torch::allclose(p.value().grad(), p0[p.key()].grad(), 1e-5, 1e-8), p.key());
-      CHECK_MESSAGE(torch::equal(p.value(), p0[p.key()]), p.key() << ": the update differs");
+    for (std::size_t i = 1; i < metrics.size(); ++i) {
+      CAPTURE(i);
+      CHECK(metrics[i].micro_batches > 1);
+      CHECK(metrics[i].loss == metrics[0].loss);  // the same forward, bit for bit
+      CHECK(metrics[i].entropy == metrics[0].entropy);
+      CHECK(metrics[i].grad_norm == doctest::Approx(metrics[0].grad_norm).epsilon(1e-6));
+      auto p0 = models[0]->named_parameters();
+      for (const auto& p : models[i]->named_parameters()) {
+        CHECK_MESSAGE(p.value().grad().defined() == p0[p.key()].grad().defined(), p.key());
+        if (p.value().grad().defined())
+          CHECK_MESSAGE(torch::allclose(p.value().grad(), p0[p.key()].grad(), 1e-5, 1e-8), p.key());
+        CHECK_MESSAGE(torch::equal(p.value(), p0[p.key()]), p.key() << ": the update differs");
+      }
     }
   }
   // The routed experts a checkpointed forward reports are the plain forward's.
