@@ -17,6 +17,9 @@ void TrainerConfig::validate(const FieldName& name) const {
   need(lr > 0, "lr", "must be > 0, got " + shown(lr));
   need(activation_checkpointing_layers >= 0, "activation_checkpointing_layers",
        "must be >= 0 (0: every layer), got " + shown(activation_checkpointing_layers));
+  need(activation_checkpointing_layers == 0 || activation_checkpointing, "activation_checkpointing_layers",
+       "is " + shown(activation_checkpointing_layers) +
+           " but activation checkpointing is off: set algorithm.activation_checkpointing = true too (or this to 0)");
   need(std::isfinite(keep_logits_gib) && keep_logits_gib >= 0 && keep_logits_gib <= 1 << 20, "keep_logits_gib",
        "must be in [0, 1048576] (0: recompute every chunk's logits), got " + shown(keep_logits_gib));
   need(!train_indexer, "train_indexer",

@@ -63,7 +63,8 @@ struct TrainerConfig {
   bool activation_checkpointing = false;
   /// With activation_checkpointing: checkpoint only the first N decoder layers (Megatron's
   /// --recompute-method block --recompute-num-layers N), the others keep their activations;
-  /// 0: every layer.
+  /// 0 (or N >= the model's layers): every layer. N > 0 without activation_checkpointing is
+  /// refused by validate().
   int64_t activation_checkpointing_layers = 0;
   /// GiB of the policy's 16-bit logits the log-prob head keeps from the forward for the
   /// backward (CausalLM::set_kept_logits_bytes; model/blocks/logprobs.hpp): a micro-batch whose

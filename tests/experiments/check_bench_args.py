@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """`kiln bench rollout` refuses, with exit code 2 and the option's name, an option the chosen
 device would ignore (cuda-only options on --device cpu, cpu-only ones on --device cuda) and
---split-profile without --split; every refusal comes before any model is built. Also kiln's
+--split-profile without --split; every refusal comes before any model is built. `kiln bench
+gpu` refuses a NaN --keep-logits-gib and --activation-checkpointing-layers without
+--activation-checkpointing or above --layers, before looking for a device. Also kiln's
 command line: an unknown command is named, and the option parser's refusals exit 2.
 Usage: check_bench_args.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
 import subprocess, sys
@@ -23,6 +25,16 @@ for args, needle in cases:
     r = subprocess.run([kiln, "bench", "rollout", *args], capture_output=True, text=True, timeout=60)
     checks.append((r.returncode == 2 and needle in r.stderr,
                    f"{' '.join(args)}: exit {r.returncode}, stderr names it ({r.stderr.strip()[-160:]})"))
+# kiln bench gpu: what its option parser cannot check, refused before the device is looked for.
+for args, needle in [(("--keep-logits-gib", "nan"), "--keep-logits-gib must be a number in [0, 1048576], got nan"),
+                     (("--activation-checkpointing-layers", "2"),
+                      "--activation-checkpointing-layers is read with --activation-checkpointing only"),
+                     (("--layers", "4", "--activation-checkpointing", "--activation-checkpointing-layers", "5"),
+                      "--activation-checkpointing-layers 5 exceeds --layers 4"),
+                     (("--keep-logits-gib", "-1"), "--keep-logits-gib")]:
+    r = subprocess.run([kiln, "bench", "gpu", *args], capture_output=True, text=True, timeout=60)
+    checks.append((r.returncode == 2 and needle in r.stderr,
+                   f"bench gpu {' '.join(args)}: exit {r.returncode} ({r.stderr.strip()[-160:]})"))
 # The command line itself: an unknown command is named with the commands there are, and a value
 # the option parser refuses exits 2 as well (not CLI11's own codes, 105-114).
 for args, needle in [(("frobnicate",), "unknown command 'frobnicate' (commands: "),

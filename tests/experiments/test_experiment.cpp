@@ -116,6 +116,12 @@ TEST_CASE("unknown keys, wrong types and bad values are rejected by name") {
                        std::invalid_argument);
   keep.set("algorithm.activation_checkpointing_layers=3");
   CHECK(keep.trainer.activation_checkpointing_layers == 3);
+  CHECK_THROWS_WITH_AS(keep.validate(),
+                       doctest::Contains("'algorithm.activation_checkpointing_layers' is 3 but activation checkpointing "
+                                         "is off: set algorithm.activation_checkpointing = true too"),
+                       std::invalid_argument);
+  keep.set("algorithm.activation_checkpointing=true");
+  CHECK_NOTHROW(keep.validate());
   ExperimentConfig e;
   e.set("algorithm.kl_estimator=k9");
   CHECK_THROWS_WITH_AS(e.validate(), doctest::Contains("'algorithm.kl_estimator'"), std::invalid_argument);
