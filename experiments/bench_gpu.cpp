@@ -94,7 +94,9 @@ int run_gpu_bench(const GpuBenchOptions& o) {
     return m;
   };
   auto policy = build();
-  const auto kept_logits_bytes = int64_t(o.keep_logits_gib * double(int64_t(1) << 30));
+  trainer::TrainerConfig budget;  // the kept-logits budget in bytes, as the trainer sets it
+  budget.keep_logits_gib = o.keep_logits_gib;
+  const int64_t kept_logits_bytes = budget.keep_logits_bytes();
   policy->set_kept_logits_bytes(kept_logits_bytes);
   J["keep_logits_gib"] = o.keep_logits_gib;
   const int64_t n = o.tokens / o.docs;

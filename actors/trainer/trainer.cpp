@@ -272,16 +272,20 @@ void check_true_on_policy(const TrainerConfig& c, model::CausalLM& policy) {
                                 "policy with a batch-invariant forward; this model's package does not implement it "
                                 "(glm4_moe_lite does, glm5_next does not)");
 }
+// What both trainers do first: the settings checked, then those the policy's forward reads set on it.
+void configure_policy(const TrainerConfig& c, model::CausalLM& policy) {
+  c.validate();
+  check_mtp(c, policy);
+  check_true_on_policy(c, policy);
+  policy.set_activation_checkpointing(c.activation_checkpointing, c.activation_checkpointing_layers);
+  policy.set_kept_logits_bytes(c.keep_logits_bytes());
+  policy.set_batch_invariant(c.logprobs.true_on_policy);
+}
 }  // namespace
 
 Trainer::Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config, parallel::Group* data_parallel)
     : policy_(std::move(policy)), c_(config), dp_(data_parallel) {
-  c_.validate();
-  check_mtp(c_, *policy_);
-  check_true_on_policy(c_, *policy_);
-  policy_->set_activation_checkpointing(c_.activation_checkpointing, c_.activation_checkpointing_layers);
-  policy_->set_kept_logits_bytes(int64_t(c_.keep_logits_gib * double(int64_t(1) << 30)));
-  policy_->set_batch_invariant(c_.logprobs.true_on_policy);
+  configure_policy(c_, *policy_);
   params_ = policy_->parameters();
   for (std::size_t i = 0; i < params_.size(); ++i)
     if (params_[i].scalar_type() != torch::kFloat32) low_precision_.push_back(i);
@@ -303,12 +307,7 @@ Trainer::Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config, 
 Trainer::Trainer(std::shared_ptr<model::CausalLM> policy, TrainerConfig config, parallel::Group& data_parallel,
                  ExpertParallel expert_parallel)
     : policy_(std::move(policy)), c_(config), dp_(&data_parallel), ep_(expert_parallel) {
-  c_.validate();
-  check_mtp(c_, *policy_);
-  check_true_on_policy(c_, *policy_);
-  policy_->set_activation_checkpointing(c_.activation_checkpointing, c_.activation_checkpointing_layers);
-  policy_->set_kept_logits_bytes(int64_t(c_.keep_logits_gib * double(int64_t(1) << 30)));
-  policy_->set_batch_invariant(c_.logprobs.true_on_policy);
+  configure_policy(c_, *policy_);
   if (!ep_.experts || !ep_.replicas)
     throw std::invalid_argument(std::string("Trainer: expert parallel needs both groups, got no ") +
                                 (ep_.experts ? "replicas (dp) group" : "experts (ep) group"));

@@ -71,6 +71,8 @@ struct TrainerConfig {
   /// [T, V] logits fit is not recomputed, a longer one keeps its leading chunks that fit and
   /// recomputes the rest (one GEMM of 2*V*D FLOPs per recomputed token). 0: recompute all.
   double keep_logits_gib = 4.0;
+  /// keep_logits_gib in bytes (CausalLM::set_kept_logits_bytes' unit).
+  int64_t keep_logits_bytes() const { return int64_t(keep_logits_gib * double(int64_t(1) << 30)); }
   /// Fully sharded data parallel for the decoder layers over the data-parallel ranks (experiment
   /// key parallel.fsdp; Trainer, FullyShardedLayers): no effect on one rank.
   bool fsdp = false;
