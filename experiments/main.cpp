@@ -2,8 +2,14 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
+#include <functional>
+#include <iomanip>
+#include <memory>
+#include <sstream>
 #include <string>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 #include <unistd.h>
 
@@ -70,6 +76,314 @@ bool refuse_other_device_options(const CLI::App& bench, const kiln::experiments:
 }
 #endif
 
+
+using Run = std::function<int()>;
+
+// A command and what running it does once CLI11 has parsed the command line.
+struct Command {
+  CLI::App* app;
+  Run run;
+};
+
+// A number option's range, said as kiln's own checks say it: "must be an integer in [2, 47],
+// got 99" (CLI11's Range calls a word that is no number "not in range" and lets NaN through).
+template <typename T>
+CLI::Validator between(T lo, T hi) {
+  auto text = [](T v) {
+    std::ostringstream s;
+    s << std::setprecision(15) << v;
+    return s.str();
+  };
+  const std::string want = std::string("must be ") + (std::is_integral_v<T> ? "an integer" : "a number") + " in [" +
+                           text(lo) + ", " + text(hi) + "]";
+  return CLI::Validator(
+      [lo, hi, want](std::string& in) -> std::string {
+        T v{};
+        if (!CLI::detail::lexical_cast(in, v)) return want + ", got \"" + in + "\"";
+        if (!(v >= lo && v <= hi)) return want + ", got " + in;  // NaN too
+        return {};
+      },
+      "in [" + text(lo) + ", " + text(hi) + "]", "BETWEEN");
+}
+
+void add_node(CLI::App& app, std::vector<Command>& commands) {
+  auto node = std::make_shared<kiln::experiments::NodeOptions>();
+  auto* cmd = app.add_subcommand("node", "Join an actor graph and host actors");
+  cmd->add_option("--name", node->name, "Node name (default: node-PID)");
+  cmd->add_option("--bind", node->bind, "Endpoint to bind (inproc://, ipc://, tcp://host:port)")->required();
+  cmd->add_option("--join", node->join, "Endpoint of the graph's root gateway (empty: be the root)");
+  cmd->add_option("--actor", node->actors, "Actor to host, <kind>/<index> (repeatable), e.g. diag/0");
+  cmd->add_option("--exit-with-parent", node->exit_with_parent, "Stop when this parent pid dies")
+      ->check(between(int64_t(1), int64_t(1) << 31));
+  cmd->add_option("--join-timeout-ms", node->join_timeout_ms, "How long to wait for the root")
+      ->default_val(10000)
+      ->check(between(1, 3600000));
+  commands.push_back({cmd, [node] {
+                        if (node->name.empty()) node->name = "node-" + std::to_string(::getpid());
+                        return kiln::experiments::run_node(*node);
+                      }});
+}
+
+void add_bench_messaging(CLI::App& bench, std::vector<Command>& commands) {
+  auto mb = std::make_shared<kiln::experiments::MessagingBenchOptions>();
+  auto* cmd = bench.add_subcommand("messaging", "Gateway throughput vs raw ZeroMQ and memcpy");
+  cmd->add_option("--sizes-mib", mb->sizes_mib, "Tensor sizes in MiB")->default_str("1 16 64 256")->check(between(1, 4096));
+  cmd->add_option("--bytes-per-cell", mb->bytes_per_cell, "Bytes sent per measurement")
+      ->check(between(std::size_t(1) << 20, std::size_t(1) << 40));
+  cmd->add_option("--repeats", mb->repeats, "Measurements per cell (best is shown)")->check(between(1, 100));
+  commands.push_back({cmd, [mb] { return kiln::experiments::run_messaging_bench(*mb); }});
+}
+
+#ifdef KILN_WITH_TORCH
+void add_bench_model(CLI::App& bench, std::vector<Command>& commands) {
+  auto mo = std::make_shared<kiln::experiments::ModelBenchOptions>();
+  auto* cmd = bench.add_subcommand("model", "Log-probs and forward+backward speed vs peers/limits");
+  cmd->add_option("--logprob-tokens", mo->logprob_tokens, "Tokens for the log-prob comparison")
+      ->check(between(int64_t(1), int64_t(65536)));
+  cmd->add_option("--train-tokens", mo->train_tokens, "Packed tokens for the training step (4 documents)")
+      ->check(between(int64_t(8), int64_t(1) << 20));
+  cmd->add_option("--repeats", mo->repeats, "Measurements (best is shown)")->check(between(1, 100));
+  commands.push_back({cmd, [mo] { return kiln::experiments::run_model_bench(*mo); }});
+}
+
+void add_bench_rollout(CLI::App& bench, std::vector<Command>& commands) {
+  auto ro = std::make_shared<kiln::experiments::RolloutBenchOptions>();
+  auto* cmd = bench.add_subcommand("rollout", "Engine decode tokens/s and TTFT vs no-cache recompute");
+  cmd->add_option("--batch-sizes", ro->batch_sizes, "Batch sizes")
+      ->default_str("1 8 32 64; cuda: 1 32 128 256")
+      ->check(between(int64_t(1), int64_t(4096)));
+  cmd->add_option("--prompt-tokens", ro->prompt_tokens, "cpu: prompt length")
+      ->capture_default_str()->check(between(int64_t(1), int64_t(65536)));
+  cmd->add_option("--new-tokens", ro->new_tokens, "Tokens generated per request")
+      ->capture_default_str()->check(between(int64_t(1), int64_t(65536)));
+  cmd->add_option("--flavor", ro->flavor, "cpu: glm4_moe_lite flavor")->capture_default_str();
+  cmd->add_option("--device", ro->device,
+                  "cpu (--flavor) or cuda (GLM-4.7-Flash dims, decode modes against the roofline); both "
+                  "end with a GRPO group: 8 samples of one 2048-token prompt, shared or not")
+      ->capture_default_str()->check(CLI::IsMember({"cpu", "cuda"}));
+  cmd->add_option("--layers", ro->layers, "cuda: decoder layers at GLM-4.7-Flash dimensions (first dense)")
+      ->check(between(int64_t(2), int64_t(47)));
+  cmd->add_option("--contexts", ro->contexts, "cuda: prompt lengths")->default_str("1024 8192")
+      ->check(between(int64_t(1), int64_t(131072)));
+  cmd->add_option("--modes", ro->modes,
+                  "cuda: decode modes, as columns, separated by spaces: expanded (the eager engine), absorbed "
+                  "(rollout.absorbed_decode), graphs (+ rollout.cuda_graphs), kernel / graphs-kernel (absorbed, "
+                  "eager / graphed, + rollout.mla_decode_kernel), graphs-sampling / graphs-experts / graphs-all "
+                  "(graphs-kernel + rollout.sampling_kernel / rollout.moe_decode_kernel / both), graphs-overlap "
+                  "/ graphs-overlap-all (graphs-sampling / graphs-all + rollout.overlap_schedule); the rollout.* "
+                  "keys a mode does not name are off")
+      ->default_str("expanded absorbed graphs")
+      ->check(CLI::IsMember({"expanded", "absorbed", "graphs", "kernel", "graphs-kernel", "graphs-sampling",
+                             "graphs-experts", "graphs-all", "graphs-overlap", "graphs-overlap-all"}));
+  cmd->add_flag("--split", ro->split, "cuda: where a graphed decode step's time goes (step, replay, sampling, copies)");
+  cmd->add_flag("--split-profile", ro->split_profile,
+                "cuda, with --split: one replay per shape inside cudaProfilerStart/Stop, for ncu");
+  commands.push_back({cmd, [cmd, ro] {
+                        if (refuse_other_device_options(*cmd, *ro)) return 2;
+                        if (ro->device == "cuda" && cmd->get_option("--batch-sizes")->count() == 0)
+                          ro->batch_sizes = {1, 32, 128, 256};
+                        return kiln::experiments::run_rollout_bench(*ro);
+                      }});
+}
+
+void add_bench_serve(CLI::App& bench, std::vector<Command>& commands) {
+  auto so = std::make_shared<kiln::experiments::ServeBenchOptions>();
+  auto* cmd = bench.add_subcommand("serve", "kiln serve's requests/s and tokens/s vs the in-process engine");
+  cmd->add_option("--clients", so->clients, "Concurrent clients")->default_str("1 16 64")
+      ->check(between(int64_t(1), int64_t(1024)));
+  cmd->add_option("--requests", so->requests, "Requests per measurement")->check(between(int64_t(1), int64_t(100000)));
+  cmd->add_option("--prompt-tokens", so->prompt_tokens, "Prompt length")->check(between(int64_t(1), int64_t(4096)));
+  cmd->add_option("--new-tokens", so->new_tokens, "Tokens generated per request")->check(between(int64_t(1), int64_t(4096)));
+  cmd->add_option("--flavor", so->flavor, "glm4_moe_lite flavor (cpu)");
+  commands.push_back({cmd, [so] { return kiln::experiments::run_serve_bench(*so); }});
+}
+
+void add_bench_gpu(CLI::App& bench, std::vector<Command>& commands) {
+  auto go = std::make_shared<kiln::experiments::GpuBenchOptions>();
+  auto* cmd = bench.add_subcommand("gpu", "bf16 training, log-probs, rollout and weight sync on one CUDA GPU vs its limits");
+  cmd->add_option("--layers", go->layers, "Decoder layers at GLM-4.7-Flash dimensions (first dense)")
+      ->check(between(int64_t(2), int64_t(47)));
+  cmd->add_option("--tokens", go->tokens, "Tokens of the packed micro-batch")->check(between(int64_t(16), int64_t(1) << 20));
+  cmd->add_option("--docs", go->docs, "Documents in the micro-batch")->check(between(int64_t(1), int64_t(4096)));
+  cmd->add_option("--steps", go->steps, "Timed repetitions (median shown)")->check(between(1, 100));
+  cmd->add_option("--bucket-mib", go->bucket_mib, "Weight-sync bucket size")->check(between(1.0, 65536.0));
+  cmd->add_option("--rollout-prompts", go->rollout_prompts, "Rollout requests")->check(between(int64_t(1), int64_t(4096)));
+  cmd->add_option("--rollout-prompt-tokens", go->rollout_prompt_tokens, "Prompt length")
+      ->check(between(int64_t(1), int64_t(65536)));
+  cmd->add_option("--rollout-new-tokens", go->rollout_new_tokens, "Tokens generated per request")
+      ->check(between(int64_t(1), int64_t(65536)));
+  cmd->add_option("--json", go->json_path, "Write every number as JSON here");
+  cmd->add_flag("--absorbed-decode", go->absorbed_decode, "Rollout decode in latent space (rollout.absorbed_decode)");
+  cmd->add_flag("--activation-checkpointing", go->activation_checkpointing,
+                "Also time forward+backward with activation checkpointing per layer");
+  cmd->add_option("--activation-checkpointing-layers", go->checkpoint_layers,
+                  "With --activation-checkpointing: checkpoint only the first N decoder layers "
+                  "(algorithm.activation_checkpointing_layers; 0: all)")
+      ->check(between(int64_t(0), int64_t(47)));
+  cmd->add_option("--keep-logits-gib", go->keep_logits_gib,
+                  "GiB of bf16 logits the log-prob head keeps for its backward (algorithm.keep_logits_gib; the "
+                  "rest recomputed)")
+      ->check(between(0.0, 1048576.0));
+  cmd->add_flag("--true-on-policy", go->true_on_policy,
+                "Also time training and rollout with batch-invariant kernels (algorithm.true_on_policy) and report "
+                "that mode's train/rollout diff");
+  cmd->add_option("--trace", go->trace_path,
+                  "Time forward+backward, then write one more's Chrome trace (Kineto: CPU ops, CUDA kernels) "
+                  "to this file and stop (with --activation-checkpointing: a checkpointed one)");
+  cmd->add_flag("--profile", go->profile,
+                "Time forward+backward, then run one more inside cudaProfilerStart/Stop (ncu --profile-from-start "
+                "off) and stop");
+  cmd->add_option("--config-dir", go->config_dir, "Write the benchmarked model's HF config.json here");
+  commands.push_back({cmd, [go] { return kiln::experiments::run_gpu_bench(*go); }});
+}
+
+void add_bench_glm5(CLI::App& bench, std::vector<Command>& commands) {
+  auto g5 = std::make_shared<kiln::experiments::Glm5BenchOptions>();
+  auto* cmd = bench.add_subcommand(
+      "glm5", "GLM-5.3-Flash (glm5_next) forward+backward with the MTP loss, bf16, one CUDA GPU: tokens/s, peak memory");
+  cmd->add_option("--flavor", g5->flavor, "glm5_next flavor (glm53_flash_5l: 5 layers + MTP, ~25B parameters)");
+  cmd->add_option("--tokens", g5->tokens, "Tokens of the packed micro-batch")->check(between(int64_t(16), int64_t(1) << 20));
+  cmd->add_option("--docs", g5->docs, "Documents in the micro-batch")->check(between(int64_t(1), int64_t(4096)));
+  cmd->add_option("--steps", g5->steps, "Timed repetitions (median shown)")->check(between(1, 100));
+  cmd->add_option("--mtp-depths", g5->mtp_depths, "MTP depths (algorithm.mtp_depths)")->check(between(int64_t(1), int64_t(16)));
+  cmd->add_option("--mtp-loss-weight", g5->mtp_loss_weight, "MTP loss weight (algorithm.mtp_loss_weight)")
+      ->check(between(0.0, 100.0));
+  cmd->add_option("--json", g5->json_path, "Write every number as JSON here");
+  commands.push_back({cmd, [g5] { return kiln::experiments::run_glm5_bench(*g5); }});
+}
+
+void add_bench_parallel(CLI::App& bench, std::vector<Command>& commands) {
+  auto po = std::make_shared<kiln::experiments::ParallelBenchOptions>();
+  auto* cmd = bench.add_subcommand(
+      "parallel", "Data-parallel trainer step on CUDA GPUs (NCCL) vs one GPU; one process per GPU (torchrun)");
+  cmd->add_option("--layers", po->layers, "Decoder layers at GLM-4.7-Flash dimensions (first dense)")
+      ->check(between(int64_t(2), int64_t(47)));
+  cmd->add_option("--tokens", po->tokens, "Tokens trained per GPU per step")->check(between(int64_t(16), int64_t(1) << 20));
+  cmd->add_option("--docs", po->docs, "Samples per GPU per step")->check(between(int64_t(1), int64_t(4096)));
+  cmd->add_option("--steps", po->steps, "Timed steps (median shown)")->check(between(1, 100));
+  cmd->add_option("--ep", po->ep, "Expert-parallel ranks of the EP measurement (0: all; 1: none)")
+      ->check(between(int64_t(0), int64_t(64)));
+  cmd->add_flag("--fsdp", po->fsdp, "Fully shard the decoder layers of the dp and ep trainers (parallel.fsdp)");
+  cmd->add_flag_callback(
+      "--no-reshard-after-forward", [po] { po->reshard_after_forward = false; },
+      "With --fsdp: keep the layers whole through the step (parallel.reshard_after_forward = false)");
+  cmd->add_option("--reduce-dtype", po->reduce_dtype, "Gradient reduction dtype of the dp and ep trainers (parallel.reduce_dtype)")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
+  cmd->add_option("--bucket-mib", po->bucket_mib, "Collective weight-sync bucket size")->check(between(1.0, 65536.0));
+  cmd->add_option("--json", po->json_path, "Write every number as JSON here");
+  commands.push_back({cmd, [po] { return kiln::experiments::run_parallel_bench(*po); }});
+}
+
+// `kiln model logits --docs`: ids separated by ',' and documents by ';' ("1,2,3;4,5"). Throws
+// std::invalid_argument for anything else.
+std::vector<std::vector<int64_t>> parse_docs(const std::string& spec) {
+  std::vector<std::vector<int64_t>> docs(1);
+  std::string num;
+  for (char ch : spec + ";") {
+    if (ch == ',' || ch == ';') {
+      if (!num.empty()) docs.back().push_back(std::stoll(num));
+      num.clear();
+      if (ch == ';' && !docs.back().empty()) docs.emplace_back();
+    } else if (ch != ' ') {
+      num += ch;
+    }
+  }
+  if (docs.back().empty()) docs.pop_back();
+  return docs;
+}
+
+void add_model(CLI::App& app, std::vector<Command>& commands) {
+  struct Args {
+    std::string plugin_dir, package = "glm4_moe_lite", from, to, docs_spec, logits_out;
+    int shard_mib = 5120;
+    int64_t crop_layers = 0;
+  };
+  auto a = std::make_shared<Args>();
+  auto* cmd = app.add_subcommand("model", "Model packages and checkpoints");
+  cmd->require_subcommand(1);
+  cmd->add_option("--plugins", a->plugin_dir, "Directory of model package plugins (default: $KILN_MODEL_PLUGINS)");
+  auto* list = cmd->add_subcommand("list", "List model packages and flavors");
+  commands.push_back({list, [a] { return kiln::experiments::run_model_list(a->plugin_dir); }});
+  auto* resave = cmd->add_subcommand("resave", "Load an HF checkpoint and write it back through kiln");
+  resave->add_option("--package", a->package, "Model package")->default_val("glm4_moe_lite");
+  resave->add_option("--from", a->from, "HF checkpoint directory")->required();
+  resave->add_option("--to", a->to, "Output directory")->required();
+  resave->add_option("--shard-mib", a->shard_mib, "Largest shard, MiB")->default_val(5120)->check(between(1, 1 << 20));
+  commands.push_back({resave, [a] {
+                        return kiln::experiments::run_model_resave(a->package, a->from, a->to, a->shard_mib,
+                                                                   a->plugin_dir);
+                      }});
+  auto* crop = cmd->add_subcommand(
+      "crop", "Cut a GLM-5.3-Flash checkpoint to its first N layers plus its MTP layer, FP8 weights as bf16");
+  crop->add_option("--from", a->from, "HF checkpoint directory (glm5_next)")->required();
+  crop->add_option("--to", a->to, "Output directory")->required();
+  crop->add_option("--layers", a->crop_layers, "Main layers to keep")->required()->check(between(int64_t(1), int64_t(1024)));
+  crop->add_option("--shard-mib", a->shard_mib, "Largest shard, MiB")->default_val(5120)->check(between(1, 1 << 20));
+  commands.push_back({crop, [a] { return kiln::experiments::run_model_crop(a->from, a->to, a->crop_layers, a->shard_mib); }});
+  auto* logits = cmd->add_subcommand("logits", "Packed forward of an HF checkpoint; logits to safetensors");
+  logits->add_option("--package", a->package, "Model package")->default_val("glm4_moe_lite");
+  logits->add_option("--from", a->from, "HF checkpoint directory")->required();
+  logits->add_option("--docs", a->docs_spec, "Documents: ids separated by ',' and documents by ';'")->required();
+  logits->add_option("--out", a->logits_out, "Output .safetensors")->required();
+  commands.push_back({logits, [a] {
+                        std::vector<std::vector<int64_t>> docs;
+                        try {
+                          docs = parse_docs(a->docs_spec);
+                        } catch (const std::exception&) {
+                          std::fprintf(stderr, "kiln model logits: --docs '%s' is not a list like '1,2,3;4,5'\n",
+                                       a->docs_spec.c_str());
+                          return 2;
+                        }
+                        return kiln::experiments::run_model_logits(a->package, a->from, docs, a->logits_out,
+                                                                   a->plugin_dir);
+                      }});
+}
+
+void add_serve(CLI::App& app, std::vector<Command>& commands) {
+  auto sv = std::make_shared<kiln::experiments::ServeCommand>();
+  auto* cmd = app.add_subcommand("serve", "Serve an experiment's rollout engine over HTTP (SGLang's native API)");
+  cmd->add_option("experiment", sv->experiment, "Experiment file (TOML; its [model], [rollout], [task] keys); none: the default");
+  cmd->add_option("--set", sv->overrides, "Override a key: section.key=value (repeatable)");
+  cmd->add_option("--host", sv->host, "Address to listen on")->default_val("127.0.0.1");
+  cmd->add_option("--port", sv->port, "Port (0: a free one)")->default_val(30000)->check(between(0, 65535));
+  cmd->add_option("--port-file", sv->port_file, "Write the bound port here once listening");
+  cmd->add_option("--threads", sv->threads, "HTTP worker threads (requests handled at once)")
+      ->default_val(128)->check(between(1, 4096));
+  commands.push_back({cmd, [sv] { return kiln::experiments::run_serve(*sv); }});
+}
+#endif
+
+void add_run(CLI::App& app, std::vector<Command>& commands, int argc, char** argv) {
+  struct Args {
+    std::string experiment;
+    std::vector<std::string> overrides;
+  };
+  auto a = std::make_shared<Args>();
+  auto* cmd = app.add_subcommand("run", "Run an experiment (the RL loop)");
+  cmd->add_option("experiment", a->experiment, "Experiment file (TOML); none: the built-in default");
+  cmd->add_option("--set", a->overrides, "Override a key: section.key=value (repeatable)");
+  commands.push_back({cmd, [a, argc, argv] {
+#ifdef KILN_WITH_TORCH
+                        try {
+                          auto config = a->experiment.empty()
+                                            ? kiln::experiments::ExperimentConfig{}
+                                            : kiln::experiments::ExperimentConfig::from_file(a->experiment);
+                          for (const auto& o : a->overrides) config.set(o);
+                          return kiln::experiments::run_ranks(config, config.to_toml(),
+                                                              std::vector<std::string>(argv, argv + argc));
+                        } catch (const std::exception& e) {
+                          std::fprintf(stderr, "kiln run: %s\n", e.what());
+                          return 2;
+                        }
+#else
+                        (void)argc;
+                        (void)argv;
+                        std::fprintf(stderr, "kiln run: this build has no LibTorch (KILN_WITH_TORCH=OFF)\n");
+                        return 2;
+#endif
+                      }});
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -81,166 +395,22 @@ int main(int argc, char** argv) {
 #endif
   CLI::App app{"kiln: asynchronous RL post-training for GLM-family MoE models"};
   app.require_subcommand(1);
-
-  kiln::experiments::NodeOptions node;
-  auto* node_cmd = app.add_subcommand("node", "Join an actor graph and host actors");
-  node_cmd->add_option("--name", node.name, "Node name (default: node-PID)");
-  node_cmd->add_option("--bind", node.bind, "Endpoint to bind (inproc://, ipc://, tcp://host:port)")->required();
-  node_cmd->add_option("--join", node.join, "Endpoint of the graph's root gateway (empty: be the root)");
-  node_cmd->add_option("--actor", node.actors, "Actor to host, <kind>/<index> (repeatable), e.g. diag/0");
-  node_cmd->add_option("--exit-with-parent", node.exit_with_parent, "Stop when this parent pid dies")
-      ->check(CLI::Range(int64_t(1), int64_t(1) << 31));
-  node_cmd->add_option("--join-timeout-ms", node.join_timeout_ms, "How long to wait for the root")
-      ->default_val(10000)
-      ->check(CLI::Range(1, 3600000));
-
-  auto* bench_cmd = app.add_subcommand("bench", "Benchmarks");
-  bench_cmd->require_subcommand(1);
-  kiln::experiments::MessagingBenchOptions mb;
-  auto* bench_msg = bench_cmd->add_subcommand("messaging", "Gateway throughput vs raw ZeroMQ and memcpy");
-  bench_msg->add_option("--sizes-mib", mb.sizes_mib, "Tensor sizes in MiB")->default_str("1 16 64 256")->check(CLI::Range(1, 4096));
-  bench_msg->add_option("--bytes-per-cell", mb.bytes_per_cell, "Bytes sent per measurement")->check(CLI::Range(std::size_t(1) << 20, std::size_t(1) << 40));
-  bench_msg->add_option("--repeats", mb.repeats, "Measurements per cell (best is shown)")->check(CLI::Range(1, 100));
-
+  std::vector<Command> commands;
+  add_node(app, commands);
+  auto* bench = app.add_subcommand("bench", "Benchmarks");
+  bench->require_subcommand(1);
+  add_bench_messaging(*bench, commands);
 #ifdef KILN_WITH_TORCH
-  kiln::experiments::ModelBenchOptions mo;
-  auto* bench_model = bench_cmd->add_subcommand("model", "Log-probs and forward+backward speed vs peers/limits");
-  bench_model->add_option("--logprob-tokens", mo.logprob_tokens, "Tokens for the log-prob comparison")->check(CLI::Range(int64_t(1), int64_t(65536)));
-  bench_model->add_option("--train-tokens", mo.train_tokens, "Packed tokens for the training step (4 documents)")->check(CLI::Range(int64_t(8), int64_t(1) << 20));
-  bench_model->add_option("--repeats", mo.repeats, "Measurements (best is shown)")->check(CLI::Range(1, 100));
-  kiln::experiments::RolloutBenchOptions ro;
-  auto* bench_rollout = bench_cmd->add_subcommand("rollout", "Engine decode tokens/s and TTFT vs no-cache recompute");
-  bench_rollout->add_option("--batch-sizes", ro.batch_sizes, "Batch sizes")->default_str("1 8 32 64; cuda: 1 32 128 256")->check(CLI::Range(int64_t(1), int64_t(4096)));
-  bench_rollout->add_option("--prompt-tokens", ro.prompt_tokens, "cpu: prompt length")
-      ->capture_default_str()->check(CLI::Range(int64_t(1), int64_t(65536)));
-  bench_rollout->add_option("--new-tokens", ro.new_tokens, "Tokens generated per request")
-      ->capture_default_str()->check(CLI::Range(int64_t(1), int64_t(65536)));
-  bench_rollout->add_option("--flavor", ro.flavor, "cpu: glm4_moe_lite flavor")->capture_default_str();
-  bench_rollout->add_option("--device", ro.device,
-                            "cpu (--flavor) or cuda (GLM-4.7-Flash dims, decode modes against the roofline); both "
-                            "end with a GRPO group: 8 samples of one 2048-token prompt, shared or not")
-      ->capture_default_str()->check(CLI::IsMember({"cpu", "cuda"}));
-  bench_rollout->add_option("--layers", ro.layers, "cuda: decoder layers at GLM-4.7-Flash dimensions (first dense)")
-      ->check(CLI::Range(int64_t(2), int64_t(47)));
-  bench_rollout->add_option("--contexts", ro.contexts, "cuda: prompt lengths")->default_str("1024 8192")
-      ->check(CLI::Range(int64_t(1), int64_t(131072)));
-  bench_rollout->add_option("--modes", ro.modes,
-                            "cuda: decode modes, as columns, separated by spaces: expanded (the eager engine), absorbed "
-                            "(rollout.absorbed_decode), graphs (+ rollout.cuda_graphs), kernel / graphs-kernel (absorbed, "
-                            "eager / graphed, + rollout.mla_decode_kernel), graphs-sampling / graphs-experts / graphs-all "
-                            "(graphs-kernel + rollout.sampling_kernel / rollout.moe_decode_kernel / both), graphs-overlap "
-                            "/ graphs-overlap-all (graphs-sampling / graphs-all + rollout.overlap_schedule); the rollout.* "
-                            "keys a mode does not name are off")
-      ->default_str("expanded absorbed graphs")
-      ->check(CLI::IsMember({"expanded", "absorbed", "graphs", "kernel", "graphs-kernel", "graphs-sampling",
-                             "graphs-experts", "graphs-all", "graphs-overlap",
-                             "graphs-overlap-all"}));
-  bench_rollout->add_flag("--split", ro.split, "cuda: where a graphed decode step's time goes (step, replay, sampling, copies)");
-  bench_rollout->add_flag("--split-profile", ro.split_profile,
-                          "cuda, with --split: one replay per shape inside cudaProfilerStart/Stop, for ncu");
-  kiln::experiments::ServeBenchOptions so;
-  auto* bench_serve = bench_cmd->add_subcommand("serve", "kiln serve's requests/s and tokens/s vs the in-process engine");
-  bench_serve->add_option("--clients", so.clients, "Concurrent clients")->default_str("1 16 64")->check(CLI::Range(int64_t(1), int64_t(1024)));
-  bench_serve->add_option("--requests", so.requests, "Requests per measurement")->check(CLI::Range(int64_t(1), int64_t(100000)));
-  bench_serve->add_option("--prompt-tokens", so.prompt_tokens, "Prompt length")->check(CLI::Range(int64_t(1), int64_t(4096)));
-  bench_serve->add_option("--new-tokens", so.new_tokens, "Tokens generated per request")->check(CLI::Range(int64_t(1), int64_t(4096)));
-  bench_serve->add_option("--flavor", so.flavor, "glm4_moe_lite flavor (cpu)");
-  kiln::experiments::GpuBenchOptions go;
-  auto* bench_gpu = bench_cmd->add_subcommand("gpu", "bf16 training, log-probs, rollout and weight sync on one CUDA GPU vs its limits");
-  bench_gpu->add_option("--layers", go.layers, "Decoder layers at GLM-4.7-Flash dimensions (first dense)")->check(CLI::Range(int64_t(2), int64_t(47)));
-  bench_gpu->add_option("--tokens", go.tokens, "Tokens of the packed micro-batch")->check(CLI::Range(int64_t(16), int64_t(1) << 20));
-  bench_gpu->add_option("--docs", go.docs, "Documents in the micro-batch")->check(CLI::Range(int64_t(1), int64_t(4096)));
-  bench_gpu->add_option("--steps", go.steps, "Timed repetitions (median shown)")->check(CLI::Range(1, 100));
-  bench_gpu->add_option("--bucket-mib", go.bucket_mib, "Weight-sync bucket size")->check(CLI::Range(1.0, 65536.0));
-  bench_gpu->add_option("--rollout-prompts", go.rollout_prompts, "Rollout requests")->check(CLI::Range(int64_t(1), int64_t(4096)));
-  bench_gpu->add_option("--rollout-prompt-tokens", go.rollout_prompt_tokens, "Prompt length")->check(CLI::Range(int64_t(1), int64_t(65536)));
-  bench_gpu->add_option("--rollout-new-tokens", go.rollout_new_tokens, "Tokens generated per request")->check(CLI::Range(int64_t(1), int64_t(65536)));
-  bench_gpu->add_option("--json", go.json_path, "Write every number as JSON here");
-  bench_gpu->add_flag("--absorbed-decode", go.absorbed_decode, "Rollout decode in latent space (rollout.absorbed_decode)");
-  bench_gpu->add_flag("--activation-checkpointing", go.activation_checkpointing, "Also time forward+backward with activation checkpointing per layer");
-  bench_gpu->add_option("--activation-checkpointing-layers", go.checkpoint_layers,
-                        "With --activation-checkpointing: checkpoint only the first N decoder layers "
-                        "(algorithm.activation_checkpointing_layers; 0: all)")
-      ->check(CLI::Range(int64_t(0), int64_t(47)));
-  bench_gpu->add_option("--keep-logits-gib", go.keep_logits_gib,
-                        "GiB of bf16 logits the log-prob head keeps for its backward (algorithm.keep_logits_gib; the "
-                        "rest recomputed)")
-      ->check(CLI::Range(0.0, 1048576.0));
-  bench_gpu->add_flag("--true-on-policy", go.true_on_policy, "Also time training and rollout with batch-invariant kernels (algorithm.true_on_policy) and report that mode's train/rollout diff");
-  bench_gpu->add_option("--trace", go.trace_path,
-                        "Time forward+backward, then write one more's Chrome trace (Kineto: CPU ops, CUDA kernels) "
-                        "to this file and stop (with --activation-checkpointing: a checkpointed one)");
-  bench_gpu->add_flag("--profile", go.profile, "Time forward+backward, then run one more inside cudaProfilerStart/Stop (ncu --profile-from-start off) and stop");
-  bench_gpu->add_option("--config-dir", go.config_dir, "Write the benchmarked model's HF config.json here");
-  kiln::experiments::Glm5BenchOptions g5;
-  auto* bench_glm5 = bench_cmd->add_subcommand(
-      "glm5", "GLM-5.3-Flash (glm5_next) forward+backward with the MTP loss, bf16, one CUDA GPU: tokens/s, peak memory");
-  bench_glm5->add_option("--flavor", g5.flavor, "glm5_next flavor (glm53_flash_5l: 5 layers + MTP, ~25B parameters)");
-  bench_glm5->add_option("--tokens", g5.tokens, "Tokens of the packed micro-batch")->check(CLI::Range(int64_t(16), int64_t(1) << 20));
-  bench_glm5->add_option("--docs", g5.docs, "Documents in the micro-batch")->check(CLI::Range(int64_t(1), int64_t(4096)));
-  bench_glm5->add_option("--steps", g5.steps, "Timed repetitions (median shown)")->check(CLI::Range(1, 100));
-  bench_glm5->add_option("--mtp-depths", g5.mtp_depths, "MTP depths (algorithm.mtp_depths)")->check(CLI::Range(int64_t(1), int64_t(16)));
-  bench_glm5->add_option("--mtp-loss-weight", g5.mtp_loss_weight, "MTP loss weight (algorithm.mtp_loss_weight)")->check(CLI::Range(0.0, 100.0));
-  bench_glm5->add_option("--json", g5.json_path, "Write every number as JSON here");
-  kiln::experiments::ParallelBenchOptions po;
-  auto* bench_parallel = bench_cmd->add_subcommand(
-      "parallel", "Data-parallel trainer step on CUDA GPUs (NCCL) vs one GPU; one process per GPU (torchrun)");
-  bench_parallel->add_option("--layers", po.layers, "Decoder layers at GLM-4.7-Flash dimensions (first dense)")->check(CLI::Range(int64_t(2), int64_t(47)));
-  bench_parallel->add_option("--tokens", po.tokens, "Tokens trained per GPU per step")->check(CLI::Range(int64_t(16), int64_t(1) << 20));
-  bench_parallel->add_option("--docs", po.docs, "Samples per GPU per step")->check(CLI::Range(int64_t(1), int64_t(4096)));
-  bench_parallel->add_option("--steps", po.steps, "Timed steps (median shown)")->check(CLI::Range(1, 100));
-  bench_parallel->add_option("--ep", po.ep, "Expert-parallel ranks of the EP measurement (0: all; 1: none)")->check(CLI::Range(int64_t(0), int64_t(64)));
-  bench_parallel->add_flag("--fsdp", po.fsdp, "Fully shard the decoder layers of the dp and ep trainers (parallel.fsdp)");
-  bench_parallel->add_flag_callback(
-      "--no-reshard-after-forward", [&po] { po.reshard_after_forward = false; },
-      "With --fsdp: keep the layers whole through the step (parallel.reshard_after_forward = false)");
-  bench_parallel->add_option("--reduce-dtype", po.reduce_dtype, "Gradient reduction dtype of the dp and ep trainers (parallel.reduce_dtype)")
-      ->check(CLI::IsMember({"fp32", "bf16"}));
-  bench_parallel->add_option("--bucket-mib", po.bucket_mib, "Collective weight-sync bucket size")->check(CLI::Range(1.0, 65536.0));
-  bench_parallel->add_option("--json", po.json_path, "Write every number as JSON here");
-  auto* model_cmd = app.add_subcommand("model", "Model packages and checkpoints");
-  model_cmd->require_subcommand(1);
-  std::string plugin_dir, package = "glm4_moe_lite", from, to;
-  int shard_mib = 5120;
-  model_cmd->add_option("--plugins", plugin_dir, "Directory of model package plugins (default: $KILN_MODEL_PLUGINS)");
-  auto* model_list = model_cmd->add_subcommand("list", "List model packages and flavors");
-  auto* model_resave = model_cmd->add_subcommand("resave", "Load an HF checkpoint and write it back through kiln");
-  model_resave->add_option("--package", package, "Model package")->default_val("glm4_moe_lite");
-  model_resave->add_option("--from", from, "HF checkpoint directory")->required();
-  model_resave->add_option("--to", to, "Output directory")->required();
-  model_resave->add_option("--shard-mib", shard_mib, "Largest shard, MiB")->default_val(5120)->check(CLI::Range(1, 1 << 20));
-  int64_t crop_layers = 0;
-  auto* model_crop = model_cmd->add_subcommand(
-      "crop", "Cut a GLM-5.3-Flash checkpoint to its first N layers plus its MTP layer, FP8 weights as bf16");
-  model_crop->add_option("--from", from, "HF checkpoint directory (glm5_next)")->required();
-  model_crop->add_option("--to", to, "Output directory")->required();
-  model_crop->add_option("--layers", crop_layers, "Main layers to keep")->required()->check(CLI::Range(1, 1024));
-  model_crop->add_option("--shard-mib", shard_mib, "Largest shard, MiB")->default_val(5120)->check(CLI::Range(1, 1 << 20));
-  std::string docs_spec, logits_out;
-  auto* model_logits = model_cmd->add_subcommand("logits", "Packed forward of an HF checkpoint; logits to safetensors");
-  model_logits->add_option("--package", package, "Model package")->default_val("glm4_moe_lite");
-  model_logits->add_option("--from", from, "HF checkpoint directory")->required();
-  model_logits->add_option("--docs", docs_spec, "Documents: ids separated by ',' and documents by ';'")->required();
-  model_logits->add_option("--out", logits_out, "Output .safetensors")->required();
+  add_bench_model(*bench, commands);
+  add_bench_rollout(*bench, commands);
+  add_bench_serve(*bench, commands);
+  add_bench_gpu(*bench, commands);
+  add_bench_glm5(*bench, commands);
+  add_bench_parallel(*bench, commands);
+  add_model(app, commands);
+  add_serve(app, commands);
 #endif
-
-#ifdef KILN_WITH_TORCH
-  kiln::experiments::ServeCommand sv;
-  auto* serve_cmd = app.add_subcommand("serve", "Serve an experiment's rollout engine over HTTP (SGLang's native API)");
-  serve_cmd->add_option("experiment", sv.experiment, "Experiment file (TOML; its [model], [rollout], [task] keys); none: the default");
-  serve_cmd->add_option("--set", sv.overrides, "Override a key: section.key=value (repeatable)");
-  serve_cmd->add_option("--host", sv.host, "Address to listen on")->default_val("127.0.0.1");
-  serve_cmd->add_option("--port", sv.port, "Port (0: a free one)")->default_val(30000)->check(CLI::Range(0, 65535));
-  serve_cmd->add_option("--port-file", sv.port_file, "Write the bound port here once listening");
-  serve_cmd->add_option("--threads", sv.threads, "HTTP worker threads (requests handled at once)")
-      ->default_val(128)->check(CLI::Range(1, 4096));
-#endif
-
-  auto* run_cmd = app.add_subcommand("run", "Run an experiment (the RL loop)");
-  std::string experiment;
-  std::vector<std::string> overrides;
-  run_cmd->add_option("experiment", experiment, "Experiment file (TOML); none: the built-in default");
-  run_cmd->add_option("--set", overrides, "Override a key: section.key=value (repeatable)");
+  add_run(app, commands, argc, argv);
 
   if (refuse_unknown_command(app, argc, argv)) return 2;
   try {
@@ -250,63 +420,7 @@ int main(int argc, char** argv) {
     // (CLI11's own codes, 105-114, say which of its checks refused it, which no caller reads).
     return app.exit(e) == 0 ? 0 : 2;
   }
-  if (node_cmd->parsed()) {
-    if (node.name.empty()) node.name = "node-" + std::to_string(::getpid());
-    return kiln::experiments::run_node(node);
-  }
-  if (bench_msg->parsed()) return kiln::experiments::run_messaging_bench(mb);
-#ifdef KILN_WITH_TORCH
-  if (bench_rollout->parsed()) {
-    if (refuse_other_device_options(*bench_rollout, ro)) return 2;
-    const bool cuda = ro.device == "cuda";
-    if (cuda && bench_rollout->get_option("--batch-sizes")->count() == 0) ro.batch_sizes = {1, 32, 128, 256};
-    return kiln::experiments::run_rollout_bench(ro);
-  }
-  if (bench_serve->parsed()) return kiln::experiments::run_serve_bench(so);
-  if (bench_model->parsed()) return kiln::experiments::run_model_bench(mo);
-  if (bench_gpu->parsed()) return kiln::experiments::run_gpu_bench(go);
-  if (bench_glm5->parsed()) return kiln::experiments::run_glm5_bench(g5);
-  if (bench_parallel->parsed()) return kiln::experiments::run_parallel_bench(po);
-  if (model_list->parsed()) return kiln::experiments::run_model_list(plugin_dir);
-  if (model_logits->parsed()) {
-    std::vector<std::vector<int64_t>> docs(1);
-    try {
-      std::string num;
-      for (char ch : docs_spec + ";") {
-        if (ch == ',' || ch == ';') {
-          if (!num.empty()) docs.back().push_back(std::stoll(num));
-          num.clear();
-          if (ch == ';' && !docs.back().empty()) docs.emplace_back();
-        } else if (ch != ' ') {
-          num += ch;
-        }
-      }
-      if (docs.back().empty()) docs.pop_back();
-    } catch (const std::exception&) {
-      std::fprintf(stderr, "kiln model logits: --docs '%s' is not a list like '1,2,3;4,5'\n", docs_spec.c_str());
-      return 2;
-    }
-    return kiln::experiments::run_model_logits(package, from, docs, logits_out, plugin_dir);
-  }
-  if (serve_cmd->parsed()) return kiln::experiments::run_serve(sv);
-  if (model_resave->parsed()) return kiln::experiments::run_model_resave(package, from, to, shard_mib, plugin_dir);
-  if (model_crop->parsed()) return kiln::experiments::run_model_crop(from, to, crop_layers, shard_mib);
-#endif
-  if (run_cmd->parsed()) {
-#ifdef KILN_WITH_TORCH
-    try {
-      auto config = experiment.empty() ? kiln::experiments::ExperimentConfig{}
-                                       : kiln::experiments::ExperimentConfig::from_file(experiment);
-      for (const auto& o : overrides) config.set(o);
-      return kiln::experiments::run_ranks(config, config.to_toml(), std::vector<std::string>(argv, argv + argc));
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "kiln run: %s\n", e.what());
-      return 2;
-    }
-#else
-    std::fprintf(stderr, "kiln run: this build has no LibTorch (KILN_WITH_TORCH=OFF)\n");
-    return 2;
-#endif
-  }
+  for (const auto& c : commands)
+    if (c.app->parsed()) return c.run();
   return 0;
 }

@@ -4,7 +4,8 @@ device would ignore (cuda-only options on --device cpu, cpu-only ones on --devic
 --split-profile without --split; every refusal comes before any model is built. `kiln bench
 gpu` refuses a NaN --keep-logits-gib and --activation-checkpointing-layers without
 --activation-checkpointing or above --layers, before looking for a device. Also kiln's
-command line: an unknown command is named, and the option parser's refusals exit 2.
+command line: an unknown command is named, a number option's word that is no number or out of
+its range is refused naming the range, and the option parser's refusals exit 2.
 Usage: check_bench_args.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
 import subprocess, sys
 
@@ -26,7 +27,9 @@ for args, needle in cases:
     checks.append((r.returncode == 2 and needle in r.stderr,
                    f"{' '.join(args)}: exit {r.returncode}, stderr names it ({r.stderr.strip()[-160:]})"))
 # kiln bench gpu: what its option parser cannot check, refused before the device is looked for.
-for args, needle in [(("--keep-logits-gib", "nan"), "--keep-logits-gib must be a number in [0, 1048576], got nan"),
+for args, needle in [(("--keep-logits-gib", "nan"), "--keep-logits-gib: must be a number in [0, 1048576], got nan"),
+                     (("--layers", "abc"), '--layers: must be an integer in [2, 47], got "abc"'),
+                     (("--layers", "48"), "--layers: must be an integer in [2, 47], got 48"),
                      (("--activation-checkpointing-layers", "2"),
                       "--activation-checkpointing-layers is read with --activation-checkpointing only"),
                      (("--layers", "4", "--activation-checkpointing", "--activation-checkpointing-layers", "5"),
