@@ -56,7 +56,7 @@ torch::Tensor kl_estimate(const torch::Tensor& logprob, const torch::Tensor& ref
 }
 
 PolicyLossResult policy_loss(const PolicyTokens& t, const PolicyLossConfig& c, double normalizer,
-                             const torch::Tensor& sample_tokens) {
+                             const torch::Tensor& sample_tokens, bool read_sums) {
   TORCH_CHECK(normalizer > 0, "policy_loss: normalizer must be > 0");
   auto mask = t.loss_mask.to(torch::kFloat32);
   auto ratio = torch::exp(clamp_log_ratio(t.logprob - t.old_logprob));
@@ -69,20 +69,33 @@ PolicyLossResult policy_loss(const PolicyTokens& t, const PolicyLossConfig& c, d
     per_token = per_token * w;
   }
   PolicyLossResult out;
+  torch::Tensor pg, clipped_tokens, tokens, kl_sum = torch::zeros({}, mask.options()),
+                                             entropy_sum = torch::zeros({}, mask.options());  // fp32 sums
   {
     torch::NoGradGuard g;
-    out.pg_sum = (per_token * mask).sum().item<double>();
-    out.clipped_tokens = ((clipped < unclipped).to(torch::kFloat32) * mask).sum().item<double>();
-    out.tokens = mask.sum().item<double>();
+    pg = (per_token * mask).sum();
+    clipped_tokens = ((clipped < unclipped).to(torch::kFloat32) * mask).sum();
+    tokens = mask.sum();
   }
   if (c.kl_coef != 0) {
     auto kl = kl_estimate(t.logprob, t.ref_logprob, kl_estimator_from_string(c.kl_estimator));
     per_token = per_token + c.kl_coef * kl;
-    out.kl_sum = (kl.detach() * mask).sum().item<double>();
+    kl_sum = (kl.detach() * mask).sum();
   }
   if (c.entropy_coef != 0 && t.entropy.defined()) {
     per_token = per_token - c.entropy_coef * t.entropy;
-    out.entropy_sum = (t.entropy.detach() * mask).sum().item<double>();
+    entropy_sum = (t.entropy.detach() * mask).sum();
+  }
+  // The order of PolicyLossResult's doubles: pg, kl, entropy, clipped tokens, tokens.
+  out.sums = torch::stack({pg, kl_sum, entropy_sum, clipped_tokens, tokens}).to(torch::kFloat64);
+  if (read_sums) {
+    const auto host = out.sums.cpu();
+    const double* v = host.data_ptr<double>();
+    out.pg_sum = v[0];
+    out.kl_sum = v[1];
+    out.entropy_sum = v[2];
+    out.clipped_tokens = v[3];
+    out.tokens = v[4];
   }
   if (aggregation_from_string(c.aggregation) == Aggregation::token_mean) {
     out.loss = (per_token * mask).sum() / normalizer;

@@ -55,7 +55,13 @@ struct PolicyTokens {
 
 struct PolicyLossResult {
   torch::Tensor loss;  ///< scalar: this micro-batch's share of the step loss (backward it)
-  // Sums over this micro-batch's loss tokens (divide by the step's token count to report):
+  /// The sums below as [kSums] fp64 on the loss's device, in their order (kl and entropy 0 where
+  /// their coefficient is), made without reading them back: the trainer adds its micro-batches'
+  /// on the device and reads the step's once.
+  torch::Tensor sums;
+  static constexpr int64_t kSums = 5;
+  // Sums over this micro-batch's loss tokens (divide by the step's token count to report); read
+  // from `sums` (one device-to-host copy) unless policy_loss was asked not to:
   double pg_sum = 0, kl_sum = 0, entropy_sum = 0, clipped_tokens = 0, tokens = 0;
 };
 
@@ -65,7 +71,9 @@ struct PolicyLossResult {
 /// config.aggregation and divided by `normalizer` (token_mean: the step's loss-token count;
 /// sequence_mean: the step's sample count; each sample's token losses are first averaged
 /// over its own tokens, which needs `sample_tokens` [S]: loss tokens per sample of the step).
+/// read_sums = false leaves the doubles of the result at 0 (its `sums` tensor holds them): no
+/// wait for the device.
 PolicyLossResult policy_loss(const PolicyTokens& t, const PolicyLossConfig& config, double normalizer,
-                             const torch::Tensor& sample_tokens = {});
+                             const torch::Tensor& sample_tokens = {}, bool read_sums = true);
 
 }  // namespace kiln::trainer

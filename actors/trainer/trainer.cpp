@@ -200,6 +200,84 @@ torch::Tensor per_token(const std::vector<Sample>& samples, const std::vector<st
   for (auto i : idx) v.insert(v.end(), (samples[i].*field).begin(), (samples[i].*field).end());
   return torch::tensor(v, torch::kFloat32);
 }
+
+// What every micro-batch of a train_step shares.
+struct MicroBatchInputs {
+  const std::vector<Sample>& samples;
+  bool given_old, want_ref;     // samples carry old log-probs; the loss has a KL term
+  double normalizer;            // the policy loss's (token_mean: the step's loss tokens; else its samples)
+  double loss_tokens;           // the step's, over every rank (the MTP loss's normaliser)
+  torch::Tensor sample_tokens;  // [S] fp32 loss tokens per sample, on the policy's device
+};
+
+// A micro-batch's sums, as train_micro_batch returns them.
+enum MicroBatchSum : int64_t { kLoss, kPg, kKl, kEntropy, kClipped, kLossTokens, kOldBehaviour, kMtpLoss, kMicroBatchSums };
+
+// One micro-batch's forward, loss and backward (its gradients added to the parameters'). Its
+// sums come back as [kMicroBatchSums] fp64 on the device (MicroBatchSum order), not read: the
+// caller adds them up and reads them once; the MTP cross-entropy and prediction count (host
+// numbers) are added to mtp_ce and mtp_predictions. Host tensors reach the device through
+// pinned memory without waiting for it (model::to_model_device).
+torch::Tensor train_micro_batch(model::CausalLM& policy, const TrainerConfig& c, const MicroBatchInputs& in,
+                                const std::vector<std::size_t>& idx, PhaseClock& clock, Trainer::StepPhases& phases,
+                                double& mtp_ce, double& mtp_predictions) {
+  auto p = pack(in.samples, idx, c.logprobs.routing_replay);
+  model::ForwardOptions opts;
+  opts.replay_routed_experts = p.replay;
+  opts.replay_topk_indices = p.replay_topk;
+  auto out = policy.forward(p.batch, opts);
+  const auto dev = out.hidden.device();
+  const auto positions_host = p.completion_positions;
+  p.completion_positions = model::to_model_device(p.completion_positions, dev);
+  const auto targets = model::to_model_device(p.targets, dev);
+  std::optional<model::MtpLoss> mtp;
+  if (c.mtp_loss_weight > 0) {  // from the hidden states before the temperature's scaling
+    auto supervised = torch::zeros({p.batch.input_ids.size(0)}, torch::kBool);
+    supervised.index_fill_(0, positions_host, true);
+    mtp = model::mtp_loss(policy, p.batch, out.hidden, supervised, c.mtp_depths, c.mtp_loss_weight, in.loss_tokens,
+                          c.logprobs.chunk);
+  }
+  const double temperature = c.logprobs.temperature;
+  PolicyTokens t;
+  if (c.loss.entropy_coef != 0) {
+    const auto scaled = temperature != 1.0 ? out.hidden / temperature : out.hidden;  // logits / T
+    auto [lp_all, ent_all] = model::token_logprobs_and_entropy(scaled, policy.lm_head_weight(), targets,
+                                                               c.logprobs.chunk, policy.kept_logits_bytes());
+    // The true on-policy mode: the log-probs from the batch-invariant head (the rollout's bits).
+    if (policy.batch_invariant()) lp_all = policy.token_logprobs(out, targets, c.logprobs.chunk, temperature);
+    t.logprob = lp_all.index_select(0, p.completion_positions);  // [Tc]
+    t.entropy = ent_all.index_select(0, p.completion_positions);
+  } else {
+    t.logprob =
+        policy.token_logprobs(out, targets, c.logprobs.chunk, temperature).index_select(0, p.completion_positions);
+  }
+  auto to_dev = [&](const torch::Tensor& host) { return model::to_model_device(host, dev); };
+  t.old_logprob = in.given_old ? to_dev(per_token(in.samples, idx, &Sample::old_logprobs)) : t.logprob.detach();
+  t.behavior_logprob = to_dev(per_token(in.samples, idx, &Sample::behavior_logprobs));
+  if (in.want_ref) t.ref_logprob = to_dev(per_token(in.samples, idx, &Sample::ref_logprobs));
+  std::vector<float> adv;
+  std::vector<int64_t> global_index;
+  for (auto k : p.completion_sample) {
+    auto i = idx[std::size_t(k)];
+    adv.push_back(in.samples[i].advantage);
+    global_index.push_back(int64_t(i));
+  }
+  t.advantage = to_dev(torch::tensor(adv, torch::kFloat32));
+  t.loss_mask = torch::ones_like(t.advantage);
+  t.sample_index = to_dev(torch::tensor(global_index, torch::kInt64));
+  auto r = policy_loss(t, c.loss, in.normalizer, in.sample_tokens, /*read_sums=*/false);
+  if (mtp) {
+    r.loss = r.loss + mtp->loss;
+    mtp_ce += mtp->ce_sum;
+    mtp_predictions += double(mtp->tokens);
+  }
+  clock.ends(phases.forward);
+  r.loss.backward();
+  clock.ends(phases.backward);
+  const auto f64 = [](const torch::Tensor& x) { return x.detach().to(torch::kFloat64).reshape({1}); };
+  return torch::cat({f64(r.loss), r.sums, f64((t.old_logprob - t.behavior_logprob).abs().sum()),
+                     mtp ? f64(mtp->loss) : torch::zeros({1}, r.sums.options())});
+}
 }  // namespace
 
 std::vector<std::vector<std::size_t>> plan_micro_batches(const std::vector<Sample>& samples, int64_t max_tokens) {
@@ -581,87 +659,44 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
   if (dp_) sum_over(*dp_, counts);
   m.loss_tokens = int64_t(counts[0]);
   m.tokens = int64_t(counts[1]);
-  const bool given_old = !samples.front().old_logprobs.empty();
-  const double normalizer =
-      aggregation_from_string(c_.loss.aggregation) == Aggregation::token_mean ? counts[0] : counts[2];
-  auto sample_tokens_t = torch::tensor(sample_tokens, torch::kFloat32);
+  const torch::Device device = params_.empty() ? torch::Device(torch::kCPU) : params_.front().device();
+  const MicroBatchInputs in{samples,
+                            !samples.front().old_logprobs.empty(),
+                            want_ref,
+                            aggregation_from_string(c_.loss.aggregation) == Aggregation::token_mean ? counts[0] : counts[2],
+                            counts[0],
+                            model::to_model_device(torch::tensor(sample_tokens, torch::kFloat32), device)};
   zero_optimizer_gradients();
   if (uses_master_weights() || dp_) policy_->zero_grad();
-  // This rank's sums: loss, pg, kl, clipped tokens, entropy, |old - behaviour|, micro-batches,
-  // MTP term, MTP cross-entropy, MTP predictions.
-  std::vector<double> sums(10, 0.0);
   phases_ = {};
-  PhaseClock clock(time_phases_, params_.empty() ? torch::Device(torch::kCPU) : params_.front().device());
-  auto phase_ends = [&](double& seconds) { clock.ends(seconds); };
+  PhaseClock clock(time_phases_, device);
   auto plan = plan_micro_batches(samples, mine, c_.logprobs.max_tokens_per_microbatch);
   // Expert parallel: padded to the ep group's most; fully sharded: to the data-parallel group's.
   plan.resize(micro_batch_count(fsdp_ ? dp_ : policy_->expert_parallel(), plan.size()));
   if (fsdp_) fsdp_->reshard();
+  // This rank's sums (MicroBatchSum order), added on the device and read once after the last
+  // micro-batch, so that the host packs and queues micro-batch i + 1 while the GPU runs i.
+  torch::Tensor on_device;
+  double micro_batches = 0, mtp_ce = 0, mtp_predictions = 0;
   for (const auto& idx : plan) {
     if (idx.empty()) {  // padding: the all-to-alls of a forward and backward, gradients + 0
       (padding_forward(*policy_).sum() * 0).backward();
       continue;
     }
-    auto p = pack(samples, idx, c_.logprobs.routing_replay);
-    model::ForwardOptions opts;
-    opts.replay_routed_experts = p.replay;
-    opts.replay_topk_indices = p.replay_topk;
-    auto out = policy_->forward(p.batch, opts);
-    const auto dev = out.hidden.device();
-    p.completion_positions = p.completion_positions.to(dev);
-    std::optional<model::MtpLoss> mtp;
-    if (c_.mtp_loss_weight > 0) {  // from the hidden states before the temperature's scaling
-      auto supervised = torch::zeros({p.batch.input_ids.size(0)}, torch::kBool);
-      supervised.index_fill_(0, p.completion_positions.cpu(), true);
-      mtp = model::mtp_loss(*policy_, p.batch, out.hidden, supervised, c_.mtp_depths, c_.mtp_loss_weight, counts[0],
-                            c_.logprobs.chunk);
-    }
-    const double temperature = c_.logprobs.temperature;
-    PolicyTokens t;
-    if (c_.loss.entropy_coef != 0) {
-      const auto scaled = temperature != 1.0 ? out.hidden / temperature : out.hidden;  // logits / T
-      auto [lp_all, ent_all] =
-          model::token_logprobs_and_entropy(scaled, policy_->lm_head_weight(), p.targets, c_.logprobs.chunk,
-                                            policy_->kept_logits_bytes());
-      // The true on-policy mode: the log-probs from the batch-invariant head (the rollout's bits).
-      if (policy_->batch_invariant()) lp_all = policy_->token_logprobs(out, p.targets, c_.logprobs.chunk, temperature);
-      t.logprob = lp_all.index_select(0, p.completion_positions);             // [Tc]
-      t.entropy = ent_all.index_select(0, p.completion_positions);
-    } else {
-      t.logprob = policy_->token_logprobs(out, p.targets, c_.logprobs.chunk, temperature)
-                      .index_select(0, p.completion_positions);
-    }
-    t.old_logprob = given_old ? per_token(samples, idx, &Sample::old_logprobs).to(dev) : t.logprob.detach();
-    t.behavior_logprob = per_token(samples, idx, &Sample::behavior_logprobs).to(dev);
-    if (want_ref) t.ref_logprob = per_token(samples, idx, &Sample::ref_logprobs).to(dev);
-    std::vector<float> adv;
-    std::vector<int64_t> global_index;
-    for (auto k : p.completion_sample) {
-      auto i = idx[std::size_t(k)];
-      adv.push_back(samples[i].advantage);
-      global_index.push_back(int64_t(i));
-    }
-    t.advantage = torch::tensor(adv, torch::kFloat32).to(dev);
-    t.loss_mask = torch::ones_like(t.advantage);
-    t.sample_index = torch::tensor(global_index, torch::kInt64).to(dev);
-    auto r = policy_loss(t, c_.loss, normalizer, sample_tokens_t.to(dev));
-    if (mtp) {
-      r.loss = r.loss + mtp->loss;
-      sums[7] += mtp->loss.item<double>();
-      sums[8] += mtp->ce_sum;
-      sums[9] += double(mtp->tokens);
-    }
-    phase_ends(phases_.forward);
-    r.loss.backward();
-    sums[0] += r.loss.item<double>();
-    sums[1] += r.pg_sum;
-    sums[2] += r.kl_sum;
-    sums[3] += r.clipped_tokens;
-    sums[4] += r.entropy_sum;
-    sums[5] += (t.old_logprob - t.behavior_logprob).abs().sum().item<double>();
-    sums[6] += 1;
-    phase_ends(phases_.backward);
+    auto mb = train_micro_batch(*policy_, c_, in, idx, clock, phases_, mtp_ce, mtp_predictions);
+    on_device = on_device.defined() ? on_device + mb : mb;
+    micro_batches += 1;
   }
+  std::vector<double> mb_sums(kMicroBatchSums, 0.0);
+  if (on_device.defined()) {
+    const auto host = on_device.cpu();
+    std::copy(host.data_ptr<double>(), host.data_ptr<double>() + kMicroBatchSums, mb_sums.begin());
+  }
+  // Over the group: loss, pg, kl, clipped tokens, entropy, |old - behaviour|, micro-batches,
+  // MTP term, MTP cross-entropy, MTP predictions.
+  std::vector<double> sums{mb_sums[kLoss],    mb_sums[kPg],           mb_sums[kKl], mb_sums[kClipped],
+                           mb_sums[kEntropy], mb_sums[kOldBehaviour], micro_batches, mb_sums[kMtpLoss],
+                           mtp_ce,            mtp_predictions};
   if (dp_) sum_over(*dp_, sums);
   const double tokens = double(m.loss_tokens);
   m.loss = sums[0];
@@ -671,11 +706,11 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
   m.entropy = sums[4] / tokens;
   m.train_rollout_logprob_abs_diff = sums[5] / tokens;
   m.micro_batches = int64_t(sums[6]);
-  phase_ends(phases_.backward);  // (the sums' reduction)
+  clock.ends(phases_.backward);  // (the sums' reduction)
   m.mtp_loss = sums[7];
   m.mtp_ce = sums[9] > 0 ? sums[8] / sums[9] : 0;
   m.grad_norm = reduce_and_clip_gradients(c_.grad_clip > 0 ? c_.grad_clip : 1e30);
-  phase_ends(phases_.reduce);
+  clock.ends(phases_.reduce);
   m.lr = current_lr();
   m.skip_reason = nonfinite_reason(m.loss, m.grad_norm);
   if (dp_) {  // loss and norm are the group's already; the ranks still decide together
@@ -690,20 +725,28 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
     zero_optimizer_gradients();
     if (uses_master_weights()) policy_->zero_grad();
     if (fsdp_) fsdp_->gather_all();  // the layers whole again, as they were
-  } else if (dp_) {
+  } else {
+    apply_update(m.lr);
+  }
+  clock.ends(phases_.optimizer);
+  m.actor_train_time = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return m;
+}
+
+void Trainer::apply_update(double lr) {
+  if (dp_) {
     // Each optimizer's all-gather queued behind its own update, so that the gathers run beside
     // the updates after them; then every parameter is whole again.
     for (auto& part : parts_)
       if (!part.unit) {
-        part.optimizer->step(m.lr, /*gather=*/false);
+        part.optimizer->step(lr, /*gather=*/false);
         part.optimizer->start_gather_parameters();
       }
-    if (fsdp_) fsdp_->step_and_gather_all(m.lr);
+    if (fsdp_) fsdp_->step_and_gather_all(lr);
     for (auto& part : parts_)
       if (!part.unit) part.optimizer->finish_gather_parameters();
-    ++version_;
   } else {
-    for (auto& g : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(m.lr);
+    for (auto& g : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
     fused_adamw_step(*optimizer_);
     std::vector<torch::Tensor> to, from;  // round to the policy's dtype, one launch
     for (auto i : low_precision_) {
@@ -711,11 +754,8 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
       from.push_back(masters_[i]);
     }
     copy_tensors(to, from);
-    ++version_;
   }
-  phase_ends(phases_.optimizer);
-  m.actor_train_time = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return m;
+  ++version_;
 }
 
 StepMetrics Trainer::step(std::vector<Sample> samples) {

@@ -208,6 +208,10 @@ class Trainer {
   /// the one-rank masters), clipped to `max_norm` by one norm over the whole model; returns the
   /// norm before clipping. Collective over dp_.
   double reduce_and_clip_gradients(double max_norm);
+  /// After reduce_and_clip_gradients: AdamW at `lr` on every optimizer (data parallel: each
+  /// shard, then the parameters gathered whole), the policy's parameters rounded from the
+  /// masters; the version advanced.
+  void apply_update(double lr);
   std::unique_ptr<FullyShardedLayers> fsdp_;  ///< config.fsdp: the decoder layers' units
   /// Every sharded optimizer with the params_ indices of its parameters; `unit`: a layer's
   /// (gathered by fsdp_, not by the optimizer).

@@ -118,6 +118,16 @@ TEST_CASE("PPO clipping with separate low and high bounds, and truncated importa
   auto r = policy_loss(t, c, 1.0);
   CHECK(r.loss.item<double>() == doctest::Approx(-1.28 - 0.5 + 0.8).epsilon(1e-5));
   CHECK(r.clipped_tokens == 2);
+  {  // Unread (the trainer's form): the doubles stay 0, the device tensor holds what they read.
+    torch::NoGradGuard ng;
+    auto u = policy_loss(t, c, 1.0, {}, /*read_sums=*/false);
+    CHECK(u.clipped_tokens == 0);
+    CHECK((u.sums.scalar_type() == torch::kFloat64));
+    REQUIRE(u.sums.numel() == PolicyLossResult::kSums);
+    const std::vector<double> want{r.pg_sum, r.kl_sum, r.entropy_sum, r.clipped_tokens, r.tokens};
+    for (int64_t i = 0; i < PolicyLossResult::kSums; ++i) CHECK(u.sums[i].item<double>() == want[std::size_t(i)]);
+    CHECK(r.tokens == 3);
+  }
   r.loss.backward();
   CHECK(lp.grad()[0].item<float>() == 0.0f);  // clipped: no gradient
   CHECK(lp.grad()[2].item<float>() == 0.0f);
