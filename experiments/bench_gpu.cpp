@@ -258,7 +258,7 @@ class GpuBench {
   // up to the micro-batch's tokens.
   void time_trainer_step() {
     trainer::TrainerConfig tc;
-    tc.logprobs.max_tokens_per_microbatch = o_.tokens;
+    tc.logprobs.max_tokens_per_microbatch = o_.trainer_microbatch_tokens > 0 ? o_.trainer_microbatch_tokens : o_.tokens;
     tc.lr = 1e-6;
     tc.keep_logits_gib = o_.keep_logits_gib;
     trainer::Trainer tr(policy_, tc);
@@ -273,6 +273,7 @@ class GpuBench {
     J["trainer_step_s"] = ts;
     J["trainer_step_tokens"] = tok;
     J["trainer_step_tokens_per_s"] = double(tok) / ts;
+    J["trainer_step_microbatch_tokens"] = tc.logprobs.max_tokens_per_microbatch;
     J["trainer_step_peak_memory_gib"] = peak_gib();
   }
 
@@ -314,8 +315,9 @@ class GpuBench {
                                            : "every layer",
                   d("checkpointed_train_step_s"), d("checkpointed_train_tokens_per_s"), 100.0 * d("checkpointed_mfu"),
                   d("checkpointed_peak_memory_gib"));
-    std::printf("  trainer step (AdamW) %8.3f s  %9.0f tokens/s  peak %.1f GiB\n", d("trainer_step_s"),
-                d("trainer_step_tokens_per_s"), d("trainer_step_peak_memory_gib"));
+    std::printf("  trainer step (AdamW) %8.3f s  %9.0f tokens/s  peak %.1f GiB  (micro-batches of up to %lld tokens)\n",
+                d("trainer_step_s"), d("trainer_step_tokens_per_s"), d("trainer_step_peak_memory_gib"),
+                (long long)J.at("trainer_step_microbatch_tokens").get<int64_t>());
     std::printf("  log_probs_time       %8.3f s  (decoder forward %.3f s; log-prob head fwd+bwd %.3f s)\n",
                 d("log_probs_time_s"), d("forward_no_grad_s"), d("logprob_head_fwd_bwd_s"));
     std::printf("  one MoE layer fwd+bwd: attention half %.4f s, MoE half %.4f s\n", d("layer_attention_fwd_bwd_s"),

@@ -38,6 +38,9 @@ struct GpuBenchOptions {
   bool activation_checkpointing = false;  ///< also forward+backward with checkpointing per layer
   int64_t checkpoint_layers = 0;  ///< with activation_checkpointing: the first N layers only (0: all)
   double keep_logits_gib = 4.0;  ///< the trainer's algorithm.keep_logits_gib, in every forward+backward timed
+  /// The trainer step's algorithm.max_tokens_per_microbatch (0: tokens, one micro-batch): with
+  /// less, the step runs several micro-batches, as an RL step does
+  int64_t trainer_microbatch_tokens = 0;
   bool true_on_policy = false;  ///< also train and rollout in the true on-policy mode (docs/gpu.md)
   bool profile = false;  ///< after timing forward+backward, run one more inside cudaProfilerStart/Stop and stop there
   std::string json_path, config_dir;

@@ -224,6 +224,9 @@ void add_bench_gpu(CLI::App& bench, std::vector<Command>& commands) {
                   "GiB of bf16 logits the log-prob head keeps for its backward (algorithm.keep_logits_gib; the "
                   "rest recomputed)")
       ->check(between(0.0, 1048576.0));
+  cmd->add_option("--trainer-microbatch-tokens", go->trainer_microbatch_tokens,
+                  "The trainer step's algorithm.max_tokens_per_microbatch (0: --tokens, one micro-batch)")
+      ->check(between(int64_t(0), int64_t(1) << 20));
   cmd->add_flag("--true-on-policy", go->true_on_policy,
                 "Also time training and rollout with batch-invariant kernels (algorithm.true_on_policy) and report "
                 "that mode's train/rollout diff");
