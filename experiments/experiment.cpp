@@ -79,10 +79,12 @@ std::map<std::string, Field> fields(ExperimentConfig& c) {
   };
   auto real = [&](const std::string& key, double& ref) {
     f[key] = {[&ref, key](const toml::node& n, const std::string& w) {
-                if (n.is_integer()) ref = double(n.as_integer()->get());
-                else if (n.is_floating_point()) ref = n.as_floating_point()->get();
+                double v = 0;  // the key keeps its value when this one is refused
+                if (n.is_integer()) v = double(n.as_integer()->get());
+                else if (n.is_floating_point()) v = n.as_floating_point()->get();
                 else bad(w, key, "must be a number, got " + got(n));
-                if (!std::isfinite(ref)) bad(w, key, "must be a finite number");
+                if (!std::isfinite(v)) bad(w, key, "must be a finite number, got " + got(n));
+                ref = v;
               },
               [&ref] {
                 const auto t = shown(ref);  // shortest text that reads back to the same double

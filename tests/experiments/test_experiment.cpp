@@ -2,6 +2,7 @@
 #include <doctest/doctest.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 
@@ -133,8 +134,12 @@ TEST_CASE("unknown keys, wrong types and bad values are rejected by name") {
   ExperimentConfig f;
   CHECK_THROWS_WITH_AS(f.set("algorithm.lr=inf"), doctest::Contains("'algorithm.lr' must be a finite number"),
                        std::invalid_argument);
-  CHECK_THROWS_WITH_AS(f.set("algorithm.tis_cap=nan"), doctest::Contains("'algorithm.tis_cap' must be a finite number"),
+  CHECK_THROWS_WITH_AS(f.set("algorithm.tis_cap=nan"),
+                       doctest::Contains("'algorithm.tis_cap' must be a finite number, got nan"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(f.set("algorithm.lr=-inf"), doctest::Contains("'algorithm.lr' must be a finite number, got -inf"),
                        std::invalid_argument);
+  CHECK(std::isfinite(f.trainer.lr));  // a refused value is not kept
+  CHECK(std::isfinite(f.trainer.loss.tis_cap));
   for (const char* bad : {"algorithm.top_p=0", "algorithm.top_k=-1", "algorithm.weight_decay=-5", "algorithm.grad_clip=-1",
                           "algorithm.kl_coef=-1", "algorithm.warmup_steps=-3", "algorithm.tis_cap=0",
                           "algorithm.clip_low=1", "placement.rollout_engines=0", "model.dtype=fp8",
