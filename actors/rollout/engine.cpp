@@ -145,14 +145,8 @@ bool Engine::finished(Sequence& s) const {
   return r.has_value();
 }
 
-std::vector<Completion> Engine::step() {
-  if (paused_) return {};
-  // Few-row MoE steps (decode) take the decode experts kernels, graphs captured here included.
-  const kernels::DecodeExpertsGuard experts_kernel(o_.moe_decode_kernel);
-  if (in_flight_) return advance();  // a decode step queued by the last call: read it (and queue the next)
-  // Admit waiting requests (FIFO) while pages, batch slots and the prefill budget allow.
-  std::vector<std::unique_ptr<Sequence>> admitted;
-  std::vector<std::pair<Sequence*, Sequence*>> sharing;  // (sequence, the holder of its prompt)
+void Engine::admit(std::vector<std::unique_ptr<Sequence>>& admitted,
+                   std::vector<std::pair<Sequence*, Sequence*>>& sharing) {
   int64_t prefill_budget = o_.max_prefill_tokens;
   while (!waiting_.empty() && int64_t(running_.size() + admitted.size()) < o_.max_batch) {
     auto& s = *waiting_.front();
@@ -178,6 +172,28 @@ std::vector<Completion> Engine::step() {
     admitted.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
   }
+}
+
+void Engine::take_shared_prompt(Sequence& s, const Sequence& holder) {
+  const int64_t P = int64_t(s.request.prompt.size()), page = P / o_.block_size;
+  if (P % o_.block_size != 0) cache_->copy_page(holder.blocks[std::size_t(page)], s.blocks[std::size_t(page)]);
+  cache_->copy_slot(holder.slot, s.slot);  // the holder was prefilled in this step if slots hold state
+  s.prompt_version = version_;
+  s.prompt_hidden = holder.prompt_hidden;
+  s.prompt_experts = holder.prompt_experts;
+  s.prompt_topk = holder.prompt_topk;
+  s.cached = P;
+  ++shared_prompts_;
+}
+
+std::vector<Completion> Engine::step() {
+  if (paused_) return {};
+  // Few-row MoE steps (decode) take the decode experts kernels, graphs captured here included.
+  const kernels::DecodeExpertsGuard experts_kernel(o_.moe_decode_kernel);
+  if (in_flight_) return advance();  // a decode step queued by the last call: read it (and queue the next)
+  std::vector<std::unique_ptr<Sequence>> admitted;
+  std::vector<std::pair<Sequence*, Sequence*>> sharing;  // (sequence, the holder of its prompt)
+  admit(admitted, sharing);
   std::vector<Sequence*> batch;  // through the model this step
   for (auto& s : running_) batch.push_back(s.get());
   for (auto& s : admitted)
@@ -250,20 +266,12 @@ std::vector<Completion> Engine::step() {
     }
     s->cached += slices[i].count;
   }
-  // Sharers: the holder's prompt (prefilled above or before), their partial last page copied.
+  // Sharers: the holder's prompt (prefilled above or before), their rows after the batch's.
   std::vector<torch::Tensor> rows{h};
-  for (auto [s, holder] : sharing) {
-    const int64_t P = int64_t(s->request.prompt.size()), page = P / o_.block_size;
-    if (P % o_.block_size != 0) cache_->copy_page(holder->blocks[std::size_t(page)], s->blocks[std::size_t(page)]);
-    cache_->copy_slot(holder->slot, s->slot);  // the holder was prefilled in this step if slots hold state
-    s->prompt_version = version_;
-    s->prompt_hidden = holder->prompt_hidden;
-    s->prompt_experts = holder->prompt_experts;
-    s->prompt_topk = holder->prompt_topk;
-    s->cached = P;
-    rows.push_back(s->prompt_hidden.unsqueeze(0));
-    batch.push_back(s);
-    ++shared_prompts_;
+  for (auto [sharer, holder] : sharing) {
+    take_shared_prompt(*sharer, *holder);
+    rows.push_back(sharer->prompt_hidden.unsqueeze(0));
+    batch.push_back(sharer);
   }
   // [B, V] fp32, as the trainer's; stays on the device
   if (!graphed) logits = model_->fp32_logits(sharing.empty() ? h : torch::cat(rows, 0));

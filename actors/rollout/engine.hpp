@@ -135,6 +135,15 @@ class Engine : public RolloutBackend {
   /// step) through the model at the current version; nullptr when none.
   Sequence* prompt_holder(const Sequence& s, const std::vector<std::unique_ptr<Sequence>>& admitted) const;
   void release(Sequence& s);  ///< its slot, and its pages, each freed when no other sequence holds it
+  /// Moves waiting requests (FIFO) into `admitted` while pages, batch slots and the prefill
+  /// budget allow, giving each its pages and slot; one whose prompt a running or admitted
+  /// sequence holds (prompt_holder) takes that one's full prompt pages by reference and goes
+  /// into `sharing` as (it, its holder) instead of through the model.
+  void admit(std::vector<std::unique_ptr<Sequence>>& admitted, std::vector<std::pair<Sequence*, Sequence*>>& sharing);
+  /// s takes holder's prefilled prompt: the partial last page copied (copy-on-write), the
+  /// decode-cache slot's state, the last prompt token's hidden state and routing; s counts as
+  /// having its prompt cached.
+  void take_shared_prompt(Sequence& s, const Sequence& holder);
 
   std::shared_ptr<model::CausalLM> model_;
   EngineOptions o_;
