@@ -245,6 +245,7 @@ ExperimentConfig ExperimentConfig::from_file(const std::string& path) {
   if (!std::filesystem::is_regular_file(path, ec))
     throw std::invalid_argument("experiment file '" + path + "' " +
                                 (std::filesystem::is_directory(path, ec) ? "is a directory (give a .toml file)"
+                                 : std::filesystem::exists(path, ec)     ? "is not a regular file (give a .toml file)"
                                                                          : "does not exist"));
   toml::table t;
   try {

@@ -1,6 +1,9 @@
 // The kiln command line: `kiln node`, `kiln bench ...`, `kiln model ...`, `kiln serve`, `kiln run`.
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <cstdlib>
 #include <cstdio>
 #include <functional>
 #include <iomanip>
@@ -86,7 +89,9 @@ struct Command {
 };
 
 // A number option's range, said as kiln's own checks say it: "must be an integer in [2, 47],
-// got 99" (CLI11's Range calls a word that is no number "not in range" and lets NaN through).
+// got \"99\"" (CLI11's Range calls a word that is no number "not in range" and lets NaN
+// through). Integers are decimal only (CLI11 alone reads "010" as octal 8 and "0x10" as 16):
+// leading zeros are dropped before CLI11 converts the text; spaces around a value are allowed.
 template <typename T>
 CLI::Validator between(T lo, T hi) {
   auto text = [](T v) {
@@ -98,9 +103,30 @@ CLI::Validator between(T lo, T hi) {
                            text(lo) + ", " + text(hi) + "]";
   return CLI::Validator(
       [lo, hi, want](std::string& in) -> std::string {
+        const std::string given = in;
+        const auto a = in.find_first_not_of(' '), b = in.find_last_not_of(' ');
+        std::string t = a == std::string::npos ? "" : in.substr(a, b - a + 1);
         T v{};
-        if (!CLI::detail::lexical_cast(in, v)) return want + ", got \"" + in + "\"";
-        if (!(v >= lo && v <= hi)) return want + ", got " + in;  // NaN too
+        bool ok = !t.empty();
+        if constexpr (std::is_integral_v<T>) {
+          const bool negative = ok && t[0] == '-';
+          std::string digits = ok && (t[0] == '-' || t[0] == '+') ? t.substr(1) : t;
+          ok = ok && !digits.empty() && digits.find_first_not_of("0123456789") == std::string::npos;
+          if (ok) {
+            digits.erase(0, std::min(digits.find_first_not_of('0'), digits.size() - 1));  // "007" -> "7"
+            t = (negative ? "-" : "") + digits;
+            const auto r = std::from_chars(t.data(), t.data() + t.size(), v);
+            ok = r.ec == std::errc() && r.ptr == t.data() + t.size();
+          }
+        } else {
+          char* end = nullptr;
+          errno = 0;
+          const double d = ok ? std::strtod(t.c_str(), &end) : 0.0;
+          ok = ok && end == t.c_str() + t.size() && errno != ERANGE;
+          v = T(d);
+        }
+        if (!ok || !(v >= lo && v <= hi)) return want + ", got \"" + given + "\"";  // NaN too
+        in = t;
         return {};
       },
       "in [" + text(lo) + ", " + text(hi) + "]", "BETWEEN");
@@ -114,10 +140,10 @@ void add_node(CLI::App& app, std::vector<Command>& commands) {
   cmd->add_option("--join", node->join, "Endpoint of the graph's root gateway (empty: be the root)");
   cmd->add_option("--actor", node->actors, "Actor to host, <kind>/<index> (repeatable), e.g. diag/0");
   cmd->add_option("--exit-with-parent", node->exit_with_parent, "Stop when this parent pid dies")
-      ->check(between(int64_t(1), int64_t(1) << 31));
+      ->transform(between(int64_t(1), int64_t(1) << 22));  // Linux's largest pid_max
   cmd->add_option("--join-timeout-ms", node->join_timeout_ms, "How long to wait for the root")
       ->default_val(10000)
-      ->check(between(1, 3600000));
+      ->transform(between(1, 3600000));
   commands.push_back({cmd, [node] {
                         if (node->name.empty()) node->name = "node-" + std::to_string(::getpid());
                         return kiln::experiments::run_node(*node);
@@ -127,10 +153,10 @@ void add_node(CLI::App& app, std::vector<Command>& commands) {
 void add_bench_messaging(CLI::App& bench, std::vector<Command>& commands) {
   auto mb = std::make_shared<kiln::experiments::MessagingBenchOptions>();
   auto* cmd = bench.add_subcommand("messaging", "Gateway throughput vs raw ZeroMQ and memcpy");
-  cmd->add_option("--sizes-mib", mb->sizes_mib, "Tensor sizes in MiB")->default_str("1 16 64 256")->check(between(1, 4096));
+  cmd->add_option("--sizes-mib", mb->sizes_mib, "Tensor sizes in MiB")->default_str("1 16 64 256")->transform(between(1, 4096));
   cmd->add_option("--bytes-per-cell", mb->bytes_per_cell, "Bytes sent per measurement")
-      ->check(between(std::size_t(1) << 20, std::size_t(1) << 40));
-  cmd->add_option("--repeats", mb->repeats, "Measurements per cell (best is shown)")->check(between(1, 100));
+      ->transform(between(std::size_t(1) << 20, std::size_t(1) << 40));
+  cmd->add_option("--repeats", mb->repeats, "Measurements per cell (best is shown)")->transform(between(1, 100));
   commands.push_back({cmd, [mb] { return kiln::experiments::run_messaging_bench(*mb); }});
 }
 
@@ -139,10 +165,10 @@ void add_bench_model(CLI::App& bench, std::vector<Command>& commands) {
   auto mo = std::make_shared<kiln::experiments::ModelBenchOptions>();
   auto* cmd = bench.add_subcommand("model", "Log-probs and forward+backward speed vs peers/limits");
   cmd->add_option("--logprob-tokens", mo->logprob_tokens, "Tokens for the log-prob comparison")
-      ->check(between(int64_t(1), int64_t(65536)));
+      ->transform(between(int64_t(1), int64_t(65536)));
   cmd->add_option("--train-tokens", mo->train_tokens, "Packed tokens for the training step (4 documents)")
-      ->check(between(int64_t(8), int64_t(1) << 20));
-  cmd->add_option("--repeats", mo->repeats, "Measurements (best is shown)")->check(between(1, 100));
+      ->transform(between(int64_t(8), int64_t(1) << 20));
+  cmd->add_option("--repeats", mo->repeats, "Measurements (best is shown)")->transform(between(1, 100));
   commands.push_back({cmd, [mo] { return kiln::experiments::run_model_bench(*mo); }});
 }
 
@@ -151,20 +177,20 @@ void add_bench_rollout(CLI::App& bench, std::vector<Command>& commands) {
   auto* cmd = bench.add_subcommand("rollout", "Engine decode tokens/s and TTFT vs no-cache recompute");
   cmd->add_option("--batch-sizes", ro->batch_sizes, "Batch sizes")
       ->default_str("1 8 32 64; cuda: 1 32 128 256")
-      ->check(between(int64_t(1), int64_t(4096)));
+      ->transform(between(int64_t(1), int64_t(4096)));
   cmd->add_option("--prompt-tokens", ro->prompt_tokens, "cpu: prompt length")
-      ->capture_default_str()->check(between(int64_t(1), int64_t(65536)));
+      ->capture_default_str()->transform(between(int64_t(1), int64_t(65536)));
   cmd->add_option("--new-tokens", ro->new_tokens, "Tokens generated per request")
-      ->capture_default_str()->check(between(int64_t(1), int64_t(65536)));
+      ->capture_default_str()->transform(between(int64_t(1), int64_t(65536)));
   cmd->add_option("--flavor", ro->flavor, "cpu: glm4_moe_lite flavor")->capture_default_str();
   cmd->add_option("--device", ro->device,
                   "cpu (--flavor) or cuda (GLM-4.7-Flash dims, decode modes against the roofline); both "
                   "end with a GRPO group: 8 samples of one 2048-token prompt, shared or not")
       ->capture_default_str()->check(CLI::IsMember({"cpu", "cuda"}));
   cmd->add_option("--layers", ro->layers, "cuda: decoder layers at GLM-4.7-Flash dimensions (first dense)")
-      ->check(between(int64_t(2), int64_t(47)));
+      ->transform(between(int64_t(2), int64_t(47)));
   cmd->add_option("--contexts", ro->contexts, "cuda: prompt lengths")->default_str("1024 8192")
-      ->check(between(int64_t(1), int64_t(131072)));
+      ->transform(between(int64_t(1), int64_t(131072)));
   cmd->add_option("--modes", ro->modes,
                   "cuda: decode modes, as columns, separated by spaces: expanded (the eager engine), absorbed "
                   "(rollout.absorbed_decode), graphs (+ rollout.cuda_graphs), kernel / graphs-kernel (absorbed, "
@@ -190,10 +216,10 @@ void add_bench_serve(CLI::App& bench, std::vector<Command>& commands) {
   auto so = std::make_shared<kiln::experiments::ServeBenchOptions>();
   auto* cmd = bench.add_subcommand("serve", "kiln serve's requests/s and tokens/s vs the in-process engine");
   cmd->add_option("--clients", so->clients, "Concurrent clients")->default_str("1 16 64")
-      ->check(between(int64_t(1), int64_t(1024)));
-  cmd->add_option("--requests", so->requests, "Requests per measurement")->check(between(int64_t(1), int64_t(100000)));
-  cmd->add_option("--prompt-tokens", so->prompt_tokens, "Prompt length")->check(between(int64_t(1), int64_t(4096)));
-  cmd->add_option("--new-tokens", so->new_tokens, "Tokens generated per request")->check(between(int64_t(1), int64_t(4096)));
+      ->transform(between(int64_t(1), int64_t(1024)));
+  cmd->add_option("--requests", so->requests, "Requests per measurement")->transform(between(int64_t(1), int64_t(100000)));
+  cmd->add_option("--prompt-tokens", so->prompt_tokens, "Prompt length")->transform(between(int64_t(1), int64_t(4096)));
+  cmd->add_option("--new-tokens", so->new_tokens, "Tokens generated per request")->transform(between(int64_t(1), int64_t(4096)));
   cmd->add_option("--flavor", so->flavor, "glm4_moe_lite flavor (cpu)");
   commands.push_back({cmd, [so] { return kiln::experiments::run_serve_bench(*so); }});
 }
@@ -202,16 +228,16 @@ void add_bench_gpu(CLI::App& bench, std::vector<Command>& commands) {
   auto go = std::make_shared<kiln::experiments::GpuBenchOptions>();
   auto* cmd = bench.add_subcommand("gpu", "bf16 training, log-probs, rollout and weight sync on one CUDA GPU vs its limits");
   cmd->add_option("--layers", go->layers, "Decoder layers at GLM-4.7-Flash dimensions (first dense)")
-      ->check(between(int64_t(2), int64_t(47)));
-  cmd->add_option("--tokens", go->tokens, "Tokens of the packed micro-batch")->check(between(int64_t(16), int64_t(1) << 20));
-  cmd->add_option("--docs", go->docs, "Documents in the micro-batch")->check(between(int64_t(1), int64_t(4096)));
-  cmd->add_option("--steps", go->steps, "Timed repetitions (median shown)")->check(between(1, 100));
-  cmd->add_option("--bucket-mib", go->bucket_mib, "Weight-sync bucket size")->check(between(1.0, 65536.0));
-  cmd->add_option("--rollout-prompts", go->rollout_prompts, "Rollout requests")->check(between(int64_t(1), int64_t(4096)));
+      ->transform(between(int64_t(2), int64_t(47)));
+  cmd->add_option("--tokens", go->tokens, "Tokens of the packed micro-batch")->transform(between(int64_t(16), int64_t(1) << 20));
+  cmd->add_option("--docs", go->docs, "Documents in the micro-batch")->transform(between(int64_t(1), int64_t(4096)));
+  cmd->add_option("--steps", go->steps, "Timed repetitions (median shown)")->transform(between(1, 100));
+  cmd->add_option("--bucket-mib", go->bucket_mib, "Weight-sync bucket size")->transform(between(1.0, 65536.0));
+  cmd->add_option("--rollout-prompts", go->rollout_prompts, "Rollout requests")->transform(between(int64_t(1), int64_t(4096)));
   cmd->add_option("--rollout-prompt-tokens", go->rollout_prompt_tokens, "Prompt length")
-      ->check(between(int64_t(1), int64_t(65536)));
+      ->transform(between(int64_t(1), int64_t(65536)));
   cmd->add_option("--rollout-new-tokens", go->rollout_new_tokens, "Tokens generated per request")
-      ->check(between(int64_t(1), int64_t(65536)));
+      ->transform(between(int64_t(1), int64_t(65536)));
   cmd->add_option("--json", go->json_path, "Write every number as JSON here");
   cmd->add_flag("--absorbed-decode", go->absorbed_decode, "Rollout decode in latent space (rollout.absorbed_decode)");
   cmd->add_flag("--activation-checkpointing", go->activation_checkpointing,
@@ -219,14 +245,14 @@ void add_bench_gpu(CLI::App& bench, std::vector<Command>& commands) {
   cmd->add_option("--activation-checkpointing-layers", go->checkpoint_layers,
                   "With --activation-checkpointing: checkpoint only the first N decoder layers "
                   "(algorithm.activation_checkpointing_layers; 0: all)")
-      ->check(between(int64_t(0), int64_t(47)));
+      ->transform(between(int64_t(0), int64_t(47)));
   cmd->add_option("--keep-logits-gib", go->keep_logits_gib,
                   "GiB of bf16 logits the log-prob head keeps for its backward (algorithm.keep_logits_gib; the "
                   "rest recomputed)")
-      ->check(between(0.0, 1048576.0));
+      ->transform(between(0.0, 1048576.0));
   cmd->add_option("--trainer-microbatch-tokens", go->trainer_microbatch_tokens,
                   "The trainer step's algorithm.max_tokens_per_microbatch (0: --tokens, one micro-batch)")
-      ->check(between(int64_t(0), int64_t(1) << 20));
+      ->transform(between(int64_t(0), int64_t(1) << 20));
   cmd->add_flag("--true-on-policy", go->true_on_policy,
                 "Also time training and rollout with batch-invariant kernels (algorithm.true_on_policy) and report "
                 "that mode's train/rollout diff");
@@ -245,12 +271,12 @@ void add_bench_glm5(CLI::App& bench, std::vector<Command>& commands) {
   auto* cmd = bench.add_subcommand(
       "glm5", "GLM-5.3-Flash (glm5_next) forward+backward with the MTP loss, bf16, one CUDA GPU: tokens/s, peak memory");
   cmd->add_option("--flavor", g5->flavor, "glm5_next flavor (glm53_flash_5l: 5 layers + MTP, ~25B parameters)");
-  cmd->add_option("--tokens", g5->tokens, "Tokens of the packed micro-batch")->check(between(int64_t(16), int64_t(1) << 20));
-  cmd->add_option("--docs", g5->docs, "Documents in the micro-batch")->check(between(int64_t(1), int64_t(4096)));
-  cmd->add_option("--steps", g5->steps, "Timed repetitions (median shown)")->check(between(1, 100));
-  cmd->add_option("--mtp-depths", g5->mtp_depths, "MTP depths (algorithm.mtp_depths)")->check(between(int64_t(1), int64_t(16)));
+  cmd->add_option("--tokens", g5->tokens, "Tokens of the packed micro-batch")->transform(between(int64_t(16), int64_t(1) << 20));
+  cmd->add_option("--docs", g5->docs, "Documents in the micro-batch")->transform(between(int64_t(1), int64_t(4096)));
+  cmd->add_option("--steps", g5->steps, "Timed repetitions (median shown)")->transform(between(1, 100));
+  cmd->add_option("--mtp-depths", g5->mtp_depths, "MTP depths (algorithm.mtp_depths)")->transform(between(int64_t(1), int64_t(16)));
   cmd->add_option("--mtp-loss-weight", g5->mtp_loss_weight, "MTP loss weight (algorithm.mtp_loss_weight)")
-      ->check(between(0.0, 100.0));
+      ->transform(between(0.0, 100.0));
   cmd->add_option("--json", g5->json_path, "Write every number as JSON here");
   commands.push_back({cmd, [g5] { return kiln::experiments::run_glm5_bench(*g5); }});
 }
@@ -260,38 +286,52 @@ void add_bench_parallel(CLI::App& bench, std::vector<Command>& commands) {
   auto* cmd = bench.add_subcommand(
       "parallel", "Data-parallel trainer step on CUDA GPUs (NCCL) vs one GPU; one process per GPU (torchrun)");
   cmd->add_option("--layers", po->layers, "Decoder layers at GLM-4.7-Flash dimensions (first dense)")
-      ->check(between(int64_t(2), int64_t(47)));
-  cmd->add_option("--tokens", po->tokens, "Tokens trained per GPU per step")->check(between(int64_t(16), int64_t(1) << 20));
-  cmd->add_option("--docs", po->docs, "Samples per GPU per step")->check(between(int64_t(1), int64_t(4096)));
-  cmd->add_option("--steps", po->steps, "Timed steps (median shown)")->check(between(1, 100));
+      ->transform(between(int64_t(2), int64_t(47)));
+  cmd->add_option("--tokens", po->tokens, "Tokens trained per GPU per step")->transform(between(int64_t(16), int64_t(1) << 20));
+  cmd->add_option("--docs", po->docs, "Samples per GPU per step")->transform(between(int64_t(1), int64_t(4096)));
+  cmd->add_option("--steps", po->steps, "Timed steps (median shown)")->transform(between(1, 100));
   cmd->add_option("--ep", po->ep, "Expert-parallel ranks of the EP measurement (0: all; 1: none)")
-      ->check(between(int64_t(0), int64_t(64)));
+      ->transform(between(int64_t(0), int64_t(64)));
   cmd->add_flag("--fsdp", po->fsdp, "Fully shard the decoder layers of the dp and ep trainers (parallel.fsdp)");
   cmd->add_flag_callback(
       "--no-reshard-after-forward", [po] { po->reshard_after_forward = false; },
       "With --fsdp: keep the layers whole through the step (parallel.reshard_after_forward = false)");
   cmd->add_option("--reduce-dtype", po->reduce_dtype, "Gradient reduction dtype of the dp and ep trainers (parallel.reduce_dtype)")
       ->check(CLI::IsMember({"fp32", "bf16"}));
-  cmd->add_option("--bucket-mib", po->bucket_mib, "Collective weight-sync bucket size")->check(between(1.0, 65536.0));
+  cmd->add_option("--bucket-mib", po->bucket_mib, "Collective weight-sync bucket size")->transform(between(1.0, 65536.0));
   cmd->add_option("--json", po->json_path, "Write every number as JSON here");
   commands.push_back({cmd, [po] { return kiln::experiments::run_parallel_bench(*po); }});
 }
 
-// `kiln model logits --docs`: ids separated by ',' and documents by ';' ("1,2,3;4,5"). Throws
-// std::invalid_argument for anything else.
+// `kiln model logits --docs`: ids separated by ',' and documents by ';' ("1,2,3;4,5"; spaces
+// around an id allowed). Throws std::invalid_argument naming the first entry that is empty or
+// not a decimal integer in int64.
 std::vector<std::vector<int64_t>> parse_docs(const std::string& spec) {
-  std::vector<std::vector<int64_t>> docs(1);
-  std::string num;
-  for (char ch : spec + ";") {
-    if (ch == ',' || ch == ';') {
-      if (!num.empty()) docs.back().push_back(std::stoll(num));
-      num.clear();
-      if (ch == ';' && !docs.back().empty()) docs.emplace_back();
-    } else if (ch != ' ') {
-      num += ch;
+  std::vector<std::vector<int64_t>> docs;
+  std::size_t doc_start = 0;
+  for (int64_t d = 1;; ++d) {
+    const auto doc_end = std::min(spec.find(';', doc_start), spec.size());
+    docs.emplace_back();
+    std::size_t id_start = doc_start;
+    for (int64_t i = 1;; ++i) {
+      const auto id_end = std::min(spec.find(',', id_start), doc_end);
+      std::string text = spec.substr(id_start, id_end - id_start);
+      text.erase(0, std::min(text.size(), text.find_first_not_of(' ')));
+      text.erase(text.find_last_not_of(' ') + 1);  // npos + 1 = 0: all spaces
+      const bool empty = text.empty();
+      int64_t v = 0;
+      const char* first = text.data() + (!text.empty() && text[0] == '+' ? 1 : 0);
+      const auto r = std::from_chars(first, text.data() + text.size(), v);
+      if (empty || r.ec != std::errc() || r.ptr != text.data() + text.size())
+        throw std::invalid_argument("id " + std::to_string(i) + " of document " + std::to_string(d) +
+                                    (empty ? " is empty" : " ('" + text + "') is not a decimal integer"));
+      docs.back().push_back(v);
+      if (id_end == doc_end) break;
+      id_start = id_end + 1;
     }
+    if (doc_end == spec.size()) break;
+    doc_start = doc_end + 1;
   }
-  if (docs.back().empty()) docs.pop_back();
   return docs;
 }
 
@@ -311,7 +351,7 @@ void add_model(CLI::App& app, std::vector<Command>& commands) {
   resave->add_option("--package", a->package, "Model package")->default_val("glm4_moe_lite");
   resave->add_option("--from", a->from, "HF checkpoint directory")->required();
   resave->add_option("--to", a->to, "Output directory")->required();
-  resave->add_option("--shard-mib", a->shard_mib, "Largest shard, MiB")->default_val(5120)->check(between(1, 1 << 20));
+  resave->add_option("--shard-mib", a->shard_mib, "Largest shard, MiB")->default_val(5120)->transform(between(1, 1 << 20));
   commands.push_back({resave, [a] {
                         return kiln::experiments::run_model_resave(a->package, a->from, a->to, a->shard_mib,
                                                                    a->plugin_dir);
@@ -320,8 +360,8 @@ void add_model(CLI::App& app, std::vector<Command>& commands) {
       "crop", "Cut a GLM-5.3-Flash checkpoint to its first N layers plus its MTP layer, FP8 weights as bf16");
   crop->add_option("--from", a->from, "HF checkpoint directory (glm5_next)")->required();
   crop->add_option("--to", a->to, "Output directory")->required();
-  crop->add_option("--layers", a->crop_layers, "Main layers to keep")->required()->check(between(int64_t(1), int64_t(1024)));
-  crop->add_option("--shard-mib", a->shard_mib, "Largest shard, MiB")->default_val(5120)->check(between(1, 1 << 20));
+  crop->add_option("--layers", a->crop_layers, "Main layers to keep")->required()->transform(between(int64_t(1), int64_t(1024)));
+  crop->add_option("--shard-mib", a->shard_mib, "Largest shard, MiB")->default_val(5120)->transform(between(1, 1 << 20));
   commands.push_back({crop, [a] { return kiln::experiments::run_model_crop(a->from, a->to, a->crop_layers, a->shard_mib); }});
   auto* logits = cmd->add_subcommand("logits", "Packed forward of an HF checkpoint; logits to safetensors");
   logits->add_option("--package", a->package, "Model package")->default_val("glm4_moe_lite");
@@ -332,9 +372,9 @@ void add_model(CLI::App& app, std::vector<Command>& commands) {
                         std::vector<std::vector<int64_t>> docs;
                         try {
                           docs = parse_docs(a->docs_spec);
-                        } catch (const std::exception&) {
-                          std::fprintf(stderr, "kiln model logits: --docs '%s' is not a list like '1,2,3;4,5'\n",
-                                       a->docs_spec.c_str());
+                        } catch (const std::exception& e) {
+                          std::fprintf(stderr, "kiln model logits: --docs '%s': %s (a list like '1,2,3;4,5')\n",
+                                       a->docs_spec.c_str(), e.what());
                           return 2;
                         }
                         return kiln::experiments::run_model_logits(a->package, a->from, docs, a->logits_out,
@@ -348,10 +388,10 @@ void add_serve(CLI::App& app, std::vector<Command>& commands) {
   cmd->add_option("experiment", sv->experiment, "Experiment file (TOML; its [model], [rollout], [task] keys); none: the default");
   cmd->add_option("--set", sv->overrides, "Override a key: section.key=value (repeatable)");
   cmd->add_option("--host", sv->host, "Address to listen on")->default_val("127.0.0.1");
-  cmd->add_option("--port", sv->port, "Port (0: a free one)")->default_val(30000)->check(between(0, 65535));
+  cmd->add_option("--port", sv->port, "Port (0: a free one)")->default_val(30000)->transform(between(0, 65535));
   cmd->add_option("--port-file", sv->port_file, "Write the bound port here once listening");
   cmd->add_option("--threads", sv->threads, "HTTP worker threads (requests handled at once)")
-      ->default_val(128)->check(between(1, 4096));
+      ->default_val(128)->transform(between(1, 4096));
   commands.push_back({cmd, [sv] { return kiln::experiments::run_serve(*sv); }});
 }
 #endif
@@ -365,7 +405,12 @@ void add_run(CLI::App& app, std::vector<Command>& commands, int argc, char** arg
   auto* cmd = app.add_subcommand("run", "Run an experiment (the RL loop)");
   cmd->add_option("experiment", a->experiment, "Experiment file (TOML); none: the built-in default");
   cmd->add_option("--set", a->overrides, "Override a key: section.key=value (repeatable)");
-  commands.push_back({cmd, [a, argc, argv] {
+  commands.push_back({cmd, [cmd, a, argc, argv] {
+                        if (cmd->get_option("experiment")->count() > 0 && a->experiment.empty()) {
+                          std::fprintf(stderr, "kiln run: the experiment file's path is empty (leave it out to run "
+                                               "the built-in default)\n");
+                          return 2;
+                        }
 #ifdef KILN_WITH_TORCH
                         try {
                           auto config = a->experiment.empty()

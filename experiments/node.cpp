@@ -23,11 +23,25 @@ int run_node(const NodeOptions& options) {
     std::fprintf(stderr, "kiln node: --bind must name an endpoint (inproc://, ipc://, tcp://host:port)\n");
     return 2;
   }
+  // A TCP endpoint's port: a number in [0, 65535] or ZeroMQ's "*" (ZeroMQ itself reads
+  // tcp://host:99999 as port 34463).
+  for (const auto& [option, endpoint] : {std::pair<const char*, const std::string*>{"--bind", &options.bind},
+                                         {"--join", &options.join}}) {
+    if (endpoint->rfind("tcp://", 0) != 0) continue;
+    const auto colon = endpoint->rfind(':');
+    const std::string port = colon < 6 ? "" : endpoint->substr(colon + 1);
+    const bool number = !port.empty() && port.size() <= 5 && port.find_first_not_of("0123456789") == std::string::npos;
+    if (port != "*" && !(number && std::stol(port) <= 65535)) {
+      std::fprintf(stderr, "kiln node: %s '%s' must end in :PORT, PORT in [0, 65535] (or * on --bind)\n", option,
+                   endpoint->c_str());
+      return 2;
+    }
+  }
   std::set<std::string> seen;
-  static const std::regex name_re("[a-z_][a-z0-9_]*/[0-9]+");
+  static const std::regex name_re("[a-z_][a-z0-9_]*/[0-9]{1,9}");
   for (const auto& a : options.actors) {
     if (!std::regex_match(a, name_re)) {
-      std::fprintf(stderr, "kiln node: actor name '%s' is not <kind>/<index> (e.g. diag/0)\n", a.c_str());
+      std::fprintf(stderr, "kiln node: actor name '%s' is not <kind>/<index> (e.g. diag/0; index of up to 9 digits)\n", a.c_str());
       return 2;
     }
     if (!seen.insert(a).second) {

@@ -3,6 +3,7 @@
 #include <signal.h>
 
 #include <cstdio>
+#include <filesystem>
 
 #include "actors/rollout/engine_loop.hpp"
 #include "actors/rollout/hf_tokenizer.hpp"
@@ -25,6 +26,23 @@ int run_serve(const ServeCommand& command) {
   const rollout::HfTokenizer* hf = nullptr;  // the tokenizer when it is a tokenizer.json (chats need one)
   std::unique_ptr<rollout::EngineLoop> loop;
   ExperimentConfig c;
+  // What the command line names, checked before the model is built.
+  if (command.host.empty()) {
+    std::fprintf(stderr, "kiln serve: --host must name an address (127.0.0.1, 0.0.0.0, ::1, a host name)\n");
+    return 2;
+  }
+  if (!command.port_file.empty()) {
+    const std::filesystem::path f(command.port_file);
+    const auto dir = f.has_parent_path() ? f.parent_path() : std::filesystem::path(".");
+    std::error_code ec;
+    if (std::filesystem::is_directory(f, ec) || !std::filesystem::is_directory(dir, ec)) {
+      std::fprintf(stderr, "kiln serve: --port-file '%s' %s\n", command.port_file.c_str(),
+                   std::filesystem::is_directory(f, ec) ? "is a directory (give a file's path)"
+                                                        : ("is in a directory that does not exist ('" +
+                                                           dir.string() + "')").c_str());
+      return 2;
+    }
+  }
   try {
     if (!command.experiment.empty()) c = ExperimentConfig::from_file(command.experiment);
     for (const auto& o : command.overrides) c.set(o);

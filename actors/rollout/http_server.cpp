@@ -208,19 +208,28 @@ int serve_http(EngineLoop& loop, std::shared_ptr<model::CausalLM> model, const T
     listening = sock;
   });
   const int port = options.port == 0 ? svr.bind_to_any_port(options.host) : svr.bind_to_port(options.host, options.port) ? options.port : -1;
+  // An IPv6 address in a URL goes in brackets (RFC 3986 §3.2.2).
+  const std::string host = options.host.find(':') != std::string::npos ? "[" + options.host + "]" : options.host;
   if (port <= 0) {
-    std::fprintf(stderr, "kiln serve: cannot listen on %s:%d\n", options.host.c_str(), options.port);
-    return 1;
+    std::fprintf(stderr, "kiln serve: cannot listen on %s:%d\n", host.c_str(), options.port);
+    return 2;
   }
   // cpp-httplib 0.11 listens with a backlog of 5: a burst of clients beyond it is refused or
   // reset. listen() again on the same socket sets the backlog to what the system allows.
   if (listening >= 0) ::listen(listening, SOMAXCONN);
   if (!options.port_file.empty()) {  // whole or not at all: written aside, then renamed
     const auto tmp = options.port_file + ".partial";
-    std::ofstream(tmp) << port << "\n";
-    std::filesystem::rename(tmp, options.port_file);
+    std::error_code ec;
+    bool written = bool(std::ofstream(tmp) << port << "\n");
+    if (written) std::filesystem::rename(tmp, options.port_file, ec);
+    if (!written || ec) {
+      std::filesystem::remove(tmp, ec);
+      std::fprintf(stderr, "kiln serve: cannot write the port file '%s'%s\n", options.port_file.c_str(),
+                   written ? "" : " (its .partial could not be created)");
+      return 2;
+    }
   }
-  std::fprintf(stderr, "kiln serve: listening on http://%s:%d\n", options.host.c_str(), port);
+  std::fprintf(stderr, "kiln serve: listening on http://%s:%d\n", host.c_str(), port);
   std::thread waiter([&svr, &loop] {
     sigset_t set;
     sigemptyset(&set);

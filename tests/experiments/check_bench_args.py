@@ -4,8 +4,9 @@ device would ignore (cuda-only options on --device cpu, cpu-only ones on --devic
 --split-profile without --split; every refusal comes before any model is built. `kiln bench
 gpu` refuses a NaN --keep-logits-gib and --activation-checkpointing-layers without
 --activation-checkpointing or above --layers, before looking for a device. Also kiln's
-command line: an unknown command is named, a number option's word that is no number or out of
-its range is refused naming the range, and the option parser's refusals exit 2.
+command line: an unknown command is named, a number option's word that is no decimal number or
+out of its range is refused naming the range, malformed paths, endpoints and --docs lists are
+refused by name before any model is built, and every refusal exits 2.
 Usage: check_bench_args.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
 import subprocess, sys
 
@@ -27,9 +28,12 @@ for args, needle in cases:
     checks.append((r.returncode == 2 and needle in r.stderr,
                    f"{' '.join(args)}: exit {r.returncode}, stderr names it ({r.stderr.strip()[-160:]})"))
 # kiln bench gpu: what its option parser cannot check, refused before the device is looked for.
-for args, needle in [(("--keep-logits-gib", "nan"), "--keep-logits-gib: must be a number in [0, 1048576], got nan"),
+for args, needle in [(("--keep-logits-gib", "nan"), '--keep-logits-gib: must be a number in [0, 1048576], got "nan"'),
                      (("--layers", "abc"), '--layers: must be an integer in [2, 47], got "abc"'),
-                     (("--layers", "48"), "--layers: must be an integer in [2, 47], got 48"),
+                     (("--layers", "48"), '--layers: must be an integer in [2, 47], got "48"'),
+                     (("--layers", "050"), '--layers: must be an integer in [2, 47], got "050"'),  # decimal, not octal 40
+                     (("--layers", "0x4"), '--layers: must be an integer in [2, 47], got "0x4"'),
+                     (("--keep-logits-gib", "1e-400"), '--keep-logits-gib: must be a number in [0, 1048576], got "1e-400"'),
                      (("--activation-checkpointing-layers", "2"),
                       "--activation-checkpointing-layers is read with --activation-checkpointing only"),
                      (("--layers", "4", "--activation-checkpointing", "--activation-checkpointing-layers", "5"),
@@ -43,7 +47,19 @@ for args, needle in [(("--keep-logits-gib", "nan"), "--keep-logits-gib: must be 
 for args, needle in [(("frobnicate",), "unknown command 'frobnicate' (commands: "),
                      (("bench", "nope"), "unknown command 'nope' (commands of bench: "),
                      (("bench", "rollout", "--batch-sizes", "0"), "--batch-sizes"),
-                     (("run", "--bogus"), "--bogus")]:
+                     (("run", "--bogus"), "--bogus"),
+                     (("run", ""), "the experiment file's path is empty"),
+                     (("run", "/dev/null"), "experiment file '/dev/null' is not a regular file"),
+                     (("model", "logits", "--from", "/nonexistent", "--out", "x.safetensors", "--docs", "1,,2"),
+                      "--docs '1,,2': id 2 of document 1 is empty"),
+                     (("model", "logits", "--from", "/nonexistent", "--out", "x.safetensors", "--docs", "1;2;"),
+                      "id 1 of document 3 is empty"),
+                     (("model", "logits", "--from", "/nonexistent", "--out", "x.safetensors", "--docs", "1.5"),
+                      "id 1 of document 1 ('1.5') is not a decimal integer"),
+                     (("node", "--bind", "tcp://127.0.0.1:99999"), "PORT in [0, 65535]"),
+                     (("node", "--bind", "inproc://x", "--actor", "diag/99999999999999999999"), "is not <kind>/<index>"),
+                     (("serve", "--port-file", "/nonexistent-dir/p"), "is in a directory that does not exist"),
+                     (("serve", "--host", ""), "--host must name an address")]:
     r = subprocess.run([kiln, *args], capture_output=True, text=True, timeout=60)
     checks.append((r.returncode == 2 and needle in r.stderr, f"kiln {' '.join(args)}: exit {r.returncode} ({r.stderr.strip()[-160:]})"))
 failed = [m for ok, m in checks if not ok]
