@@ -20,6 +20,9 @@ model::Registry registry(const std::string& plugin_dir) {
 // longer match the weights written over it).
 void check_output_dir(const std::string& from, const std::string& to) {
   std::error_code ec;
+  if (!std::filesystem::is_directory(from, ec))  // before --to is made
+    throw std::invalid_argument("--from '" + from + "' is not a directory (an HF checkpoint: config.json + "
+                                "safetensors)");
   if (std::filesystem::exists(to) && std::filesystem::equivalent(from, to, ec))
     throw std::invalid_argument("--to '" + to + "' is the --from checkpoint itself; write to another directory");
   for (const char* f : {"state.json", "optimizer.pt"})
@@ -80,6 +83,11 @@ int run_model_crop(const std::string& from, const std::string& to, int64_t layer
 int run_model_logits(const std::string& package, const std::string& from, const std::vector<std::vector<int64_t>>& docs,
                      const std::string& out, const std::string& plugin_dir) {
   try {
+    const std::filesystem::path o(out);
+    std::error_code ec;
+    if (out.empty() || std::filesystem::is_directory(o, ec) ||
+        (o.has_parent_path() && !std::filesystem::is_directory(o.parent_path(), ec)))
+      throw std::invalid_argument("--out '" + out + "' must be a file's path in a directory that exists");
     auto model = registry(plugin_dir).build(package, "", from);
     for (const auto& d : docs)
       for (auto id : d)

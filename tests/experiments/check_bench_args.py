@@ -8,9 +8,11 @@ command line: an unknown command is named, a number option's word that is no dec
 out of its range is refused naming the range, malformed paths, endpoints and --docs lists are
 refused by name before any model is built, and every refusal exits 2.
 Usage: check_bench_args.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
-import subprocess, sys
+import os, subprocess, sys
 
 kiln = sys.argv[1]
+work = sys.argv[2]
+os.makedirs(work, exist_ok=True)
 checks = []
 cases = [
     (("--device", "cpu", "--split"), "--split is read with --device cuda only"),
@@ -62,6 +64,17 @@ for args, needle in [(("frobnicate",), "unknown command 'frobnicate' (commands: 
                      (("serve", "--host", ""), "--host must name an address")]:
     r = subprocess.run([kiln, *args], capture_output=True, text=True, timeout=60)
     checks.append((r.returncode == 2 and needle in r.stderr, f"kiln {' '.join(args)}: exit {r.returncode} ({r.stderr.strip()[-160:]})"))
+# Paths refused before anything is written or loaded: crop's --to is not made for a --from that
+# is not there; logits' --out in a missing directory is named before the model is read.
+crop_to = os.path.join(work, "crop_out")
+r = subprocess.run([kiln, "model", "crop", "--from", "/nonexistent", "--to", crop_to, "--layers", "1"],
+                   capture_output=True, text=True, timeout=60)
+checks.append((r.returncode == 2 and "--from '/nonexistent' is not a directory" in r.stderr and not os.path.exists(crop_to),
+               f"model crop from a missing directory: exit {r.returncode}, --to not made ({r.stderr.strip()[-160:]})"))
+r = subprocess.run([kiln, "model", "logits", "--from", "/nonexistent", "--out", "/nonexistent-dir/x.safetensors",
+                    "--docs", "1,2"], capture_output=True, text=True, timeout=60)
+checks.append((r.returncode == 2 and "--out '/nonexistent-dir/x.safetensors' must be a file's path" in r.stderr,
+               f"model logits --out in a missing directory: exit {r.returncode} ({r.stderr.strip()[-160:]})"))
 failed = [m for ok, m in checks if not ok]
 for ok, m in checks:
     print(("PASS " if ok else "FAIL ") + m)
