@@ -45,11 +45,11 @@ if r.returncode == 0:
                    "crop: a kept tensor is bit for bit the source's"))
 os.makedirs(f"{work}/training_ck", exist_ok=True)
 open(f"{work}/training_ck/state.json", "w").write("{}")
-for args, needle in [(("resave", "--from", f"{work}/nowhere", "--to", f"{work}/x"), "no config.json in"),
+for args, needle in [(("resave", "--from", f"{work}/nowhere", "--to", f"{work}/x"), "is not a directory (an HF checkpoint"),
                      (("resave", "--from", fixture, "--to", f"{work}/training_ck"), "holds a training checkpoint"),
                      (("logits", "--from", fixture, "--docs", "1,999999", "--out", f"{work}/c"), "outside the vocabulary"),
                      (("resave", "--from", f"{work}/resaved", "--to", f"{work}/resaved"), "is the --from checkpoint"),
-                     (("logits", "--from", fixture, "--docs", "1,x", "--out", f"{work}/c"), "is not a list"),
+                     (("logits", "--from", fixture, "--docs", "1,x", "--out", f"{work}/c"), "id 2 of document 1 ('x') is not a decimal integer"),
                      (("crop", "--from", glm5, "--to", f"{work}/crop9", "--layers", "9"), "layers must be in [1, 4]"),
                      (("--plugins", f"{work}/none", "list"), "does not exist")]:
     r = run(*args)
