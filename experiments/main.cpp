@@ -79,7 +79,6 @@ bool refuse_other_device_options(const CLI::App& bench, const kiln::experiments:
 }
 #endif
 
-
 using Run = std::function<int()>;
 
 // A command and what running it does once CLI11 has parsed the command line.
