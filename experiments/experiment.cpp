@@ -67,160 +67,189 @@ bool integer_text_out_of_range(const toml::node& n) {
   return r.ec == std::errc::result_out_of_range && r.ptr == t.data() + t.size();
 }
 
+// An experiment key's reader (TOML value -> field, refusing by key) and writer (field -> TOML
+// text), by the field's type.
+Field field(const std::string& key, int64_t& ref) {
+  return {[&ref, key](const toml::node& n, const std::string& w) {
+            if (integer_text_out_of_range(n)) bad(w, key, "must be an integer in [-2^63, 2^63), got " + n.as_string()->get());
+            if (!n.is_integer()) bad(w, key, "must be an integer, got " + got(n));
+            ref = n.as_integer()->get();
+          },
+          [&ref] { return std::to_string(ref); }};
+}
+
+Field field(const std::string& key, double& ref) {
+  return {[&ref, key](const toml::node& n, const std::string& w) {
+            double v = 0;  // the key keeps its value when this one is refused
+            if (n.is_integer()) v = double(n.as_integer()->get());
+            else if (n.is_floating_point()) v = n.as_floating_point()->get();
+            else bad(w, key, "must be a number, got " + got(n));
+            if (!std::isfinite(v)) bad(w, key, "must be a finite number, got " + got(n));
+            ref = v;
+          },
+          [&ref] {
+            const auto t = shown(ref);  // shortest text that reads back to the same double
+            return t.find_first_of(".e") == std::string::npos ? t + ".0" : t;  // a TOML float
+          }};
+}
+
+Field field(const std::string& key, bool& ref) {
+  return {[&ref, key](const toml::node& n, const std::string& w) {
+            if (!n.is_boolean()) bad(w, key, "must be true or false, got " + got(n));
+            ref = n.as_boolean()->get();
+          },
+          [&ref] { return std::string(ref ? "true" : "false"); }};
+}
+
+Field field(const std::string& key, std::string& ref) {
+  return {[&ref, key](const toml::node& n, const std::string& w) {
+            if (!n.is_string()) bad(w, key, "must be a string, got " + got(n));
+            ref = n.as_string()->get();
+          },
+          [&ref] { return toml_quoted(ref); }};
+}
+
+Field field(const std::string& key, std::vector<std::string>& ref) {
+  return {[&ref, key](const toml::node& n, const std::string& w) {
+            if (n.is_string()) {  // one item; "" none (the text form of an empty list in earlier files)
+              const auto& one = n.as_string()->get();
+              ref = one.empty() ? std::vector<std::string>{} : std::vector<std::string>{one};
+              return;
+            }
+            if (!n.is_array()) bad(w, key, "must be a string or a list of strings, e.g. \"a\" or [\"a\", \"b\"]");
+            std::vector<std::string> v;
+            for (const auto& x : *n.as_array()) {
+              if (!x.is_string()) bad(w, key, "must be a string or a list of strings, e.g. \"a\" or [\"a\", \"b\"]");
+              v.push_back(x.as_string()->get());
+            }
+            ref = std::move(v);
+          },
+          [&ref] {
+            std::string out = "[";
+            for (std::size_t i = 0; i < ref.size(); ++i) out += (i ? ", " : "") + toml_quoted(ref[i]);
+            return out + "]";
+          }};
+}
+
+template <typename T>
+void add(std::map<std::string, Field>& f, const std::string& key, T& ref) {
+  f[key] = field(key, ref);
+}
+
+// [run], [model], [task].
+void add_run_model_task_keys(std::map<std::string, Field>& f, ExperimentConfig& c) {
+  add(f, "run.name", c.run.name);
+  add(f, "run.output_dir", c.run.output_dir);
+  add(f, "run.seed", c.run.seed);
+  add(f, "run.steps", c.run.steps);
+  add(f, "run.checkpoint_every", c.run.checkpoint_every);
+  add(f, "run.resume_from", c.run.resume_from);
+  add(f, "run.overwrite", c.run.overwrite);
+  add(f, "model.package", c.model.package);
+  add(f, "model.flavor", c.model.flavor);
+  add(f, "model.checkpoint", c.model.checkpoint);
+  add(f, "model.device", c.model.device);
+  add(f, "model.dtype", c.model.dtype);
+  add(f, "task.name", c.task.name);
+  add(f, "task.min_digits", c.task.min_digits);
+  add(f, "task.max_digits", c.task.max_digits);
+  add(f, "task.operators", c.task.operators);
+  add(f, "task.path", c.task.path);
+  add(f, "task.prompt_field", c.task.prompt_field);
+  add(f, "task.answer_field", c.task.answer_field);
+  add(f, "task.tokenizer", c.task.tokenizer);
+  add(f, "task.chat_template", c.task.chat_template);
+}
+
+// [algorithm]: the controller's keys, then the trainer's (trainer::TrainerConfig shares the section).
+void add_algorithm_keys(std::map<std::string, Field>& f, ExperimentConfig& c) {
+  add(f, "algorithm.prompts_per_step", c.algorithm.prompts_per_step);
+  add(f, "algorithm.samples_per_prompt", c.algorithm.samples_per_prompt);
+  add(f, "algorithm.top_p", c.algorithm.top_p);
+  add(f, "algorithm.top_k", c.algorithm.top_k);
+  add(f, "algorithm.max_new_tokens", c.algorithm.max_new_tokens);
+  add(f, "algorithm.normalize_std", c.algorithm.normalize_std);
+  add(f, "algorithm.filter_zero_variance", c.algorithm.filter_zero_variance);
+  add(f, "algorithm.staleness", c.algorithm.staleness);
+  add(f, "algorithm.update_delay_ms", c.algorithm.update_delay_ms);
+  add(f, "algorithm.max_nonfinite_steps", c.algorithm.max_nonfinite_steps);
+  add(f, "algorithm.temperature", c.trainer.logprobs.temperature);
+  add(f, "algorithm.max_tokens_per_microbatch", c.trainer.logprobs.max_tokens_per_microbatch);
+  add(f, "algorithm.routing_replay", c.trainer.logprobs.routing_replay);
+  add(f, "algorithm.true_on_policy", c.trainer.logprobs.true_on_policy);
+  add(f, "algorithm.lr", c.trainer.lr);
+  add(f, "algorithm.weight_decay", c.trainer.weight_decay);
+  add(f, "algorithm.grad_clip", c.trainer.grad_clip);
+  add(f, "algorithm.lr_schedule", c.trainer.lr_schedule);
+  add(f, "algorithm.warmup_steps", c.trainer.warmup_steps);
+  add(f, "algorithm.recompute_old_logprobs", c.trainer.recompute_old_logprobs);
+  add(f, "algorithm.activation_checkpointing", c.trainer.activation_checkpointing);
+  add(f, "algorithm.activation_checkpointing_layers", c.trainer.activation_checkpointing_layers);
+  add(f, "algorithm.keep_logits_gib", c.trainer.keep_logits_gib);
+  add(f, "algorithm.train_indexer", c.trainer.train_indexer);
+  add(f, "algorithm.mtp_loss_weight", c.trainer.mtp_loss_weight);
+  add(f, "algorithm.mtp_depths", c.trainer.mtp_depths);
+  add(f, "algorithm.clip_low", c.trainer.loss.clip_low);
+  add(f, "algorithm.clip_high", c.trainer.loss.clip_high);
+  add(f, "algorithm.kl_coef", c.trainer.loss.kl_coef);
+  add(f, "algorithm.kl_estimator", c.trainer.loss.kl_estimator);
+  add(f, "algorithm.aggregation", c.trainer.loss.aggregation);
+  add(f, "algorithm.tis_cap", c.trainer.loss.tis_cap);
+  add(f, "algorithm.entropy_coef", c.trainer.loss.entropy_coef);
+}
+
+// [rollout], [weight_sync].
+void add_rollout_and_sync_keys(std::map<std::string, Field>& f, ExperimentConfig& c) {
+  add(f, "rollout.backend", c.rollout.backend);
+  add(f, "rollout.cache_blocks", c.rollout.engine.cache_blocks);
+  add(f, "rollout.block_size", c.rollout.engine.block_size);
+  add(f, "rollout.max_batch", c.rollout.engine.max_batch);
+  add(f, "rollout.step_delay_ms", c.rollout.engine.step_delay_ms);
+  add(f, "rollout.absorbed_decode", c.rollout.engine.absorbed_decode);
+  add(f, "rollout.cuda_graphs", c.rollout.engine.cuda_graphs);
+  add(f, "rollout.mla_decode_kernel", c.rollout.engine.mla_decode_kernel);
+  add(f, "rollout.sampling_kernel", c.rollout.engine.sampling_kernel);
+  add(f, "rollout.moe_decode_kernel", c.rollout.engine.moe_decode_kernel);
+  add(f, "rollout.overlap_schedule", c.rollout.engine.overlap_schedule);
+  add(f, "rollout.share_prompts", c.rollout.engine.share_prompts);
+  add(f, "rollout.urls", c.rollout.urls);
+  add(f, "rollout.http_timeout_s", c.rollout.http_timeout_s);
+  add(f, "rollout.http_retry_s", c.rollout.http_retry_s);
+  add(f, "rollout.weights_dir", c.rollout.weights_dir);
+  add(f, "rollout.weight_update", c.rollout.weight_update);
+  add(f, "rollout.weight_update_address", c.rollout.weight_update_address);
+  add(f, "rollout.weight_update_timeout_s", c.rollout.weight_update_timeout_s);
+  add(f, "weight_sync.bucket_mib", c.weight_sync.bucket_mib);
+  add(f, "weight_sync.transport", c.weight_sync.transport);
+}
+
+// [placement], [parallel] (fsdp, reshard and the reduction dtype are the trainer's), [logging].
+void add_placement_parallel_logging_keys(std::map<std::string, Field>& f, ExperimentConfig& c) {
+  add(f, "placement.mode", c.placement.mode);
+  add(f, "placement.rollout_engines", c.placement.rollout_engines);
+  add(f, "placement.engine_restarts", c.placement.engine_restarts);
+  add(f, "placement.reference", c.placement.reference);
+  add(f, "placement.trainer", c.placement.trainer);
+  add(f, "placement.rollout_device", c.placement.rollout_device);
+  add(f, "placement.reference_device", c.placement.reference_device);
+  add(f, "parallel.dp", c.parallel.dp);
+  add(f, "parallel.ep", c.parallel.ep);
+  add(f, "parallel.fsdp", c.trainer.fsdp);
+  add(f, "parallel.reshard_after_forward", c.trainer.reshard_after_forward);
+  add(f, "parallel.reduce_dtype", c.trainer.reduce_dtype);
+  add(f, "parallel.master_port", c.parallel.master_port);
+  add(f, "parallel.store_timeout_s", c.parallel.store_timeout_s);
+  add(f, "parallel.collective_timeout_s", c.parallel.collective_timeout_s);
+  add(f, "logging.progress", c.logging.progress);
+  add(f, "logging.plot", c.logging.plot);
+}
+
 std::map<std::string, Field> fields(ExperimentConfig& c) {
   std::map<std::string, Field> f;
-  auto integer = [&](const std::string& key, int64_t& ref) {
-    f[key] = {[&ref, key](const toml::node& n, const std::string& w) {
-                if (integer_text_out_of_range(n)) bad(w, key, "must be an integer in [-2^63, 2^63), got " + n.as_string()->get());
-                if (!n.is_integer()) bad(w, key, "must be an integer, got " + got(n));
-                ref = n.as_integer()->get();
-              },
-              [&ref] { return std::to_string(ref); }};
-  };
-  auto real = [&](const std::string& key, double& ref) {
-    f[key] = {[&ref, key](const toml::node& n, const std::string& w) {
-                double v = 0;  // the key keeps its value when this one is refused
-                if (n.is_integer()) v = double(n.as_integer()->get());
-                else if (n.is_floating_point()) v = n.as_floating_point()->get();
-                else bad(w, key, "must be a number, got " + got(n));
-                if (!std::isfinite(v)) bad(w, key, "must be a finite number, got " + got(n));
-                ref = v;
-              },
-              [&ref] {
-                const auto t = shown(ref);  // shortest text that reads back to the same double
-                return t.find_first_of(".e") == std::string::npos ? t + ".0" : t;  // a TOML float
-              }};
-  };
-  auto boolean = [&](const std::string& key, bool& ref) {
-    f[key] = {[&ref, key](const toml::node& n, const std::string& w) {
-                if (!n.is_boolean()) bad(w, key, "must be true or false, got " + got(n));
-                ref = n.as_boolean()->get();
-              },
-              [&ref] { return std::string(ref ? "true" : "false"); }};
-  };
-  auto text = [&](const std::string& key, std::string& ref) {
-    f[key] = {[&ref, key](const toml::node& n, const std::string& w) {
-                if (!n.is_string()) bad(w, key, "must be a string, got " + got(n));
-                ref = n.as_string()->get();
-              },
-              [&ref] { return toml_quoted(ref); }};
-  };
-  auto text_list = [&](const std::string& key, std::vector<std::string>& ref) {
-    f[key] = {[&ref, key](const toml::node& n, const std::string& w) {
-                if (n.is_string()) {  // one item; "" none (the text form of an empty list in earlier files)
-                  const auto& one = n.as_string()->get();
-                  ref = one.empty() ? std::vector<std::string>{} : std::vector<std::string>{one};
-                  return;
-                }
-                if (!n.is_array()) bad(w, key, "must be a string or a list of strings, e.g. \"a\" or [\"a\", \"b\"]");
-                std::vector<std::string> v;
-                for (const auto& x : *n.as_array()) {
-                  if (!x.is_string()) bad(w, key, "must be a string or a list of strings, e.g. \"a\" or [\"a\", \"b\"]");
-                  v.push_back(x.as_string()->get());
-                }
-                ref = std::move(v);
-              },
-              [&ref] {
-                std::string out = "[";
-                for (std::size_t i = 0; i < ref.size(); ++i) out += (i ? ", " : "") + toml_quoted(ref[i]);
-                return out + "]";
-              }};
-  };
-  text("run.name", c.run.name);
-  text("run.output_dir", c.run.output_dir);
-  integer("run.seed", c.run.seed);
-  integer("run.steps", c.run.steps);
-  integer("run.checkpoint_every", c.run.checkpoint_every);
-  text("run.resume_from", c.run.resume_from);
-  boolean("run.overwrite", c.run.overwrite);
-  text("model.package", c.model.package);
-  text("model.flavor", c.model.flavor);
-  text("model.checkpoint", c.model.checkpoint);
-  text("model.device", c.model.device);
-  text("model.dtype", c.model.dtype);
-  text("task.name", c.task.name);
-  integer("task.min_digits", c.task.min_digits);
-  integer("task.max_digits", c.task.max_digits);
-  text("task.operators", c.task.operators);
-  text("task.path", c.task.path);
-  text("task.prompt_field", c.task.prompt_field);
-  text("task.answer_field", c.task.answer_field);
-  text("task.tokenizer", c.task.tokenizer);
-  text("task.chat_template", c.task.chat_template);
-  auto& a = c.algorithm;
-  integer("algorithm.prompts_per_step", a.prompts_per_step);
-  integer("algorithm.samples_per_prompt", a.samples_per_prompt);
-  real("algorithm.top_p", a.top_p);
-  integer("algorithm.top_k", a.top_k);
-  integer("algorithm.max_new_tokens", a.max_new_tokens);
-  boolean("algorithm.normalize_std", a.normalize_std);
-  boolean("algorithm.filter_zero_variance", a.filter_zero_variance);
-  integer("algorithm.staleness", a.staleness);
-  integer("algorithm.update_delay_ms", a.update_delay_ms);
-  integer("algorithm.max_nonfinite_steps", a.max_nonfinite_steps);
-  // The trainer's settings (trainer::TrainerConfig) share the [algorithm] section.
-  auto& t = c.trainer;
-  real("algorithm.temperature", t.logprobs.temperature);
-  integer("algorithm.max_tokens_per_microbatch", t.logprobs.max_tokens_per_microbatch);
-  boolean("algorithm.routing_replay", t.logprobs.routing_replay);
-  boolean("algorithm.true_on_policy", t.logprobs.true_on_policy);
-  real("algorithm.lr", t.lr);
-  real("algorithm.weight_decay", t.weight_decay);
-  real("algorithm.grad_clip", t.grad_clip);
-  text("algorithm.lr_schedule", t.lr_schedule);
-  integer("algorithm.warmup_steps", t.warmup_steps);
-  boolean("algorithm.recompute_old_logprobs", t.recompute_old_logprobs);
-  boolean("algorithm.activation_checkpointing", t.activation_checkpointing);
-  integer("algorithm.activation_checkpointing_layers", t.activation_checkpointing_layers);
-  real("algorithm.keep_logits_gib", t.keep_logits_gib);
-  boolean("algorithm.train_indexer", t.train_indexer);
-  real("algorithm.mtp_loss_weight", t.mtp_loss_weight);
-  integer("algorithm.mtp_depths", t.mtp_depths);
-  real("algorithm.clip_low", t.loss.clip_low);
-  real("algorithm.clip_high", t.loss.clip_high);
-  real("algorithm.kl_coef", t.loss.kl_coef);
-  text("algorithm.kl_estimator", t.loss.kl_estimator);
-  text("algorithm.aggregation", t.loss.aggregation);
-  real("algorithm.tis_cap", t.loss.tis_cap);
-  real("algorithm.entropy_coef", t.loss.entropy_coef);
-  text("rollout.backend", c.rollout.backend);
-  integer("rollout.cache_blocks", c.rollout.engine.cache_blocks);
-  integer("rollout.block_size", c.rollout.engine.block_size);
-  integer("rollout.max_batch", c.rollout.engine.max_batch);
-  integer("rollout.step_delay_ms", c.rollout.engine.step_delay_ms);
-  boolean("rollout.absorbed_decode", c.rollout.engine.absorbed_decode);
-  boolean("rollout.cuda_graphs", c.rollout.engine.cuda_graphs);
-  boolean("rollout.mla_decode_kernel", c.rollout.engine.mla_decode_kernel);
-  boolean("rollout.sampling_kernel", c.rollout.engine.sampling_kernel);
-  boolean("rollout.moe_decode_kernel", c.rollout.engine.moe_decode_kernel);
-  boolean("rollout.overlap_schedule", c.rollout.engine.overlap_schedule);
-  boolean("rollout.share_prompts", c.rollout.engine.share_prompts);
-  text_list("rollout.urls", c.rollout.urls);
-  integer("rollout.http_timeout_s", c.rollout.http_timeout_s);
-  integer("rollout.http_retry_s", c.rollout.http_retry_s);
-  text("rollout.weights_dir", c.rollout.weights_dir);
-  text("rollout.weight_update", c.rollout.weight_update);
-  text("rollout.weight_update_address", c.rollout.weight_update_address);
-  integer("rollout.weight_update_timeout_s", c.rollout.weight_update_timeout_s);
-  real("weight_sync.bucket_mib", c.weight_sync.bucket_mib);
-  text("weight_sync.transport", c.weight_sync.transport);
-  text("placement.mode", c.placement.mode);
-  integer("placement.rollout_engines", c.placement.rollout_engines);
-  integer("placement.engine_restarts", c.placement.engine_restarts);
-  text("placement.reference", c.placement.reference);
-  text("placement.trainer", c.placement.trainer);
-  text_list("placement.rollout_device", c.placement.rollout_device);
-  text("placement.reference_device", c.placement.reference_device);
-  integer("parallel.dp", c.parallel.dp);
-  integer("parallel.ep", c.parallel.ep);
-  boolean("parallel.fsdp", t.fsdp);
-  boolean("parallel.reshard_after_forward", t.reshard_after_forward);
-  text("parallel.reduce_dtype", t.reduce_dtype);
-  integer("parallel.master_port", c.parallel.master_port);
-  integer("parallel.store_timeout_s", c.parallel.store_timeout_s);
-  integer("parallel.collective_timeout_s", c.parallel.collective_timeout_s);
-  boolean("logging.progress", c.logging.progress);
-  boolean("logging.plot", c.logging.plot);
+  add_run_model_task_keys(f, c);
+  add_algorithm_keys(f, c);
+  add_rollout_and_sync_keys(f, c);
+  add_placement_parallel_logging_keys(f, c);
   return f;
 }
 
