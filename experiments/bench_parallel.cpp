@@ -109,6 +109,83 @@ WeightSyncTimes time_weight_sync(parallel::ProcessGroups& groups, std::shared_pt
   return t;
 }
 
+// Rank 0: every rank's figures (`every` [world, kFigures]: one-GPU tokens/s and peak, dp
+// tokens/s and peak, one-GPU and dp step seconds, ep tokens/s, peak and step seconds), rank 0's
+// step split of each trainer measured, and the collective weight sync, as a table and as JSON.
+// `gpu`: rank 0's device index.
+void report(const ParallelBenchOptions& o, const model::glm4_moe_lite::Glm4MoeLiteConfig& cfg, int ep, int gpu,
+            const torch::Tensor& every, const std::vector<trainer::Trainer::StepPhases>& phases,
+            const WeightSyncTimes& sync) {
+  const int world = int(every.size(0));
+  const double flops_per_token = 3.0 * glm4_forward_flops(cfg, o.docs, o.tokens / o.docs) / double(o.tokens);
+  nlohmann::json J;
+  J["layers"] = o.layers;
+  J["world"] = world;
+  J["tokens_per_gpu"] = o.tokens;
+  J["model_tflop_per_token"] = flops_per_token / 1e12;
+  J["fsdp"] = o.fsdp;
+  J["reshard_after_forward"] = o.reshard_after_forward;
+  J["reduce_dtype"] = o.reduce_dtype;
+  std::printf("kiln bench parallel: GLM-4.7-Flash dims, %lld layers, bf16 + fp32 masters + AdamW, %d GPUs (NCCL), "
+              "%lld tokens per GPU per step, median of %d steps, gradients reduced in %s%s\n",
+              (long long)o.layers, world, (long long)o.tokens, o.steps, o.reduce_dtype.c_str(),
+              !o.fsdp                   ? ""
+              : o.reshard_after_forward ? "; dp and ep trainers with the decoder layers fully sharded (parallel.fsdp)"
+                                        : "; dp and ep trainers reducing each layer's gradients in the backward "
+                                          "(parallel.fsdp, reshard_after_forward false)");
+  std::printf("%-5s | %-17s %-8s | %-20s %-8s %-7s | %-20s %-8s %s\n", "rank", "one GPU tokens/s", "peak GiB",
+              "dp tokens/s per GPU", "peak GiB", "/ one", ep > 1 ? "ep tokens/s per GPU" : "", ep > 1 ? "peak GiB" : "",
+              ep > 1 ? "/ one" : "");
+  double sum_one = 0, sum_dp = 0, sum_ep = 0;
+  for (int r = 0; r < world; ++r) {
+    auto v = every[r];
+    const double one = v[0].item<double>(), dp = v[2].item<double>(), epv = v[6].item<double>();
+    sum_one += one;
+    sum_dp += dp;
+    sum_ep += epv;
+    std::printf("%-5d | %-17.0f %-8.1f | %-20.0f %-8.1f %-7.3f", r, one, v[1].item<double>(), dp, v[3].item<double>(),
+                dp / one);
+    if (ep > 1) std::printf(" | %-20.0f %-8.1f %.3f", epv, v[7].item<double>(), epv / one);
+    std::printf("\n");
+    J["ranks"].push_back({{"one_gpu_tokens_per_s", one}, {"one_gpu_peak_gib", v[1].item<double>()},
+                          {"dp_tokens_per_s_per_gpu", dp}, {"dp_peak_gib", v[3].item<double>()},
+                          {"one_gpu_step_s", v[4].item<double>()}, {"dp_step_s", v[5].item<double>()},
+                          {"ep_tokens_per_s_per_gpu", epv}, {"ep_peak_gib", v[7].item<double>()},
+                          {"ep_step_s", v[8].item<double>()}});
+  }
+  // Rank 0's own split of a step (phase ends synchronised: a little slower than the medians).
+  const char* names[] = {"one GPU", "dp", "ep"};
+  for (std::size_t k = 0; k < phases.size(); ++k) {
+    const auto& f = phases[k];
+    std::printf("rank 0 step split, %-7s: forward %.1f ms, backward %.1f ms, gradient reduction + clip %.1f ms, "
+                "optimizer + gathers %.1f ms\n",
+                names[k], f.forward * 1e3, f.backward * 1e3, f.reduce * 1e3, f.optimizer * 1e3);
+    J["rank0_step_split"][names[k]] = {{"forward_s", f.forward}, {"backward_s", f.backward}, {"reduce_s", f.reduce},
+                                       {"optimizer_s", f.optimizer}};
+  }
+  J["ep"] = ep;
+  if (ep > 1) J["ep_over_one_gpu"] = sum_ep / sum_one;
+  J["dp_over_one_gpu"] = sum_dp / sum_one;
+  if (world > 1) {
+    const double sync_gbs = double(sync.bytes) / sync.sync_s / 1e9, copy_gbs = double(sync.bytes) / sync.copy_s / 1e9;
+    J["weight_sync_bytes"] = sync.bytes;
+    J["weight_sync_s"] = sync.sync_s;
+    J["weight_sync_gbs"] = sync_gbs;
+    J["plain_copy_gpu0_to_gpu1_gbs"] = copy_gbs;
+    std::printf("collective weight sync (NCCL broadcast to %d rank(s), %.0f MiB buckets, checksums on): %.2f GB in "
+                "%.1f ms = %.0f GB/s; plain copy GPU %d -> GPU %d of the same bytes: %.0f GB/s; sync / copy = %.2f\n",
+                world - 1, o.bucket_mib, double(sync.bytes) / 1e9, sync.sync_s * 1e3, sync_gbs, gpu,
+                (gpu + 1) % int(torch::cuda::device_count()), copy_gbs, sync_gbs / copy_gbs);
+  }
+  std::printf("mean: dp %.0f tokens/s per GPU = %.3f x one GPU (%.0f); whole node %.0f tokens/s\n", sum_dp / world,
+              sum_dp / sum_one, sum_one / world, sum_dp);
+  if (ep > 1)
+    std::printf("mean: ep %d (dense weights data-parallel over %d ranks) %.0f tokens/s per GPU = %.3f x one GPU; whole "
+                "node %.0f tokens/s\n",
+                ep, world, sum_ep / world, sum_ep / sum_one, sum_ep);
+  if (!o.json_path.empty()) std::ofstream(o.json_path) << J.dump(2) << "\n";
+}
+
 }  // namespace
 
 int run_parallel_bench(const ParallelBenchOptions& o) {
@@ -200,74 +277,7 @@ int run_parallel_bench(const ParallelBenchOptions& o) {
   auto every = torch::empty({world * kFigures}, mine.options());
   groups->world().all_gather_into_tensor(every, mine);
   every = every.cpu().view({world, kFigures});
-  if (rank != 0) return 0;
-  const double flops_per_token = 3.0 * glm4_forward_flops(cfg, o.docs, o.tokens / o.docs) / double(o.tokens);
-  nlohmann::json J;
-  J["layers"] = o.layers;
-  J["world"] = world;
-  J["tokens_per_gpu"] = o.tokens;
-  J["model_tflop_per_token"] = flops_per_token / 1e12;
-  J["fsdp"] = o.fsdp;
-  J["reshard_after_forward"] = o.reshard_after_forward;
-  J["reduce_dtype"] = o.reduce_dtype;
-  std::printf("kiln bench parallel: GLM-4.7-Flash dims, %lld layers, bf16 + fp32 masters + AdamW, %d GPUs (NCCL), "
-              "%lld tokens per GPU per step, median of %d steps, gradients reduced in %s%s\n",
-              (long long)o.layers, world, (long long)o.tokens, o.steps, o.reduce_dtype.c_str(),
-              !o.fsdp                   ? ""
-              : o.reshard_after_forward ? "; dp and ep trainers with the decoder layers fully sharded (parallel.fsdp)"
-                                        : "; dp and ep trainers reducing each layer's gradients in the backward "
-                                          "(parallel.fsdp, reshard_after_forward false)");
-  std::printf("%-5s | %-17s %-8s | %-20s %-8s %-7s | %-20s %-8s %s\n", "rank", "one GPU tokens/s", "peak GiB",
-              "dp tokens/s per GPU", "peak GiB", "/ one", ep > 1 ? "ep tokens/s per GPU" : "", ep > 1 ? "peak GiB" : "",
-              ep > 1 ? "/ one" : "");
-  double sum_one = 0, sum_dp = 0, sum_ep = 0;
-  for (int r = 0; r < world; ++r) {
-    auto v = every[r];
-    const double one = v[0].item<double>(), dp = v[2].item<double>(), epv = v[6].item<double>();
-    sum_one += one;
-    sum_dp += dp;
-    sum_ep += epv;
-    std::printf("%-5d | %-17.0f %-8.1f | %-20.0f %-8.1f %-7.3f", r, one, v[1].item<double>(), dp, v[3].item<double>(),
-                dp / one);
-    if (ep > 1) std::printf(" | %-20.0f %-8.1f %.3f", epv, v[7].item<double>(), epv / one);
-    std::printf("\n");
-    J["ranks"].push_back({{"one_gpu_tokens_per_s", one}, {"one_gpu_peak_gib", v[1].item<double>()},
-                          {"dp_tokens_per_s_per_gpu", dp}, {"dp_peak_gib", v[3].item<double>()},
-                          {"one_gpu_step_s", v[4].item<double>()}, {"dp_step_s", v[5].item<double>()},
-                          {"ep_tokens_per_s_per_gpu", epv}, {"ep_peak_gib", v[7].item<double>()},
-                          {"ep_step_s", v[8].item<double>()}});
-  }
-  // Rank 0's own split of a step (phase ends synchronised: a little slower than the medians).
-  const char* names[] = {"one GPU", "dp", "ep"};
-  for (std::size_t k = 0; k < phases.size(); ++k) {
-    const auto& f = phases[k];
-    std::printf("rank 0 step split, %-7s: forward %.1f ms, backward %.1f ms, gradient reduction + clip %.1f ms, "
-                "optimizer + gathers %.1f ms\n",
-                names[k], f.forward * 1e3, f.backward * 1e3, f.reduce * 1e3, f.optimizer * 1e3);
-    J["rank0_step_split"][names[k]] = {{"forward_s", f.forward}, {"backward_s", f.backward}, {"reduce_s", f.reduce},
-                                       {"optimizer_s", f.optimizer}};
-  }
-  J["ep"] = ep;
-  if (ep > 1) J["ep_over_one_gpu"] = sum_ep / sum_one;
-  J["dp_over_one_gpu"] = sum_dp / sum_one;
-  if (world > 1) {
-    const double sync_gbs = double(sync.bytes) / sync.sync_s / 1e9, copy_gbs = double(sync.bytes) / sync.copy_s / 1e9;
-    J["weight_sync_bytes"] = sync.bytes;
-    J["weight_sync_s"] = sync.sync_s;
-    J["weight_sync_gbs"] = sync_gbs;
-    J["plain_copy_gpu0_to_gpu1_gbs"] = copy_gbs;
-    std::printf("collective weight sync (NCCL broadcast to %d rank(s), %.0f MiB buckets, checksums on): %.2f GB in "
-                "%.1f ms = %.0f GB/s; plain copy GPU %d -> GPU %d of the same bytes: %.0f GB/s; sync / copy = %.2f\n",
-                world - 1, o.bucket_mib, double(sync.bytes) / 1e9, sync.sync_s * 1e3, sync_gbs, gpu,
-                (gpu + 1) % int(torch::cuda::device_count()), copy_gbs, sync_gbs / copy_gbs);
-  }
-  std::printf("mean: dp %.0f tokens/s per GPU = %.3f x one GPU (%.0f); whole node %.0f tokens/s\n", sum_dp / world,
-              sum_dp / sum_one, sum_one / world, sum_dp);
-  if (ep > 1)
-    std::printf("mean: ep %d (dense weights data-parallel over %d ranks) %.0f tokens/s per GPU = %.3f x one GPU; whole "
-                "node %.0f tokens/s\n",
-                ep, world, sum_ep / world, sum_ep / sum_one, sum_ep);
-  if (!o.json_path.empty()) std::ofstream(o.json_path) << J.dump(2) << "\n";
+  if (rank == 0) report(o, cfg, ep, gpu, every, phases, sync);
   return 0;
 }
 
