@@ -6,10 +6,11 @@
 //   y[r] = W_down[e] (silu(W_gate[e] x[r]) * W_up[e] x[r])   for the rows r of expert e,
 // matching transformers' Glm4MoeLiteExperts. x [M, D]; counts [E] int64 (rows per expert, any
 // device); w_gate_up_EFD [E, 2F, D] (gate rows then up rows); w_down_EDF [E, D, F] -> [M, D].
-// CUDA bf16 tensors with D and F multiples of 8 run two grouped GEMMs (at::_grouped_mm, CUTLASS
-// on Hopper; offsets computed on the device, no host sync) for all experts at once; anything
-// else runs the LibTorch reference, one GEMM pair per expert with rows (counts read on host).
-// Differentiable in x and both weights either way (_grouped_mm has an autograd formula).
+// CUDA bf16 tensors with D and F multiples of 8 run two grouped GEMMs for all experts at once
+// (offsets computed on the device, no host sync): kiln's (kernels/grouped_gemm.hpp) on Hopper in
+// a build with CUTLASS's headers, else at::_grouped_mm; anything else runs the LibTorch
+// reference, one GEMM pair per expert with rows (counts read on host). Differentiable in x and
+// both weights either way.
 // Inside a kernels::DecodeExpertsGuard (kernels/moe_decode.hpp), with grad mode off and few rows,
 // it runs the decode-step kernels of kernels/moe_decode.hpp instead (no autograd there).
 // swiglu_limit (GLM-5.3-Flash's Glm5NextTextExperts): the activation is swiglu(gate, up, limit).

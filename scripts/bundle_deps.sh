@@ -23,11 +23,16 @@ mapfile -t closure < <(apt-cache depends --recurse --no-recommends --no-suggests
   --no-breaks --no-replaces --no-enhances "${PACKAGES[@]}" | grep -E '^[a-z0-9]' | sort -u | grep -Ev "$SKIP" | grep -Ev "$SKIP_STATIC")
 echo "[bundle] ${#closure[@]} packages: ${closure[*]}" >&2
 (cd "$work" && apt-get download -q "${closure[@]}" >&2)
+# CUTLASS's C++ headers for kiln's grouped GEMM: the nvidia-cutlass wheel (a zip; offline_build.sh
+# unpacks its include directory). Skipped, with a note, where PyPI cannot be reached.
+CUTLASS_WHEEL="nvidia-cutlass==$(sed -n 's/^CUTLASS_VERSION="\([^"]*\)".*/\1/p' "$(dirname "${BASH_SOURCE[0]}")/setup.sh")"
+(cd "$work" && python3 -m pip download -q --no-deps --only-binary=:all: "$CUTLASS_WHEEL" >&2) ||
+  echo "[bundle] could not download $CUTLASS_WHEEL: the bundle builds kiln without its grouped GEMM" >&2
 {
   echo "kiln dependency bundle, made $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(. /etc/os-release && echo "$PRETTY_NAME") ($(dpkg --print-architecture))"
   echo "requested: ${PACKAGES[*]}"
-  (cd "$work" && ls -1 ./*.deb | sed 's|^\./||')
+  (cd "$work" && ls -1 ./*.deb ./*.whl 2>/dev/null | sed 's|^\./||')
 } >"$work/MANIFEST"
-tar -C "$work" -cf "$OUT" MANIFEST $(cd "$work" && ls ./*.deb)
+tar -C "$work" -cf "$OUT" MANIFEST $(cd "$work" && ls ./*.deb ./*.whl 2>/dev/null)
 echo "[bundle] wrote $OUT ($(du -h "$OUT" | cut -f1))" >&2
 echo "$OUT"

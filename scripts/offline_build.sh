@@ -35,6 +35,13 @@ if [ ! -f "$stamp" ]; then
     dpkg-deb -x "$deb" "$PREFIX" || { echo "[offline] cannot unpack $(basename "$deb")" >&2; exit 1; }
     n=$((n + 1))
   done
+  # CUTLASS's headers (kernels/CMakeLists.txt) from the nvidia-cutlass wheel, when bundled.
+  for whl in "$tmp"/nvidia_cutlass-*.whl; do
+    [ -f "$whl" ] || continue
+    python3 -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); [z.extract(n, sys.argv[2]) for n in z.namelist() if n.startswith('cutlass_library/source/include/')]" \
+      "$whl" "$PREFIX/cutlass" || { echo "[offline] cannot unpack $(basename "$whl")" >&2; exit 1; }
+    echo "[offline] unpacked CUTLASS's headers from $(basename "$whl")" >&2
+  done
   touch "$stamp"
   echo "[offline] unpacked $n packages" >&2
 fi
@@ -47,11 +54,13 @@ ENV
 TORCH_PREFIX="$("$PY" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')" ||
   { echo "[offline] $PY cannot import torch: set KILN_PYTHON to the python that has LibTorch" >&2; exit 1; }
 GEN=(); command -v ninja >/dev/null && GEN=(-G Ninja)
+CUTLASS_ARGS=(); [ -f "$PREFIX/cutlass/cutlass_library/source/include/cutlass/cutlass.h" ] &&
+  CUTLASS_ARGS=(-DKILN_CUTLASS_DIR="$PREFIX/cutlass/cutlass_library/source/include")
 echo "[offline] configuring $BUILD (torch: $TORCH_PREFIX)" >&2
 # CMAKE_FIND_ROOT_PATH is left alone: the prefix is searched like /usr through CMAKE_PREFIX_PATH.
 cmake -S "$ROOT" -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE="${KILN_BUILD_TYPE:-Release}" \
   -DCMAKE_PREFIX_PATH="$PREFIX/usr;$TORCH_PREFIX" -DCMAKE_INCLUDE_PATH="$PREFIX/usr/include" \
-  -DCMAKE_LIBRARY_PATH="$LIBDIR" -DKILN_PYTHON="$PY" "$@" >&2
+  -DCMAKE_LIBRARY_PATH="$LIBDIR" -DKILN_PYTHON="$PY" "${CUTLASS_ARGS[@]}" "$@" >&2
 # KILN_BUILD_TARGETS="a b": build only these targets (default: everything).
 targets=(); for t in ${KILN_BUILD_TARGETS:-}; do targets+=(--target "$t"); done
 # The build runs test executables too (doctest's test discovery): they need the same libraries.

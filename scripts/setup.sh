@@ -12,6 +12,7 @@ set -euo pipefail
 KILN_CACHE="${KILN_CACHE:-$HOME/.cache/kiln}"
 VENV="$KILN_CACHE/venv"
 TORCH_VERSION="2.11.0"
+CUTLASS_VERSION="4.2.0.0"  # nvidia-cutlass: CUTLASS 4.2 C++ headers
 DEB_PACKAGES=(build-essential cmake ninja-build ccache pkg-config git python3 python3-venv
   libcaf-dev libzmq3-dev cppzmq-dev libmsgpack-cxx-dev libspdlog-dev doctest-dev
   libtomlplusplus-dev libcli11-dev nlohmann-json3-dev zlib1g-dev gnuplot-nox libgloo-dev libpcre2-dev libcpp-httplib-dev)
@@ -44,5 +45,8 @@ fi
   "$VENV/bin/pip" install -q pyzmq msgpack numpy >&2
 "$VENV/bin/python" -c "import tensorboard" 2>/dev/null || "$VENV/bin/pip" install -q tensorboard >&2
 "$VENV/bin/python" -c "import openai" 2>/dev/null || "$VENV/bin/pip" install -q openai >&2
+# CUTLASS's C++ headers (the wheel carries them) for kiln's grouped GEMM (kernels/CMakeLists.txt).
+"$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('cutlass_library') else 1)" 2>/dev/null || \
+  "$VENV/bin/pip" install -q "nvidia-cutlass==$CUTLASS_VERSION" >&2
 
 "$VENV/bin/python" -c "import torch.utils; print(torch.utils.cmake_prefix_path)"

@@ -1,0 +1,258 @@
+#include "kernels/grouped_gemm.hpp"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdlib>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kernels/alignment.hpp"
+
+#ifdef KILN_GROUPED_GEMM
+#include <ATen/cuda/CUDAContext.h>
+
+#include "kernels/grouped_gemm_cuda.hpp"
+#endif
+
+// The tiles grouped_linear uses (kernels/CMakeLists.txt passes KILN_GG_TILE_*).
+#ifndef KILN_GG_TILE_ROWCOL
+#define KILN_GG_TILE_ROWCOL kCoop128x256
+#endif
+#ifndef KILN_GG_TILE_ROWROW
+#define KILN_GG_TILE_ROWROW kCoop128x256
+#endif
+#ifndef KILN_GG_TILE_COLROW
+#define KILN_GG_TILE_COLROW kPong128x128
+#endif
+
+namespace kiln::kernels {
+
+const char* grouped_tile_name(GroupedTile t) {
+  switch (t) {
+    case GroupedTile::kCoop128x256: return "cooperative 128x256x64, cluster 2x1";
+    case GroupedTile::kCoop128x128: return "cooperative 128x128x64, cluster 2x1";
+    case GroupedTile::kPong64x128: return "pingpong 64x128x128, cluster 2x1";
+    case GroupedTile::kPong128x128: return "pingpong 128x128x64, cluster 1x1";
+    case GroupedTile::kPong64x256: return "pingpong 64x256x64, cluster 1x1";
+  }
+  return "?";
+}
+
+namespace {
+constexpr const char* kTileKeys[kGroupedTileCount] = {"coop128x256", "coop128x128", "pong64x128", "pong128x128",
+                                                      "pong64x256"};
+
+// KILN_GROUPED_GEMM_TILES="FWD,DX,DW" (tile keys above) overrides the build's choice, e.g. to
+// tune on another GPU with a KILN_GROUPED_GEMM_SWEEP build; "aten" sends the experts back to
+// at::_grouped_mm (A/B runs). Read once.
+struct TileChoice {
+  bool aten = false;
+  std::array<GroupedTile, 3> tiles = {GroupedTile::KILN_GG_TILE_ROWCOL, GroupedTile::KILN_GG_TILE_ROWROW,
+                                      GroupedTile::KILN_GG_TILE_COLROW};
+};
+
+TileChoice read_tile_choice() {
+  TileChoice c;
+  const char* env = std::getenv("KILN_GROUPED_GEMM_TILES");
+  if (!env || !*env) return c;
+  if (std::string(env) == "aten") {
+    c.aten = true;
+    return c;
+  }
+  std::string keys;
+  for (auto* k : kTileKeys) keys += std::string(keys.empty() ? "" : ", ") + k;
+  std::stringstream in(env);
+  std::string item;
+  for (size_t i = 0; i < 3; ++i) {
+    TORCH_CHECK(std::getline(in, item, ','), "KILN_GROUPED_GEMM_TILES=\"", env,
+                "\": needs \"aten\" or three tiles, forward,input-gradient,weight-gradient, each one of ", keys);
+    auto* k = std::find_if(std::begin(kTileKeys), std::end(kTileKeys), [&](const char* s) { return item == s; });
+    TORCH_CHECK(k != std::end(kTileKeys), "KILN_GROUPED_GEMM_TILES=\"", env, "\": unknown tile \"", item,
+                "\"; one of ", keys);
+    c.tiles[i] = GroupedTile(k - std::begin(kTileKeys));
+  }
+  TORCH_CHECK(!std::getline(in, item, ','), "KILN_GROUPED_GEMM_TILES=\"", env, "\": more than three tiles");
+  return c;
+}
+
+const TileChoice& tile_choice() {
+  static const TileChoice c = read_tile_choice();
+  return c;
+}
+}  // namespace
+
+GroupedTile grouped_default_tile(GroupedLayout layout) { return tile_choice().tiles[size_t(layout)]; }
+
+bool grouped_gemm_compiled(GroupedLayout layout, GroupedTile tile) {
+#ifdef KILN_GROUPED_GEMM
+  return cuda::grouped_gemm_compiled(layout, tile);
+#else
+  (void)layout;
+  (void)tile;
+  return false;
+#endif
+}
+
+#ifdef KILN_GROUPED_GEMM
+namespace {
+// Stream-ordered scratch for one call: the caching allocator may hand a freed block to later
+// work on the same stream only, so the tensors can go once the work is queued.
+void* alloc_scratch(size_t bytes, void* ctx) {
+  if (bytes == 0) return nullptr;
+  auto* keep = static_cast<std::pair<std::vector<at::Tensor>, at::Device>*>(ctx);
+  keep->first.push_back(at::empty({int64_t(bytes)}, at::TensorOptions().dtype(at::kByte).device(keep->second)));
+  return keep->first.back().data_ptr();
+}
+
+bool hopper(const at::Tensor& t) {
+  return t.is_cuda() && at::cuda::getDeviceProperties(t.device().index())->major == 9;
+}
+
+void check_common(const char* what, const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs) {
+  TORCH_CHECK(a.is_cuda() && b.is_cuda() && offs.is_cuda() && a.device() == b.device() && b.device() == offs.device(),
+              what, ": a, b and offs must be on one CUDA device");
+  TORCH_CHECK(a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16, what, ": a and b must be bf16, got ",
+              a.scalar_type(), " and ", b.scalar_type());
+  TORCH_CHECK(offs.dim() == 1 && offs.scalar_type() == at::kInt && offs.is_contiguous(), what,
+              ": offs must be [E] int32 contiguous, got ", offs.sizes(), " ", offs.scalar_type());
+  TORCH_CHECK(hopper(a), what, ": kiln's grouped GEMM runs on Hopper (compute capability 9.x) only");
+  TORCH_CHECK(aligned16(a) && aligned16(b), what, ": a and b must start on 16-byte boundaries");
+}
+
+void run(GroupedLayout layout, std::optional<GroupedTile> tile, cuda::GroupedGemmArgs& p, const at::Tensor& like) {
+  const GroupedTile t = tile.value_or(grouped_default_tile(layout));
+  std::pair<std::vector<at::Tensor>, at::Device> keep{{}, like.device()};
+  p.sm_count = at::cuda::getDeviceProperties(like.device().index())->multiProcessorCount;
+  p.stream = at::cuda::getCurrentCUDAStream(like.device().index()).stream();
+  TORCH_CHECK(cuda::grouped_gemm_run(layout, t, p, &alloc_scratch, &keep), "grouped GEMM: tile ", grouped_tile_name(t),
+              " is not compiled for this layout (kernels/CMakeLists.txt, KILN_GROUPED_GEMM_SWEEP)");
+}
+}  // namespace
+#endif
+
+at::Tensor grouped_mm_ragged_m(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
+                               std::optional<GroupedTile> tile) {
+#ifdef KILN_GROUPED_GEMM
+  check_common("grouped_mm_ragged_m", a, b, offs);
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 3 && b.size(1) == a.size(1) && offs.size(0) == b.size(0),
+              "grouped_mm_ragged_m: a must be [M, K], b [E, K, N], offs [E]; got ", a.sizes(), ", ", b.sizes(), ", ",
+              offs.sizes());
+  TORCH_CHECK(a.stride(1) == 1 && a.stride(0) % 8 == 0 && a.size(1) % 8 == 0, "grouped_mm_ragged_m: a must be ",
+              "row-major with K and its row stride multiples of 8, got strides ", a.strides());
+  const bool b_rows = b.stride(2) == 1, b_cols = b.stride(1) == 1;
+  TORCH_CHECK(b_rows || b_cols, "grouped_mm_ragged_m: each b[e] must be row- or column-major, got strides ",
+              b.strides());
+  const int64_t ldb = b_rows ? b.stride(1) : b.stride(2);
+  TORCH_CHECK(ldb % 8 == 0 && b.stride(0) % 8 == 0 && b.size(2) % 8 == 0, "grouped_mm_ragged_m: b's N and strides ",
+              "must be multiples of 8, got ", b.sizes(), " strides ", b.strides());
+  auto out = at::empty({a.size(0), b.size(2)}, a.options());
+  if (out.numel() == 0 || b.size(0) == 0) return out.zero_();
+  cuda::GroupedGemmArgs p;
+  p.mode = cuda::GroupedMode::kRaggedM;
+  p.groups = int(b.size(0));
+  p.offs = offs.data_ptr<int32_t>();
+  p.a = a.data_ptr();
+  p.b = b.data_ptr();
+  p.d = out.data_ptr();
+  p.M = a.size(0);
+  p.N = b.size(2);
+  p.K = a.size(1);
+  p.lda = a.stride(0);
+  p.ldb = ldb;
+  p.b_group_stride = b.stride(0);
+  run(b_rows ? GroupedLayout::kRowRow : GroupedLayout::kRowCol, tile, p, a);
+  return out;
+#else
+  (void)a, (void)b, (void)offs, (void)tile;
+  TORCH_CHECK(false, "grouped_mm_ragged_m: this build has no grouped GEMM (needs CUDA and CUTLASS's headers)");
+#endif
+}
+
+at::Tensor grouped_mm_ragged_k(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
+                               std::optional<GroupedTile> tile) {
+#ifdef KILN_GROUPED_GEMM
+  check_common("grouped_mm_ragged_k", a, b, offs);
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0), "grouped_mm_ragged_k: a must be [M, Ktot], ",
+              "b [Ktot, N]; got ", a.sizes(), " and ", b.sizes());
+  TORCH_CHECK(a.stride(0) == 1 && a.stride(1) % 8 == 0 && a.size(0) % 8 == 0, "grouped_mm_ragged_k: a must be ",
+              "column-major with M and its column stride multiples of 8, got ", a.sizes(), " strides ", a.strides());
+  TORCH_CHECK(b.stride(1) == 1 && b.stride(0) % 8 == 0 && b.size(1) % 8 == 0, "grouped_mm_ragged_k: b must be ",
+              "row-major with N and its row stride multiples of 8, got ", b.sizes(), " strides ", b.strides());
+  const int64_t E = offs.size(0);
+  auto out = at::empty({E, a.size(0), b.size(1)}, a.options());
+  if (out.numel() == 0) return out;
+  cuda::GroupedGemmArgs p;
+  p.mode = cuda::GroupedMode::kRaggedK;
+  p.groups = int(E);
+  p.offs = offs.data_ptr<int32_t>();
+  p.a = a.data_ptr();
+  p.b = b.data_ptr();
+  p.d = out.data_ptr();
+  p.M = a.size(0);
+  p.N = b.size(1);
+  p.K = a.size(1);
+  p.lda = a.stride(1);
+  p.ldb = b.stride(0);
+  run(GroupedLayout::kColRow, tile, p, a);
+  cuda::grouped_zero_empty(p.offs, p.groups, p.d, p.M * p.N, p.stream);
+  return out;
+#else
+  (void)a, (void)b, (void)offs, (void)tile;
+  TORCH_CHECK(false, "grouped_mm_ragged_k: this build has no grouped GEMM (needs CUDA and CUTLASS's headers)");
+#endif
+}
+
+bool grouped_linear_available(const at::Tensor& x, const at::Tensor& w) {
+#ifdef KILN_GROUPED_GEMM
+  return !tile_choice().aten && x.is_cuda() && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
+         w.dim() == 3 && x.size(1) % 8 == 0 && w.size(1) % 8 == 0 && w.size(2) == x.size(1) && hopper(x) &&
+         grouped_gemm_compiled(GroupedLayout::kRowCol, grouped_default_tile(GroupedLayout::kRowCol)) &&
+         grouped_gemm_compiled(GroupedLayout::kRowRow, grouped_default_tile(GroupedLayout::kRowRow)) &&
+         grouped_gemm_compiled(GroupedLayout::kColRow, grouped_default_tile(GroupedLayout::kColRow));
+#else
+  (void)x, (void)w;
+  return false;
+#endif
+}
+
+#ifdef KILN_GROUPED_GEMM
+namespace {
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct GroupedLinearFn : public torch::autograd::Function<GroupedLinearFn> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
+                               const torch::Tensor& offs) {
+    ctx->save_for_backward({x, w, offs});
+    return grouped_mm_ragged_m(x, w.transpose(-2, -1), offs);  // each w[e]^T column-major: [K, N]
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const auto &x = s[0], &w = s[1], &offs = s[2];
+    auto dy = aligned_contiguous(grads[0].to(x.scalar_type()));  // [M, N]
+    at::Tensor dx, dw;
+    if (ctx->needs_input_grad(0)) dx = grouped_mm_ragged_m(dy, w, offs);  // w[e] [N, K] row-major
+    if (ctx->needs_input_grad(1)) dw = grouped_mm_ragged_k(dy.t(), x, offs);  // [E, N, K], w's layout
+    return {dx, dw, at::Tensor()};
+  }
+};
+}  // namespace
+#endif
+
+at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.size(2) == x.size(1), "grouped_linear: x must be [M, K] and w ",
+              "[E, N, K], got ", x.sizes(), " and ", w.sizes());
+  TORCH_CHECK(grouped_linear_available(x, w), "grouped_linear: needs a build with kiln's grouped GEMM, a Hopper GPU, ",
+              "bf16 x and w, K and N multiples of 8; got ", x.scalar_type(), " ", x.sizes(), " on ", x.device(),
+              ", w ", w.scalar_type(), " ", w.sizes());
+#ifdef KILN_GROUPED_GEMM
+  return GroupedLinearFn::apply(aligned_contiguous(x), aligned_contiguous(w), offs.contiguous());
+#else
+  return {};
+#endif
+}
+
+}  // namespace kiln::kernels

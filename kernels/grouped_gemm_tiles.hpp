@@ -1,0 +1,19 @@
+#pragma once
+// The operand layouts and tiles of kiln's grouped GEMM (kernels/grouped_gemm.hpp), without
+// LibTorch: also included by the CUDA translation units (kernels/grouped_gemm_cuda.hpp).
+namespace kiln::kernels {
+
+/// Storage of A and B. A row-major: its K dim contiguous; column-major: its M dim. B row-major:
+/// its N dim contiguous; column-major: its K dim. The output is row-major.
+/// kRowCol: a layer's forward (x times w[e]^T); kRowRow: its input gradient (dy times w[e]);
+/// kColRow: its weight gradient (dy^T times x, ragged K).
+enum class GroupedLayout { kRowCol, kRowRow, kColRow };
+
+/// CTA tile (M x N x K), cluster and schedule of CUTLASS's sm90 pointer-array kernels
+/// (cooperative: two consumer warp groups on one tile; pingpong: each warp group its own tile,
+/// one's epilogue overlapping the other's main loop). kCoop128x256 is what at::_grouped_mm
+/// runs at the experts' sizes, kPong64x128 its choice for small ones.
+enum class GroupedTile { kCoop128x256, kCoop128x128, kPong64x128, kPong128x128, kPong64x256 };
+inline constexpr int kGroupedTileCount = 5;
+const char* grouped_tile_name(GroupedTile tile);
+}  // namespace kiln::kernels
