@@ -122,6 +122,24 @@ void check_common(const char* what, const at::Tensor& a, const at::Tensor& b, co
   TORCH_CHECK(aligned16(a) && aligned16(b), what, ": a and b must start on 16-byte boundaries");
 }
 
+// One call's arguments; mnk: the GEMM's M, N, K (the ragged one's total); groups: offs's length.
+cuda::GroupedGemmArgs args(cuda::GroupedMode mode, const at::Tensor& offs, const at::Tensor& a, const at::Tensor& b,
+                           at::Tensor& out, std::array<int64_t, 3> mnk, int64_t lda, int64_t ldb) {
+  cuda::GroupedGemmArgs p;
+  p.mode = mode;
+  p.groups = int(offs.size(0));
+  p.offs = offs.data_ptr<int32_t>();
+  p.a = a.data_ptr();
+  p.b = b.data_ptr();
+  p.d = out.data_ptr();
+  p.M = mnk[0];
+  p.N = mnk[1];
+  p.K = mnk[2];
+  p.lda = lda;
+  p.ldb = ldb;
+  return p;
+}
+
 void run(GroupedLayout layout, std::optional<GroupedTile> tile, cuda::GroupedGemmArgs& p, const at::Tensor& like) {
   const GroupedTile t = tile.value_or(grouped_default_tile(layout));
   std::pair<std::vector<at::Tensor>, at::Device> keep{{}, like.device()};
@@ -150,18 +168,7 @@ at::Tensor grouped_mm_ragged_m(const at::Tensor& a, const at::Tensor& b, const a
               "must be multiples of 8, got ", b.sizes(), " strides ", b.strides());
   auto out = at::empty({a.size(0), b.size(2)}, a.options());
   if (out.numel() == 0 || b.size(0) == 0) return out.zero_();
-  cuda::GroupedGemmArgs p;
-  p.mode = cuda::GroupedMode::kRaggedM;
-  p.groups = int(b.size(0));
-  p.offs = offs.data_ptr<int32_t>();
-  p.a = a.data_ptr();
-  p.b = b.data_ptr();
-  p.d = out.data_ptr();
-  p.M = a.size(0);
-  p.N = b.size(2);
-  p.K = a.size(1);
-  p.lda = a.stride(0);
-  p.ldb = ldb;
+  auto p = args(cuda::GroupedMode::kRaggedM, offs, a, b, out, {a.size(0), b.size(2), a.size(1)}, a.stride(0), ldb);
   p.b_group_stride = b.stride(0);
   run(b_rows ? GroupedLayout::kRowRow : GroupedLayout::kRowCol, tile, p, a);
   return out;
@@ -184,18 +191,8 @@ at::Tensor grouped_mm_ragged_k(const at::Tensor& a, const at::Tensor& b, const a
   const int64_t E = offs.size(0);
   auto out = at::empty({E, a.size(0), b.size(1)}, a.options());
   if (out.numel() == 0) return out;
-  cuda::GroupedGemmArgs p;
-  p.mode = cuda::GroupedMode::kRaggedK;
-  p.groups = int(E);
-  p.offs = offs.data_ptr<int32_t>();
-  p.a = a.data_ptr();
-  p.b = b.data_ptr();
-  p.d = out.data_ptr();
-  p.M = a.size(0);
-  p.N = b.size(1);
-  p.K = a.size(1);
-  p.lda = a.stride(1);
-  p.ldb = b.stride(0);
+  auto p = args(cuda::GroupedMode::kRaggedK, offs, a, b, out, {a.size(0), b.size(1), a.size(1)}, a.stride(1),
+                b.stride(0));
   run(GroupedLayout::kColRow, tile, p, a);
   cuda::grouped_zero_empty(p.offs, p.groups, p.d, p.M * p.N, p.stream);
   return out;

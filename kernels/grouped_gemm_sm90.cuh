@@ -24,43 +24,28 @@ namespace kiln::kernels::cuda::gg {
 
 using namespace cute;
 
+// CTA tile M x N x K, cluster along M, and the schedule (pingpong or cooperative).
+template <int M, int N, int K, int ClusterM, bool Pingpong>
+struct TileDef {
+  using Tile = Shape<Int<M>, Int<N>, Int<K>>;
+  using Cluster = Shape<Int<ClusterM>, _1, _1>;
+  using Kernel = std::conditional_t<Pingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                                    cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+  using Epilogue = std::conditional_t<Pingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                                      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+};
 template <GroupedTile T>
 struct TileCfg;
 template <>
-struct TileCfg<GroupedTile::kCoop128x256> {
-  using Tile = Shape<_128, _256, _64>;
-  using Cluster = Shape<_2, _1, _1>;
-  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
+struct TileCfg<GroupedTile::kCoop128x256> : TileDef<128, 256, 64, 2, false> {};
 template <>
-struct TileCfg<GroupedTile::kCoop128x128> {
-  using Tile = Shape<_128, _128, _64>;
-  using Cluster = Shape<_2, _1, _1>;
-  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
+struct TileCfg<GroupedTile::kCoop128x128> : TileDef<128, 128, 64, 2, false> {};
 template <>
-struct TileCfg<GroupedTile::kPong64x128> {
-  using Tile = Shape<_64, _128, _128>;
-  using Cluster = Shape<_2, _1, _1>;
-  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-};
+struct TileCfg<GroupedTile::kPong64x128> : TileDef<64, 128, 128, 2, true> {};
 template <>
-struct TileCfg<GroupedTile::kPong128x128> {
-  using Tile = Shape<_128, _128, _64>;
-  using Cluster = Shape<_1, _1, _1>;
-  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-};
+struct TileCfg<GroupedTile::kPong128x128> : TileDef<128, 128, 64, 1, true> {};
 template <>
-struct TileCfg<GroupedTile::kPong64x256> {
-  using Tile = Shape<_64, _256, _64>;
-  using Cluster = Shape<_1, _1, _1>;
-  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-};
+struct TileCfg<GroupedTile::kPong64x256> : TileDef<64, 256, 64, 1, true> {};
 
 template <GroupedLayout L>
 struct LayoutCfg;

@@ -19,10 +19,11 @@ Run on the GPU machine:  python3 tests/bench/probe_attention_backends.py [--json
 import argparse
 import json
 import math
-import statistics
 import time
 
 import torch
+
+from cuda_timing import median_ms  # tests/bench/cuda_timing.py
 
 H, D = 20, 256
 
@@ -42,21 +43,6 @@ def packs():
 def flops(lens, backward):
     f = sum(4 * H * D * n * (n + 1) / 2 for n in lens)  # QK^T and PV, causal
     return f * (3.5 if backward else 1.0)  # backward ~2.5x forward (FlashAttention-2's count)
-
-
-def timed(fn, warmup, iters):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
 
 
 def fa2(q, k, v, cu, mx, scale):
@@ -152,8 +138,8 @@ def main():
                 out, bwd = fn(q, k, v, cu, mx, scale)
                 grads = bwd(do)
                 results[bk] = (out, grads)
-                tf = timed(lambda: fn(q, k, v, cu, mx, scale), a.warmup, a.iters)
-                tfb = timed(lambda: fn(q, k, v, cu, mx, scale)[1](do), a.warmup, a.iters)
+                tf = median_ms(lambda: fn(q, k, v, cu, mx, scale), a.warmup, a.iters)
+                tfb = median_ms(lambda: fn(q, k, v, cu, mx, scale)[1](do), a.warmup, a.iters)
                 row[bk] = {"fwd_ms": tf, "fwd_bwd_ms": tfb, "fwd_tflops": flops(lens, False) / tf / 1e9,
                            "fwd_bwd_tflops": flops(lens, True) / tfb / 1e9}
             except Exception as e:  # noqa: BLE001 - report which backend refused and why

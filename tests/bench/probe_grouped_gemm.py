@@ -20,26 +20,12 @@ Run on the GPU machine:  python3 tests/bench/probe_grouped_gemm.py [--json FILE]
 """
 import argparse
 import json
-import statistics
 
 import torch
 
+from cuda_timing import median_ms  # tests/bench/cuda_timing.py
+
 D, F, E, K = 2048, 1536, 64, 4
-
-
-def timed(fn, warmup, iters):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
 
 
 def counts_random(tokens, gen):
@@ -79,9 +65,9 @@ def main():
     rows = []
 
     def add(name, flops, fn_routed, fn_bal, fn_dense):
-        t_r = timed(fn_routed, a.warmup, a.iters)
-        t_b = timed(fn_bal, a.warmup, a.iters)
-        t_d = timed(fn_dense, a.warmup, a.iters)
+        t_r = median_ms(fn_routed, a.warmup, a.iters) / 1e3
+        t_b = median_ms(fn_bal, a.warmup, a.iters) / 1e3
+        t_d = median_ms(fn_dense, a.warmup, a.iters) / 1e3
         r = {"gemm": name, "gflop": flops / 1e9, "routed_ms": t_r * 1e3, "balanced_ms": t_b * 1e3,
              "dense_ms": t_d * 1e3, "routed_tflops": flops / t_r / 1e12,
              "balanced_tflops": flops / t_b / 1e12, "dense_tflops": flops / t_d / 1e12}
