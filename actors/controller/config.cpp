@@ -71,13 +71,13 @@ void validate_placement(const Config& c) {
        "must be in [0, 20], got " + shown(c.placement.engine_restarts));
 }
 
-}  // namespace
 
-void Config::validate() const {
-  const auto& a = algorithm;
-  need(run.steps >= 1, "run.steps", "must be >= 1, got " + shown(run.steps));
-  need(!run.output_dir.empty(), "run.output_dir", "must not be empty");
-  need(run.checkpoint_every >= 0, "run.checkpoint_every", "must be >= 0, got " + shown(run.checkpoint_every));
+// Config::validate by section, in the order the keys are checked.
+void validate_run_and_algorithm(const Config& c) {
+  const auto& a = c.algorithm;
+  need(c.run.steps >= 1, "run.steps", "must be >= 1, got " + shown(c.run.steps));
+  need(!c.run.output_dir.empty(), "run.output_dir", "must not be empty");
+  need(c.run.checkpoint_every >= 0, "run.checkpoint_every", "must be >= 0, got " + shown(c.run.checkpoint_every));
   need(a.prompts_per_step >= 1, "algorithm.prompts_per_step", "must be >= 1, got " + shown(a.prompts_per_step));
   need(a.samples_per_prompt >= 2, "algorithm.samples_per_prompt",
        "must be >= 2 (GRPO compares samples of one prompt), got " + shown(a.samples_per_prompt));
@@ -89,11 +89,15 @@ void Config::validate() const {
   need(a.top_p > 0 && a.top_p <= 1, "algorithm.top_p", "must be in (0, 1], got " + shown(a.top_p));
   need(a.top_k >= 0, "algorithm.top_k", "must be >= 0 (0: off), got " + shown(a.top_k));
   // The trainer's keys live in [algorithm] too; its own check names them.
-  trainer_for_run().validate([](const std::string& field) {
+  c.trainer_for_run().validate([](const std::string& field) {
     const bool parallel = field == "reduce_dtype";  // (fsdp and reshard_after_forward are booleans: always valid)
     return "experiment: key '" + std::string(parallel ? "parallel." : "algorithm.") + field + "'";
   });
-  const auto& e = rollout.engine;
+}
+
+void validate_rollout(const Config& c) {
+  const auto& a = c.algorithm;
+  const auto& e = c.rollout.engine;
   need(e.step_delay_ms >= 0, "rollout.step_delay_ms", "must be >= 0, got " + shown(e.step_delay_ms));
   need(e.cache_blocks >= 1, "rollout.cache_blocks", "must be >= 1, got " + shown(e.cache_blocks));
   need(e.block_size >= 1, "rollout.block_size", "must be >= 1, got " + shown(e.block_size));
@@ -104,36 +108,37 @@ void Config::validate() const {
   need(a.max_new_tokens < cache_tokens, "algorithm.max_new_tokens",
        std::to_string(a.max_new_tokens) + " cannot fit the engine's cache of " + std::to_string(cache_tokens) +
            " tokens with a prompt (rollout.cache_blocks x rollout.block_size)");
-  need(rollout.backend == "engine" || rollout.backend == "http", "rollout.backend",
-       "must be \"engine\" (kiln's engine) or \"http\" (servers at rollout.urls), got \"" + rollout.backend + "\"");
-  if (rollout.backend == "http") {
-    need(!rollout.urls.empty(), "rollout.urls", "must list at least one server with rollout.backend \"http\"");
-    for (const auto& u : rollout.urls)
+  need(c.rollout.backend == "engine" || c.rollout.backend == "http", "rollout.backend",
+       "must be \"engine\" (kiln's engine) or \"http\" (servers at rollout.urls), got \"" + c.rollout.backend + "\"");
+  if (c.rollout.backend == "http") {
+    need(!c.rollout.urls.empty(), "rollout.urls", "must list at least one server with rollout.backend \"http\"");
+    for (const auto& u : c.rollout.urls)
       need(u.rfind("http://", 0) == 0 && u.size() > 7, "rollout.urls",
            "must hold http://HOST:PORT addresses, got \"" + u + "\"");
-    need(int64_t(rollout.urls.size()) <= a.prompts_per_step, "rollout.urls",
+    need(int64_t(c.rollout.urls.size()) <= a.prompts_per_step, "rollout.urls",
          "must list at most algorithm.prompts_per_step servers (each gets whole prompt groups)");
-    need(placement.trainer == "controller", "placement.trainer",
+    need(c.placement.trainer == "controller", "placement.trainer",
          "must be \"controller\" with rollout.backend \"http\" (the controller writes the weights the servers load)");
-    need(placement.rollout_engines == 1, "placement.rollout_engines",
+    need(c.placement.rollout_engines == 1, "placement.rollout_engines",
          "must be 1 with rollout.backend \"http\" (the servers at rollout.urls are the engines)");
-    need(weight_sync.transport == "messages", "weight_sync.transport",
+    need(c.weight_sync.transport == "messages", "weight_sync.transport",
          "must be \"messages\" with rollout.backend \"http\" (rollout.weight_update says how the servers get weights)");
-    need(rollout.http_timeout_s >= 1, "rollout.http_timeout_s", "must be >= 1, got " + shown(rollout.http_timeout_s));
-    need(rollout.http_retry_s >= 0, "rollout.http_retry_s", "must be >= 0, got " + shown(rollout.http_retry_s));
-    need(rollout.weight_update == "disk" || rollout.weight_update == "distributed", "rollout.weight_update",
+    need(c.rollout.http_timeout_s >= 1, "rollout.http_timeout_s",
+         "must be >= 1, got " + shown(c.rollout.http_timeout_s));
+    need(c.rollout.http_retry_s >= 0, "rollout.http_retry_s", "must be >= 0, got " + shown(c.rollout.http_retry_s));
+    need(c.rollout.weight_update == "disk" || c.rollout.weight_update == "distributed", "rollout.weight_update",
          "must be \"disk\" (files under rollout.weights_dir) or \"distributed\" (a c10d broadcast group with the "
-         "servers), got \"" + rollout.weight_update + "\"");
-    need(!rollout.weight_update_address.empty(), "rollout.weight_update_address", "must not be empty");
+         "servers), got \"" + c.rollout.weight_update + "\"");
+    need(!c.rollout.weight_update_address.empty(), "rollout.weight_update_address", "must not be empty");
   } else {
-    need(rollout.urls.empty(), "rollout.urls", "is read by rollout.backend \"http\" only");
-    need(rollout.weight_update == "disk", "rollout.weight_update", "is read by rollout.backend \"http\" only");
+    need(c.rollout.urls.empty(), "rollout.urls", "is read by rollout.backend \"http\" only");
+    need(c.rollout.weight_update == "disk", "rollout.weight_update", "is read by rollout.backend \"http\" only");
   }
-  need(rollout.weight_update_timeout_s >= 1, "rollout.weight_update_timeout_s",
-       "must be >= 1, got " + shown(rollout.weight_update_timeout_s));
-  if (trainer.logprobs.true_on_policy) {
+  need(c.rollout.weight_update_timeout_s >= 1, "rollout.weight_update_timeout_s",
+       "must be >= 1, got " + shown(c.rollout.weight_update_timeout_s));
+  if (c.trainer.logprobs.true_on_policy) {
     // The mode needs kiln's engine to run the trainer's formula in batch-invariant kernels.
-    need(rollout.backend == "engine", "algorithm.true_on_policy",
+    need(c.rollout.backend == "engine", "algorithm.true_on_policy",
          "needs rollout.backend \"engine\" (kiln's engine runs the batch-invariant kernels; servers at rollout.urls "
          "do not)");
     need(!e.absorbed_decode, "algorithm.true_on_policy",
@@ -143,13 +148,15 @@ void Config::validate() const {
          "contradicts rollout.cuda_graphs = true: the captured decode step attends in latent space, not with the "
          "trainer's formula; set rollout.cuda_graphs = false");
   }
-  validate_placement(*this);
-  const auto& par = parallel;
+}
+
+void validate_parallel(const Config& c) {
+  const auto& par = c.parallel;
   need(par.dp >= 1 && par.dp <= 1024, "parallel.dp", "must be in [1, 1024], got " + shown(par.dp));
   need(par.ep >= 1 && par.ep <= 1024, "parallel.ep", "must be in [1, 1024], got " + shown(par.ep));
-  need(par.dp * par.ep == 1 || placement.trainer == "controller", "parallel.dp",
+  need(par.dp * par.ep == 1 || c.placement.trainer == "controller", "parallel.dp",
        "and parallel.ep must be 1 with placement.trainer \"process\" (trainer rank 0 is the controller's process)");
-  need(par.dp * par.ep == 1 || model.device == "cpu" || model.device == "cuda", "model.device",
+  need(par.dp * par.ep == 1 || c.model.device == "cpu" || c.model.device == "cuda", "model.device",
        "must be \"cpu\" or \"cuda\" with several trainer ranks (each rank takes the GPU of its LOCAL_RANK)");
   need(par.master_port >= 0 && par.master_port <= 65535, "parallel.master_port",
        "must be in [0, 65535] (0: a free port), got " + shown(par.master_port));
@@ -157,21 +164,26 @@ void Config::validate() const {
        "must be in [1, 86400], got " + shown(par.store_timeout_s));
   need(par.collective_timeout_s >= 1 && par.collective_timeout_s <= 86400, "parallel.collective_timeout_s",
        "must be in [1, 86400], got " + shown(par.collective_timeout_s));
-  need(weight_sync.bucket_mib > 0, "weight_sync.bucket_mib", "must be > 0, got " + shown(weight_sync.bucket_mib));
-  need(weight_sync.transport == "messages" || weight_sync.transport == "collective", "weight_sync.transport",
+}
+
+void validate_weight_sync(const Config& c) {
+  const auto& a = c.algorithm;
+  need(c.weight_sync.bucket_mib > 0, "weight_sync.bucket_mib", "must be > 0, got " + shown(c.weight_sync.bucket_mib));
+  need(c.weight_sync.transport == "messages" || c.weight_sync.transport == "collective", "weight_sync.transport",
        "must be \"messages\" or \"collective\"");
-  if (weight_sync.transport == "collective") {
-    need(placement.mode == "multi_process" && placement.trainer == "controller", "weight_sync.transport",
+  if (c.weight_sync.transport == "collective") {
+    need(c.placement.mode == "multi_process" && c.placement.trainer == "controller", "weight_sync.transport",
          "\"collective\" needs placement.mode \"multi_process\" and placement.trainer \"controller\" (the trainer "
          "broadcasts to engine processes)");
     need(a.staleness == 0, "weight_sync.transport",
          "\"collective\" needs algorithm.staleness = 0 (it broadcasts the trainer's live weights)");
     // NCCL's group holds trainer rank 0 and every engine, one process per GPU.
     std::map<std::string, std::string> gpu_of;  // "cuda:N" -> who holds it
-    if (model.device != "cpu") gpu_of[model.device == "cuda" ? "cuda:0" : model.device] = "trainer rank 0 (model.device)";
-    for (int64_t i = 0; i < placement.rollout_engines; ++i) {
-      const auto r = placement.engine_device(std::size_t(i), model.device);
-      need((r == "cpu") == (model.device == "cpu"), "placement.rollout_device",
+    if (c.model.device != "cpu")
+      gpu_of[c.model.device == "cuda" ? "cuda:0" : c.model.device] = "trainer rank 0 (model.device)";
+    for (int64_t i = 0; i < c.placement.rollout_engines; ++i) {
+      const auto r = c.placement.engine_device(std::size_t(i), c.model.device);
+      need((r == "cpu") == (c.model.device == "cpu"), "placement.rollout_device",
            "must be a GPU when model.device is one, and \"cpu\" when it is \"cpu\", for weight_sync.transport "
            "\"collective\" (NCCL between GPUs, Gloo between CPU processes)");
       if (r == "cpu") continue;
@@ -182,28 +194,42 @@ void Config::validate() const {
                "(one process per GPU in NCCL's group)");
     }
   }
-  need(task.name == "next_digit" || task.name == "arithmetic" || task.name == "countdown" || task.name == "jsonl",
+}
+
+void validate_task(const Config& c) {
+  const auto& name = c.task.name;
+  need(name == "next_digit" || name == "arithmetic" || name == "countdown" || name == "jsonl",
        "task.name",
-       "must be \"next_digit\", \"arithmetic\", \"countdown\" or \"jsonl\", got \"" + task.name + "\"");
-  if (task.name == "arithmetic") {
-    const bool min_ok = task.min_digits >= 1 && task.min_digits <= 9;
-    need(min_ok, "task.min_digits", "must be in [1, 9] with task.name \"arithmetic\", got " + shown(task.min_digits));
-    need(task.max_digits >= task.min_digits && task.max_digits <= 9, "task.max_digits",
-         "must be in [task.min_digits, 9] = [" + shown(task.min_digits) + ", 9] with task.name \"arithmetic\", got " +
-             shown(task.max_digits));
-    need(!task.operators.empty() && task.operators.find_first_not_of("+-*") == std::string::npos, "task.operators",
-         "must be a non-empty string of \"+\", \"-\" and \"*\" with task.name \"arithmetic\", got \"" + task.operators +
+       "must be \"next_digit\", \"arithmetic\", \"countdown\" or \"jsonl\", got \"" + c.task.name + "\"");
+  if (c.task.name == "arithmetic") {
+    const bool min_ok = c.task.min_digits >= 1 && c.task.min_digits <= 9;
+    need(min_ok, "task.min_digits", "must be in [1, 9] with task.name \"arithmetic\", got " + shown(c.task.min_digits));
+    need(c.task.max_digits >= c.task.min_digits && c.task.max_digits <= 9, "task.max_digits",
+         "must be in [task.min_digits, 9] = [" + shown(c.task.min_digits) + ", 9] with task.name \"arithmetic\", got " +
+             shown(c.task.max_digits));
+    need(!c.task.operators.empty() && c.task.operators.find_first_not_of("+-*") == std::string::npos, "task.operators",
+         "must be a non-empty string of \"+\", \"-\" and \"*\" with task.name \"arithmetic\", got \"" + c.task.operators +
              "\"");
   }
-  need(task.name != "jsonl" || !task.path.empty(), "task.path", "must name a JSONL file with task.name \"jsonl\"");
-  need(task.name == "jsonl" || task.path.empty(), "task.path",
-       "is read by task.name \"jsonl\" only (task.name is \"" + task.name + "\")");
-  need(!task.prompt_field.empty(), "task.prompt_field", "must not be empty");
-  need(!task.answer_field.empty(), "task.answer_field", "must not be empty");
-  need(task.chat_template == "glm47" || task.chat_template == "glm4" || task.chat_template == "none",
-       "task.chat_template", "must be \"glm47\", \"glm4\" or \"none\" (got \"" + task.chat_template + "\")");
-  need(task.chat_template == "none" || !task.tokenizer.empty(), "task.chat_template",
-       "\"" + task.chat_template + "\" needs task.tokenizer (a tokenizer.json with the chat markers as tokens)");
+  need(c.task.name != "jsonl" || !c.task.path.empty(), "task.path", "must name a JSONL file with task.name \"jsonl\"");
+  need(c.task.name == "jsonl" || c.task.path.empty(), "task.path",
+       "is read by task.name \"jsonl\" only (task.name is \"" + c.task.name + "\")");
+  need(!c.task.prompt_field.empty(), "task.prompt_field", "must not be empty");
+  need(!c.task.answer_field.empty(), "task.answer_field", "must not be empty");
+  need(c.task.chat_template == "glm47" || c.task.chat_template == "glm4" || c.task.chat_template == "none",
+       "task.chat_template", "must be \"glm47\", \"glm4\" or \"none\" (got \"" + c.task.chat_template + "\")");
+  need(c.task.chat_template == "none" || !c.task.tokenizer.empty(), "task.chat_template",
+       "\"" + c.task.chat_template + "\" needs task.tokenizer (a tokenizer.json with the chat markers as tokens)");
+}
+}  // namespace
+
+void Config::validate() const {
+  validate_run_and_algorithm(*this);
+  validate_rollout(*this);
+  validate_placement(*this);
+  validate_parallel(*this);
+  validate_weight_sync(*this);
+  validate_task(*this);
 }
 
 rollout::EngineOptions Config::engine_for_run() const {
