@@ -102,6 +102,15 @@ class GpuBench {
     J["peak_memory_gib"] = peak_gib();
     J["model_tflop_per_step"] = flops_ / 1e12;
     policy_->zero_grad();
+    {  // How evenly this random model routes the pack, summed over the MoE layers: the routed
+       // experts' GEMMs slow down with uneven counts (torchtitan's bench prints the same ratio).
+      torch::NoGradGuard ng;
+      model::ForwardOptions fo;
+      fo.return_routed_experts = true;
+      auto ids = policy_->forward(batch_, fo).routed_experts.flatten().to(torch::kCPU);  // [T * L * K]
+      auto load = torch::bincount(ids, {}, cfg_.moe.num_experts).to(torch::kFloat64);
+      J["expert_load_max_over_mean"] = (load.max() / load.mean()).item<double>();
+    }
   }
 
   // --profile: one more forward+backward inside cudaProfilerStart/Stop (ncu --profile-from-start off).
@@ -307,8 +316,8 @@ class GpuBench {
                 (long long)o_.docs, o_.keep_logits_gib);
     std::printf("  measured limits: bf16 GEMM %.0f TFLOP/s, D2D copy %.0f GB/s (read+write)\n", d("gemm_bf16_tflops"),
                 d("copy_read_write_gbs"));
-    std::printf("  forward+backward     %8.3f s  %9.0f tokens/s  MFU %.1f%%  peak %.1f GiB\n", fb_,
-                double(o_.tokens) / fb_, 100.0 * d("mfu"), d("peak_memory_gib"));
+    std::printf("  forward+backward     %8.3f s  %9.0f tokens/s  MFU %.1f%%  peak %.1f GiB  (expert load max/mean %.2f)\n",
+                fb_, double(o_.tokens) / fb_, 100.0 * d("mfu"), d("peak_memory_gib"), d("expert_load_max_over_mean"));
     if (o_.activation_checkpointing)
       std::printf("  forward+backward, activation checkpointing (%s) %8.3f s  %9.0f tokens/s  MFU %.1f%%  peak %.1f GiB\n",
                   o_.checkpoint_layers > 0 ? ("first " + std::to_string(o_.checkpoint_layers) + " layers").c_str()
