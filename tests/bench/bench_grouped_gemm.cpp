@@ -18,6 +18,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -67,15 +68,33 @@ int main(int argc, char** argv) {
   int64_t tokens = 8192;
   int iters = 20;
   std::string json_path;
+  const char* usage = "usage: kiln_bench_grouped_gemm [--tokens N (1..1048576)] [--iters N (1..10000)] [--json FILE]\n";
+  // A whole decimal integer in [lo, hi], else nullopt.
+  auto integer = [](const std::string& s, long long lo, long long hi) -> std::optional<long long> {
+    if (s.empty() || s.find_first_not_of("0123456789") != std::string::npos || s.size() > 12) return std::nullopt;
+    const long long v = std::stoll(s);
+    if (v < lo || v > hi) return std::nullopt;
+    return v;
+  };
   for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--tokens" && i + 1 < argc) tokens = std::stoll(argv[++i]);
-    else if (a == "--iters" && i + 1 < argc) iters = std::stoi(argv[++i]);
-    else if (a == "--json" && i + 1 < argc) json_path = argv[++i];
-    else {
-      std::fprintf(stderr, "usage: kiln_bench_grouped_gemm [--tokens N] [--iters N] [--json FILE]\n");
+    const std::string a = argv[i];
+    if (i + 1 >= argc || (a != "--tokens" && a != "--iters" && a != "--json")) {
+      std::fprintf(stderr, "kiln_bench_grouped_gemm: unknown option or missing value: \"%s\"\n%s", a.c_str(), usage);
       return 2;
     }
+    const std::string v = argv[++i];
+    if (a == "--json") {
+      json_path = v;
+      continue;
+    }
+    const auto n = a == "--tokens" ? integer(v, 1, 1 << 20) : integer(v, 1, 10000);
+    if (!n) {
+      std::fprintf(stderr, "kiln_bench_grouped_gemm: %s: not an integer in range, got \"%s\"\n%s", a.c_str(), v.c_str(),
+                   usage);
+      return 2;
+    }
+    if (a == "--tokens") tokens = *n;
+    else iters = int(*n);
   }
   const int64_t D = 2048, F = 1536, E = 64, K = 4, M = tokens * K;
   if (!torch::cuda::is_available() ||
@@ -196,6 +215,12 @@ int main(int argc, char** argv) {
   js += "], \"six_peer_ms\": " + std::to_string(sum_peer * 1e3) + ", \"six_kiln_ms\": " + std::to_string(sum_kiln * 1e3) +
         ", \"six_dense_ms\": " + std::to_string(sum_dense * 1e3) + ", \"experts_fwd_bwd_kiln_ms\": " +
         std::to_string(t_kiln * 1e3) + ", \"experts_fwd_bwd_peer_ms\": " + std::to_string(t_peer * 1e3) + "}\n";
-  if (!json_path.empty()) std::ofstream(json_path) << js;
+  if (!json_path.empty()) {
+    std::ofstream f(json_path);
+    if (!(f << js)) {
+      std::fprintf(stderr, "kiln_bench_grouped_gemm: cannot write --json %s\n", json_path.c_str());
+      return 1;
+    }
+  }
   return 0;
 }
