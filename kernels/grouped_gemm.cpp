@@ -75,6 +75,11 @@ TileChoice read_tile_choice() {
     c.tiles[i] = GroupedTile(k - std::begin(kTileKeys));
   }
   TORCH_CHECK(!std::getline(in, item, ','), "KILN_GROUPED_GEMM_TILES=\"", env, "\": more than three tiles");
+  const char* what[3] = {"forward", "input gradient", "weight gradient"};
+  for (size_t i = 0; i < 3; ++i)
+    TORCH_CHECK(grouped_gemm_compiled(GroupedLayout(i), c.tiles[i]), "KILN_GROUPED_GEMM_TILES=\"", env, "\": tile ",
+                kTileKeys[size_t(c.tiles[i])], " (", what[i], ") is not compiled into this build: configure with ",
+                "-DKILN_GROUPED_GEMM_SWEEP=ON for all five, or -DKILN_GG_TILE_* to choose");
   return c;
 }
 

@@ -14,7 +14,7 @@
 //   Differentiable in x and w: dx = dy @ w[e] per expert (ragged M), dw[e] = dy_e^T x_e (ragged
 //   K, written in w's [E, N, K] layout; an expert without rows gets zeros).
 //   Needs grouped_linear_available(x, w); throws c10::Error naming the shape, dtype or layout
-//   that does not fit.
+//   that does not fit, std::runtime_error when CUTLASS refuses the problem or a launch fails.
 // grouped_mm_ragged_m(a, b, offs, tile): a [M, K] row-major, b [E, K, N] with each b[e]
 //   row-major (N contiguous) or column-major (K contiguous) -> [M, N].
 // grouped_mm_ragged_k(a, b, offs, tile): a [M, Ktot] column-major (a.t() of a row-major
@@ -32,8 +32,8 @@ namespace kiln::kernels {
 /// kernels/CMakeLists.txt, chosen by tests/bench/bench_grouped_gemm.cpp on the H200;
 /// docs/benchmarks.md), or KILN_GROUPED_GEMM_TILES="FWD,DX,DW" from the environment, each one of
 /// coop128x256, coop128x128, pong64x128, pong128x128, pong64x256, or "aten" (grouped_linear
-/// unavailable: the experts run at::_grouped_mm); read once, a malformed value throws c10::Error
-/// naming it.
+/// unavailable: the experts run at::_grouped_mm); read once; a malformed value, or a tile this
+/// build did not compile for its layout, throws c10::Error naming it.
 GroupedTile grouped_default_tile(GroupedLayout layout);
 /// Whether this build has kiln's grouped GEMM for (layout, tile) (CUDA, CUTLASS found).
 bool grouped_gemm_compiled(GroupedLayout layout, GroupedTile tile);

@@ -3,8 +3,8 @@
 // kernels (TMA loads, warp-specialized WGMMA, persistent group tile scheduler; NVIDIA CUTLASS,
 // examples/57_hopper_grouped_gemm), with kiln's own per-group argument kernel reading the
 // offsets on the device (no host sync). Included by the generated translation units
-// (kernels/CMakeLists.txt), each defining KILN_GG_LAYOUT and KILN_GG_TILE and compiled for
-// sm_90a. No LibTorch here: compile time.
+// (kernels/CMakeLists.txt), each one KILN_GG_DEFINE(layout, tile) compiled for sm_90a. No
+// LibTorch here: compile time.
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/epilogue/collective/collective_builder.hpp>

@@ -35,13 +35,21 @@ if [ ! -f "$stamp" ]; then
     dpkg-deb -x "$deb" "$PREFIX" || { echo "[offline] cannot unpack $(basename "$deb")" >&2; exit 1; }
     n=$((n + 1))
   done
-  # CUTLASS's headers (kernels/CMakeLists.txt) from the nvidia-cutlass wheel, when bundled.
-  for whl in "$tmp"/nvidia_cutlass-*.whl; do
-    [ -f "$whl" ] || continue
+  # CUTLASS's headers (kernels/CMakeLists.txt) from the nvidia-cutlass wheel, when bundled:
+  # unpacked beside PREFIX/cutlass, checked, then moved into place (never a partial tree).
+  rm -rf "$PREFIX/cutlass" "$PREFIX/cutlass.partial"
+  whls=("$tmp"/nvidia_cutlass-*.whl)
+  if [ -f "${whls[0]}" ]; then
+    whl="${whls[0]}"
     python3 -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); [z.extract(n, sys.argv[2]) for n in z.namelist() if n.startswith('cutlass_library/source/include/')]" \
-      "$whl" "$PREFIX/cutlass" || { echo "[offline] cannot unpack $(basename "$whl")" >&2; exit 1; }
+      "$whl" "$PREFIX/cutlass.partial" || { rm -rf "$PREFIX/cutlass.partial"; echo "[offline] cannot unpack $(basename "$whl")" >&2; exit 1; }
+    [ -f "$PREFIX/cutlass.partial/cutlass_library/source/include/cutlass/cutlass.h" ] ||
+      { rm -rf "$PREFIX/cutlass.partial"; echo "[offline] $(basename "$whl") holds no CUTLASS headers (cutlass_library/source/include/cutlass/cutlass.h)" >&2; exit 1; }
+    mv "$PREFIX/cutlass.partial" "$PREFIX/cutlass"
     echo "[offline] unpacked CUTLASS's headers from $(basename "$whl")" >&2
-  done
+  else
+    echo "[offline] the bundle has no nvidia-cutlass wheel: kiln builds without its grouped GEMM (the experts run at::_grouped_mm)" >&2
+  fi
   touch "$stamp"
   echo "[offline] unpacked $n packages" >&2
 fi

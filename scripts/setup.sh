@@ -47,6 +47,6 @@ fi
 "$VENV/bin/python" -c "import openai" 2>/dev/null || "$VENV/bin/pip" install -q openai >&2
 # CUTLASS's C++ headers (the wheel carries them) for kiln's grouped GEMM (kernels/CMakeLists.txt).
 "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('cutlass_library') else 1)" 2>/dev/null || \
-  "$VENV/bin/pip" install -q "nvidia-cutlass==$CUTLASS_VERSION" >&2
+  "$VENV/bin/pip" install -q --no-deps "nvidia-cutlass==$CUTLASS_VERSION" >&2  # the headers only
 
 "$VENV/bin/python" -c "import torch.utils; print(torch.utils.cmake_prefix_path)"

@@ -68,7 +68,7 @@ int main(int argc, char** argv) {
   int64_t tokens = 8192;
   int iters = 20;
   std::string json_path;
-  const char* usage = "usage: kiln_bench_grouped_gemm [--tokens N (1..1048576)] [--iters N (1..10000)] [--json FILE]\n";
+  const char* usage = "usage: kiln_bench_grouped_gemm [--tokens N (1..65536)] [--iters N (1..10000)] [--json FILE]\n";
   // A whole decimal integer in [lo, hi], else nullopt.
   auto integer = [](const std::string& s, long long lo, long long hi) -> std::optional<long long> {
     if (s.empty() || s.find_first_not_of("0123456789") != std::string::npos || s.size() > 12) return std::nullopt;
@@ -78,6 +78,10 @@ int main(int argc, char** argv) {
   };
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      std::printf("%s", usage);
+      return 0;
+    }
     if (i + 1 >= argc || (a != "--tokens" && a != "--iters" && a != "--json")) {
       std::fprintf(stderr, "kiln_bench_grouped_gemm: unknown option or missing value: \"%s\"\n%s", a.c_str(), usage);
       return 2;
@@ -85,9 +89,13 @@ int main(int argc, char** argv) {
     const std::string v = argv[++i];
     if (a == "--json") {
       json_path = v;
+      if (json_path.empty() || !std::ofstream(json_path)) {  // refused before the GPU work, not after
+        std::fprintf(stderr, "kiln_bench_grouped_gemm: cannot write --json \"%s\"\n", json_path.c_str());
+        return 2;
+      }
       continue;
     }
-    const auto n = a == "--tokens" ? integer(v, 1, 1 << 20) : integer(v, 1, 10000);
+    const auto n = a == "--tokens" ? integer(v, 1, 1 << 16) : integer(v, 1, 10000);
     if (!n) {
       std::fprintf(stderr, "kiln_bench_grouped_gemm: %s: not an integer in range, got \"%s\"\n%s", a.c_str(), v.c_str(),
                    usage);
