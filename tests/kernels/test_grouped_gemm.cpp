@@ -10,15 +10,10 @@
 #include "tests/kernels/kernel_test_util.hpp"
 
 using namespace kiln;
+using kiln::test::rel_error;
 using kiln::test::skip_unless;
 
 namespace {
-// ||a - b|| / ||b|| over the whole tensor, in fp64.
-double rel_err(const torch::Tensor& a, const torch::Tensor& b) {
-  auto af = a.to(torch::kFloat64), bf = b.to(torch::kFloat64);
-  return ((af - bf).norm() / bf.norm().clamp_min(1e-30)).item<double>();
-}
-
 // Counts with empty experts at both ends and in the middle, summing to M.
 torch::Tensor uneven_counts(int64_t E, int64_t M) {
   auto c = torch::randint(1, 64, {E}, torch::kInt64);
@@ -83,19 +78,19 @@ TEST_CASE("CUDA: grouped GEMM, every compiled tile of every layout equals an fp3
     INFO("tile " << kernels::grouped_tile_name(tile));
     if (kernels::grouped_gemm_compiled(kernels::GroupedLayout::kRowCol, tile)) {
       auto y = kernels::grouped_mm_ragged_m(x, w.transpose(-2, -1), offs, tile);
-      CHECK(rel_err(y.cpu(), y_ref) < 4e-3);
+      CHECK(rel_error(y.cpu(), y_ref) < 4e-3);
       ++tested;
     }
     if (kernels::grouped_gemm_compiled(kernels::GroupedLayout::kRowRow, tile)) {
       auto dx = kernels::grouped_mm_ragged_m(dy, w, offs, tile);
-      CHECK(rel_err(dx.cpu(), dx_ref) < 4e-3);
+      CHECK(rel_error(dx.cpu(), dx_ref) < 4e-3);
       ++tested;
     }
     if (kernels::grouped_gemm_compiled(kernels::GroupedLayout::kColRow, tile)) {
       auto garbage = torch::full({E, N, Kd}, 7.0, opt);  // the allocator's next block: stale values
       garbage.reset();
       auto dw = kernels::grouped_mm_ragged_k(dy.t(), x, offs, tile);
-      CHECK(rel_err(dw.cpu(), dw_ref) < 4e-3);
+      CHECK(rel_error(dw.cpu(), dw_ref) < 4e-3);
       CHECK(dw[0].abs().max().item<float>() == 0.0f);  // experts without rows: exact zeros
       CHECK(dw[E - 1].abs().max().item<float>() == 0.0f);
       CHECK(dw[E / 2].abs().max().item<float>() == 0.0f);
@@ -128,9 +123,9 @@ TEST_CASE("CUDA: grouped_linear's value and gradients equal F.linear per expert,
     }
     auto yr = torch::cat(parts);
     yr.backward(dy.to(torch::kFloat32));
-    CHECK(rel_err(y, yr) < 4e-3);
-    CHECK(rel_err(x.grad(), xr.grad()) < 4e-3);
-    CHECK(rel_err(w.grad(), wr.grad()) < 4e-3);
+    CHECK(rel_error(y, yr) < 4e-3);
+    CHECK(rel_error(x.grad(), xr.grad()) < 4e-3);
+    CHECK(rel_error(w.grad(), wr.grad()) < 4e-3);
     CHECK(w.grad()[0].abs().max().item<float>() == 0.0f);
   }
   SUBCASE("GLM-4.7-Flash's gate/up: E 64, D 2048, 2F 3072, 8192 tokens top-4") {
@@ -144,8 +139,8 @@ TEST_CASE("CUDA: grouped_linear's value and gradients equal F.linear per expert,
     y.backward(dy);
     auto y2 = at::_grouped_mm(x2, w2.transpose(-2, -1), offs);
     y2.backward(dy);
-    CHECK(rel_err(y, y2) < 2e-3);
-    CHECK(rel_err(x.grad(), x2.grad()) < 2e-3);
-    CHECK(rel_err(w.grad(), w2.grad()) < 2e-3);
+    CHECK(rel_error(y, y2) < 2e-3);
+    CHECK(rel_error(x.grad(), x2.grad()) < 2e-3);
+    CHECK(rel_error(w.grad(), w2.grad()) < 2e-3);
   }
 }
