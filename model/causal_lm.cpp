@@ -52,6 +52,11 @@ void CausalLM::set_expert_parallel(parallel::Group* ep) {
                               std::to_string(ep->size()) + " ranks)");
 }
 
+void CausalLM::serve_expert_parallel() {
+  if (expert_parallel())
+    throw std::logic_error("serve_expert_parallel: this model's package does not implement it (glm4_moe_lite does)");
+}
+
 ForwardOutput CausalLM::forward_decode(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, DecodeCache&,
                                        bool) {
   throw std::logic_error("this model has no forward_decode (a decode step on device tensors, e.g. for CUDA graphs): "

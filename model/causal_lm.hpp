@@ -165,6 +165,12 @@ class CausalLM : public torch::nn::Module {
   virtual void set_expert_parallel(parallel::Group* ep);
   /// The ep group, or nullptr.
   virtual parallel::Group* expert_parallel() const { return nullptr; }
+  /// With expert parallel: this rank's part of one forward (or forward_cached) that the other
+  /// ep ranks run while this one has no tokens: every MoE layer in order serves the rows sent
+  /// to its experts (MoEImpl::serve_expert_parallel). Collective over the ep group. Without
+  /// expert parallel: no-op. Throws std::logic_error for a model with an ep group whose package
+  /// does not implement it.
+  virtual void serve_expert_parallel();
   /// The routed experts this model holds: all ({0, 1}) unless it was built holding one ep
   /// rank's (a package's from_hf_dir_experts) or set_expert_parallel sliced them.
   virtual ExpertSlice expert_slice() const { return {}; }

@@ -25,8 +25,24 @@ bool is_device(const std::string& d) {
 
 // Where the actors run: placement.*, model.device and model.dtype.
 void validate_placement(const Config& c) {
-  need(c.placement.mode == "single_process" || c.placement.mode == "multi_process", "placement.mode",
-       "must be \"single_process\" or \"multi_process\" (rollout engine in a kiln node child process)");
+  need(c.placement.mode == "single_process" || c.placement.mode == "multi_process" || c.placement.mode == "colocated",
+       "placement.mode",
+       "must be \"single_process\", \"multi_process\" (rollout engine in a kiln node child process) or \"colocated\" "
+       "(an engine in each trainer rank over the trainer's own weights)");
+  if (c.placement.mode == "colocated") {  // rollout::ColocatedEngine, docs/parallel.md
+    const std::string why = " with placement.mode \"colocated\" (the engines run over the trainer's parameters, "
+                            "between its steps)";
+    need(c.rollout.backend == "engine", "rollout.backend", "must be \"engine\"" + why);
+    need(c.placement.trainer == "controller", "placement.trainer", "must be \"controller\"" + why);
+    need(c.algorithm.staleness == 0, "algorithm.staleness",
+         "must be 0" + why + ": rollouts cannot run ahead of a trainer they share the weights with, got " +
+             shown(c.algorithm.staleness));
+    need(!c.trainer.fsdp, "parallel.fsdp",
+         "must be false" + why + ": fully sharded decoder layers are shards between steps");
+    need(!c.rollout.engine.cuda_graphs || c.parallel.ep == 1, "rollout.cuda_graphs",
+         "must be false with placement.mode \"colocated\" and parallel.ep > 1: an expert-parallel decode step reads "
+         "the other ranks' row counts on the host, which a graph cannot capture");
+  }
   need(is_device(c.model.device), "model.device",
        "must be \"cpu\", \"cuda\" or \"cuda:N\" (N in [0, 127], no leading zeros), got \"" + c.model.device + "\"");
   need(c.placement.rollout_engines >= 1 && c.placement.rollout_engines <= 64, "placement.rollout_engines",
@@ -53,10 +69,14 @@ void validate_placement(const Config& c) {
        "needs placement.reference \"process\" (the reference in its own process)");
   need(c.model.dtype == "fp32" || c.model.dtype == "bf16", "model.dtype",
        "must be \"fp32\" or \"bf16\", got \"" + c.model.dtype + "\"");
-  need(c.placement.reference == "controller" || c.placement.reference == "process", "placement.reference",
-       "must be \"controller\" or \"process\"");
-  need(c.placement.reference == "controller" || c.placement.mode == "multi_process", "placement.reference",
-       "must be \"controller\" with placement.mode \"single_process\"");
+  need(c.placement.reference == "controller" || c.placement.reference == "process" ||
+           c.placement.reference == "colocated",
+       "placement.reference",
+       "must be \"controller\", \"process\" or \"colocated\" (a frozen copy in each trainer rank)");
+  need(c.placement.reference != "process" || c.placement.mode == "multi_process", "placement.reference",
+       "\"process\" needs placement.mode \"multi_process\"");
+  need(c.placement.reference != "colocated" || c.placement.trainer == "controller", "placement.reference",
+       "\"colocated\" needs placement.trainer \"controller\" (the reference lives in the trainer's ranks)");
   need(c.placement.trainer == "controller" || c.placement.trainer == "process", "placement.trainer",
        "must be \"controller\" or \"process\"");
   need(c.placement.trainer == "controller" || (c.placement.mode == "multi_process" && c.placement.reference == "process"),

@@ -96,13 +96,18 @@ struct WeightSyncConfig {
 
 /// Where each actor runs: in the controller's process, or in `kiln node` child processes.
 struct PlacementConfig {
-  std::string mode = "single_process";   ///< "single_process" | "multi_process" (engines in nodes)
+  /// "single_process" | "multi_process" (engines in nodes) | "colocated" (an engine in each
+  /// trainer rank over the trainer's own parameters: rollout::ColocatedEngine; no weight copies
+  /// or sync; with parallel.ep > 1 the engines are expert-parallel in lockstep)
+  std::string mode = "single_process";
   int64_t rollout_engines = 1;           ///< multi_process: engines, each a kiln node process
   /// multi_process: restarts of one engine node in a row, in [0, 20] (a lost node is restarted
   /// with backoff 0.5 s, 1 s, 2 s, ... up to 30 s, and its share regenerated; 0: a lost engine
   /// stops the run)
   int64_t engine_restarts = 3;
-  std::string reference = "controller";  ///< "controller" | "process": ref/0 in a kiln node
+  /// "controller" | "process": ref/0 in a kiln node | "colocated": a frozen copy of the initial
+  /// policy in each trainer rank, with expert parallel only its experts (trainer::FrozenReference)
+  std::string reference = "controller";
   std::string trainer = "controller";    ///< "controller" | "process": trainer/0 in a kiln node
   /// multi_process: the engines' devices ("cpu", "cuda", "cuda:N"): one for every engine (one entry), or
   /// one per engine (engine i on entry i: data-parallel rollout over GPUs); empty: model.device

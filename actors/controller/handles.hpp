@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "actors/rollout/backend.hpp"
+#include "actors/rollout/engine_options.hpp"
 #include "actors/trainer/checkpoint.hpp"
 #include "actors/trainer/trainer.hpp"
 #include "actors/weight_sync/collective.hpp"
@@ -66,6 +67,26 @@ class TrainerHandle {
   /// Loads a checkpoint into the policy and optimizer; returns its loop state. Throws
   /// std::invalid_argument naming what is missing or does not fit.
   virtual trainer::CheckpointState load(const std::filesystem::path& dir) = 0;
+  /// placement.mode = "colocated": generates `requests` on engines over the trainer's own
+  /// policy (rollout::ColocatedEngine; `engine` builds them at the first call), one per trainer
+  /// rank, whole prompt groups of `group_size` to each, the ranks of an ep group in lockstep.
+  /// Completions sorted by id, at version(). Throws std::logic_error for a trainer in another
+  /// process, std::invalid_argument for a request or engine setting refused, PolicyLost for a
+  /// rank lost.
+  virtual std::vector<rollout::Completion> generate_colocated(std::vector<rollout::GenerationRequest> requests,
+                                                              const rollout::EngineOptions& engine, int64_t group_size,
+                                                              const std::function<void()>& between_steps) {
+    throw std::logic_error("colocated engines need the trainer in the controller's process (placement.trainer = "
+                           "\"controller\")");
+  }
+  /// placement.reference = "colocated": the frozen reference's per-token log-probs of
+  /// `completions` (result[i]: completions[i].tokens.size() values), computed by the trainer's
+  /// ranks, each over its share (trainer::FrozenReference). Throws std::logic_error for a
+  /// trainer holding no reference, PolicyLost for a rank lost.
+  virtual std::vector<std::vector<float>> reference_logprobs(const std::vector<rollout::Completion>&) {
+    throw std::logic_error("this trainer holds no reference (placement.reference = \"colocated\" with "
+                           "placement.trainer = \"controller\")");
+  }
 };
 
 /// Contiguous shares [begin, end) of `requests` requests for `engines` engines, whole prompt

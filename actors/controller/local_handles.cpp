@@ -32,7 +32,7 @@ std::vector<trainer::Sample> as_samples(const std::vector<rollout::Completion>& 
 LocalTrainer::LocalTrainer(std::shared_ptr<model::CausalLM> policy, const trainer::TrainerConfig& config,
                            messaging::Gateway& gateway, uint64_t bucket_bytes, parallel::ProcessGroups* ranks)
     : policy_(policy), trainer_(trainer::make_trainer(std::move(policy), config, ranks)), gw_(gateway),
-      bucket_bytes_(bucket_bytes) {}
+      bucket_bytes_(bucket_bytes), logprobs_(config.logprobs) {}
 
 trainer::StepMetrics LocalTrainer::train(std::vector<trainer::Sample> samples) {
   auto m = trainer_->step(std::move(samples));
@@ -69,6 +69,22 @@ void LocalTrainer::save(const std::filesystem::path& dir, const trainer::Checkpo
 
 trainer::CheckpointState LocalTrainer::load(const std::filesystem::path& dir) {
   return trainer::load_checkpoint(dir, *policy_, *trainer_);
+}
+
+std::vector<rollout::Completion> LocalTrainer::generate_colocated(std::vector<rollout::GenerationRequest> requests,
+                                                                  const rollout::EngineOptions& engine, int64_t,
+                                                                  const std::function<void()>& between_steps) {
+  if (!engine_) engine_ = trainer::make_colocated_engine(policy_, *trainer_, engine);
+  return engine_->generate(std::move(requests), trainer_->version(), between_steps);
+}
+
+void LocalTrainer::hold_reference(const model::ModelSpec& spec) {
+  reference_ = std::make_unique<trainer::FrozenReference>(spec, *policy_, logprobs_);
+}
+
+std::vector<std::vector<float>> LocalTrainer::reference_logprobs(const std::vector<rollout::Completion>& completions) {
+  if (!reference_) return TrainerHandle::reference_logprobs(completions);  // throws: none held
+  return reference_->logprobs(as_samples(completions), /*routing_replay=*/true);
 }
 
 LocalEngine::LocalEngine(std::shared_ptr<model::CausalLM> model, const rollout::EngineOptions& options,

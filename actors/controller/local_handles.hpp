@@ -8,6 +8,8 @@
 
 #include "actors/controller/handles.hpp"
 #include "actors/rollout/engine.hpp"
+#include "actors/rollout/lockstep.hpp"
+#include "actors/trainer/frozen_reference.hpp"
 #include "actors/weight_sync/service.hpp"
 #include "messaging/gateway.hpp"
 #include "model/causal_lm.hpp"
@@ -29,10 +31,26 @@ class LocalTrainer : public TrainerHandle {
   void send_collective(weight_sync::CollectiveSender& sender) override;
   void save(const std::filesystem::path& dir, const trainer::CheckpointState& state) override;
   trainer::CheckpointState load(const std::filesystem::path& dir) override;
+  /// This process's engine over the policy (with expert parallel: in lockstep with the ep
+  /// group's other ranks, which the caller has asked to generate their shares).
+  std::vector<rollout::Completion> generate_colocated(std::vector<rollout::GenerationRequest> requests,
+                                                      const rollout::EngineOptions& engine, int64_t group_size,
+                                                      const std::function<void()>& between_steps) override;
+  /// Keeps the frozen reference from now on (trainer::FrozenReference of `spec`, the policy's
+  /// current weights): before the first step and any checkpoint load.
+  void hold_reference(const model::ModelSpec& spec);
+  /// The reference's log-probs of `completions` in this process (with expert parallel: in
+  /// step with the ep group's other ranks, which the caller has asked for their shares).
+  std::vector<std::vector<float>> reference_logprobs(const std::vector<rollout::Completion>& completions) override;
+  /// Whether placement.reference = "colocated" is in force here (hold_reference was called).
+  bool holds_reference() const { return reference_ != nullptr; }
 
  private:
   std::shared_ptr<model::CausalLM> policy_;
   std::unique_ptr<trainer::Trainer> trainer_;
+  trainer::LogprobConfig logprobs_;  ///< the trainer's, for the reference
+  std::unique_ptr<trainer::FrozenReference> reference_;
+  std::unique_ptr<rollout::ColocatedEngine> engine_;  ///< generate_colocated's, built by the first
   messaging::Gateway& gw_;
   uint64_t bucket_bytes_;
 };
@@ -54,6 +72,38 @@ class LocalEngine : public RolloutEngines {
   std::shared_ptr<weight_sync::ReceiverService> receiver_;
   std::mutex mu_;
   std::optional<std::pair<std::vector<messaging::Tensor>, int64_t>> received_;  // verified, not yet loaded
+};
+
+/// placement.mode = "colocated": the engines are the trainer's (TrainerHandle::generate_colocated),
+/// over its own parameters, so new weights need no sync: load() only lets the versions pass.
+class ColocatedEngines : public RolloutEngines {
+ public:
+  ColocatedEngines(TrainerHandle& trainer, const rollout::EngineOptions& options, int64_t group_size)
+      : trainer_(trainer), options_(options), group_size_(group_size) {}
+  std::vector<rollout::Completion> generate(std::vector<rollout::GenerationRequest> requests,
+                                            const std::function<void()>& between_steps) override {
+    return trainer_.generate_colocated(std::move(requests), options_, group_size_, between_steps);
+  }
+  void load(const PolicyWeights&, TrainerHandle&) override {}  // the optimizer wrote them where the engines read
+  bool needs_tensors() const override { return false; }
+
+ private:
+  TrainerHandle& trainer_;
+  rollout::EngineOptions options_;
+  int64_t group_size_;
+};
+
+/// placement.reference = "colocated": the frozen reference the trainer's ranks hold
+/// (TrainerHandle::reference_logprobs).
+class ColocatedReference : public ReferencePolicy {
+ public:
+  explicit ColocatedReference(TrainerHandle& trainer) : trainer_(trainer) {}
+  std::vector<std::vector<float>> logprobs(const std::vector<rollout::Completion>& completions) override {
+    return trainer_.reference_logprobs(completions);
+  }
+
+ private:
+  TrainerHandle& trainer_;
 };
 
 /// The reference model in this process, loaded with the initial policy's weights.

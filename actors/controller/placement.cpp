@@ -22,11 +22,16 @@ Actors place_actors(const Config& c, const NodeSite& site, parallel::ProcessGrou
                                                uint64_t(c.weight_sync.bucket_mib * (1 << 20)));
   if (c.rollout.backend == "http")
     a.engines = std::make_unique<HttpEngines>(c, site.dir, a.trainer->vocab_size());
+  else if (p.mode == "colocated")
+    a.engines = std::make_unique<ColocatedEngines>(*a.trainer, c.engine_for_run(), c.algorithm.samples_per_prompt);
   else if (p.mode == "multi_process")
     a.engines = std::make_unique<RemoteEngines>(site, c, *a.trainer);
   else
     a.engines = std::make_unique<LocalEngine>(registry.build(c.model), c.engine_for_run(), site.gateway);
-  if (p.reference == "process")
+  if (p.reference == "colocated") {
+    if (auto* one = dynamic_cast<LocalTrainer*>(a.trainer.get())) one->hold_reference(c.model);  // dp/ep: at init
+    a.reference = std::make_unique<ColocatedReference>(*a.trainer);
+  } else if (p.reference == "process")
     a.reference = std::make_unique<RemoteReference>(site, c, *a.trainer);
   else
     a.reference = std::make_unique<LocalReference>(registry.build(c.model), a.trainer->weights(false), c.trainer.logprobs);

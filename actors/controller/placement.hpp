@@ -2,6 +2,7 @@
 // Placement: where each actor of a run lives, chosen once at start from config.placement —
 // in the controller's process (local_handles.hpp) or in `kiln node` children (remote_handles.hpp):
 //   placement.mode       "single_process" | "multi_process" (engines rollout/0..N-1 in nodes)
+//                        | "colocated" (an engine in each trainer rank, over its parameters)
 //   placement.reference  "controller" | "process" (ref/0 in a node)
 //   placement.trainer    "controller" | "process" (trainer/0 in a node; the controller then
 //                        holds no model)

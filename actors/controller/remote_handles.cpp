@@ -12,10 +12,11 @@
 #include <thread>
 
 #include "actors/reference/messages.hpp"
+#include "actors/reference/ref_messages.hpp"
+#include "actors/rollout/generate_messages.hpp"
 #include "actors/rollout/messages.hpp"
 #include "actors/trainer/messages.hpp"
 #include "actors/trainer/trainer_service.hpp"
-#include "messaging/replay_frames.hpp"
 #include "messaging/torch_tensor.hpp"
 
 extern char** environ;
@@ -244,15 +245,12 @@ std::vector<rollout::Completion> RemoteEngines::generate(std::vector<rollout::Ge
                                                          const std::function<void()>&) {
   // Whole prompt groups to each engine, contiguous shares; all engines work at once.
   const auto bounds = prompt_group_shares(requests.size(), group_size_, nodes_.size());
-  std::map<uint64_t, std::vector<int64_t>> prompts;  // by request id
+  std::vector<std::vector<rollout::GenerationRequest>> asked(nodes_.size());
   std::vector<RolloutGenerate> shares(nodes_.size());
   for (std::size_t i = 0; i < nodes_.size(); ++i)
     for (std::size_t k = bounds[i].first; k < bounds[i].second; ++k) {
-      const auto& q = requests[k];
-      const auto& sp = q.sampling;
-      prompts[q.id] = q.prompt;
-      shares[i].requests.push_back(
-          {q.id, q.prompt, sp.temperature, sp.top_p, sp.top_k, sp.max_new_tokens, sp.seed, sp.stop_token_ids});
+      shares[i].requests.push_back(rollout::to_spec(requests[k]));
+      asked[i].push_back(std::move(requests[k]));
     }
   std::vector<std::future<Expected<Envelope>>> replies(nodes_.size());
   auto send = [&](std::size_t i) {
@@ -270,42 +268,8 @@ std::vector<rollout::Completion> RemoteEngines::generate(std::vector<rollout::Ge
       continue;
     }
     if (!r) throw std::runtime_error(who + ": " + r.error().what());
-    auto res = payload_as<RolloutResult>(*r);
-    if (!res) throw std::runtime_error(who + ": " + res.error().what());
-    const std::size_t asked = shares[i].requests.size();
-    if (res->completions.size() != asked)
-      throw std::runtime_error(who + " answered " + std::to_string(res->completions.size()) + " completions for " +
-                               std::to_string(asked) + " requests");
-    std::vector<int64_t> rows;
-    for (const auto& sp : res->completions) {
-      auto it = prompts.find(sp.id);
-      if (it == prompts.end()) throw std::runtime_error(who + " answered an unknown request id " + std::to_string(sp.id));
-      rows.push_back(int64_t(it->second.size() + sp.tokens.size()) - 1);
-    }
-    messaging::ReplayTensors replayed;
-    try {
-      replayed = messaging::read_replay_frames(r->tensors, rows, who);
-    } catch (const std::invalid_argument& e) {
-      throw std::runtime_error(e.what());
-    }
+    for (auto& c : rollout::read_result(*r, asked[i], who)) out.push_back(std::move(c));
     restarts_in_a_row_[i] = 0;
-    for (std::size_t k = 0; k < res->completions.size(); ++k) {
-      auto& sp = res->completions[k];
-      auto it = prompts.find(sp.id);
-      if (it == prompts.end()) throw std::runtime_error(who + " answered an unknown request id " + std::to_string(sp.id));
-      rollout::Completion c;
-      c.id = sp.id;
-      c.prompt = it->second;
-      c.tokens = std::move(sp.tokens);
-      c.logprobs = std::move(sp.logprobs);
-      c.entropies = std::move(sp.entropies);
-      c.policy_versions = std::move(sp.policy_versions);
-      c.finish_reason = sp.finish_reason == "stop" ? rollout::FinishReason::stop : rollout::FinishReason::length;
-      c.time_to_first_token_s = sp.time_to_first_token_s;
-      if (!replayed.routed_experts.empty()) c.routed_experts = std::move(replayed.routed_experts[k]);
-      if (!replayed.topk_indices.empty()) c.topk_indices = std::move(replayed.topk_indices[k]);
-      out.push_back(std::move(c));
-    }
     ++i;
   }
   std::sort(out.begin(), out.end(), [](const auto& x, const auto& y) { return x.id < y.id; });
@@ -368,29 +332,12 @@ RemoteReference::RemoteReference(const NodeSite& site, const Config& c, TrainerH
 }
 
 std::vector<std::vector<float>> RemoteReference::logprobs(const std::vector<rollout::Completion>& completions) {
+  auto r = gw_.request(reference::logprobs_request(completions, routing_replay_, "controller", node_.actor()),
+                       std::chrono::seconds(900))
+               .get();
   const std::string who = "reference node " + node_.actor();
-  RefLogprobs q;
-  std::vector<torch::Tensor> experts, selections;
-  for (const auto& s : completions) {
-    q.samples.push_back({s.id, s.prompt, s.tokens});
-    experts.push_back(s.routed_experts);
-    selections.push_back(s.topk_indices);
-  }
-  auto env = make_envelope(q, Kind::request, "controller", node_.actor());
-  if (routing_replay_) env.tensors = messaging::replay_frames(experts, selections);
-  auto r = gw_.request(std::move(env), std::chrono::seconds(900)).get();
   if (!r) throw std::runtime_error(who + ": " + r.error().what());
-  auto res = payload_as<RefLogprobsResult>(*r);
-  if (!res) throw std::runtime_error(who + ": " + res.error().what());
-  if (res->logprobs.size() != completions.size())
-    throw std::runtime_error("reference node answered " + std::to_string(res->logprobs.size()) + " samples for " +
-                             std::to_string(completions.size()));
-  for (std::size_t i = 0; i < completions.size(); ++i)
-    if (res->logprobs[i].size() != completions[i].tokens.size())
-      throw std::runtime_error("reference node answered " + std::to_string(res->logprobs[i].size()) +
-                               " log-probs for a completion of " + std::to_string(completions[i].tokens.size()) +
-                               " tokens");
-  return std::move(res->logprobs);
+  return reference::read_logprobs(*r, completions, who);
 }
 
 }  // namespace kiln::controller

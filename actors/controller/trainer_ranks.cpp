@@ -1,6 +1,10 @@
 #include "actors/controller/trainer_ranks.hpp"
 
+#include <algorithm>
 #include <future>
+
+#include "actors/reference/ref_messages.hpp"
+#include "actors/rollout/generate_messages.hpp"
 
 #include "actors/trainer/messages.hpp"
 #include "actors/trainer/trainer_service.hpp"
@@ -33,13 +37,15 @@ DataParallelTrainer::DataParallelTrainer(const Config& c, parallel::ProcessGroup
     actors_.push_back("trainer/" + std::to_string(r));
     gw_.add_route(actors_.back(), endpoints_.back());
   }
-  const TrainerInit init{c.model, c.run.seed, c.trainer_for_run(), c.weight_sync.bucket_mib};
+  const bool reference = c.placement.reference == "colocated";
+  const TrainerInit init{c.model, c.run.seed, c.trainer_for_run(), c.weight_sync.bucket_mib, reference};
   on_all_ranks(
       "trainer.init", [&](const std::string& to) { return make_envelope(init, Kind::request, "controller", to); },
       [&] {
         // As a one-rank run builds its policy (place_actors seeded it); ranks 1.. do the same.
         local_ = std::make_unique<LocalTrainer>(model::Registry::with_plugins().build(c.model, trainer::expert_slice_of(&groups)), c.trainer_for_run(),
                                                 gateway, uint64_t(c.weight_sync.bucket_mib * (1 << 20)), &groups);
+        if (reference) local_->hold_reference(c.model);
       },
       kRequestTimeout);
 }
@@ -142,6 +148,52 @@ trainer::CheckpointState DataParallelTrainer::load(const std::filesystem::path& 
       [&](const std::string& to) { return make_envelope(TrainerLoad{dir.string()}, Kind::request, "controller", to); },
       [&] { state = local_->load(dir); }, kRequestTimeout);
   return state;
+}
+
+std::vector<rollout::Completion> DataParallelTrainer::generate_colocated(std::vector<rollout::GenerationRequest> requests,
+                                                                         const rollout::EngineOptions& engine,
+                                                                         int64_t group_size,
+                                                                         const std::function<void()>& between_steps) {
+  const auto bounds = prompt_group_shares(requests.size(), group_size, actors_.size() + 1);
+  std::vector<std::vector<rollout::GenerationRequest>> shares(bounds.size());
+  for (std::size_t r = 0; r < bounds.size(); ++r)
+    for (std::size_t k = bounds[r].first; k < bounds[r].second; ++k) shares[r].push_back(std::move(requests[k]));
+  TrainerGenerate q{local_->version(), engine, {}};
+  std::vector<rollout::Completion> out;
+  const auto replies = on_all_ranks(
+      TrainerGenerate::kType.data(),
+      [&](const std::string& to) {
+        const auto r = std::size_t(std::find(actors_.begin(), actors_.end(), to) - actors_.begin()) + 1;
+        q.requests.clear();
+        for (const auto& g : shares[r]) q.requests.push_back(rollout::to_spec(g));
+        return make_envelope(q, Kind::request, "controller", to);
+      },
+      [&] { out = local_->generate_colocated(shares[0], engine, group_size, between_steps); }, kTrainTimeout);
+  for (std::size_t i = 0; i < replies.size(); ++i)
+    for (auto& c : rollout::read_result(replies[i], shares[i + 1], "trainer rank " + std::to_string(i + 1)))
+      out.push_back(std::move(c));
+  std::sort(out.begin(), out.end(), [](const auto& x, const auto& y) { return x.id < y.id; });
+  return out;
+}
+
+std::vector<std::vector<float>> DataParallelTrainer::reference_logprobs(const std::vector<rollout::Completion>& completions) {
+  if (!local_->holds_reference()) return TrainerHandle::reference_logprobs(completions);  // throws: none held
+  const std::size_t W = actors_.size() + 1, N = completions.size();
+  std::vector<std::vector<rollout::Completion>> shares(W);
+  for (std::size_t r = 0; r < W; ++r)
+    shares[r].assign(completions.begin() + std::ptrdiff_t(N * r / W), completions.begin() + std::ptrdiff_t(N * (r + 1) / W));
+  std::vector<std::vector<float>> out;
+  const auto replies = on_all_ranks(
+      RefLogprobs::kType.data(),
+      [&](const std::string& to) {
+        const auto r = std::size_t(std::find(actors_.begin(), actors_.end(), to) - actors_.begin()) + 1;
+        return reference::logprobs_request(shares[r], /*routing_replay=*/true, "controller", to);
+      },
+      [&] { out = local_->reference_logprobs(shares[0]); }, kTrainTimeout);
+  for (std::size_t i = 0; i < replies.size(); ++i)
+    for (auto& v : reference::read_logprobs(replies[i], shares[i + 1], "trainer rank " + std::to_string(i + 1)))
+      out.push_back(std::move(v));
+  return out;
 }
 
 }  // namespace kiln::controller

@@ -56,6 +56,14 @@ class DataParallelTrainer : public TrainerHandle {
   /// Collective: every rank loads the policy and the optimizer shards that overlap its range
   /// (a checkpoint written at any number of ranks).
   trainer::CheckpointState load(const std::filesystem::path& dir) override;
+  /// Collective: whole prompt groups to each rank (prompt_group_shares, rank order), every
+  /// rank generating its share on its colocated engine (trainer.generate), rank 0 here.
+  std::vector<rollout::Completion> generate_colocated(std::vector<rollout::GenerationRequest> requests,
+                                                      const rollout::EngineOptions& engine, int64_t group_size,
+                                                      const std::function<void()>& between_steps) override;
+  /// Collective: contiguous shares of `completions` to each rank (as even as the count
+  /// allows), every rank's frozen reference computing its share (ref.logprobs), rank 0 here.
+  std::vector<std::vector<float>> reference_logprobs(const std::vector<rollout::Completion>& completions) override;
 
  private:
   /// Sends `request` to every other rank, runs `here` in this process, then waits for every

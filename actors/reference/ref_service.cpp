@@ -4,8 +4,8 @@
 #include "actors/weight_sync/service.hpp"
 #include "messaging/hosting.hpp"
 #include "actors/reference/messages.hpp"
+#include "actors/reference/ref_messages.hpp"
 #include "actors/weight_sync/messages.hpp"
-#include "messaging/replay_frames.hpp"
 #include "messaging/torch_tensor.hpp"
 #include "model/registry.hpp"
 
@@ -49,32 +49,13 @@ Expected<Envelope> RefService::handle(const Envelope& request) {
       if (!s_->model) return make_error(ErrorCode::remote_error, "ref.logprobs before ref.init");
       if (s_->weights_version < 0)
         return make_error(ErrorCode::remote_error, "ref.logprobs before the reference weights arrived");
-      auto q = payload_as<RefLogprobs>(request);
-      if (!q) return q.error();
-      const bool replay = !request.tensors.empty();
-      std::vector<int64_t> rows;
-      for (const auto& spec : q->samples) rows.push_back(int64_t(spec.prompt.size() + spec.completion.size()) - 1);
-      messaging::ReplayTensors replayed;
-      try {
-        replayed = messaging::read_replay_frames(request.tensors, rows, "ref.logprobs");
-      } catch (const std::invalid_argument& e) {
-        return make_error(ErrorCode::bad_message, e.what());
-      }
-      std::vector<trainer::Sample> samples(q->samples.size());
-      for (std::size_t i = 0; i < samples.size(); ++i) {
-        const auto& spec = q->samples[i];
-        if (spec.prompt.empty() || spec.completion.empty())
-          return make_error(ErrorCode::bad_message, "ref.logprobs: sample " + std::to_string(spec.id) +
-                                                        " has an empty prompt or completion");
-        samples[i].prompt = spec.prompt;
-        samples[i].completion = spec.completion;
-        if (replay) samples[i].routed_experts = std::move(replayed.routed_experts[i]);
-        if (!replayed.topk_indices.empty()) samples[i].topk_indices = std::move(replayed.topk_indices[i]);
-      }
+      bool replay = false;
+      auto samples = requested_samples(request, &replay);
+      if (!samples) return samples.error();
       RefLogprobsResult r;
       auto config = s_->init.logprobs;
       config.routing_replay &= replay;
-      r.logprobs = trainer::completion_logprobs(*s_->model, samples, config);
+      r.logprobs = trainer::completion_logprobs(*s_->model, *samples, config);
       return make_envelope(r, Kind::reply, request.receiver, request.sender);
     }
   } catch (const std::exception& e) {

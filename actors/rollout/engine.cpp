@@ -1,5 +1,7 @@
 #include "actors/rollout/engine.hpp"
 
+#include "parallel/group.hpp"
+
 #include <thread>
 
 #include "kernels/moe_decode.hpp"
@@ -66,6 +68,11 @@ Engine::Engine(std::shared_ptr<model::CausalLM> model, EngineOptions options)
   if (o_.cuda_graphs && !o_.absorbed_decode)
     throw std::invalid_argument("engine: rollout.cuda_graphs needs rollout.absorbed_decode = true (the captured decode "
                                 "step attends in latent space)");
+  if (o_.cuda_graphs && model_->expert_parallel())
+    throw std::invalid_argument("engine: rollout.cuda_graphs with an expert-parallel model (ep group '" +
+                                model_->expert_parallel()->name() +
+                                "'): its MoE layers read the other ranks' row counts on the host, which a graph cannot "
+                                "capture");
   // With graphs, one page more than the engine hands out: the padding rows' scratch page.
   cache_ = model_->make_decode_cache({o_.cache_blocks + (o_.cuda_graphs ? 1 : 0), o_.block_size, o_.max_batch},
                                      model_->lm_head_weight().options());
@@ -239,6 +246,7 @@ std::vector<Completion> Engine::step() {
       }
     }
     auto g = graphs_->run(ids, pos, pages, params, steps);
+    ++forwards_;
     logits = g.logits;
     sampled = g.sampled;
     experts = g.routed_experts.to(torch::kCPU).contiguous();
@@ -246,6 +254,7 @@ std::vector<Completion> Engine::step() {
     auto out = model_->forward_cached(torch::tensor(ids, torch::kInt64).to(device),
                                       torch::tensor(pos, torch::kInt64).to(device), slices, *cache_,
                                       /*want_routing=*/true);
+    ++forwards_;
     std::vector<int64_t> last;
     for (const auto& sl : slices) last.push_back(sl.start + sl.count - 1);
     h = out.hidden.index_select(0, torch::tensor(last, torch::kInt64).to(device));
@@ -330,6 +339,7 @@ std::vector<Completion> Engine::launch_and_advance(const std::vector<Sequence*>&
     steps.push_back(int64_t(s->out.tokens.size()));
   }
   in_flight_ = InFlight{graphs_->launch(ids, pos, pages, params, steps), batch};
+  ++forwards_;
   return advance();
 }
 
@@ -360,6 +370,7 @@ std::vector<Completion> Engine::advance() {
     if (!rows.empty()) {
       try {
         next = InFlight{graphs_->launch(ids, pos, pages, params, steps), std::move(rows)};
+        ++forwards_;
         ++overlapped_steps_;
       } catch (...) {
         in_flight_ = std::move(cur);  // still queued, still to be read

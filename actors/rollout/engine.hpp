@@ -45,7 +45,7 @@ class Engine : public RolloutBackend {
   /// batch-invariant mode to options.true_on_policy (CausalLM::set_batch_invariant). Throws
   /// std::invalid_argument for options out of range, cuda_graphs without absorbed_decode, and
   /// true_on_policy with absorbed_decode or cuda_graphs or a model without a batch-invariant
-  /// forward.
+  /// forward, and cuda_graphs with an expert-parallel model (CausalLM::expert_parallel).
   Engine(std::shared_ptr<model::CausalLM> model, EngineOptions options);
   void submit(GenerationRequest request) override;
   /// What submit() checks first: a prompt of ids in the vocabulary, valid sampling parameters
@@ -84,6 +84,9 @@ class Engine : public RolloutBackend {
   int64_t graphs_captured() const { return graphs_ ? graphs_->captured() : 0; }
   /// Decode steps queued before the previous step's tokens were read (overlap_schedule).
   int64_t overlapped_steps() const { return overlapped_steps_; }
+  /// Forwards of the model run so far (prefill or decode, eager or a graph launched): a step()
+  /// runs at most one; one that ran none (nothing admitted, only shared prompts taken) leaves it.
+  int64_t forwards() const { return forwards_; }
   std::size_t waiting() const { return waiting_.size(); }
   std::size_t running() const { return running_.size(); }
 
@@ -152,7 +155,7 @@ class Engine : public RolloutBackend {
   std::unique_ptr<DecodeGraphs> graphs_;       // cuda_graphs: over cache_, scratch page cache_blocks
   std::vector<int64_t> free_, free_slots_;
   std::vector<int32_t> refs_;  // per page: sequences holding it
-  int64_t prefilled_tokens_ = 0, shared_prompts_ = 0, overlapped_steps_ = 0;
+  int64_t prefilled_tokens_ = 0, shared_prompts_ = 0, overlapped_steps_ = 0, forwards_ = 0;
   std::deque<std::unique_ptr<Sequence>> waiting_;
   std::vector<std::unique_ptr<Sequence>> running_;
   std::optional<InFlight> in_flight_;

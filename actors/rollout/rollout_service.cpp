@@ -1,12 +1,12 @@
 #include "actors/rollout/rollout_service.hpp"
 
 #include "actors/rollout/engine.hpp"
+#include "actors/rollout/generate_messages.hpp"
 #include "actors/weight_sync/collective.hpp"
 #include "actors/weight_sync/service.hpp"
 #include "messaging/hosting.hpp"
 #include "actors/rollout/messages.hpp"
 #include "actors/weight_sync/messages.hpp"
-#include "messaging/replay_frames.hpp"
 #include "messaging/torch_tensor.hpp"
 #include "model/registry.hpp"
 
@@ -59,31 +59,11 @@ Expected<Envelope> RolloutService::handle(const Envelope& request) {
                                                    "collective weight sync failed part-way); load a version first");
       auto g = payload_as<RolloutGenerate>(request);
       if (!g) return g.error();
-      for (const auto& r : g->requests) {
-        GenerationRequest q;
-        q.id = r.id;
-        q.prompt = r.prompt;
-        q.sampling.temperature = r.temperature;
-        q.sampling.top_p = r.top_p;
-        q.sampling.top_k = r.top_k;
-        q.sampling.max_new_tokens = r.max_new_tokens;
-        q.sampling.seed = r.seed;
-        q.sampling.stop_token_ids = r.stop_token_ids;
-        s_->engine->submit(std::move(q));  // throws std::invalid_argument naming the fault
-      }
-      RolloutResult result;
-      std::vector<torch::Tensor> experts, selections;
-      while (s_->engine->has_work()) {
-        for (auto& c : s_->engine->step()) {
-          result.completions.push_back({c.id, c.tokens, c.policy_versions, c.logprobs, c.entropies,
-                                        to_string(c.finish_reason), c.time_to_first_token_s});
-          experts.push_back(c.routed_experts);
-          selections.push_back(c.topk_indices);
-        }
-      }
-      auto reply = make_envelope(result, Kind::reply, request.receiver, request.sender);
-      reply.tensors = messaging::replay_frames(experts, selections);
-      return reply;
+      for (const auto& r : g->requests) s_->engine->submit(from_spec(r));  // throws std::invalid_argument naming the fault
+      std::vector<Completion> done;
+      while (s_->engine->has_work())
+        for (auto& c : s_->engine->step()) done.push_back(std::move(c));
+      return result_reply(request, done);
     }
   } catch (const std::exception& e) {
     return make_error(ErrorCode::remote_error, std::string(request.type) + ": " + e.what());

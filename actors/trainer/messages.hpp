@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "messaging/schema.hpp"
+#include "actors/rollout/messages.hpp"
 #include "actors/trainer/trainer_config.hpp"
 #include "model/model_spec.hpp"
 
@@ -17,12 +18,15 @@ namespace kiln::messaging {
 /// model.device in model.dtype, with the trainer settings.
 struct TrainerInit {
   static constexpr std::string_view kType = "trainer.init";
-  static constexpr uint32_t kVersion = 4;  ///< v3: trainer.logprobs.true_on_policy; v4: trainer.keep_logits_gib, activation_checkpointing_layers
+  static constexpr uint32_t kVersion = 5;  ///< v3: trainer.logprobs.true_on_policy; v4: trainer.keep_logits_gib, activation_checkpointing_layers; v5: reference
   model::ModelSpec model;
   int64_t seed = 1;
   trainer::TrainerConfig trainer;
   double bucket_mib = 64;  ///< weight-sync bucket size for trainer.push_weights
-  MSGPACK_DEFINE_MAP(model, seed, trainer, bucket_mib);
+  /// placement.reference = "colocated": the rank also keeps the frozen reference (a copy of its
+  /// initial policy shard, trainer::FrozenReference) and answers ref.logprobs for its share
+  bool reference = false;
+  MSGPACK_DEFINE_MAP(model, seed, trainer, bucket_mib, reference);
 };
 /// Answer to trainer.init and trainer.load.
 struct TrainerReady {
@@ -112,7 +116,20 @@ struct TrainerSyncExperts {
   MSGPACK_DEFINE_MAP(version);
 };
 
+/// To a trainer rank other than 0 (placement.mode = "colocated"): generate `requests` on this
+/// rank's engine over its own policy (rollout::ColocatedEngine, built by the first of these
+/// with `engine`), in lockstep with the other ranks of its ep group. Answered with
+/// rollout.result (RolloutResult and its replay frames).
+struct TrainerGenerate {
+  static constexpr std::string_view kType = "trainer.generate";
+  static constexpr uint32_t kVersion = 1;
+  int64_t version = 0;  ///< the version rank 0 holds (checked)
+  rollout::EngineOptions engine;
+  std::vector<RolloutRequestSpec> requests;
+  MSGPACK_DEFINE_MAP(version, engine, requests);
+};
+
 /// Every type above is spoken by a program that includes this header.
-inline const bool kTrainerMessages = declare_message_types<TrainerInit, TrainerReady, TrainerLoad, TrainerTrain, TrainerStepResult, TrainerPushWeights, TrainerPushed, TrainerSave, TrainerGatherWeights, TrainerSyncExperts>();
+inline const bool kTrainerMessages = declare_message_types<TrainerInit, TrainerReady, TrainerLoad, TrainerTrain, TrainerStepResult, TrainerPushWeights, TrainerPushed, TrainerSave, TrainerGatherWeights, TrainerSyncExperts, TrainerGenerate>();
 
 }  // namespace kiln::messaging

@@ -9,6 +9,9 @@
 #include <optional>
 #include <cmath>
 
+#include "actors/reference/ref_messages.hpp"
+#include "actors/rollout/generate_messages.hpp"
+#include "actors/trainer/frozen_reference.hpp"
 #include "actors/trainer/checkpoint.hpp"
 #include "actors/trainer/trainer.hpp"
 #include "actors/weight_sync/service.hpp"
@@ -28,6 +31,8 @@ struct TrainerService::State {
   TrainerInit init;
   std::shared_ptr<model::CausalLM> policy;
   std::unique_ptr<Trainer> trainer;
+  std::unique_ptr<rollout::ColocatedEngine> engine;  ///< trainer.generate's, built by the first
+  std::unique_ptr<FrozenReference> reference;         ///< TrainerInit::reference: ref.logprobs'
   parallel::ProcessGroups* ranks = nullptr;
   State(Gateway& g, std::string n) : gw(g), name(std::move(n)) {}
 };
@@ -114,13 +119,16 @@ Expected<Envelope> TrainerService::handle(const Envelope& request) {
       torch::manual_seed(uint64_t(init->seed));
       auto policy = model::Registry::with_plugins().build(init->model, expert_slice_of(s_->ranks));
       s_->trainer = make_trainer(policy, init->trainer, s_->ranks);
+      s_->reference.reset();  // before any step: the initial weights
+      if (init->reference) s_->reference = std::make_unique<FrozenReference>(init->model, *policy, init->trainer.logprobs);
       s_->policy = std::move(policy);
       s_->init = *init;
       return reply(TrainerReady{s_->trainer->version(), s_->policy->vocab_size()});
     }
     const bool known = request.type == TrainerLoad::kType || request.type == TrainerTrain::kType ||
                        request.type == TrainerPushWeights::kType || request.type == TrainerSave::kType ||
-                       request.type == TrainerGatherWeights::kType || request.type == TrainerSyncExperts::kType;
+                       request.type == TrainerGatherWeights::kType || request.type == TrainerSyncExperts::kType ||
+                       request.type == TrainerGenerate::kType || request.type == RefLogprobs::kType;
     if (!known)
       return make_error(ErrorCode::unknown_type,
                         "actor '" + request.receiver + "' does not handle '" + request.type + "'");
@@ -161,6 +169,24 @@ Expected<Envelope> TrainerService::handle(const Envelope& request) {
                                        s_->policy->weight_sync_groups(/*hf_names=*/false));
       return reply(TrainerPushed{s_->trainer->version()});
     }
+    if (request.type == RefLogprobs::kType) {
+      if (!s_->reference)
+        return make_error(ErrorCode::remote_error, "ref.logprobs: this trainer rank holds no reference "
+                                                   "(trainer.init without reference: placement.reference is not \"colocated\")");
+      bool replay = false;
+      auto samples = reference::requested_samples(request, &replay);
+      if (!samples) return samples.error();
+      return reply(RefLogprobsResult{s_->reference->logprobs(*samples, replay)});
+    }
+    if (request.type == TrainerGenerate::kType) {
+      auto q = payload_as<TrainerGenerate>(request);
+      if (!q) return q.error();
+      if (auto e = other_version(q->version, "generates with")) return *e;
+      if (!s_->engine) s_->engine = make_colocated_engine(s_->policy, *s_->trainer, q->engine);
+      std::vector<rollout::GenerationRequest> requests;
+      for (const auto& r : q->requests) requests.push_back(rollout::from_spec(r));
+      return rollout::result_reply(request, s_->engine->generate(std::move(requests), s_->trainer->version()));
+    }
     if (request.type == TrainerPushWeights::kType) {
       auto q = payload_as<TrainerPushWeights>(request);
       if (!q) return q.error();
@@ -193,6 +219,15 @@ Expected<Envelope> TrainerService::handle(const Envelope& request) {
   } catch (const std::exception& e) {
     return make_error(ErrorCode::remote_error, std::string(request.type) + ": " + e.what());
   }
+}
+
+std::unique_ptr<rollout::ColocatedEngine> make_colocated_engine(std::shared_ptr<model::CausalLM> policy,
+                                                               const Trainer& trainer,
+                                                               const rollout::EngineOptions& options) {
+  if (trainer.fully_sharded())
+    throw std::invalid_argument("a colocated engine (placement.mode = \"colocated\") over a fully sharded trainer "
+                                "(parallel.fsdp): its decoder layers are shards between steps; turn parallel.fsdp off");
+  return std::make_unique<rollout::ColocatedEngine>(std::move(policy), options);
 }
 
 weight_sync::ExpertSlices sync_expert_slices(model::CausalLM& policy, const Trainer& trainer) {

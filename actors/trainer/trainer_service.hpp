@@ -7,6 +7,10 @@
 //   trainer.push_weights  stream the current version to rollout/ref actors (weight_sync.*)
 //   trainer.train         one optimizer step on the given samples; metrics back
 //   trainer.save          write a checkpoint
+//   trainer.generate      (a rank of placement.mode "colocated") its share of a rollout, on an
+//                         engine over its own policy, in lockstep with its ep group
+//   ref.logprobs          (a rank of placement.reference "colocated") its share of the
+//                         reference log-probs, from its frozen copy of the initial policy
 // Requests are handled one at a time (one detached actor), so a push never sees a
 // half-updated policy. A data-parallel rank other than 0 (experiments/ranks.hpp) runs the
 // same service over its dp group: rank 0 sends it the requests it runs itself.
@@ -14,6 +18,7 @@
 #include <string>
 
 #include "messaging/envelope.hpp"
+#include "actors/rollout/lockstep.hpp"
 #include "actors/trainer/messages.hpp"
 #include "actors/trainer/trainer.hpp"
 #include "actors/weight_sync/collective.hpp"
@@ -51,6 +56,13 @@ class TrainerService {
 /// the collective weight sync (every ep rank gathers them in its packing order); none (no ep
 /// group) without expert parallel.
 weight_sync::ExpertSlices sync_expert_slices(model::CausalLM& policy, const Trainer& trainer);
+
+/// The engine of a trainer rank over its own policy (placement.mode = "colocated",
+/// rollout::ColocatedEngine). Throws std::invalid_argument for a fully sharded trainer (its
+/// layers are shards between steps) and what rollout::Engine throws for `options`.
+std::unique_ptr<rollout::ColocatedEngine> make_colocated_engine(std::shared_ptr<model::CausalLM> policy,
+                                                               const Trainer& trainer,
+                                                               const rollout::EngineOptions& options);
 
 messaging::Envelope train_request(const std::vector<Sample>& samples, const std::string& sender,
                                   const std::string& receiver);

@@ -202,6 +202,17 @@ torch::Tensor MoEImpl::forward(const torch::Tensor& x, const std::optional<torch
   return y;
 }
 
+void MoEImpl::serve_expert_parallel() {
+  if (!ep_) return;
+  torch::NoGradGuard no_grad;
+  const auto& w = experts->w_gate_up_EFD;  // [El, 2F, D]
+  Dispatched none;  // no token of this rank's: zero rows for every expert
+  none.x = torch::empty({0, w.size(2)}, w.options());
+  none.counts = torch::zeros({router->options().num_experts}, w.options().dtype(torch::kInt64));
+  auto rd = dispatch_to_ranks(none, *ep_);
+  return_to_ranks(experts(rd.x, rd.counts), rd, *ep_);  // [R, D] back to the ranks that sent them
+}
+
 void MoEImpl::set_expert_parallel(parallel::Group* ep) {
   if (!ep || ep->size() == 1) return;
   const int64_t E = router->options().num_experts, P = ep->size();

@@ -133,6 +133,12 @@ class MoEImpl : public torch::nn::Module, public BatchInvariantSwitch {
   /// group of one rank: no-op. Throws std::invalid_argument when E is not a multiple of P, the
   /// experts are already sliced, or a built slice does not match `ep`.
   void set_expert_parallel(parallel::Group* ep);
+  /// This rank's part of one expert-parallel forward without tokens of its own (inference): the
+  /// ep exchanges forward() makes, with zero rows sent, and the rows the other ranks send run
+  /// through this rank's experts and go back to them. What an idle engine of a lockstep
+  /// rollout (actors/rollout/lockstep.hpp) does for each MoE layer while another rank's engine
+  /// runs a forward. Collective over the ep group; no-op without expert parallel. No autograd.
+  void serve_expert_parallel();
   /// The ep group, or nullptr.
   parallel::Group* expert_parallel() const { return ep_; }
   /// The routed experts this layer holds.

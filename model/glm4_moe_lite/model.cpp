@@ -216,6 +216,11 @@ void Glm4MoeLiteModel::set_expert_parallel(parallel::Group* ep) {
   experts_ = {ep->rank(), ep->size()};
 }
 
+void Glm4MoeLiteModel::serve_expert_parallel() {
+  for (auto& layer : layers)  // in forward's order: the exchanges meet the other ranks' layer by layer
+    if (layer->is_moe()) layer->moe->serve_expert_parallel();
+}
+
 std::vector<torch::Tensor> Glm4MoeLiteModel::routed_expert_parameters() {
   std::vector<torch::Tensor> out;
   for (auto& layer : layers)

@@ -68,6 +68,7 @@ class Glm4MoeLiteModel : public CausalLM {
   void save_hf_config(const std::string& dir) override;
   void set_expert_parallel(parallel::Group* ep) override;
   parallel::Group* expert_parallel() const override { return ep_; }
+  void serve_expert_parallel() override;
   ExpertSlice expert_slice() const override { return experts_; }
   std::vector<torch::Tensor> routed_expert_parameters() override;
   std::vector<std::vector<torch::Tensor>> decoder_layer_parameters() override {

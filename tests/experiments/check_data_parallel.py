@@ -19,40 +19,18 @@
 5. parallel.dp = 3 under a launch of 2 ranks, and placement.trainer = "process" with dp 2, are
    refused by name.
 Usage: check_data_parallel.py PATH_TO_KILN WORK_DIR PATH_TO_TORCHRUN. Prints "N passed, M failed"."""
-import json, os, shutil, signal, subprocess, sys, time
+import os, shutil, subprocess, sys, time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from loopback_port import free_port  # noqa: E402
+from rank_runs import clean_env, close, expect_rank_lost, metrics, numbers, rank_child  # noqa: E402
 
 kiln, work, torchrun = sys.argv[1], sys.argv[2], sys.argv[3]
 shutil.rmtree(work, ignore_errors=True)
 os.makedirs(work)
 quiet = ["--set", "logging.plot=false", "--set", "logging.progress=false"]
-env = dict(os.environ, OMP_NUM_THREADS="1")
-for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
-    env.pop(v, None)
+env = clean_env()
 checks = []
-TIMING = ("time", "elapsed", "per_s", "peak_memory")  # measurements, not results
-
-
-def metrics(d):
-    return [json.loads(l) for l in open(f"{d}/metrics.jsonl")]
-
-
-def numbers(row):
-    out = {}
-    for k, v in row.items():
-        if any(t in k for t in TIMING):
-            continue
-        if isinstance(v, dict):
-            out.update({f"{k}.{kk}": vv for kk, vv in v.items()})
-        elif isinstance(v, (int, float)):
-            out[k] = float(v)
-    return out
-
-
-def close(a, b, rel):
-    return abs(a - b) <= rel * max(1.0, abs(a), abs(b))
 
 
 def run(name, *args, timeout=600):
@@ -166,30 +144,11 @@ while time.monotonic() < deadline and p.poll() is None:
     if os.path.exists(f"{kill_dir}/metrics.jsonl") and len(open(f"{kill_dir}/metrics.jsonl").read().splitlines()) >= 5:
         break
     time.sleep(0.05)
-children = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+victim, children = rank_child(p.pid, 1)
 checks.append((len(children) >= 1, f"rank 0 started rank 1 as its child ({children})"))
-victim = None
-for c in children:
-    try:
-        if b"RANK=1\x00" in open(f"/proc/{c}/environ", "rb").read():
-            victim = int(c)
-    except OSError:
-        pass
 checks.append((victim is not None, "found rank 1's process"))
 if victim:
-    os.kill(victim, signal.SIGKILL)
-    t0 = time.monotonic()
-    try:
-        out, err = p.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out, err = p.communicate()
-    took = time.monotonic() - t0
-    checks.append((p.returncode == 1, f"rank 0 exits 1 after rank 1 is killed ({p.returncode}: {err[-500:]})"))
-    checks.append((took < 60, f"... within 60 s ({took:.1f} s)"))
-    checks.append(("trainer rank 1" in err, "... naming trainer rank 1"))
-    alive = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
-    checks.append((not alive, f"no process of the job is left ({alive})"))
+    expect_rank_lost(p, victim, 1, checks)
     done = sorted(int(d.split("_")[1]) for d in os.listdir(f"{kill_dir}/checkpoints") if d.startswith("step_") and "." not in d)
     checks.append((len(done) >= 1, f"checkpoints before the kill: {done}"))
     if done:

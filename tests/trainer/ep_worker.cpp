@@ -386,16 +386,8 @@ int main(int argc, char** argv) {
   }
   try {
     torch::set_num_threads(1);
-    const auto info = parallel::read_launch_from_environment();
-    rank = info.rank;
-    const int ep = std::stoi(argv[2]);
-    if (ep < 1 || info.world_size % ep)
-      throw std::invalid_argument("ep " + std::to_string(ep) + " does not divide the world " +
-                                  std::to_string(info.world_size));
-    parallel::GroupOptions options;
-    options.store_timeout = std::chrono::seconds(60);
-    options.collective_timeout = std::chrono::seconds(60);
-    parallel::ProcessGroups groups(info, torch::kCPU, {{"dp", info.world_size / ep}, {"ep", ep}}, options);
+    auto owned = dp_ep_groups(argv[2]);
+    auto& groups = *owned;
     Groups g{groups.world(), groups.along("dp"), groups.along("ep")};
     std::string name = argv[1];
     if (name.rfind("fsdp_", 0) == 0) {

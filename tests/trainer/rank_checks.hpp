@@ -6,16 +6,26 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <iostream>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "actors/trainer/trainer_config.hpp"
 #include "parallel/group.hpp"
+#include "parallel/launch.hpp"
+#include "parallel/process_group.hpp"
 
 namespace kiln::test::rank_checks {
+
+/// The groups of a worker started by tests/parallel/run_workers.py: a "dp" x "ep" mesh over the
+/// launch's world (dp = world / `ep`, argument `ep_arg` of the command line), on the CPU, with
+/// 60 s store and collective timeouts; sets `rank`. Throws std::invalid_argument when ep does
+/// not divide the world.
+inline std::unique_ptr<parallel::ProcessGroups> dp_ep_groups(const std::string& ep_arg);
 
 inline constexpr double kTolerance = 1e-5;  ///< relative error allowed against one rank (fp32)
 inline int checks = 0, failures = 0, rank = -1;
@@ -69,6 +79,20 @@ inline void expect_step_metrics(parallel::Group& g, const trainer::StepMetrics& 
   expect_close(got.grad_norm, want.grad_norm, at + "grad_norm");
   expect_close(got.train_rollout_logprob_abs_diff, want.train_rollout_logprob_abs_diff, at + "logprob abs diff");
   expect(got.loss_tokens == want.loss_tokens && got.tokens == want.tokens, at + "token counts differ");
+}
+
+inline std::unique_ptr<parallel::ProcessGroups> dp_ep_groups(const std::string& ep_arg) {
+  const auto info = parallel::read_launch_from_environment();
+  rank = info.rank;
+  const int ep = std::stoi(ep_arg);
+  if (ep < 1 || info.world_size % ep)
+    throw std::invalid_argument("ep " + std::to_string(ep) + " does not divide the world " +
+                                std::to_string(info.world_size));
+  parallel::GroupOptions options;
+  options.store_timeout = std::chrono::seconds(60);
+  options.collective_timeout = std::chrono::seconds(60);
+  return std::make_unique<parallel::ProcessGroups>(
+      info, torch::kCPU, std::vector<parallel::MeshDim>{{"dp", info.world_size / ep}, {"ep", ep}}, options);
 }
 
 }  // namespace kiln::test::rank_checks

@@ -1,0 +1,69 @@
+"""Helpers of the scripts that run `kiln run` over trainer ranks and compare their metrics
+(check_data_parallel.py, check_colocated.py): the run's metrics rows, their numbers without
+the measurements, a relative comparison, an environment without a caller's launcher, and the
+child process of rank 0 that is rank R."""
+import json, os, signal, subprocess, time
+
+TIMING = ("time", "elapsed", "per_s", "peak_memory")  # measurements, not results
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                      "SLURM_PROCID")
+
+
+def clean_env():
+    """os.environ with OMP_NUM_THREADS=1 and no launcher's variables (the test's own launch)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for v in LAUNCHER_VARIABLES:
+        env.pop(v, None)
+    return env
+
+
+def metrics(d):
+    return [json.loads(l) for l in open(f"{d}/metrics.jsonl")]
+
+
+def numbers(row):
+    """A metrics row's numbers (nested maps flattened as "key.sub"), the timings left out."""
+    out = {}
+    for k, v in row.items():
+        if any(t in k for t in TIMING):
+            continue
+        if isinstance(v, dict):
+            out.update({f"{k}.{kk}": vv for kk, vv in v.items()})
+        elif isinstance(v, (int, float)):
+            out[k] = float(v)
+    return out
+
+
+def close(a, b, rel):
+    return abs(a - b) <= rel * max(1.0, abs(a), abs(b))
+
+
+def rank_child(pid, rank):
+    """The pid of the child of `pid` (rank 0, which started the other ranks) whose environment
+    says RANK=`rank`, or None; and the children found."""
+    children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    for c in children:
+        try:
+            if f"RANK={rank}\0".encode() in open(f"/proc/{c}/environ", "rb").read():
+                return int(c), children
+        except OSError:
+            pass
+    return None, children
+
+
+def expect_rank_lost(p, victim, rank, checks):
+    """Kills `victim` (rank `rank`, SIGKILL) and appends to `checks` that rank 0 (Popen `p`)
+    exits 1 within 60 s naming trainer rank `rank` and that no process of the job is left."""
+    os.kill(victim, signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        _, err = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        _, err = p.communicate()
+    took = time.monotonic() - t0
+    checks.append((p.returncode == 1, f"rank 0 exits 1 after rank {rank} is killed ({p.returncode}: {err[-500:]})"))
+    checks.append((took < 60, f"... within 60 s ({took:.1f} s)"))
+    checks.append((f"trainer rank {rank}" in err, f"... naming trainer rank {rank}"))
+    alive = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+    checks.append((not alive, f"no process of the job is left ({alive})"))
