@@ -37,8 +37,9 @@ if [[ $# -ge 1 && "$1" != --* ]]; then
   shift
 fi
 [[ "$PLACEMENT" =~ ^(separate|colocated)$ ]] || { echo "run_node.sh: the placement must be separate or colocated, got '$PLACEMENT'" >&2; usage; }
+[[ $# -eq 0 || "$1" == --* ]] || { echo "run_node.sh: unexpected argument '$1' (after GPUS LAYERS [PLACEMENT] only --set key=value)" >&2; usage; }
 [[ "$GPUS" =~ ^(2|4|8)$ ]] || { echo "run_node.sh: GPUS must be 2, 4 or 8 (64 experts split evenly), got '$GPUS'" >&2; usage; }
-if [[ "$LAYERS" != debug ]] && ! { [[ "$LAYERS" =~ ^[0-9]+$ ]] && ((LAYERS >= 1 && LAYERS <= 47)); }; then
+if [[ "$LAYERS" != debug ]] && ! { [[ "$LAYERS" =~ ^[1-9][0-9]?$ ]] && ((LAYERS <= 47)); }; then
   echo "run_node.sh: LAYERS must be 1..47 or debug, got '$LAYERS'" >&2
   usage
 fi

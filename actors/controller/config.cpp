@@ -48,7 +48,8 @@ void validate_placement(const Config& c) {
   need(c.placement.rollout_engines >= 1 && c.placement.rollout_engines <= 64, "placement.rollout_engines",
        "must be in [1, 64], got " + shown(c.placement.rollout_engines));
   need(c.placement.rollout_engines == 1 || c.placement.mode == "multi_process", "placement.rollout_engines",
-       "must be 1 with placement.mode \"single_process\" (several engines run as kiln node processes)");
+       "must be 1 unless placement.mode is \"multi_process\" (several engines run as kiln node processes), got "
+       "placement.mode \"" + c.placement.mode + "\"");
   need(c.placement.rollout_device.empty() || c.placement.mode == "multi_process", "placement.rollout_device",
        "needs placement.mode \"multi_process\" (engines in their own processes)");
   for (const auto& d : c.placement.rollout_device)

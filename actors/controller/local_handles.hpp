@@ -78,8 +78,12 @@ class LocalEngine : public RolloutEngines {
 /// over its own parameters, so new weights need no sync: load() only lets the versions pass.
 class ColocatedEngines : public RolloutEngines {
  public:
+  /// Builds every rank's engine now (a generation of no requests), so that engine settings
+  /// are refused before the run starts; throws what rollout::Engine's constructor throws.
   ColocatedEngines(TrainerHandle& trainer, const rollout::EngineOptions& options, int64_t group_size)
-      : trainer_(trainer), options_(options), group_size_(group_size) {}
+      : trainer_(trainer), options_(options), group_size_(group_size) {
+    trainer_.generate_colocated({}, options_, group_size_, [] {});
+  }
   std::vector<rollout::Completion> generate(std::vector<rollout::GenerationRequest> requests,
                                             const std::function<void()>& between_steps) override {
     return trainer_.generate_colocated(std::move(requests), options_, group_size_, between_steps);

@@ -242,6 +242,10 @@ int run(const Config& c, const std::string& config_toml, parallel::ProcessGroups
       const Stopwatch t;
       ref = actors.reference->logprobs(batch.completions);
       row.ref_logprob_time = t.seconds();
+    } catch (const PolicyLost& e) {  // colocated engines or reference: a trainer rank is gone, and with it
+      // the policy's state since the last checkpoint (a save would wait out the collective timeout)
+      std::fprintf(stderr, "kiln run: step %lld: %s\n%s", (long long)step, e.what(), continue_hint(dir).c_str());
+      return 1;
     } catch (const std::exception& e) {
       return stop_with_checkpoint(trainer, dir, step, e.what(), step - 1, rng_consumed, rollouts, last_checkpoint);
     }

@@ -4,6 +4,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "kernels/moe_decode.hpp"
 #include "parallel/group.hpp"
 
 namespace kiln::rollout {
@@ -41,7 +42,10 @@ std::vector<Completion> generate_in_lockstep(Engine& engine, model::CausalLM& mo
     const int64_t before = engine.forwards();
     if (engine.has_work())
       for (auto& c : engine.step()) out.push_back(std::move(c));
-    if (ep && engine.forwards() == before) model.serve_expert_parallel();  // the others' rows, this step
+    if (ep && engine.forwards() == before) {  // the others' rows, this step, by the experts' kernels a step uses
+      const kernels::DecodeExpertsGuard experts_kernel(engine.options().moe_decode_kernel);
+      model.serve_expert_parallel();
+    }
     if (between_steps) between_steps();
   }
   std::sort(out.begin(), out.end(), [](const auto& x, const auto& y) { return x.id < y.id; });

@@ -18,9 +18,12 @@ sequences per engine step, so that the ranks' shares differ (2 and 3 groups at e
    check_data_parallel.py says for the trainer over ranks.
 3. A colocated run at ep 2 with a checkpoint at step 2, resumed: steps 3-4 equal the
    uninterrupted run's within 1e-4.
-4. Rank 1 killed (SIGKILL) while the ranks generate (rollout.step_delay_ms): rank 0 exits 1
-   within 60 s naming trainer rank 1; no process of the job is left.
-5. Refused by name (exit 2): staleness 1, parallel.fsdp, cuda_graphs at ep 2, placement.trainer
+4. A rank killed (SIGKILL) while the ranks generate (rollout.step_delay_ms), rank 1 at ep 2 and
+   rank 3 at dp 2 x ep 2: rank 0 exits 1 within 60 s naming the rank (with no attempt at a
+   checkpoint, which would wait out the collective timeout); no process of the job is left.
+5. Refused by name (exit 2) before the run starts: an engine setting (cuda_graphs without
+   absorbed_decode, refused by the engines built at start) with a finished run's directory left
+   whole under run.overwrite; staleness 1, parallel.fsdp, cuda_graphs at ep 2, placement.trainer
    "process", rollout.backend "http"; placement.reference "colocated" with placement.trainer
    "process".
 Usage: check_colocated.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
@@ -91,24 +94,27 @@ if run("resume", "--set", "run.steps=2", "--set", "run.checkpoint_every=2", *ep2
         checks.append((not bad, f"resumed at ep 2, step {step}: equals the uninterrupted run's within 1e-4 {bad[:4]}"))
     checks.append((len(got) == 2, f"resumed: steps 3 and 4 logged ({len(got)})"))
 
-# 4. rank 1 killed while the ranks generate
-kill_dir = f"{work}/kill"
-p = subprocess.Popen([kiln, "run", *common, "--set", "run.steps=40", *ep2, "--set", "rollout.step_delay_ms=100",
-                      "--set", f"run.output_dir={kill_dir}"],
-                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-deadline = time.monotonic() + 300
-while time.monotonic() < deadline and p.poll() is None:
-    if os.path.exists(f"{kill_dir}/metrics.jsonl") and len(open(f"{kill_dir}/metrics.jsonl").read().splitlines()) >= 1:
-        break
-    time.sleep(0.05)
-time.sleep(0.1)  # inside step 2's rollout (3 engine steps of 100 ms each at rank 1)
-victim, children = rank_child(p.pid, 1)
-checks.append((victim is not None, f"found rank 1's process among rank 0's children ({children})"))
-if victim:
-    expect_rank_lost(p, victim, 1, checks)
-else:
-    p.kill()
-    p.communicate()
+# 4. a rank killed while the ranks generate: rank 1 at ep 2, rank 3 at dp 2 x ep 2 (there the other
+# ranks' collectives would only end by their timeout: rank 0 must not wait for them)
+for name, mesh, lost in (("kill_ep2", ["--set", "parallel.ep=2"], 1),
+                         ("kill_dp2_ep2", ["--set", "parallel.dp=2", "--set", "parallel.ep=2"], 3)):
+    kill_dir = f"{work}/{name}"
+    p = subprocess.Popen([kiln, "run", *common, "--set", "run.steps=40", *mesh, *BOTH, "--set", "rollout.step_delay_ms=100",
+                          "--set", f"run.output_dir={kill_dir}"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and p.poll() is None:
+        if os.path.exists(f"{kill_dir}/metrics.jsonl") and len(open(f"{kill_dir}/metrics.jsonl").read().splitlines()) >= 1:
+            break
+        time.sleep(0.05)
+    time.sleep(0.1)  # inside step 2's rollout (engine steps of 100 ms each)
+    victim, children = rank_child(p.pid, lost)
+    checks.append((victim is not None, f"{name}: found rank {lost}'s process among rank 0's children ({children})"))
+    if victim:
+        expect_rank_lost(p, victim, lost, checks)
+    else:
+        p.kill()
+        p.communicate()
 
 
 # 5. refusals
@@ -119,6 +125,14 @@ def refused(args, fragment):
 
 
 refused(["--set", "algorithm.staleness=1"], "algorithm.staleness")
+if os.path.exists(f"{work}/colocated/metrics.jsonl"):
+    before = open(f"{work}/colocated/metrics.jsonl").read()
+    p = subprocess.run([kiln, "run", *common, "--set", f"run.output_dir={work}/colocated", *COLOCATED, "--set",
+                        "run.overwrite=true", "--set", "rollout.cuda_graphs=true"], capture_output=True, text=True,
+                       timeout=120, env=env)
+    checks.append((p.returncode == 2 and "rollout.cuda_graphs needs rollout.absorbed_decode" in p.stderr,
+                   f"an engine setting refused at start ({p.returncode}: {p.stderr[-300:]})"))
+    checks.append((open(f"{work}/colocated/metrics.jsonl").read() == before, "... the earlier run's metrics kept"))
 refused(["--set", "parallel.ep=2", "--set", "parallel.fsdp=true"], "parallel.fsdp")
 refused(["--set", "parallel.ep=2", "--set", "rollout.cuda_graphs=true", "--set", "rollout.absorbed_decode=true"],
         "rollout.cuda_graphs")
