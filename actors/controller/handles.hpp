@@ -73,9 +73,10 @@ class TrainerHandle {
   /// Completions sorted by id, at version(). Throws std::logic_error for a trainer in another
   /// process, std::invalid_argument for a request or engine setting refused, PolicyLost for a
   /// rank lost.
-  virtual std::vector<rollout::Completion> generate_colocated(std::vector<rollout::GenerationRequest> requests,
-                                                              const rollout::EngineOptions& engine, int64_t group_size,
-                                                              const std::function<void()>& between_steps) {
+  virtual std::vector<rollout::Completion> generate_colocated(std::vector<rollout::GenerationRequest> /*requests*/,
+                                                              const rollout::EngineOptions& /*engine*/,
+                                                              int64_t /*group_size*/,
+                                                              const std::function<void()>& /*between_steps*/) {
     throw std::logic_error("colocated engines need the trainer in the controller's process (placement.trainer = "
                            "\"controller\")");
   }

@@ -48,11 +48,11 @@ class LocalTrainer : public TrainerHandle {
  private:
   std::shared_ptr<model::CausalLM> policy_;
   std::unique_ptr<trainer::Trainer> trainer_;
+  messaging::Gateway& gw_;
+  uint64_t bucket_bytes_;
   trainer::LogprobConfig logprobs_;  ///< the trainer's, for the reference
   std::unique_ptr<trainer::FrozenReference> reference_;
   std::unique_ptr<rollout::ColocatedEngine> engine_;  ///< generate_colocated's, built by the first
-  messaging::Gateway& gw_;
-  uint64_t bucket_bytes_;
 };
 
 /// The in-process engine. It receives weights as actor weight_sync/0 on a gateway of its own

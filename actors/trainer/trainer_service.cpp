@@ -119,6 +119,7 @@ Expected<Envelope> TrainerService::handle(const Envelope& request) {
       torch::manual_seed(uint64_t(init->seed));
       auto policy = model::Registry::with_plugins().build(init->model, expert_slice_of(s_->ranks));
       s_->trainer = make_trainer(policy, init->trainer, s_->ranks);
+      s_->engine.reset();     // built over the policy replaced here
       s_->reference.reset();  // before any step: the initial weights
       if (init->reference) s_->reference = std::make_unique<FrozenReference>(init->model, *policy, init->trainer.logprobs);
       s_->policy = std::move(policy);
