@@ -29,7 +29,7 @@ sequences per engine step, so that the ranks' shares differ (2 and 3 groups at e
 Usage: check_colocated.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
 import os, shutil, subprocess, sys, time
 
-from rank_runs import clean_env, close, expect_rank_lost, metrics, numbers, rank_child
+from rank_runs import clean_env, close, expect_like_one_rank, expect_rank_lost, metrics, numbers, rank_child
 
 kiln, work = sys.argv[1], sys.argv[2]
 shutil.rmtree(work, ignore_errors=True)
@@ -71,16 +71,7 @@ meshes = {"ep2": ["--set", "parallel.ep=2"], "ep4": ["--set", "parallel.ep=4"],
 for name, mesh in meshes.items():
     if not run(name, "--set", "run.steps=5", *mesh, *BOTH) or not os.path.exists(f"{work}/single/metrics.jsonl"):
         continue
-    base = [numbers(r) for r in metrics(f"{work}/single")]
-    got = [numbers(r) for r in metrics(f"{work}/{name}")]
-    checks.append((len(got) == len(base) == 5, f"{name}: 5 steps logged"))
-    for step, (x, y) in enumerate(zip(base, got), 1):
-        if step <= 2:
-            bad = [f"{k} {x[k]} vs {y.get(k)}" for k in x if k not in y or not close(x[k], y[k], 1e-4)]
-            checks.append((not bad, f"{name} step {step}: every metric equals one rank's within 1e-4 {bad[:4]}"))
-        else:
-            checks.append((close(x["entropy"], y["entropy"], 1e-3), f"{name} step {step}: entropy {y['entropy']} ~ {x['entropy']}"))
-            checks.append((abs(x["kl"] - y["kl"]) <= 0.05 * abs(x["kl"]) + 1e-6, f"{name} step {step}: kl {y['kl']} ~ {x['kl']}"))
+    expect_like_one_rank(f"{work}/single", f"{work}/{name}", name, checks)
 
 # 3. checkpoint and resume at ep 2
 ep2 = ["--set", "parallel.ep=2", *BOTH]

@@ -23,7 +23,7 @@ import os, shutil, subprocess, sys, time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from loopback_port import free_port  # noqa: E402
-from rank_runs import clean_env, close, expect_rank_lost, metrics, numbers, rank_child  # noqa: E402
+from rank_runs import clean_env, close, expect_like_one_rank, expect_rank_lost, metrics, numbers, rank_child  # noqa: E402
 
 kiln, work, torchrun = sys.argv[1], sys.argv[2], sys.argv[3]
 shutil.rmtree(work, ignore_errors=True)
@@ -49,17 +49,8 @@ run("dp2_ep2", "--set", "run.steps=5", "--set", "parallel.dp=2", "--set", "paral
 run("dp2_fsdp", "--set", "run.steps=5", "--set", "parallel.dp=2", "--set", "parallel.fsdp=true")
 run("ep2_fsdp", "--set", "run.steps=5", "--set", "parallel.ep=2", "--set", "parallel.fsdp=true")
 if all(ok for ok, _ in checks):
-    base = [numbers(r) for r in metrics(f"{work}/dp1")]
     for dp in (2, 4, "ep2", "dp2_ep2", "dp2_fsdp", "ep2_fsdp"):
-        got = [numbers(r) for r in metrics(f"{work}/{dp if isinstance(dp, str) else f'dp{dp}'}")]
-        checks.append((len(got) == len(base) == 5, f"dp {dp}: 5 steps logged"))
-        for step, (x, y) in enumerate(zip(base, got), 1):
-            if step <= 2:
-                bad = [f"{k} {x[k]} vs {y.get(k)}" for k in x if k not in y or not close(x[k], y[k], 1e-4)]
-                checks.append((not bad, f"dp {dp} step {step}: every metric equals dp 1's within 1e-4 {bad[:4]}"))
-            else:
-                checks.append((close(x["entropy"], y["entropy"], 1e-3), f"dp {dp} step {step}: entropy {y['entropy']} ~ {x['entropy']}"))
-                checks.append((abs(x["kl"] - y["kl"]) <= 0.05 * abs(x["kl"]) + 1e-6, f"dp {dp} step {step}: kl {y['kl']} ~ {x['kl']}"))
+        expect_like_one_rank(f"{work}/dp1", f"{work}/{dp if isinstance(dp, str) else f'dp{dp}'}", f"dp {dp}", checks)
     a, b = metrics(f"{work}/dp2"), metrics(f"{work}/dp2_again")
     checks.append(([numbers(r) for r in a] == [numbers(r) for r in b], "dp 2 twice: the same metrics bit for bit"))
 
