@@ -29,7 +29,7 @@ sequences per engine step, so that the ranks' shares differ (2 and 3 groups at e
 Usage: check_colocated.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
 import os, shutil, subprocess, sys, time
 
-from rank_runs import clean_env, close, expect_like_one_rank, expect_rank_lost, metrics, numbers, rank_child
+from rank_runs import clean_env, close, expect_like_one_rank, expect_rank_lost, metrics, numbers, rank_child, start_run
 
 kiln, work = sys.argv[1], sys.argv[2]
 shutil.rmtree(work, ignore_errors=True)
@@ -90,14 +90,8 @@ if run("resume", "--set", "run.steps=2", "--set", "run.checkpoint_every=2", *ep2
 for name, mesh, lost in (("kill_ep2", ["--set", "parallel.ep=2"], 1),
                          ("kill_dp2_ep2", ["--set", "parallel.dp=2", "--set", "parallel.ep=2"], 3)):
     kill_dir = f"{work}/{name}"
-    p = subprocess.Popen([kiln, "run", *common, "--set", "run.steps=40", *mesh, *BOTH, "--set", "rollout.step_delay_ms=100",
-                          "--set", f"run.output_dir={kill_dir}"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and p.poll() is None:
-        if os.path.exists(f"{kill_dir}/metrics.jsonl") and len(open(f"{kill_dir}/metrics.jsonl").read().splitlines()) >= 1:
-            break
-        time.sleep(0.05)
+    p = start_run([kiln, "run", *common, "--set", "run.steps=40", *mesh, *BOTH, "--set", "rollout.step_delay_ms=100",
+                   "--set", f"run.output_dir={kill_dir}"], kill_dir, 1, env)
     time.sleep(0.1)  # inside step 2's rollout (engine steps of 100 ms each)
     victim, children = rank_child(p.pid, lost)
     checks.append((victim is not None, f"{name}: found rank {lost}'s process among rank 0's children ({children})"))

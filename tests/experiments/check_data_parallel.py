@@ -19,11 +19,11 @@
 5. parallel.dp = 3 under a launch of 2 ranks, and placement.trainer = "process" with dp 2, are
    refused by name.
 Usage: check_data_parallel.py PATH_TO_KILN WORK_DIR PATH_TO_TORCHRUN. Prints "N passed, M failed"."""
-import os, shutil, subprocess, sys, time
+import os, shutil, subprocess, sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from loopback_port import free_port  # noqa: E402
-from rank_runs import clean_env, close, expect_like_one_rank, expect_rank_lost, metrics, numbers, rank_child  # noqa: E402
+from rank_runs import clean_env, close, expect_like_one_rank, expect_rank_lost, metrics, numbers, rank_child, start_run  # noqa: E402
 
 kiln, work, torchrun = sys.argv[1], sys.argv[2], sys.argv[3]
 shutil.rmtree(work, ignore_errors=True)
@@ -127,14 +127,8 @@ if os.path.isdir(step2_ep) and os.path.exists(f"{work}/ckpt_ep/metrics.jsonl"):
 
 # 4. rank 1 killed mid-run
 kill_dir = f"{work}/kill"
-p = subprocess.Popen([kiln, "run", *quiet, "--set", "run.steps=40", "--set", "parallel.dp=2", "--set", "run.checkpoint_every=2",
-                      "--set", "algorithm.update_delay_ms=150", "--set", f"run.output_dir={kill_dir}"],
-                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-deadline = time.monotonic() + 300
-while time.monotonic() < deadline and p.poll() is None:
-    if os.path.exists(f"{kill_dir}/metrics.jsonl") and len(open(f"{kill_dir}/metrics.jsonl").read().splitlines()) >= 5:
-        break
-    time.sleep(0.05)
+p = start_run([kiln, "run", *quiet, "--set", "run.steps=40", "--set", "parallel.dp=2", "--set", "run.checkpoint_every=2",
+               "--set", "algorithm.update_delay_ms=150", "--set", f"run.output_dir={kill_dir}"], kill_dir, 5, env)
 victim, children = rank_child(p.pid, 1)
 checks.append((len(children) >= 1, f"rank 0 started rank 1 as its child ({children})"))
 checks.append((victim is not None, "found rank 1's process"))

@@ -84,3 +84,15 @@ def expect_like_one_rank(base_dir, run_dir, tag, checks, steps=5):
         else:
             checks.append((close(x["entropy"], y["entropy"], 1e-3), f"{tag} step {step}: entropy {y['entropy']} ~ {x['entropy']}"))
             checks.append((abs(x["kl"] - y["kl"]) <= 0.05 * abs(x["kl"]) + 1e-6, f"{tag} step {step}: kl {y['kl']} ~ {x['kl']}"))
+
+
+def start_run(cmd, run_dir, rows, env):
+    """Starts `cmd` (a kiln run into `run_dir`) and returns its Popen once `rows` metrics rows are
+    logged (or it ended, or 300 s passed)."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and p.poll() is None:
+        if os.path.exists(f"{run_dir}/metrics.jsonl") and len(open(f"{run_dir}/metrics.jsonl").read().splitlines()) >= rows:
+            break
+        time.sleep(0.05)
+    return p
