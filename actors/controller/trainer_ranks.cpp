@@ -150,6 +150,10 @@ trainer::CheckpointState DataParallelTrainer::load(const std::filesystem::path& 
   return state;
 }
 
+std::size_t DataParallelTrainer::rank_of(const std::string& actor) const {
+  return std::size_t(std::find(actors_.begin(), actors_.end(), actor) - actors_.begin()) + 1;
+}
+
 std::vector<rollout::Completion> DataParallelTrainer::generate_colocated(std::vector<rollout::GenerationRequest> requests,
                                                                          const rollout::EngineOptions& engine,
                                                                          int64_t group_size,
@@ -163,9 +167,8 @@ std::vector<rollout::Completion> DataParallelTrainer::generate_colocated(std::ve
   const auto replies = on_all_ranks(
       TrainerGenerate::kType.data(),
       [&](const std::string& to) {
-        const auto r = std::size_t(std::find(actors_.begin(), actors_.end(), to) - actors_.begin()) + 1;
         q.requests.clear();
-        for (const auto& g : shares[r]) q.requests.push_back(rollout::to_spec(g));
+        for (const auto& g : shares[rank_of(to)]) q.requests.push_back(rollout::to_spec(g));
         return make_envelope(q, Kind::request, "controller", to);
       },
       [&] { out = local_->generate_colocated(shares[0], engine, group_size, between_steps); }, kTrainTimeout);
@@ -186,8 +189,7 @@ std::vector<std::vector<float>> DataParallelTrainer::reference_logprobs(const st
   const auto replies = on_all_ranks(
       RefLogprobs::kType.data(),
       [&](const std::string& to) {
-        const auto r = std::size_t(std::find(actors_.begin(), actors_.end(), to) - actors_.begin()) + 1;
-        return reference::logprobs_request(shares[r], /*routing_replay=*/true, "controller", to);
+        return reference::logprobs_request(shares[rank_of(to)], /*routing_replay=*/true, "controller", to);
       },
       [&] { out = local_->reference_logprobs(shares[0]); }, kTrainTimeout);
   for (std::size_t i = 0; i < replies.size(); ++i)

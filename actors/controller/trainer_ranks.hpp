@@ -72,6 +72,9 @@ class DataParallelTrainer : public TrainerHandle {
   std::vector<messaging::Envelope> on_all_ranks(const std::string& what, const std::function<messaging::Envelope(const std::string& actor)>& request,
                     const std::function<void()>& here, std::chrono::seconds timeout);
 
+  /// The rank of trainer actor `actor` ("trainer/R" -> R).
+  std::size_t rank_of(const std::string& actor) const;
+
   messaging::Gateway& gw_;
   std::vector<std::string> actors_, endpoints_;  ///< [R - 1]: trainer/R and where it listens
   std::chrono::milliseconds collective_timeout_;

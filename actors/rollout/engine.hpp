@@ -87,6 +87,8 @@ class Engine : public RolloutBackend {
   /// Forwards of the model run so far (prefill or decode, eager or a graph launched): a step()
   /// runs at most one; one that ran none (nothing admitted, only shared prompts taken) leaves it.
   int64_t forwards() const { return forwards_; }
+  /// The model the engine runs (the one given to the constructor).
+  model::CausalLM& model() const { return *model_; }
   std::size_t waiting() const { return waiting_.size(); }
   std::size_t running() const { return running_.size(); }
 

@@ -18,11 +18,10 @@ int64_t max_over(parallel::Group& group, int64_t value) {
 }
 }  // namespace
 
-std::vector<Completion> generate_in_lockstep(Engine& engine, model::CausalLM& model,
-                                             std::vector<GenerationRequest> requests,
+std::vector<Completion> generate_in_lockstep(Engine& engine, std::vector<GenerationRequest> requests,
                                              const std::function<void()>& between_steps) {
   if (engine.paused()) throw std::logic_error("generate_in_lockstep: the engine is paused");
-  parallel::Group* ep = model.expert_parallel();
+  parallel::Group* ep = engine.model().expert_parallel();
   std::string refused;
   for (const auto& r : requests) {
     try {
@@ -44,7 +43,7 @@ std::vector<Completion> generate_in_lockstep(Engine& engine, model::CausalLM& mo
       for (auto& c : engine.step()) out.push_back(std::move(c));
     if (ep && engine.forwards() == before) {  // the others' rows, this step, by the experts' kernels a step uses
       const kernels::DecodeExpertsGuard experts_kernel(engine.options().moe_decode_kernel);
-      model.serve_expert_parallel();
+      engine.model().serve_expert_parallel();
     }
     if (between_steps) between_steps();
   }
@@ -53,14 +52,14 @@ std::vector<Completion> generate_in_lockstep(Engine& engine, model::CausalLM& mo
 }
 
 ColocatedEngine::ColocatedEngine(std::shared_ptr<model::CausalLM> policy, const EngineOptions& options)
-    : policy_(policy), engine_(std::move(policy), options) {}
+    : engine_(std::move(policy), options) {}
 
 std::vector<Completion> ColocatedEngine::generate(std::vector<GenerationRequest> requests, int64_t version,
                                                   const std::function<void()>& between_steps) {
   engine_.pause();  // between generations: the optimizer wrote the weights in place
   engine_.weights_written(version);
   engine_.resume();
-  return generate_in_lockstep(engine_, *policy_, std::move(requests), between_steps);
+  return generate_in_lockstep(engine_, std::move(requests), between_steps);
 }
 
 }  // namespace kiln::rollout

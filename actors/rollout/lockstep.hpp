@@ -19,16 +19,15 @@
 
 namespace kiln::rollout {
 
-/// Generates `requests` on `engine` (built over `model`) to completion, in lockstep with the
-/// engines of the other ranks of model.expert_parallel() doing the same with theirs (each rank
+/// Generates `requests` on `engine` to completion, in lockstep with the engines of the other
+/// ranks of engine.model().expert_parallel() doing the same with theirs (each rank
 /// its own requests, any number, none included); without an ep group, as Engine::generate.
 /// Every request is checked on every rank first (Engine::check) and the ranks agree on it: a
 /// request refused anywhere makes every rank throw std::invalid_argument (the refusing rank's
 /// message; the others name the group) with nothing submitted. `between_steps` runs after each
 /// step. Completions sorted by id. Collective over the ep group; throws std::logic_error for a
 /// paused engine, parallel::CollectiveError when a rank is lost.
-std::vector<Completion> generate_in_lockstep(Engine& engine, model::CausalLM& model,
-                                             std::vector<GenerationRequest> requests,
+std::vector<Completion> generate_in_lockstep(Engine& engine, std::vector<GenerationRequest> requests,
                                              const std::function<void()>& between_steps = {});
 
 /// The rollout engine of a trainer rank, over the rank's own policy module: no second copy of
@@ -47,7 +46,6 @@ class ColocatedEngine {
   const EngineOptions& options() const { return engine_.options(); }
 
  private:
-  std::shared_ptr<model::CausalLM> policy_;
   Engine engine_;
 };
 

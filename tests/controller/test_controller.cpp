@@ -14,6 +14,8 @@
 #include "actors/controller/prompts.hpp"
 #include "actors/controller/rollout_stream.hpp"
 #include "actors/controller/staleness.hpp"
+#include "actors/reference/ref_messages.hpp"
+#include "actors/rollout/generate_messages.hpp"
 #include "actors/rollout/tokenizer.hpp"
 #include "actors/trainer/messages.hpp"
 #include "messaging/replay_frames.hpp"
@@ -259,4 +261,86 @@ TEST_CASE("replay frames: routed experts, then sparse-attention selections when 
   CHECK_THROWS_WITH_AS(messaging::read_replay_frames(frames, {4, 3}, "test"),
                        doctest::Contains("routed experts 'routed_experts.1' must be I64 [P + n - 1 = 3, L, K] (sample 1)"),
                        std::invalid_argument);
+}
+
+TEST_CASE("rollout.generate / rollout.result (generate_messages.hpp): requests and completions round-trip with their routed experts, and a wrong count, an unknown id or frames that do not fit are refused naming the sender") {
+  rollout::GenerationRequest q;
+  q.id = 7;
+  q.prompt = {3, 4, 5};
+  q.sampling.temperature = 0.7;
+  q.sampling.top_p = 0.9;
+  q.sampling.top_k = 5;
+  q.sampling.max_new_tokens = 3;
+  q.sampling.seed = 11;
+  q.sampling.stop_token_ids = {2};
+  const auto back = rollout::from_spec(rollout::to_spec(q));
+  CHECK(back.id == 7);
+  CHECK(back.prompt == q.prompt);
+  CHECK(back.sampling.temperature == 0.7);
+  CHECK(back.sampling.top_p == 0.9);
+  CHECK(back.sampling.top_k == 5);
+  CHECK(back.sampling.max_new_tokens == 3);
+  CHECK(back.sampling.seed == 11);
+  CHECK(back.sampling.stop_token_ids == std::vector<int64_t>{2});
+
+  auto c = completion(7, {4, 4});  // prompt {2, 5}, 2 tokens
+  c.routed_experts = torch::arange(3 * 2 * 2, torch::kInt64).reshape({3, 2, 2});  // [P + n - 1, L, K]
+  c.finish_reason = rollout::FinishReason::stop;
+  auto asked = q;
+  asked.prompt = c.prompt;
+  const auto request = messaging::make_envelope(messaging::RolloutGenerate{}, messaging::Kind::request, "a", "b");
+  const auto reply = rollout::result_reply(request, {c});
+  const auto got = rollout::read_result(reply, {asked}, "node x");
+  REQUIRE(got.size() == 1);
+  CHECK(got[0].id == 7);
+  CHECK(got[0].prompt == c.prompt);
+  CHECK(got[0].tokens == c.tokens);
+  CHECK(got[0].logprobs == c.logprobs);
+  CHECK(got[0].policy_versions == c.policy_versions);
+  CHECK(got[0].finish_reason == rollout::FinishReason::stop);
+  CHECK(torch::equal(got[0].routed_experts, c.routed_experts));
+
+  CHECK_THROWS_WITH_AS(rollout::read_result(reply, {asked, asked}, "node x"),
+                       doctest::Contains("node x answered 1 completions for 2 requests"), std::runtime_error);
+  auto other = asked;
+  other.id = 8;
+  CHECK_THROWS_WITH_AS(rollout::read_result(reply, {other}, "node x"),
+                       doctest::Contains("node x answered an unknown request id 7"), std::runtime_error);
+  auto longer = asked;
+  longer.prompt.push_back(9);  // 4 rows expected, the frame has 3
+  CHECK_THROWS_WITH_AS(rollout::read_result(reply, {longer}, "node x"), doctest::Contains("node x"),
+                       std::runtime_error);
+}
+
+TEST_CASE("ref.logprobs (ref_messages.hpp): completions reach the receiver as samples with their replay frames or without, and answers of the wrong shape are refused naming the sender") {
+  auto c = completion(3, {0, 0});
+  c.routed_experts = torch::arange(3 * 2 * 2, torch::kInt64).reshape({3, 2, 2});
+  bool replay = false;
+  auto samples = reference::requested_samples(reference::logprobs_request({c}, true, "a", "b"), &replay);
+  REQUIRE(samples);
+  CHECK(replay);
+  REQUIRE(samples->size() == 1);
+  CHECK((*samples)[0].prompt == c.prompt);
+  CHECK((*samples)[0].completion == c.tokens);
+  CHECK(torch::equal((*samples)[0].routed_experts, c.routed_experts));
+  samples = reference::requested_samples(reference::logprobs_request({c}, false, "a", "b"), &replay);
+  REQUIRE(samples);
+  CHECK_FALSE(replay);
+  CHECK_FALSE((*samples)[0].routed_experts.defined());
+  auto empty = c;
+  empty.tokens.clear();
+  empty.routed_experts = torch::Tensor();
+  auto refused = reference::requested_samples(reference::logprobs_request({empty}, false, "a", "b"), &replay);
+  REQUIRE_FALSE(refused);
+  CHECK(refused.error().code == messaging::ErrorCode::bad_message);
+  CHECK(refused.error().message.find("empty prompt or completion") != std::string::npos);
+
+  auto answer = [](std::vector<std::vector<float>> lp) {
+    return messaging::make_envelope(messaging::RefLogprobsResult{std::move(lp)}, messaging::Kind::reply, "b", "a");
+  };
+  CHECK(reference::read_logprobs(answer({{-1.f, -2.f}}), {c}, "rank 1") == std::vector<std::vector<float>>{{-1.f, -2.f}});
+  CHECK_THROWS_WITH_AS(reference::read_logprobs(answer({}), {c}, "rank 1"),
+                       doctest::Contains("rank 1 answered 0 samples for 1"), std::runtime_error);
+  CHECK_THROWS_WITH_AS(reference::read_logprobs(answer({{-1.f}}), {c}, "rank 1"),
+                       doctest::Contains("rank 1 answered 1 log-probs for a completion of 2 tokens"), std::runtime_error);
 }

@@ -123,7 +123,7 @@ void run_case(parallel::ProcessGroups& groups, const std::string& name) {
     if (me == world - 1) bad.back().prompt.push_back(whole->vocab_size());  // one past the vocabulary
     std::string error;
     try {
-      generate_in_lockstep(engine, *sliced, bad);
+      generate_in_lockstep(engine, bad);
     } catch (const std::invalid_argument& e) {
       error = e.what();
     }
@@ -132,7 +132,7 @@ void run_case(parallel::ProcessGroups& groups, const std::string& name) {
     expect(named, at + ": the refusal reads '" + error + "'");
     expect(!engine.has_work() && engine.forwards() == 0, at + ": the refused call left work or ran a forward");
   }
-  auto got = generate_in_lockstep(engine, *sliced, mine);
+  auto got = generate_in_lockstep(engine, mine);
   compare(got, want, mine, at);
   if (mine.empty()) expect(engine.forwards() == 0, at + ": a rank without requests ran a forward of its own");
 }

@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include "../test_util.hpp"
+#include "actors/trainer/frozen_reference.hpp"
 #include "model/blocks/activation_checkpoint.hpp"
 #include "trainer_fixture.hpp"
 
@@ -273,6 +274,33 @@ TEST_CASE("updates raise the advantage-weighted log-prob of the completions (the
   TrainerConfig bad;
   bad.lr_schedule = "zigzag";
   CHECK_THROWS_WITH_AS(Trainer(m, bad), doctest::Contains("lr_schedule"), std::invalid_argument);
+}
+
+TEST_CASE("a frozen reference (frozen_reference.hpp) holds the policy's weights as they were when made, whatever the policy does next") {
+  auto m = debug_model(2);
+  auto samples = rollout_samples(m, 4);
+  TrainerConfig c;
+  c.lr = 5e-3;
+  Trainer t(m, c);
+  const auto initial = completion_logprobs(*m, samples, c.logprobs);
+  // Built from the registry's debug flavor (other random weights), then given the policy's.
+  FrozenReference ref(model::ModelSpec{}, *m, c.logprobs);
+  auto ref_params = ref.model().named_parameters();
+  for (const auto& p : m->named_parameters()) {
+    CAPTURE(p.key());
+    REQUIRE(ref_params.find(p.key()) != nullptr);
+    CHECK(torch::equal(ref_params[p.key()], p.value()));
+    CHECK_FALSE(ref_params[p.key()].requires_grad());
+  }
+  CHECK(ref.logprobs(samples, true) == initial);
+  for (int i = 0; i < 2; ++i) t.train_step(samples);
+  CHECK(completion_logprobs(*m, samples, c.logprobs) != initial);  // the policy moved
+  CHECK(ref.logprobs(samples, true) == initial);                  // the reference did not
+  // A spec of another shape: refused naming the tensor.
+  model::ModelSpec other;
+  other.package = "glm5_next";
+  CHECK_THROWS_WITH_AS(FrozenReference(other, *m, c.logprobs), doctest::Contains("colocated reference"),
+                       std::invalid_argument);
 }
 
 TEST_CASE("the entropy bonus raises the policy's entropy") {
