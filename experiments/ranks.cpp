@@ -103,6 +103,10 @@ int serve_trainer_rank(parallel::ProcessGroups& groups) {
   const auto& info = groups.launch();
   const std::string r = std::to_string(info.rank);
   const std::string me = "kiln run: trainer rank " + r;
+  // Before the gateway, whose thread fills the queue: destroyed after the gateway has stopped.
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<messaging::Envelope> queue;
   // Reachable from rank 0: loopback for a job on one host's loopback, else every interface,
   // announced under KILN_ADVERTISE_ADDR or this host's name.
   const bool local = is_loopback(info.master_addr);
@@ -127,9 +131,6 @@ int serve_trainer_rank(parallel::ProcessGroups& groups) {
     return 2;
   }
   trainer::TrainerService service(*gw, "trainer/" + r, &groups);
-  std::mutex mu;
-  std::condition_variable cv;
-  std::deque<messaging::Envelope> queue;
   gw->serve("trainer/" + r, [&](messaging::Envelope e) {  // on the gateway thread: queue only
     std::lock_guard<std::mutex> l(mu);
     queue.push_back(std::move(e));
@@ -155,6 +156,13 @@ int serve_trainer_rank(parallel::ProcessGroups& groups) {
         } else {
           std::fprintf(stderr, "%s: %s\n", me.c_str(), answer.error().what().c_str());
           gw->reply_error(*request, answer.error());
+        }
+        if (service.collectives_failed()) {
+          // The job's collectives cannot go on. Exiting (the answer above is sent first: the
+          // gateway's stop drains it) closes this rank's connections, so that ranks waiting
+          // on it in a collective fail now instead of at parallel.collective_timeout_s.
+          std::fprintf(stderr, "%s: its collectives failed; exiting\n", me.c_str());
+          return 1;
         }
         continue;
       }
@@ -233,14 +241,27 @@ int run_ranks(const controller::Config& c, const std::string& config_toml, const
     if (!started.empty()) reap(started, 0, 0);
     return 2;
   }
-  if (info.rank != 0) return serve_trainer_rank(*groups);
+  // Failed groups may hold a collective left to Gloo's worker thread (Group::abort), which their
+  // destructor would wait out (up to twice parallel.collective_timeout_s): the process exits
+  // without destroying them.
+  auto leave_failed = [&] {
+    if (groups->failed()) (void)groups.release();
+  };
+  if (info.rank != 0) {
+    const int rc = serve_trainer_rank(*groups);
+    leave_failed();
+    return rc;
+  }
   const int rc = controller::run(c, config_toml, groups.get());
   // Tell the other ranks; give them up to 10 s to see it before the store (served here) goes.
   // Ranks this process started and that are gone already (a lost rank) are not waited for.
+  // After a failed collective, a rank still alive waits in one (until rank 0's connections
+  // close or its timeout): it cannot see the key, and is given 2 s before it is killed.
+  const bool broken = groups->failed();
   try {
     auto& store = groups->store();
     store.set(kRunOverKey, std::to_string(rc));
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(broken ? 0 : 10);
     for (int r = 1; r < world; ++r) {
       const std::string key = kRankDoneKey + std::to_string(r);
       const bool mine = std::size_t(r - 1) < started.size();
@@ -259,7 +280,9 @@ int run_ranks(const controller::Config& c, const std::string& config_toml, const
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s: not every rank confirmed the end of the run: %s\n", who.c_str(), e.what());
   }
-  if (const auto failed = reap(started, 10, rc); !failed.empty()) {
+  const auto failed = reap(started, broken ? 2 : 10, rc);
+  leave_failed();
+  if (!failed.empty()) {
     std::fprintf(stderr, "%s: trainer ranks ended badly:%s\n", who.c_str(), failed.c_str());
     return rc == 0 ? 1 : rc;
   }

@@ -5,9 +5,9 @@
 namespace kiln::messaging {
 
 namespace {
-constexpr std::array<const char*, 9> kNames = {
+constexpr std::array<const char*, 10> kNames = {
     "bad_message", "schema_mismatch", "unknown_type", "unknown_actor", "timeout",
-    "peer_lost",   "remote_error",    "transport",    "shutdown"};
+    "peer_lost",   "remote_error",    "transport",    "shutdown",     "collective_failed"};
 }
 
 const char* to_string(ErrorCode code) { return kNames[static_cast<std::size_t>(code)]; }

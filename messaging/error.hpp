@@ -18,6 +18,7 @@ enum class ErrorCode {
   remote_error,     ///< the remote actor answered with an error
   transport,        ///< a ZeroMQ call failed (names the call and errno text)
   shutdown,         ///< the gateway stopped before the request completed
+  collective_failed,  ///< the remote rank's collectives failed (a peer of them lost): it exits
 };
 
 /// Returns the wire/log name of `code` ("bad_message", ...).

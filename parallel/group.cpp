@@ -1,5 +1,6 @@
 #include "parallel/group.hpp"
 
+#include <condition_variable>
 #include <functional>
 #include <numeric>
 
@@ -60,18 +61,87 @@ void Group::check_tensor(const torch::Tensor& t, const char* op, const char* arg
   if (t.device() != device_) fail("is on " + t.device().str() + ", the group on " + device_.str());
 }
 
+void Group::ensure_usable(const char* op) const {
+  if (!failed_.load()) return;
+  std::lock_guard<std::mutex> l(why_mu_);
+  throw CollectiveError(std::string(op) + " on " + where() + ": the group failed before (" + why_ +
+                        "); its ranks no longer agree on what ran");
+}
+
+void Group::abort(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> l(why_mu_);
+    if (why_.empty()) why_ = "aborted: " + why;
+  }
+  failed_ = true;
+  std::shared_ptr<Waiter> waiting;
+  {
+    std::lock_guard<std::mutex> l(why_mu_);
+    waiting = waiting_;
+  }
+  if (waiting) {  // Gloo: the wait ends, leaving the collective to Gloo's worker thread
+    std::lock_guard<std::mutex> l(waiting->mu);
+    waiting->cv.notify_all();
+  }
+  if (device_.is_cuda()) {  // frees a wait on another thread (ProcessGroupNCCL::abort is for that)
+    try {
+      backend_->abort();
+    } catch (...) {
+    }
+  }
+}
+
+bool Group::wait_abortable(const c10::intrusive_ptr<c10d::Work>& work) const {
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  try {
+    future = work->getFuture();
+  } catch (const c10::Error&) {  // a work without a future: its own wait, which abort() cannot end
+    return work->wait(timeout_);
+  }
+  auto waiter = std::make_shared<Waiter>();
+  {
+    std::lock_guard<std::mutex> l(why_mu_);
+    waiting_ = waiter;
+  }
+  future->addCallback([waiter](c10::ivalue::Future&) {  // on Gloo's worker thread (or here, when done)
+    {
+      std::lock_guard<std::mutex> l(waiter->mu);
+      waiter->done = true;
+    }
+    waiter->cv.notify_all();
+  });
+  bool done;
+  {
+    std::unique_lock<std::mutex> l(waiter->mu);
+    done = waiter->cv.wait_for(l, timeout_, [&] { return waiter->done || failed_.load(); }) && waiter->done;
+  }
+  std::lock_guard<std::mutex> l(why_mu_);
+  waiting_.reset();
+  return done;
+}
+
 void Group::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* op) const {
   const std::string what =
       std::string(op) + " on " + where() + " (timeout " + std::to_string(timeout_.count()) + " ms) failed: ";
   std::string failure;
   try {
-    if (work->wait(timeout_)) return;
-    failure = "not complete within the timeout";
+    if (device_.is_cuda() || wait_abortable(work)) {  // done (Gloo): wait() returns or rethrows at once
+      if (work->wait(timeout_)) return;
+      failure = "not complete within the timeout";
+    } else {
+      failure = failed_.load() ? "left unfinished" : "not complete within the timeout";
+    }
   } catch (const c10::Error& e) {
     failure = e.what_without_backtrace();  // c10d's message without the C++ stack of the throw site
   } catch (const std::exception& e) {
     failure = e.what();
   }
+  {
+    std::lock_guard<std::mutex> l(why_mu_);
+    if (why_.empty()) why_ = what + failure;
+    else if (why_.rfind("aborted: ", 0) == 0) failure += " (" + why_ + ")";
+  }
+  failed_ = true;
   // NCCL: a collective whose peer is gone never ends; aborting the communicators frees its
   // kernels, so that this process can report and exit instead of hanging in the teardown until
   // ProcessGroupNCCL's watchdog kills it (SIGABRT). The group is unusable either way.
@@ -90,7 +160,7 @@ void Group::all_reduce(torch::Tensor& tensor, ReduceOp op) {
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);
   opts.timeout = backend_timeout();
-  wait(backend_->allreduce(tensors, opts), "all_reduce");
+  wait(started("all_reduce", [&] { return backend_->allreduce(tensors, opts); }), "all_reduce");
 }
 
 void Group::reduce_scatter(torch::Tensor& output, const torch::Tensor& input) {
@@ -156,7 +226,7 @@ void Group::all_to_all(torch::Tensor& output, const torch::Tensor& input, const 
   auto out_rows = output_rows, in_rows = input_rows;  // c10d takes non-const references
   c10d::AllToAllOptions opts;
   opts.timeout = backend_timeout();
-  wait(backend_->alltoall_base(output, in, out_rows, in_rows, opts), "all_to_all");
+  wait(started("all_to_all", [&] { return backend_->alltoall_base(output, in, out_rows, in_rows, opts); }), "all_to_all");
 }
 
 void Group::broadcast(torch::Tensor& tensor, int root) { wait(start_broadcast(tensor, root), "broadcast"); }
@@ -174,6 +244,7 @@ c10::intrusive_ptr<c10d::Work> Group::start_broadcast(torch::Tensor& tensor, int
 
 c10::intrusive_ptr<c10d::Work> Group::started(const char* op,
                                               const std::function<c10::intrusive_ptr<c10d::Work>()>& start) const {
+  ensure_usable(op);
   try {
     return start();
   } catch (const c10::Error& e) {
@@ -185,7 +256,7 @@ void Group::barrier() {
   c10d::BarrierOptions opts;
   opts.timeout = backend_timeout();
   if (device_.is_cuda()) opts.device_ids = {device_.index()};
-  wait(backend_->barrier(opts), "barrier");
+  wait(started("barrier", [&] { return backend_->barrier(opts); }), "barrier");
 }
 
 }  // namespace kiln::parallel

@@ -19,7 +19,11 @@
 
 #include <chrono>
 #include <cstdint>
+#include <atomic>
+#include <condition_variable>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -92,13 +96,35 @@ class Group {
   /// Returns once every rank of the group reached it.
   void barrier();
 
+  /// True once a collective of this group failed or abort() was called: the group cannot be
+  /// used again (its ranks disagree on what ran), and every later collective throws.
+  bool failed() const { return failed_.load(); }
+  /// Marks the group failed and frees a collective waiting in it on another thread: NCCL's
+  /// communicators are aborted, so that the wait throws CollectiveError at once. Gloo: c10d
+  /// cannot interrupt a running Gloo collective; it ends when a peer's connection closes (a
+  /// process that exits) or at the timeout. Every later collective throws CollectiveError
+  /// naming `why`. Callable from any thread, more than once (the first reason is kept).
+  void abort(const std::string& why);
+
  private:
   void check_tensor(const torch::Tensor& t, const char* op, const char* arg) const;
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* op) const;
-  /// start(), its c10::Error (a backend that refuses to queue) as a CollectiveError naming `op`.
+  /// Gloo: waits for `work`'s future up to the timeout or until abort(); true when it completed
+  /// (its result or error is then work->wait()'s). An unfinished collective stays with Gloo's
+  /// worker thread, which holds its tensors.
+  bool wait_abortable(const c10::intrusive_ptr<c10d::Work>& work) const;
+  struct Waiter {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  /// start(), its c10::Error (a backend that refuses to queue) as a CollectiveError naming `op`;
+  /// CollectiveError without starting when the group failed before (ensure_usable).
   c10::intrusive_ptr<c10d::Work> started(const char* op,
                                          const std::function<c10::intrusive_ptr<c10d::Work>()>& start) const;
   std::string where() const;
+  /// Throws CollectiveError naming `op` and the reason when the group failed before.
+  void ensure_usable(const char* op) const;
   /// The timeout given to the backend with each collective: twice the group's, so that the
   /// wait above fails first, with an error naming the group (ProcessGroupNCCL's watchdog aborts
   /// the process when a collective outlives the backend's timeout).
@@ -110,6 +136,10 @@ class Group {
   torch::Device device_;
   c10::intrusive_ptr<c10d::Backend> backend_;
   std::chrono::milliseconds timeout_;
+  mutable std::atomic<bool> failed_{false};
+  mutable std::mutex why_mu_;
+  mutable std::string why_;  ///< why the group failed (the first failure or abort)
+  mutable std::shared_ptr<Waiter> waiting_;  ///< the Gloo wait in progress (why_mu_), for abort()
 };
 
 }  // namespace kiln::parallel

@@ -106,6 +106,18 @@ ProcessGroups::ProcessGroups(const LaunchInfo& info, torch::Device device, std::
 
 ProcessGroups::~ProcessGroups() = default;
 
+bool ProcessGroups::failed() const {
+  if (world_->failed()) return true;
+  for (const auto& [dim, g] : along_)
+    if (g->failed()) return true;
+  return false;
+}
+
+void ProcessGroups::abort(const std::string& why) {
+  world_->abort(why);
+  for (auto& [dim, g] : along_) g->abort(why);
+}
+
 Group& ProcessGroups::along(const std::string& dim) {
   mesh_.dim_index(dim);  // throws naming the mesh's dimensions
   return *along_.at(dim);

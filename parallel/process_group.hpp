@@ -96,6 +96,14 @@ class ProcessGroups {
   Group& along(const std::string& dim);
   /// The job's store under the prefix "kiln/" (e.g. to publish each rank's ZeroMQ endpoint).
   c10d::Store& store() { return *store_; }
+  /// True once a collective of any of the groups failed (or abort()): this rank can no longer
+  /// take part in the job's collectives (Group::failed).
+  bool failed() const;
+  /// Group::abort(why) on every group: a collective this rank waits in on another thread ends
+  /// with CollectiveError (NCCL at once; Gloo when a peer's connection closes or at the
+  /// timeout). For a peer known lost (its process gone), so that this rank reports it instead
+  /// of waiting out parallel.collective_timeout_s.
+  void abort(const std::string& why);
 
  private:
   std::unique_ptr<Group> make_group(const std::string& name, const std::string& key_prefix, std::vector<int> ranks);

@@ -1,7 +1,10 @@
 #include "actors/controller/trainer_ranks.hpp"
 
 #include <algorithm>
+#include <condition_variable>
 #include <future>
+#include <mutex>
+#include <thread>
 
 #include "actors/reference/ref_messages.hpp"
 #include "actors/rollout/generate_messages.hpp"
@@ -21,6 +24,7 @@ constexpr auto kTrainTimeout = std::chrono::seconds(3600);
 
 DataParallelTrainer::DataParallelTrainer(const Config& c, parallel::ProcessGroups& groups, Gateway& gateway)
     : gw_(gateway),
+      groups_(groups),
       collective_timeout_(std::chrono::seconds(c.parallel.collective_timeout_s)),
       expert_parallel_(groups.along("ep").size() > 1) {
   auto& store = groups.store();
@@ -50,14 +54,87 @@ DataParallelTrainer::DataParallelTrainer(const Config& c, parallel::ProcessGroup
       kRequestTimeout);
 }
 
+namespace {
+
+using Answers = std::vector<std::shared_future<Expected<Envelope>>>;
+
+// An answer that says the rank is gone or can no longer take part in collectives.
+bool rank_lost(const Expected<Envelope>& answer) {
+  return !answer && answer.error().code != ErrorCode::remote_error && answer.error().code != ErrorCode::bad_message;
+}
+
+// Runs `here` (rethrowing what it throws) while watching `answers`: one that says its rank is
+// lost (its process gone, or its collectives failed and it exits) aborts `groups`, so that a
+// collective `here` waits in on that rank ends now instead of at parallel.collective_timeout_s.
+void run_watching(const std::function<void()>& here, const Answers& answers, parallel::ProcessGroups& groups,
+                  const std::function<std::string(std::size_t)>& who) {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::thread watcher([&] {
+    std::unique_lock<std::mutex> l(mu);
+    while (!cv.wait_for(l, std::chrono::milliseconds(20), [&] { return done; }))
+      for (std::size_t i = 0; i < answers.size(); ++i)
+        if (answers[i].wait_for(std::chrono::seconds(0)) == std::future_status::ready && rank_lost(answers[i].get())) {
+          groups.abort(who(i) + ": " + answers[i].get().error().what());
+          return;
+        }
+  });
+  auto stop = [&] {
+    {
+      std::lock_guard<std::mutex> l(mu);
+      done = true;
+    }
+    cv.notify_all();
+    watcher.join();
+  };
+  try {
+    here();
+  } catch (...) {
+    stop();
+    throw;
+  }
+  stop();
+}
+
+// Waits for `answers` until `deadline`; once one says its rank is lost, the others get
+// `grace` more (they can only fail then). Returns which answers arrived.
+std::vector<bool> await_answers(const Answers& answers, std::chrono::steady_clock::time_point deadline,
+                                std::chrono::seconds grace) {
+  std::vector<bool> seen(answers.size(), false);
+  std::size_t pending = answers.size();
+  while (pending > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::size_t next = answers.size();  // the first still pending: waited on (10 ms at most)
+    for (std::size_t i = 0; i < answers.size(); ++i) {
+      if (seen[i]) continue;
+      if (answers[i].wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+        if (next == answers.size()) next = i;
+        continue;
+      }
+      seen[i] = true;
+      --pending;
+      if (rank_lost(answers[i].get())) deadline = std::min(deadline, std::chrono::steady_clock::now() + grace);
+    }
+    if (next < answers.size()) answers[next].wait_for(std::chrono::milliseconds(10));
+  }
+  for (std::size_t i = 0; i < answers.size(); ++i)
+    seen[i] = seen[i] || answers[i].wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+  return seen;
+}
+
+}  // namespace
+
 std::vector<Envelope> DataParallelTrainer::on_all_ranks(const std::string& what, const std::function<Envelope(const std::string&)>& request,
                                        const std::function<void()>& here, std::chrono::seconds timeout) {
-  std::vector<std::future<Expected<Envelope>>> answers;
-  for (const auto& to : actors_) answers.push_back(gw_.request(request(to), timeout));
+  Answers answers;
+  for (const auto& to : actors_) answers.push_back(gw_.request(request(to), timeout).share());
+  auto who = [&](std::size_t i) {
+    return "trainer rank " + std::to_string(i + 1) + " (" + actors_[i] + " at " + endpoints_[i] + ")";
+  };
   std::exception_ptr local_error;
   bool collective_failed = false;
   try {
-    here();
+    run_watching(here, answers, groups_, who);
   } catch (const parallel::CollectiveError&) {
     local_error = std::current_exception();
     collective_failed = true;
@@ -66,23 +143,31 @@ std::vector<Envelope> DataParallelTrainer::on_all_ranks(const std::string& what,
   }
   // A rank that is alive answers within the collective timeout once rank 0's part is over
   // (its collectives fail too when another rank is gone); a dead one at once (peer lost).
-  const auto deadline = std::chrono::steady_clock::now() + collective_timeout_ + std::chrono::seconds(30);
-  std::string lost, failed;
+  // Once a rank is lost or rank 0's collectives failed, the others can only fail: they get
+  // kLostGrace to say why (a rank whose collectives failed answers and exits, which ends the
+  // collectives of those waiting on it), then they count as lost.
+  constexpr auto kLostGrace = std::chrono::seconds(3);
+  const auto now = std::chrono::steady_clock::now();
+  const auto seen = await_answers(answers, collective_failed ? now + kLostGrace : now + collective_timeout_ + std::chrono::seconds(30),
+                                  kLostGrace);
+  // Named in the order that explains the failure: ranks gone, ranks whose collectives failed
+  // then, ranks that did not answer (waiting in a collective on one of those).
+  std::string gone, broken, silent, failed;
+  auto add = [](std::string& list, const std::string& item) { list += (list.empty() ? "" : "; ") + item; };
   std::vector<Envelope> replies;
   for (std::size_t i = 0; i < answers.size(); ++i) {
-    const std::string who = "trainer rank " + std::to_string(i + 1) + " (" + actors_[i] + " at " + endpoints_[i] + ")";
-    if (answers[i].wait_until(deadline) != std::future_status::ready) {
-      lost += (lost.empty() ? "" : "; ") + who + ": no answer to " + what;
+    if (!seen[i]) {
+      add(silent, who(i) + ": no answer to " + what);
       continue;
     }
-    auto r = answers[i].get();
-    if (r) {
-      replies.push_back(std::move(*r));
-      continue;
-    }
-    if (r.error().code == ErrorCode::remote_error) failed += (failed.empty() ? "" : "; ") + who + ": " + r.error().message;
-    else lost += (lost.empty() ? "" : "; ") + who + " lost: " + r.error().what();
+    const auto& r = answers[i].get();
+    if (r) replies.push_back(*r);
+    else if (!rank_lost(r)) add(failed, who(i) + ": " + r.error().message);
+    else add(r.error().code == ErrorCode::collective_failed ? broken : gone, who(i) + " lost: " + r.error().what());
   }
+  std::string lost = gone;
+  for (const auto* more : {&broken, &silent})
+    if (!more->empty()) add(lost, *more);
   auto local_message = [&]() -> std::string {
     try {
       std::rethrow_exception(local_error);

@@ -68,7 +68,8 @@ class DataParallelTrainer : public TrainerHandle {
  private:
   /// Sends `request` to every other rank, runs `here` in this process, then waits for every
   /// answer; returns the answers of ranks 1..R-1 in rank order; throws as train() says, `what`
-  /// naming the request.
+  /// naming the request. A rank lost while `here` runs aborts this rank's groups (NCCL: the
+  /// collective `here` waits in ends at once); once a rank is lost the others get 3 s more.
   std::vector<messaging::Envelope> on_all_ranks(const std::string& what, const std::function<messaging::Envelope(const std::string& actor)>& request,
                     const std::function<void()>& here, std::chrono::seconds timeout);
 
@@ -76,6 +77,7 @@ class DataParallelTrainer : public TrainerHandle {
   std::size_t rank_of(const std::string& actor) const;
 
   messaging::Gateway& gw_;
+  parallel::ProcessGroups& groups_;  ///< aborted when a rank is lost while rank 0 runs its part
   std::vector<std::string> actors_, endpoints_;  ///< [R - 1]: trainer/R and where it listens
   std::chrono::milliseconds collective_timeout_;
   bool expert_parallel_ = false;

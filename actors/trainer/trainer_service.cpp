@@ -216,10 +216,16 @@ Expected<Envelope> TrainerService::handle(const Envelope& request) {
     save_checkpoint(q->dir, *s_->policy, *s_->trainer, state);
     return reply(TrainerPushed{s_->trainer->version()});
   } catch (const c10::Error& e) {  // LibTorch's: without its C++ backtrace
-    return make_error(ErrorCode::remote_error, std::string(request.type) + ": " + e.what_without_backtrace());
+    return make_error(failure_code(), std::string(request.type) + ": " + e.what_without_backtrace());
   } catch (const std::exception& e) {
-    return make_error(ErrorCode::remote_error, std::string(request.type) + ": " + e.what());
+    return make_error(failure_code(), std::string(request.type) + ": " + e.what());
   }
+}
+
+bool TrainerService::collectives_failed() const { return s_->ranks && s_->ranks->failed(); }
+
+messaging::ErrorCode TrainerService::failure_code() const {
+  return collectives_failed() ? ErrorCode::collective_failed : ErrorCode::remote_error;
 }
 
 std::unique_ptr<rollout::ColocatedEngine> make_colocated_engine(std::shared_ptr<model::CausalLM> policy,

@@ -42,9 +42,15 @@ class TrainerService {
   /// sizes do not fit (log-probs vs tokens, routed-experts tensors vs samples), token ids out
   /// of the vocabulary, an unreadable checkpoint, a push target that is unknown or fails its
   /// check. A failed trainer.train leaves the policy and optimizer as they were.
+  /// A request whose collectives failed (a peer rank lost) is answered with
+  /// ErrorCode::collective_failed: this rank can no longer take part (collectives_failed()).
   messaging::Expected<messaging::Envelope> handle(const messaging::Envelope& request);
+  /// True once a collective of this rank's groups failed: the rank should answer and exit, so
+  /// that the ranks waiting on it in their own collectives see its connections close.
+  bool collectives_failed() const;
 
  private:
+  messaging::ErrorCode failure_code() const;
   struct State;
   std::unique_ptr<State> s_;
 };

@@ -15,7 +15,11 @@
    a checkpoint written at ep 2 (an HF part and optimizer parts per rank), resumed at ep 2 (bit
    for bit), dp 1 and dp 2.
 4. Rank 1 killed mid-run (SIGKILL): rank 0 exits 1 within 60 s naming trainer rank 1; every
-   process of the job is gone; resuming from the newest checkpoint finishes the run.
+   process of the job is gone; resuming from the newest checkpoint finishes the run. At dp 2 x
+   ep 2 (reference colocated, micro-batches of 8 tokens: nearly all of a step in the ranks'
+   collectives), rank 1 and then rank 3 killed: rank 0 exits 1 within 15 s naming it, though
+   parallel.collective_timeout_s is 600 (ranks whose collectives failed answer and exit; rank 0
+   leaves its own collective once a rank is known lost).
 5. parallel.dp = 3 under a launch of 2 ranks, and placement.trainer = "process" with dp 2, are
    refused by name.
 Usage: check_data_parallel.py PATH_TO_KILN WORK_DIR PATH_TO_TORCHRUN. Prints "N passed, M failed"."""
@@ -141,6 +145,19 @@ if victim:
                 "--set", f"run.resume_from={kill_dir}/checkpoints/step_{done[-1]:06d}")
         steps = [m["step"] for m in metrics(kill_dir)]
         checks.append((steps == list(range(1, 9)), f"resumed: steps 1..8 logged once each ({steps})"))
+
+for rank in (1, 3):
+    kill_dir = f"{work}/kill_dp2_ep2_rank{rank}"
+    p = start_run([kiln, "run", *quiet, "--set", "run.steps=200", "--set", "parallel.dp=2", "--set", "parallel.ep=2",
+                   "--set", "placement.reference=colocated", "--set", "algorithm.max_tokens_per_microbatch=8",
+                   "--set", f"run.output_dir={kill_dir}"], kill_dir, 3, env)
+    victim, _ = rank_child(p.pid, rank)
+    checks.append((victim is not None, f"dp 2 x ep 2: found rank {rank}'s process"))
+    if victim:
+        expect_rank_lost(p, victim, rank, checks, within=15)
+    else:
+        p.kill()
+        p.communicate()
 
 # 5. refusals
 def refused(args, fragment, extra_env=None):

@@ -2,7 +2,8 @@
 """A trainer rank lost mid-run on CUDA (NCCL), as check_data_parallel.py part 4 shows over Gloo:
 `kiln run` with two trainer ranks on two GPUs (parallel.dp = 2, and again with the layers fully
 sharded, parallel.fsdp), checkpoints every 2 steps; once step 3 is logged, rank 1 is SIGKILLed.
-Rank 0 must exit 1 within 90 s (parallel.collective_timeout_s = 30) naming trainer rank 1, no
+Rank 0 must exit 1 within 20 s naming trainer rank 1 (below parallel.collective_timeout_s = 30:
+once rank 1 is known lost, rank 0 aborts its NCCL communicators instead of waiting), no
 process of the job may be left, and a resume from the newest checkpoint must finish the run.
 Needs two CUDA GPUs: prints KILN_TEST_SKIPPED and exits 0 otherwise.
 Usage: check_lost_rank_cuda.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
@@ -62,7 +63,7 @@ for tag, extra in (("dp2", []), ("dp2_fsdp", ["--set", "parallel.fsdp=true"])):
     took = time.monotonic() - t0
     print(f"{tag}: rank 0 exited {p.returncode} {took:.1f} s after the kill: {err.strip().splitlines()[-1:] }")
     checks.append((p.returncode == 1, f"{tag}: rank 0 exits 1 after rank 1 is killed ({p.returncode}: {err[-400:]})"))
-    checks.append((took < 90, f"{tag}: ... within 90 s ({took:.1f} s)"))
+    checks.append((took < 20, f"{tag}: ... within 20 s ({took:.1f} s)"))
     checks.append(("trainer rank 1" in err, f"{tag}: ... naming trainer rank 1"))
     alive = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
     checks.append((not alive, f"{tag}: no process of the job is left ({alive})"))

@@ -5,8 +5,14 @@
 //                87382x3 elements, the last over 1 MiB) on the world group and on this rank's
 //                group along each mesh dimension; exit 0 when every check passed, 1 otherwise;
 //   loop:        all-reduces 1 MiB on the world group until a collective fails (run_workers.py
-//                kills one rank meanwhile); exit 3 with the error.
-// Usage: kiln_parallel_worker collectives|loop [--mesh dp=2,ep=2] [--timeout-ms 10000]
+//                kills one rank meanwhile); exit 3 with the error;
+//   abort:       (world 2) rank 0 all-reduces while rank 1 stays out, as a lost peer would, and
+//                another thread calls ProcessGroups::abort 300 ms later: the wait must end then
+//                (not at the 60 s timeout) with a CollectiveError naming the reason, the groups
+//                must say failed() and refuse the next collective at once; then rank 1 joins
+//                the left collective (Gloo: so that Gloo's worker thread ends) and both exit
+//                0 with "rank R: X of Y checks passed".
+// Usage: kiln_parallel_worker collectives|loop|abort [--mesh dp=2,ep=2] [--timeout-ms 10000]
 //        [--device cuda]  (tensors on GPU LOCAL_RANK, NCCL; collectives also times a 1 GiB all-reduce)
 #include "parallel/process_group.hpp"
 
@@ -16,6 +22,7 @@
 #include <iostream>
 #include <numeric>
 #include <string>
+#include <thread>
 
 using namespace kiln::parallel;
 
@@ -130,6 +137,68 @@ void check_group(Group& g) {
   g.barrier();
 }
 
+void expect(bool ok, const std::string& what) {
+  ++checks;
+  if (ok) return;
+  ++failures;
+  std::cerr << "MISMATCH " << what << std::endl;
+}
+
+int abort_scenario(ProcessGroups& groups, int rank) {
+  auto t = D(torch::ones({1024}, torch::kFloat));
+  const std::string left_key = "abort_test/left";
+  if (rank == 0) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::thread aborter([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      groups.abort("test: rank 1 is lost");
+    });
+    std::string error;
+    try {
+      groups.world().all_reduce(t);
+    } catch (const CollectiveError& e) {
+      error = e.what();
+    }
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    aborter.join();
+    std::cout << "rank 0: the wait ended after " << waited << " s: " << error << std::endl;
+    expect(!error.empty(), "the all_reduce rank 1 never joined throws CollectiveError");
+    expect(waited >= 0.25 && waited < 5, "... once abort() is called (after " + std::to_string(waited) + " s), not at the timeout");
+    expect(error.find("all_reduce") != std::string::npos && error.find("group 'world'") != std::string::npos,
+           "... naming the operation and the group: " + error);
+    expect(error.find("test: rank 1 is lost") != std::string::npos, "... and abort()'s reason: " + error);
+    expect(groups.failed() && groups.world().failed(), "the groups say failed()");
+    for (auto* g : {&groups.world(), &groups.along("x")}) {
+      const auto t1 = std::chrono::steady_clock::now();
+      std::string again;
+      try {
+        g->all_reduce(t);
+      } catch (const CollectiveError& e) {
+        again = e.what();
+      }
+      const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+      expect(again.find("failed before") != std::string::npos && again.find("test: rank 1 is lost") != std::string::npos &&
+                 took < 0.5,
+             "a later all_reduce on group '" + g->name() + "' throws at once naming the first failure (" +
+                 std::to_string(took) + " s): " + again);
+    }
+    groups.store().set(left_key, "1");
+  } else {
+    groups.store().wait({left_key}, std::chrono::seconds(60));
+    // Gloo: the collective rank 0 left is still queued on its worker thread; joining it lets
+    // the thread end (the groups' destructors wait for it). NCCL: rank 0's communicators are
+    // aborted, so there is nothing to join.
+    if (!g_device.is_cuda()) {
+      groups.world().all_reduce(t);
+      expect(torch::equal(t.cpu(), torch::full({1024}, 2.0f)), "rank 1 completes the collective rank 0 left");
+    } else {
+      expect(true, "rank 1 stayed out of the aborted collective");
+    }
+  }
+  std::cout << "rank " << rank << ": " << checks - failures << " of " << checks << " checks passed" << std::endl;
+  return failures ? 1 : 0;
+}
+
 std::vector<MeshDim> parse_mesh(const std::string& text) {  // "dp=2,ep=2"
   std::vector<MeshDim> dims;
   std::size_t start = 0;
@@ -190,6 +259,7 @@ int main(int argc, char** argv) {
       }
       return failures ? 1 : 0;
     }
+    if (scenario == "abort") return abort_scenario(groups, rank);
     if (scenario == "loop") {
       auto t = torch::ones({262144}, torch::kFloat);  // 1 MiB
       groups.world().all_reduce(t);
