@@ -1,8 +1,8 @@
 #pragma once
-// The trainer core: dynamic micro-batching, per-token log-probs of the policy, the RL loss
-// (losses.hpp), AdamW with gradient-norm clipping and a learning-rate schedule (the update in
-// multi-tensor launches: LibTorch's fused at::_fused_adamw_ over torch::optim::AdamW's state,
-// fused_adamw.hpp), routing replay.
+// The trainer core: dynamic micro-batching (samples.hpp), per-token log-probs of the policy,
+// the RL loss (losses.hpp), AdamW with gradient-norm clipping and a learning-rate schedule (the
+// update in multi-tensor launches: LibTorch's fused at::_fused_adamw_ over torch::optim::AdamW's
+// state, fused_adamw.hpp; sharded over ranks in trainer_optimizer.cpp), routing replay.
 // Plain class: the trainer actor drives it. Legend: P prompt tokens, n completion tokens,
 // L MoE layers, K experts per token.
 #include <memory>
@@ -12,6 +12,7 @@
 
 #include "actors/trainer/fully_sharded.hpp"
 #include "actors/trainer/losses.hpp"
+#include "actors/trainer/samples.hpp"
 #include "actors/trainer/sharded_adamw.hpp"
 #include "actors/trainer/trainer_config.hpp"
 #include "model/causal_lm.hpp"
@@ -19,37 +20,6 @@
 #include "parallel/process_group.hpp"
 
 namespace kiln::trainer {
-
-/// One trained sample: a prompt and the completion the rollout produced for it.
-struct Sample {
-  std::vector<int64_t> prompt, completion;
-  std::vector<float> behavior_logprobs;  ///< [n] as the rollout returned them
-  std::vector<float> ref_logprobs;       ///< [n] reference policy (empty when KL is off)
-  /// [n] pi_old: the trainer's policy before this step, from a separate no-grad pass (verl's
-  /// "recompute old log-prob"); empty: the training forward's own values, detached (equal in
-  /// exact arithmetic with one PPO epoch; the separate pass runs at the rollout's shapes).
-  std::vector<float> old_logprobs;
-  torch::Tensor routed_experts;          ///< [P + n - 1, L, K] or undefined (no replay)
-  /// [P + n - 1, Ls, W] the rollout's sparse-attention selections (glm5_next's indexers:
-  /// positions within the sample, -1 for none), or undefined (the policy's indexers choose).
-  torch::Tensor topk_indices;
-  float advantage = 0;
-  int64_t tokens() const { return int64_t(prompt.size() + completion.size()); }
-};
-
-
-/// Splits samples (by index, in order) into micro-batches of at most `max_tokens` tokens; a
-/// sample longer than max_tokens gets a micro-batch of its own.
-std::vector<std::vector<std::size_t>> plan_micro_batches(const std::vector<Sample>& samples, int64_t max_tokens);
-/// The same over the samples at `indices` (in that order); returns indices into `samples`.
-std::vector<std::vector<std::size_t>> plan_micro_batches(const std::vector<Sample>& samples,
-                                                         const std::vector<std::size_t>& indices, int64_t max_tokens);
-
-/// Splits a step's samples over `ranks` data-parallel ranks, balanced by tokens (prompt +
-/// completion): longest first (ties: lower index), each to the rank with the fewest tokens so
-/// far (ties: lower rank). result[r]: rank r's sample indices, ascending; a rank may get none
-/// when there are fewer samples than ranks. Deterministic: every rank computes the same split.
-std::vector<std::vector<std::size_t>> split_samples(const std::vector<Sample>& samples, int ranks);
 
 /// The expert-parallel dimensions of a dp x ep mesh the trainer spans (Trainer's constructor).
 struct ExpertParallel {
