@@ -192,9 +192,10 @@ Expected<msgpack::object_handle> unpack_payload(const Envelope& env) {
   }
 }
 
-Expected<Envelope> decode(std::span<const Frame> frames, const DecodeLimits& limits) {
-  if (frames.empty()) return bad("no frames (expected an envelope frame)");
-  const Frame& head = frames[0];
+namespace {
+
+// Frame 0 as a msgpack map, within the limits.
+Expected<msgpack::object_handle> unpack_head(const Frame& head, const DecodeLimits& limits) {
   const std::size_t n = head.size;
   if (n == 0) return bad("frame 0 (envelope) is empty");
   if (n > limits.max_envelope_bytes)
@@ -209,11 +210,13 @@ Expected<Envelope> decode(std::span<const Frame> frames, const DecodeLimits& lim
   } catch (const std::exception& e) {
     return bad(std::string("frame 0 (envelope) is not valid msgpack: ") + e.what());
   }
-  const msgpack::object& root = h.get();
-  if (root.type != msgpack::type::MAP)
-    return bad(std::string("envelope must be a msgpack map, got ") + type_name(root));
+  if (h.get().type != msgpack::type::MAP)
+    return bad(std::string("envelope must be a msgpack map, got ") + type_name(h.get()));
+  return h;
+}
 
-  Envelope env;
+// The envelope's own fields (all but the tensors) from its map `root` into `env`.
+Expected<bool> read_fields(const msgpack::object& root, Envelope& env) {
   // The version comes first: another version may lay out other fields.
   auto v = get_uint(root, "v", true);
   if (!v) return v.error();
@@ -254,6 +257,77 @@ Expected<Envelope> decode(std::span<const Frame> frames, const DecodeLimits& lim
     msgpack::pack(pb, *p);
     env.payload.assign(pb.data(), pb.size());
   }
+  return true;
+}
+
+// A descriptor's shape: non-negative int64 dims, at most limits.max_ndim of them.
+Expected<std::vector<int64_t>> read_shape(const msgpack::object& d, const std::string& where, const DecodeLimits& limits) {
+  const auto* shape = field(d, "shape");
+  if (!shape) return bad(where + ".shape is missing");
+  if (shape->type != msgpack::type::ARRAY) return bad(where + ".shape must be an array, got " + type_name(*shape));
+  if (shape->via.array.size > limits.max_ndim)
+    return bad(where + ".shape has " + std::to_string(shape->via.array.size) + " dims, limit " +
+               std::to_string(limits.max_ndim));
+  std::vector<int64_t> out;
+  for (uint32_t j = 0; j < shape->via.array.size; ++j) {
+    const auto& dim = shape->via.array.ptr[j];
+    if (dim.type == msgpack::type::NEGATIVE_INTEGER)
+      return bad(where + ".shape[" + std::to_string(j) + "] is negative (" + std::to_string(dim.via.i64) + ")");
+    if (dim.type != msgpack::type::POSITIVE_INTEGER)
+      return bad(where + ".shape[" + std::to_string(j) + "] must be an integer, got " + type_name(dim));
+    if (dim.via.u64 > static_cast<uint64_t>(INT64_MAX))
+      return bad(where + ".shape[" + std::to_string(j) + "] overflows int64");
+    out.push_back(static_cast<int64_t>(dim.via.u64));
+  }
+  return out;
+}
+
+// Tensor `i` from its descriptor `d` and its frame `f` (frame i + 1).
+Expected<Tensor> read_tensor(const msgpack::object& d, std::size_t i, const Frame& f, const DecodeLimits& limits) {
+  const std::string where = "tensors[" + std::to_string(i) + "]";
+  if (d.type != msgpack::type::MAP) return bad(where + " must be a map, got " + type_name(d));
+  Tensor t;
+  auto name = get_str(d, "name", where + ".name", false);
+  if (!name) return name.error();
+  t.name = std::move(*name);
+  auto dt = get_str(d, "dtype", where + ".dtype", true);
+  if (!dt) return dt.error();
+  auto dtype = dtype_from_name(*dt);
+  if (!dtype) return bad(where + ".dtype '" + *dt + "' is not a known dtype");
+  t.dtype = *dtype;
+  auto shape = read_shape(d, where, limits);
+  if (!shape) return shape.error();
+  t.shape = std::move(*shape);
+  auto expect = tensor_bytes(t.dtype, t.shape, where);
+  if (!expect) return expect.error();
+  auto nbytes = get_uint(d, where + ".nbytes", true);
+  if (!nbytes) return nbytes.error();
+  if (*nbytes != *expect)
+    return bad(where + ".nbytes is " + std::to_string(*nbytes) + " but shape and dtype " +
+               std::string(dtype_name(t.dtype)) + " need " + std::to_string(*expect));
+  if (*expect > limits.max_tensor_bytes)
+    return bad(where + " is " + std::to_string(*expect) + " bytes, limit " + std::to_string(limits.max_tensor_bytes));
+  if (f.size != *expect)
+    return bad("frame " + std::to_string(i + 1) + " (" + where + ") holds " + std::to_string(f.size) +
+               " bytes, expected " + std::to_string(*expect));
+  t.nbytes = f.size;
+  auto addr = reinterpret_cast<std::uintptr_t>(f.data);
+  if (f.size > 0 && addr % item_size(t.dtype) != 0)  // misaligned for the dtype (possible on tcp/ipc): one copy
+    return Tensor::copy_of(std::move(t.name), t.dtype, std::move(t.shape), f.data, f.size);
+  t.data = f.data;
+  t.owner = f.owner;
+  return t;
+}
+
+}  // namespace
+
+Expected<Envelope> decode(std::span<const Frame> frames, const DecodeLimits& limits) {
+  if (frames.empty()) return bad("no frames (expected an envelope frame)");
+  auto h = unpack_head(frames[0], limits);
+  if (!h) return h.error();
+  const msgpack::object& root = h->get();
+  Envelope env;
+  if (auto ok = read_fields(root, env); !ok) return ok.error();
 
   std::size_t ntensors = 0;
   const msgpack::object* tensors = field(root, "tensors");
@@ -268,62 +342,11 @@ Expected<Envelope> decode(std::span<const Frame> frames, const DecodeLimits& lim
   if (frames.size() != ntensors + 1)
     return bad("envelope lists " + std::to_string(ntensors) + " tensors but " +
                std::to_string(frames.size() - 1) + " tensor frames followed");
-
   env.tensors.reserve(ntensors);
   for (std::size_t i = 0; i < ntensors; ++i) {
-    const std::string where = "tensors[" + std::to_string(i) + "]";
-    const msgpack::object& d = tensors->via.array.ptr[i];
-    if (d.type != msgpack::type::MAP) return bad(where + " must be a map, got " + type_name(d));
-    Tensor t;
-    auto name = get_str(d, "name", where + ".name", false);
-    if (!name) return name.error();
-    t.name = std::move(*name);
-    auto dt = get_str(d, "dtype", where + ".dtype", true);
-    if (!dt) return dt.error();
-    auto dtype = dtype_from_name(*dt);
-    if (!dtype) return bad(where + ".dtype '" + *dt + "' is not a known dtype");
-    t.dtype = *dtype;
-    const auto* shape = field(d, "shape");
-    if (!shape) return bad(where + ".shape is missing");
-    if (shape->type != msgpack::type::ARRAY)
-      return bad(where + ".shape must be an array, got " + type_name(*shape));
-    if (shape->via.array.size > limits.max_ndim)
-      return bad(where + ".shape has " + std::to_string(shape->via.array.size) + " dims, limit " +
-                 std::to_string(limits.max_ndim));
-    for (uint32_t j = 0; j < shape->via.array.size; ++j) {
-      const auto& dim = shape->via.array.ptr[j];
-      if (dim.type == msgpack::type::NEGATIVE_INTEGER)
-        return bad(where + ".shape[" + std::to_string(j) + "] is negative (" +
-                   std::to_string(dim.via.i64) + ")");
-      if (dim.type != msgpack::type::POSITIVE_INTEGER)
-        return bad(where + ".shape[" + std::to_string(j) + "] must be an integer, got " + type_name(dim));
-      if (dim.via.u64 > static_cast<uint64_t>(INT64_MAX))
-        return bad(where + ".shape[" + std::to_string(j) + "] overflows int64");
-      t.shape.push_back(static_cast<int64_t>(dim.via.u64));
-    }
-    auto expect = tensor_bytes(t.dtype, t.shape, where);
-    if (!expect) return expect.error();
-    auto nbytes = get_uint(d, where + ".nbytes", true);
-    if (!nbytes) return nbytes.error();
-    if (*nbytes != *expect)
-      return bad(where + ".nbytes is " + std::to_string(*nbytes) + " but shape and dtype " +
-                 std::string(dtype_name(t.dtype)) + " need " + std::to_string(*expect));
-    if (*expect > limits.max_tensor_bytes)
-      return bad(where + " is " + std::to_string(*expect) + " bytes, limit " + std::to_string(limits.max_tensor_bytes));
-    const Frame& f = frames[i + 1];
-    if (f.size != *expect)
-      return bad("frame " + std::to_string(i + 1) + " (" + where + ") holds " + std::to_string(f.size) +
-                 " bytes, expected " + std::to_string(*expect));
-    t.nbytes = f.size;
-    auto addr = reinterpret_cast<std::uintptr_t>(f.data);
-    if (f.size > 0 && addr % item_size(t.dtype) != 0) {
-      // Misaligned for the dtype (possible on tcp/ipc): one copy into an aligned buffer.
-      t = Tensor::copy_of(std::move(t.name), t.dtype, std::move(t.shape), f.data, f.size);
-    } else {
-      t.data = f.data;
-      t.owner = f.owner;
-    }
-    env.tensors.push_back(std::move(t));
+    auto t = read_tensor(tensors->via.array.ptr[i], i, frames[i + 1], limits);
+    if (!t) return t.error();
+    env.tensors.push_back(std::move(*t));
   }
   return env;
 }
