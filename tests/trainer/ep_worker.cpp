@@ -66,19 +66,11 @@ struct Groups {
 std::vector<Sample> make_batch(uint64_t seed, int count, const model::CausalLM& m, bool with_old,
                                const std::string& routing) {
   std::mt19937_64 rng(seed);
-  auto uniform = [&](double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(rng); };
   auto integer = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
   const int64_t vocab = m.vocab_size(), L = m.num_moe_layers(), K = m.experts_per_token(), E = 8;
-  std::vector<Sample> out(static_cast<std::size_t>(count));
-  for (auto& s : out) {
-    for (int64_t k = integer(2, 9); k > 0; --k) s.prompt.push_back(integer(2, vocab - 1));
-    for (int64_t k = integer(1, 12); k > 0; --k) {
-      s.completion.push_back(integer(2, vocab - 1));
-      s.behavior_logprobs.push_back(float(uniform(-6.0, -3.5)));
-      s.ref_logprobs.push_back(float(uniform(-6.0, -3.5)));
-      if (with_old) s.old_logprobs.push_back(float(uniform(-5.2, -4.0)));
-    }
-    s.advantage = float(uniform(-1.5, 1.5));
+  std::vector<Sample> out;
+  for (int i = 0; i < count; ++i) {
+    auto& s = out.emplace_back(random_sample(rng, vocab, with_old));
     if (routing.empty()) continue;
     const int64_t rows = s.tokens() - 1;  // [P + n - 1, L, K]
     s.routed_experts = torch::empty({rows, L, K}, torch::kInt64);

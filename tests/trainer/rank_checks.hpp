@@ -10,10 +10,12 @@
 #include <cmath>
 #include <iostream>
 #include <memory>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "actors/trainer/samples.hpp"
 #include "actors/trainer/trainer_config.hpp"
 #include "parallel/group.hpp"
 #include "parallel/launch.hpp"
@@ -26,6 +28,24 @@ namespace kiln::test::rank_checks {
 /// 60 s store and collective timeouts; sets `rank`. Throws std::invalid_argument when ep does
 /// not divide the world.
 inline std::unique_ptr<parallel::ProcessGroups> dp_ep_groups(const std::string& ep_arg);
+
+/// One random sample drawn from `rng` (the same on every rank given the same state): 2-9 prompt
+/// and 1-12 completion ids in [2, vocab), behaviour and reference log-probs in [-6, -3.5), old
+/// log-probs in [-5.2, -4) when `with_old`, an advantage in [-1.5, 1.5).
+inline trainer::Sample random_sample(std::mt19937_64& rng, int64_t vocab, bool with_old) {
+  auto uniform = [&](double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(rng); };
+  auto integer = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  trainer::Sample s;
+  for (int64_t k = integer(2, 9); k > 0; --k) s.prompt.push_back(integer(2, vocab - 1));
+  for (int64_t k = integer(1, 12); k > 0; --k) {
+    s.completion.push_back(integer(2, vocab - 1));
+    s.behavior_logprobs.push_back(float(uniform(-6.0, -3.5)));
+    s.ref_logprobs.push_back(float(uniform(-6.0, -3.5)));
+    if (with_old) s.old_logprobs.push_back(float(uniform(-5.2, -4.0)));
+  }
+  s.advantage = float(uniform(-1.5, 1.5));
+  return s;
+}
 
 inline constexpr double kTolerance = 1e-5;  ///< relative error allowed against one rank (fp32)
 inline int checks = 0, failures = 0, rank = -1;
