@@ -79,6 +79,13 @@ endif()
 
 # kiln_use_torch(target): link LibTorch and reuse the shared precompiled header.
 function(kiln_use_torch target)
+  # The shared PCH is built -fPIC; an executable's sources compile -fPIE, and GCC then ignores
+  # the PCH (-Winvalid-pch) and parses the torch headers again in every one of them.
+  get_target_property(_type ${target} TYPE)
+  if(_type STREQUAL "EXECUTABLE")
+    message(FATAL_ERROR "kiln_use_torch(${target}): an executable's -fPIE sources cannot use the torch PCH; "
+                        "compile them in an OBJECT library that calls kiln_use_torch and link its objects")
+  endif()
   target_link_libraries(${target} PUBLIC torch)
   target_compile_options(${target} PRIVATE ${TORCH_CXX_FLAGS})
   target_precompile_headers(${target} REUSE_FROM kiln_torch_pch)
