@@ -45,11 +45,14 @@ namespace {
 constexpr const char* kTileKeys[kGroupedTileCount] = {"coop128x256", "coop128x128", "pong64x128", "pong128x128",
                                                       "pong64x256"};
 
-// KILN_GROUPED_GEMM_TILES="FWD,DX,DW" (tile keys above) overrides the build's choice, e.g. to
-// tune on another GPU with a KILN_GROUPED_GEMM_SWEEP build; "aten" sends the experts back to
-// at::_grouped_mm (A/B runs). Read once.
+// KILN_GROUPED_GEMM_TILES: unset, the MoE runs at::_grouped_mm (kiln's kernels measured no
+// faster end to end, docs/benchmarks.md) and grouped_linear stays callable; "cutlass": the MoE
+// runs kiln's kernels with the build's tiles; "FWD,DX,DW" (tile keys above): with those, e.g. to
+// tune on another GPU with a KILN_GROUPED_GEMM_SWEEP build; "aten": grouped_linear unavailable.
+// Read once.
 struct TileChoice {
-  bool aten = false;
+  bool aten = false;    // "aten": grouped_linear unavailable
+  bool chosen = false;  // "cutlass" or tiles: the MoE takes grouped_linear
   std::array<GroupedTile, 3> tiles = {GroupedTile::KILN_GG_TILE_ROWCOL, GroupedTile::KILN_GG_TILE_ROWROW,
                                       GroupedTile::KILN_GG_TILE_COLROW};
 };
@@ -62,13 +65,15 @@ TileChoice read_tile_choice() {
     c.aten = true;
     return c;
   }
+  c.chosen = true;
+  if (std::string(env) == "cutlass") return c;
   std::string keys;
   for (auto* k : kTileKeys) keys += std::string(keys.empty() ? "" : ", ") + k;
   std::stringstream in(env);
   std::string item;
   for (size_t i = 0; i < 3; ++i) {
     TORCH_CHECK(std::getline(in, item, ','), "KILN_GROUPED_GEMM_TILES=\"", env,
-                "\": needs \"aten\" or three tiles, forward,input-gradient,weight-gradient, each one of ", keys);
+                "\": needs \"aten\", \"cutlass\" or three tiles, forward,input-gradient,weight-gradient, each one of ", keys);
     auto* k = std::find_if(std::begin(kTileKeys), std::end(kTileKeys), [&](const char* s) { return item == s; });
     TORCH_CHECK(k != std::end(kTileKeys), "KILN_GROUPED_GEMM_TILES=\"", env, "\": unknown tile \"", item,
                 "\"; one of ", keys);
@@ -90,6 +95,8 @@ const TileChoice& tile_choice() {
 }  // namespace
 
 GroupedTile grouped_default_tile(GroupedLayout layout) { return tile_choice().tiles[size_t(layout)]; }
+
+bool grouped_linear_chosen() { return tile_choice().chosen; }
 
 bool grouped_gemm_compiled(GroupedLayout layout, GroupedTile tile) {
 #ifdef KILN_GROUPED_GEMM

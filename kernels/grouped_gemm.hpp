@@ -31,10 +31,15 @@ namespace kiln::kernels {
 /// The tile grouped_linear uses for each layout: the build's (KILN_GG_TILE_* in
 /// kernels/CMakeLists.txt, chosen by tests/bench/bench_grouped_gemm.cpp on the H200;
 /// docs/benchmarks.md), or KILN_GROUPED_GEMM_TILES="FWD,DX,DW" from the environment, each one of
-/// coop128x256, coop128x128, pong64x128, pong128x128, pong64x256, or "aten" (grouped_linear
-/// unavailable: the experts run at::_grouped_mm); read once; a malformed value, or a tile this
+/// coop128x256, coop128x128, pong64x128, pong128x128, pong64x256, "cutlass" (the build's), or
+/// "aten" (grouped_linear unavailable); read once; a malformed value, or a tile this
 /// build did not compile for its layout, throws c10::Error naming it.
 GroupedTile grouped_default_tile(GroupedLayout layout);
+/// Whether the MoE's experts (grouped_swiglu) take grouped_linear where it is available:
+/// KILN_GROUPED_GEMM_TILES = "cutlass" (the build's tiles) or three tiles. Unset: no, they run
+/// at::_grouped_mm (on the H200 kiln's kernels gave the same step time, and each MoE layer's
+/// forward+backward ~4% slower: docs/benchmarks.md, 2026-12-05).
+bool grouped_linear_chosen();
 /// Whether this build has kiln's grouped GEMM for (layout, tile) (CUDA, CUTLASS found).
 bool grouped_gemm_compiled(GroupedLayout layout, GroupedTile tile);
 

@@ -70,9 +70,10 @@ at::Tensor grouped_swiglu(const at::Tensor& x, const at::Tensor& counts, const a
   // offs[e] = end row of expert e (int32, on the device). Weights go in as [E, D, 2F] and
   // [E, F, D] views with the reduction dim contiguous, the layout the Hopper kernel takes.
   auto offs = counts.to(x.device()).cumsum(0).to(torch::kInt32);
-  if (grouped_linear_available(x, w1) && w2.scalar_type() == at::kBFloat16 && w2.size(2) % 8 == 0) {
-    // kiln's grouped GEMM (kernels/grouped_gemm.hpp): tiles chosen per layout, the weight
-    // gradients written in the weights' own [E, out, in] layout.
+  if (grouped_linear_chosen() && grouped_linear_available(x, w1) && w2.scalar_type() == at::kBFloat16 &&
+      w2.size(2) % 8 == 0) {
+    // kiln's grouped GEMM (kernels/grouped_gemm.hpp), when chosen: tiles chosen per layout, the
+    // weight gradients written in the weights' own [E, out, in] layout.
     auto gu = grouped_linear(x, w1, offs);                          // [M, 2F]
     return grouped_linear(swiglu_packed(gu, swiglu_limit), w2, offs);  // [M, D]
   }
