@@ -8,6 +8,7 @@
 
 #include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <deque>
@@ -73,6 +74,19 @@ std::vector<pid_t> start_ranks(const parallel::LaunchInfo& info, const std::vect
 // Waits up to `seconds` for the ranks this program started, then kills those left. Returns
 // a description of the ranks that did not exit with `expected` (rank 0's own exit code, which
 // they were told to take), "" when all did.
+// How rank `r` (pid `pid`) ended, when not with `expected`: "rank R (pid P) exit code C" or
+// "... killed by signal S"; "" when it exited with `expected`.
+std::string ended_badly(std::size_t r, pid_t pid, int status, int expected) {
+  if (WIFEXITED(status) && WEXITSTATUS(status) == expected) return "";
+  return "rank " + std::to_string(r) + " (pid " + std::to_string(pid) + ") " +
+         (WIFSIGNALED(status) ? "killed by signal " + std::to_string(WTERMSIG(status))
+                              : "exit code " + std::to_string(WEXITSTATUS(status)));
+}
+
+void add_item(std::string& list, const std::string& item) {
+  if (!item.empty()) list += (list.empty() ? "" : "; ") + item;
+}
+
 std::string reap(const std::vector<pid_t>& pids, int seconds, int expected) {
   std::string failed;
   for (std::size_t i = 0; i < pids.size(); ++i) {
@@ -84,15 +98,57 @@ std::string reap(const std::vector<pid_t>& pids, int seconds, int expected) {
     if (got == 0) {
       ::kill(pids[i], SIGKILL);
       ::waitpid(pids[i], &status, 0);
-      failed += " rank " + std::to_string(i + 1) + " (pid " + std::to_string(pids[i]) + ") did not exit: killed;";
-    } else if (got == pids[i] && !(WIFEXITED(status) && WEXITSTATUS(status) == expected)) {
-      failed += " rank " + std::to_string(i + 1) + " (pid " + std::to_string(pids[i]) + ") " +
-                (WIFSIGNALED(status) ? "killed by signal " + std::to_string(WTERMSIG(status))
-                                     : "exit code " + std::to_string(WEXITSTATUS(status))) + ";";
+      add_item(failed, "rank " + std::to_string(i + 1) + " (pid " + std::to_string(pids[i]) + ") did not exit: killed");
+    } else if (got == pids[i]) {
+      add_item(failed, ended_badly(i + 1, pids[i], status, expected));
     }
   }
   return failed;
 }
+
+// While rank 0 makes the job's process groups (the rendezvous, then each group's connections),
+// a rank it started that dies would leave it waiting up to parallel.store_timeout_s, and longer
+// in Gloo's connect. The watch names that rank, stops the others and ends this process with
+// exit code 2: the run has not started (no run directory exists yet).
+class StartupWatch {
+ public:
+  StartupWatch(std::vector<pid_t> pids, std::string who)
+      : pids_(std::move(pids)), who_(std::move(who)), thread_([this] { run(); }) {}
+  ~StartupWatch() {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  void run() {
+    std::unique_lock<std::mutex> l(mu_);
+    while (!cv_.wait_for(l, std::chrono::milliseconds(100), [&] { return done_; }))
+      for (std::size_t i = 0; i < pids_.size(); ++i) {
+        siginfo_t info{};
+        if (::waitid(P_PID, id_t(pids_[i]), &info, WEXITED | WNOHANG | WNOWAIT) != 0 || info.si_pid != pids_[i])
+          continue;  // alive (WNOWAIT: reaped below, or by reap())
+        const std::string how = info.si_code == CLD_EXITED ? "exited with code " + std::to_string(info.si_status)
+                                                           : "was killed by signal " + std::to_string(info.si_status);
+        std::fprintf(stderr, "%s: trainer rank %zu (pid %d) %s before the job's process groups were made; "
+                     "stopping the other ranks (the run did not start)\n", who_.c_str(), i + 1, int(pids_[i]), how.c_str());
+        for (pid_t p : pids_) ::kill(p, SIGKILL);
+        for (pid_t p : pids_) ::waitpid(p, nullptr, 0);
+        std::fflush(stderr);
+        std::_Exit(2);
+      }
+  }
+
+  std::vector<pid_t> pids_;
+  std::string who_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::thread thread_;  // last: starts once the members above exist
+};
 
 bool is_loopback(const std::string& host) {
   return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
@@ -231,13 +287,21 @@ int run_ranks(const controller::Config& c, const std::string& config_toml, const
   const torch::Device device =
       c.model.device == "cpu" ? torch::Device(torch::kCPU) : torch::Device(torch::kCUDA, int8_t(info.local_rank));
   std::unique_ptr<parallel::ProcessGroups> groups;
-  try {
-    groups = std::make_unique<parallel::ProcessGroups>(
-        info, device, std::vector<parallel::MeshDim>{{"dp", dp}, {"ep", ep}},
-        parallel::GroupOptions{std::chrono::seconds(c.parallel.store_timeout_s),
-                               std::chrono::seconds(c.parallel.collective_timeout_s)});
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s: %s\n", who.c_str(), e.what());
+  std::string failure;
+  {
+    std::optional<StartupWatch> watch;
+    if (!started.empty()) watch.emplace(started, who);
+    try {
+      groups = std::make_unique<parallel::ProcessGroups>(
+          info, device, std::vector<parallel::MeshDim>{{"dp", dp}, {"ep", ep}},
+          parallel::GroupOptions{std::chrono::seconds(c.parallel.store_timeout_s),
+                                 std::chrono::seconds(c.parallel.collective_timeout_s)});
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  }
+  if (!groups) {
+    std::fprintf(stderr, "%s: %s\n", who.c_str(), failure.c_str());
     if (!started.empty()) reap(started, 0, 0);
     return 2;
   }
@@ -258,6 +322,7 @@ int run_ranks(const controller::Config& c, const std::string& config_toml, const
   // After a failed collective, a rank still alive waits in one (until rank 0's connections
   // close or its timeout): it cannot see the key, and is given 2 s before it is killed.
   const bool broken = groups->failed();
+  std::string gone;  // ranks reaped while waiting for their confirmation, when not ending with rc
   try {
     auto& store = groups->store();
     store.set(kRunOverKey, std::to_string(rc));
@@ -269,7 +334,8 @@ int run_ranks(const controller::Config& c, const std::string& config_toml, const
         if (mine && ::kill(started[std::size_t(r - 1)], 0) != 0) break;
         int status = 0;
         if (mine && ::waitpid(started[std::size_t(r - 1)], &status, WNOHANG) == started[std::size_t(r - 1)]) {
-          started[std::size_t(r - 1)] = -1;  // reaped: gone before it could confirm (reported by the run)
+          add_item(gone, ended_badly(std::size_t(r), started[std::size_t(r - 1)], status, rc));
+          started[std::size_t(r - 1)] = -1;  // reaped: gone before it could confirm
           break;
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -280,10 +346,11 @@ int run_ranks(const controller::Config& c, const std::string& config_toml, const
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s: not every rank confirmed the end of the run: %s\n", who.c_str(), e.what());
   }
-  const auto failed = reap(started, broken ? 2 : 10, rc);
+  auto failed = gone;
+  add_item(failed, reap(started, broken ? 2 : 10, rc));
   leave_failed();
   if (!failed.empty()) {
-    std::fprintf(stderr, "%s: trainer ranks ended badly:%s\n", who.c_str(), failed.c_str());
+    std::fprintf(stderr, "%s: trainer ranks ended badly: %s\n", who.c_str(), failed.c_str());
     return rc == 0 ? 1 : rc;
   }
   return rc;

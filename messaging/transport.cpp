@@ -208,7 +208,8 @@ Expected<bool> Transport::connect(const std::string& endpoint) {
   p->dealer = zmq::socket_t(process_context(), zmq::socket_type::dealer);
   configure(p->dealer);
   std::string mon = "inproc://kiln-monitor-" + std::to_string(g_monitor_seq++);
-  zmq_socket_monitor(static_cast<void*>(p->dealer), mon.c_str(), ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_CONNECTED);
+  zmq_socket_monitor(static_cast<void*>(p->dealer), mon.c_str(),
+                     ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_CONNECTED | ZMQ_EVENT_CONNECT_RETRIED);
   p->monitor = zmq::socket_t(process_context(), zmq::socket_type::pair);
   p->monitor.connect(mon);
   try {
@@ -325,6 +326,11 @@ void Transport::on_monitor(Peer& p) {
     uint16_t event = 0;
     if (ev.size() >= 2) std::memcpy(&event, ev.data(), 2);
     if (event == ZMQ_EVENT_DISCONNECTED) {
+      p.lost = true;
+      listener_->peer_lost(p.endpoint);
+    } else if (event == ZMQ_EVENT_CONNECT_RETRIED && !p.lost) {
+      // A connection attempt was refused (nothing listens there: a peer that died before this
+      // gateway's first connection, which no heartbeat can notice): what waits on it fails now.
       p.lost = true;
       listener_->peer_lost(p.endpoint);
     } else if (event == ZMQ_EVENT_CONNECTED) {

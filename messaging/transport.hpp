@@ -48,7 +48,8 @@ class Transport {
     /// A request that arrived on the ROUTER and did not decode, known by its correlation id,
     /// sender and return path only: answer it with `error`.
     virtual void rejected(Envelope request, const Error& error) = 0;
-    /// The DEALER connected to `endpoint` lost its connection.
+    /// The DEALER connected to `endpoint` lost its connection, or its connection attempt was
+    /// refused (nothing listens there).
     virtual void peer_lost(const std::string& endpoint) = 0;
     /// The latest time the poll may sleep until (the earliest request deadline); nullopt:
     /// nothing is due (the poll wakes every 100 ms anyway).
@@ -92,7 +93,8 @@ class Transport {
   /// Connects the DEALER for `endpoint` on first use. Error (transport): the endpoint cannot
   /// be connected (unsupported transport, malformed address).
   Expected<bool> connect(const std::string& endpoint);
-  /// Whether the peer at `endpoint` (connected before) disconnected and has not come back.
+  /// Whether the peer at `endpoint` disconnected, or refused a connection attempt, and has not
+  /// (re)connected since.
   bool lost(const std::string& endpoint) const;
   /// Sends `env` on the DEALER for `endpoint` (connect() first). Errors: bad_message when
   /// frame 0 would exceed limits.max_envelope_bytes (its receiver would drop it), transport

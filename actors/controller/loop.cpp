@@ -30,6 +30,16 @@ struct LastCheckpoint {
   fs::path dir;
 };
 
+// What to say after trainer.save(ck) threw, `since` being when the save began: a checkpoint
+// is renamed into place only once every rank wrote its part, so a state.json written since then
+// means the failure (e.g. a rank lost after the rename) came after a complete checkpoint.
+std::string save_failure(const fs::path& ck, fs::file_time_type since, const std::string& error) {
+  std::error_code ec;
+  const auto written = fs::last_write_time(ck / "state.json", ec);
+  if (!ec && written >= since) return "the checkpoint " + ck.string() + " was written, then: " + error;
+  return "cannot save a checkpoint: " + error;
+}
+
 // After a failure at `step`: checkpoint steps 1..trained (with the prompt RNG after them)
 // where the policy lives, say how to continue, exit code 1.
 int stop_with_checkpoint(TrainerHandle& trainer, const fs::path& dir, int64_t step, const std::string& what,
@@ -42,14 +52,15 @@ int stop_with_checkpoint(TrainerHandle& trainer, const fs::path& dir, int64_t st
     return 1;
   }
   if (trained < 1) {
-    std::fprintf(stderr, "kiln run: no step was trained: nothing to checkpoint\n");
+    std::fprintf(stderr, "kiln run: no step was trained: nothing to checkpoint; start again with --set run.overwrite=true\n");
     return 1;
   }
   const auto ck = checkpoint_dir(dir, trained);
+  const auto since = fs::file_time_type::clock::now();
   try {
     trainer.save(ck, {trained, 0, prompt_rng, encode_in_flight(rollouts.in_flight(trained, /*wait=*/false))});
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "kiln run: cannot save a checkpoint of steps 1..%lld: %s\n%s", (long long)trained, e.what(),
+    std::fprintf(stderr, "kiln run: steps 1..%lld: %s\n%s", (long long)trained, save_failure(ck, since, e.what()).c_str(),
                  continue_hint(dir).c_str());
     return 1;
   }
@@ -297,14 +308,15 @@ int run(const Config& c, const std::string& config_toml, parallel::ProcessGroups
                                       row.train.skip_reason,
                                   step, batch.rng_after, rollouts, last_checkpoint);
     if (c.run.checkpoint_every > 0 && step % c.run.checkpoint_every == 0) {
+      const auto since = fs::file_time_type::clock::now();
       try {
         // k > 0: with the batches generated for the next steps (a resumed run trains on them)
         trainer.save(checkpoint_dir(dir, step),
                      {step, 0, batch.rng_after, encode_in_flight(rollouts.in_flight(step, /*wait=*/true))});
         last_checkpoint = {step, checkpoint_dir(dir, step)};
       } catch (const std::exception& e) {
-        std::fprintf(stderr, "kiln run: step %lld: cannot save a checkpoint: %s\n%s", (long long)step, e.what(),
-                     continue_hint(dir).c_str());
+        std::fprintf(stderr, "kiln run: step %lld: %s\n%s", (long long)step,
+                     save_failure(checkpoint_dir(dir, step), since, e.what()).c_str(), continue_hint(dir).c_str());
         return 1;
       }
     }

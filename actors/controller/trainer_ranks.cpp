@@ -163,7 +163,8 @@ std::vector<Envelope> DataParallelTrainer::on_all_ranks(const std::string& what,
     const auto& r = answers[i].get();
     if (r) replies.push_back(*r);
     else if (!rank_lost(r)) add(failed, who(i) + ": " + r.error().message);
-    else add(r.error().code == ErrorCode::collective_failed ? broken : gone, who(i) + " lost: " + r.error().what());
+    else if (r.error().code == ErrorCode::collective_failed) add(broken, who(i) + ": its collectives failed, it exits: " + r.error().message);
+    else add(gone, who(i) + " lost: " + r.error().what());
   }
   std::string lost = gone;
   for (const auto* more : {&broken, &silent})

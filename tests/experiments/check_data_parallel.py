@@ -19,11 +19,12 @@
    ep 2 (reference colocated, micro-batches of 8 tokens: nearly all of a step in the ranks'
    collectives), rank 1 and then rank 3 killed: rank 0 exits 1 within 15 s naming it, though
    parallel.collective_timeout_s is 600 (ranks whose collectives failed answer and exit; rank 0
-   leaves its own collective once a rank is known lost).
+   leaves its own collective once a rank is known lost). Rank 2 killed as soon as it is started
+   (before the process groups exist): rank 0 exits 2 within 15 s naming it, no run directory.
 5. parallel.dp = 3 under a launch of 2 ranks, and placement.trainer = "process" with dp 2, are
    refused by name.
 Usage: check_data_parallel.py PATH_TO_KILN WORK_DIR PATH_TO_TORCHRUN. Prints "N passed, M failed"."""
-import os, shutil, subprocess, sys
+import os, shutil, signal, subprocess, sys, time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from loopback_port import free_port  # noqa: E402
@@ -158,6 +159,34 @@ for rank in (1, 3):
     else:
         p.kill()
         p.communicate()
+
+# A rank lost during start-up (killed as soon as rank 0 started it, before the process groups
+# exist): rank 0 names it and exits 2 within 15 s, though parallel.store_timeout_s is 300; no
+# run directory was made and no process of the job is left.
+startup_dir = f"{work}/kill_startup"
+p = subprocess.Popen([kiln, "run", *quiet, "--set", "parallel.dp=2", "--set", "parallel.ep=2",
+                      "--set", f"run.output_dir={startup_dir}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+victim, deadline = None, time.monotonic() + 30
+while victim is None and p.poll() is None and time.monotonic() < deadline:
+    victim, _ = rank_child(p.pid, 2)
+    time.sleep(0.005)
+checks.append((victim is not None, "start-up: found rank 2's process"))
+if victim:
+    os.kill(victim, signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        _, err = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        _, err = p.communicate()
+    took = time.monotonic() - t0
+    checks.append((p.returncode == 2 and took < 15, f"start-up: rank 0 exits 2 within 15 s ({p.returncode}, {took:.1f} s: {err[-300:]})"))
+    checks.append(("trainer rank 2" in err and "process groups were made" in err, "start-up: ... naming trainer rank 2"))
+    alive = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+    checks.append((not alive and not os.path.exists(startup_dir), f"start-up: no process left ({alive}), no run directory"))
+else:
+    p.kill()
+    p.communicate()
 
 # 5. refusals
 def refused(args, fragment, extra_env=None):

@@ -144,6 +144,38 @@ for case, victim, extra in (("rollout_node_restarts_0", "rollout_node", in_proce
         checks.append((r.returncode == 0, f"{case}: resumed run exits 0 ({r.stderr[-300:]})"))
         steps = [m["step"] for m in metrics(out)]
         checks.append((steps == list(range(1, 13)), f"{case}: every step trained exactly once across kill and resume: {steps}"))
+# 2c. the reference node killed as soon as it joined (before step 1 is trained; before or
+# after the controller first connects to it): kiln ends within 30 s naming it (a first
+# connection refused is a lost peer: that request waited out its 300 s timeout before), and
+# says how to go on (found by the chaos test: "nothing to checkpoint" without advice); doing so
+# finishes the run.
+out = f"{work}/killed_ref_node_at_start"
+run = [kiln, "run", *quiet, *common, "--set", "placement.reference=process", "--set", "rollout.step_delay_ms=150",
+       "--set", f"run.output_dir={out}"]
+p = subprocess.Popen(run, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+killed_at = None
+for line in p.stdout:  # the node's own line once it joined
+    if "kiln node ref-node ready" in line:
+        os.kill(pid_of(out, "ref_node"), signal.SIGKILL)
+        killed_at = time.time()
+        break
+try:
+    _, err = p.communicate(timeout=120)
+except subprocess.TimeoutExpired:
+    p.kill()
+    _, err = p.communicate()
+took = time.time() - killed_at if killed_at else -1
+logged = len(open(f"{out}/metrics.jsonl").read().splitlines()) if os.path.exists(f"{out}/metrics.jsonl") else 0
+# exit 2: lost before the run started (the node's model not built yet); exit 1: in step 1
+advice = p.returncode == 2 or (p.returncode == 1 and "start again with --set run.overwrite=true" in err)
+checks.append((killed_at is not None and 0 <= took < 30 and logged == 0 and "reference node" in err and advice,
+               f"reference node killed at start: exit {p.returncode} {took:.1f} s after the kill, {logged} steps logged, "
+               f"naming it, with advice ({err.strip()[-300:]})"))
+r = subprocess.run(run[:-2] + ["--set", f"run.output_dir={out}", "--set", "run.overwrite=true", "--set", "rollout.step_delay_ms=0"],
+                   capture_output=True, text=True, timeout=600)
+checks.append((r.returncode == 0 and [m["step"] for m in metrics(out)] == list(range(1, 13)),
+               f"reference node killed at start: started again with run.overwrite=true, the run ends with 12 steps ({r.stderr[-300:]})"))
+
 for ok, what in checks:
     print(("ok   " if ok else "FAIL ") + what)
 failed = sum(not ok for ok, _ in checks)
