@@ -24,11 +24,11 @@
 5. parallel.dp = 3 under a launch of 2 ranks, and placement.trainer = "process" with dp 2, are
    refused by name.
 Usage: check_data_parallel.py PATH_TO_KILN WORK_DIR PATH_TO_TORCHRUN. Prints "N passed, M failed"."""
-import os, shutil, signal, subprocess, sys, time
+import os, shutil, subprocess, sys, time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from loopback_port import free_port  # noqa: E402
-from rank_runs import clean_env, close, expect_like_one_rank, expect_rank_lost, metrics, numbers, rank_child, start_run  # noqa: E402
+from rank_runs import clean_env, close, expect_like_one_rank, expect_rank_lost, kill_and_wait, metrics, numbers, rank_child, start_run  # noqa: E402
 
 kiln, work, torchrun = sys.argv[1], sys.argv[2], sys.argv[3]
 shutil.rmtree(work, ignore_errors=True)
@@ -172,17 +172,9 @@ while victim is None and p.poll() is None and time.monotonic() < deadline:
     time.sleep(0.005)
 checks.append((victim is not None, "start-up: found rank 2's process"))
 if victim:
-    os.kill(victim, signal.SIGKILL)
-    t0 = time.monotonic()
-    try:
-        _, err = p.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        _, err = p.communicate()
-    took = time.monotonic() - t0
+    err, took, alive = kill_and_wait(p, victim)
     checks.append((p.returncode == 2 and took < 15, f"start-up: rank 0 exits 2 within 15 s ({p.returncode}, {took:.1f} s: {err[-300:]})"))
     checks.append(("trainer rank 2" in err and "process groups were made" in err, "start-up: ... naming trainer rank 2"))
-    alive = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
     checks.append((not alive and not os.path.exists(startup_dir), f"start-up: no process left ({alive}), no run directory"))
 else:
     p.kill()

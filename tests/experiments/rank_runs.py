@@ -51,9 +51,9 @@ def rank_child(pid, rank):
     return None, children
 
 
-def expect_rank_lost(p, victim, rank, checks, within=60):
-    """Kills `victim` (rank `rank`, SIGKILL) and appends to `checks` that rank 0 (Popen `p`)
-    exits 1 within `within` s naming trainer rank `rank` and that no process of the job is left."""
+def kill_and_wait(p, victim):
+    """SIGKILLs pid `victim` and waits (up to 120 s, then kills it) for rank 0 (Popen `p`) to
+    end; returns its stderr, the seconds it took after the kill and the pids of its children left."""
     os.kill(victim, signal.SIGKILL)
     t0 = time.monotonic()
     try:
@@ -62,10 +62,16 @@ def expect_rank_lost(p, victim, rank, checks, within=60):
         p.kill()
         _, err = p.communicate()
     took = time.monotonic() - t0
+    return err, took, subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+
+
+def expect_rank_lost(p, victim, rank, checks, within=60):
+    """Kills `victim` (rank `rank`, SIGKILL) and appends to `checks` that rank 0 (Popen `p`)
+    exits 1 within `within` s naming trainer rank `rank` and that no process of the job is left."""
+    err, took, alive = kill_and_wait(p, victim)
     checks.append((p.returncode == 1, f"rank 0 exits 1 after rank {rank} is killed ({p.returncode}: {err[-500:]})"))
     checks.append((took < within, f"... within {within} s ({took:.1f} s)"))
     checks.append((f"trainer rank {rank}" in err, f"... naming trainer rank {rank}"))
-    alive = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
     checks.append((not alive, f"no process of the job is left ({alive})"))
 
 
