@@ -69,14 +69,11 @@ void Group::ensure_usable(const char* op) const {
 }
 
 void Group::abort(const std::string& why) {
-  {
-    std::lock_guard<std::mutex> l(why_mu_);
-    if (why_.empty()) why_ = "aborted: " + why;
-  }
-  failed_ = true;
   std::shared_ptr<Waiter> waiting;
   {
     std::lock_guard<std::mutex> l(why_mu_);
+    if (why_.empty()) why_ = "aborted: " + why;
+    failed_ = true;
     waiting = waiting_;
   }
   if (waiting) {  // Gloo: the wait ends, leaving the collective to Gloo's worker thread
