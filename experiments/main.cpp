@@ -386,10 +386,10 @@ void add_serve(CLI::App& app, std::vector<Command>& commands) {
   auto* cmd = app.add_subcommand("serve", "Serve an experiment's rollout engine over HTTP (SGLang's native API)");
   cmd->add_option("experiment", sv->experiment, "Experiment file (TOML; its [model], [rollout], [task] keys); none: the default");
   cmd->add_option("--set", sv->overrides, "Override a key: section.key=value (repeatable)");
-  cmd->add_option("--host", sv->host, "Address to listen on")->default_val("127.0.0.1");
-  cmd->add_option("--port", sv->port, "Port (0: a free one)")->default_val(30000)->transform(between(0, 65535));
-  cmd->add_option("--port-file", sv->port_file, "Write the bound port here once listening");
-  cmd->add_option("--threads", sv->threads, "HTTP worker threads (requests handled at once)")
+  cmd->add_option("--host", sv->listen.host, "Address to listen on")->default_val("127.0.0.1");
+  cmd->add_option("--port", sv->listen.port, "Port (0: a free one)")->default_val(30000)->transform(between(0, 65535));
+  cmd->add_option("--port-file", sv->listen.port_file, "Write the bound port here once listening");
+  cmd->add_option("--threads", sv->listen.threads, "HTTP worker threads (requests handled at once)")
       ->default_val(128)->transform(between(1, 4096));
   commands.push_back({cmd, [sv] { return kiln::experiments::run_serve(*sv); }});
 }

@@ -27,16 +27,16 @@ int run_serve(const ServeCommand& command) {
   std::unique_ptr<rollout::EngineLoop> loop;
   ExperimentConfig c;
   // What the command line names, checked before the model is built.
-  if (command.host.empty()) {
+  if (command.listen.host.empty()) {
     std::fprintf(stderr, "kiln serve: --host must name an address (127.0.0.1, 0.0.0.0, ::1, a host name)\n");
     return 2;
   }
-  if (!command.port_file.empty()) {
-    const std::filesystem::path f(command.port_file);
+  if (!command.listen.port_file.empty()) {
+    const std::filesystem::path f(command.listen.port_file);
     const auto dir = f.has_parent_path() ? f.parent_path() : std::filesystem::path(".");
     std::error_code ec;
     if (std::filesystem::is_directory(f, ec) || !std::filesystem::is_directory(dir, ec)) {
-      std::fprintf(stderr, "kiln serve: --port-file '%s' %s\n", command.port_file.c_str(),
+      std::fprintf(stderr, "kiln serve: --port-file '%s' %s\n", command.listen.port_file.c_str(),
                    std::filesystem::is_directory(f, ec) ? "is a directory (give a file's path)"
                                                         : ("is in a directory that does not exist ('" +
                                                            dir.string() + "')").c_str());
@@ -73,10 +73,7 @@ int run_serve(const ServeCommand& command) {
     return 2;
   }
   rollout::ServeOptions o;
-  o.host = command.host;
-  o.port = command.port;
-  o.port_file = command.port_file;
-  o.threads = command.threads;
+  o.listen = command.listen;
   o.model_path = c.model.checkpoint.empty() ? c.model.package + ":" + c.model.flavor : c.model.checkpoint;
   o.weight_update_timeout = std::chrono::seconds(c.rollout.weight_update_timeout_s);
   o.tokenizer_path = c.task.tokenizer.empty() ? "kiln:character" : c.task.tokenizer;

@@ -5,15 +5,14 @@
 #include <string>
 #include <vector>
 
+#include "actors/rollout/http_server.hpp"
+
 namespace kiln::experiments {
 
 struct ServeCommand {
   std::string experiment;               ///< experiment file; "": the built-in default
   std::vector<std::string> overrides;   ///< --set section.key=value
-  std::string host = "127.0.0.1";
-  int port = 30000;                     ///< 0: a free port
-  std::string port_file;                ///< the bound port is written here once listening
-  int threads = 128;                    ///< HTTP worker threads
+  rollout::ListenOptions listen;       ///< --host, --port, --port-file, --threads
 };
 
 /// Builds the model (model.checkpoint, else model.flavor seeded with run.seed as `kiln run`'s

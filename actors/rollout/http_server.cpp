@@ -193,7 +193,8 @@ int serve_http(EngineLoop& loop, std::shared_ptr<model::CausalLM> model, const T
   WeightUpdateGroups groups(parallel::GroupOptions{options.weight_update_timeout, options.weight_update_timeout});
   ServeContext c{loop, model, tokenizer, options, {model->vocab_size(), o.cache_blocks * o.block_size, tokenizer}, &groups};
   httplib::Server svr;
-  const int threads = options.threads;
+  const ListenOptions& at = options.listen;
+  const int threads = at.threads;
   svr.new_task_queue = [threads] { return new httplib::ThreadPool(std::size_t(threads)); };
   svr.set_payload_max_length(kMaxBodyBytes);
   register_routes(svr, c);
@@ -207,24 +208,24 @@ int serve_http(EngineLoop& loop, std::shared_ptr<model::CausalLM> model, const T
     httplib::default_socket_options(sock);
     listening = sock;
   });
-  const int port = options.port == 0 ? svr.bind_to_any_port(options.host) : svr.bind_to_port(options.host, options.port) ? options.port : -1;
+  const int port = at.port == 0 ? svr.bind_to_any_port(at.host) : svr.bind_to_port(at.host, at.port) ? at.port : -1;
   // An IPv6 address in a URL goes in brackets (RFC 3986 §3.2.2).
-  const std::string host = options.host.find(':') != std::string::npos ? "[" + options.host + "]" : options.host;
+  const std::string host = at.host.find(':') != std::string::npos ? "[" + at.host + "]" : at.host;
   if (port <= 0) {
-    std::fprintf(stderr, "kiln serve: cannot listen on %s:%d\n", host.c_str(), options.port);
+    std::fprintf(stderr, "kiln serve: cannot listen on %s:%d\n", host.c_str(), at.port);
     return 2;
   }
   // cpp-httplib 0.11 listens with a backlog of 5: a burst of clients beyond it is refused or
   // reset. listen() again on the same socket sets the backlog to what the system allows.
   if (listening >= 0) ::listen(listening, SOMAXCONN);
-  if (!options.port_file.empty()) {  // whole or not at all: written aside, then renamed
-    const auto tmp = options.port_file + ".partial";
+  if (!at.port_file.empty()) {  // whole or not at all: written aside, then renamed
+    const auto tmp = at.port_file + ".partial";
     std::error_code ec;
     bool written = bool(std::ofstream(tmp) << port << "\n");
-    if (written) std::filesystem::rename(tmp, options.port_file, ec);
+    if (written) std::filesystem::rename(tmp, at.port_file, ec);
     if (!written || ec) {
       std::filesystem::remove(tmp, ec);
-      std::fprintf(stderr, "kiln serve: cannot write the port file '%s'%s\n", options.port_file.c_str(),
+      std::fprintf(stderr, "kiln serve: cannot write the port file '%s'%s\n", at.port_file.c_str(),
                    written ? "" : " (its .partial could not be created)");
       return 2;
     }

@@ -36,11 +36,16 @@
 
 namespace kiln::rollout {
 
-struct ServeOptions {
+/// Where and how the server listens (`kiln serve --host --port --port-file --threads`).
+struct ListenOptions {
   std::string host = "127.0.0.1";
   int port = 30000;        ///< 0: a free port (printed, and written to port_file)
   std::string port_file;   ///< where the bound port is written once listening ("": nowhere)
   int threads = 128;       ///< HTTP worker threads: requests handled at once
+};
+
+struct ServeOptions {
+  ListenOptions listen;
   std::string model_path;  ///< what /get_model_info calls the model
   std::string tokenizer_path;
   /// Joining a weight-update group (every rank meeting) and each broadcast of an update may
