@@ -47,6 +47,11 @@ Gap logprob_gap(const std::vector<std::vector<float>>& a, const std::vector<std:
     }
   return g;
 }
+
+// Each MoE layer's busiest expert over its mean load, averaged over the layers (loads [L, E]).
+double per_layer_max_over_mean(const torch::Tensor& loads) {
+  return (std::get<0>(loads.max(1)) / loads.mean(1)).mean().item<double>();
+}
 }  // namespace
 
 namespace {
@@ -102,15 +107,33 @@ class GpuBench {
     J["peak_memory_gib"] = peak_gib();
     J["model_tflop_per_step"] = flops_ / 1e12;
     policy_->zero_grad();
-    {  // How evenly this random model routes the pack, summed over the MoE layers: the routed
-       // experts' GEMMs slow down with uneven counts (torchtitan's bench prints the same ratio).
-      torch::NoGradGuard ng;
-      model::ForwardOptions fo;
-      fo.return_routed_experts = true;
-      auto ids = policy_->forward(batch_, fo).routed_experts.flatten().to(torch::kCPU);  // [T * L * K]
-      auto load = torch::bincount(ids, {}, cfg_.moe.num_experts).to(torch::kFloat64);
-      J["expert_load_max_over_mean"] = (load.max() / load.mean()).item<double>();
+    // How evenly the model routes the pack: the routed experts' GEMMs slow down with uneven
+    // counts. Summed over the MoE layers (as torchtitan's bench prints it), and per layer.
+    const auto loads = expert_loads();  // [L, E]
+    const auto summed = loads.sum(0);
+    J["expert_load_max_over_mean"] = (summed.max() / summed.mean()).item<double>();
+    J["expert_load_max_over_mean_per_layer"] = per_layer_max_over_mean(loads);
+  }
+
+  // --balance-routing N: N rounds of the auxiliary-loss-free balancing update on the pack
+  // (GpuBenchOptions::balance_routing), before anything is timed.
+  void balance_routing() {
+    if (o_.balance_routing <= 0) return;
+    const auto before = expert_loads();
+    std::vector<torch::Tensor> biases;
+    for (auto& layer : policy_->layers)
+      if (layer->is_moe()) biases.push_back(layer->moe->router->e_score_correction_bias);
+    torch::NoGradGuard ng;
+    for (int round = 0; round < o_.balance_routing; ++round) {
+      const auto loads = expert_loads().to(dev_);
+      for (std::size_t l = 0; l < biases.size(); ++l) {
+        const auto load = loads[int64_t(l)];
+        auto delta = 1e-3 * torch::sign(load.mean() - load);
+        biases[l].add_((delta - delta.mean()).to(biases[l].scalar_type()));
+      }
     }
+    J["balance_routing_rounds"] = o_.balance_routing;
+    J["expert_load_max_over_mean_per_layer_before_balancing"] = per_layer_max_over_mean(before);
   }
 
   // --profile: one more forward+backward inside cudaProfilerStart/Stop (ncu --profile-from-start off).
@@ -316,8 +339,15 @@ class GpuBench {
                 (long long)o_.docs, o_.keep_logits_gib);
     std::printf("  measured limits: bf16 GEMM %.0f TFLOP/s, D2D copy %.0f GB/s (read+write)\n", d("gemm_bf16_tflops"),
                 d("copy_read_write_gbs"));
-    std::printf("  forward+backward     %8.3f s  %9.0f tokens/s  MFU %.1f%%  peak %.1f GiB  (expert load max/mean %.2f)\n",
-                fb_, double(o_.tokens) / fb_, 100.0 * d("mfu"), d("peak_memory_gib"), d("expert_load_max_over_mean"));
+    if (J.contains("balance_routing_rounds"))
+      std::printf("  routing balanced by %d rounds of the router-bias update: expert load max/mean per layer %.2f -> "
+                  "%.2f\n",
+                  J.at("balance_routing_rounds").get<int>(), d("expert_load_max_over_mean_per_layer_before_balancing"),
+                  d("expert_load_max_over_mean_per_layer"));
+    std::printf("  forward+backward     %8.3f s  %9.0f tokens/s  MFU %.1f%%  peak %.1f GiB  (expert load max/mean %.2f "
+                "summed over the MoE layers, %.2f per layer)\n",
+                fb_, double(o_.tokens) / fb_, 100.0 * d("mfu"), d("peak_memory_gib"), d("expert_load_max_over_mean"),
+                d("expert_load_max_over_mean_per_layer"));
     if (o_.activation_checkpointing)
       std::printf("  forward+backward, activation checkpointing (%s) %8.3f s  %9.0f tokens/s  MFU %.1f%%  peak %.1f GiB\n",
                   o_.checkpoint_layers > 0 ? ("first " + std::to_string(o_.checkpoint_layers) + " layers").c_str()
@@ -362,6 +392,18 @@ class GpuBench {
   nlohmann::json J;
 
  private:
+  // Tokens of the pack routed to each expert by each MoE layer: [L, E] float64 on the host.
+  torch::Tensor expert_loads() {
+    torch::NoGradGuard ng;
+    model::ForwardOptions fo;
+    fo.return_routed_experts = true;
+    const auto ids = policy_->forward(batch_, fo).routed_experts.to(torch::kCPU);  // [T, L, K]
+    std::vector<torch::Tensor> per_layer;
+    for (int64_t l = 0; l < ids.size(1); ++l)
+      per_layer.push_back(torch::bincount(ids.select(1, l).flatten(), {}, cfg_.moe.num_experts).to(torch::kFloat64));
+    return torch::stack(per_layer);
+  }
+
   std::shared_ptr<Model> build_model() const {
     auto m = std::make_shared<Model>(cfg_);
     m->to(dev_);
@@ -443,6 +485,7 @@ int run_gpu_bench(const GpuBenchOptions& o) {
   GpuBench b(o);
   b.measure_limits();
   b.build_policy();
+  b.balance_routing();
   b.time_training();
   if (o.profile) {  // ncu --profile-from-start off: one forward+backward, then stop
     b.profile_one();

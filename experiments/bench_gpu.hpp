@@ -2,6 +2,8 @@
 // `kiln bench gpu`: kiln's training path on one CUDA GPU, on GLM-4.7-Flash dimensions with
 // `layers` decoder layers (the first dense), in bf16, in one run:
 //  - the machine's limits, measured: bf16 GEMM TFLOP/s (8192^3) and device-to-device copy GB/s;
+//  - with balance_routing: the routers' biases first balanced on the pack, as training balances
+//    them (the experts' grouped GEMMs run faster on even counts; the peer is balanced alike);
 //  - forward+backward over one packed micro-batch (`docs` documents, `tokens` in all): train
 //    tokens/s, MFU against the measured GEMM rate, peak allocated memory;
 //  - with activation_checkpointing: the same forward+backward with checkpointing per layer
@@ -43,6 +45,12 @@ struct GpuBenchOptions {
   int64_t trainer_microbatch_tokens = 0;
   bool true_on_policy = false;  ///< also train and rollout in the true on-policy mode (docs/gpu.md)
   bool profile = false;  ///< after timing forward+backward, run one more inside cudaProfilerStart/Stop and stop there
+  /// Rounds of the auxiliary-loss-free balancing update on the pack before anything is timed (0:
+  /// the random model's own routing). Each round: a no-grad forward, then every MoE router's
+  /// e_score_correction_bias [E] fp32 += 1e-3 * sign(mean load - load), centred (DeepSeek-V3,
+  /// arXiv:2412.19437 section 2.1.2, at its rate; torchtitan's _update_expert_bias, which
+  /// tests/bench/bench_torchtitan_ac.py --balance-routing applies to the peer the same way)
+  int balance_routing = 0;
   std::string json_path, config_dir;
   std::string trace_path;  ///< after timing forward+backward, write one more's Kineto trace here and stop
 };

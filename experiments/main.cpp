@@ -261,6 +261,10 @@ void add_bench_gpu(CLI::App& bench, std::vector<Command>& commands) {
   cmd->add_flag("--profile", go->profile,
                 "Time forward+backward, then run one more inside cudaProfilerStart/Stop (ncu --profile-from-start "
                 "off) and stop");
+  cmd->add_option("--balance-routing", go->balance_routing,
+                  "Rounds of the auxiliary-loss-free router-bias update (rate 1e-3) on the pack before timing, "
+                  "so that the experts' loads are even as in a trained model (0: the random model's routing)")
+      ->transform(between(0, 100000));
   cmd->add_option("--config-dir", go->config_dir, "Write the benchmarked model's HF config.json here");
   commands.push_back({cmd, [go] { return kiln::experiments::run_gpu_bench(*go); }});
 }
