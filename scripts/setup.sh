@@ -4,7 +4,8 @@
 #  - Debian packages (apt-get, needs root or sudo)
 #  - a Python virtual environment with torch==2.11.0 (+ pyzmq, msgpack, numpy for the
 #    interop tests, tensorboard to read the runs' event files in a test, openai to talk to
-#    kiln serve's OpenAI-compatible endpoints in a test) in
+#    kiln serve's OpenAI-compatible endpoints in a test, transformers to load kiln's HF exports
+#    and make checkpoints in tests, on the CPU) in
 #    ${KILN_CACHE:-~/.cache/kiln}/venv, outside the checkout, so that every clone on this
 #    machine reuses it.
 set -euo pipefail
@@ -12,6 +13,7 @@ set -euo pipefail
 KILN_CACHE="${KILN_CACHE:-$HOME/.cache/kiln}"
 VENV="$KILN_CACHE/venv"
 TORCH_VERSION="2.11.0"
+TRANSFORMERS_VERSION="5.17.0"  # the GPU machine's, which made the fixtures
 CUTLASS_VERSION="4.2.0.0"  # nvidia-cutlass: CUTLASS 4.2 C++ headers
 DEB_PACKAGES=(build-essential cmake ninja-build ccache pkg-config git python3 python3-venv
   libcaf-dev libzmq3-dev cppzmq-dev libmsgpack-cxx-dev libspdlog-dev doctest-dev
@@ -45,6 +47,8 @@ fi
   "$VENV/bin/pip" install -q pyzmq msgpack numpy >&2
 "$VENV/bin/python" -c "import tensorboard" 2>/dev/null || "$VENV/bin/pip" install -q tensorboard >&2
 "$VENV/bin/python" -c "import openai" 2>/dev/null || "$VENV/bin/pip" install -q openai >&2
+"$VENV/bin/python" -c "import sys, transformers; sys.exit(transformers.__version__ != '$TRANSFORMERS_VERSION')" 2>/dev/null ||
+  "$VENV/bin/pip" install -q "transformers==$TRANSFORMERS_VERSION" >&2
 # CUTLASS's C++ headers (the wheel carries them) for kiln's grouped GEMM (kernels/CMakeLists.txt).
 "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('cutlass_library') else 1)" 2>/dev/null || \
   "$VENV/bin/pip" install -q --no-deps "nvidia-cutlass==$CUTLASS_VERSION" >&2  # the headers only
