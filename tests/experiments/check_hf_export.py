@@ -22,20 +22,16 @@ PYTHON). Prints "N passed, M failed"."""
 import glob, json, os, re, shutil, subprocess, sys
 
 kiln, work = os.path.abspath(sys.argv[1]), sys.argv[2]
-py = os.environ.get("KILN_TEST_TRANSFORMERS_PYTHON") or sys.argv[3]
 root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rank_runs import clean_env, transformers_python  # noqa: E402
+
+py = transformers_python(sys.argv[3])
 fixture = os.path.join(root, "tests", "fixtures", "glm4_moe_lite_tiny")
 compare = os.path.join(root, "tests", "fixtures", "make_glm4_moe_lite_fixture.py")
-probe = subprocess.run([py, "-c", "from transformers import Glm4MoeLiteForCausalLM"], capture_output=True, text=True)
-if probe.returncode != 0:
-    print(f"KILN_TEST_SKIPPED: {py} has no transformers with Glm4MoeLiteForCausalLM "
-          f"({probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else probe.returncode})")
-    sys.exit(0)
 shutil.rmtree(work, ignore_errors=True)
 os.makedirs(work)
-env = dict(os.environ, OMP_NUM_THREADS="1")
-for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
-    env.pop(v, None)
+env = clean_env()
 checks = []
 DOCS = "5,17,42,8,91,3,64;11,2,77,30,29;60,61,7,13,88,45,12,9,70,33,21"  # the fixture script's documents
 

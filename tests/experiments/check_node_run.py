@@ -19,19 +19,15 @@ PYTHON). Prints "N passed, M failed"."""
 import json, math, os, shutil, subprocess, sys
 
 kiln, work = os.path.abspath(sys.argv[1]), sys.argv[2]
-py = os.environ.get("KILN_TEST_TRANSFORMERS_PYTHON") or sys.argv[3]
 root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-probe = subprocess.run([py, "-c", "from transformers import Glm4MoeLiteForCausalLM"], capture_output=True, text=True)
-if probe.returncode != 0:
-    print(f"KILN_TEST_SKIPPED: {py} has no transformers with Glm4MoeLiteForCausalLM "
-          f"({probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else probe.returncode})")
-    sys.exit(0)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rank_runs import clean_env, transformers_python  # noqa: E402
+
+py = transformers_python(sys.argv[3])
 shutil.rmtree(work, ignore_errors=True)
 os.makedirs(work)
-env = dict(os.environ, OMP_NUM_THREADS="1", KILN_BIN=kiln, KILN_PYTHON=py, KILN_NODE_CHECKPOINTS=f"{work}/checkpoints",
+env = dict(clean_env(), KILN_BIN=kiln, KILN_PYTHON=py, KILN_NODE_CHECKPOINTS=f"{work}/checkpoints",
            KILN_NODE_RUNS=f"{work}/runs")
-for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
-    env.pop(v, None)
 checks = []
 script = os.path.join(root, "experiments", "run_node.sh")
 

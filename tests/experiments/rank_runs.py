@@ -1,8 +1,9 @@
 """Helpers of the scripts that run `kiln run` over trainer ranks and compare their metrics
 (check_data_parallel.py, check_colocated.py): the run's metrics rows, their numbers without
-the measurements, a relative comparison, an environment without a caller's launcher, and the
-child process of rank 0 that is rank R."""
-import json, os, signal, subprocess, time
+the measurements, a relative comparison, an environment without a caller's launcher, the
+child process of rank 0 that is rank R, and the Python with transformers (check_node_run.py,
+check_hf_export.py)."""
+import json, os, signal, subprocess, sys, time
 
 TIMING = ("time", "elapsed", "per_s", "peak_memory")  # measurements, not results
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -15,6 +16,18 @@ def clean_env():
     for v in LAUNCHER_VARIABLES:
         env.pop(v, None)
     return env
+
+
+def transformers_python(given):
+    """The Python to run transformers with: KILN_TEST_TRANSFORMERS_PYTHON, else `given`. Prints
+    KILN_TEST_SKIPPED and exits 0 (the test skipped) when it cannot import Glm4MoeLiteForCausalLM."""
+    py = os.environ.get("KILN_TEST_TRANSFORMERS_PYTHON") or given
+    probe = subprocess.run([py, "-c", "from transformers import Glm4MoeLiteForCausalLM"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        why = probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else probe.returncode
+        print(f"KILN_TEST_SKIPPED: {py} has no transformers with Glm4MoeLiteForCausalLM ({why})")
+        sys.exit(0)
+    return py
 
 
 def metrics(d):
