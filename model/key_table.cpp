@@ -1,5 +1,7 @@
 #include "model/key_table.hpp"
 
+#include <algorithm>
+#include <cmath>
 #include <map>
 #include <memory>
 #include <sstream>
@@ -57,6 +59,24 @@ int64_t layer_of(const std::string& key, const std::string& prefix) {
   }
 }
 
+namespace {
+// True when no element of `t` is NaN or infinite: aminmax propagates a NaN into both results,
+// and an infinity shows as the min or the max. Chunked so that no temporary is as large as a
+// whole expert tensor; 8-bit floats (no aminmax kernel) go through fp32 a chunk at a time.
+bool all_finite(const torch::Tensor& t) {
+  const auto flat = t.reshape({-1});
+  constexpr int64_t kChunk = int64_t(1) << 24;
+  const bool narrow_float = t.element_size() == 1;
+  for (int64_t i = 0; i < flat.numel(); i += kChunk) {
+    auto part = flat.narrow(0, i, std::min(kChunk, flat.numel() - i));
+    if (narrow_float) part = part.to(torch::kFloat32);
+    const auto [lo, hi] = torch::aminmax(part);
+    if (!std::isfinite(lo.item<double>()) || !std::isfinite(hi.item<double>())) return false;
+  }
+  return true;
+}
+}  // namespace
+
 torch::Tensor checked(const std::string& where, const std::string& key, const torch::Tensor& t, at::IntArrayRef shape) {
   if (t.sizes() != shape) {
     std::ostringstream s;
@@ -66,6 +86,12 @@ torch::Tensor checked(const std::string& where, const std::string& key, const to
   if (!t.is_floating_point())
     throw checkpoint::CheckpointError(where + ": tensor '" + key + "' has integer dtype " +
                                       std::string(c10::toString(t.scalar_type())) + ", expected a floating-point weight");
+  if (!all_finite(t)) {
+    const int64_t bad = (~torch::isfinite(t.to(torch::kFloat32))).sum().item<int64_t>();
+    throw checkpoint::CheckpointError(where + ": tensor '" + key + "' holds " + std::to_string(bad) + " non-finite value" +
+                                      (bad == 1 ? "" : "s") + " (NaN or infinity) of " + std::to_string(t.numel()) +
+                                      ": refusing to load it");
+  }
   return t;
 }
 

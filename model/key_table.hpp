@@ -69,8 +69,11 @@ std::string fill_pattern(const std::string& pattern, const std::string& layer);
 std::regex pattern_regex(const std::string& pattern);
 /// The layer index of `key` = PREFIX{i}.rest (e.g. prefix "model.layers."), or -1.
 int64_t layer_of(const std::string& key, const std::string& prefix);
-/// `t` (HF tensor `key` of `where`) if it has `shape` and a floating dtype; throws
-/// checkpoint::CheckpointError "WHERE: tensor 'KEY' has shape [..], the model needs [..]".
+/// `t` (HF tensor `key` of `where`) if it has `shape`, a floating dtype and only finite values;
+/// throws checkpoint::CheckpointError "WHERE: tensor 'KEY' has shape [..], the model needs [..]",
+/// or "... holds N non-finite values (NaN or infinity) ..." (a NaN weight would turn every
+/// logit, log-prob and gradient it touches into NaN). The finiteness check reads the tensor once
+/// (aminmax over chunks of 16M elements; no copy of a whole tensor).
 torch::Tensor checked(const std::string& where, const std::string& key, const torch::Tensor& t, at::IntArrayRef shape);
 
 }  // namespace kiln::model

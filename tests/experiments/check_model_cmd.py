@@ -43,6 +43,17 @@ if r.returncode == 0:
     name = "model.language_model.layers.1.self_attn.kv_b_proj.weight"
     checks.append((tensor_bytes(f"{work}/cropped/{index[name]}", name) == tensor_bytes(f"{glm5}/{src[name]}", name),
                    "crop: a kept tensor is bit for bit the source's"))
+# A checkpoint with NaN and infinity in one weight (its first 3 elements, fp32): refused
+# by name, not loaded into a model whose every logit it would turn into NaN.
+shutil.copytree(fixture, f"{work}/nan_ck")
+poisoned = "model.layers.1.self_attn.kv_b_proj.weight"
+where = json.load(open(f"{work}/nan_ck/model.safetensors.index.json"))["weight_map"][poisoned]
+with open(f"{work}/nan_ck/{where}", "r+b") as f:
+    n = struct.unpack("<Q", f.read(8))[0]
+    entry = json.loads(f.read(n))[poisoned]
+    assert entry["dtype"] == "F32", entry
+    f.seek(8 + n + entry["data_offsets"][0])
+    f.write(struct.pack("<3f", float("nan"), float("inf"), float("nan")))
 os.makedirs(f"{work}/training_ck", exist_ok=True)
 open(f"{work}/training_ck/state.json", "w").write("{}")
 for args, needle in [(("resave", "--from", f"{work}/nowhere", "--to", f"{work}/x"), "is not a directory (an HF checkpoint"),
@@ -51,7 +62,10 @@ for args, needle in [(("resave", "--from", f"{work}/nowhere", "--to", f"{work}/x
                      (("resave", "--from", f"{work}/resaved", "--to", f"{work}/resaved"), "is the --from checkpoint"),
                      (("logits", "--from", fixture, "--docs", "1,x", "--out", f"{work}/c"), "id 2 of document 1 ('x') is not a decimal integer"),
                      (("crop", "--from", glm5, "--to", f"{work}/crop9", "--layers", "9"), "layers must be in [1, 4]"),
-                     (("--plugins", f"{work}/none", "list"), "does not exist")]:
+                     (("--plugins", f"{work}/none", "list"), "does not exist"),
+                     (("logits", "--from", f"{work}/nan_ck", "--docs", docs, "--out", f"{work}/c"),
+                      f"tensor '{poisoned}' holds 3 non-finite values (NaN or infinity)"),
+                     (("resave", "--from", f"{work}/nan_ck", "--to", f"{work}/nan_out"), "non-finite")]:
     r = run(*args)
     checks.append((r.returncode == 2 and needle in r.stderr, f"{' '.join(args[:1])}: refused with '{needle}' ({r.stderr.strip()[-160:]})"))
 for ok, what in checks:
