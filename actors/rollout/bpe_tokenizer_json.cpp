@@ -92,6 +92,15 @@ void load_pre_tokenizer(BpeTokenizer::Impl& t, std::string_view src, const json&
   if (steps.back().second->at("type") != "ByteLevel") refuse(src, steps.back().first, *steps.back().second, "a byte-level BPE needs ByteLevel as the last pre-tokenizer");
 }
 
+
+// A token id: an integer below the largest vocabulary kiln's models accept (config.json's
+// vocab_size bound, model/config_json.cpp), so that the id tables (one entry per id up to the
+// largest) stay small; an id of 10^9 would otherwise allocate gigabytes before any check.
+constexpr int64_t kMaxTokenIds = int64_t(1) << 22;
+constexpr const char* kIdRange = "expected an id in [0, 4194303] (kiln's models have at most 4194304 ids)";
+bool valid_id(const json& id) {
+  return id.is_number_integer() && id.get<int64_t>() >= 0 && id.get<int64_t>() < kMaxTokenIds;
+}
 void load_model(BpeTokenizer::Impl& t, std::string_view src, const json& model) {
   expect_keys(src, "model", model, {"type", "dropout", "unk_token", "continuing_subword_prefix", "end_of_word_suffix",
                                     "fuse_unk", "byte_fallback", "ignore_merges", "vocab", "merges"});
@@ -106,7 +115,7 @@ void load_model(BpeTokenizer::Impl& t, std::string_view src, const json& model) 
   if (!vocab.is_object()) refuse(src, "model.vocab", vocab, "expected an object token -> id");
   int64_t max_id = -1;
   for (const auto& [tok, id] : vocab.items()) {
-    if (!id.is_number_integer() || id.get<int64_t>() < 0) refuse(src, "model.vocab[\"" + tok + "\"]", id, "expected an id >= 0");
+    if (!valid_id(id)) refuse(src, "model.vocab[\"" + tok + "\"]", id, kIdRange);
     max_id = std::max(max_id, id.get<int64_t>());
     t.vocab.emplace(tok, id.get<int64_t>());
   }
@@ -164,7 +173,7 @@ void load_added(BpeTokenizer::Impl& t, std::string_view src, const json& list) {
       if (a.value(flag, false)) refuse(src, path + "." + flag, a[flag], "is not supported (only false)");
     const json& id = field(src, path, a, "id");
     const json& content = field(src, path, a, "content");
-    if (!id.is_number_integer() || id.get<int64_t>() < 0) refuse(src, path + ".id", id, "expected an id >= 0");
+    if (!valid_id(id)) refuse(src, path + ".id", id, kIdRange);
     if (!content.is_string() || content.get<std::string>().empty()) refuse(src, path + ".content", content, "expected a non-empty string");
     AddedToken tok{id.get<int64_t>(), content.get<std::string>(), a.value("special", false), a.value("normalized", false)};
     auto n = std::size_t(tok.id + 1);

@@ -217,6 +217,15 @@ TEST_CASE("bpe tokenizer refuses unsupported or broken tokenizer.json inputs by 
   CHECK_MESSAGE(unknown.find("model.frobnicate = 1") != std::string::npos, unknown);
   auto prefix = refusal([](json& j) { j["pre_tokenizer"]["pretokenizers"][1]["add_prefix_space"] = true; });
   CHECK_MESSAGE(prefix.find("pre_tokenizer.pretokenizers[1].add_prefix_space = true") != std::string::npos, prefix);
+  // Ids past any model's vocabulary are refused before the id tables are sized by them (an
+  // added token of id 999999999 once ended in std::bad_alloc).
+  auto huge_added = refusal([](json& j) { j["added_tokens"][0]["id"] = 999999999; });
+  CHECK_MESSAGE(huge_added.find("added_tokens[0].id = 999999999") != std::string::npos, huge_added);
+  CHECK_MESSAGE(huge_added.find("expected an id in [0, 4194303]") != std::string::npos, huge_added);
+  auto huge_vocab = refusal([](json& j) { j["model"]["vocab"]["Ġt"] = int64_t(1) << 40; });
+  CHECK_MESSAGE(huge_vocab.find("model.vocab[\"Ġt\"] = 1099511627776") != std::string::npos, huge_vocab);
+  auto negative = refusal([](json& j) { j["model"]["vocab"]["Ġt"] = -1; });
+  CHECK_MESSAGE(negative.find("expected an id in [0, 4194303]") != std::string::npos, negative);
   auto byte = refusal([](json& j) { j["model"]["vocab"].erase("Ā"); });
   CHECK_MESSAGE(byte.find("byte 0 is missing") != std::string::npos, byte);
   CHECK_THROWS_WITH_AS(BpeTokenizer::from_json("{not json", "broken.json"), doctest::Contains("broken.json: not valid JSON"),
