@@ -4,17 +4,25 @@
 #include <sys/socket.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <string>
 #include <fstream>
+#include <mutex>
+#include <string>
 
 #include "actors/rollout/serve_context.hpp"
 
 namespace kiln::rollout {
 
 using nlohmann::json;
+
+namespace {
+// How long a stopping server waits for its handlers after SIGINT/SIGTERM (serve_http).
+constexpr std::chrono::seconds kStopGrace{5};
+}  // namespace
 
 void answer(httplib::Response& res, int status, const json& body) {
   res.status = status;
@@ -231,7 +239,14 @@ int serve_http(EngineLoop& loop, std::shared_ptr<model::CausalLM> model, const T
     }
   }
   std::fprintf(stderr, "kiln serve: listening on http://%s:%d\n", host.c_str(), port);
-  std::thread waiter([&svr, &loop] {
+  // Stopping: generations are aborted at once, so their handlers answer and the pool drains. A
+  // handler outside the engine (joining a weight-update group waits for its master up to
+  // rollout.weight_update_timeout_s, and c10d cannot be interrupted) is abandoned after
+  // kStopGrace: the process exits rather than outlive the signal by minutes.
+  std::mutex stop_mutex;
+  std::condition_variable stop_cv;
+  bool drained = false;
+  std::thread waiter([&] {
     sigset_t set;
     sigemptyset(&set);
     sigaddset(&set, SIGINT);
@@ -240,8 +255,22 @@ int serve_http(EngineLoop& loop, std::shared_ptr<model::CausalLM> model, const T
     sigwait(&set, &sig);
     loop.abort_all("the server is stopping");  // handlers waiting for samples answer, so the pool can stop
     svr.stop();
+    std::unique_lock lock(stop_mutex);
+    if (!stop_cv.wait_for(lock, kStopGrace, [&] { return drained; })) {
+      std::fprintf(stderr,
+                   "kiln serve: stopped; requests still running after %lld s (a weight-update group join or "
+                   "broadcast, which waits up to rollout.weight_update_timeout_s) are abandoned\n",
+                   (long long)kStopGrace.count());
+      std::fflush(nullptr);
+      std::_Exit(0);
+    }
   });
   svr.listen_after_bind();
+  {
+    std::lock_guard lock(stop_mutex);
+    drained = true;
+  }
+  stop_cv.notify_all();
   pthread_kill(waiter.native_handle(), SIGTERM);  // listening ended without a signal: end the waiter too
   waiter.join();
   std::fprintf(stderr, "kiln serve: stopped\n");

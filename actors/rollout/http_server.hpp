@@ -57,9 +57,11 @@ struct ServeOptions {
 };
 
 /// Serves `model` (whose engine `loop` drives) until SIGINT or SIGTERM, which the caller must
-/// have blocked in every thread (this function waits for them with sigwait). `tokenizer`
-/// (may be null) encodes "text" prompts and decodes outputs. Returns 0 after a signal, 1 when
-/// the address cannot be bound (reported on stderr).
+/// have blocked in every thread (this function waits for them with sigwait). On the signal the
+/// engine's requests are aborted and answered; a handler still running 5 s later (a
+/// weight-update group join, which c10d cannot interrupt) is abandoned: the process exits 0. `tokenizer`
+/// (may be null) encodes "text" prompts and decodes outputs. Returns 0 after a signal, 2 when
+/// the address cannot be bound or the port file cannot be written (reported on stderr).
 int serve_http(EngineLoop& loop, std::shared_ptr<model::CausalLM> model, const Tokenizer* tokenizer,
                const ServeOptions& options);
 

@@ -9,7 +9,8 @@ unknown dtypes, an unknown group and an update before any init get a 400 naming 
 anything is received, a refusal naming a group leaves it (a trainer broadcasting meanwhile fails
 at once), and the server serves as before; a trainer that dies mid-broadcast, and one that stops sending, get an
 error answer (the latter within the group's collective timeout) and the server serves the old
-weights; the group can then be formed again.
+weights; the group can then be formed again; SIGTERM while a group join waits for its master
+ends the server within its 5 s grace.
 Usage: check_serve_distributed.py PATH_TO_KILN WORK_DIR (run with a Python that has torch).
 Prints "N passed, M failed"."""
 import json, math, os, subprocess, sys, time
@@ -193,3 +194,25 @@ with Checks(work) as check:
                                                     "rank_offset": 1, "world_size": 2})
     check(s == 400 and "nccl" in message(r) and "gloo" in message(r),
           f"backend nccl (SGLang's default) on a CPU server: 400 saying to use gloo ({s}: {message(r)[:160]})")
+
+    # SIGTERM while a group join waits for a master that never comes (the default 600 s
+    # weight_update_timeout_s): the server exits within its 5 s grace, not after the timeout.
+    stuck, stuck_url = check.server(kiln, "stuck_join")
+    pending = in_thread(lambda: http(stuck_url, "/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
+        "group_name": "never", "backend": "gloo"}, timeout=30))
+    time.sleep(1.0)
+    t0 = time.time()
+    stuck.terminate()
+    try:
+        rc = stuck.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        rc = None
+    took = time.time() - t0
+    said = open(f"{work}/stuck_join.log").read()
+    check(rc == 0 and took < 15 and "abandoned" in said,
+          f"SIGTERM during a group join that waits: exit 0 within 15 s ({rc}, {took:.1f} s: {said.strip()[-200:]})")
+    try:
+        pending()
+    except Exception:  # the connection ended with the process
+        pass
