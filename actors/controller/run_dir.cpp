@@ -47,7 +47,10 @@ RunLock::RunLock(const fs::path& dir, const std::string& resume_from, bool overw
     throw std::runtime_error("the run directory '" + dir.string() + "' already holds a run (" + std::to_string(rows) +
                              " rows in metrics.jsonl" + (resume_from.empty() ? "" : "; '" + resume_from + "' is not one of its checkpoints") +
                              "): choose another run.output_dir, " +
-                             (newest.empty() ? std::string("") : "resume it with --set run.resume_from=" + newest.string() + ", ") +
+                             (newest.empty() ? std::string("")
+                                             : "resume it with --set run.resume_from=" + newest.string() + " (it goes on " +
+                                                   "from that checkpoint's step up to run.steps, so a finished run needs a " +
+                                                   "larger run.steps), ") +
                              "or replace it with --set run.overwrite=true");
   }
   // Ours now: the pid for whoever is refused next (a refused run leaves the file as it was).

@@ -7,7 +7,7 @@ then trains every step exactly once; a run refused at start-up removes the direc
 a directory's name with quotes and $(...) is plotted into, nothing run.
 Also: an experiment "file" that is a directory is refused.
 Usage: check_run_dir.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
-import json, os, shutil, signal, subprocess, sys, time
+import re, json, os, shutil, signal, subprocess, sys, time
 
 kiln, work = sys.argv[1], sys.argv[2]
 shutil.rmtree(work, ignore_errors=True)
@@ -44,6 +44,13 @@ for what, sets in (("the same run again", ["run.steps=3"]), ("an unknown flavor"
 r = run(a, "run.steps=3")
 checks.append(("already holds a run" in r.stderr and "run.resume_from=" in r.stderr and "run.overwrite=true" in r.stderr,
                f"the refusal says how to resume or overwrite ({r.stderr.strip()[-300:]})"))
+# Its advice, followed: resume from the checkpoint it names with a larger run.steps.
+advised = re.search(r"run\.resume_from=(\S+)", r.stderr)
+checks.append((advised is not None and "larger run.steps" in r.stderr, "the refusal names the checkpoint and the larger run.steps"))
+if advised:
+    r = run(a, "run.steps=5", f"run.resume_from={advised.group(1)}")
+    checks.append((r.returncode == 0 and rows(a) == [1, 2, 3, 4, 5],
+                   f"resuming as advised goes on to step 5 ({r.returncode}, {rows(a)}: {r.stderr.strip()[-200:]})"))
 r = run(a, "run.steps=2", "run.overwrite=true")
 checks.append((r.returncode == 0 and rows(a) == [1, 2], f"run.overwrite=true replaces it ({rows(a)})"))
 checks.append((not os.path.exists(f"{a}/checkpoints/step_000003"), "the replaced run's checkpoints are gone"))
