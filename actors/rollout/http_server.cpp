@@ -208,6 +208,15 @@ int serve_http(EngineLoop& loop, std::shared_ptr<model::CausalLM> model, const T
   register_routes(svr, c);
   register_weight_routes(svr, c);
   register_openai_routes(svr, c);
+  // Errors cpp-httplib answers itself (no route, a request it cannot parse) get the same JSON
+  // error body as the handlers' own (theirs already have a body and stay as they are).
+  svr.set_error_handler(httplib::Server::HandlerWithResponse([](const httplib::Request& req, httplib::Response& res) {
+    if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
+    answer_error(res, res.status,
+                 res.status == 404 ? "no route " + req.method + " " + req.path + " (the routes: docs/serving.md)"
+                                   : "the request could not be handled (HTTP " + std::to_string(res.status) + ")");
+    return httplib::Server::HandlerResponse::Handled;
+  }));
   svr.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr) {
     answer_error(res, 500, "internal error");
   });

@@ -40,6 +40,12 @@ with Checks(work) as check:
     check(s == 200 and info["weight_version"] == "0" and info["vocab_size"] > 0 and info["num_moe_layers"] > 0,
           f"/get_model_info: {info}")
     L, K, V = info["num_moe_layers"], info["experts_per_token"], info["vocab_size"]
+    # What cpp-httplib answers itself (no route) has the handlers' JSON error body too.
+    for method_body, path in ((None, "/generate"), (None, "/no_such_route"), ({"x": 1}, "/no_such_route")):
+        s, r = http(url, path, body=method_body)
+        msg = r.get("error", {}).get("message", "") if isinstance(r, dict) else ""
+        check(s == 404 and "no route" in msg and path in msg,
+              f"{'POST' if method_body else 'GET'} {path}: 404 with a JSON error naming the route ({s}: {str(r)[:160]})")
 
     # 1. one request: ids, log-probs, routed experts, weight version
     prompt = [2, 5, 6, 7]
