@@ -1,5 +1,6 @@
 #include "actors/rollout/tokenizer.hpp"
 
+#include <cstdio>
 #include <stdexcept>
 
 namespace kiln::rollout {
@@ -18,10 +19,17 @@ std::vector<int64_t> CharTokenizer::encode(std::string_view text) const {
   ids.reserve(text.size());
   for (std::size_t i = 0; i < text.size(); ++i) {
     int64_t id = index_[static_cast<unsigned char>(text[i])];
-    if (id < 0)
-      throw std::invalid_argument("CharTokenizer: character " + std::to_string(int(static_cast<unsigned char>(text[i]))) +
-                                  " ('" + std::string(1, text[i]) + "') at position " + std::to_string(i) +
-                                  " is not in the alphabet");
+    if (id < 0) {
+      // A byte outside printable ASCII is named in hex, never echoed: half a UTF-8 character
+      // printed alone is a broken glyph.
+      const auto byte = static_cast<unsigned char>(text[i]);
+      char hex[8];
+      std::snprintf(hex, sizeof hex, "0x%02X", unsigned(byte));
+      throw std::invalid_argument(
+          "CharTokenizer: " + (byte >= 0x20 && byte < 0x7F ? "character '" + std::string(1, text[i]) + "'" : "byte " + std::string(hex)) +
+          " at offset " + std::to_string(i) + " is not in the character tokenizer's alphabet" +
+          (byte >= 0x80 ? " (printable ASCII only: set task.tokenizer to a tokenizer.json for other text)" : ""));
+    }
     ids.push_back(id);
   }
   return ids;

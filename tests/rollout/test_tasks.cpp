@@ -76,7 +76,10 @@ TEST_CASE("character tokenizer round-trips and refuses characters it does not kn
   with_special.push_back(tok.eos_ids()[0]);
   with_special.push_back(500);
   CHECK(tok.decode(with_special) == "12+7=19?");
-  CHECK_THROWS_WITH_AS(tok.encode("12#"), doctest::Contains("position 2"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(tok.encode("12#"), doctest::Contains("character '#' at offset 2"), std::invalid_argument);
+  // Half a UTF-8 character is named in hex, not echoed, with what to do about it.
+  CHECK_THROWS_WITH_AS(tok.encode("h\xC3\xA9llo"), doctest::Contains("byte 0xC3 at offset 1"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(tok.encode("h\xC3\xA9llo"), doctest::Contains("set task.tokenizer"), std::invalid_argument);
 }
 
 TEST_CASE("JSONL prompt datasets load, and bad lines are named") {
