@@ -3,8 +3,8 @@
 run B resumes from A's step-4 checkpoint; steps 5-8 must give the same metrics (data order
 from the restored RNG, weights, optimizer state). Also: the checkpoint is HF layout; and
 recompute_old_logprobs (a separate pi_old pass, timed as log_probs_time) trains step 1 alike;
-a resume with nothing left to train, or from a checkpoint without optimizer.pt, is refused; a
-resume in place re-saves checkpoints that exist.
+a resume with nothing left to train, from a checkpoint without optimizer.pt, or from one moved
+under another step's name, is refused; a resume in place re-saves checkpoints that exist.
 Usage: check_resume.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
 import json, os, shutil, subprocess, sys
 
@@ -26,6 +26,15 @@ shutil.copytree(ck, f"{work}/noopt")
 os.remove(f"{work}/noopt/optimizer.pt")
 noopt = subprocess.run([kiln, "run", *common, "--set", f"run.output_dir={work}/d", "--set", f"run.resume_from={work}/noopt"],
                        capture_output=True, text=True, timeout=600)
+# A checkpoint moved under another step's name: refused (its state.json's step decides which
+# metrics rows are kept); under a name of the user's own it resumes.
+os.makedirs(f"{work}/moved")
+shutil.copytree(ck, f"{work}/moved/step_000006")
+moved = subprocess.run([kiln, "run", *common, "--set", f"run.output_dir={work}/e", "--set",
+                        f"run.resume_from={work}/moved/step_000006"], capture_output=True, text=True, timeout=600)
+shutil.copytree(ck, f"{work}/moved/best")
+named = subprocess.run([kiln, "run", *common, "--set", "run.steps=5", "--set", f"run.output_dir={work}/f", "--set",
+                        f"run.resume_from={work}/moved/best"], capture_output=True, text=True, timeout=600)
 # Resuming run A in place re-saves step_000008, which exists: that replaced directory used to
 # crash the run (std::filesystem::remove_all bound to libtorch's copy: exit 139).
 again = subprocess.run([kiln, "run", *common, "--set", f"run.output_dir={work}/a", "--set", "run.checkpoint_every=4",
@@ -65,6 +74,9 @@ if a.returncode == 0:
     checks.append((steps == list(range(1, 9)), f"run A's metrics hold steps 1-8 once each after the refused and the in-place resume ({steps})"))
     checks.append((os.path.exists(f"{work}/a/checkpoints/step_000008/state.json"), "step_000008 re-saved"))
     checks.append((not any(d.endswith(".partial") for d in os.listdir(f"{work}/a/checkpoints")), "no .partial checkpoint left"))
+checks.append((moved.returncode == 2 and "state.json says step 4 but the directory is step_000006" in moved.stderr,
+               f"a checkpoint moved under another step's name is refused ({moved.stderr.strip()[-200:]})"))
+checks.append((named.returncode == 0, f"a checkpoint copied under a name of one's own resumes ({named.stderr.strip()[-200:]})"))
 checks.append((noopt.returncode == 2 and "optimizer.pt in" in noopt.stderr and "cannot be read" in noopt.stderr
                and "frame #" not in noopt.stderr, f"a checkpoint without optimizer.pt is a clear error ({noopt.stderr.strip()[-300:]})"))
 for ok, what in checks:
