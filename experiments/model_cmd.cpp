@@ -16,8 +16,8 @@ namespace {
 model::Registry registry(const std::string& plugin_dir) {
   return model::Registry::with_plugins(plugin_dir.empty() ? model::Registry::plugin_dir_from_env() : plugin_dir);
 }
-// Refuses a `to` that is `from` itself or a training checkpoint (its optimizer state would no
-// longer match the weights written over it).
+// Refuses a `to` that is `from` itself, a training checkpoint (its optimizer state would no
+// longer match the weights written over it) or any other directory that is not empty.
 void check_output_dir(const std::string& from, const std::string& to) {
   std::error_code ec;
   if (!std::filesystem::is_directory(from, ec))  // before --to is made
@@ -30,6 +30,14 @@ void check_output_dir(const std::string& from, const std::string& to) {
       throw std::invalid_argument("--to '" + to + "' holds a training checkpoint (" + f +
                                   "): writing there would replace its weights and keep its optimizer state; write to "
                                   "another directory");
+  // Any other non-empty directory: its files would outlive the new ones beside them (an old
+  // shard, generation_config.json), or be replaced without being asked.
+  if (std::filesystem::is_directory(to, ec) && !std::filesystem::is_empty(to, ec)) {
+    const auto first = std::filesystem::directory_iterator(to, ec)->path().filename().string();
+    throw std::invalid_argument("--to '" + to + "' is not empty (it holds '" + first +
+                                "'): give a new or empty directory, so that no earlier file is replaced or left "
+                                "beside the new ones");
+  }
 }
 }  // namespace
 

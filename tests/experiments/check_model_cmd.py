@@ -65,7 +65,9 @@ for args, needle in [(("resave", "--from", f"{work}/nowhere", "--to", f"{work}/x
                      (("--plugins", f"{work}/none", "list"), "does not exist"),
                      (("logits", "--from", f"{work}/nan_ck", "--docs", docs, "--out", f"{work}/c"),
                       f"tensor '{poisoned}' holds 3 non-finite values (NaN or infinity)"),
-                     (("resave", "--from", f"{work}/nan_ck", "--to", f"{work}/nan_out"), "non-finite")]:
+                     (("resave", "--from", f"{work}/nan_ck", "--to", f"{work}/nan_out"), "non-finite"),
+                     (("resave", "--from", fixture, "--to", f"{work}/resaved"), "is not empty"),
+                     (("crop", "--from", glm5, "--to", f"{work}/cropped", "--layers", "2"), "is not empty")]:
     r = run(*args)
     checks.append((r.returncode == 2 and needle in r.stderr, f"{' '.join(args[:1])}: refused with '{needle}' ({r.stderr.strip()[-160:]})"))
 for ok, what in checks:
