@@ -51,6 +51,8 @@ MetricsLog::MetricsLog(const std::filesystem::path& dir, int64_t first_step)
   const auto mode = first_step > 1 ? std::ios::app : std::ios::trunc;
   jsonl_.open(dir / "metrics.jsonl", mode);
   tsv_.open(dir / "metrics.tsv", mode);
+  // A comment line naming the columns (gnuplot skips it; a resumed run keeps the first one).
+  if (mode == std::ios::trunc) tsv_ << "# step\treward_mean\tkl\n" << std::flush;
 }
 
 void MetricsLog::write(const StepRow& row) {

@@ -124,11 +124,12 @@ TEST_CASE("rollout stream: k = 0 generates on demand and loads at once while k =
   }
 }
 
-TEST_CASE("metric rows of steps a resume trains again are dropped and so is a jsonl line cut short") {
+TEST_CASE("metric rows of steps a resume trains again are dropped and so is a jsonl line cut short, the tsv header kept") {
   const std::filesystem::path dir = test::scratch_path("metrics-drop");
   std::filesystem::create_directories(dir);
   {
     std::ofstream j(dir / "metrics.jsonl"), t(dir / "metrics.tsv");
+    t << "# step\treward_mean\tkl\n";  // the header MetricsLog writes
     for (int s = 1; s <= 5; ++s) {
       j << "{\"step\": " << s << "}\n";
       t << s << "\t0.5\t0\n";
@@ -143,7 +144,7 @@ TEST_CASE("metric rows of steps a resume trains again are dropped and so is a js
   std::ifstream t(dir / "metrics.tsv");
   lines.clear();
   for (std::string l; std::getline(t, l);) lines.push_back(l);
-  CHECK(lines == std::vector<std::string>{"1\t0.5\t0", "2\t0.5\t0"});
+  CHECK(lines == std::vector<std::string>{"# step\treward_mean\tkl", "1\t0.5\t0", "2\t0.5\t0"});
 }
 
 TEST_CASE("prompts: seeds per run step and request with the same draws after restore and rewards by the verifier") {
