@@ -408,6 +408,7 @@ void add_run(CLI::App& app, std::vector<Command>& commands, int argc, char** arg
   auto* cmd = app.add_subcommand("run", "Run an experiment (the RL loop)");
   cmd->add_option("experiment", a->experiment, "Experiment file (TOML); none: the built-in default");
   cmd->add_option("--set", a->overrides, "Override a key: section.key=value (repeatable)");
+  cmd->footer("Every key, its default and its range: docs/experiments.md. Experiment files: experiments/*.toml.");
   commands.push_back({cmd, [cmd, a, argc, argv] {
                         if (cmd->get_option("experiment")->count() > 0 && a->experiment.empty()) {
                           std::fprintf(stderr, "kiln run: the experiment file's path is empty (leave it out to run "
