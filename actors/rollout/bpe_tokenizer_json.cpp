@@ -92,7 +92,6 @@ void load_pre_tokenizer(BpeTokenizer::Impl& t, std::string_view src, const json&
   if (steps.back().second->at("type") != "ByteLevel") refuse(src, steps.back().first, *steps.back().second, "a byte-level BPE needs ByteLevel as the last pre-tokenizer");
 }
 
-
 // A token id: an integer below the largest vocabulary kiln's models accept (config.json's
 // vocab_size bound, model/config_json.cpp), so that the id tables (one entry per id up to the
 // largest) stay small; an id of 10^9 would otherwise allocate gigabytes before any check.
@@ -101,6 +100,7 @@ constexpr const char* kIdRange = "expected an id in [0, 4194303] (kiln's models 
 bool valid_id(const json& id) {
   return id.is_number_integer() && id.get<int64_t>() >= 0 && id.get<int64_t>() < kMaxTokenIds;
 }
+
 void load_model(BpeTokenizer::Impl& t, std::string_view src, const json& model) {
   expect_keys(src, "model", model, {"type", "dropout", "unk_token", "continuing_subword_prefix", "end_of_word_suffix",
                                     "fuse_unk", "byte_fallback", "ignore_merges", "vocab", "merges"});
