@@ -331,7 +331,8 @@ class GpuBench {
     J["plain_copy_gbs"] = double(st.bytes) / plain / 1e9;
   }
 
-  void print() const {
+  // The machine's limits and the forward+backward (all that --forward-backward-only measures).
+  void print_training() const {
     auto d = [&](const char* key) { return J.at(key).get<double>(); };
     std::printf("kiln bench gpu: %s, GLM-4.7-Flash dims, %lld layers, bf16, %lld tokens in %lld documents, logits "
                 "kept up to %g GiB\n",
@@ -348,6 +349,11 @@ class GpuBench {
                 "summed over the MoE layers, %.2f per layer)\n",
                 fb_, double(o_.tokens) / fb_, 100.0 * d("mfu"), d("peak_memory_gib"), d("expert_load_max_over_mean"),
                 d("expert_load_max_over_mean_per_layer"));
+  }
+
+  void print() const {
+    auto d = [&](const char* key) { return J.at(key).get<double>(); };
+    print_training();
     if (o_.activation_checkpointing)
       std::printf("  forward+backward, activation checkpointing (%s) %8.3f s  %9.0f tokens/s  MFU %.1f%%  peak %.1f GiB\n",
                   o_.checkpoint_layers > 0 ? ("first " + std::to_string(o_.checkpoint_layers) + " layers").c_str()
@@ -493,6 +499,11 @@ int run_gpu_bench(const GpuBenchOptions& o) {
   }
   if (!o.trace_path.empty()) {
     b.trace_one();
+    return 0;
+  }
+  if (o.forward_backward_only) {
+    b.print_training();
+    if (!o.json_path.empty()) std::ofstream(o.json_path) << b.J.dump(2) << "\n";
     return 0;
   }
   if (o.activation_checkpointing) b.time_checkpointed();

@@ -45,6 +45,9 @@ struct GpuBenchOptions {
   int64_t trainer_microbatch_tokens = 0;
   bool true_on_policy = false;  ///< also train and rollout in the true on-policy mode (docs/gpu.md)
   bool profile = false;  ///< after timing forward+backward, run one more inside cudaProfilerStart/Stop and stop there
+  /// Stop after timing forward+backward: print and write (json_path) the limits, that and the
+  /// expert loads only (tests/bench/bench_vs_torchtitan.py: the peer's benchmark times no more)
+  bool forward_backward_only = false;
   /// Rounds of the auxiliary-loss-free balancing update on the pack before anything is timed (0:
   /// the random model's own routing). Each round: a no-grad forward, then every MoE router's
   /// e_score_correction_bias [E] fp32 += 1e-3 * sign(mean load - load), centred (DeepSeek-V3,

@@ -33,7 +33,7 @@ def run_kiln(args, balance):
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     cmd = [args.kiln, "bench", "gpu", "--layers", str(args.layers), "--tokens", str(args.tokens), "--docs",
-           str(args.docs), "--steps", str(args.steps), "--json", out]
+           str(args.docs), "--steps", str(args.steps), "--forward-backward-only", "--json", out]
     if balance:
         cmd += ["--balance-routing", str(balance)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
