@@ -95,6 +95,15 @@ torch::Tensor checked(const std::string& where, const std::string& key, const to
   return t;
 }
 
+void copy_all_or_nothing(const std::string& where, const std::vector<PlannedCopy>& plan) {
+  for (const auto& c : plan) (void)checked(where, c.key, c.read(), c.shape);
+  torch::NoGradGuard no_grad;
+  for (const auto& c : plan) {
+    auto t = c.read();
+    c.dst.copy_(c.count >= 0 ? t.narrow(0, c.first, c.count) : t);
+  }
+}
+
 KeyTable::KeyTable(const std::vector<KeyRule>& rules, std::string package) : package_(std::move(package)) {
   for (const auto& r : rules) rules_.emplace_back(pattern_regex(r.internal), &r);
 }

@@ -76,4 +76,21 @@ int64_t layer_of(const std::string& key, const std::string& prefix);
 /// (aminmax over chunks of 16M elements; no copy of a whole tensor).
 torch::Tensor checked(const std::string& where, const std::string& key, const torch::Tensor& t, at::IntArrayRef shape);
 
+/// One copy of a load: HF tensor `key` (read by `read`, as stored; `shape` the shape it must
+/// have) into `dst`, rows [first, first + count) of its dim 0 when count >= 0 (a grouped expert
+/// tensor of which the model holds a slice).
+struct PlannedCopy {
+  torch::Tensor dst;
+  std::string key;
+  std::vector<int64_t> shape;
+  std::function<torch::Tensor()> read;
+  int64_t first = 0, count = -1;
+};
+/// Runs a load's copies so that a refused tensor leaves the model as it was: every source is
+/// read and `checked` (shape, dtype, finite values) before any destination is written, then each
+/// is read again and copied. Sources are views of an mmap'd checkpoint or of a received update,
+/// so the second read costs no more than the page cache (an FP8 tensor is dequantised twice).
+/// Throws what `read` or `checked` throw, having written nothing.
+void copy_all_or_nothing(const std::string& where, const std::vector<PlannedCopy>& plan);
+
 }  // namespace kiln::model

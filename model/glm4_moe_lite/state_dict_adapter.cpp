@@ -70,9 +70,6 @@ std::string grouped_key(int64_t layer, const char* proj) {
 
 std::vector<std::pair<std::string, torch::Tensor>> kiln_tensors(Glm4MoeLiteModel& model) { return named_tensors(model); }
 
-torch::Tensor read(const HfTensorSource& src, const std::string& key, at::IntArrayRef shape) {
-  return checked(src.where, key, messaging::to_torch(src.get(key)), shape);
-}
 }  // namespace
 
 std::vector<std::string> required_hf_keys(Glm4MoeLiteModel& model) {
@@ -162,26 +159,32 @@ void load_hf_state_dict(Glm4MoeLiteModel& model, const HfTensorSource& ckpt) {
   // share); every expert's key was checked above, only these are read.
   const auto slice = model.expert_slice();
   const int64_t El = E / slice.ranks, e0 = slice.rank * El;
-  torch::NoGradGuard no_grad;
+  std::vector<PlannedCopy> plan;
+  auto add = [&](torch::Tensor dst, const std::string& key, std::vector<int64_t> shape, int64_t first = 0,
+                 int64_t count = -1) {
+    plan.push_back({std::move(dst), key, std::move(shape), [&ckpt, key] { return messaging::to_torch(ckpt.get(key)); },
+                    first, count});
+  };
   for (auto& [name, param] : kiln_tensors(model)) {
     auto s = source_of(name);
     if (s.kind == Source::Kind::direct) {
-      param.copy_(read(ckpt, s.hf, param.sizes()));
+      add(param, s.hf, param.sizes().vec());
     } else if (s.kind == Source::Kind::gate_up) {
       if (grouped(s.layer, "gate_up_proj"))  // [E, 2F, D] -> this model's [El, 2F, D]
-        param.copy_(read(ckpt, grouped_key(s.layer, "gate_up_proj"), {E, 2 * F, D}).narrow(0, e0, El));
+        add(param, grouped_key(s.layer, "gate_up_proj"), {E, 2 * F, D}, e0, El);
       else
         for (int64_t e = e0; e < e0 + El; ++e) {  // fuse: [2F, D] = cat(gate [F, D], up [F, D])
-          param[e - e0].narrow(0, 0, F).copy_(read(ckpt, expert_key(s.layer, e, "gate_proj"), {F, D}));
-          param[e - e0].narrow(0, F, F).copy_(read(ckpt, expert_key(s.layer, e, "up_proj"), {F, D}));
+          add(param[e - e0].narrow(0, 0, F), expert_key(s.layer, e, "gate_proj"), {F, D});
+          add(param[e - e0].narrow(0, F, F), expert_key(s.layer, e, "up_proj"), {F, D});
         }
     } else {
       if (grouped(s.layer, "down_proj"))  // [E, D, F] -> [El, D, F]
-        param.copy_(read(ckpt, grouped_key(s.layer, "down_proj"), {E, D, F}).narrow(0, e0, El));
+        add(param, grouped_key(s.layer, "down_proj"), {E, D, F}, e0, El);
       else
-        for (int64_t e = e0; e < e0 + El; ++e) param[e - e0].copy_(read(ckpt, expert_key(s.layer, e, "down_proj"), {D, F}));
+        for (int64_t e = e0; e < e0 + El; ++e) add(param[e - e0], expert_key(s.layer, e, "down_proj"), {D, F});
     }
   }
+  copy_all_or_nothing(ckpt.where, plan);
 }
 
 namespace {

@@ -167,7 +167,7 @@ void load_hf_state_dict(Glm5NextModelImpl& model, const HfTensorSource& ckpt) {
       unexpected.push_back(k);
   throw_if_misfit(where, "glm5_next (" + std::to_string(cfg.num_hidden_layers) + " layers)", missing, unexpected);
   // A tensor as stored, FP8 dequantised with its block scales.
-  auto read = [&](const std::string& key, at::IntArrayRef shape) {
+  auto raw = [&ckpt, where, block](const std::string& key) {
     auto t = messaging::to_torch(ckpt.get(key));
     if (t.scalar_type() == torch::kFloat8_e4m3fn) {
       if (!ckpt.contains(key + "_scale_inv"))
@@ -179,31 +179,36 @@ void load_hf_state_dict(Glm5NextModelImpl& model, const HfTensorSource& ckpt) {
         throw CheckpointError(where + ": tensor '" + key + "': " + e.what());
       }
     }
-    return checked(where, key, t, shape);
+    return t;
   };
-  torch::NoGradGuard no_grad;
-  for (auto& [name, param] : named_tensors(model)) {
-    auto s = source_of(name, L);
-    if (s.kind == Source::Kind::direct) {
-      param.copy_(read(s.hf, param.sizes()));
-    } else if (s.kind == Source::Kind::gate_up) {
-      for (int64_t e = 0; e < E; ++e) {  // fuse: [2F, D] = cat(gate [F, D], up [F, D])
-        param[e].narrow(0, 0, F).copy_(read(expert_key(s.layer, e, "gate_proj"), {F, D}));
-        param[e].narrow(0, F, F).copy_(read(expert_key(s.layer, e, "up_proj"), {F, D}));
-      }
-    } else {
-      for (int64_t e = 0; e < E; ++e) param[e].copy_(read(expert_key(s.layer, e, "down_proj"), {D, F}));
-    }
-  }
   // kiln's MTP layers share the main model's embedding and head (DeepSeek-V3 §2.2): a copy that
-  // differs would be a different model, refused by name rather than silently replaced.
+  // differs from the checkpoint's own would be a different model, refused by name (before
+  // anything is written).
   for (const auto& [key, main_key] : shared_copies) {
     const auto& mine = main_key == "lm_head.weight" ? model.lm_head->weight : model.embed->weight;
-    auto copy = read(key, mine.sizes());
-    if (!torch::equal(copy.to(mine.device(), mine.scalar_type()), mine))
+    const auto as_mine = [&](const std::string& k) { return checked(where, k, raw(k), mine.sizes()).to(mine.scalar_type()); };
+    if (!torch::equal(as_mine(key), as_mine(main_key)))
       throw CheckpointError(where + ": tensor '" + key + "' differs from '" + main_key +
                             "': kiln's MTP layers share the main model's embedding and output head");
   }
+  std::vector<PlannedCopy> plan;
+  auto add = [&](torch::Tensor dst, const std::string& key, std::vector<int64_t> shape) {
+    plan.push_back({std::move(dst), key, std::move(shape), [raw, key] { return raw(key); }});
+  };
+  for (auto& [name, param] : named_tensors(model)) {
+    auto s = source_of(name, L);
+    if (s.kind == Source::Kind::direct) {
+      add(param, s.hf, param.sizes().vec());
+    } else if (s.kind == Source::Kind::gate_up) {
+      for (int64_t e = 0; e < E; ++e) {  // fuse: [2F, D] = cat(gate [F, D], up [F, D])
+        add(param[e].narrow(0, 0, F), expert_key(s.layer, e, "gate_proj"), {F, D});
+        add(param[e].narrow(0, F, F), expert_key(s.layer, e, "up_proj"), {F, D});
+      }
+    } else {
+      for (int64_t e = 0; e < E; ++e) add(param[e], expert_key(s.layer, e, "down_proj"), {D, F});
+    }
+  }
+  copy_all_or_nothing(where, plan);
 }
 
 std::vector<messaging::Tensor> to_hf_state_dict(Glm5NextModelImpl& model) {

@@ -11,11 +11,11 @@ and refuses one that does not fit, naming a tensor; JSON sent as a form (curl -d
 read as JSON, and a POST without a body or Content-Length (curl -X POST) is answered at once; a
 sample stops at the model's end token unless ignore_eos.
 Usage: check_serve_api.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
-import base64, json, os, random, socket, struct, subprocess, sys, threading, time, urllib.error, urllib.request
+import base64, json, os, random, shutil, socket, struct, subprocess, sys, threading, time, urllib.error, urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serve_util import Checks, http, stop_server
-from tiny_vocab import write_tiny_vocab2048
+from tiny_vocab import read_safetensors, write_safetensors, write_tiny_vocab2048
 
 kiln, work = sys.argv[1], sys.argv[2]
 
@@ -247,9 +247,9 @@ with Checks(work) as check:
     http(slow_url, "/continue_generation", {})
     t.join(60)
     check(held and held[0][0] == 200 and held[0][1]["output_ids"] == out, "continued: it finishes, as it would have")
-    aborted = []
-    t = threading.Thread(target=lambda: aborted.append(http(slow_url, "/generate", {"input_ids": prompt,
-                                                                                      "sampling_params": {"max_new_tokens": 300}})))
+    aborted = []  # ignore_eos: an end-of-sequence token sampled early ended it before the pause (a flake)
+    t = threading.Thread(target=lambda: aborted.append(http(slow_url, "/generate", {
+        "input_ids": prompt, "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}})))
     t.start()
     deadline = time.time() + 30
     while time.time() < deadline and server_info()["running_requests"] != 1:
@@ -286,6 +286,30 @@ with Checks(work) as check:
     check(s == 400 and ".weight" in msg, f"a checkpoint of another model is refused naming a tensor ({s}: {msg[:200]})")
     _, again = http(fresh_url, "/generate", greedy)
     check(all(close(a, b) for a, b in zip(want, again)), "after the refused update the server serves as before")
+    # The checkpoint with its embedding doubled (read first) and a NaN at the end of lm_head.weight
+    # (read last): refused by the NaN, and nothing of it written, the embedding neither.
+    bad = f"{work}/nan_last"
+    shutil.copytree(ck, bad)
+    for f in sorted(os.listdir(bad)):
+        if not f.endswith(".safetensors"):
+            continue
+        ts = read_safetensors(f"{bad}/{f}")
+        if "model.embed_tokens.weight" in ts:
+            dt, shape, blob = ts["model.embed_tokens.weight"]
+            assert dt == "F32", dt
+            ts["model.embed_tokens.weight"] = (dt, shape, struct.pack(f"<{len(blob) // 4}f",
+                                                                       *(2 * v for v in struct.unpack(f"<{len(blob) // 4}f", blob))))
+        if "lm_head.weight" in ts:
+            dt, shape, blob = ts["lm_head.weight"]
+            ts["lm_head.weight"] = (dt, shape, blob[:-4] + struct.pack("<f", float("nan")))
+        write_safetensors(f"{bad}/{f}", ts)
+    s, r = http(fresh_url, "/update_weights_from_disk", {"model_path": bad, "weight_version": "2"})
+    msg = r.get("error", {}).get("message", "") if isinstance(r, dict) else str(r)
+    check(s == 400 and "'lm_head.weight' holds 1 non-finite value" in msg,
+          f"a checkpoint with a NaN in its last tensor is refused naming it ({s}: {msg[:200]})")
+    _, again = http(fresh_url, "/generate", greedy)
+    check(all(close(a, b) for a, b in zip(want, again)) and again[0]["meta_info"]["weight_version"] == "1",
+          "and nothing of it was written: the server samples as before, at weight version 1")
 
     # 7. glm5_next (sparse attention): /get_model_info reports its sparse layers and selection
     # width, and return_topk_indices (kiln's own field) answers each layer's selected positions
