@@ -11,6 +11,7 @@
 #include "actors/rollout/serve_context.hpp"
 #include "messaging/torch_tensor.hpp"
 #include "model/checkpoint/safetensors.hpp"
+#include "model/key_table.hpp"
 
 namespace kiln::rollout {
 
@@ -250,6 +251,16 @@ void update_from_distributed(ServeContext& c, const std::string& body, httplib::
     throw ApiError(e.status, e.what() + left);
   }
   const auto received = c.weight_groups->receive(group, specs);
+  // Every tensor finite before any is written (as a load from disk checks them): a NaN weight
+  // would turn every log-prob it touches into NaN. The broadcasts are complete, so the group
+  // stays usable for the next update.
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    try {
+      (void)model::checked("the broadcast", specs[i].name, received[i], received[i].sizes());
+    } catch (const checkpoint::CheckpointError& e) {
+      api::bad(what + ".names[" + std::to_string(i) + "]", std::string(e.what()) + "; nothing was written");
+    }
+  }
   if (abort) c.loop.abort_all("aborted by " + what);
   std::size_t written = 0;
   const int64_t in_flight = apply_weights(c, version, false, [&] {

@@ -102,6 +102,20 @@ with Checks(work) as check:
     check(s == 200 and all(abs(x + math.log(V)) < 1e-4 for row in lps(flat) for x in row),
           f"a zeroed lm_head alone: every log-prob is -log({V}) (version {http(url, '/get_weight_version')[1]})")
     check(http(url, "/get_weight_version")[1] == {"weight_version": "8"}, "without weight_version: the current + 1")
+    # A NaN in the last tensor of an update (the embedding before it changed): refused naming it,
+    # nothing written, the version kept; the group then carries the next update.
+    _, pre_nan = http(url, "/generate", greedy)
+    nan_lm = torch.zeros_like(trained["lm_head.weight"])
+    nan_lm.view(-1)[-1] = float("nan")
+    emb = trained["model.embed_tokens.weight"]
+    s, r = update(url, pg, [("model.embed_tokens.weight", emb * 2), ("lm_head.weight", nan_lm)])
+    _, after = http(url, "/generate", greedy)
+    check(s == 400 and r.get("success") is False and "'lm_head.weight' holds 1 non-finite value" in message(r) and
+          "nothing was written" in message(r), f"an update with a NaN: 400 naming the tensor ({s}: {message(r)[:240]})")
+    check(same(after, pre_nan) and http(url, "/get_weight_version")[1] == {"weight_version": "8"},
+          "and the server samples as before, at version 8")
+    s, r = update(url, pg, [("model.embed_tokens.weight", emb)], version="8")
+    check(s == 200, f"the group carries the next update ({s}: {message(r)[:160]})")
 
     # 4. bad requests: a 400 naming the value before anything is received. A refusal the group
     # can be named for leaves it (a trainer broadcasting meanwhile fails at once, not at its
