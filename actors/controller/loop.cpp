@@ -101,11 +101,17 @@ int64_t resume(const Config& c, TrainerHandle& trainer, Prompts& prompts, std::v
   auto state = trainer.load(ck);
   // A directory named as kiln names checkpoints (step_NNNNNN) must hold that step: metrics rows
   // past state.json's step would otherwise be dropped as not yet trained.
-  if (const auto name = ck.filename().string(); name.size() > 5 && name.rfind("step_", 0) == 0 &&
-                                                name.find_first_not_of("0123456789", 5) == std::string::npos &&
-                                                name.size() <= 5 + 18 && std::stoll(name.substr(5)) != state.step)
-    throw std::invalid_argument("state.json says step " + std::to_string(state.step) + " but the directory is " + name +
-                                ": the checkpoint was edited or moved; resume from the directory of its own step");
+  // (Named after "." and ".." are resolved and a trailing separator dropped: ".../step_000006/".)
+  auto named = ck.lexically_normal();
+  if (!named.has_filename()) named = named.parent_path();
+  const auto name = named.filename().string();
+  if (name.size() > 5 && name.rfind("step_", 0) == 0 && name.find_first_not_of("0123456789", 5) == std::string::npos) {
+    const auto first = name.find_first_not_of('0', 5);
+    const auto value = first == std::string::npos ? std::string("0") : name.substr(first);  // no leading zeros
+    if (value.size() > 18 || std::stoll(value) != state.step)
+      throw std::invalid_argument("state.json says step " + std::to_string(state.step) + " but the directory is " + name +
+                                  ": the checkpoint was edited or moved; resume from the directory of its own step");
+  }
   const auto in_flight_file = (ck / trainer::kInFlightRolloutsFile).string();
   if (!state.in_flight_rollouts.empty()) in_flight = decode_in_flight(state.in_flight_rollouts, state.step, in_flight_file);
   while (!in_flight.empty() && in_flight.back().step > c.run.steps) in_flight.pop_back();

@@ -32,6 +32,12 @@ os.makedirs(f"{work}/moved")
 shutil.copytree(ck, f"{work}/moved/step_000006")
 moved = subprocess.run([kiln, "run", *common, "--set", f"run.output_dir={work}/e", "--set",
                         f"run.resume_from={work}/moved/step_000006"], capture_output=True, text=True, timeout=600)
+moved_slash = subprocess.run([kiln, "run", *common, "--set", f"run.output_dir={work}/e", "--set",
+                              f"run.resume_from={work}/moved/step_000006/"], capture_output=True, text=True, timeout=600)
+shutil.copytree(ck, f"{work}/moved/step_000000000000000000000006")
+moved_long = subprocess.run([kiln, "run", *common, "--set", f"run.output_dir={work}/e", "--set",
+                             f"run.resume_from={work}/moved/step_000000000000000000000006"], capture_output=True, text=True,
+                            timeout=600)
 shutil.copytree(ck, f"{work}/moved/best")
 named = subprocess.run([kiln, "run", *common, "--set", "run.steps=5", "--set", f"run.output_dir={work}/f", "--set",
                         f"run.resume_from={work}/moved/best"], capture_output=True, text=True, timeout=600)
@@ -76,6 +82,10 @@ if a.returncode == 0:
     checks.append((not any(d.endswith(".partial") for d in os.listdir(f"{work}/a/checkpoints")), "no .partial checkpoint left"))
 checks.append((moved.returncode == 2 and "state.json says step 4 but the directory is step_000006" in moved.stderr,
                f"a checkpoint moved under another step's name is refused ({moved.stderr.strip()[-200:]})"))
+checks.append((moved_slash.returncode == 2 and "but the directory is step_000006" in moved_slash.stderr,
+               f"... also named with a trailing slash ({moved_slash.stderr.strip()[-160:]})"))
+checks.append((moved_long.returncode == 2 and "but the directory is step_000000000000000000000006" in moved_long.stderr,
+               f"... and with more than 18 digits ({moved_long.stderr.strip()[-160:]})"))
 checks.append((named.returncode == 0, f"a checkpoint copied under a name of one's own resumes ({named.stderr.strip()[-200:]})"))
 checks.append((noopt.returncode == 2 and "optimizer.pt in" in noopt.stderr and "cannot be read" in noopt.stderr
                and "frame #" not in noopt.stderr, f"a checkpoint without optimizer.pt is a clear error ({noopt.stderr.strip()[-300:]})"))
