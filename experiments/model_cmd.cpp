@@ -32,11 +32,14 @@ void check_output_dir(const std::string& from, const std::string& to) {
                                   "another directory");
   // Any other non-empty directory: its files would outlive the new ones beside them (an old
   // shard, generation_config.json), or be replaced without being asked.
-  if (std::filesystem::is_directory(to, ec) && !std::filesystem::is_empty(to, ec)) {
-    const auto first = std::filesystem::directory_iterator(to, ec)->path().filename().string();
-    throw std::invalid_argument("--to '" + to + "' is not empty (it holds '" + first +
-                                "'): give a new or empty directory, so that no earlier file is replaced or left "
-                                "beside the new ones");
+  if (std::filesystem::is_directory(to, ec)) {
+    std::filesystem::directory_iterator it(to, ec), end;
+    if (ec)
+      throw std::invalid_argument("--to '" + to + "' cannot be listed (" + ec.message() + "): give a new or empty directory");
+    if (it != end)
+      throw std::invalid_argument("--to '" + to + "' is not empty (it holds '" + it->path().filename().string() +
+                                  "'): give a new or empty directory, so that no earlier file is replaced or left "
+                                  "beside the new ones");
   }
 }
 }  // namespace

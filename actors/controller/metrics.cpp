@@ -51,8 +51,10 @@ MetricsLog::MetricsLog(const std::filesystem::path& dir, int64_t first_step)
   const auto mode = first_step > 1 ? std::ios::app : std::ios::trunc;
   jsonl_.open(dir / "metrics.jsonl", mode);
   tsv_.open(dir / "metrics.tsv", mode);
-  // A comment line naming the columns (gnuplot skips it; a resumed run keeps the first one).
-  if (mode == std::ios::trunc) tsv_ << "# step\treward_mean\tkl\n" << std::flush;
+  // A comment line naming the columns, at the top of a new file (gnuplot skips it; a run resumed
+  // into the same directory keeps the first one, one resumed into a new directory writes it).
+  tsv_.seekp(0, std::ios::end);
+  if (tsv_.tellp() == 0) tsv_ << "# step\treward_mean\tkl\n" << std::flush;
 }
 
 void MetricsLog::write(const StepRow& row) {
