@@ -22,6 +22,7 @@
 #include "actors/weight_sync/device_sync.hpp"
 #include "experiments/bench_cuda.hpp"
 #include "experiments/bench_model.hpp"
+#include "experiments/bench_routing.hpp"
 #include "model/blocks/logprobs.hpp"
 #include "model/glm4_moe_lite/model.hpp"
 
@@ -46,11 +47,6 @@ Gap logprob_gap(const std::vector<std::vector<float>>& a, const std::vector<std:
       if (j == 0) g.first_sum += d;
     }
   return g;
-}
-
-// Each MoE layer's busiest expert over its mean load, averaged over the layers (loads [L, E]).
-double per_layer_max_over_mean(const torch::Tensor& loads) {
-  return (std::get<0>(loads.max(1)) / loads.mean(1)).mean().item<double>();
 }
 }  // namespace
 
@@ -109,7 +105,7 @@ class GpuBench {
     policy_->zero_grad();
     // How evenly the model routes the pack: the routed experts' GEMMs slow down with uneven
     // counts. Summed over the MoE layers (as torchtitan's bench prints it), and per layer.
-    const auto loads = expert_loads();  // [L, E]
+    const auto loads = expert_loads(*policy_, batch_);  // [L, E]
     const auto summed = loads.sum(0);
     J["expert_load_max_over_mean"] = (summed.max() / summed.mean()).item<double>();
     J["expert_load_max_over_mean_per_layer"] = per_layer_max_over_mean(loads);
@@ -119,19 +115,7 @@ class GpuBench {
   // (GpuBenchOptions::balance_routing), before anything is timed.
   void balance_routing() {
     if (o_.balance_routing <= 0) return;
-    const auto before = expert_loads();
-    std::vector<torch::Tensor> biases;
-    for (auto& layer : policy_->layers)
-      if (layer->is_moe()) biases.push_back(layer->moe->router->e_score_correction_bias);
-    torch::NoGradGuard ng;
-    for (int round = 0; round < o_.balance_routing; ++round) {
-      const auto loads = expert_loads().to(dev_);
-      for (std::size_t l = 0; l < biases.size(); ++l) {
-        const auto load = loads[int64_t(l)];
-        auto delta = 1e-3 * torch::sign(load.mean() - load);
-        biases[l].add_((delta - delta.mean()).to(biases[l].scalar_type()));
-      }
-    }
+    const auto before = experiments::balance_routing(*policy_, batch_, o_.balance_routing);
     J["balance_routing_rounds"] = o_.balance_routing;
     J["expert_load_max_over_mean_per_layer_before_balancing"] = per_layer_max_over_mean(before);
   }
@@ -398,18 +382,6 @@ class GpuBench {
   nlohmann::json J;
 
  private:
-  // Tokens of the pack routed to each expert by each MoE layer: [L, E] float64 on the host.
-  torch::Tensor expert_loads() {
-    torch::NoGradGuard ng;
-    model::ForwardOptions fo;
-    fo.return_routed_experts = true;
-    const auto ids = policy_->forward(batch_, fo).routed_experts.to(torch::kCPU);  // [T, L, K]
-    std::vector<torch::Tensor> per_layer;
-    for (int64_t l = 0; l < ids.size(1); ++l)
-      per_layer.push_back(torch::bincount(ids.select(1, l).flatten(), {}, cfg_.moe.num_experts).to(torch::kFloat64));
-    return torch::stack(per_layer);
-  }
-
   std::shared_ptr<Model> build_model() const {
     auto m = std::make_shared<Model>(cfg_);
     m->to(dev_);

@@ -2,6 +2,7 @@
 // experts, log-probs, loss and gradients; packed == one by one; routing replay.
 #include <doctest/doctest.h>
 
+#include "experiments/bench_routing.hpp"
 #include "../test_util.hpp"
 #include "fixture.hpp"
 #include "model/blocks/logprobs.hpp"
@@ -154,4 +155,21 @@ TEST_CASE("CUDA bf16: logits, log-probs and loss gradients stay within bf16 tole
   CHECK(lp_diff <= 2e-2);
   CHECK(grel <= 8e-2);
   CHECK(garel <= 8e-2);
+}
+
+// kiln bench gpu --balance-routing's update (experiments/bench_routing.hpp) on the fixture model:
+// the loads count every token's K experts in every MoE layer, and the rounds even them out.
+TEST_CASE("bench routing: the router-bias balancing rounds even out the experts' loads on a pack") {
+  auto model = load_fixture_model();
+  auto batch = test::fixture_batch();
+  const auto before = experiments::expert_loads(*model, batch);  // [L, E]
+  const int64_t T = batch.input_ids.size(0), K = model->config().moe.top_k;
+  REQUIRE(before.size(1) == model->config().moe.num_experts);
+  CHECK((before.sum(1) == double(T * K)).all().item<bool>());
+  const auto returned = experiments::balance_routing(*model, batch, 200, 1e-2);
+  CHECK(torch::equal(returned, before));
+  const auto after = experiments::expert_loads(*model, batch);
+  MESSAGE("expert load max/mean per layer " << experiments::per_layer_max_over_mean(before) << " -> "
+                                            << experiments::per_layer_max_over_mean(after));
+  CHECK(experiments::per_layer_max_over_mean(after) < experiments::per_layer_max_over_mean(before));
 }
