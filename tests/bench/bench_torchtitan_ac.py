@@ -78,7 +78,7 @@ def balance_routing(model, c, device, rounds, rate=1e-3):
             for m, load in zip(layers, lo):
                 delta = rate * torch.sign(load.mean() - load)
                 m.expert_bias_E.add_(delta - delta.mean())
-        after = loads()
+        after = loads() if rounds else before  # no rounds: the same routing, not measured again
         for m in layers:
             m.tokens_per_expert_E.zero_()
     return ratio(before), ratio(after)
