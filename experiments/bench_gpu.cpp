@@ -279,15 +279,17 @@ class GpuBench {
     tc.keep_logits_gib = o_.keep_logits_gib;
     trainer::Trainer tr(policy_, tc);
     std::vector<trainer::Sample> big;
-    int64_t tok = 0;
+    int64_t tok = 0, completion = 0;
     while (tok + samples_[big.size() % samples_.size()].tokens() <= o_.tokens) {
       big.push_back(samples_[big.size() % samples_.size()]);
       tok += big.back().tokens();
+      completion += int64_t(big.back().completion.size());
     }
     reset_peak();
     const double ts = median_seconds(1, std::max(2, o_.steps / 2), [&] { (void)tr.train_step(big); });
     J["trainer_step_s"] = ts;
     J["trainer_step_tokens"] = tok;
+    J["trainer_step_completion_tokens"] = completion;  // the output head's rows
     J["trainer_step_tokens_per_s"] = double(tok) / ts;
     J["trainer_step_microbatch_tokens"] = tc.logprobs.max_tokens_per_microbatch;
     J["trainer_step_peak_memory_gib"] = peak_gib();
@@ -344,9 +346,12 @@ class GpuBench {
                                            : "every layer",
                   d("checkpointed_train_step_s"), d("checkpointed_train_tokens_per_s"), 100.0 * d("checkpointed_mfu"),
                   d("checkpointed_peak_memory_gib"));
-    std::printf("  trainer step (AdamW) %8.3f s  %9.0f tokens/s  peak %.1f GiB  (micro-batches of up to %lld tokens)\n",
+    std::printf("  trainer step (AdamW) %8.3f s  %9.0f tokens/s  peak %.1f GiB  (micro-batches of up to %lld tokens; "
+                "%lld of %lld tokens completions, the head's rows)\n",
                 d("trainer_step_s"), d("trainer_step_tokens_per_s"), d("trainer_step_peak_memory_gib"),
-                (long long)J.at("trainer_step_microbatch_tokens").get<int64_t>());
+                (long long)J.at("trainer_step_microbatch_tokens").get<int64_t>(),
+                (long long)J.at("trainer_step_completion_tokens").get<int64_t>(),
+                (long long)J.at("trainer_step_tokens").get<int64_t>());
     std::printf("  log_probs_time       %8.3f s  (decoder forward %.3f s; log-prob head fwd+bwd %.3f s)\n",
                 d("log_probs_time_s"), d("forward_no_grad_s"), d("logprob_head_fwd_bwd_s"));
     std::printf("  one MoE layer fwd+bwd: attention half %.4f s, MoE half %.4f s\n", d("layer_attention_fwd_bwd_s"),

@@ -106,6 +106,31 @@ int run_model_bench(const ModelBenchOptions& o) {
     std::printf("  %-34s %12.0f %12.1f\n", "kiln step", double(docs * n) / step, flops / step / 1e9);
     std::printf("  %-34s %12s %12.1f\n", "fp32 GEMM 2048^3 (machine limit)", "-", peak / 1e9);
     std::printf("  model FLOP utilisation: %.0f%% of the measured GEMM rate\n", 100.0 * flops / step / peak);
+
+    // 3. An RL step's output head: the second half of each document is the completion. kiln's
+    //    trainer runs the head on those rows only; verl's actor (its remove-padding path) computes
+    //    every token's logits and then keeps the response's (the 'all rows' line).
+    std::vector<int64_t> completion;
+    for (int64_t b = 0; b < docs; ++b)
+      for (int64_t i = n / 2; i < n - 1; ++i) completion.push_back(b * n + i);
+    auto rows = torch::tensor(completion, torch::kInt64);
+    double all_rows = best_seconds(o.repeats, [&] {
+      m.zero_grad();
+      (-m.token_logprobs(m.forward(batch), targets, 512).index_select(0, rows).sum()).backward();
+    });
+    double only = best_seconds(o.repeats, [&] {
+      m.zero_grad();
+      (-m.token_logprobs(m.forward(batch), targets, 512, 1.0, rows).sum()).backward();
+    });
+    const double head = 3.0 * 2.0 * double(c.hidden_size) * double(c.vocab_size);  // per row, forward+backward
+    const double saved = head * double(docs * n - rows.size(0)) / flops;
+    std::printf("\nRL step (the same pack, %lld of %lld tokens are completions), forward+backward\n",
+                (long long)rows.size(0), (long long)(docs * n));
+    std::printf("  %-34s %10s\n", "output head on", "seconds");
+    std::printf("  %-34s %10.3f\n", "all rows, completions kept", all_rows);
+    std::printf("  %-34s %10.3f\n", "completion rows only (kiln)", only);
+    std::printf("  time saved: %.0f%% (the head's FLOPs on the prompt rows: %.0f%% of the step's)\n",
+                100.0 * (1.0 - only / all_rows), 100.0 * saved);
   }
   return 0;
 }

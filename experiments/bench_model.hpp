@@ -4,7 +4,11 @@
 //     the full fp32 log-softmax path (what transformers does), forward+backward time and the
 //     largest fp32 [rows, V] buffer each holds;
 //  2. packed forward+backward of a CPU-sized glm4_moe_lite: tokens/s and achieved GFLOP/s
-//     against the measured fp32 GEMM rate of the same machine (the hardware limit).
+//     against the measured fp32 GEMM rate of the same machine (the hardware limit);
+//  3. the same pack as an RL step whose documents' second halves are completions: the output
+//     head on the completion rows only (kiln's trainer) vs on every row (verl's actor computes
+//     every token's logits, then keeps the response's), forward+backward time and the FLOP
+//     share it predicts.
 #include <cstdint>
 
 #include "model/glm4_moe_lite/config.hpp"

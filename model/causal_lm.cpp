@@ -18,10 +18,18 @@ torch::Tensor CausalLM::fp32_logits(const torch::Tensor& hidden_ND) {
 }
 
 torch::Tensor CausalLM::token_logprobs(const ForwardOutput& out, const torch::Tensor& targets, int64_t chunk,
-                                       double temperature) {
-  if (batch_invariant_) return token_logprobs_invariant(out.hidden, lm_head_weight(), targets, temperature, chunk);
-  const auto hidden = temperature != 1.0 ? out.hidden / temperature : out.hidden;  // logits / T
-  return model::token_logprobs(hidden, lm_head_weight(), targets, chunk, kept_logits_bytes_);
+                                       double temperature, const torch::Tensor& rows) {
+  auto hidden = out.hidden;
+  auto tg = targets;
+  if (rows.defined()) {
+    TORCH_CHECK(rows.dim() == 1, "token_logprobs: rows must be [R] int64, got ", rows.sizes());
+    const auto r = rows.to(hidden.device(), torch::kInt64);
+    hidden = hidden.index_select(0, r);                          // [R, D]
+    tg = targets.to(hidden.device(), torch::kInt64).index_select(0, r);  // [R]
+  }
+  if (batch_invariant_) return token_logprobs_invariant(hidden, lm_head_weight(), tg, temperature, chunk);
+  if (temperature != 1.0) hidden = hidden / temperature;  // logits / T
+  return model::token_logprobs(hidden, lm_head_weight(), tg, chunk, kept_logits_bytes_);
 }
 
 void CausalLM::set_activation_checkpointing(bool on, int64_t layers) {
@@ -77,9 +85,16 @@ MtpLoss mtp_loss(CausalLM& model, const PackedBatch& batch, const torch::Tensor&
   auto total = torch::zeros({}, hidden.options().dtype(torch::kFloat32));
   for (auto& depth : model.mtp_forward(batch, hidden, depths)) {
     auto mask = supervised.index_select(0, depth.rows + depth.depth);  // [Td] row t+d's target is trained
-    r.tokens += mask.sum().item<int64_t>();
-    auto targets = torch::where(mask.to(depth.targets.device()), depth.targets, -1);  // -1: no target, no gradient
-    auto lp = model::token_logprobs(depth.hidden, model.lm_head_weight(), targets, chunk);  // [Td] fp32
+    // The head runs on the trained rows only (as the policy's: CausalLM::token_logprobs' rows).
+    const auto rows = mask.nonzero().squeeze(1);  // [Ts] int64, CPU
+    r.tokens += rows.size(0);
+    if (rows.size(0) == 0) {  // still a (zero) gradient for this depth's layers
+      total = total + depth.hidden.sum().to(torch::kFloat32) * 0;
+      continue;
+    }
+    const auto r_dev = rows.to(depth.hidden.device());
+    auto lp = model::token_logprobs(depth.hidden.index_select(0, r_dev), model.lm_head_weight(),
+                                    depth.targets.index_select(0, r_dev.to(depth.targets.device())), chunk);  // [Ts] fp32
     total = total - lp.sum();
   }
   if (r.tokens == 0) {

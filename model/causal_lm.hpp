@@ -250,8 +250,12 @@ class CausalLM : public torch::nn::Module {
   /// [T] fp32 log-probs of targets under logits / temperature (see blocks/logprobs.hpp: the
   /// hidden states divided by the temperature, then token_logprobs; in the batch-invariant mode
   /// token_logprobs_invariant, the rollout sampler's formula), never [T, V] in fp32.
+  /// rows: [R] int64 packed rows (any device) to compute, e.g. the completion tokens of an RL
+  /// batch; only their head GEMMs run (2*R*V*D FLOPs forward, not 2*T*V*D), and a row's value
+  /// is the one the whole batch would give it (up to the GEMM's blocking; bitwise in the
+  /// batch-invariant mode). Undefined: every row. -> [R] (or [T]) fp32.
   torch::Tensor token_logprobs(const ForwardOutput& out, const torch::Tensor& targets, int64_t chunk = 1024,
-                               double temperature = 1.0);
+                               double temperature = 1.0, const torch::Tensor& rows = {});
  protected:
   bool checkpoint_layers_ = false;  ///< set_activation_checkpointing
   int64_t checkpoint_count_ = 0;    ///< set_activation_checkpointing's layers (0: all)
@@ -266,7 +270,8 @@ class CausalLM : public torch::nn::Module {
 /// is supervised at depth d when row t+d's own next-token target is (`supervised_T` [T] bool:
 /// the rows whose target the policy loss trains, e.g. completion tokens), and `normalizer` is
 /// the whole batch's count the policy loss divides by (so micro-batches and data-parallel ranks
-/// add up). Log-probs in fp32 per chunk (blocks/logprobs.hpp).
+/// add up). Log-probs in fp32 per chunk (blocks/logprobs.hpp), the output head on the
+/// supervised entries only.
 struct MtpLoss {
   torch::Tensor loss;   ///< [] fp32, differentiable; 0 with gradient edges to the MTP layers (zero gradients) when nothing is supervised
   double ce_sum = 0;    ///< sum of the supervised entries' cross-entropies, all depths

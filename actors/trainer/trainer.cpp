@@ -96,18 +96,20 @@ torch::Tensor train_micro_batch(model::CausalLM& policy, const TrainerConfig& c,
                           c.logprobs.chunk);
   }
   const double temperature = c.logprobs.temperature;
+  // The output head runs on the completion rows only: a prompt token's log-prob is never used
+  // (and would get no gradient), so its [V, D] GEMMs are skipped forward and backward.
+  const auto& rows = p.completion_positions;
   PolicyTokens t;
   if (c.loss.entropy_coef != 0) {
-    const auto scaled = temperature != 1.0 ? out.hidden / temperature : out.hidden;  // logits / T
-    auto [lp_all, ent_all] = model::token_logprobs_and_entropy(scaled, policy.lm_head_weight(), targets,
-                                                               c.logprobs.chunk, policy.kept_logits_bytes());
+    auto hidden = out.hidden.index_select(0, rows);         // [Tc, D]
+    if (temperature != 1.0) hidden = hidden / temperature;  // logits / T
+    auto [lp, ent] = model::token_logprobs_and_entropy(hidden, policy.lm_head_weight(), targets.index_select(0, rows),
+                                                       c.logprobs.chunk, policy.kept_logits_bytes());
     // The true on-policy mode: the log-probs from the batch-invariant head (the rollout's bits).
-    if (policy.batch_invariant()) lp_all = policy.token_logprobs(out, targets, c.logprobs.chunk, temperature);
-    t.logprob = lp_all.index_select(0, p.completion_positions);  // [Tc]
-    t.entropy = ent_all.index_select(0, p.completion_positions);
+    t.logprob = policy.batch_invariant() ? policy.token_logprobs(out, targets, c.logprobs.chunk, temperature, rows) : lp;
+    t.entropy = ent;
   } else {
-    t.logprob =
-        policy.token_logprobs(out, targets, c.logprobs.chunk, temperature).index_select(0, p.completion_positions);
+    t.logprob = policy.token_logprobs(out, targets, c.logprobs.chunk, temperature, rows);  // [Tc]
   }
   auto to_dev = [&](const torch::Tensor& host) { return model::to_model_device(host, dev); };
   t.old_logprob = in.given_old ? to_dev(per_token(in.samples, idx, &Sample::old_logprobs)) : t.logprob.detach();
@@ -472,8 +474,7 @@ std::vector<std::vector<float>> completion_logprobs(model::CausalLM& model, cons
     opts.replay_routed_experts = p.replay;
     opts.replay_topk_indices = p.replay_topk;
     auto fwd = model.forward(p.batch, opts);
-    auto lp = model.token_logprobs(fwd, p.targets, 1024, temperature)
-                  .index_select(0, p.completion_positions.to(fwd.hidden.device()))
+    auto lp = model.token_logprobs(fwd, p.targets, 1024, temperature, p.completion_positions)  // [Tc]
                   .to(torch::kCPU)
                   .contiguous();
     const float* v = lp.data_ptr<float>();

@@ -2,6 +2,8 @@
 // experts, log-probs, loss and gradients; packed == one by one; routing replay.
 #include <doctest/doctest.h>
 
+#include <map>
+
 #include "experiments/bench_routing.hpp"
 #include "../test_util.hpp"
 #include "fixture.hpp"
@@ -88,6 +90,52 @@ TEST_CASE("a packed batch gives the same logits as its documents run one by one"
     auto alone = model->logits(model->forward(one));
     CHECK((alone - packed.narrow(0, s, n)).abs().max().item<double>() <= 1e-5);
   }
+}
+
+TEST_CASE("log-probs of chosen rows (an RL batch's completion tokens) are the whole batch's at those rows, values and gradients") {
+  auto model = load_fixture_model();
+  auto batch = test::fixture_batch();
+  auto targets = next_token_targets(batch.input_ids, batch.cu_seqlens);
+  const int64_t T = targets.size(0);
+  // Rows out of order, one repeated, and a document's last row (no target: log-prob 0).
+  const int64_t last = batch.cu_seqlens[1].item<int64_t>() - 1;
+  auto rows = torch::tensor({T - 1, int64_t(2), int64_t(3), last, int64_t(3), int64_t(0)}, torch::kInt64);
+  auto grads = [&](const torch::Tensor& loss) {
+    model->zero_grad();
+    loss.backward();
+    std::map<std::string, torch::Tensor> g;
+    for (const auto& p : model->named_parameters()) g[p.key()] = p.value().grad().clone();
+    return g;
+  };
+  for (double temperature : {1.0, 0.7}) {
+    CAPTURE(temperature);
+    auto all = model->token_logprobs(model->forward(batch), targets, /*chunk=*/4, temperature);  // [T]
+    auto want = all.index_select(0, rows);
+    const auto gw = grads(-(want * torch::arange(1, rows.size(0) + 1)).sum());
+    auto got = model->token_logprobs(model->forward(batch), targets, 4, temperature, rows);  // [R]
+    REQUIRE((got.sizes() == want.sizes()));
+    CHECK((got - want).abs().max().item<double>() <= 1e-6);
+    CHECK(got[3].item<double>() == 0.0);
+    const auto gg = grads(-(got * torch::arange(1, rows.size(0) + 1)).sum());
+    for (const auto& [name, g] : gw) {
+      CAPTURE(name);
+      if (g.abs().max().item<double>() == 0)
+        CHECK(gg.at(name).abs().max().item<double>() == 0);
+      else
+        CHECK(test::rel_error(gg.at(name), g) <= 1e-5);
+    }
+  }
+  // The batch-invariant mode gives a row the same bits whatever else is computed beside it.
+  model->set_batch_invariant(true);
+  {
+    torch::NoGradGuard no_grad;
+    auto out = model->forward(batch);
+    auto all = model->token_logprobs(out, targets, 4, 0.7);
+    CHECK(torch::equal(model->token_logprobs(out, targets, 4, 0.7, rows), all.index_select(0, rows)));
+  }
+  model->set_batch_invariant(false);
+  CHECK_THROWS_WITH_AS(model->token_logprobs(model->forward(batch), targets, 4, 1.0, rows.reshape({2, 3})),
+                       doctest::Contains("rows must be [R]"), c10::Error);
 }
 
 TEST_CASE("routing replay uses the given experts and still trains the router") {
