@@ -97,6 +97,9 @@ bool wait_while_connected(ServeContext& c, const std::vector<std::shared_ptr<Tic
 
 void generate(ServeContext& c, const std::string& body, httplib::Response& res) {
   auto g = std::make_shared<NativeGenerate>(parse_generate(body, c.limits));
+  if (g->return_topk_indices && c.model->num_sparse_layers() == 0)
+    api::bad("return_topk_indices", "this model has no sparse-attention layers to report (num_sparse_layers 0 in "
+                                    "/get_model_info; glm5_next has them)");
   auto ids = std::make_shared<std::vector<uint64_t>>();
   const auto start = Clock::now();
   auto tickets = std::make_shared<std::vector<std::shared_ptr<Ticket>>>(c.loop.submit(g->requests, *ids));

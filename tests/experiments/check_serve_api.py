@@ -318,6 +318,10 @@ with Checks(work) as check:
     Ls, W = info5.get("num_sparse_layers", 0), info5.get("topk_width", 0)
     check(s == 200 and Ls > 0 and W > 0, f"glm5_next: /get_model_info reports sparse layers and selection width ({info5})")
     check(info["num_sparse_layers"] == 0 and info["topk_width"] == 0, "glm4_moe_lite: no sparse layers")
+    s, r = gen(fresh_url, [2, 5, 6], 3, return_topk_indices=True)
+    msg = r.get("error", {}).get("message", "") if isinstance(r, dict) else str(r)
+    check(s == 400 and "return_topk_indices" in msg and "no sparse-attention layers" in msg,
+          f"glm4_moe_lite: return_topk_indices is refused by name, not ignored ({s}: {msg[:160]})")
     prompt5 = [2, 5, 6, 7, 8, 9, 10, 11]
     s, r = gen(g5_url, prompt5, 3, n=6, return_routed_experts=True, return_topk_indices=True)
     n5 = len(r["output_ids"]) if s == 200 else 0
