@@ -10,6 +10,7 @@
 #include "model/config_json.hpp"
 #include "model/fp8_blocks.hpp"
 #include "model/glm5_next/config.hpp"
+#include "model/key_table.hpp"
 
 namespace kiln::model::glm5_next {
 
@@ -60,8 +61,11 @@ CropResult crop_checkpoint(const std::string& from_dir, const std::string& to_di
         throw checkpoint::CheckpointError(where + ": tensor '" + key + "': " + e.what());
       }
       ++result.fp8_dequantised;
+      checked(where, key, t, t.sizes());  // finite after dequantisation too
       out.push_back(messaging::from_torch(name, t));
     } else {
+      // A NaN or infinite weight is refused by name, not copied into the cropped checkpoint.
+      if (at::isFloatingType(t.scalar_type())) checked(where, key, t, t.sizes());
       auto copy = ckpt.get(key);  // bytes as stored
       copy.name = name;
       out.push_back(std::move(copy));

@@ -45,15 +45,21 @@ if r.returncode == 0:
                    "crop: a kept tensor is bit for bit the source's"))
 # A checkpoint with NaN and infinity in one weight (its first 3 elements, fp32): refused
 # by name, not loaded into a model whose every logit it would turn into NaN.
-shutil.copytree(fixture, f"{work}/nan_ck")
+def poisoned_copy(src, dst, name):
+    shutil.copytree(src, dst)
+    where = json.load(open(f"{dst}/model.safetensors.index.json"))["weight_map"][name]
+    with open(f"{dst}/{where}", "r+b") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        entry = json.loads(f.read(n))[name]
+        assert entry["dtype"] == "F32", entry
+        f.seek(8 + n + entry["data_offsets"][0])
+        f.write(struct.pack("<3f", float("nan"), float("inf"), float("nan")))
+
 poisoned = "model.layers.1.self_attn.kv_b_proj.weight"
-where = json.load(open(f"{work}/nan_ck/model.safetensors.index.json"))["weight_map"][poisoned]
-with open(f"{work}/nan_ck/{where}", "r+b") as f:
-    n = struct.unpack("<Q", f.read(8))[0]
-    entry = json.loads(f.read(n))[poisoned]
-    assert entry["dtype"] == "F32", entry
-    f.seek(8 + n + entry["data_offsets"][0])
-    f.write(struct.pack("<3f", float("nan"), float("inf"), float("nan")))
+poisoned_copy(fixture, f"{work}/nan_ck", poisoned)
+# crop reads tensors its own way (as stored, FP8 dequantised): it refuses them the same way.
+poisoned5 = "model.language_model.layers.0.mlp.up_proj.weight"
+poisoned_copy(glm5, f"{work}/nan5_ck", poisoned5)
 os.makedirs(f"{work}/training_ck", exist_ok=True)
 open(f"{work}/training_ck/state.json", "w").write("{}")
 for args, needle in [(("resave", "--from", f"{work}/nowhere", "--to", f"{work}/x"), "is not a directory (an HF checkpoint"),
@@ -66,10 +72,14 @@ for args, needle in [(("resave", "--from", f"{work}/nowhere", "--to", f"{work}/x
                      (("logits", "--from", f"{work}/nan_ck", "--docs", docs, "--out", f"{work}/c"),
                       f"tensor '{poisoned}' holds 3 non-finite values (NaN or infinity)"),
                      (("resave", "--from", f"{work}/nan_ck", "--to", f"{work}/nan_out"), "non-finite"),
+                     (("crop", "--from", f"{work}/nan5_ck", "--to", f"{work}/nan5_out", "--layers", "2"),
+                      f"tensor '{poisoned5}' holds 3 non-finite values"),
                      (("resave", "--from", fixture, "--to", f"{work}/resaved"), "is not empty"),
                      (("crop", "--from", glm5, "--to", f"{work}/cropped", "--layers", "2"), "is not empty")]:
     r = run(*args)
     checks.append((r.returncode == 2 and needle in r.stderr, f"{' '.join(args[:1])}: refused with '{needle}' ({r.stderr.strip()[-160:]})"))
+checks.append((not os.path.exists(f"{work}/nan5_out") or not os.listdir(f"{work}/nan5_out"),
+               "crop: the refused checkpoint wrote nothing"))
 for ok, what in checks:
     print(("ok   " if ok else "FAIL ") + what)
 failed = sum(not ok for ok, _ in checks)
