@@ -48,7 +48,7 @@ int stop_with_checkpoint(TrainerHandle& trainer, const fs::path& dir, int64_t st
   std::fprintf(stderr, "kiln run: step %lld: %s\n", (long long)step, what.c_str());
   if (trained >= 1 && trained == last.step && !last.dir.empty()) {
     std::fprintf(stderr, "kiln run: steps 1..%lld are in %s; continue with --set run.resume_from=%s\n",
-                 (long long)trained, last.dir.c_str(), last.dir.c_str());
+                 (long long)trained, last.dir.c_str(), shell_word(last.dir.string()).c_str());
     return 1;
   }
   if (trained < 1) {
@@ -65,7 +65,7 @@ int stop_with_checkpoint(TrainerHandle& trainer, const fs::path& dir, int64_t st
     return 1;
   }
   std::fprintf(stderr, "kiln run: saved %s (steps 1..%lld trained); continue with --set run.resume_from=%s\n",
-               ck.c_str(), (long long)trained, ck.c_str());
+               ck.c_str(), (long long)trained, shell_word(ck.string()).c_str());
   return 1;
 }
 
@@ -89,7 +89,8 @@ int stop_on_interrupt(TrainerHandle& trainer, const fs::path& dir, int64_t train
   std::error_code ec;
   const auto exe = fs::read_symlink("/proc/self/exe", ec);
   std::fprintf(stderr, "kiln run: interrupted after step %lld; saved %s\nkiln run: continue with: %s run %s --set run.resume_from=%s\n",
-               (long long)trained, ck.c_str(), ec ? "kiln" : exe.c_str(), (dir / "config.toml").c_str(), ck.c_str());
+               (long long)trained, ck.c_str(), ec ? "kiln" : shell_word(exe.string()).c_str(),
+               shell_word((dir / "config.toml").string()).c_str(), shell_word(ck.string()).c_str());
   return 130;
 }
 

@@ -48,7 +48,7 @@ RunLock::RunLock(const fs::path& dir, const std::string& resume_from, bool overw
                              " rows in metrics.jsonl" + (resume_from.empty() ? "" : "; '" + resume_from + "' is not one of its checkpoints") +
                              "): choose another run.output_dir, " +
                              (newest.empty() ? std::string("")
-                                             : "resume it with --set run.resume_from=" + newest.string() + " (it goes on " +
+                                             : "resume it with --set run.resume_from=" + shell_word(newest.string()) + " (it goes on " +
                                                    "from that checkpoint's step up to run.steps, so a finished run needs a " +
                                                    "larger run.steps), ") +
                              "or replace it with --set run.overwrite=true");
@@ -80,12 +80,21 @@ fs::path checkpoint_dir(const fs::path& run, int64_t step) {
 
 fs::path newest_checkpoint(const fs::path& run) { return trainer::newest_checkpoint_in(run / "checkpoints"); }
 
+std::string shell_word(const std::string& word) {
+  const bool plain = !word.empty() && word.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                                             "0123456789_./:=@%+,-") == std::string::npos;
+  if (plain) return word;
+  std::string q = "'";
+  for (char ch : word) q += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+  return q + "'";
+}
+
 std::string continue_hint(const fs::path& run) {
   const auto newest = newest_checkpoint(run);
   if (newest.empty())
     return "kiln run: no checkpoint was written (none due yet, or run.checkpoint_every = 0): start again with "
            "--set run.overwrite=true\n";
-  return "kiln run: the steps after it are lost; continue with --set run.resume_from=" + newest.string() + "\n";
+  return "kiln run: the steps after it are lost; continue with --set run.resume_from=" + shell_word(newest.string()) + "\n";
 }
 
 namespace {

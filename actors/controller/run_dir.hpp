@@ -36,6 +36,10 @@ std::filesystem::path checkpoint_dir(const std::filesystem::path& run, int64_t s
 /// ones are incomplete), or an empty path.
 std::filesystem::path newest_checkpoint(const std::filesystem::path& run);
 
+/// `word` as one shell word, for the commands kiln prints: as is when it holds only
+/// [A-Za-z0-9_./:=@%+,-], else in single quotes (a quote inside as '\'').
+std::string shell_word(const std::string& word);
+
 /// What to do after the policy was lost with its process: resume from the newest complete
 /// checkpoint of the run, or start again. One or more lines, each ending in '\n'.
 std::string continue_hint(const std::filesystem::path& run);

@@ -13,6 +13,7 @@
 #include "actors/controller/metrics.hpp"
 #include "actors/controller/prompts.hpp"
 #include "actors/controller/rollout_stream.hpp"
+#include "actors/controller/run_dir.hpp"
 #include "actors/controller/staleness.hpp"
 #include "actors/reference/ref_messages.hpp"
 #include "actors/rollout/generate_messages.hpp"
@@ -344,4 +345,13 @@ TEST_CASE("ref.logprobs (ref_messages.hpp): completions reach the receiver as sa
                        doctest::Contains("rank 1 answered 0 samples for 1"), std::runtime_error);
   CHECK_THROWS_WITH_AS(reference::read_logprobs(answer({{-1.f}}), {c}, "rank 1"),
                        doctest::Contains("rank 1 answered 1 log-probs for a completion of 2 tokens"), std::runtime_error);
+}
+
+TEST_CASE("the paths in printed commands are one shell word each") {
+  using controller::shell_word;
+  CHECK(shell_word("runs/default/checkpoints/step_000003") == "runs/default/checkpoints/step_000003");
+  CHECK(shell_word("/a b/c") == "'/a b/c'");
+  CHECK(shell_word("it's $(x)") == "'it'\\''s $(x)'");
+  CHECK(shell_word("") == "''");
+  CHECK(shell_word("a*b;c") == "'a*b;c'");
 }

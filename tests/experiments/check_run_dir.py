@@ -7,7 +7,7 @@ then trains every step exactly once; a run refused at start-up removes the direc
 a directory's name with quotes and $(...) is plotted into, nothing run.
 Also: an experiment "file" that is a directory is refused.
 Usage: check_run_dir.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
-import re, json, os, shutil, signal, subprocess, sys, time
+import re, json, os, shlex, shutil, signal, subprocess, sys, time
 
 kiln, work = sys.argv[1], sys.argv[2]
 shutil.rmtree(work, ignore_errors=True)
@@ -115,10 +115,21 @@ checks.append((r.returncode == 2 and "is a directory" in r.stderr, f"kiln run DI
 # neither break the plot nor run anything (gnuplot used to be started through a shell).
 odd = f"{work}/it's $(touch {work}/pwned)"
 r = subprocess.run([kiln, "run", "--set", "logging.progress=false", "--set", "algorithm.prompts_per_step=8",
-                    "--set", "run.steps=1", "--set", f"run.output_dir={odd}"], capture_output=True, text=True, timeout=300)
+                    "--set", "run.steps=1", "--set", "run.checkpoint_every=1", "--set", f"run.output_dir={odd}"],
+                   capture_output=True, text=True, timeout=300)
 checks.append((r.returncode == 0 and os.path.exists(os.path.join(odd, "reward_kl.png")) and not os.path.exists(f"{work}/pwned")
                and "Warning" not in r.stderr and "Warning" not in r.stdout,
                f"an odd run directory name: plotted, nothing executed, no gnuplot warning ({r.stderr.strip()[-200:]})"))
+# The refusal's resume advice, pasted into a shell as is: the path is quoted as one word.
+r = run(odd, "run.steps=1")
+advised = re.search(r"run\.resume_from=('(?:[^']|'\\'')*'|\S+) \(it goes on", r.stderr)
+checks.append((advised is not None and advised.group(1).startswith("'"), f"the advice quotes the odd path ({r.stderr.strip()[-240:]})"))
+if advised:
+    line = " ".join([shlex.quote(kiln), "run", *map(shlex.quote, quiet), "--set", shlex.quote(f"run.output_dir={odd}"),
+                     "--set", "run.steps=2", "--set", "run.resume_from=" + advised.group(1)])
+    r = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=300)
+    checks.append((r.returncode == 0 and rows(odd) == [1, 2] and not os.path.exists(f"{work}/pwned"),
+                   f"followed through bash, it resumes the odd run, nothing executed ({r.returncode}: {r.stderr.strip()[-200:]})"))
 
 for ok, what in checks:
     print(("ok   " if ok else "FAIL ") + what)
