@@ -30,8 +30,12 @@ void sampling(const json& j, const std::string& what, ServeContext& c, SamplingP
   p.max_new_tokens = 16;  // OpenAI's default
   sampling_fields(j, what, c.limits, "max_tokens", "seed", p);
   if (j.contains("max_completion_tokens") && !j["max_completion_tokens"].is_null()) {
-    p.max_new_tokens = integer(j["max_completion_tokens"], field("max_completion_tokens"));
-    if (p.max_new_tokens < 1) bad(field("max_completion_tokens"), "must be >= 1, got " + std::to_string(p.max_new_tokens));
+    const int64_t n = integer(j["max_completion_tokens"], field("max_completion_tokens"));
+    if (n < 1) bad(field("max_completion_tokens"), "must be >= 1, got " + std::to_string(n));
+    if (j.contains("max_tokens") && !j["max_tokens"].is_null() && n != p.max_new_tokens)
+      bad(field("max_completion_tokens"), "is " + std::to_string(n) + " but max_tokens is " +
+                                              std::to_string(p.max_new_tokens) + ": send one of them (or the same value)");
+    p.max_new_tokens = n;
   }
   for (const char* k : {"presence_penalty", "frequency_penalty"})
     if (j.contains(k) && !j[k].is_null() && number(j[k], field(k)) != 0) bad(field(k), "must be 0 (kiln applies no penalties)");

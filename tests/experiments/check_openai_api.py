@@ -93,5 +93,9 @@ with Checks(work) as check:
     refused(client, "no messages", "messages", lambda cl: cl.chat.completions.create(model="kiln", messages=[]))
     refused(client, "frequency_penalty", "frequency_penalty",
             lambda cl: cl.chat.completions.create(model="kiln", messages=messages, frequency_penalty=1.0))
+    refused(client, "max_tokens and max_completion_tokens that disagree", "max_completion_tokens",
+            lambda cl: cl.chat.completions.create(model="kiln", messages=messages, max_tokens=12, max_completion_tokens=3))
+    same = client.chat.completions.create(model="kiln", messages=messages, max_tokens=12, max_completion_tokens=12, seed=5)
+    check(same.choices[0].message.content == m.message.content, "the two bounds with the same value answer as one")
     again = client.chat.completions.create(model="kiln", messages=messages, max_tokens=12, seed=5)
     check(again.choices[0].message.content == m.message.content, "after the refusals the chat answers as before")
