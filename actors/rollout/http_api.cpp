@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <set>
 
 namespace kiln::rollout {
 
@@ -14,11 +15,25 @@ namespace api {
 [[noreturn]] void bad(const std::string& where, const std::string& why) { throw ApiError(400, where + ": " + why); }
 
 json parse_json(std::string_view body, const std::string& what) {
+  // A key twice in one object is refused (nlohmann keeps the last; another reader may keep the
+  // first, so the two would disagree on what was asked). One key set per open object.
+  std::vector<std::set<std::string>> keys;
+  std::string twice;
+  auto seen = [&](int, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::object_start) keys.emplace_back();
+    else if (event == json::parse_event_t::object_end) keys.pop_back();
+    else if (event == json::parse_event_t::key && !keys.back().insert(parsed.get<std::string>()).second && twice.empty())
+      twice = parsed.get<std::string>();
+    return true;
+  };
+  json j;
   try {
-    return json::parse(body.begin(), body.end());
+    j = json::parse(body.begin(), body.end(), seen);
   } catch (const json::exception& e) {
     throw ApiError(400, what + ": the body is not valid JSON (" + e.what() + ")");
   }
+  if (!twice.empty()) throw ApiError(400, what + ": the key '" + twice + "' appears twice in one object (send each field once)");
+  return j;
 }
 
 void only_keys(const json& j, const std::string& where, const std::vector<std::string>& allowed) {

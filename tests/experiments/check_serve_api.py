@@ -92,6 +92,9 @@ with Checks(work) as check:
 
     # 3. bad requests: 400 naming the field; the server goes on
     bad(url, "/generate", raw=b"{not json", field="not valid JSON")
+    bad(url, "/generate", raw=b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "max_new_tokens": 900}}',
+        field="the key 'max_new_tokens' appears twice")
+    bad(url, "/update_weights_from_disk", raw=b'{"model_path": "/a", "model_path": "/b"}', field="'model_path' appears twice")
     bad(url, "/generate", {"input_ids": [1, 2], "prompt_magic": 1}, field="prompt_magic")
     bad(url, "/generate", {"input_ids": "12"}, field="input_ids")
     bad(url, "/generate", {"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}}, field="sampling_params.temperature")
