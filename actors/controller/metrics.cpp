@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <nlohmann/json.hpp>
@@ -110,15 +111,6 @@ void MetricsLog::print_progress(const StepRow& row, int64_t steps, int64_t promp
     std::fprintf(stderr, "step %3lld: skipped, policy unchanged: %s\n", (long long)row.step, row.train.skip_reason.c_str());
 }
 
-namespace {
-// A path as a gnuplot single-quoted string (a quote inside doubled).
-std::string gnuplot_quoted(const std::string& text) {
-  std::string out = "'";
-  for (char ch : text) out += ch == '\'' ? std::string("''") : std::string(1, ch);
-  return out + "'";
-}
-}  // namespace
-
 void MetricsLog::plot() const {
   const auto tsv = dir_ / "metrics.tsv", png = dir_ / "reward_kl.png", script = dir_ / "reward_kl.gp";
   // One row: ranges around its point (gnuplot warns of an empty range otherwise).
@@ -137,22 +129,34 @@ void MetricsLog::plot() const {
                   reward - 0.5, reward + 0.5, kl - 0.5, kl + 0.5);
     ranges = buf;
   }
-  // The script in a file and gnuplot started without a shell: a run directory's name is data.
-  std::ofstream(script) << "set terminal png size 900,500; set output " << gnuplot_quoted(png.string())
-                        << "; set xlabel 'step'; set ylabel 'reward'; set y2label 'KL'; set y2tics; set ytics nomirror; "
-                        << "set key left top; " << ranges << "plot " << gnuplot_quoted(tsv.string())
-                        << " using 1:2 with " << (rows == 1 ? "points" : "lines") << " lw 2 title 'reward mean', "
-                        << gnuplot_quoted(tsv.string())
-                        << " using 1:3 axes x1y2 with lines title 'KL'\n";
-  std::string prog = "gnuplot", arg = script.string();
+  // The script in a file, gnuplot started without a shell in the run directory, and only
+  // relative names in the script: the directory's name never reaches gnuplot's parser (a
+  // newline or a backtick in it would end a string or run a command there).
+  std::ofstream(script) << "set terminal png size 900,500; set output '" << png.filename().string()
+                        << "'; set xlabel 'step'; set ylabel 'reward'; set y2label 'KL'; set y2tics; set ytics nomirror; "
+                        << "set key left top; " << ranges << "plot '" << tsv.filename().string() << "' using 1:2 with "
+                        << (rows == 1 ? "points" : "lines") << " lw 2 title 'reward mean', '" << tsv.filename().string()
+                        << "' using 1:3 axes x1y2 with lines title 'KL'\n";
+  std::string prog = "gnuplot", arg = script.filename().string(), cwd = dir_.string();
   char* argv[] = {prog.data(), arg.data(), nullptr};
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addchdir_np(&actions, cwd.c_str());
   pid_t pid = -1;
   int status = 0;
-  const bool ran = posix_spawnp(&pid, "gnuplot", nullptr, nullptr, argv, environ) == 0 && ::waitpid(pid, &status, 0) == pid &&
-                   WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  const int spawned = posix_spawnp(&pid, "gnuplot", &actions, nullptr, argv, environ);
+  posix_spawn_file_actions_destroy(&actions);
+  const bool waited = spawned == 0 && ::waitpid(pid, &status, 0) == pid;
   std::error_code ec;
   std::filesystem::remove(script, ec);
-  if (!ran) std::fprintf(stderr, "kiln run: plotting with gnuplot failed (is gnuplot installed?)\n");
+  if (spawned != 0)
+    std::fprintf(stderr, "kiln run: no plot: gnuplot could not be started (%s; is it installed?)\n", std::strerror(spawned));
+  else if (!waited || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    const std::string how = !waited               ? "its process was lost"
+                            : WIFEXITED(status)   ? "exit status " + std::to_string(WEXITSTATUS(status))
+                                                  : "signal " + std::to_string(WTERMSIG(status));
+    std::fprintf(stderr, "kiln run: no plot: gnuplot failed on %s (%s)\n", tsv.c_str(), how.c_str());
+  }
 }
 
 int64_t MetricsLog::drop_rows_from(const std::filesystem::path& dir, int64_t first_step) {

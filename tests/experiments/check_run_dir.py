@@ -120,6 +120,13 @@ r = subprocess.run([kiln, "run", "--set", "logging.progress=false", "--set", "al
 checks.append((r.returncode == 0 and os.path.exists(os.path.join(odd, "reward_kl.png")) and not os.path.exists(f"{work}/pwned")
                and "Warning" not in r.stderr and "Warning" not in r.stdout,
                f"an odd run directory name: plotted, nothing executed, no gnuplot warning ({r.stderr.strip()[-200:]})"))
+# A newline in the name ended gnuplot's quoted path and ran the rest (system, backticks).
+nl = f"{work}/nl\nsystem \"touch {work}/pwned2\"\n`touch {work}/pwned3`"
+r = subprocess.run([kiln, "run", "--set", "logging.progress=false", "--set", "algorithm.prompts_per_step=8",
+                    "--set", "run.steps=1", "--set", f"run.output_dir={nl}"], capture_output=True, text=True, timeout=300)
+checks.append((r.returncode == 0 and os.path.exists(os.path.join(nl, "reward_kl.png"))
+               and not os.path.exists(f"{work}/pwned2") and not os.path.exists(f"{work}/pwned3") and "no plot" not in r.stderr,
+               f"a run directory name with newlines, system and backticks: plotted, nothing executed ({r.stderr.strip()[-200:]})"))
 # The refusal's resume advice, pasted into a shell as is: the path is quoted as one word.
 r = run(odd, "run.steps=1")
 advised = re.search(r"run\.resume_from=('(?:[^']|'\\'')*'|\S+) \(it goes on", r.stderr)
