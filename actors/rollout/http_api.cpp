@@ -6,6 +6,8 @@
 #include <random>
 #include <set>
 
+#include "model/blocks/temperature.hpp"
+
 namespace kiln::rollout {
 
 using nlohmann::json;
@@ -45,21 +47,38 @@ void only_keys(const json& j, const std::string& where, const std::vector<std::s
     }
 }
 
+std::string shown(const json& j) {
+  auto scalar = [](const json& v) { return !v.is_array() && !v.is_object(); };
+  if (j.is_string()) {
+    const auto& t = j.get_ref<const std::string&>();
+    return t.size() <= 200 ? json_text(j) : json_text(json(t.substr(0, 200))) + " (cut, " + std::to_string(t.size()) + " bytes)";
+  }
+  if (scalar(j)) return json_text(j);
+  if (j.is_array() && j.size() <= 8 && std::all_of(j.begin(), j.end(), scalar)) {
+    std::string out = "[";
+    for (std::size_t i = 0; i < j.size(); ++i) out += (i ? ", " : "") + shown(j[i]);
+    return out + "]";
+  }
+  const auto n = std::to_string(j.size());
+  return j.is_array() ? "an array of " + n + (j.size() == 1 ? " element" : " elements")
+                      : "an object of " + n + (j.size() == 1 ? " key" : " keys");
+}
+
 int64_t integer(const json& j, const std::string& where) {
   if (j.is_number_unsigned() && j.get<uint64_t>() > uint64_t(INT64_MAX)) bad(where, "must be an integer below 2^63");
-  if (!j.is_number_integer()) bad(where, "must be an integer, got " + json_text(j));
+  if (!j.is_number_integer()) bad(where, "must be an integer, got " + shown(j));
   return j.get<int64_t>();
 }
 
 double number(const json& j, const std::string& where) {
-  if (!j.is_number()) bad(where, "must be a number, got " + json_text(j));
+  if (!j.is_number()) bad(where, "must be a number, got " + shown(j));
   const double v = j.get<double>();
-  if (!std::isfinite(v)) bad(where, "must be a finite number, got " + json_text(j));
+  if (!std::isfinite(v)) bad(where, "must be a finite number, got " + shown(j));
   return v;
 }
 
 bool boolean(const json& j, const std::string& where) {
-  if (!j.is_boolean()) bad(where, "must be true or false, got " + json_text(j));
+  if (!j.is_boolean()) bad(where, "must be true or false, got " + shown(j));
   return j.get<bool>();
 }
 
@@ -115,11 +134,13 @@ void sampling_fields(const json& j, const std::string& where, const ApiLimits& l
   }
   if (has("temperature")) {
     p.temperature = number(j["temperature"], field("temperature"));
-    if (p.temperature < 0) bad(field("temperature"), "must be >= 0 (0: greedy), got " + json_text(j["temperature"]));
+    if (!(p.temperature == 0 || p.temperature >= model::kMinTemperature))
+      bad(field("temperature"), "must be 0 (greedy) or >= 1e-5 (smaller ones overflow logits / temperature), got " +
+                                    shown(j["temperature"]));
   }
   if (has("top_p")) {
     p.top_p = number(j["top_p"], field("top_p"));
-    if (!(p.top_p > 0 && p.top_p <= 1)) bad(field("top_p"), "must be in (0, 1], got " + json_text(j["top_p"]));
+    if (!(p.top_p > 0 && p.top_p <= 1)) bad(field("top_p"), "must be in (0, 1], got " + shown(j["top_p"]));
   }
   if (has("top_k")) {
     const int64_t k = integer(j["top_k"], field("top_k"));
@@ -131,7 +152,7 @@ void sampling_fields(const json& j, const std::string& where, const ApiLimits& l
   if (has(seed_key)) {
     const auto& s = j[seed_key];
     if (!s.is_number_integer() || (!s.is_number_unsigned() && s.get<int64_t>() < 0))
-      bad(field(seed_key), "must be an integer in [0, 2^64), got " + json_text(s));
+      bad(field(seed_key), "must be an integer in [0, 2^64), got " + shown(s));
     p.seed = s.get<uint64_t>();
   } else {
     static thread_local std::mt19937_64 rng{std::random_device{}()};

@@ -93,6 +93,11 @@ namespace api {
 nlohmann::json parse_json(std::string_view body, const std::string& what);
 /// Refuses a key of object `j` not in `allowed` (listed in the message).
 void only_keys(const nlohmann::json& j, const std::string& where, const std::vector<std::string>& allowed);
+/// `j` for an error message: a number, boolean or null as JSON, a string quoted and cut at 200
+/// bytes, an array of up to 8 scalars as JSON; any other array or object by its kind and size.
+/// Never the whole of a nested value: its text could be megabytes, and dumping 70000 levels of
+/// nesting overran the server's stack.
+std::string shown(const nlohmann::json& j);
 int64_t integer(const nlohmann::json& j, const std::string& where);
 double number(const nlohmann::json& j, const std::string& where);  ///< finite only
 bool boolean(const nlohmann::json& j, const std::string& where);

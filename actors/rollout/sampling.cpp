@@ -1,16 +1,19 @@
 #include "actors/rollout/sampling.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 
 #include "kernels/sampling.hpp"
 #include "model/blocks/logprobs.hpp"
+#include "model/blocks/temperature.hpp"
 
 namespace kiln::rollout {
 
 void SamplingParams::validate() const {
   auto bad = [](const std::string& s) { throw std::invalid_argument("sampling: " + s); };
-  if (!(temperature >= 0)) bad("temperature must be >= 0, got " + std::to_string(temperature));
+  if (!(temperature == 0 || temperature >= model::kMinTemperature))
+    bad("temperature must be 0 (greedy) or >= 1e-5, got " + std::to_string(temperature));
   if (!(top_p > 0 && top_p <= 1)) bad("top_p must be in (0, 1], got " + std::to_string(top_p));
   if (top_k < 0) bad("top_k must be >= 0, got " + std::to_string(top_k));
   if (max_new_tokens < 1) bad("max_new_tokens must be >= 1, got " + std::to_string(max_new_tokens));
@@ -26,7 +29,8 @@ void write_sampling_rows(const std::vector<const SamplingParams*>& params, const
   for (int64_t b = 0; b < B; ++b) {
     const bool real = b < int64_t(params.size());
     // Rows past the params (a graph's padding rows): greedy, no filter.
-    const double t = real ? params[std::size_t(b)]->temperature : 0.0, p = real ? params[std::size_t(b)]->top_p : 1.0;
+    const double t = real ? params[std::size_t(b)]->temperature : 0.0,
+                 p = real ? std::max(params[std::size_t(b)]->top_p, kTopPFloor) : 1.0;
     std::memcpy(&five[b], &t, sizeof t);
     five[B + b] = real ? params[std::size_t(b)]->top_k : 0;
     std::memcpy(&five[2 * B + b], &p, sizeof p);

@@ -12,16 +12,22 @@
 
 namespace kiln::rollout {
 
+/// Where the sampler reads a smaller top_p as this one. A top_p at or under the top token's
+/// probability (>= 1 / V >= 2.4e-7 for kiln's vocabularies) keeps the top token alone, so this
+/// changes no nucleus; a top_p of 1e-300 was 0 in fp32 and kept nothing, failing the step of
+/// every request in the batch.
+inline constexpr double kTopPFloor = 1e-30;
+
 struct SamplingParams {
   double temperature = 1.0;  ///< 0 = greedy
   int64_t top_k = 0;         ///< 0 = off
-  double top_p = 1.0;        ///< 1 = off
+  double top_p = 1.0;        ///< 1 = off; below kTopPFloor sampled as kTopPFloor (the same nucleus: the top token)
   uint64_t seed = 0;         ///< per request: the same seed gives the same samples
   int64_t max_new_tokens = 64;
   std::vector<int64_t> stop_token_ids;               ///< any of these ends the sample (kept)
   std::vector<std::vector<int64_t>> stop_sequences;  ///< a completion ending with one stops (kept)
-  /// Throws std::invalid_argument naming the field (negative temperature, top_p outside
-  /// (0, 1], negative top_k, max_new_tokens < 1).
+  /// Throws std::invalid_argument naming the field (a temperature neither 0 nor >=
+  /// model::kMinTemperature, top_p outside (0, 1], negative top_k, max_new_tokens < 1).
   void validate() const;
 };
 

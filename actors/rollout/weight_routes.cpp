@@ -4,6 +4,7 @@
 // requests against the model and writes). Every update is applied whole between two engine
 // steps, after all of it was read and checked, or not at all.
 #include <algorithm>
+#include <cerrno>
 #include <filesystem>
 #include <optional>
 #include <set>
@@ -25,9 +26,10 @@ std::optional<int64_t> weight_version(const json& j, const std::string& what) {
   const auto& v = j["weight_version"];
   std::string text = v.is_string() ? v.get<std::string>() : v.is_number_integer() ? v.dump() : "";
   char* end = nullptr;
+  errno = 0;
   const long long parsed = text.empty() ? -1 : std::strtoll(text.c_str(), &end, 10);
-  if (text.empty() || *end != '\0' || parsed < 0)
-    throw ApiError(400, what + ".weight_version: kiln's versions are integers >= 0, got " + json_text(v));
+  if (text.empty() || *end != '\0' || parsed < 0 || errno == ERANGE)  // past 2^63 - 1: not capped, refused
+    throw ApiError(400, what + ".weight_version: kiln's versions are integers >= 0, got " + api::shown(v));
   return parsed;
 }
 
@@ -231,7 +233,7 @@ void update_from_distributed(ServeContext& c, const std::string& body, httplib::
   std::vector<TensorSpec> specs;
   try {  // refused here, nothing was received
     if (j.contains("load_format") && !j["load_format"].is_null())
-      api::bad(what + ".load_format", "kiln receives one broadcast per tensor (no load_format), got " + json_text(j["load_format"]));
+      api::bad(what + ".load_format", "kiln receives one broadcast per tensor (no load_format), got " + api::shown(j["load_format"]));
     version = weight_version(j, what);
     flag(j, "flush_cache", what, true);  // kiln keeps no prefix cache: nothing to flush
     abort = flag(j, "abort_all_requests", what, false);

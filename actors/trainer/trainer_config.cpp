@@ -1,5 +1,6 @@
 #include "actors/trainer/trainer_config.hpp"
 #include "actors/shown_value.hpp"
+#include "model/blocks/temperature.hpp"
 
 #include <cmath>
 #include <stdexcept>
@@ -12,7 +13,9 @@ void TrainerConfig::validate(const FieldName& name) const {
   };
   need(logprobs.max_tokens_per_microbatch >= 1, "max_tokens_per_microbatch",
        "must be >= 1, got " + shown(logprobs.max_tokens_per_microbatch));
-  need(logprobs.temperature > 0, "temperature", "must be > 0, got " + shown(logprobs.temperature));
+  need(logprobs.temperature >= model::kMinTemperature, "temperature",
+       "must be >= 1e-5 (logits are divided by it; smaller ones overflow them into NaN), got " +
+           shown(logprobs.temperature));
   need(logprobs.chunk >= 1, "chunk", "must be >= 1, got " + shown(logprobs.chunk));
   need(lr > 0, "lr", "must be > 0, got " + shown(lr));
   need(activation_checkpointing_layers >= 0, "activation_checkpointing_layers",

@@ -95,6 +95,24 @@ with Checks(work) as check:
     bad(url, "/generate", raw=b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "max_new_tokens": 900}}',
         field="the key 'max_new_tokens' appears twice")
     bad(url, "/update_weights_from_disk", raw=b'{"model_path": "/a", "model_path": "/b"}', field="'model_path' appears twice")
+    # A deeply nested value where a number belongs: named by its kind, not printed whole (printing
+    # 70000 levels overran the server's stack and killed it).
+    deep = b"[" * 70000 + b"]" * 70000
+    for field, raw in (("sampling_params.max_new_tokens", b'{"input_ids": [1], "sampling_params": {"max_new_tokens": ' + deep + b'}}'),
+                       ("input_ids", b'{"input_ids": ' + deep + b'}'),
+                       ("sampling_params.temperature", b'{"input_ids": [1], "sampling_params": {"temperature": ' + deep + b'}}')):
+        bad(url, "/generate", raw=raw, field=f"{field}")
+    s, r = http(url, "/generate", raw=b'{"input_ids": [1], "sampling_params": {"max_new_tokens": ' + deep + b'}}')
+    msg = r.get("error", {}).get("message", "") if isinstance(r, dict) else str(r)
+    check(s == 400 and "an array of 1 element" in msg and len(msg) < 300, f"the nested value is named by kind, briefly ({msg[:200]})")
+    bad(url, "/generate", {"input_ids": [1, 2], "sampling_params": {"temperature": 1e-300}}, field="sampling_params.temperature")
+    # A top_p below fp32's range is the nucleus of the top token (it failed every request of the step).
+    s1, tiny = http(url, "/generate", {"input_ids": [2, 5, 6], "sampling_params": {"max_new_tokens": 4, "top_p": 1e-300}})
+    s2, greedy0 = http(url, "/generate", {"input_ids": [2, 5, 6], "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    check(s1 == 200 and s2 == 200 and tiny["output_ids"] == greedy0["output_ids"],
+          f"top_p 1e-300 samples the top token each time, as greedy does ({s1}: {str(tiny)[:160]})")
+    bad(url, "/update_weights_from_disk", {"model_path": "/tmp", "weight_version": "99999999999999999999999"},
+        field="weight_version: kiln's versions are integers >= 0")
     bad(url, "/generate", {"input_ids": [1, 2], "prompt_magic": 1}, field="prompt_magic")
     bad(url, "/generate", {"input_ids": "12"}, field="input_ids")
     bad(url, "/generate", {"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}}, field="sampling_params.temperature")

@@ -67,6 +67,7 @@ TEST_CASE("type and range errors echo the value they refuse") {
   CHECK(refused("run.steps=0").find("'run.steps' must be >= 1, got 0") != std::string::npos);
   CHECK(refused("algorithm.top_p=1.5").find("'algorithm.top_p' must be in (0, 1], got 1.5") != std::string::npos);
   CHECK(refused("algorithm.lr=-0.001").find("'algorithm.lr' must be > 0, got -0.001") != std::string::npos);
+  CHECK(refused("algorithm.temperature=1e-300").find("'algorithm.temperature' must be >= 1e-5") != std::string::npos);
   CHECK(refused("rollout.block_size=8192").find("must be <= 4096 tokens, got 8192") != std::string::npos);
   CHECK(refused("rollout.block_size=0").find("'rollout.block_size' must be >= 1, got 0") != std::string::npos);
   CHECK(refused("rollout.max_batch=0").find("'rollout.max_batch' must be >= 1, got 0") != std::string::npos);

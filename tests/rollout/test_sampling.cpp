@@ -71,6 +71,26 @@ TEST_CASE("top-k and top-p draw only from their sets, and greedy takes the arg-m
   for (auto t : draw(logits, greedy, 10, 300)) CHECK(t == 0);
 }
 
+TEST_CASE("a top_p below fp32's range keeps the top token (it kept nothing and failed the step), beside a normal row") {
+  auto logits = torch::tensor({3.0f, 2.9f, 0.0f, -1.0f, 2.8f, -5.0f});
+  SamplingParams tiny, plain;
+  tiny.top_p = 1e-300;  // 0 in fp32
+  tiny.seed = 5;
+  plain.seed = 5;
+  for (int64_t step = 0; step < 50; ++step) {
+    auto two = sample_tokens(torch::stack({logits, logits}), {&tiny, &plain}, {step, step});
+    CHECK(two[0].token == 0);
+    CHECK(two[1].token == sample_token(logits, plain, step).token);  // its neighbour draws as alone
+  }
+  // A temperature that overflows logits / temperature is refused, 0 (greedy) is not.
+  SamplingParams cold;
+  cold.temperature = 1e-300;
+  CHECK_THROWS_WITH_AS(cold.validate(), doctest::Contains("temperature must be 0 (greedy) or >= 1e-5"),
+                       std::invalid_argument);
+  cold.temperature = 0;
+  CHECK_NOTHROW(cold.validate());
+}
+
 TEST_CASE("top-k and top-p draw every token of their set in proportion to its probability") {
   // A set one too small ({0}: k - 1, or top-p keeping tokens while the mass *including* them is
   // < p) or one too large ({0, 1, 4}) changes these frequencies.
