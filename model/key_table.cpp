@@ -59,10 +59,8 @@ int64_t layer_of(const std::string& key, const std::string& prefix) {
   }
 }
 
-namespace {
-// True when no element of `t` is NaN or infinite: aminmax propagates a NaN into both results,
-// and an infinity shows as the min or the max. Chunked so that no temporary is as large as a
-// whole expert tensor; 8-bit floats (no aminmax kernel) go through fp32 a chunk at a time.
+// aminmax propagates a NaN into both results, and an infinity shows as the min or the max.
+// 8-bit floats (no aminmax kernel) go through fp32 a chunk at a time.
 bool all_finite(const torch::Tensor& t) {
   const auto flat = t.reshape({-1});
   constexpr int64_t kChunk = int64_t(1) << 24;
@@ -75,7 +73,6 @@ bool all_finite(const torch::Tensor& t) {
   }
   return true;
 }
-}  // namespace
 
 torch::Tensor checked(const std::string& where, const std::string& key, const torch::Tensor& t, at::IntArrayRef shape) {
   if (t.sizes() != shape) {

@@ -69,6 +69,9 @@ std::string fill_pattern(const std::string& pattern, const std::string& layer);
 std::regex pattern_regex(const std::string& pattern);
 /// The layer index of `key` = PREFIX{i}.rest (e.g. prefix "model.layers."), or -1.
 int64_t layer_of(const std::string& key, const std::string& prefix);
+/// True when no element of floating tensor `t` is NaN or infinite; reads it once, in chunks of
+/// 16M elements (no temporary as large as a whole expert tensor).
+bool all_finite(const torch::Tensor& t);
 /// `t` (HF tensor `key` of `where`) if it has `shape`, a floating dtype and only finite values;
 /// throws checkpoint::CheckpointError "WHERE: tensor 'KEY' has shape [..], the model needs [..]",
 /// or "... holds N non-finite values (NaN or infinity) ..." (a NaN weight would turn every

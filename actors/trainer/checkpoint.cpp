@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "model/checkpoint/safetensors.hpp"
+#include "model/key_table.hpp"
 
 namespace kiln::trainer {
 
@@ -87,6 +88,32 @@ void write_hf_index(const std::filesystem::path& dir, int parts) {
 // rank 0, and every rank's optimizer parts (optimizer_shard_R_of_W.pt, their ranges of the
 // whole model's flat index in optimizer_shard_R_of_W.json). The directory is renamed into
 // place once every rank has written.
+// A policy with a NaN or infinite weight (a step's update overflowed: too large an lr) is not
+// written: every resume would refuse the checkpoint, and the advice to resume from it would
+// fail. Every rank of a data-parallel trainer throws together (one all-reduce), before any
+// rank starts writing.
+void refuse_non_finite(model::CausalLM& policy, Trainer& trainer) {
+  std::string first;
+  int64_t bad = 0;
+  for (const auto& p : policy.named_parameters())
+    if (!model::all_finite(p.value().detach()) && bad++ == 0) first = "'" + p.key() + "'";
+  const auto& masters = trainer.master_parameters();
+  for (std::size_t i = 0; trainer.uses_master_weights() && i < masters.size(); ++i)
+    if (!model::all_finite(masters[i]) && bad++ == 0) first = "fp32 master weight " + std::to_string(i);
+  int64_t any = bad;
+  if (auto* dp = trainer.data_parallel()) {
+    auto t = torch::full({1}, bad, torch::kInt64).to(dp->device());
+    dp->all_reduce(t, parallel::ReduceOp::max);
+    any = t.to(torch::kCPU).item<int64_t>();
+  }
+  if (any == 0) return;
+  throw std::runtime_error("the policy holds NaN or infinite weights (" +
+                           (bad ? first + (bad > 1 ? " and " + std::to_string(bad - 1) + " more tensors" : "")
+                                : std::string("on another rank")) +
+                           "; a step's update overflowed, e.g. too large an lr): not saved, since no run could resume "
+                           "from it");
+}
+
 void save_sharded(const std::filesystem::path& dir, model::CausalLM& policy, Trainer& trainer,
                   const CheckpointState& state, parallel::Group& dp) {
   namespace fs = std::filesystem;
@@ -262,6 +289,7 @@ FlatAdamWState read_whole_optimizer(const std::filesystem::path& dir, Trainer& t
 
 void save_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, Trainer& trainer,
                      const CheckpointState& state) {
+  refuse_non_finite(policy, trainer);
   if (auto* dp = trainer.data_parallel()) return save_sharded(dir, policy, trainer, state, *dp);
   namespace fs = std::filesystem;
   // Written beside the target, then renamed into place: a writer that dies midway leaves a

@@ -4,7 +4,8 @@ run B resumes from A's step-4 checkpoint; steps 5-8 must give the same metrics (
 from the restored RNG, weights, optimizer state). Also: the checkpoint is HF layout; and
 recompute_old_logprobs (a separate pi_old pass, timed as log_probs_time) trains step 1 alike;
 a resume with nothing left to train, from a checkpoint without optimizer.pt, or from one moved
-under another step's name, is refused; a resume in place re-saves checkpoints that exist.
+under another step's name, is refused; a resume in place re-saves checkpoints that exist; a step whose
+update overflows writes no checkpoint, and the advice names the last good one.
 Usage: check_resume.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
 import json, os, shutil, subprocess, sys
 
@@ -89,6 +90,24 @@ checks.append((moved_long.returncode == 2 and "but the directory is step_0000000
 checks.append((named.returncode == 0, f"a checkpoint copied under a name of one's own resumes ({named.stderr.strip()[-200:]})"))
 checks.append((noopt.returncode == 2 and "optimizer.pt in" in noopt.stderr and "cannot be read" in noopt.stderr
                and "frame #" not in noopt.stderr, f"a checkpoint without optimizer.pt is a clear error ({noopt.stderr.strip()[-300:]})"))
+# A step whose update overflows (lr 1e300): no checkpoint of the NaN policy is written (every
+# resume would refuse it, and the advice to resume from it failed); the advice names the
+# newest good one, which then resumes.
+def digest(d):
+    return {f: open(os.path.join(d, f), "rb").read() for f in sorted(os.listdir(d))}
+good = f"{work}/a/checkpoints/step_000008"
+before = digest(good)
+shutil.copytree(f"{work}/a", f"{work}/overflow")
+over = subprocess.run([kiln, "run", *common, "--set", "run.steps=10", "--set", "run.checkpoint_every=1",
+                       "--set", f"run.output_dir={work}/overflow", "--set", f"run.resume_from={work}/overflow/checkpoints/step_000008",
+                       "--set", "algorithm.lr=1e300"], capture_output=True, text=True, timeout=600)
+checks.append((over.returncode == 1 and "not saved" in over.stderr
+               and sorted(os.listdir(f"{work}/overflow/checkpoints")) == ["step_000004", "step_000008"],
+               f"an overflowing update writes no checkpoint of the NaN policy ({over.returncode}: {over.stderr.strip()[-300:]})"))
+checks.append((f"run.resume_from={work}/overflow/checkpoints/step_000008" in over.stderr, "the advice names the last good checkpoint"))
+again = subprocess.run([kiln, "run", *common, "--set", "run.steps=10", "--set", f"run.output_dir={work}/overflow",
+                        "--set", f"run.resume_from={work}/overflow/checkpoints/step_000008"], capture_output=True, text=True, timeout=600)
+checks.append((again.returncode == 0 and digest(good) == before, f"which resumes (lr as before) ({again.stderr.strip()[-200:]})"))
 for ok, what in checks:
     print(("ok   " if ok else "FAIL ") + what)
 failed = sum(not ok for ok, _ in checks)
