@@ -32,6 +32,8 @@ void check_output_dir(const std::string& from, const std::string& to) {
                                   "another directory");
   // Any other non-empty directory: its files would outlive the new ones beside them (an old
   // shard, generation_config.json), or be replaced without being asked.
+  if (std::filesystem::exists(to, ec) && !std::filesystem::is_directory(to, ec))
+    throw std::invalid_argument("--to '" + to + "' exists and is not a directory: give a new or empty directory");
   if (std::filesystem::is_directory(to, ec)) {
     std::filesystem::directory_iterator it(to, ec), end;
     if (ec)
@@ -99,6 +101,10 @@ int run_model_logits(const std::string& package, const std::string& from, const 
     if (out.empty() || std::filesystem::is_directory(o, ec) ||
         (o.has_parent_path() && !std::filesystem::is_directory(o.parent_path(), ec)))
       throw std::invalid_argument("--out '" + out + "' must be a file's path in a directory that exists");
+    // Never over a file (it could be one of the checkpoint's own shards): a new path each time.
+    if (std::filesystem::symlink_status(o, ec).type() != std::filesystem::file_type::not_found)
+      throw std::invalid_argument("--out '" + out + "' already exists: kiln model logits writes a new file (remove it "
+                                  "or choose another path)");
     auto model = registry(plugin_dir).build(package, "", from);
     for (const auto& d : docs)
       for (auto id : d)

@@ -90,7 +90,7 @@ int stop_on_interrupt(TrainerHandle& trainer, const fs::path& dir, int64_t train
   const auto exe = fs::read_symlink("/proc/self/exe", ec);
   std::fprintf(stderr, "kiln run: interrupted after step %lld; saved %s\nkiln run: continue with: %s run %s --set run.resume_from=%s\n",
                (long long)trained, ck.c_str(), ec ? "kiln" : shell_word(exe.string()).c_str(),
-               shell_word((dir / "config.toml").string()).c_str(), shell_word(ck.string()).c_str());
+               shell_word(as_argument(dir / "config.toml")).c_str(), shell_word(ck.string()).c_str());
   return 130;
 }
 

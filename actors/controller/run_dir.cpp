@@ -89,6 +89,11 @@ std::string shell_word(const std::string& word) {
   return q + "'";
 }
 
+std::string as_argument(const fs::path& path) {
+  const auto text = path.string();
+  return !text.empty() && text[0] == '-' ? "./" + text : text;
+}
+
 std::string continue_hint(const fs::path& run) {
   const auto newest = newest_checkpoint(run);
   if (newest.empty())

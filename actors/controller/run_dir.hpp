@@ -39,6 +39,9 @@ std::filesystem::path newest_checkpoint(const std::filesystem::path& run);
 /// `word` as one shell word, for the commands kiln prints: as is when it holds only
 /// [A-Za-z0-9_./:=@%+,-], else in single quotes (a quote inside as '\'').
 std::string shell_word(const std::string& word);
+/// `path` as a command's positional argument: "./" before a relative one that starts with '-'
+/// (it would read as an option).
+std::string as_argument(const std::filesystem::path& path);
 
 /// What to do after the policy was lost with its process: resume from the newest complete
 /// checkpoint of the run, or start again. One or more lines, each ending in '\n'.

@@ -354,4 +354,6 @@ TEST_CASE("the paths in printed commands are one shell word each") {
   CHECK(shell_word("it's $(x)") == "'it'\\''s $(x)'");
   CHECK(shell_word("") == "''");
   CHECK(shell_word("a*b;c") == "'a*b;c'");
+  CHECK(controller::as_argument("--set/config.toml") == "./--set/config.toml");
+  CHECK(controller::as_argument("/abs/config.toml") == "/abs/config.toml");
 }

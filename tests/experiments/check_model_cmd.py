@@ -55,6 +55,8 @@ def poisoned_copy(src, dst, name):
         f.seek(8 + n + entry["data_offsets"][0])
         f.write(struct.pack("<3f", float("nan"), float("inf"), float("nan")))
 
+shard0 = sorted(f for f in os.listdir(f"{work}/resaved") if f.endswith(".safetensors"))[0]
+shard0_bytes = open(f"{work}/resaved/{shard0}", "rb").read()
 poisoned = "model.layers.1.self_attn.kv_b_proj.weight"
 poisoned_copy(fixture, f"{work}/nan_ck", poisoned)
 # crop reads tensors its own way (as stored, FP8 dequantised): it refuses them the same way.
@@ -75,9 +77,13 @@ for args, needle in [(("resave", "--from", f"{work}/nowhere", "--to", f"{work}/x
                      (("crop", "--from", f"{work}/nan5_ck", "--to", f"{work}/nan5_out", "--layers", "2"),
                       f"tensor '{poisoned5}' holds 3 non-finite values"),
                      (("resave", "--from", fixture, "--to", f"{work}/resaved"), "is not empty"),
+                     (("resave", "--from", fixture, "--to", f"{work}/a.safetensors"), "exists and is not a directory"),
+                     (("logits", "--from", f"{work}/resaved", "--docs", docs, "--out", f"{work}/resaved/{shard0}"),
+                      "already exists"),
                      (("crop", "--from", glm5, "--to", f"{work}/cropped", "--layers", "2"), "is not empty")]:
     r = run(*args)
     checks.append((r.returncode == 2 and needle in r.stderr, f"{' '.join(args[:1])}: refused with '{needle}' ({r.stderr.strip()[-160:]})"))
+checks.append((open(f"{work}/resaved/{shard0}", "rb").read() == shard0_bytes, "logits: the checkpoint's shard is untouched"))
 checks.append((not os.path.exists(f"{work}/nan5_out") or not os.listdir(f"{work}/nan5_out"),
                "crop: the refused checkpoint wrote nothing"))
 for ok, what in checks:
