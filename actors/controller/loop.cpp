@@ -173,11 +173,13 @@ void check_memory(const AlgorithmConfig& a) {
   const double sequences = double(a.prompts_per_step) * double(a.samples_per_prompt);
   const double bytes = sequences * (1024.0 + 64.0 * double(a.max_new_tokens));
   const double physical = double(::sysconf(_SC_PHYS_PAGES)) * double(::sysconf(_SC_PAGE_SIZE));
-  if (physical > 0 && bytes > physical)
-    throw std::invalid_argument("algorithm.prompts_per_step x samples_per_prompt = " + std::to_string(int64_t(sequences)) +
-                                " sequences of up to " + std::to_string(a.max_new_tokens) + " new tokens need at least " +
-                                std::to_string(int64_t(bytes / (1 << 30))) + " GiB per step; this machine has " +
-                                std::to_string(int64_t(physical / (1 << 30))) + " GiB");
+  if (physical > 0 && bytes > physical) {
+    char text[160];  // doubles: the product may be past int64 (prompts_per_step = 2^63 - 1)
+    std::snprintf(text, sizeof text, "%.17g sequences of up to %lld new tokens need at least %.0f GiB", sequences,
+                  (long long)a.max_new_tokens, bytes / double(1 << 30));
+    throw std::invalid_argument("algorithm.prompts_per_step x samples_per_prompt = " + std::string(text) +
+                                " per step; this machine has " + std::to_string(int64_t(physical / (1 << 30))) + " GiB");
+  }
 }
 
 // Locks the run directory, places the actors, resumes, and brings the engines to the

@@ -101,6 +101,9 @@ checks.append((r.returncode == 0, f"a stale lock file blocks nothing ({r.stderr[
 r = run(f"{work}/huge", "algorithm.prompts_per_step=100000000")
 checks.append((r.returncode == 2 and "algorithm.prompts_per_step" in r.stderr and "GiB per step" in r.stderr
                and not os.path.exists(f"{work}/huge/config.toml"), f"100M prompts per step are refused by name ({r.stderr.strip()[-200:]})"))
+r = run(f"{work}/huge", "algorithm.prompts_per_step=9223372036854775807")
+checks.append((r.returncode == 2 and "= 1.4757395258967641e+20 sequences" in r.stderr,
+               f"2^63 - 1 prompts per step: the count is not wrapped negative ({r.stderr.strip()[-200:]})"))
 
 # 5b. A run refused at start-up (by its model) leaves no directory of its own making behind.
 r = run(f"{work}/fresh_refused", "model.flavor=huge")
