@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <stdexcept>
 
+#include "model/config_json.hpp"
 #include "model/glm4_moe_lite/model.hpp"
 #include "model/glm5_next/model.hpp"
 #include "model/glm5_next/state_dict_adapter.hpp"
@@ -70,7 +71,26 @@ Registry Registry::with_plugins(const std::string& plugin_dir) {
 std::shared_ptr<CausalLM> Registry::build(const std::string& package, const std::string& flavor,
                                           const std::string& checkpoint_dir) const {
   const auto& p = find(package);
-  return checkpoint_dir.empty() ? p.build_flavor(flavor) : p.from_hf_dir(checkpoint_dir);
+  if (checkpoint_dir.empty()) return p.build_flavor(flavor);
+  // Another package's checkpoint: named with the package that reads it, before this package's
+  // config reader refuses one of its fields. (An unreadable config.json is the reader's to name.)
+  std::string type;
+  try {
+    const auto j = config_json::read_config_json(checkpoint_dir);
+    if (j.is_object() && j.contains("model_type") && j["model_type"].is_string()) type = j["model_type"].get<std::string>();
+  } catch (const std::exception&) {
+  }
+  if (!type.empty() && !p.hf_model_type.empty() && type != p.hf_model_type) {
+    std::string readers;
+    for (const auto& name : names())
+      if (find(name).hf_model_type == type) readers += (readers.empty() ? "" : ", ") + name;
+    throw std::invalid_argument("'" + checkpoint_dir + "' is a \"" + type + "\" checkpoint (config.json model_type); " +
+                                "model package " + package + " reads \"" + p.hf_model_type + "\" ones" +
+                                (readers.empty() ? std::string(", and no package here reads it")
+                                                 : std::string(": use package ") + readers +
+                                                       " (--package, or model.package in an experiment)"));
+  }
+  return p.from_hf_dir(checkpoint_dir);
 }
 
 std::shared_ptr<CausalLM> Registry::build(const ModelSpec& spec, ExpertSlice experts) const {

@@ -70,6 +70,7 @@ for args, needle in [(("resave", "--from", f"{work}/nowhere", "--to", f"{work}/x
                      (("resave", "--from", f"{work}/resaved", "--to", f"{work}/resaved"), "is the --from checkpoint"),
                      (("logits", "--from", fixture, "--docs", "1,x", "--out", f"{work}/c"), "id 2 of document 1 ('x') is not a decimal integer"),
                      (("crop", "--from", glm5, "--to", f"{work}/crop9", "--layers", "9"), "layers must be in [1, 4]"),
+                     (("resave", "--from", glm5, "--to", f"{work}/wrong_package"), "use package glm5_next (--package"),
                      (("--plugins", f"{work}/none", "list"), "does not exist"),
                      (("logits", "--from", f"{work}/nan_ck", "--docs", docs, "--out", f"{work}/c"),
                       f"tensor '{poisoned}' holds 3 non-finite values (NaN or infinity)"),
