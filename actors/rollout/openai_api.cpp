@@ -51,6 +51,7 @@ void sampling(const json& j, const std::string& what, ServeContext& c, SamplingP
     if (!o.is_object()) bad(field("stream_options"), "must be an object");
     only_keys(o, field("stream_options"), {"include_usage"});
     usage = o.contains("include_usage") && boolean(o["include_usage"], field("stream_options.include_usage"));
+    if (!stream) bad(field("stream_options"), "is only read with \"stream\": true (as OpenAI's API has it)");
   }
 }
 

@@ -93,6 +93,8 @@ with Checks(work) as check:
     refused(client, "no messages", "messages", lambda cl: cl.chat.completions.create(model="kiln", messages=[]))
     refused(client, "frequency_penalty", "frequency_penalty",
             lambda cl: cl.chat.completions.create(model="kiln", messages=messages, frequency_penalty=1.0))
+    refused(client, "stream_options without stream", "stream_options",
+            lambda cl: cl.chat.completions.create(model="kiln", messages=messages, stream_options={"include_usage": True}))
     refused(client, "max_tokens and max_completion_tokens that disagree", "max_completion_tokens",
             lambda cl: cl.chat.completions.create(model="kiln", messages=messages, max_tokens=12, max_completion_tokens=3))
     same = client.chat.completions.create(model="kiln", messages=messages, max_tokens=12, max_completion_tokens=12, seed=5)
