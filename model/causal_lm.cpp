@@ -24,7 +24,7 @@ torch::Tensor CausalLM::token_logprobs(const ForwardOutput& out, const torch::Te
   if (rows.defined()) {
     TORCH_CHECK(rows.dim() == 1, "token_logprobs: rows must be [R] int64, got ", rows.sizes());
     const auto r = rows.to(hidden.device(), torch::kInt64);
-    hidden = hidden.index_select(0, r);                          // [R, D]
+    hidden = hidden.index_select(0, r);                                  // [R, D]
     tg = targets.to(hidden.device(), torch::kInt64).index_select(0, r);  // [R]
   }
   if (batch_invariant_) return token_logprobs_invariant(hidden, lm_head_weight(), tg, temperature, chunk);

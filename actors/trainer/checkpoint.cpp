@@ -82,12 +82,6 @@ void write_hf_index(const std::filesystem::path& dir, int parts) {
   if (!out.flush()) throw std::runtime_error("cannot write '" + (dir / "model.safetensors.index.json").string() + "'");
 }
 
-// Collective over the trainer's group (all its ranks, on a filesystem they share): the policy in
-// HF layout (data parallel: by rank 0, which holds all of it; expert parallel: a file per ep
-// rank, from the ranks of replica 0, no gather), config.json, state.json and the buffers by
-// rank 0, and every rank's optimizer parts (optimizer_shard_R_of_W.pt, their ranges of the
-// whole model's flat index in optimizer_shard_R_of_W.json). The directory is renamed into
-// place once every rank has written.
 // A policy with a NaN or infinite weight (a step's update overflowed: too large an lr) is not
 // written: every resume would refuse the checkpoint, and the advice to resume from it would
 // fail. Every rank of a data-parallel trainer throws together (one all-reduce), before any
@@ -114,6 +108,12 @@ void refuse_non_finite(model::CausalLM& policy, Trainer& trainer) {
                            "from it");
 }
 
+// Collective over the trainer's group (all its ranks, on a filesystem they share): the policy in
+// HF layout (data parallel: by rank 0, which holds all of it; expert parallel: a file per ep
+// rank, from the ranks of replica 0, no gather), config.json, state.json and the buffers by
+// rank 0, and every rank's optimizer parts (optimizer_shard_R_of_W.pt, their ranges of the
+// whole model's flat index in optimizer_shard_R_of_W.json). The directory is renamed into
+// place once every rank has written.
 void save_sharded(const std::filesystem::path& dir, model::CausalLM& policy, Trainer& trainer,
                   const CheckpointState& state, parallel::Group& dp) {
   namespace fs = std::filesystem;

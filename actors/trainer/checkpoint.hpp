@@ -44,7 +44,9 @@ struct CheckpointState {
 
 /// Writes the checkpoint into `dir`: first into `dir.partial`, renamed to `dir` once complete
 /// (replacing an older `dir`), so a writer killed midway leaves no incomplete `dir`. Throws
-/// std::runtime_error / std::filesystem::filesystem_error on I/O errors. With a data-parallel
+/// std::runtime_error / std::filesystem::filesystem_error on I/O errors, and std::runtime_error
+/// before writing anything when a weight of the policy (or an fp32 master) holds NaN or
+/// infinity (no run could resume from it; every rank of a group agrees). With a data-parallel
 /// trainer: collective over its group (every rank calls it with the same `dir`, on a filesystem
 /// they share); a rank that fails leaves the others to fail at the next barrier by the
 /// group's collective timeout.
