@@ -97,8 +97,8 @@ std::string as_argument(const fs::path& path) {
 std::string continue_hint(const fs::path& run) {
   const auto newest = newest_checkpoint(run);
   if (newest.empty())
-    return "kiln run: no checkpoint was written (none due yet, or run.checkpoint_every = 0): start again with "
-           "--set run.overwrite=true\n";
+    return "kiln run: this run has no checkpoint (none due yet, run.checkpoint_every = 0, or its save was refused "
+           "above): start again with --set run.overwrite=true\n";
   return "kiln run: the steps after it are lost; continue with --set run.resume_from=" + shell_word(newest.string()) + "\n";
 }
 

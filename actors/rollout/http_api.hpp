@@ -30,10 +30,18 @@
 
 namespace kiln::rollout {
 
-/// A request the server refuses: the HTTP status (4xx) and a message naming the field.
+/// A request the server refuses: the HTTP status (4xx) and a message naming the field. A NUL
+/// in the message (a client's key or value) is written as \u0000, or what() would end there.
 struct ApiError : std::invalid_argument {
-  ApiError(int status, const std::string& message) : std::invalid_argument(message), status(status) {}
+  ApiError(int status, const std::string& message) : std::invalid_argument(without_nul(message)), status(status) {}
   int status;
+
+ private:
+  static std::string without_nul(const std::string& text) {
+    std::string out;
+    for (char ch : text) out += ch == '\0' ? std::string("\\u0000") : std::string(1, ch);
+    return out;
+  }
 };
 
 /// What a request is checked against.

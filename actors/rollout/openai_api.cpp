@@ -139,8 +139,10 @@ OpenAiRequest parse_chat(std::string_view body, ServeContext& c) {
     const auto role = m["role"].get<std::string>();
     if (role != "system" && role != "user" && role != "assistant")
       bad(at + ".role", "must be \"system\", \"user\" or \"assistant\", got \"" + role + "\"");
+    if (m.contains("name") && !m["name"].is_null() && !m["name"].is_string()) bad(at + ".name", "must be a string");
     std::string content;
-    const auto& ct = m.contains("content") ? m["content"] : json(nullptr);
+    static const json kNone;  // an lvalue: a temporary here copied the whole content (70000 levels overran the stack)
+    const auto& ct = m.contains("content") ? m["content"] : kNone;
     if (ct.is_string()) content = ct.get<std::string>();
     else if (ct.is_array())  // content parts: text only
       for (std::size_t k = 0; k < ct.size(); ++k) {

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <filesystem>
+#include <limits>
 #include <optional>
 #include <set>
 
@@ -27,8 +28,10 @@ std::optional<int64_t> weight_version(const json& j, const std::string& what) {
   std::string text = v.is_string() ? v.get<std::string>() : v.is_number_integer() ? v.dump() : "";
   char* end = nullptr;
   errno = 0;
-  const long long parsed = text.empty() ? -1 : std::strtoll(text.c_str(), &end, 10);
-  if (text.empty() || *end != '\0' || parsed < 0 || errno == ERANGE)  // past 2^63 - 1: not capped, refused
+  // Decimal digits only ("+1", " 1", "-0" and a NUL inside are refused); past 2^63 - 1 refused, not capped.
+  const bool digits = !text.empty() && text.find_first_not_of("0123456789") == std::string::npos;
+  const long long parsed = digits ? std::strtoll(text.c_str(), &end, 10) : -1;
+  if (!digits || parsed < 0 || errno == ERANGE)
     throw ApiError(400, what + ".weight_version: kiln's versions are integers >= 0, got " + api::shown(v));
   return parsed;
 }
@@ -54,6 +57,9 @@ std::string text(const json& j, const std::string& key, const std::string& what,
 template <class Write>
 int64_t apply_weights(ServeContext& c, std::optional<int64_t> version, bool keep_pause, Write write) {
   return c.loop.call([&](Engine& e) {
+    if (!version && e.policy_version() == std::numeric_limits<int64_t>::max())
+      throw ApiError(400, "weight_version: the weights are at version 2^63 - 1, which has no next one: give "
+                          "weight_version");
     const bool was_paused = e.paused();
     e.pause();
     try {

@@ -93,6 +93,12 @@ with Checks(work) as check:
     refused(client, "no messages", "messages", lambda cl: cl.chat.completions.create(model="kiln", messages=[]))
     refused(client, "frequency_penalty", "frequency_penalty",
             lambda cl: cl.chat.completions.create(model="kiln", messages=messages, frequency_penalty=1.0))
+    # 70000 levels of nesting as a message's content (a copy of it overran the server's stack).
+    deep = b"[" * 70000 + b"]" * 70000
+    s, r = http(url, "/v1/chat/completions", raw=b'{"model": "kiln", "messages": [{"role": "user", "content": ' + deep + b'}]}')
+    check(s == 400 and "content" in str(r), f"a deeply nested content: 400 naming it ({s}: {str(r)[:160]})")
+    refused(client, "a name that is not a string", "messages[0].name",
+            lambda cl: cl.chat.completions.create(model="kiln", messages=[{"role": "user", "content": "x", "name": [1]}]))
     refused(client, "stream_options without stream", "stream_options",
             lambda cl: cl.chat.completions.create(model="kiln", messages=messages, stream_options={"include_usage": True}))
     refused(client, "max_tokens and max_completion_tokens that disagree", "max_completion_tokens",

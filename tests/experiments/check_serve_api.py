@@ -309,12 +309,12 @@ with Checks(work) as check:
     check(all(close(a, b) for a, b in zip(want, again)), "after the refused update the server serves as before")
     # The checkpoint with its embedding doubled (read first) and a NaN at the end of lm_head.weight
     # (read last): refused by the NaN, and nothing of it written, the embedding neither.
-    bad = f"{work}/nan_last"
-    shutil.copytree(ck, bad)
-    for f in sorted(os.listdir(bad)):
+    nan_dir = f"{work}/nan_last"
+    shutil.copytree(ck, nan_dir)
+    for f in sorted(os.listdir(nan_dir)):
         if not f.endswith(".safetensors"):
             continue
-        ts = read_safetensors(f"{bad}/{f}")
+        ts = read_safetensors(f"{nan_dir}/{f}")
         if "model.embed_tokens.weight" in ts:
             dt, shape, blob = ts["model.embed_tokens.weight"]
             assert dt == "F32", dt
@@ -323,14 +323,21 @@ with Checks(work) as check:
         if "lm_head.weight" in ts:
             dt, shape, blob = ts["lm_head.weight"]
             ts["lm_head.weight"] = (dt, shape, blob[:-4] + struct.pack("<f", float("nan")))
-        write_safetensors(f"{bad}/{f}", ts)
-    s, r = http(fresh_url, "/update_weights_from_disk", {"model_path": bad, "weight_version": "2"})
+        write_safetensors(f"{nan_dir}/{f}", ts)
+    s, r = http(fresh_url, "/update_weights_from_disk", {"model_path": nan_dir, "weight_version": "2"})
     msg = r.get("error", {}).get("message", "") if isinstance(r, dict) else str(r)
     check(s == 400 and "'lm_head.weight' holds 1 non-finite value" in msg,
           f"a checkpoint with a NaN in its last tensor is refused naming it ({s}: {msg[:200]})")
     _, again = http(fresh_url, "/generate", greedy)
     check(all(close(a, b) for a, b in zip(want, again)) and again[0]["meta_info"]["weight_version"] == "1",
           "and nothing of it was written: the server samples as before, at weight version 1")
+    # Versions are decimal digits, and the last one has no next.
+    for v in ("+1", " 1", "-0", "1\u0000"):
+        bad(fresh_url, "/update_weights_from_disk", {"model_path": ck, "weight_version": v}, field="weight_version")
+    s, r = http(fresh_url, "/update_weights_from_disk", {"model_path": ck, "weight_version": "9223372036854775807"})
+    check(s == 200, f"weight version 2^63 - 1 is taken ({s}: {str(r)[:160]})")
+    bad(fresh_url, "/update_weights_from_disk", {"model_path": ck}, field="no next one")
+    bad(fresh_url, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens\u0000": 2}}, field="max_new_tokens\\u0000: unknown field")
 
     # 7. glm5_next (sparse attention): /get_model_info reports its sparse layers and selection
     # width, and return_topk_indices (kiln's own field) answers each layer's selected positions
