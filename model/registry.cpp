@@ -80,16 +80,16 @@ std::shared_ptr<CausalLM> Registry::build(const std::string& package, const std:
     if (j.is_object() && j.contains("model_type") && j["model_type"].is_string()) type = j["model_type"].get<std::string>();
   } catch (const std::exception&) {
   }
-  if (!type.empty() && !p.hf_model_type.empty() && type != p.hf_model_type) {
-    std::string readers;
-    for (const auto& name : names())
-      if (find(name).hf_model_type == type) readers += (readers.empty() ? "" : ", ") + name;
+  // Only a type another package declares: a package's reader may take more than its own (a
+  // flat "glm5_next_text" config), and names an unknown one itself.
+  std::string readers;
+  for (const auto& name : names())
+    if (!type.empty() && type != p.hf_model_type && find(name).hf_model_type == type)
+      readers += (readers.empty() ? "" : ", ") + name;
+  if (!readers.empty())
     throw std::invalid_argument("'" + checkpoint_dir + "' is a \"" + type + "\" checkpoint (config.json model_type); " +
-                                "model package " + package + " reads \"" + p.hf_model_type + "\" ones" +
-                                (readers.empty() ? std::string(", and no package here reads it")
-                                                 : std::string(": use package ") + readers +
-                                                       " (--package, or model.package in an experiment)"));
-  }
+                                "model package " + package + " reads \"" + p.hf_model_type + "\" ones: use package " +
+                                readers + " (--package, or model.package in an experiment)");
   return p.from_hf_dir(checkpoint_dir);
 }
 

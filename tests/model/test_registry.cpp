@@ -2,6 +2,12 @@
 // every place it looked.
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
 #include "model/registry.hpp"
 
 using namespace kiln::model;
@@ -49,6 +55,25 @@ TEST_CASE("built-in glm5_next builds its flavors and reads an HF directory the w
   replay.replay_topk_indices = out.topk_indices;
   CHECK_THROWS_WITH_AS(glm4->forward(batch, replay), doctest::Contains("glm4_moe_lite has no sparse-attention layers"),
                        std::invalid_argument);
+}
+
+TEST_CASE("a checkpoint of another package's model_type is refused naming that package, one its reader takes is not") {
+  auto r = Registry::with_builtins();
+  CHECK_THROWS_WITH_AS(r.build("glm4_moe_lite", "", KILN_FIXTURES_DIR "/glm5_next_tiny"),
+                       doctest::Contains("is a \"glm5_next\" checkpoint (config.json model_type); model package "
+                                         "glm4_moe_lite reads \"glm4_moe_lite\" ones: use package glm5_next"),
+                       std::invalid_argument);
+  // glm5_next's reader also takes a root model_type of "glm5_next_text", which no package declares.
+  const auto dir = std::filesystem::temp_directory_path() / ("kiln_registry_type_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::copy(KILN_FIXTURES_DIR "/glm5_next_tiny", dir);
+  std::ifstream in(dir / "config.json");
+  auto j = nlohmann::json::parse(in);
+  in.close();
+  j["model_type"] = "glm5_next_text";
+  std::ofstream(dir / "config.json") << j.dump(2);
+  CHECK_NOTHROW(r.build("glm5_next", "", dir.string()));
+  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("a plugin's packages are found first, shadowing a built-in of the same name") {
