@@ -273,6 +273,9 @@ NativeGenerate parse_generate(std::string_view body, const ApiLimits& limits) {
   if (j.contains("return_logprob")) g.return_logprob = flag(j["return_logprob"], "return_logprob");
   if (j.contains("return_routed_experts")) g.return_routed_experts = flag(j["return_routed_experts"], "return_routed_experts");
   if (j.contains("return_topk_indices")) g.return_topk_indices = flag(j["return_topk_indices"], "return_topk_indices");
+  if (g.return_topk_indices && limits.sparse_layers == 0)
+    bad("return_topk_indices", "this model has no sparse-attention layers to report (num_sparse_layers 0 in "
+                               "/get_model_info; glm5_next has them)");
   if (j.contains("return_text_in_logprobs"))
     g.return_text_in_logprobs = flag(j["return_text_in_logprobs"], "return_text_in_logprobs");
   if (j.contains("stream") && flag(j["stream"], "stream"))

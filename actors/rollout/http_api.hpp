@@ -49,6 +49,7 @@ struct ApiLimits {
   int64_t vocab_size = 0;
   int64_t context_tokens = 0;  ///< prompt + max_new_tokens must fit (the engine's whole cache)
   const Tokenizer* tokenizer = nullptr;  ///< for "text" prompts and "stop" strings; none: ids only
+  int64_t sparse_layers = 0;  ///< the model's sparse-attention layers; 0: return_topk_indices is refused
 };
 
 /// A /generate request: one generation request per prompt.
@@ -66,7 +67,8 @@ struct NativeGenerate {
 /// field, a wrong type, a value out of range (non-finite or negative temperature, top_p
 /// outside (0, 1], top_k not -1 or >= 1, max_new_tokens < 1, n != 1), a token id outside
 /// [0, vocab_size), an empty prompt, a prompt that with max_new_tokens exceeds
-/// context_tokens, "text" without a tokenizer, or a feature kiln does not serve (stream,
+/// context_tokens, "text" without a tokenizer, return_topk_indices without sparse_layers, or a
+/// feature kiln does not serve (stream,
 /// logprob_start_len other than -1, top_logprobs_num > 0). A missing sampling_seed gets a
 /// random one.
 NativeGenerate parse_generate(std::string_view body, const ApiLimits& limits);

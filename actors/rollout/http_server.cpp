@@ -97,9 +97,6 @@ bool wait_while_connected(ServeContext& c, const std::vector<std::shared_ptr<Tic
 
 void generate(ServeContext& c, const std::string& body, httplib::Response& res) {
   auto g = std::make_shared<NativeGenerate>(parse_generate(body, c.limits));
-  if (g->return_topk_indices && c.model->num_sparse_layers() == 0)
-    api::bad("return_topk_indices", "this model has no sparse-attention layers to report (num_sparse_layers 0 in "
-                                    "/get_model_info; glm5_next has them)");
   auto ids = std::make_shared<std::vector<uint64_t>>();
   const auto start = Clock::now();
   auto tickets = std::make_shared<std::vector<std::shared_ptr<Ticket>>>(c.loop.submit(g->requests, *ids));
@@ -202,7 +199,7 @@ int serve_http(EngineLoop& loop, std::shared_ptr<model::CausalLM> model, const T
                const ServeOptions& options) {
   const auto& o = loop.engine().options();
   WeightUpdateGroups groups(parallel::GroupOptions{options.weight_update_timeout, options.weight_update_timeout});
-  ServeContext c{loop, model, tokenizer, options, {model->vocab_size(), o.cache_blocks * o.block_size, tokenizer}, &groups};
+  ServeContext c{loop, model, tokenizer, options, {model->vocab_size(), o.cache_blocks * o.block_size, tokenizer, model->num_sparse_layers()}, &groups};
   httplib::Server svr;
   const ListenOptions& at = options.listen;
   const int threads = at.threads;

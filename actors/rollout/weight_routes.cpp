@@ -4,7 +4,7 @@
 // requests against the model and writes). Every update is applied whole between two engine
 // steps, after all of it was read and checked, or not at all.
 #include <algorithm>
-#include <cerrno>
+#include <charconv>
 #include <filesystem>
 #include <limits>
 #include <optional>
@@ -26,12 +26,10 @@ std::optional<int64_t> weight_version(const json& j, const std::string& what) {
   if (!j.contains("weight_version") || j["weight_version"].is_null()) return std::nullopt;
   const auto& v = j["weight_version"];
   std::string text = v.is_string() ? v.get<std::string>() : v.is_number_integer() ? v.dump() : "";
-  char* end = nullptr;
-  errno = 0;
   // Decimal digits only ("+1", " 1", "-0" and a NUL inside are refused); past 2^63 - 1 refused, not capped.
+  int64_t parsed = 0;
   const bool digits = !text.empty() && text.find_first_not_of("0123456789") == std::string::npos;
-  const long long parsed = digits ? std::strtoll(text.c_str(), &end, 10) : -1;
-  if (!digits || parsed < 0 || errno == ERANGE)
+  if (!digits || std::from_chars(text.data(), text.data() + text.size(), parsed).ec != std::errc())
     throw ApiError(400, what + ".weight_version: kiln's versions are integers >= 0, got " + api::shown(v));
   return parsed;
 }
