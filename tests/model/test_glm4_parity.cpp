@@ -138,6 +138,71 @@ TEST_CASE("log-probs of chosen rows (an RL batch's completion tokens) are the wh
                        doctest::Contains("rows must be [R]"), c10::Error);
 }
 
+TEST_CASE("CUDA bf16: log-probs of chosen rows are the whole batch's at those rows, with kept and recomputed logits") {
+  // On the GPU the head keeps its 16-bit logits for the backward (or, with no budget, recomputes
+  // them): both paths with a row subset against the whole batch. Bounds: the same bf16 hidden rows
+  // meet cuBLAS GEMMs of a different M (another tiling, fp32 sums in another order), so values
+  // agree to fp32 rounding (<= 1e-4) and gradients to a bf16 step through the layers (rel <= 3e-2).
+  if (test::skip_without_gpu()) return;
+  auto model = load_fixture_model();
+  model->to(torch::Device(torch::kCUDA));
+  model->to_dtype(torch::kBFloat16);
+  auto batch = test::fixture_batch();
+  auto targets = next_token_targets(batch.input_ids, batch.cu_seqlens);
+  const int64_t T = targets.size(0);
+  const int64_t last = batch.cu_seqlens[1].item<int64_t>() - 1;
+  auto rows = torch::tensor({T - 1, int64_t(2), int64_t(3), last, int64_t(3), int64_t(0)}, torch::kInt64);
+  ForwardOptions replay;  // the same experts in every forward (bf16 scores may tie)
+  replay.replay_routed_experts = test::expected("routed_experts");
+  auto grads = [&](const torch::Tensor& loss) {
+    model->zero_grad();
+    loss.backward();
+    std::map<std::string, torch::Tensor> g;
+    for (const auto& p : model->named_parameters()) g[p.key()] = p.value().grad().to(torch::kCPU, torch::kFloat32);
+    return g;
+  };
+  const auto weights = torch::arange(1, rows.size(0) + 1, torch::TensorOptions().device(torch::kCUDA));
+  const int64_t default_keep = model->kept_logits_bytes();
+  for (int64_t keep_bytes : {default_keep, int64_t(0)}) {
+    CAPTURE(keep_bytes);
+    model->set_kept_logits_bytes(keep_bytes);
+    for (double temperature : {1.0, 0.7}) {
+      CAPTURE(temperature);
+      auto all = model->token_logprobs(model->forward(batch, replay), targets, 4, temperature);
+      auto want = all.index_select(0, rows.to(torch::kCUDA));
+      const auto gw = grads(-(want * weights).sum());
+      auto got = model->token_logprobs(model->forward(batch, replay), targets, 4, temperature, rows);
+      REQUIRE((got.sizes() == want.sizes()));
+      CHECK((got - want).abs().max().item<double>() <= 1e-4);
+      CHECK(got[3].item<double>() == 0.0);
+      const auto gg = grads(-(got * weights).sum());
+      double worst = 0;
+      for (const auto& [name, g] : gw) {
+        CAPTURE(name);
+        if (g.abs().max().item<double>() == 0) {
+          CHECK(gg.at(name).abs().max().item<double>() == 0);
+          continue;
+        }
+        const double r = test::rel_error(gg.at(name), g);
+        worst = std::max(worst, r);
+        CHECK(r <= 3e-2);
+      }
+      MESSAGE("keep " << keep_bytes << " B, temperature " << temperature << ": values max diff "
+                      << (got - want).abs().max().item<double>() << ", gradients worst rel " << worst);
+    }
+  }
+  model->set_kept_logits_bytes(default_keep);
+  // Batch-invariant kernels: the chosen rows' bits are the whole batch's.
+  model->set_batch_invariant(true);
+  {
+    torch::NoGradGuard no_grad;
+    auto out = model->forward(batch, replay);
+    auto all = model->token_logprobs(out, targets, 4, 0.7);
+    CHECK(torch::equal(model->token_logprobs(out, targets, 4, 0.7, rows), all.index_select(0, rows.to(torch::kCUDA))));
+  }
+  model->set_batch_invariant(false);
+}
+
 TEST_CASE("routing replay uses the given experts and still trains the router") {
   auto model = load_fixture_model();
   auto batch = test::fixture_batch();
