@@ -267,6 +267,17 @@ Tensor Checkpoint::get(const std::string& name) {
   return shard(weight_map_.at(name)).get(name);
 }
 
+std::vector<std::pair<std::string, std::string>> Checkpoint::unindexed() {
+  std::set<std::string> files;
+  for (const auto& [name, file] : weight_map_) files.insert(file);
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& file : files)
+    for (const auto& [name, info] : shard(file).tensors())
+      if (!weight_map_.count(name)) out.emplace_back(name, file);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
 std::vector<std::string> Checkpoint::opened_files() const {
   std::vector<std::string> f;
   for (const auto& [file, s] : shards_) f.push_back(file);

@@ -87,6 +87,12 @@ class Checkpoint {
   /// tensor and file (missing tensor, missing or corrupt shard, index naming a file that
   /// does not hold the tensor).
   Tensor get(const std::string& name);
+  /// Tensors a shard holds that the index does not list, as (tensor, shard file) pairs, sorted:
+  /// opens every shard the index names. A reader that goes by the index (transformers, kiln's
+  /// load, `kiln model crop`) never sees them; a copier checks this list to refuse an incomplete
+  /// index instead of dropping them. Empty for a single-file checkpoint. Throws what opening a
+  /// shard throws.
+  std::vector<std::pair<std::string, std::string>> unindexed();
   /// Shard files opened so far (tests use it to prove what was never read).
   std::vector<std::string> opened_files() const;
 

@@ -32,6 +32,16 @@ CropResult crop_checkpoint(const std::string& from_dir, const std::string& to_di
 
   auto ckpt = checkpoint::Checkpoint::open(from_dir);
   const std::string where = "checkpoint '" + from_dir + "'";
+  // A copier that goes by the index would silently drop a tensor the index forgot.
+  if (const auto missed = ckpt.unindexed(); !missed.empty()) {
+    std::string list;
+    for (std::size_t i = 0; i < missed.size() && i < 5; ++i)
+      list += (i ? ", '" : "'") + missed[i].first + "' (in " + missed[i].second + ")";
+    if (missed.size() > 5) list += " and " + std::to_string(missed.size() - 5) + " more";
+    throw checkpoint::CheckpointError(where + ": its shards hold " + std::to_string(missed.size()) +
+                                      " tensor(s) that model.safetensors.index.json does not list: " + list +
+                                      "; the crop would drop them (add them to the index's weight_map)");
+  }
   static const std::regex layer_re("(^|\\.)layers\\.(\\d+)\\.");
   CropResult result;
   std::vector<messaging::Tensor> out;

@@ -5,7 +5,9 @@
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <vector>
 
 #include "../scratch.hpp"
@@ -357,4 +359,17 @@ TEST_CASE("crop: the fixture cut to 2 layers keeps its MTP layer renumbered, wri
   torch::NoGradGuard ng;
   CHECK(torch::isfinite(m->logits(m->forward(fixture_batch()))).all().item<bool>());
   CHECK_THROWS_AS(crop_checkpoint(src.string(), dst.string(), 5, 1 << 20), std::invalid_argument);
+  // A source whose index forgot a tensor its shard holds is refused by name (the crop went by the
+  // index and wrote a checkpoint without it), and the crop written before is left as it was.
+  const auto index_path = src / "model.safetensors.index.json";
+  auto index = nlohmann::json::parse(std::ifstream(index_path));
+  const std::string forgotten = T + "layers.0.input_layernorm.weight";
+  REQUIRE(index["weight_map"].contains(forgotten));
+  index["weight_map"].erase(forgotten);
+  std::ofstream(index_path) << index.dump();
+  const auto before = std::filesystem::last_write_time(dst / "model.safetensors.index.json");
+  const std::string want = "1 tensor(s) that model.safetensors.index.json does not list: '" + forgotten + "'";
+  CHECK_THROWS_WITH_AS(crop_checkpoint(src.string(), dst.string(), 2, 200 << 10), doctest::Contains(want.c_str()),
+                       kiln::checkpoint::CheckpointError);
+  CHECK(std::filesystem::last_write_time(dst / "model.safetensors.index.json") == before);
 }
