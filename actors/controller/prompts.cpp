@@ -83,7 +83,19 @@ Prompts::Prompts(const Config& config) : c_(config), rng_(uint64_t(config.run.se
                                   std::to_string(c_.algorithm.max_new_tokens) + " it does not fit the engine's cache of " +
                                   std::to_string(cache_tokens) + " tokens (rollout.cache_blocks x rollout.block_size)");
   }
+  const bool built_in = records.empty();
   task_ = build_task(c_.task, std::move(records));
+  if (built_in) {  // the task's longest prompt (exact for the character tokenizer)
+    const auto longest = task_->longest_prompt();
+    const auto tokens = int64_t(tokenizer_->encode_prompt(longest).size());
+    if (tokens + c_.algorithm.max_new_tokens > cache_tokens)
+      throw std::invalid_argument("algorithm.max_new_tokens: task '" + task_->name() + "' draws prompts of up to " +
+                                  std::to_string(tokens) + " tokens (e.g. \"" + longest + "\"); with " +
+                                  std::to_string(c_.algorithm.max_new_tokens) + " new tokens they do not fit the " +
+                                  "engine's cache of " + std::to_string(cache_tokens) +
+                                  " tokens (rollout.cache_blocks x rollout.block_size): at most " +
+                                  std::to_string(cache_tokens - tokens) + " new tokens");
+  }
 }
 
 std::string Prompts::tokenizer_source() const {

@@ -172,6 +172,11 @@ Problem ArithmeticTask::sample(std::mt19937_64& rng) const {
   return Problem{std::to_string(a) + op + std::to_string(b) + "=", std::to_string(r), {}, r};
 }
 
+std::string ArithmeticTask::longest_prompt() const {
+  const std::string n(std::size_t(o_.max_digits), '9');
+  return n + o_.operators[0] + n + "=";
+}
+
 double ArithmeticTask::reward(const Problem& problem, std::string_view completion) const {
   auto t = trim(completion);
   if (t.empty() || t.size() > 20) return 0.0;
@@ -225,11 +230,19 @@ Problem CountdownTask::sample(std::mt19937_64& rng) const {
   }
 }
 
+std::string CountdownTask::longest_prompt() const {
+  std::string nums;
+  for (int i = 0; i < o_.count; ++i) nums += (i ? "," : "") + std::to_string(o_.max_value);
+  return nums + ":999=";  // targets are at most 999
+}
+
 double CountdownTask::reward(const Problem& problem, std::string_view completion) const {
   auto c = check_countdown_expression(completion, problem.numbers);
   if (!c.well_formed) return 0.0;
   return (c.den == 1 && c.num == problem.target) ? 1.0 : 0.1;
 }
+
+std::string NextDigitTask::longest_prompt() const { return "9="; }
 
 Problem NextDigitTask::sample(std::mt19937_64& rng) const {
   int64_t d = int64_t(rng() % 10);
@@ -248,6 +261,12 @@ JsonlTask::JsonlTask(std::vector<TextRecord> records) : records_(std::move(recor
 Problem JsonlTask::sample(std::mt19937_64& rng) const {
   const std::size_t i = std::size_t(rng() % uint64_t(records_.size()));
   return Problem{records_[i].prompt, references_[i], {}, 0};
+}
+
+std::string JsonlTask::longest_prompt() const {
+  return std::max_element(records_.begin(), records_.end(),
+                          [](const TextRecord& a, const TextRecord& b) { return a.prompt.size() < b.prompt.size(); })
+      ->prompt;
 }
 
 double JsonlTask::reward(const Problem& problem, std::string_view completion) const {

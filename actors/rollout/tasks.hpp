@@ -26,6 +26,10 @@ class Task {
   virtual Problem sample(std::mt19937_64& rng) const = 0;
   /// Reward of `completion` (decoded text, end tokens removed) for `problem`.
   virtual double reward(const Problem& problem, std::string_view completion) const = 0;
+  /// A prompt of the most characters `sample` can draw (the largest numbers in every place), so
+  /// that a run can check before its first step that every prompt fits the engine's cache with
+  /// its completion: exact in tokens for the character tokenizer, a close bound for a BPE one.
+  virtual std::string longest_prompt() const = 0;
 };
 
 /// "a OP b =" with a, b of min..max digits and OP from `operators`; the answer is the integer
@@ -40,6 +44,7 @@ class ArithmeticTask : public Task {
   std::string name() const override { return "arithmetic"; }
   Problem sample(std::mt19937_64& rng) const override;
   double reward(const Problem& problem, std::string_view completion) const override;
+  std::string longest_prompt() const override;
 
  private:
   ArithmeticOptions o_;
@@ -60,6 +65,7 @@ class CountdownTask : public Task {
   std::string name() const override { return "countdown"; }
   Problem sample(std::mt19937_64& rng) const override;
   double reward(const Problem& problem, std::string_view completion) const override;
+  std::string longest_prompt() const override;
 
  private:
   CountdownOptions o_;
@@ -74,6 +80,7 @@ class NextDigitTask : public Task {
   std::string name() const override { return "next_digit"; }
   Problem sample(std::mt19937_64& rng) const override;
   double reward(const Problem& problem, std::string_view completion) const override;
+  std::string longest_prompt() const override;
 };
 
 /// Word problems from a text dataset (dataset.hpp's load_jsonl_text): a sample is a record
@@ -87,6 +94,7 @@ class JsonlTask : public Task {
   std::string name() const override { return "jsonl"; }
   Problem sample(std::mt19937_64& rng) const override;
   double reward(const Problem& problem, std::string_view completion) const override;
+  std::string longest_prompt() const override;
   std::size_t size() const { return records_.size(); }
 
  private:

@@ -181,6 +181,25 @@ TEST_CASE("prompts: seeds per run step and request with the same draws after res
   CHECK(r[1] < 1.0f);
 }
 
+TEST_CASE("prompts: a built-in task whose longest prompt and max_new_tokens overflow the engine's cache is refused before any step") {
+  Config c;  // next_digit, the character tokenizer: "9=" plus the end token
+  const int64_t cache = c.rollout.engine.cache_blocks * c.rollout.engine.block_size;
+  rollout::CharTokenizer tok;
+  const auto prompt_tokens = int64_t(tok.encode_prompt("9=").size());
+  c.algorithm.max_new_tokens = cache - prompt_tokens;  // just fits
+  CHECK_NOTHROW(Prompts{c});
+  c.algorithm.max_new_tokens += 1;
+  const std::string want = "algorithm.max_new_tokens: task 'next_digit' draws prompts of up to " +
+                           std::to_string(prompt_tokens) + " tokens";
+  CHECK_THROWS_WITH_AS(Prompts{c}, doctest::Contains(want.c_str()), std::invalid_argument);
+  c.task.name = "arithmetic";  // "99*99=" at max_digits 2
+  c.task.max_digits = 2;
+  c.algorithm.max_new_tokens = cache - int64_t(tok.encode_prompt("99*99=").size()) + 1;
+  CHECK_THROWS_WITH_AS(Prompts{c}, doctest::Contains("at most"), std::invalid_argument);
+  c.algorithm.max_new_tokens -= 1;
+  CHECK_NOTHROW(Prompts{c});
+}
+
 TEST_CASE("wire schema families: declared once with their versions where a conflicting declaration is a bug") {
   CHECK(messaging::message_type_version("trainer.init") == messaging::TrainerInit::kVersion);
   CHECK(messaging::message_type_version("ping") == 1u);

@@ -67,6 +67,24 @@ TEST_CASE("countdown: generated problems are solvable and the verifier checks nu
         std::string::npos);
 }
 
+TEST_CASE("tasks: longest_prompt has at least as many characters as any prompt sample draws") {
+  ArithmeticTask a({1, 3, "-+"});
+  CountdownTask c({4, 1, 250});
+  NextDigitTask d;
+  JsonlTask j({{"short", "1", 1}, {"the longest prompt", "2", 2}, {"mid one", "3", 3}});
+  CHECK(a.longest_prompt() == "999-999=");
+  CHECK(c.longest_prompt() == "250,250,250,250:999=");
+  CHECK(j.longest_prompt() == "the longest prompt");
+  std::mt19937_64 rng(3);
+  for (const Task* t : std::initializer_list<const Task*>{&a, &c, &d, &j}) {
+    CAPTURE(t->name());
+    std::size_t longest = 0;
+    for (int i = 0; i < 2000; ++i) longest = std::max(longest, t->sample(rng).prompt.size());
+    CHECK(longest <= t->longest_prompt().size());
+    CHECK(longest + 2 >= t->longest_prompt().size());  // a close bound (countdown's target is rarely 999)
+  }
+}
+
 TEST_CASE("character tokenizer round-trips and refuses characters it does not know") {
   CharTokenizer tok;
   auto ids = tok.encode("12+7=19");
