@@ -1,5 +1,6 @@
 #include "experiments/model_cmd.hpp"
 
+#include <algorithm>
 #include <cstdio>
 #include <exception>
 #include <filesystem>
@@ -23,8 +24,27 @@ void check_output_dir(const std::string& from, const std::string& to) {
   if (!std::filesystem::is_directory(from, ec))  // before --to is made
     throw std::invalid_argument("--from '" + from + "' is not a directory (an HF checkpoint: config.json + "
                                 "safetensors)");
-  if (std::filesystem::exists(to) && std::filesystem::equivalent(from, to, ec))
+  namespace fs = std::filesystem;
+  if (fs::exists(to) && fs::equivalent(from, to, ec))
     throw std::invalid_argument("--to '" + to + "' is the --from checkpoint itself; write to another directory");
+  // Inside the checkpoint read: the output would become part of the source directory.
+  const auto f = fs::weakly_canonical(from, ec), t = fs::weakly_canonical(to, ec);
+  if (!ec && std::mismatch(f.begin(), f.end(), t.begin(), t.end()).first == f.end())
+    throw std::invalid_argument("--to '" + to + "' lies inside the --from checkpoint '" + from +
+                                "'; write outside it, so that the source directory is left as it was");
+  if (fs::symlink_status(to, ec).type() == fs::file_type::symlink && !fs::exists(to, ec))
+    throw std::invalid_argument("--to '" + to + "' is a symbolic link to '" + fs::read_symlink(to, ec).string() +
+                                "', which does not exist: give a new or empty directory");
+  // The nearest existing ancestor must be a directory for --to to be made under it.
+  for (auto p = fs::absolute(to, ec).parent_path(); !p.empty(); p = p.parent_path()) {
+    if (fs::exists(p, ec)) {
+      if (!fs::is_directory(p, ec))
+        throw std::invalid_argument("--to '" + to + "': '" + p.string() +
+                                    "' is not a directory, so no directory can be made under it");
+      break;
+    }
+    if (p == p.root_path()) break;
+  }
   for (const char* f : {"state.json", "optimizer.pt"})
     if (std::filesystem::exists(std::filesystem::path(to) / f, ec))
       throw std::invalid_argument("--to '" + to + "' holds a training checkpoint (" + f +

@@ -63,6 +63,10 @@ poisoned_copy(fixture, f"{work}/nan_ck", poisoned)
 poisoned5 = "model.language_model.layers.0.mlp.up_proj.weight"
 poisoned_copy(glm5, f"{work}/nan5_ck", poisoned5)
 os.makedirs(f"{work}/training_ck", exist_ok=True)
+os.symlink(f"{work}/no_such_dir", f"{work}/dangling")
+shutil.copytree(fixture, f"{work}/src_copy")
+glm5_copy = f"{work}/glm5_copy"
+shutil.copytree(glm5, glm5_copy)
 open(f"{work}/training_ck/state.json", "w").write("{}")
 for args, needle in [(("resave", "--from", f"{work}/nowhere", "--to", f"{work}/x"), "is not a directory (an HF checkpoint"),
                      (("resave", "--from", fixture, "--to", f"{work}/training_ck"), "holds a training checkpoint"),
@@ -79,12 +83,18 @@ for args, needle in [(("resave", "--from", f"{work}/nowhere", "--to", f"{work}/x
                       f"tensor '{poisoned5}' holds 3 non-finite values"),
                      (("resave", "--from", fixture, "--to", f"{work}/resaved"), "is not empty"),
                      (("resave", "--from", fixture, "--to", f"{work}/a.safetensors"), "exists and is not a directory"),
+                     (("resave", "--from", fixture, "--to", f"{work}/a.safetensors/sub"), "is not a directory, so no directory can be made under it"),
+                     (("resave", "--from", fixture, "--to", f"{work}/dangling"), "which does not exist: give a new or empty directory"),
+                     (("resave", "--from", f"{work}/src_copy", "--to", f"{work}/src_copy/inner"), "lies inside the --from checkpoint"),
+                     (("crop", "--from", glm5_copy, "--to", f"{glm5_copy}/./sub/x", "--layers", "2"), "lies inside the --from checkpoint"),
                      (("logits", "--from", f"{work}/resaved", "--docs", docs, "--out", f"{work}/resaved/{shard0}"),
                       "already exists"),
                      (("crop", "--from", glm5, "--to", f"{work}/cropped", "--layers", "2"), "is not empty")]:
     r = run(*args)
     checks.append((r.returncode == 2 and needle in r.stderr, f"{' '.join(args[:1])}: refused with '{needle}' ({r.stderr.strip()[-160:]})"))
 checks.append((open(f"{work}/resaved/{shard0}", "rb").read() == shard0_bytes, "logits: the checkpoint's shard is untouched"))
+checks.append((sorted(os.listdir(f"{work}/src_copy")) == sorted(os.listdir(fixture)), "resave: nothing made inside the source"))
+checks.append((not os.path.exists(f"{glm5_copy}/sub"), "crop: nothing made inside the source"))
 checks.append((not os.path.exists(f"{work}/nan5_out") or not os.listdir(f"{work}/nan5_out"),
                "crop: the refused checkpoint wrote nothing"))
 for ok, what in checks:
