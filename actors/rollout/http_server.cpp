@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -51,6 +52,15 @@ void post(httplib::Server& svr, const std::string& path, PostHandler handle) {
     }
     std::string body;
     const bool chunked = req.get_header_value("Transfer-Encoding").find("chunked") != std::string::npos;
+    if (!chunked && req.has_header("Content-Length")) {  // RFC 9110 8.6: 1*DIGIT (httplib reads "-5" as 2^64 - 5)
+      const auto length = req.get_header_value("Content-Length");
+      if (length.empty() || length.size() > 19 ||
+          !std::all_of(length.begin(), length.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) {
+        answer_error(res, 400, path + ": Content-Length " + api::shown(nlohmann::json(length)) +
+                                   " is not a byte count (decimal digits)");
+        return;
+      }
+    }
     if (chunked || req.has_header("Content-Length")) {
       bool over = false;
       const bool read = reader([&](const char* data, size_t n) {

@@ -192,6 +192,20 @@ with Checks(work) as check:
               f"POST {path} without a body or Content-Length: 200 at once ({time.time() - t0:.2f} s: {head.splitlines()[:1]})")
     s, r = http(url, "/get_server_info")
     check(s == 200 and r["paused"] is False, "the server is not left paused")
+    # a Content-Length that is not a byte count is a bad request (400), not an oversized one
+    for length in ("-5", "12abc", "+7"):
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=30) as sock:
+            sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {length}\r\n\r\n{{}}".encode())
+            head = b""
+            while b"}}" not in head:  # the JSON error body may come in a second segment
+                part = sock.recv(65536)
+                if not part:
+                    break
+                head += part
+            head = head.decode(errors="replace")
+        check(head.startswith("HTTP/1.1 400") and "is not a byte count" in head,
+              f"Content-Length {length}: 400 naming it ({head.splitlines()[:1]} {head[-120:]!r})")
 
     # 2c. the model's end token ends a sample unless ignore_eos (SGLang's default), as a stop
     # token of its own would
