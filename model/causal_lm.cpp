@@ -17,19 +17,35 @@ torch::Tensor CausalLM::fp32_logits(const torch::Tensor& hidden_ND) {
   return batch_invariant_ ? invariant_lm_logits(hidden_ND, lm_head_weight()) : lm_logits(hidden_ND, lm_head_weight());
 }
 
+namespace {
+// The head's inputs: the hidden states [R, D] and targets [R] of `rows` (every row when
+// undefined), on the hidden states' device.
+std::pair<torch::Tensor, torch::Tensor> head_rows(const ForwardOutput& out, const torch::Tensor& targets,
+                                                  const torch::Tensor& rows) {
+  if (!rows.defined()) return {out.hidden, targets};
+  TORCH_CHECK(rows.dim() == 1, "token_logprobs: rows must be [R] int64, got ", rows.sizes());
+  const auto r = rows.to(out.hidden.device(), torch::kInt64);
+  return {out.hidden.index_select(0, r), targets.to(out.hidden.device(), torch::kInt64).index_select(0, r)};
+}
+}  // namespace
+
 torch::Tensor CausalLM::token_logprobs(const ForwardOutput& out, const torch::Tensor& targets, int64_t chunk,
                                        double temperature, const torch::Tensor& rows) {
-  auto hidden = out.hidden;
-  auto tg = targets;
-  if (rows.defined()) {
-    TORCH_CHECK(rows.dim() == 1, "token_logprobs: rows must be [R] int64, got ", rows.sizes());
-    const auto r = rows.to(hidden.device(), torch::kInt64);
-    hidden = hidden.index_select(0, r);                                  // [R, D]
-    tg = targets.to(hidden.device(), torch::kInt64).index_select(0, r);  // [R]
-  }
+  auto [hidden, tg] = head_rows(out, targets, rows);
   if (batch_invariant_) return token_logprobs_invariant(hidden, lm_head_weight(), tg, temperature, chunk);
   if (temperature != 1.0) hidden = hidden / temperature;  // logits / T
   return model::token_logprobs(hidden, lm_head_weight(), tg, chunk, kept_logits_bytes_);
+}
+
+std::pair<torch::Tensor, torch::Tensor> CausalLM::token_logprobs_and_entropy(const ForwardOutput& out,
+                                                                             const torch::Tensor& targets,
+                                                                             int64_t chunk, double temperature,
+                                                                             const torch::Tensor& rows) {
+  auto [hidden, tg] = head_rows(out, targets, rows);
+  auto scaled = temperature != 1.0 ? hidden / temperature : hidden;  // logits / T
+  auto [lp, ent] = model::token_logprobs_and_entropy(scaled, lm_head_weight(), tg, chunk, kept_logits_bytes_);
+  if (batch_invariant_) lp = token_logprobs_invariant(hidden, lm_head_weight(), tg, temperature, chunk);
+  return {lp, ent};
 }
 
 void CausalLM::set_activation_checkpointing(bool on, int64_t layers) {

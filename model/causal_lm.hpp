@@ -256,6 +256,14 @@ class CausalLM : public torch::nn::Module {
   /// batch-invariant mode). Undefined: every row. -> [R] (or [T]) fp32.
   torch::Tensor token_logprobs(const ForwardOutput& out, const torch::Tensor& targets, int64_t chunk = 1024,
                                double temperature = 1.0, const torch::Tensor& rows = {});
+  /// token_logprobs and each row's entropy of softmax(logits / temperature) (an entropy bonus),
+  /// from one pass of the head over the same rows: -> {[R] log-probs, [R] entropy} fp32 (blocks/
+  /// logprobs.hpp's token_logprobs_and_entropy). In the batch-invariant mode the log-probs are
+  /// token_logprobs' (the invariant head, the rollout's bits) and the entropy the ordinary head's.
+  std::pair<torch::Tensor, torch::Tensor> token_logprobs_and_entropy(const ForwardOutput& out,
+                                                                     const torch::Tensor& targets, int64_t chunk,
+                                                                     double temperature,
+                                                                     const torch::Tensor& rows = {});
  protected:
   bool checkpoint_layers_ = false;  ///< set_activation_checkpointing
   int64_t checkpoint_count_ = 0;    ///< set_activation_checkpointing's layers (0: all)

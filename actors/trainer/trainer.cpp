@@ -7,6 +7,7 @@
 #include <numeric>
 #include <unordered_map>
 #include <stdexcept>
+#include <tuple>
 
 #include "actors/trainer/fused_adamw.hpp"
 #include "messaging/stopwatch.hpp"
@@ -100,17 +101,10 @@ torch::Tensor train_micro_batch(model::CausalLM& policy, const TrainerConfig& c,
   // (and would get no gradient), so its [V, D] GEMMs are skipped forward and backward.
   const auto& rows = p.completion_positions;
   PolicyTokens t;
-  if (c.loss.entropy_coef != 0) {
-    auto hidden = out.hidden.index_select(0, rows);         // [Tc, D]
-    if (temperature != 1.0) hidden = hidden / temperature;  // logits / T
-    auto [lp, ent] = model::token_logprobs_and_entropy(hidden, policy.lm_head_weight(), targets.index_select(0, rows),
-                                                       c.logprobs.chunk, policy.kept_logits_bytes());
-    // The true on-policy mode: the log-probs from the batch-invariant head (the rollout's bits).
-    t.logprob = policy.batch_invariant() ? policy.token_logprobs(out, targets, c.logprobs.chunk, temperature, rows) : lp;
-    t.entropy = ent;
-  } else {
+  if (c.loss.entropy_coef != 0)
+    std::tie(t.logprob, t.entropy) = policy.token_logprobs_and_entropy(out, targets, c.logprobs.chunk, temperature, rows);
+  else
     t.logprob = policy.token_logprobs(out, targets, c.logprobs.chunk, temperature, rows);  // [Tc]
-  }
   auto to_dev = [&](const torch::Tensor& host) { return model::to_model_device(host, dev); };
   t.old_logprob = in.given_old ? to_dev(per_token(in.samples, idx, &Sample::old_logprobs)) : t.logprob.detach();
   t.behavior_logprob = to_dev(per_token(in.samples, idx, &Sample::behavior_logprobs));

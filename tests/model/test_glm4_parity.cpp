@@ -124,6 +124,17 @@ TEST_CASE("log-probs of chosen rows (an RL batch's completion tokens) are the wh
       else
         CHECK(test::rel_error(gg.at(name), g) <= 1e-5);
     }
+    // With the entropy (one pass of the head): the same log-probs, and the whole batch's entropy
+    // at those rows.
+    {
+      torch::NoGradGuard no_grad;
+      auto out = model->forward(batch);
+      auto [lp, ent] = model->token_logprobs_and_entropy(out, targets, 4, temperature, rows);
+      auto [all_lp, all_ent] = token_logprobs_and_entropy(out.hidden / temperature, model->lm_head_weight(), targets, 4);
+      CHECK((lp - want).abs().max().item<double>() <= 1e-6);
+      CHECK((ent - all_ent.index_select(0, rows)).abs().max().item<double>() <= 1e-6);
+      CHECK(ent.min().item<double>() > 0);
+    }
   }
   // The batch-invariant mode gives a row the same bits whatever else is computed beside it.
   model->set_batch_invariant(true);
