@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <type_traits>
@@ -14,6 +15,29 @@
 namespace kiln::trainer {
 
 namespace {
+
+// The archive's bytes into `file`; a failed write is remembered (the archive writer is always
+// told every byte went, so LibTorch never throws from inside its writer) and thrown afterwards.
+template <typename T>
+void save_checked(const std::filesystem::path& file, const T& value) {
+  std::ofstream out(file, std::ios::binary | std::ios::trunc);
+  if (!out) throw std::runtime_error("cannot create '" + file.string() + "'");
+  bool failed = false;
+  uint64_t written = 0;
+  torch::save(value, std::function<size_t(const void*, size_t)>([&](const void* data, size_t n) -> size_t {
+                if (!failed && n > 0) {
+                  out.write(static_cast<const char*>(data), std::streamsize(n));
+                  failed = !out;
+                  if (!failed) written += n;
+                }
+                return n;
+              }));
+  if (!failed) failed = !out.flush();
+  out.close();
+  if (failed || out.fail())
+    throw std::runtime_error("writing '" + file.string() + "' failed after " + std::to_string(written) +
+                             " bytes (disk full, or a file-size limit?)");
+}
 
 // A data-parallel rank's optimizer file: its flat range, masters, moments and step counts.
 std::string shard_file(int rank, int ranks) {
@@ -136,7 +160,7 @@ void save_sharded(const std::filesystem::path& dir, model::CausalLM& policy, Tra
   if (dp.rank() == 0) {
     std::vector<torch::Tensor> buffers;
     for (const auto& b : policy.buffers()) buffers.push_back(b.detach().cpu());
-    torch::save(buffers, (tmp / "buffers.pt").string());
+    save_torch_file(tmp / "buffers.pt", buffers);
     write_in_flight(tmp, state.in_flight_rollouts);
     write_state_json(tmp, state.step, trainer.version(), state.prompt_rng, state.in_flight_rollouts.size());
   }
@@ -153,7 +177,7 @@ void save_sharded(const std::filesystem::path& dir, model::CausalLM& policy, Tra
     record.insert(record.end(), {torch::tensor({p.begin}), p.master, p.exp_avg, p.exp_avg_sq});
     ranges.push_back({p.begin, p.begin + p.master.numel()});
   }
-  torch::save(record, (tmp / shard_file(dp.rank(), dp.size())).string());
+  save_torch_file(tmp / shard_file(dp.rank(), dp.size()), record);
   {
     std::ofstream out(tmp / shard_ranges_file(dp.rank(), dp.size()));
     out << nlohmann::json{{"numel", trainer.optimizer_numel()}, {"params", params}, {"ranges", ranges}}.dump() << "\n";
@@ -287,6 +311,13 @@ FlatAdamWState read_whole_optimizer(const std::filesystem::path& dir, Trainer& t
 
 }  // namespace
 
+void save_torch_file(const std::filesystem::path& file, const std::vector<torch::Tensor>& value) {
+  save_checked(file, value);
+}
+void save_torch_file(const std::filesystem::path& file, const torch::optim::Optimizer& value) {
+  save_checked(file, value);
+}
+
 void save_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, Trainer& trainer,
                      const CheckpointState& state) {
   refuse_non_finite(policy, trainer);
@@ -298,12 +329,18 @@ void save_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, 
   tmp += ".partial";
   fs::remove_all(tmp);
   fs::create_directories(tmp);
-  policy.save_hf_checkpoint(tmp.string(), uint64_t(5) << 30);
-  torch::save(trainer.optimizer(), (tmp / "optimizer.pt").string());
-  // bf16 policies: the fp32 master weights too, or a resumed run would restart from rounded ones.
-  if (trainer.uses_master_weights()) torch::save(trainer.master_parameters(), (tmp / "master_weights.pt").string());
-  write_in_flight(tmp, state.in_flight_rollouts);
-  write_state_json(tmp, state.step, trainer.version(), state.prompt_rng, state.in_flight_rollouts.size());
+  try {
+    policy.save_hf_checkpoint(tmp.string(), uint64_t(5) << 30);
+    save_torch_file(tmp / "optimizer.pt", trainer.optimizer());
+    // bf16 policies: the fp32 master weights too, or a resumed run would restart from rounded ones.
+    if (trainer.uses_master_weights()) save_torch_file(tmp / "master_weights.pt", trainer.master_parameters());
+    write_in_flight(tmp, state.in_flight_rollouts);
+    write_state_json(tmp, state.step, trainer.version(), state.prompt_rng, state.in_flight_rollouts.size());
+  } catch (...) {
+    std::error_code ec;
+    fs::remove_all(tmp, ec);  // what was written is of no use, and holds space the disk lacks
+    throw;
+  }
   fs::remove_all(dir);  // an older checkpoint of the same step (a re-run after a resume)
   fs::rename(tmp, dir);
 }

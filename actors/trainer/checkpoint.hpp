@@ -42,8 +42,16 @@ struct CheckpointState {
   std::string in_flight_rollouts;
 };
 
+/// torch::save of `value` into `file` (created or replaced) through a write kiln checks: a write
+/// that fails (disk full, a file-size limit, /dev/full) throws std::runtime_error naming the file
+/// once LibTorch's archive is done. (Through LibTorch's own file writer such a failure throws
+/// inside its zip writer, whose destructor throws again while unwinding: std::terminate.)
+void save_torch_file(const std::filesystem::path& file, const std::vector<torch::Tensor>& value);
+void save_torch_file(const std::filesystem::path& file, const torch::optim::Optimizer& value);
+
 /// Writes the checkpoint into `dir`: first into `dir.partial`, renamed to `dir` once complete
-/// (replacing an older `dir`), so a writer killed midway leaves no incomplete `dir`. Throws
+/// (replacing an older `dir`), so a writer killed midway leaves no incomplete `dir`; a write
+/// that fails removes `dir.partial` (one rank's: with a group the others' stay). Throws
 /// std::runtime_error / std::filesystem::filesystem_error on I/O errors, and std::runtime_error
 /// before writing anything when a weight of the policy (or an fp32 master) holds NaN or
 /// infinity (no run could resume from it; every rank of a group agrees). With a data-parallel

@@ -4,6 +4,10 @@
 // both is the same.
 #include <doctest/doctest.h>
 
+#include <sys/resource.h>
+
+#include <csignal>
+#include <filesystem>
 #include <fstream>
 
 #include "../scratch.hpp"
@@ -50,6 +54,51 @@ TEST_CASE("a checkpoint after one step loads into a fresh trainer bit for bit, f
     loaded.train_step(samples);
     for (const auto& d : differences(snapshot(t), snapshot(loaded))) FAIL_CHECK("differs one step later: " << d);
   }
+}
+
+TEST_CASE("a checkpoint write that fails (disk full, a file-size limit) throws naming the file and leaves the older checkpoint and no partial one") {
+  // /dev/full: every write fails with ENOSPC. LibTorch's own file writer std::terminate()d here.
+  CHECK_THROWS_WITH_AS(save_torch_file("/dev/full", std::vector<torch::Tensor>{torch::ones({4096})}),
+                       doctest::Contains("writing '/dev/full' failed"), std::runtime_error);
+  auto m = debug_model(7);
+  auto samples = test::rollout_samples(m, 4);
+  Trainer t(m, TrainerConfig{});
+  t.train_step(samples);
+  CHECK_THROWS_WITH_AS(save_torch_file("/dev/full", t.optimizer()), doctest::Contains("(disk full, or a file-size limit?)"),
+                       std::runtime_error);
+  // A file-size limit between the weights' shard and optimizer.pt (its two moments are larger):
+  // the weights are written, optimizer.pt is not.
+  const std::filesystem::path dir = test::scratch_path("checkpoint-fsize");
+  save_checkpoint(dir, *m, t, CheckpointState{1, t.version(), "rng"});
+  uintmax_t shard = 0;  // the largest weights shard
+  for (const auto& e : std::filesystem::directory_iterator(dir))
+    if (e.path().extension() == ".safetensors") shard = std::max(shard, e.file_size());
+  const auto optimizer = std::filesystem::file_size(dir / "optimizer.pt");
+  REQUIRE(optimizer > shard + 8192);
+  const auto before = snapshot(t);
+  struct rlimit old_limit {};
+  getrlimit(RLIMIT_FSIZE, &old_limit);
+  auto old_handler = std::signal(SIGXFSZ, SIG_IGN);  // a write past the limit fails with EFBIG instead
+  struct rlimit limit = old_limit;
+  limit.rlim_cur = rlim_t(shard + (optimizer - shard) / 2);
+  REQUIRE(setrlimit(RLIMIT_FSIZE, &limit) == 0);
+  std::string error;
+  try {
+    save_checkpoint(dir, *m, t, CheckpointState{1, t.version(), "rng"});
+  } catch (const std::runtime_error& e) {
+    error = e.what();
+  }
+  setrlimit(RLIMIT_FSIZE, &old_limit);
+  std::signal(SIGXFSZ, old_handler);
+  CHECK(error.find("optimizer.pt' failed") != std::string::npos);
+  auto partial = dir;
+  partial += ".partial";
+  CHECK_FALSE(std::filesystem::exists(partial));
+  CHECK(std::filesystem::file_size(dir / "optimizer.pt") == optimizer);  // the older checkpoint, whole
+  auto fresh = debug_model(99);
+  Trainer loaded(fresh, TrainerConfig{});
+  CHECK(load_checkpoint(dir, *fresh, loaded).step == 1);
+  for (const auto& d : differences(before, snapshot(loaded))) FAIL_CHECK("the older checkpoint differs: " << d);
 }
 
 TEST_CASE("a state.json with a field missing or of another type is refused naming the field and the value") {
