@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <thread>
 
 #include "actors/controller/grpo.hpp"
@@ -242,7 +243,14 @@ int run(const Config& c, const std::string& config_toml, parallel::ProcessGroups
   auto& prompts = s.prompts;
   auto& actors = s.actors;
   const int64_t first_step = s.first_step;
-  MetricsLog log(dir, first_step);
+  std::optional<MetricsLog> metrics;
+  try {
+    metrics.emplace(dir, first_step);
+  } catch (const std::exception& e) {  // e.g. a directory named metrics.jsonl: nothing trained yet
+    std::fprintf(stderr, "kiln run: %s\n", e.what());
+    return 1;
+  }
+  auto& log = *metrics;
   const Stopwatch run_clock;
   std::string rng_consumed = prompts.state();  // after the last batch trained: what a checkpoint holds
   int64_t nonfinite_in_a_row = 0;
@@ -315,7 +323,12 @@ int run(const Config& c, const std::string& config_toml, parallel::ProcessGroups
     row.rollout_time = batch.rollout_time;
     row.policy_version = trainer.version();
     row.elapsed_s = run_clock.seconds();
-    log.write(row);
+    try {
+      log.write(row);
+    } catch (const std::exception& e) {  // the step is trained; its row could not be written
+      return stop_with_checkpoint(trainer, dir, step, std::string(e.what()) + " (this step's metrics row is incomplete)",
+                                  step, batch.rng_after, rollouts, last_checkpoint);
+    }
     if (!sync_error.empty()) return stop_with_checkpoint(trainer, dir, step, sync_error, step, batch.rng_after, rollouts, last_checkpoint);
     nonfinite_in_a_row = row.train.skipped_nonfinite ? nonfinite_in_a_row + 1 : 0;
     if (a.max_nonfinite_steps > 0 && nonfinite_in_a_row >= a.max_nonfinite_steps)

@@ -40,22 +40,39 @@ void summarize(StepRow& row, const std::vector<float>& rewards, const std::vecto
                                  .item<double>();
 }
 
+namespace {
+// A metrics file whose write failed (disk full, a file-size limit) stops the run by name: its
+// rows would otherwise be lost while the run reports success.
+void check_written(const std::ofstream& out, const std::filesystem::path& file) {
+  if (!out) throw std::runtime_error("writing '" + file.string() + "' failed (disk full, or a file-size limit?)");
+}
+}  // namespace
+
 MetricsLog::MetricsLog(const std::filesystem::path& dir, int64_t first_step)
     : dir_(dir), events_(dir / "tensorboard", first_step) {
   if (first_step > 1) {
-    const int64_t dropped = drop_rows_from(dir, first_step);
-    if (dropped > 0)
+    int64_t cut = 0;
+    const int64_t dropped = drop_rows_from(dir, first_step, &cut);
+    if (dropped - cut > 0)
       std::fprintf(stderr,
                    "kiln run: dropped %lld metric rows of steps after the checkpoint (those steps are trained again now)\n",
-                   (long long)dropped);
+                   (long long)(dropped - cut));
+    if (cut > 0)
+      std::fprintf(stderr,
+                   "kiln run: dropped %lld line(s) of metrics.jsonl cut short (not JSON: a write that did not finish); "
+                   "the steps they held have no metrics row\n",
+                   (long long)cut);
   }
   const auto mode = first_step > 1 ? std::ios::app : std::ios::trunc;
   jsonl_.open(dir / "metrics.jsonl", mode);
+  if (!jsonl_.is_open()) throw std::runtime_error("cannot open '" + (dir / "metrics.jsonl").string() + "' for writing");
   tsv_.open(dir / "metrics.tsv", mode);
+  if (!tsv_.is_open()) throw std::runtime_error("cannot open '" + (dir / "metrics.tsv").string() + "' for writing");
   // A comment line naming the columns, at the top of a new file (gnuplot skips it; a run resumed
   // into the same directory keeps the first one, one resumed into a new directory writes it).
   tsv_.seekp(0, std::ios::end);
   if (tsv_.tellp() == 0) tsv_ << "# step\treward_mean\tkl\n" << std::flush;
+  check_written(tsv_, dir / "metrics.tsv");
 }
 
 void MetricsLog::write(const StepRow& row) {
@@ -96,8 +113,10 @@ void MetricsLog::write(const StepRow& row) {
   j["policy_version"] = row.policy_version;
   j["elapsed_s"] = row.elapsed_s;
   jsonl_ << j.dump() << "\n" << std::flush;
+  check_written(jsonl_, dir_ / "metrics.jsonl");
   events_.write(j, std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
   tsv_ << row.step << "\t" << row.reward_mean << "\t" << row.kl << "\n" << std::flush;
+  check_written(tsv_, dir_ / "metrics.tsv");
 }
 
 void MetricsLog::print_progress(const StepRow& row, int64_t steps, int64_t prompts_per_step) {
@@ -159,8 +178,9 @@ void MetricsLog::plot() const {
   }
 }
 
-int64_t MetricsLog::drop_rows_from(const std::filesystem::path& dir, int64_t first_step) {
+int64_t MetricsLog::drop_rows_from(const std::filesystem::path& dir, int64_t first_step, int64_t* cut_short) {
   int64_t dropped = 0;
+  if (cut_short) *cut_short = 0;
   for (const std::string name : {"metrics.jsonl", "metrics.tsv"}) {
     const bool json = name == "metrics.jsonl";
     std::ifstream in(dir / name);
@@ -172,14 +192,30 @@ int64_t MetricsLog::drop_rows_from(const std::filesystem::path& dir, int64_t fir
       } catch (const std::exception&) {
         // metrics.jsonl: a line cut short by a run that died mid-write: dropped (the file stays
         // JSON lines); metrics.tsv: the header, kept
+        if (json && cut_short) ++*cut_short;
         row_step = json ? first_step : 0;
       }
       if (row_step < first_step) keep.push_back(line);
       else if (json) ++dropped;
     }
     in.close();
-    std::ofstream out(dir / name, std::ios::trunc);
-    for (const auto& l : keep) out << l << "\n";
+    // Beside the file, then renamed over it: a write that fails leaves the rows as they were.
+    auto tmp = dir / name;
+    tmp += ".tmp";
+    {
+      std::ofstream out(tmp, std::ios::trunc);
+      for (const auto& l : keep) out << l << "\n";
+      out.flush();
+      if (!out) {
+        out.close();
+        std::error_code ec;
+        std::filesystem::remove(tmp, ec);
+        throw std::runtime_error("cannot rewrite '" + (dir / name).string() +
+                                 "' without the rows of steps the resume trains again (writing '" + tmp.string() +
+                                 "' failed: disk full?); it is left as it was");
+      }
+    }
+    std::filesystem::rename(tmp, dir / name);
   }
   return dropped;
 }

@@ -42,16 +42,19 @@ class MetricsLog {
   /// a new TensorBoard event file in RUN/tensorboard (the events of steps >= first_step
   /// dropped from the earlier ones: tensorboard::EventWriter).
   MetricsLog(const std::filesystem::path& dir, int64_t first_step);
-  /// One row in metrics.jsonl and metrics.tsv, and its numbers as one TensorBoard event.
+  /// One row in metrics.jsonl and metrics.tsv, and its numbers as one TensorBoard event. Throws
+  /// std::runtime_error naming the file when a write fails (disk full, a file-size limit); the
+  /// constructor throws when a file cannot be opened (e.g. a directory of that name).
   void write(const StepRow& row);
   /// "step 3/100  reward 0.125 ±0.331  kl ..." on stderr.
   static void print_progress(const StepRow& row, int64_t steps, int64_t prompts_per_step);
   /// RUN/reward_kl.png from metrics.tsv (says so on stderr if gnuplot fails).
   void plot() const;
   /// Rows of steps >= first_step removed from RUN/metrics.{jsonl,tsv}, and metrics.jsonl lines
-  /// that are not JSON (cut short by a run that died mid-write); returns how many
-  /// metrics.jsonl lines went.
-  static int64_t drop_rows_from(const std::filesystem::path& dir, int64_t first_step);
+  /// that are not JSON (cut short by a run that died mid-write; counted in *cut_short); returns
+  /// how many metrics.jsonl lines went. Each file is rewritten beside itself and renamed over it:
+  /// a failed write throws std::runtime_error and leaves it as it was.
+  static int64_t drop_rows_from(const std::filesystem::path& dir, int64_t first_step, int64_t* cut_short = nullptr);
 
  private:
   std::filesystem::path dir_;

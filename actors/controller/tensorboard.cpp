@@ -230,6 +230,7 @@ EventWriter::EventWriter(const fs::path& dir, int64_t first_step) {
 
 void EventWriter::write(const nlohmann::json& row, double wall_time) {
   out_ << frame_record(scalars_event(wall_time, row.at("step").get<int64_t>(), scalars_of(row))) << std::flush;
+  if (!out_) throw std::runtime_error("writing '" + path_.string() + "' failed (disk full, or a file-size limit?)");
 }
 
 }  // namespace kiln::controller::tensorboard

@@ -137,7 +137,10 @@ TEST_CASE("metric rows of steps a resume trains again are dropped and so is a js
     }
     j << "{\"step\": 6, \"rew";  // a run killed mid-write
   }
-  CHECK(MetricsLog::drop_rows_from(dir, 3) == 4);
+  int64_t cut = -1;
+  CHECK(MetricsLog::drop_rows_from(dir, 3, &cut) == 4);
+  CHECK(cut == 1);  // reported apart: the step it held has no row
+  CHECK_FALSE(std::filesystem::exists(dir / "metrics.jsonl.tmp"));
   std::ifstream j(dir / "metrics.jsonl");
   std::vector<std::string> lines;
   for (std::string l; std::getline(j, l);) lines.push_back(l);
@@ -146,6 +149,20 @@ TEST_CASE("metric rows of steps a resume trains again are dropped and so is a js
   lines.clear();
   for (std::string l; std::getline(t, l);) lines.push_back(l);
   CHECK(lines == std::vector<std::string>{"# step\treward_mean\tkl", "1\t0.5\t0", "2\t0.5\t0"});
+}
+
+TEST_CASE("metrics: a file that cannot be opened or written stops the run by name (a full disk, a directory of that name)") {
+  const std::filesystem::path dir = test::scratch_path("metrics-fail");
+  std::filesystem::create_directories(dir / "metrics.jsonl");  // a directory where the file goes
+  const std::string cannot_open = "cannot open '" + (dir / "metrics.jsonl").string() + "'";
+  CHECK_THROWS_WITH_AS(MetricsLog(dir, 1), doctest::Contains(cannot_open.c_str()), std::runtime_error);
+  std::filesystem::remove(dir / "metrics.jsonl");
+  std::filesystem::create_symlink("/dev/full", dir / "metrics.jsonl");  // every write fails (ENOSPC)
+  MetricsLog log(dir, 1);
+  StepRow row;
+  row.step = 1;
+  const std::string failed = "writing '" + (dir / "metrics.jsonl").string() + "' failed";
+  CHECK_THROWS_WITH_AS(log.write(row), doctest::Contains(failed.c_str()), std::runtime_error);
 }
 
 TEST_CASE("prompts: seeds per run step and request with the same draws after restore and rewards by the verifier") {
