@@ -399,6 +399,12 @@ CheckpointState read_checkpoint_state(const std::filesystem::path& dir) {
   field("step", st.step);
   field("policy_version", st.policy_version);
   field("prompt_rng", st.prompt_rng);
+  // One optimizer step per run step at most (a skipped step takes none): a larger version is
+  // not one kiln wrote, and would move the lr schedule and the next versions (2^63-1 wrapped).
+  if (st.policy_version > st.step)
+    throw std::invalid_argument("state.json in '" + dir.string() + "': 'policy_version' " +
+                                std::to_string(st.policy_version) + " is above 'step' " + std::to_string(st.step) +
+                                " (the trainer takes at most one optimizer step per step)");
   if (j.is_object() && j.contains("in_flight_rollouts_bytes")) field("in_flight_rollouts_bytes", in_flight_bytes);
   const auto file = dir / kInFlightRolloutsFile;
   std::error_code ec;

@@ -115,14 +115,21 @@ TEST_CASE("a state.json with a field missing or of another type is refused namin
   CHECK_THROWS_WITH_AS(read_checkpoint_state(dir), doctest::Contains("'step' is -1"), std::invalid_argument);
   write(R"({"step": 1, "policy_version": -5, "prompt_rng": "x"})");
   CHECK_THROWS_WITH_AS(read_checkpoint_state(dir), doctest::Contains("'policy_version' is -5"), std::invalid_argument);
+  write(R"({"step": 2, "policy_version": 9223372036854775807, "prompt_rng": "x"})");  // wrapped at the next step
+  CHECK_THROWS_WITH_AS(read_checkpoint_state(dir),
+                       doctest::Contains("'policy_version' 9223372036854775807 is above 'step' 2"), std::invalid_argument);
+  write(R"({"step": 2, "policy_version": 3, "prompt_rng": "x"})");
+  CHECK_THROWS_WITH_AS(read_checkpoint_state(dir), doctest::Contains("is above 'step' 2"), std::invalid_argument);
+  write(R"({"step": 2, "policy_version": 1, "prompt_rng": "x"})");  // a skipped step: fine
+  CHECK(read_checkpoint_state(dir).policy_version == 1);
   write(R"({"step": 3.5, "policy_version": 3, "prompt_rng": "x"})");
   CHECK_THROWS_WITH_AS(read_checkpoint_state(dir), doctest::Contains("'step' is 3.5"), std::invalid_argument);
   write("[1, 2]");
   CHECK_THROWS_WITH_AS(read_checkpoint_state(dir), doctest::Contains("no 'step'"), std::invalid_argument);
-  write(R"({"step": 3, "policy_version": 4, "prompt_rng": "x"})");
+  write(R"({"step": 3, "policy_version": 2, "prompt_rng": "x"})");
   const auto st = read_checkpoint_state(dir);
   CHECK(st.step == 3);
-  CHECK(st.policy_version == 4);
+  CHECK(st.policy_version == 2);
 }
 
 TEST_CASE("a run directory given for a checkpoint is refused naming its newest complete checkpoint") {
