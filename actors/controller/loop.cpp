@@ -190,6 +190,7 @@ int start(Session& s, const Config& c, const std::string& config_toml, const std
   const fs::path dir(c.run.output_dir);
   try {  // nothing in the run directory changes before the run is known to start
     check_memory(c.algorithm);
+    check_run_dir(dir, c.run.resume_from, c.run.overwrite, c.model.checkpoint);
     s.lock = std::make_unique<RunLock>(dir, c.run.resume_from, c.run.overwrite);
     s.actors = place_actors(c, {s.gateway, tag, dir}, ranks);
     if (s.prompts.vocab_size() > s.actors.trainer->vocab_size())

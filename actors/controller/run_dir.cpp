@@ -7,6 +7,7 @@
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -16,6 +17,45 @@
 namespace kiln::controller {
 
 namespace fs = std::filesystem;
+
+namespace {
+// True when `inner` is `outer` or lies below it (both made absolute and normal, symbolic links
+// of existing parts resolved).
+bool within(const fs::path& inner, const fs::path& outer) {
+  std::error_code ec;
+  const auto i = fs::weakly_canonical(fs::absolute(inner, ec), ec), o = fs::weakly_canonical(fs::absolute(outer, ec), ec);
+  return !ec && std::mismatch(o.begin(), o.end(), i.begin(), i.end()).first == o.end();
+}
+}  // namespace
+
+void check_run_dir(const fs::path& dir, const std::string& resume_from, bool overwrite,
+                   const std::string& model_checkpoint) {
+  std::error_code ec;
+  const std::string where = "run.output_dir '" + dir.string() + "'";
+  if (fs::symlink_status(dir, ec).type() == fs::file_type::symlink && !fs::exists(dir, ec))
+    throw std::invalid_argument(where + " is a symbolic link to '" + fs::read_symlink(dir, ec).string() +
+                                "', which does not exist: give a directory, or a path where one can be made");
+  const auto full = fs::weakly_canonical(fs::absolute(dir, ec), ec);
+  if (!ec && full == full.root_path())
+    throw std::invalid_argument(where + " is the filesystem root: give a directory of its own for the run's files");
+  for (auto p = full; !p.empty(); p = p.parent_path()) {  // the directory and every ancestor
+    if (fs::is_regular_file(p / "state.json", ec) && fs::is_regular_file(p / "config.json", ec))  // a kiln checkpoint
+      throw std::invalid_argument(where + " lies inside the checkpoint '" + p.string() +
+                                  "' (state.json, config.json): the run's files would change it; give a directory "
+                                  "outside");
+    if (p.filename() == "checkpoints" && fs::exists(p.parent_path() / "metrics.jsonl", ec))
+      throw std::invalid_argument(where + " lies in '" + p.string() + "', the checkpoints directory of the run in '" +
+                                  p.parent_path().string() + "': give a directory outside it");
+    if (p == p.root_path()) break;
+  }
+  if (fs::exists(dir / "checkpoints", ec) && !fs::is_directory(dir / "checkpoints", ec))
+    throw std::invalid_argument(where + ": '" + (dir / "checkpoints").string() +
+                                "' is not a directory, so no checkpoint could be written there");
+  if (overwrite && resume_from.empty() && !model_checkpoint.empty() && within(model_checkpoint, dir / "checkpoints"))
+    throw std::invalid_argument("model.checkpoint '" + model_checkpoint + "' lies in '" + (dir / "checkpoints").string() +
+                                "', which run.overwrite deletes: copy it elsewhere first, or choose another "
+                                "run.output_dir");
+}
 
 RunLock::RunLock(const fs::path& dir, const std::string& resume_from, bool overwrite) {
   std::error_code ec;

@@ -9,6 +9,16 @@
 
 namespace kiln::controller {
 
+/// Refuses, before anything is made, a run directory whose files would land where they damage
+/// something (std::invalid_argument naming the key and the path): a filesystem root; a
+/// directory inside a kiln checkpoint (one of its ancestors, or itself, holds state.json and
+/// config.json) or a
+/// run's checkpoints/ directory; a dangling symbolic link; RUN/checkpoints that is not a
+/// directory; and with `overwrite` (not resuming), a `model_checkpoint` inside RUN/checkpoints,
+/// which the overwrite would delete.
+void check_run_dir(const std::filesystem::path& dir, const std::string& resume_from, bool overwrite,
+                   const std::string& model_checkpoint);
+
 /// The run directory, held for one run: created if missing and locked (RUN/.lock, flock: the
 /// kernel drops the lock when its process dies, so a dead run never blocks the next one).
 class RunLock {

@@ -141,6 +141,28 @@ if advised:
     checks.append((r.returncode == 0 and rows(odd) == [1, 2] and not os.path.exists(f"{work}/pwned"),
                    f"followed through bash, it resumes the odd run, nothing executed ({r.returncode}: {r.stderr.strip()[-200:]})"))
 
+# 6. Directories whose files would land where they damage something: refused at start, nothing changed.
+g = f"{work}/g"
+r = run(g, "run.steps=2", "run.checkpoint_every=1")
+ck = f"{g}/checkpoints/step_000002"
+snapshot = lambda d: {f: open(os.path.join(d, f), "rb").read() for f in sorted(os.listdir(d))}
+ck_before = snapshot(ck) if r.returncode == 0 else None
+os.symlink(f"{work}/no_such_dir", f"{work}/dangling")
+os.makedirs(f"{work}/h")
+open(f"{work}/h/checkpoints", "w").close()
+for what, out, sets, needle in (
+        ("inside a checkpoint", ck, ["run.steps=3", f"run.resume_from={ck}"], "lies inside the checkpoint"),
+        ("a run's checkpoints directory", f"{g}/checkpoints", ["run.steps=1"], "the checkpoints directory of the run"),
+        ("the filesystem root", "/", ["run.steps=1"], "is the filesystem root"),
+        ("a dangling symbolic link", f"{work}/dangling", ["run.steps=1"], "which does not exist"),
+        ("a run directory whose checkpoints is a file", f"{work}/h", ["run.steps=1"], "is not a directory"),
+        ("overwrite deleting model.checkpoint", g, ["run.steps=1", "run.overwrite=true", f"model.checkpoint={ck}"],
+         "which run.overwrite deletes")):
+    r = run(out, *sets)
+    checks.append((r.returncode == 2 and needle in r.stderr, f"run.output_dir {what}: refused naming it ({r.stderr.strip()[-200:]})"))
+checks.append((ck_before is not None and snapshot(ck) == ck_before, "the checkpoint is unchanged by the refused runs"))
+checks.append((not os.path.exists("/metrics.jsonl") and not os.path.exists(f"{work}/no_such_dir"), "nothing made at / or behind the link"))
+
 for ok, what in checks:
     print(("ok   " if ok else "FAIL ") + what)
 failed = sum(not ok for ok, _ in checks)
