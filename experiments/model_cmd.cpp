@@ -20,6 +20,7 @@ model::Registry registry(const std::string& plugin_dir) {
 // Refuses a `to` that is `from` itself, a training checkpoint (its optimizer state would no
 // longer match the weights written over it) or any other directory that is not empty.
 void check_output_dir(const std::string& from, const std::string& to) {
+  if (to.empty()) throw std::invalid_argument("--to is empty: give a new or empty directory");
   std::error_code ec;
   if (!std::filesystem::is_directory(from, ec))  // before --to is made
     throw std::invalid_argument("--from '" + from + "' is not a directory (an HF checkpoint: config.json + "
@@ -64,6 +65,11 @@ void check_output_dir(const std::string& from, const std::string& to) {
                                   "beside the new ones");
   }
 }
+// A filesystem error as a sentence: what failed, on which path, and why (the library's text is
+// "filesystem error: cannot create directories: Invalid argument []").
+std::string filesystem_failure(const std::filesystem::filesystem_error& e) {
+  return "cannot write '" + e.path1().string() + "': " + e.code().message();
+}
 }  // namespace
 
 int run_model_list(const std::string& plugin_dir) {
@@ -92,6 +98,9 @@ int run_model_resave(const std::string& package, const std::string& from, const 
     model->save_hf_checkpoint(to, uint64_t(shard_mib) << 20);
     std::printf("kiln model resave: %s -> %s (%s)\n", from.c_str(), to.c_str(), package.c_str());
     return 0;
+  } catch (const std::filesystem::filesystem_error& e) {
+    std::fprintf(stderr, "kiln model resave: %s\n", filesystem_failure(e).c_str());
+    return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kiln model resave: %s\n", e.what());
     return 2;
@@ -100,13 +109,15 @@ int run_model_resave(const std::string& package, const std::string& from, const 
 
 int run_model_crop(const std::string& from, const std::string& to, int64_t layers, int shard_mib) {
   try {
-    check_output_dir(from, to);
-    std::filesystem::create_directories(to);
+    check_output_dir(from, to);  // made by the crop's write, once every tensor was read and checked
     auto r = model::glm5_next::crop_checkpoint(from, to, layers, uint64_t(shard_mib) << 20);
     std::printf("kiln model crop: %s -> %s (%lld layers kept, MTP layers after them; %lld tensors, %lld FP8 weights written as bf16)\n",
                 from.c_str(), to.c_str(), static_cast<long long>(layers), static_cast<long long>(r.tensors_written),
                 static_cast<long long>(r.fp8_dequantised));
     return 0;
+  } catch (const std::filesystem::filesystem_error& e) {
+    std::fprintf(stderr, "kiln model crop: %s\n", filesystem_failure(e).c_str());
+    return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kiln model crop: %s\n", e.what());
     return 2;

@@ -61,8 +61,12 @@ std::string Registry::plugin_dir_from_env() {
 }
 
 Registry Registry::with_plugins(const std::string& plugin_dir) {
-  if (!plugin_dir.empty() && !fs::is_directory(plugin_dir))
-    throw std::invalid_argument("plugin directory '" + plugin_dir + "' does not exist");
+  std::error_code ec;
+  if (!plugin_dir.empty() && !fs::is_directory(plugin_dir, ec))
+    throw std::invalid_argument("plugin directory '" + plugin_dir + "' " +
+                                (fs::exists(plugin_dir, ec) ? "is not a directory (give the directory that holds the "
+                                                              "plugins' .so files)"
+                                                            : "does not exist"));
   auto r = with_builtins();
   r.load_plugins(plugin_dir);
   return r;

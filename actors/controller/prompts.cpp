@@ -93,8 +93,10 @@ Prompts::Prompts(const Config& config) : c_(config), rng_(uint64_t(config.run.se
                                   std::to_string(tokens) + " tokens (e.g. \"" + longest + "\"); with " +
                                   std::to_string(c_.algorithm.max_new_tokens) + " new tokens they do not fit the " +
                                   "engine's cache of " + std::to_string(cache_tokens) +
-                                  " tokens (rollout.cache_blocks x rollout.block_size): at most " +
-                                  std::to_string(cache_tokens - tokens) + " new tokens");
+                                  " tokens (rollout.cache_blocks x rollout.block_size): " +
+                                  (cache_tokens - tokens >= 1 ? "at most " + std::to_string(cache_tokens - tokens) +
+                                                                    " new tokens"
+                                                              : "a larger cache is needed for even one new token"));
   }
 }
 

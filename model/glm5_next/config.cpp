@@ -305,6 +305,9 @@ Glm5NextConfig Glm5NextConfig::from_hf_json(const json& j, const std::string& so
   if (nested && !j["text_config"].is_object()) root.bad("text_config", "must be an object, got " + config_json::show(j["text_config"]));
   const json& t = nested ? j["text_config"] : j;
   auto r = reader(t, source, nested ? "text_config." : "");
+  // Another model's config (e.g. glm4_moe_lite's) is named by its type, before its fields.
+  if (root.has("model_type") && root.string("model_type", "") != "glm5_next" && root.string("model_type", "") != "glm5_next_text")
+    root.bad("model_type", "is '" + root.string("model_type", "") + "', expected 'glm5_next'");
   for (auto it = j.begin(); it != j.end(); ++it)
     if (!kWrapper.count(it.key()) && !kIgnored.count(it.key()) && !(!nested && kText.count(it.key())))
       root.bad(it.key(), "is not a glm5_next config field");
@@ -317,8 +320,6 @@ Glm5NextConfig Glm5NextConfig::from_hf_json(const json& j, const std::string& so
     for (const auto& x : arch) ok = ok && x.is_string() && x == "Glm5NextForConditionalGeneration";
     if (!ok) root.bad("architectures", "is " + config_json::show(arch) + ", expected [\"Glm5NextForConditionalGeneration\"]");
   }
-  if (root.has("model_type") && root.string("model_type", "") != "glm5_next" && root.string("model_type", "") != "glm5_next_text")
-    root.bad("model_type", "is '" + root.string("model_type", "") + "', expected 'glm5_next'");
   if (nested && r.has("model_type") && r.string("model_type", "") != "glm5_next_text")
     r.bad("model_type", "is '" + r.string("model_type", "") + "', expected 'glm5_next_text'");
 

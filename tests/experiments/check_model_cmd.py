@@ -74,6 +74,10 @@ for args, needle in [(("resave", "--from", f"{work}/nowhere", "--to", f"{work}/x
                      (("resave", "--from", f"{work}/resaved", "--to", f"{work}/resaved"), "is the --from checkpoint"),
                      (("logits", "--from", fixture, "--docs", "1,x", "--out", f"{work}/c"), "id 2 of document 1 ('x') is not a decimal integer"),
                      (("crop", "--from", glm5, "--to", f"{work}/crop9", "--layers", "9"), "layers must be in [1, 4]"),
+                     (("crop", "--from", fixture, "--to", f"{work}/crop_lite", "--layers", "1"), "field 'model_type': is 'glm4_moe_lite', expected 'glm5_next'"),
+                     (("resave", "--from", fixture, "--to", ""), "--to is empty"),
+                     (("resave", "--from", fixture, "--to", "/proc/self/x"), "cannot write '/proc/self/x'"),
+                     (("--plugins", f"{work}/a.safetensors", "list"), "is not a directory"),
                      (("resave", "--from", glm5, "--to", f"{work}/wrong_package"), "use package glm5_next (--package"),
                      (("--plugins", f"{work}/none", "list"), "does not exist"),
                      (("logits", "--from", f"{work}/nan_ck", "--docs", docs, "--out", f"{work}/c"),
@@ -95,6 +99,7 @@ for args, needle in [(("resave", "--from", f"{work}/nowhere", "--to", f"{work}/x
 checks.append((open(f"{work}/resaved/{shard0}", "rb").read() == shard0_bytes, "logits: the checkpoint's shard is untouched"))
 checks.append((sorted(os.listdir(f"{work}/src_copy")) == sorted(os.listdir(fixture)), "resave: nothing made inside the source"))
 checks.append((not os.path.exists(f"{glm5_copy}/sub"), "crop: nothing made inside the source"))
+checks.append((not os.path.exists(f"{work}/crop_lite") and not os.path.exists(f"{work}/crop9"), "crop: a refused source makes no --to"))
 checks.append((not os.path.exists(f"{work}/nan5_out") or not os.listdir(f"{work}/nan5_out"),
                "crop: the refused checkpoint wrote nothing"))
 for ok, what in checks:
