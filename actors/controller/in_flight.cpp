@@ -1,7 +1,10 @@
 #include "actors/controller/in_flight.hpp"
 
 #include <msgpack.hpp>
+
+#include <cmath>
 #include <stdexcept>
+#include <typeinfo>
 
 namespace kiln::controller {
 
@@ -92,6 +95,8 @@ std::vector<Batch> decode_in_flight(const std::string& bytes, int64_t after_step
   try {
     auto h = msgpack::unpack(bytes.data(), bytes.size());
     h.get().convert(f);
+  } catch (const std::bad_cast&) {
+    throw bad("not a readable in-flight rollouts file (a field holds a value of another type)");
   } catch (const std::exception& e) {
     throw bad(std::string("not a readable in-flight rollouts file (") + e.what() + ")");
   }
@@ -115,6 +120,15 @@ std::vector<Batch> decode_in_flight(const std::string& bytes, int64_t after_step
                   std::to_string(x.policy_versions.size()) + " policy versions");
       if (x.finish_reason != "stop" && x.finish_reason != "length")
         throw bad(where + ": finish_reason '" + x.finish_reason + "' (\"stop\" or \"length\")");
+      // What the loss would read: a NaN behaviour log-prob turns the step's KL and ratios into NaN.
+      for (std::size_t i = 0; i < n; ++i) {
+        if (!std::isfinite(x.logprobs[i]) || x.logprobs[i] > 0)
+          throw bad(where + ": log-prob " + std::to_string(x.logprobs[i]) + " of token " + std::to_string(i) +
+                    " is not a log-probability (finite, <= 0)");
+        if (!std::isfinite(x.entropies[i]) || x.entropies[i] < 0)
+          throw bad(where + ": entropy " + std::to_string(x.entropies[i]) + " of token " + std::to_string(i) +
+                    " is not finite and >= 0");
+      }
       rollout::Completion c;
       c.id = x.id;
       c.prompt = std::move(x.prompt);
@@ -124,10 +138,26 @@ std::vector<Batch> decode_in_flight(const std::string& bytes, int64_t after_step
       c.policy_versions = std::move(x.policy_versions);
       c.finish_reason = x.finish_reason == "stop" ? rollout::FinishReason::stop : rollout::FinishReason::length;
       c.time_to_first_token_s = x.time_to_first_token_s;
-      c.routed_experts = get_ids(x.routed_experts_shape, x.routed_experts, where + ": routed experts [P + n - 1, L, K]", bad);
-      c.topk_indices = get_ids(x.topk_indices_shape, x.topk_indices, where + ": topk indices [P + n - 1, Ls, W]", bad);
+      const auto rows = int64_t(c.prompt.size() + c.tokens.size()) - 1;  // every token but the last
+      auto ids = [&](const std::vector<int64_t>& shape, const std::vector<int32_t>& values, const std::string& what) {
+        auto t = get_ids(shape, values, where + ": " + what, bad);
+        if (t.defined() && t.size(0) != rows)
+          throw bad(where + ": " + what + " has " + std::to_string(t.size(0)) + " rows for " + std::to_string(rows) +
+                    " tokens (prompt + completion - 1)");
+        if (t.defined() && t.numel() > 0 && t.min().item<int64_t>() < -1)
+          throw bad(where + ": " + what + " holds the id " + std::to_string(t.min().item<int64_t>()));
+        return t;
+      };
+      c.routed_experts = ids(x.routed_experts_shape, x.routed_experts, "routed experts [P + n - 1, L, K]");
+      if (c.routed_experts.defined() && c.routed_experts.numel() > 0 && c.routed_experts.min().item<int64_t>() < 0)
+        throw bad(where + ": routed experts [P + n - 1, L, K] holds the expert id " +
+                  std::to_string(c.routed_experts.min().item<int64_t>()));
+      c.topk_indices = ids(x.topk_indices_shape, x.topk_indices, "topk indices [P + n - 1, Ls, W]");
       b.completions.push_back(std::move(c));
     }
+    if (b.problems.empty() || b.completions.size() % b.problems.size() != 0)
+      throw bad("step " + std::to_string(r.step) + ": " + std::to_string(b.completions.size()) + " completions for " +
+                std::to_string(b.problems.size()) + " problems (a whole group of samples per problem)");
     out.push_back(std::move(b));
   }
   return out;

@@ -117,7 +117,14 @@ int64_t resume(const Config& c, TrainerHandle& trainer, Prompts& prompts, std::v
   const auto in_flight_file = (ck / trainer::kInFlightRolloutsFile).string();
   if (!state.in_flight_rollouts.empty()) in_flight = decode_in_flight(state.in_flight_rollouts, state.step, in_flight_file);
   while (!in_flight.empty() && in_flight.back().step > c.run.steps) in_flight.pop_back();
-  for (const auto& b : in_flight)  // what the trainer and the staleness bound would trip on later
+  for (const auto& b : in_flight) {  // what the trainer and the staleness bound would trip on later
+    const auto group = c.algorithm.samples_per_prompt;
+    if (int64_t(b.completions.size()) != int64_t(b.problems.size()) * group)
+      throw std::invalid_argument(in_flight_file + ": step " + std::to_string(b.step) + " holds " +
+                                  std::to_string(b.completions.size()) + " completions for " +
+                                  std::to_string(b.problems.size()) + " problems; algorithm.samples_per_prompt " +
+                                  std::to_string(group) + " needs " + std::to_string(int64_t(b.problems.size()) * group) +
+                                  " (resume with the samples_per_prompt it was written with)");
     for (const auto& x : b.completions) {
       const auto where = in_flight_file + ": step " + std::to_string(b.step) +
                          " completion " + std::to_string(x.id);
@@ -131,10 +138,13 @@ int64_t resume(const Config& c, TrainerHandle& trainer, Prompts& prompts, std::v
           throw std::invalid_argument(where + ": policy version " + std::to_string(v) + " outside [0, " +
                                       std::to_string(state.policy_version) + "] (the checkpoint's)");
     }
+  }
   try {
     prompts.restore(in_flight.empty() ? state.prompt_rng : in_flight.back().rng_after);
   } catch (const std::exception& e) {
-    throw std::invalid_argument("state.json in '" + ck.string() + "': " + e.what());
+    throw std::invalid_argument(in_flight.empty() ? "state.json in '" + ck.string() + "': " + e.what()
+                                                  : in_flight_file + ": step " + std::to_string(in_flight.back().step) +
+                                                        " rng_after: " + e.what());
   }
   if (!in_flight.empty())
     std::fprintf(stderr, "kiln run: %zu batches of rollouts in flight restored (steps %lld..%lld)\n", in_flight.size(),

@@ -2,6 +2,7 @@
 // the rollout stream (synchronous and k steps ahead), metric rows a resume drops, prompts and
 // rewards, the wire schema's families, and the local handles' weight sync into the engine.
 #include <doctest/doctest.h>
+#include <msgpack.hpp>
 
 #include <atomic>
 #include <fstream>
@@ -275,6 +276,42 @@ TEST_CASE("in-flight rollouts: a checkpoint keeps each completion's routed exper
   CHECK((c.topk_indices.scalar_type() == torch::kInt64));
   CHECK_FALSE(back[0].completions[1].routed_experts.defined());
   CHECK_FALSE(back[0].completions[1].topk_indices.defined());
+}
+
+TEST_CASE("in-flight rollouts: a file whose values no rollout gives is refused by file, step, completion and field") {
+  auto file_with = [](const std::function<void(Batch&)>& edit) {
+    Batch b;
+    b.step = 4;
+    b.problems.push_back({"1+1", "2", {}, 0});
+    auto c = completion(3, {1, 1, 2});
+    c.routed_experts = torch::randint(0, 8, {4, 2, 3}, torch::kInt64);
+    b.completions = {c, completion(4, {2})};
+    edit(b);
+    return encode_in_flight({b});
+  };
+  auto refused = [](const std::string& bytes, const std::string& want) {
+    CAPTURE(want);
+    CHECK_THROWS_WITH_AS(decode_in_flight(bytes, 3, "F"), doctest::Contains(want.c_str()), std::invalid_argument);
+  };
+  CHECK_NOTHROW(decode_in_flight(file_with([](Batch&) {}), 3, "F"));
+  refused(file_with([](Batch& b) { b.completions[0].logprobs[1] = std::nanf(""); }),
+          "F: step 4 completion 3: log-prob nan of token 1 is not a log-probability");
+  refused(file_with([](Batch& b) { b.completions[1].logprobs[0] = 50; }), "completion 4: log-prob 50.000000 of token 0");
+  refused(file_with([](Batch& b) { b.completions[1].entropies[0] = -1; }), "entropy -1.000000 of token 0");
+  refused(file_with([](Batch& b) { b.completions[0].routed_experts = torch::zeros({3, 2, 3}, torch::kInt64); }),
+          "routed experts [P + n - 1, L, K] has 3 rows for 4 tokens");
+  refused(file_with([](Batch& b) { b.completions[0].routed_experts[0][0][0] = -1; }), "holds the expert id -1");
+  refused(file_with([](Batch& b) { b.problems.push_back({"2+2", "4", {}, 0}); b.completions.push_back(completion(5, {2})); }),
+          "step 4: 3 completions for 2 problems");
+  refused(file_with([](Batch& b) { b.problems.clear(); }), "step 4: 2 completions for 0 problems");
+  // A field of another type (a string where the problem's target, an integer, goes).
+  msgpack::sbuffer buf;
+  msgpack::packer<msgpack::sbuffer> pk(buf);
+  pk.pack_map(3);
+  pk.pack(std::string("format")), pk.pack(std::string("kiln.in_flight_rollouts"));
+  pk.pack(std::string("version")), pk.pack(1);
+  pk.pack(std::string("batches")), pk.pack_array(1), pk.pack_map(1), pk.pack(std::string("step")), pk.pack(std::string("x"));
+  refused(std::string(buf.data(), buf.size()), "a field holds a value of another type");
 }
 
 TEST_CASE("replay frames: routed experts, then sparse-attention selections when every item has them, read back by name and shape") {
