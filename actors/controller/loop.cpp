@@ -227,6 +227,27 @@ int start(Session& s, const Config& c, const std::string& config_toml, const std
     }
   }
   if (c.run.overwrite && c.run.resume_from.empty()) fs::remove_all(dir / "checkpoints");  // the replaced run's
+  if (!c.run.resume_from.empty()) {
+    // The run that wrote the checkpoint (RUN/checkpoints/step_N), else this directory's: a
+    // setting resumed with another value is said, not taken silently.
+    auto before = fs::path(c.run.resume_from).lexically_normal();
+    if (!before.has_filename()) before = before.parent_path();
+    before = before.parent_path().parent_path() / "config.toml";
+    if (!fs::exists(before)) before = dir / "config.toml";
+    std::ifstream in(before);
+    const bool found = in.is_open();
+    const std::string text((std::istreambuf_iterator<char>(in)), {});
+    const auto changed = found ? changed_settings(text, config_toml,
+                                               {"run.resume_from", "run.steps", "run.overwrite", "run.output_dir",
+                                                "run.checkpoint_every", "logging.plot", "logging.progress"})
+                               : std::vector<std::string>{};
+    if (!changed.empty()) {
+      std::string list;
+      for (const auto& x : changed) list += "\n  " + x;
+      std::fprintf(stderr, "kiln run: resuming with %zu setting(s) other than %s's (config.toml is rewritten with the "
+                           "new ones):%s\n", changed.size(), before.c_str(), list.c_str());
+    }
+  }
   std::ofstream(dir / "config.toml") << config_toml;
   try {  // the engines start from the trainer's current version (initial, or resumed)
     s.actors.engines->load(engine_weights(s.actors, false), trainer);

@@ -12,6 +12,9 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
 #include <stdexcept>
 
 namespace kiln::controller {
@@ -55,6 +58,32 @@ void check_run_dir(const fs::path& dir, const std::string& resume_from, bool ove
     throw std::invalid_argument("model.checkpoint '" + model_checkpoint + "' lies in '" + (dir / "checkpoints").string() +
                                 "', which run.overwrite deletes: copy it elsewhere first, or choose another "
                                 "run.output_dir");
+}
+
+std::vector<std::string> changed_settings(const std::string& before_toml, const std::string& after_toml,
+                                          const std::vector<std::string>& ignored) {
+  auto settings = [](const std::string& text) {
+    std::map<std::string, std::string> out;
+    std::istringstream in(text);
+    std::string section;
+    for (std::string line; std::getline(in, line);) {
+      if (line.size() > 2 && line.front() == '[' && line.back() == ']') section = line.substr(1, line.size() - 2) + ".";
+      else if (const auto eq = line.find(" = "); eq != std::string::npos) out[section + line.substr(0, eq)] = line.substr(eq + 3);
+    }
+    return out;
+  };
+  const auto a = settings(before_toml), b = settings(after_toml);
+  std::set<std::string> keys;
+  for (const auto* m : {&a, &b})
+    for (const auto& [k, v] : *m) keys.insert(k);
+  std::vector<std::string> changed;
+  for (const auto& k : keys) {
+    if (std::find(ignored.begin(), ignored.end(), k) != ignored.end()) continue;
+    const auto x = a.find(k), y = b.find(k);
+    const std::string old_value = x == a.end() ? "(none)" : x->second, new_value = y == b.end() ? "(none)" : y->second;
+    if (old_value != new_value) changed.push_back(k + ": " + old_value + " -> " + new_value);
+  }
+  return changed;
 }
 
 RunLock::RunLock(const fs::path& dir, const std::string& resume_from, bool overwrite) {

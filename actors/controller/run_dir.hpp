@@ -39,6 +39,12 @@ class RunLock {
   std::filesystem::path created_;  // the directory, when this lock created it
 };
 
+/// The settings that differ between two config.toml texts as kiln writes them ("[section]"
+/// headers, one "key = value" per line), as "section.key: OLD -> NEW" (a key only one side has:
+/// "(none)" on the other), sorted by key, leaving out `ignored` keys (e.g. run.resume_from).
+std::vector<std::string> changed_settings(const std::string& before_toml, const std::string& after_toml,
+                                          const std::vector<std::string>& ignored);
+
 /// RUN/checkpoints/step_NNNNNN.
 std::filesystem::path checkpoint_dir(const std::filesystem::path& run, int64_t step);
 

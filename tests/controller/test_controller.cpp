@@ -314,6 +314,15 @@ TEST_CASE("in-flight rollouts: a file whose values no rollout gives is refused b
   refused(std::string(buf.data(), buf.size()), "a field holds a value of another type");
 }
 
+TEST_CASE("resume: the settings that differ from the run's config.toml are listed, ignored keys left out") {
+  const std::string before = "[algorithm]\nlr = 0.002\nkl_coef = 0.0\n\n[run]\nseed = 1\nsteps = 3\nresume_from = \"\"\n";
+  const std::string after =
+      "[algorithm]\nlr = 0.001\nkl_coef = 0.0\ntop_k = 5\n\n[run]\nseed = 7\nsteps = 9\nresume_from = \"r/step_3\"\n";
+  CHECK(changed_settings(before, after, {"run.steps", "run.resume_from"}) ==
+        std::vector<std::string>{"algorithm.lr: 0.002 -> 0.001", "algorithm.top_k: (none) -> 5", "run.seed: 1 -> 7"});
+  CHECK(changed_settings(before, before, {}).empty());
+}
+
 TEST_CASE("replay frames: routed experts, then sparse-attention selections when every item has them, read back by name and shape") {
   auto e0 = torch::randint(0, 8, {4, 2, 3}, torch::kInt64), e1 = torch::randint(0, 8, {2, 2, 3}, torch::kInt64);
   auto k0 = torch::randint(-1, 4, {4, 1, 5}, torch::kInt64), k1 = torch::randint(-1, 2, {2, 1, 5}, torch::kInt64);
