@@ -299,6 +299,7 @@ int run(const Config& c, const std::string& config_toml, parallel::ProcessGroups
       },
       [&](const PolicyWeights& w) { actors.engines->load(w, trainer); }, first_step, c.run.steps, a.staleness,
       std::move(s.in_flight));
+  RunSignals::begin_steps();
   for (int64_t step = first_step; step <= c.run.steps; ++step) {
     if (RunSignals::interrupted()) return stop_on_interrupt(trainer, dir, step - 1, first_step, rng_consumed, rollouts);
     StepRow row{.step = step};

@@ -179,9 +179,13 @@ volatile std::sig_atomic_t g_socket_count = 0;
 volatile std::sig_atomic_t g_interrupted = 0;
 char g_stop_message[1024];
 volatile std::sig_atomic_t g_stop_message_size = 0;
+char g_no_checkpoint_message[160];
+volatile std::sig_atomic_t g_no_checkpoint_message_size = 0;
+char g_checkpoints[4096];  // RUN/checkpoints, checked with access(2) (async-signal-safe)
+volatile std::sig_atomic_t g_steps_begun = 0;
 
 extern "C" void on_stop_signal(int sig) {
-  if (g_interrupted == 0) {  // the first: let the loop finish the step and checkpoint
+  if (g_interrupted == 0 && g_steps_begun) {  // the first: let the loop finish the step and checkpoint
     g_interrupted = sig;
     static const char msg[] =
         "\nkiln run: interrupted: finishing the step in flight, then a checkpoint (again to stop at once)\n";
@@ -189,7 +193,9 @@ extern "C" void on_stop_signal(int sig) {
     return;
   }
   for (int i = 0; i < g_socket_count; ++i) ::unlink(g_sockets[i]);
-  [[maybe_unused]] auto n = ::write(2, g_stop_message, std::size_t(g_stop_message_size));
+  const bool any = g_steps_begun && ::access(g_checkpoints, F_OK) == 0;
+  [[maybe_unused]] auto n = any ? ::write(2, g_stop_message, std::size_t(g_stop_message_size))
+                                : ::write(2, g_no_checkpoint_message, std::size_t(g_no_checkpoint_message_size));
   std::signal(sig, SIG_DFL);
   std::raise(sig);
 }
@@ -197,9 +203,14 @@ extern "C" void on_stop_signal(int sig) {
 
 RunSignals::RunSignals(const std::string& tag, int64_t engines, const std::filesystem::path& dir) {
   const int size = std::snprintf(g_stop_message, sizeof g_stop_message,
-                                 "kiln run: stopped at once; the checkpoints written so far (if any) are in %s\n",
+                                 "kiln run: stopped at once; the checkpoints written so far are in %s\n",
                                  (dir / "checkpoints").c_str());
   g_stop_message_size = size < int(sizeof g_stop_message) ? size : int(sizeof g_stop_message) - 1;
+  const int none = std::snprintf(g_no_checkpoint_message, sizeof g_no_checkpoint_message,
+                                 "\nkiln run: stopped at once; no checkpoint was written by this run\n");
+  g_no_checkpoint_message_size = none < int(sizeof g_no_checkpoint_message) ? none : int(sizeof g_no_checkpoint_message) - 1;
+  std::snprintf(g_checkpoints, sizeof g_checkpoints, "%s", (dir / "checkpoints").c_str());
+  g_steps_begun = 0;
   paths_ = {tag + "-controller", tag + "-rollout", tag + "-ref", tag + "-trainer"};
   for (int64_t i = 1; i < engines; ++i) paths_.push_back(tag + "-rollout-" + std::to_string(i));
   int n = 0;
@@ -217,5 +228,6 @@ RunSignals::~RunSignals() {
 }
 
 int RunSignals::interrupted() { return g_interrupted; }
+void RunSignals::begin_steps() { g_steps_begun = 1; }
 
 }  // namespace kiln::controller

@@ -64,10 +64,13 @@ std::string as_argument(const std::filesystem::path& path);
 std::string continue_hint(const std::filesystem::path& run);
 
 /// Ctrl-C and the run's ipc:// socket files (TAG-controller, TAG-rollout[-i], TAG-ref,
-/// TAG-trainer). The first SIGINT, SIGTERM or SIGHUP only asks the loop to stop (it finishes
-/// the step in flight, checkpoints and says how to continue: interrupted()); a second one
-/// removes the socket files and ends the process at once (the nodes exit with it). The files
-/// are also removed when this object goes. One instance at a time.
+/// TAG-trainer). Once the steps have begun (begin_steps()), the first SIGINT, SIGTERM or SIGHUP
+/// only asks the loop to stop (it finishes the step in flight, checkpoints and says how to
+/// continue: interrupted()); a second one removes the socket files and ends the process at once
+/// (the nodes exit with it), saying whether any checkpoint was written. Before the steps begin
+/// (building and loading the model, placing the actors: minutes for a large one) there is
+/// nothing to checkpoint, and the first signal ends the process at once. The files are also
+/// removed when this object goes. One instance at a time.
 class RunSignals {
  public:
   RunSignals(const std::string& tag, int64_t engines, const std::filesystem::path& dir);
@@ -76,6 +79,8 @@ class RunSignals {
   RunSignals& operator=(const RunSignals&) = delete;
   /// The signal that asked the run to stop, or 0.
   static int interrupted();
+  /// From now on the first signal waits for the step in flight (see above).
+  static void begin_steps();
 
  private:
   std::vector<std::string> paths_;
