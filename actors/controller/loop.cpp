@@ -62,7 +62,7 @@ int stop_with_checkpoint(TrainerHandle& trainer, const fs::path& dir, int64_t st
     trainer.save(ck, {trained, 0, prompt_rng, encode_in_flight(rollouts.in_flight(trained, /*wait=*/false))});
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kiln run: steps 1..%lld: %s\n%s", (long long)trained, save_failure(ck, since, e.what()).c_str(),
-                 continue_hint(dir).c_str());
+                 continue_hint(dir, last.dir).c_str());
     return 1;
   }
   std::fprintf(stderr, "kiln run: saved %s (steps 1..%lld trained); continue with --set run.resume_from=%s\n",
@@ -73,7 +73,7 @@ int stop_with_checkpoint(TrainerHandle& trainer, const fs::path& dir, int64_t st
 // Ctrl-C (the first): checkpoint steps 1..trained unless that checkpoint exists or this run
 // trained nothing yet, and print the command that continues the run. Exit code 130.
 int stop_on_interrupt(TrainerHandle& trainer, const fs::path& dir, int64_t trained, int64_t first_step,
-                      const std::string& prompt_rng, RolloutStream& rollouts) {
+                      const std::string& prompt_rng, RolloutStream& rollouts, const LastCheckpoint& last) {
   const auto ck = checkpoint_dir(dir, trained);
   if (trained < first_step) {
     std::fprintf(stderr, "kiln run: interrupted before step %lld; nothing new was trained\n", (long long)first_step);
@@ -84,7 +84,7 @@ int stop_on_interrupt(TrainerHandle& trainer, const fs::path& dir, int64_t train
       trainer.save(ck, {trained, 0, prompt_rng, encode_in_flight(rollouts.in_flight(trained, /*wait=*/true))});
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kiln run: interrupted; cannot save a checkpoint of steps 1..%lld: %s\n%s", (long long)trained,
-                 e.what(), continue_hint(dir).c_str());
+                 e.what(), continue_hint(dir, last.dir).c_str());
     return 130;
   }
   std::error_code ec;
@@ -301,7 +301,7 @@ int run(const Config& c, const std::string& config_toml, parallel::ProcessGroups
       std::move(s.in_flight));
   RunSignals::begin_steps();
   for (int64_t step = first_step; step <= c.run.steps; ++step) {
-    if (RunSignals::interrupted()) return stop_on_interrupt(trainer, dir, step - 1, first_step, rng_consumed, rollouts);
+    if (RunSignals::interrupted()) return stop_on_interrupt(trainer, dir, step - 1, first_step, rng_consumed, rollouts, last_checkpoint);
     StepRow row{.step = step};
     Batch batch;
     std::vector<std::vector<float>> ref;
@@ -312,7 +312,8 @@ int run(const Config& c, const std::string& config_toml, parallel::ProcessGroups
       row.ref_logprob_time = t.seconds();
     } catch (const PolicyLost& e) {  // colocated engines or reference: a trainer rank is gone, and with it
       // the policy's state since the last checkpoint (a save would wait out the collective timeout)
-      std::fprintf(stderr, "kiln run: step %lld: %s\n%s", (long long)step, e.what(), continue_hint(dir).c_str());
+      std::fprintf(stderr, "kiln run: step %lld: %s\n%s", (long long)step, e.what(),
+                   continue_hint(dir, last_checkpoint.dir).c_str());
       return 1;
     } catch (const std::exception& e) {
       return stop_with_checkpoint(trainer, dir, step, e.what(), step - 1, rng_consumed, rollouts, last_checkpoint);
@@ -336,7 +337,8 @@ int run(const Config& c, const std::string& config_toml, parallel::ProcessGroups
       try {
         row.train = trainer.train(std::move(groups.samples));
       } catch (const PolicyLost& e) {  // its state since the last checkpoint went with it
-        std::fprintf(stderr, "kiln run: step %lld: %s\n%s", (long long)step, e.what(), continue_hint(dir).c_str());
+        std::fprintf(stderr, "kiln run: step %lld: %s\n%s", (long long)step, e.what(),
+                   continue_hint(dir, last_checkpoint.dir).c_str());
         return 1;
       } catch (const std::exception& e) {
         return stop_with_checkpoint(trainer, dir, step, e.what(), step - 1, rng_consumed, rollouts, last_checkpoint);
@@ -378,7 +380,8 @@ int run(const Config& c, const std::string& config_toml, parallel::ProcessGroups
         last_checkpoint = {step, checkpoint_dir(dir, step)};
       } catch (const std::exception& e) {
         std::fprintf(stderr, "kiln run: step %lld: %s\n%s", (long long)step,
-                     save_failure(checkpoint_dir(dir, step), since, e.what()).c_str(), continue_hint(dir).c_str());
+                     save_failure(checkpoint_dir(dir, step), since, e.what()).c_str(),
+                     continue_hint(dir, last_checkpoint.dir).c_str());
         return 1;
       }
     }

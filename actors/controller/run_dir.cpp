@@ -163,8 +163,10 @@ std::string as_argument(const fs::path& path) {
   return !text.empty() && text[0] == '-' ? "./" + text : text;
 }
 
-std::string continue_hint(const fs::path& run) {
-  const auto newest = newest_checkpoint(run);
+std::string continue_hint(const fs::path& run, const fs::path& last_checkpoint) {
+  std::error_code ec;
+  const auto newest = !last_checkpoint.empty() && fs::exists(last_checkpoint / "state.json", ec) ? last_checkpoint
+                                                                                                 : newest_checkpoint(run);
   if (newest.empty())
     return "kiln run: this run has no checkpoint (none due yet, run.checkpoint_every = 0, or its save was refused "
            "above): start again with --set run.overwrite=true\n";

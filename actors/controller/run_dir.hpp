@@ -59,9 +59,11 @@ std::string shell_word(const std::string& word);
 /// (it would read as an option).
 std::string as_argument(const std::filesystem::path& path);
 
-/// What to do after the policy was lost with its process: resume from the newest complete
-/// checkpoint of the run, or start again. One or more lines, each ending in '\n'.
-std::string continue_hint(const std::filesystem::path& run);
+/// What to do after the policy was lost with its process: resume from `last_checkpoint` (the
+/// newest this run wrote or resumed from, which may lie outside RUN) when given and complete,
+/// else from the newest complete checkpoint of the run, or start again. One or more lines, each
+/// ending in '\n'.
+std::string continue_hint(const std::filesystem::path& run, const std::filesystem::path& last_checkpoint = {});
 
 /// Ctrl-C and the run's ipc:// socket files (TAG-controller, TAG-rollout[-i], TAG-ref,
 /// TAG-trainer). Once the steps have begun (begin_steps()), the first SIGINT, SIGTERM or SIGHUP

@@ -80,11 +80,9 @@ for mode, extra in (("one process", []), ("trainer node", trainer_process)):
                            f"{mode}: a {case} in-flight file is refused by name ({t.stderr.strip()[-300:]})"))
             checks.append((not os.path.exists(f"{work}/{tag}_{case}/metrics.jsonl"),
                            f"{mode}: the refused resume ({case}) wrote no metrics"))
-        # a failure at the first step after the resume (here: the restored behaviour log-probs
-        # made NaN, which the trainer refuses) names the checkpoint resumed from and leaves it as
-        # it was, rollouts in flight included (it used to be written again without them)
-        shutil.copytree(ck, f"{work}/kept")
-        path = f"{work}/kept/in_flight_rollouts.msgpack"
+        # restored behaviour log-probs made NaN: refused by file, step and completion at the resume
+        shutil.copytree(ck, f"{work}/nan_in_flight")
+        path = f"{work}/nan_in_flight/in_flight_rollouts.msgpack"
         raw = bytearray(open(path, "rb").read())
         at = raw.find(b"logprobs")
         while at >= 0:  # the first float32 (0xca) of every logprobs array -> NaN, same size
@@ -92,8 +90,19 @@ for mode, extra in (("one process", []), ("trainer node", trainer_process)):
             raw[f32 + 1:f32 + 5] = b"\x7f\xc0\x00\x00"
             at = raw.find(b"logprobs", f32)
         open(path, "wb").write(raw)
+        n = kiln_run("--set", f"run.output_dir={work}/{tag}_nan_run", "--set", f"run.resume_from={work}/nan_in_flight")
+        checks.append((n.returncode == 2 and "in_flight_rollouts.msgpack: step" in n.stderr
+                       and "is not a log-probability" in n.stderr,
+                       f"{mode}: NaN log-probs in flight are refused at the resume by name ({n.stderr.strip()[-300:]})"))
+        shutil.rmtree(f"{work}/nan_in_flight")
+        # a failure at the first step after the resume (here: an update of lr 1e300 overflows, the
+        # weight sync refuses the non-finite policy and no checkpoint of it is written) names the
+        # checkpoint resumed from and leaves it as it was, rollouts in flight included (it used to
+        # be written again without them)
+        shutil.copytree(ck, f"{work}/kept")
         before = {f: open(f"{work}/kept/{f}", "rb").read() for f in os.listdir(f"{work}/kept")}
-        k = kiln_run("--set", f"run.output_dir={work}/kept_run", "--set", f"run.resume_from={work}/kept")
+        k = kiln_run("--set", f"run.output_dir={work}/kept_run", "--set", f"run.resume_from={work}/kept",
+                     "--set", "algorithm.lr=1e300")
         after = {f: open(f"{work}/kept/{f}", "rb").read() for f in os.listdir(f"{work}/kept")}
         checks.append((k.returncode == 1 and f"run.resume_from={work}/kept" in k.stderr,
                        f"{mode}: a failure right after the resume names the checkpoint it resumed from ({k.stderr.strip()[-300:]})"))
