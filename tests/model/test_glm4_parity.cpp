@@ -17,6 +17,19 @@ namespace {
 std::shared_ptr<glm4_moe_lite::Glm4MoeLiteModel> load_fixture_model() {
   return glm4_moe_lite::from_hf_dir(test::fixture_dir());
 }
+// Rows of the fixture batch for the head's row tests: out of order, one repeated, and a
+// document's last row (no target: log-prob 0), at index 3.
+torch::Tensor chosen_rows(const PackedBatch& batch) {
+  const int64_t T = batch.input_ids.size(0), last = batch.cu_seqlens[1].item<int64_t>() - 1;
+  return torch::tensor({T - 1, int64_t(2), int64_t(3), last, int64_t(3), int64_t(0)}, torch::kInt64);
+}
+// The fixture model in bf16 on the GPU (call after test::skip_without_gpu()).
+std::shared_ptr<glm4_moe_lite::Glm4MoeLiteModel> cuda_bf16_fixture_model() {
+  auto model = load_fixture_model();
+  model->to(torch::Device(torch::kCUDA));
+  model->to_dtype(torch::kBFloat16);
+  return model;
+}
 }  // namespace
 
 TEST_CASE("logits, routed experts and log-probs match transformers on a packed batch of three documents") {
@@ -96,10 +109,7 @@ TEST_CASE("log-probs of chosen rows (an RL batch's completion tokens) are the wh
   auto model = load_fixture_model();
   auto batch = test::fixture_batch();
   auto targets = next_token_targets(batch.input_ids, batch.cu_seqlens);
-  const int64_t T = targets.size(0);
-  // Rows out of order, one repeated, and a document's last row (no target: log-prob 0).
-  const int64_t last = batch.cu_seqlens[1].item<int64_t>() - 1;
-  auto rows = torch::tensor({T - 1, int64_t(2), int64_t(3), last, int64_t(3), int64_t(0)}, torch::kInt64);
+  const auto rows = chosen_rows(batch);
   auto grads = [&](const torch::Tensor& loss) {
     model->zero_grad();
     loss.backward();
@@ -155,14 +165,10 @@ TEST_CASE("CUDA bf16: log-probs of chosen rows are the whole batch's at those ro
   // meet cuBLAS GEMMs of a different M (another tiling, fp32 sums in another order), so values
   // agree to fp32 rounding (<= 1e-4) and gradients to a bf16 step through the layers (rel <= 3e-2).
   if (test::skip_without_gpu()) return;
-  auto model = load_fixture_model();
-  model->to(torch::Device(torch::kCUDA));
-  model->to_dtype(torch::kBFloat16);
+  auto model = cuda_bf16_fixture_model();
   auto batch = test::fixture_batch();
   auto targets = next_token_targets(batch.input_ids, batch.cu_seqlens);
-  const int64_t T = targets.size(0);
-  const int64_t last = batch.cu_seqlens[1].item<int64_t>() - 1;
-  auto rows = torch::tensor({T - 1, int64_t(2), int64_t(3), last, int64_t(3), int64_t(0)}, torch::kInt64);
+  const auto rows = chosen_rows(batch);
   ForwardOptions replay;  // the same experts in every forward (bf16 scores may tie)
   replay.replay_routed_experts = test::expected("routed_experts");
   auto grads = [&](const torch::Tensor& loss) {
@@ -253,9 +259,7 @@ TEST_CASE("CUDA bf16: logits, log-probs and loss gradients stay within bf16 tole
   // mean abs <= 2e-2, gradients rel <= 8e-2. Routed experts: the fixture's tiny model scores
   // experts that differ by less than bf16 resolution, so the choice is compared via replay.
   if (test::skip_without_gpu()) return;
-  auto model = load_fixture_model();
-  model->to(torch::Device(torch::kCUDA));
-  model->to_dtype(torch::kBFloat16);
+  auto model = cuda_bf16_fixture_model();
   auto batch = test::fixture_batch();
   ForwardOptions opts;
   auto want_ids = test::expected("routed_experts");
