@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include "messaging/torch_tensor.hpp"
+#include "actors/controller/run_dir.hpp"
 #include "model/checkpoint/safetensors.hpp"
 #include "model/glm5_next/crop.hpp"
 #include "model/registry.hpp"
@@ -33,9 +34,8 @@ void check_output_dir(const std::string& from, const std::string& to) {
   if (!ec && std::mismatch(f.begin(), f.end(), t.begin(), t.end()).first == f.end())
     throw std::invalid_argument("--to '" + to + "' lies inside the --from checkpoint '" + from +
                                 "'; write outside it, so that the source directory is left as it was");
-  if (fs::symlink_status(to, ec).type() == fs::file_type::symlink && !fs::exists(to, ec))
-    throw std::invalid_argument("--to '" + to + "' is a symbolic link to '" + fs::read_symlink(to, ec).string() +
-                                "', which does not exist: give a new or empty directory");
+  if (const auto why = controller::dangling_link(to); !why.empty())
+    throw std::invalid_argument("--to '" + to + "' " + why + ": give a new or empty directory");
   // The nearest existing ancestor must be a directory for --to to be made under it.
   for (auto p = fs::absolute(to, ec).parent_path(); !p.empty(); p = p.parent_path()) {
     if (fs::exists(p, ec)) {
@@ -51,6 +51,10 @@ void check_output_dir(const std::string& from, const std::string& to) {
       throw std::invalid_argument("--to '" + to + "' holds a training checkpoint (" + f +
                                   "): writing there would replace its weights and keep its optimizer state; write to "
                                   "another directory");
+  // Inside a training checkpoint (or a run's checkpoints/): a later save would replace it, or it
+  // would change the checkpoint.
+  if (const auto why = controller::inside_kiln_checkpoint(to); !why.empty())
+    throw std::invalid_argument("--to '" + to + "' " + why + "; write outside it");
   // Any other non-empty directory: its files would outlive the new ones beside them (an old
   // shard, generation_config.json), or be replaced without being asked.
   if (std::filesystem::exists(to, ec) && !std::filesystem::is_directory(to, ec))

@@ -3,6 +3,7 @@
 #include <msgpack.hpp>
 
 #include <cmath>
+#include <set>
 #include <stdexcept>
 #include <typeinfo>
 
@@ -103,17 +104,27 @@ std::vector<Batch> decode_in_flight(const std::string& bytes, int64_t after_step
   if (f.format != kFormat || f.version != kVersion)
     throw bad("format '" + f.format + "' version " + std::to_string(f.version) + ", expected '" + kFormat +
               "' version " + std::to_string(kVersion));
+  if (f.batches.empty()) throw bad("holds no batch (kiln writes this file only with rollouts in flight)");
   std::vector<Batch> out;
   for (auto& r : f.batches) {
     const int64_t want = after_step + 1 + int64_t(out.size());
     if (r.step != want)
       throw bad("holds a batch for step " + std::to_string(r.step) + " where step " + std::to_string(want) +
                 " comes next (the checkpoint is of step " + std::to_string(after_step) + ")");
+    if (!std::isfinite(r.rollout_time) || r.rollout_time < 0)
+      throw bad("step " + std::to_string(r.step) + ": rollout_time " + std::to_string(r.rollout_time) +
+                " is not a duration (finite, >= 0)");
+    std::set<uint64_t> ids;
     Batch b{r.step, {}, {}, r.rollout_time, std::move(r.rng_after)};
     for (auto& p : r.problems) b.problems.push_back({std::move(p.prompt), std::move(p.answer), std::move(p.numbers), p.target});
     for (auto& x : r.completions) {
       const std::string where = "step " + std::to_string(r.step) + " completion " + std::to_string(x.id);
       const auto n = x.tokens.size();
+      if (!ids.insert(x.id).second) throw bad(where + ": a second completion with this id");
+      if (n == 0) throw bad(where + ": no tokens (a completion holds at least the one it ended with)");
+      if (!std::isfinite(x.time_to_first_token_s) || x.time_to_first_token_s < 0)
+        throw bad(where + ": time_to_first_token_s " + std::to_string(x.time_to_first_token_s) +
+                  " is not a duration (finite, >= 0)");
       if (x.logprobs.size() != n || x.entropies.size() != n || x.policy_versions.size() != n)
         throw bad(where + ": " + std::to_string(n) + " tokens but " + std::to_string(x.logprobs.size()) +
                   " log-probs, " + std::to_string(x.entropies.size()) + " entropies and " +

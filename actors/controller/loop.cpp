@@ -248,7 +248,26 @@ int start(Session& s, const Config& c, const std::string& config_toml, const std
                            "new ones):%s\n", changed.size(), before.c_str(), list.c_str());
     }
   }
-  std::ofstream(dir / "config.toml") << config_toml;
+  {  // beside it, then renamed over it: a write that fails leaves the old config.toml whole
+    auto tmp = dir / "config.toml.tmp";
+    std::ofstream out(tmp);
+    out << config_toml;
+    out.flush();
+    std::error_code ec;
+    if (!out) {
+      out.close();
+      fs::remove(tmp, ec);
+      std::fprintf(stderr, "kiln run: writing '%s' failed (disk full, or a file-size limit?); config.toml left as it was\n",
+                   tmp.c_str());
+      return 1;
+    }
+    out.close();
+    fs::rename(tmp, dir / "config.toml", ec);
+    if (ec) {
+      std::fprintf(stderr, "kiln run: cannot replace '%s': %s\n", (dir / "config.toml").c_str(), ec.message().c_str());
+      return 1;
+    }
+  }
   try {  // the engines start from the trainer's current version (initial, or resumed)
     s.actors.engines->load(engine_weights(s.actors, false), trainer);
   } catch (const std::exception& e) {

@@ -185,7 +185,8 @@ int64_t MetricsLog::drop_rows_from(const std::filesystem::path& dir, int64_t fir
     const bool json = name == "metrics.jsonl";
     std::ifstream in(dir / name);
     std::vector<std::string> keep;
-    for (std::string line; std::getline(in, line);) {
+    std::size_t lines = 0;
+    for (std::string line; std::getline(in, line); ++lines) {
       int64_t row_step = 0;
       try {
         row_step = json ? nlohmann::json::parse(line).at("step").get<int64_t>() : std::stoll(line);
@@ -199,6 +200,7 @@ int64_t MetricsLog::drop_rows_from(const std::filesystem::path& dir, int64_t fir
       else if (json) ++dropped;
     }
     in.close();
+    if (keep.size() == lines) continue;  // nothing to drop: the file stays as it is
     // Beside the file, then renamed over it: a write that fails leaves the rows as they were.
     auto tmp = dir / name;
     tmp += ".tmp";

@@ -31,26 +31,44 @@ bool within(const fs::path& inner, const fs::path& outer) {
 }
 }  // namespace
 
+fs::path without_trailing_separator(const fs::path& path) {
+  auto p = path.lexically_normal();
+  if (!p.has_filename() && p.has_relative_path()) p = p.parent_path();
+  return p;
+}
+
+std::string inside_kiln_checkpoint(const fs::path& path) {
+  std::error_code ec;
+  const auto full = fs::weakly_canonical(fs::absolute(path, ec), ec);
+  if (ec) return {};
+  for (auto p = full; !p.empty(); p = p.parent_path()) {  // the path and every ancestor
+    if (fs::is_regular_file(p / "state.json", ec) && fs::is_regular_file(p / "config.json", ec))  // a kiln checkpoint
+      return "lies inside the checkpoint '" + p.string() + "' (state.json, config.json)";
+    if (p.filename() == "checkpoints" && fs::exists(p.parent_path() / "metrics.jsonl", ec))
+      return "lies in '" + p.string() + "', the checkpoints directory of the run in '" + p.parent_path().string() + "'";
+    if (p == p.root_path()) break;
+  }
+  return {};
+}
+
+std::string dangling_link(const fs::path& path) {
+  std::error_code ec;
+  const auto p = without_trailing_separator(path);
+  if (fs::symlink_status(p, ec).type() != fs::file_type::symlink || fs::exists(p, ec)) return {};
+  return "is a symbolic link ('" + p.string() + "' -> '" + fs::read_symlink(p, ec).string() + "') that leads to nothing";
+}
+
 void check_run_dir(const fs::path& dir, const std::string& resume_from, bool overwrite,
                    const std::string& model_checkpoint) {
   std::error_code ec;
   const std::string where = "run.output_dir '" + dir.string() + "'";
-  if (fs::symlink_status(dir, ec).type() == fs::file_type::symlink && !fs::exists(dir, ec))
-    throw std::invalid_argument(where + " is a symbolic link to '" + fs::read_symlink(dir, ec).string() +
-                                "', which does not exist: give a directory, or a path where one can be made");
+  if (const auto why = dangling_link(dir); !why.empty())
+    throw std::invalid_argument(where + " " + why + ": give a directory, or a path where one can be made");
   const auto full = fs::weakly_canonical(fs::absolute(dir, ec), ec);
   if (!ec && full == full.root_path())
     throw std::invalid_argument(where + " is the filesystem root: give a directory of its own for the run's files");
-  for (auto p = full; !p.empty(); p = p.parent_path()) {  // the directory and every ancestor
-    if (fs::is_regular_file(p / "state.json", ec) && fs::is_regular_file(p / "config.json", ec))  // a kiln checkpoint
-      throw std::invalid_argument(where + " lies inside the checkpoint '" + p.string() +
-                                  "' (state.json, config.json): the run's files would change it; give a directory "
-                                  "outside");
-    if (p.filename() == "checkpoints" && fs::exists(p.parent_path() / "metrics.jsonl", ec))
-      throw std::invalid_argument(where + " lies in '" + p.string() + "', the checkpoints directory of the run in '" +
-                                  p.parent_path().string() + "': give a directory outside it");
-    if (p == p.root_path()) break;
-  }
+  if (const auto why = inside_kiln_checkpoint(dir); !why.empty())
+    throw std::invalid_argument(where + " " + why + ": the run's files would change it; give a directory outside");
   if (fs::exists(dir / "checkpoints", ec) && !fs::is_directory(dir / "checkpoints", ec))
     throw std::invalid_argument(where + ": '" + (dir / "checkpoints").string() +
                                 "' is not a directory, so no checkpoint could be written there");

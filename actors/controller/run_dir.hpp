@@ -9,6 +9,17 @@
 
 namespace kiln::controller {
 
+/// `path` lexically normal and without a trailing separator ("a/b/" -> "a/b"; "/" stays).
+std::filesystem::path without_trailing_separator(const std::filesystem::path& path);
+/// Why files written at `path` would change a kiln checkpoint or a run's checkpoints: "lies
+/// inside the checkpoint 'X' (state.json, config.json)" or "lies in 'X', the checkpoints
+/// directory of the run in 'Y'", for `path` itself or any ancestor (symbolic links of existing
+/// parts resolved); empty when neither.
+std::string inside_kiln_checkpoint(const std::filesystem::path& path);
+/// "is a symbolic link ('PATH' -> 'TARGET') that leads to nothing" when `path` (trailing
+/// separator aside) is a link whose target, followed to the end, does not exist; else empty.
+std::string dangling_link(const std::filesystem::path& path);
+
 /// Refuses, before anything is made, a run directory whose files would land where they damage
 /// something (std::invalid_argument naming the key and the path): a filesystem root; a
 /// directory inside a kiln checkpoint (one of its ancestors, or itself, holds state.json and

@@ -304,6 +304,14 @@ TEST_CASE("in-flight rollouts: a file whose values no rollout gives is refused b
   refused(file_with([](Batch& b) { b.problems.push_back({"2+2", "4", {}, 0}); b.completions.push_back(completion(5, {2})); }),
           "step 4: 3 completions for 2 problems");
   refused(file_with([](Batch& b) { b.problems.clear(); }), "step 4: 2 completions for 0 problems");
+  refused(file_with([](Batch& b) { b.completions[1].id = 3; }), "completion 3: a second completion with this id");
+  refused(file_with([](Batch& b) { b.rollout_time = std::nan(""); }), "step 4: rollout_time nan is not a duration");
+  refused(file_with([](Batch& b) { b.completions[1].time_to_first_token_s = -1; }), "time_to_first_token_s -1.000000");
+  refused(file_with([](Batch& b) {
+            auto& c = b.completions[1];
+            c.tokens.clear(), c.logprobs.clear(), c.entropies.clear(), c.policy_versions.clear();
+          }),
+          "completion 4: no tokens");
   // A field of another type (a string where the problem's target, an integer, goes).
   msgpack::sbuffer buf;
   msgpack::packer<msgpack::sbuffer> pk(buf);

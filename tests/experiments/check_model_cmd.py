@@ -68,6 +68,7 @@ shutil.copytree(fixture, f"{work}/src_copy")
 glm5_copy = f"{work}/glm5_copy"
 shutil.copytree(glm5, glm5_copy)
 open(f"{work}/training_ck/state.json", "w").write("{}")
+open(f"{work}/training_ck/config.json", "w").write("{}")
 for args, needle in [(("resave", "--from", f"{work}/nowhere", "--to", f"{work}/x"), "is not a directory (an HF checkpoint"),
                      (("resave", "--from", fixture, "--to", f"{work}/training_ck"), "holds a training checkpoint"),
                      (("logits", "--from", fixture, "--docs", "1,999999", "--out", f"{work}/c"), "outside the vocabulary"),
@@ -88,7 +89,9 @@ for args, needle in [(("resave", "--from", f"{work}/nowhere", "--to", f"{work}/x
                      (("resave", "--from", fixture, "--to", f"{work}/resaved"), "is not empty"),
                      (("resave", "--from", fixture, "--to", f"{work}/a.safetensors"), "exists and is not a directory"),
                      (("resave", "--from", fixture, "--to", f"{work}/a.safetensors/sub"), "is not a directory, so no directory can be made under it"),
-                     (("resave", "--from", fixture, "--to", f"{work}/dangling"), "which does not exist: give a new or empty directory"),
+                     (("resave", "--from", fixture, "--to", f"{work}/dangling"), "that leads to nothing: give a new or empty directory"),
+                     (("resave", "--from", fixture, "--to", f"{work}/dangling/"), "that leads to nothing: give a new or empty directory"),
+                     (("resave", "--from", fixture, "--to", f"{work}/training_ck/x"), "lies inside the checkpoint"),
                      (("resave", "--from", f"{work}/src_copy", "--to", f"{work}/src_copy/inner"), "lies inside the --from checkpoint"),
                      (("crop", "--from", glm5_copy, "--to", f"{glm5_copy}/./sub/x", "--layers", "2"), "lies inside the --from checkpoint"),
                      (("logits", "--from", f"{work}/resaved", "--docs", docs, "--out", f"{work}/resaved/{shard0}"),

@@ -154,7 +154,8 @@ for what, out, sets, needle in (
         ("inside a checkpoint", ck, ["run.steps=3", f"run.resume_from={ck}"], "lies inside the checkpoint"),
         ("a run's checkpoints directory", f"{g}/checkpoints", ["run.steps=1"], "the checkpoints directory of the run"),
         ("the filesystem root", "/", ["run.steps=1"], "is the filesystem root"),
-        ("a dangling symbolic link", f"{work}/dangling", ["run.steps=1"], "which does not exist"),
+        ("a dangling symbolic link", f"{work}/dangling", ["run.steps=1"], "that leads to nothing"),
+        ("a dangling symbolic link with a trailing slash", f"{work}/dangling/", ["run.steps=1"], "that leads to nothing"),
         ("a run directory whose checkpoints is a file", f"{work}/h", ["run.steps=1"], "is not a directory"),
         ("overwrite deleting model.checkpoint", g, ["run.steps=1", "run.overwrite=true", f"model.checkpoint={ck}"],
          "which run.overwrite deletes")):
