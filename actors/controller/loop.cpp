@@ -193,6 +193,48 @@ void check_memory(const AlgorithmConfig& a) {
   }
 }
 
+// A resume's settings that differ from those of the run that wrote the checkpoint
+// (RUN/checkpoints/step_N's RUN/config.toml, else this directory's), on stderr: said, not taken
+// silently.
+void report_changed_settings(const Config& c, const fs::path& dir, const std::string& config_toml) {
+  auto before = fs::path(c.run.resume_from).lexically_normal();
+  if (!before.has_filename()) before = before.parent_path();
+  before = before.parent_path().parent_path() / "config.toml";
+  if (!fs::exists(before)) before = dir / "config.toml";
+  std::ifstream in(before);
+  if (!in.is_open()) return;
+  const std::string text((std::istreambuf_iterator<char>(in)), {});
+  const auto changed = changed_settings(text, config_toml,
+                                        {"run.resume_from", "run.steps", "run.overwrite", "run.output_dir",
+                                         "run.checkpoint_every", "logging.plot", "logging.progress"});
+  if (changed.empty()) return;
+  std::string list;
+  for (const auto& x : changed) list += "\n  " + x;
+  std::fprintf(stderr, "kiln run: resuming with %zu setting(s) other than %s's (config.toml is rewritten with the new "
+                       "ones):%s\n", changed.size(), before.c_str(), list.c_str());
+}
+
+// RUN/config.toml, written beside itself and renamed over it: a write that fails leaves the old
+// one whole. False (said on stderr) when it could not be written.
+bool write_config_toml(const fs::path& dir, const std::string& config_toml) {
+  const auto tmp = dir / "config.toml.tmp";
+  std::ofstream out(tmp);
+  out << config_toml;
+  out.flush();
+  std::error_code ec;
+  if (!out) {
+    out.close();
+    fs::remove(tmp, ec);
+    std::fprintf(stderr, "kiln run: writing '%s' failed (disk full, or a file-size limit?); config.toml left as it was\n",
+                 tmp.c_str());
+    return false;
+  }
+  out.close();
+  fs::rename(tmp, dir / "config.toml", ec);
+  if (ec) std::fprintf(stderr, "kiln run: cannot replace '%s': %s\n", (dir / "config.toml").c_str(), ec.message().c_str());
+  return !ec;
+}
+
 // Locks the run directory, places the actors, resumes, and brings the engines to the
 // trainer's version. 0, or the exit code of a run that cannot start (reported on stderr).
 int start(Session& s, const Config& c, const std::string& config_toml, const std::string& tag,
@@ -227,47 +269,8 @@ int start(Session& s, const Config& c, const std::string& config_toml, const std
     }
   }
   if (c.run.overwrite && c.run.resume_from.empty()) fs::remove_all(dir / "checkpoints");  // the replaced run's
-  if (!c.run.resume_from.empty()) {
-    // The run that wrote the checkpoint (RUN/checkpoints/step_N), else this directory's: a
-    // setting resumed with another value is said, not taken silently.
-    auto before = fs::path(c.run.resume_from).lexically_normal();
-    if (!before.has_filename()) before = before.parent_path();
-    before = before.parent_path().parent_path() / "config.toml";
-    if (!fs::exists(before)) before = dir / "config.toml";
-    std::ifstream in(before);
-    const bool found = in.is_open();
-    const std::string text((std::istreambuf_iterator<char>(in)), {});
-    const auto changed = found ? changed_settings(text, config_toml,
-                                               {"run.resume_from", "run.steps", "run.overwrite", "run.output_dir",
-                                                "run.checkpoint_every", "logging.plot", "logging.progress"})
-                               : std::vector<std::string>{};
-    if (!changed.empty()) {
-      std::string list;
-      for (const auto& x : changed) list += "\n  " + x;
-      std::fprintf(stderr, "kiln run: resuming with %zu setting(s) other than %s's (config.toml is rewritten with the "
-                           "new ones):%s\n", changed.size(), before.c_str(), list.c_str());
-    }
-  }
-  {  // beside it, then renamed over it: a write that fails leaves the old config.toml whole
-    auto tmp = dir / "config.toml.tmp";
-    std::ofstream out(tmp);
-    out << config_toml;
-    out.flush();
-    std::error_code ec;
-    if (!out) {
-      out.close();
-      fs::remove(tmp, ec);
-      std::fprintf(stderr, "kiln run: writing '%s' failed (disk full, or a file-size limit?); config.toml left as it was\n",
-                   tmp.c_str());
-      return 1;
-    }
-    out.close();
-    fs::rename(tmp, dir / "config.toml", ec);
-    if (ec) {
-      std::fprintf(stderr, "kiln run: cannot replace '%s': %s\n", (dir / "config.toml").c_str(), ec.message().c_str());
-      return 1;
-    }
-  }
+  if (!c.run.resume_from.empty()) report_changed_settings(c, dir, config_toml);
+  if (!write_config_toml(dir, config_toml)) return 1;
   try {  // the engines start from the trainer's current version (initial, or resumed)
     s.actors.engines->load(engine_weights(s.actors, false), trainer);
   } catch (const std::exception& e) {
