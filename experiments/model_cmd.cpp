@@ -1,6 +1,5 @@
 #include "experiments/model_cmd.hpp"
 
-#include <algorithm>
 #include <cstdio>
 #include <exception>
 #include <filesystem>
@@ -30,8 +29,7 @@ void check_output_dir(const std::string& from, const std::string& to) {
   if (fs::exists(to) && fs::equivalent(from, to, ec))
     throw std::invalid_argument("--to '" + to + "' is the --from checkpoint itself; write to another directory");
   // Inside the checkpoint read: the output would become part of the source directory.
-  const auto f = fs::weakly_canonical(from, ec), t = fs::weakly_canonical(to, ec);
-  if (!ec && std::mismatch(f.begin(), f.end(), t.begin(), t.end()).first == f.end())
+  if (controller::lies_within(to, from))
     throw std::invalid_argument("--to '" + to + "' lies inside the --from checkpoint '" + from +
                                 "'; write outside it, so that the source directory is left as it was");
   if (const auto why = controller::dangling_link(to); !why.empty())

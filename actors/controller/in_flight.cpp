@@ -150,20 +150,20 @@ std::vector<Batch> decode_in_flight(const std::string& bytes, int64_t after_step
       c.finish_reason = x.finish_reason == "stop" ? rollout::FinishReason::stop : rollout::FinishReason::length;
       c.time_to_first_token_s = x.time_to_first_token_s;
       const auto rows = int64_t(c.prompt.size() + c.tokens.size()) - 1;  // every token but the last
-      auto ids = [&](const std::vector<int64_t>& shape, const std::vector<int32_t>& values, const std::string& what) {
+      // min_id: expert ids are >= 0; sparse-attention selections may hold -1 (no key).
+      auto ids = [&](const std::vector<int64_t>& shape, const std::vector<int32_t>& values, const std::string& what,
+                     const std::string& id, int64_t min_id) {
         auto t = get_ids(shape, values, where + ": " + what, bad);
         if (t.defined() && t.size(0) != rows)
           throw bad(where + ": " + what + " has " + std::to_string(t.size(0)) + " rows for " + std::to_string(rows) +
                     " tokens (prompt + completion - 1)");
-        if (t.defined() && t.numel() > 0 && t.min().item<int64_t>() < -1)
-          throw bad(where + ": " + what + " holds the id " + std::to_string(t.min().item<int64_t>()));
+        if (t.defined() && t.numel() > 0)
+          if (const auto least = t.min().item<int64_t>(); least < min_id)
+            throw bad(where + ": " + what + " holds the " + id + " " + std::to_string(least));
         return t;
       };
-      c.routed_experts = ids(x.routed_experts_shape, x.routed_experts, "routed experts [P + n - 1, L, K]");
-      if (c.routed_experts.defined() && c.routed_experts.numel() > 0 && c.routed_experts.min().item<int64_t>() < 0)
-        throw bad(where + ": routed experts [P + n - 1, L, K] holds the expert id " +
-                  std::to_string(c.routed_experts.min().item<int64_t>()));
-      c.topk_indices = ids(x.topk_indices_shape, x.topk_indices, "topk indices [P + n - 1, Ls, W]");
+      c.routed_experts = ids(x.routed_experts_shape, x.routed_experts, "routed experts [P + n - 1, L, K]", "expert id", 0);
+      c.topk_indices = ids(x.topk_indices_shape, x.topk_indices, "topk indices [P + n - 1, Ls, W]", "id", -1);
       b.completions.push_back(std::move(c));
     }
     if (b.problems.empty() || b.completions.size() % b.problems.size() != 0)

@@ -214,27 +214,6 @@ void report_changed_settings(const Config& c, const fs::path& dir, const std::st
                        "ones):%s\n", changed.size(), before.c_str(), list.c_str());
 }
 
-// RUN/config.toml, written beside itself and renamed over it: a write that fails leaves the old
-// one whole. False (said on stderr) when it could not be written.
-bool write_config_toml(const fs::path& dir, const std::string& config_toml) {
-  const auto tmp = dir / "config.toml.tmp";
-  std::ofstream out(tmp);
-  out << config_toml;
-  out.flush();
-  std::error_code ec;
-  if (!out) {
-    out.close();
-    fs::remove(tmp, ec);
-    std::fprintf(stderr, "kiln run: writing '%s' failed (disk full, or a file-size limit?); config.toml left as it was\n",
-                 tmp.c_str());
-    return false;
-  }
-  out.close();
-  fs::rename(tmp, dir / "config.toml", ec);
-  if (ec) std::fprintf(stderr, "kiln run: cannot replace '%s': %s\n", (dir / "config.toml").c_str(), ec.message().c_str());
-  return !ec;
-}
-
 // Locks the run directory, places the actors, resumes, and brings the engines to the
 // trainer's version. 0, or the exit code of a run that cannot start (reported on stderr).
 int start(Session& s, const Config& c, const std::string& config_toml, const std::string& tag,
@@ -270,7 +249,12 @@ int start(Session& s, const Config& c, const std::string& config_toml, const std
   }
   if (c.run.overwrite && c.run.resume_from.empty()) fs::remove_all(dir / "checkpoints");  // the replaced run's
   if (!c.run.resume_from.empty()) report_changed_settings(c, dir, config_toml);
-  if (!write_config_toml(dir, config_toml)) return 1;
+  try {  // a write that fails leaves the old config.toml whole
+    replace_file(dir / "config.toml", config_toml);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kiln run: %s\n", e.what());
+    return 1;
+  }
   try {  // the engines start from the trainer's current version (initial, or resumed)
     s.actors.engines->load(engine_weights(s.actors, false), trainer);
   } catch (const std::exception& e) {

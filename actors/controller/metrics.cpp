@@ -12,6 +12,7 @@
 #include <sstream>
 #include <nlohmann/json.hpp>
 
+#include "actors/controller/run_dir.hpp"
 #include "actors/trainer/losses.hpp"
 
 extern char** environ;
@@ -201,23 +202,13 @@ int64_t MetricsLog::drop_rows_from(const std::filesystem::path& dir, int64_t fir
     }
     in.close();
     if (keep.size() == lines) continue;  // nothing to drop: the file stays as it is
-    // Beside the file, then renamed over it: a write that fails leaves the rows as they were.
-    auto tmp = dir / name;
-    tmp += ".tmp";
-    {
-      std::ofstream out(tmp, std::ios::trunc);
-      for (const auto& l : keep) out << l << "\n";
-      out.flush();
-      if (!out) {
-        out.close();
-        std::error_code ec;
-        std::filesystem::remove(tmp, ec);
-        throw std::runtime_error("cannot rewrite '" + (dir / name).string() +
-                                 "' without the rows of steps the resume trains again (writing '" + tmp.string() +
-                                 "' failed: disk full?); it is left as it was");
-      }
+    std::string text;
+    for (const auto& l : keep) text += l + "\n";
+    try {  // a write that fails leaves the rows as they were
+      replace_file(dir / name, text);
+    } catch (const std::exception& e) {
+      throw std::runtime_error("cannot drop the rows of steps the resume trains again: " + std::string(e.what()));
     }
-    std::filesystem::rename(tmp, dir / name);
   }
   return dropped;
 }

@@ -21,15 +21,33 @@ namespace kiln::controller {
 
 namespace fs = std::filesystem;
 
-namespace {
-// True when `inner` is `outer` or lies below it (both made absolute and normal, symbolic links
-// of existing parts resolved).
-bool within(const fs::path& inner, const fs::path& outer) {
+bool lies_within(const fs::path& inner, const fs::path& outer) {
   std::error_code ec;
   const auto i = fs::weakly_canonical(fs::absolute(inner, ec), ec), o = fs::weakly_canonical(fs::absolute(outer, ec), ec);
   return !ec && std::mismatch(o.begin(), o.end(), i.begin(), i.end()).first == o.end();
 }
-}  // namespace
+
+void replace_file(const fs::path& file, const std::string& text) {
+  auto tmp = file;
+  tmp += ".tmp";
+  std::error_code ec;
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out << text;
+    if (!out.flush()) {
+      out.close();
+      fs::remove(tmp, ec);
+      throw std::runtime_error("writing '" + tmp.string() + "' failed (disk full, or a file-size limit?); '" +
+                               file.string() + "' is left as it was");
+    }
+  }
+  fs::rename(tmp, file, ec);
+  if (ec) {
+    const auto why = ec.message();
+    fs::remove(tmp, ec);
+    throw std::runtime_error("cannot replace '" + file.string() + "': " + why);
+  }
+}
 
 fs::path without_trailing_separator(const fs::path& path) {
   auto p = path.lexically_normal();
@@ -72,7 +90,7 @@ void check_run_dir(const fs::path& dir, const std::string& resume_from, bool ove
   if (fs::exists(dir / "checkpoints", ec) && !fs::is_directory(dir / "checkpoints", ec))
     throw std::invalid_argument(where + ": '" + (dir / "checkpoints").string() +
                                 "' is not a directory, so no checkpoint could be written there");
-  if (overwrite && resume_from.empty() && !model_checkpoint.empty() && within(model_checkpoint, dir / "checkpoints"))
+  if (overwrite && resume_from.empty() && !model_checkpoint.empty() && lies_within(model_checkpoint, dir / "checkpoints"))
     throw std::invalid_argument("model.checkpoint '" + model_checkpoint + "' lies in '" + (dir / "checkpoints").string() +
                                 "', which run.overwrite deletes: copy it elsewhere first, or choose another "
                                 "run.output_dir");

@@ -9,6 +9,9 @@
 
 namespace kiln::controller {
 
+/// True when `inner` is `outer` or lies below it (both made absolute and normal, symbolic links
+/// of existing parts resolved).
+bool lies_within(const std::filesystem::path& inner, const std::filesystem::path& outer);
 /// `path` lexically normal and without a trailing separator ("a/b/" -> "a/b"; "/" stays).
 std::filesystem::path without_trailing_separator(const std::filesystem::path& path);
 /// Why files written at `path` would change a kiln checkpoint or a run's checkpoints: "lies
@@ -55,6 +58,11 @@ class RunLock {
 /// "(none)" on the other), sorted by key, leaving out `ignored` keys (e.g. run.resume_from).
 std::vector<std::string> changed_settings(const std::string& before_toml, const std::string& after_toml,
                                           const std::vector<std::string>& ignored);
+
+/// Writes `text` to FILE.tmp, then renames it over `file`: a write that fails leaves `file` as
+/// it was (whole, or absent). Throws std::runtime_error naming the file (disk full, a file-size
+/// limit, a rename refused), FILE.tmp removed.
+void replace_file(const std::filesystem::path& file, const std::string& text);
 
 /// RUN/checkpoints/step_NNNNNN.
 std::filesystem::path checkpoint_dir(const std::filesystem::path& run, int64_t step);
