@@ -18,6 +18,7 @@
 #endif
 
 #include "actors/rollout/engine.hpp"
+#include "actors/trainer/fused_adamw.hpp"
 #include "actors/trainer/trainer.hpp"
 #include "actors/weight_sync/device_sync.hpp"
 #include "experiments/bench_cuda.hpp"
@@ -293,6 +294,52 @@ class GpuBench {
     J["trainer_step_tokens_per_s"] = double(tok) / ts;
     J["trainer_step_microbatch_tokens"] = tc.logprobs.max_tokens_per_microbatch;
     J["trainer_step_peak_memory_gib"] = peak_gib();
+    // Issue 14's bound: forward+backward (every row through the head) plus the AdamW state read
+    // and written once at the copy rate (fp32 master and moments read and written, the bf16
+    // gradient read and parameter written: 28 bytes a parameter).
+    int64_t numel = 0;
+    for (const auto& p : policy_->parameters()) numel += p.numel();
+    const double state_bytes = 28.0 * double(numel);
+    J["trainer_step_parameters"] = numel;
+    J["trainer_step_bound_s"] = fb_ + state_bytes / (J["copy_read_write_gbs"].get<double>() * 1e9);
+    // Where one more step's time goes, the device synchronised at each phase's end.
+    tr.time_phases(true);
+    (void)tr.train_step(big);
+    tr.time_phases(false);
+    const auto& ph = tr.last_phases();
+    J["trainer_step_phases_s"] = {{"forward", ph.forward}, {"backward", ph.backward}, {"reduce_and_clip", ph.reduce},
+                                  {"optimizer", ph.optimizer}};
+    time_optimizer(tr);
+  }
+
+  // The optimizer's part of the step alone, on the trainer's masters and moments and the policy's
+  // bf16 gradients of its last step: the trainer's path (the clip's norm over the bf16 gradients,
+  // AdamW from them into the masters and the bf16 parameters in one kernel) against the one it
+  // replaced (gradients widened into fp32 copies, clipped, LibTorch's fused AdamW, masters copied out).
+  void time_optimizer(trainer::Trainer& tr) {
+    auto& adamw = tr.optimizer();
+    const auto masters = tr.master_parameters();
+    const auto params = policy_->parameters();
+    std::vector<torch::Tensor> grads;
+    for (const auto& p : params) grads.push_back(p.grad());
+    const double kiln_s = median_seconds(1, 5, [&] {
+      trainer::LowPrecisionGradients low{masters, grads, params, {}};
+      low.scale = trainer::grad_norm_and_coefficient(grads, 1.0).second;
+      (void)low.scale.item<float>();  // the trainer reads norm and coefficient here
+      trainer::fused_adamw_step(adamw, &low);
+    });
+    const double composite_s = median_seconds(1, 5, [&] {
+      std::vector<torch::Tensor> wide;
+      for (std::size_t i = 0; i < masters.size(); ++i) wide.push_back(masters[i].mutable_grad() = torch::empty_like(masters[i]));
+      trainer::copy_tensors(wide, grads);
+      (void)trainer::clip_grad_norm(masters, 1.0);
+      trainer::fused_adamw_step(adamw);
+      trainer::copy_tensors(params, masters);
+      for (auto m : masters) m.mutable_grad() = torch::Tensor();
+    });
+    J["optimizer_step_s"] = kiln_s;
+    J["optimizer_step_composite_s"] = composite_s;
+    J["optimizer_step_gbs"] = 28.0 * double(J["trainer_step_parameters"].get<int64_t>()) / kiln_s / 1e9;
   }
 
   // 4. update_weights: device-to-device into the engine's storage vs a plain copy.
@@ -352,6 +399,17 @@ class GpuBench {
                 (long long)J.at("trainer_step_microbatch_tokens").get<int64_t>(),
                 (long long)J.at("trainer_step_completion_tokens").get<int64_t>(),
                 (long long)J.at("trainer_step_tokens").get<int64_t>());
+    const auto& ph = J.at("trainer_step_phases_s");
+    std::printf("    bound: forward+backward + AdamW state (%.2f GB) at the copy rate = %.3f s; the step is %.2fx of it\n",
+                28.0 * double(J.at("trainer_step_parameters").get<int64_t>()) / 1e9, d("trainer_step_bound_s"),
+                d("trainer_step_s") / d("trainer_step_bound_s"));
+    std::printf("    phases (device synchronised at each end): forward %.3f s, backward %.3f s, clip %.3f s, optimizer "
+                "%.3f s\n",
+                ph.at("forward").get<double>(), ph.at("backward").get<double>(), ph.at("reduce_and_clip").get<double>(),
+                ph.at("optimizer").get<double>());
+    std::printf("  optimizer (clip + AdamW) %.4f s  %5.0f GB/s of state; before (fp32 gradient copies, LibTorch's fused "
+                "AdamW, copy-out) %.4f s\n",
+                d("optimizer_step_s"), d("optimizer_step_gbs"), d("optimizer_step_composite_s"));
     std::printf("  log_probs_time       %8.3f s  (decoder forward %.3f s; log-prob head fwd+bwd %.3f s)\n",
                 d("log_probs_time_s"), d("forward_no_grad_s"), d("logprob_head_fwd_bwd_s"));
     std::printf("  one MoE layer fwd+bwd: attention half %.4f s, MoE half %.4f s\n", d("layer_attention_fwd_bwd_s"),

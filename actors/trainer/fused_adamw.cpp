@@ -9,6 +9,9 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <unordered_map>
+
+#include "kernels/adamw.hpp"
 
 namespace kiln::trainer {
 
@@ -41,20 +44,43 @@ struct AdamWLists {
 
 }  // namespace
 
-void fused_adamw_step(torch::optim::AdamW& adamw) {
+void fused_adamw_step(torch::optim::AdamW& adamw, const LowPrecisionGradients* low) {
   torch::NoGradGuard no_grad;
   auto& state = adamw.state();
+  // The masters that step from `low`'s gradients: master -> its index there.
+  std::unordered_map<const void*, std::size_t> low_index;
+  if (low) {
+    if (low->grads.size() != low->masters.size() || low->params.size() != low->masters.size())
+      throw std::invalid_argument("fused_adamw_step: " + std::to_string(low->masters.size()) + " low-precision masters, " +
+                                  std::to_string(low->grads.size()) + " gradients, " +
+                                  std::to_string(low->params.size()) + " parameters");
+    for (std::size_t k = 0; k < low->masters.size(); ++k) low_index[low->masters[k].unsafeGetTensorImpl()] = k;
+  }
   for (auto& group : adamw.param_groups()) {
     const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
     std::map<GroupKey, AdamWLists> lists;
+    AdamWLists from_low;  // masters stepping on `low`'s gradients (params: their masters)
+    std::vector<torch::Tensor> low_params;
     // The step counts as fp32 scalars on each device, one tensor per distinct count (usually
     // one: every parameter stepped as often); the kernel only reads them.
     std::map<std::tuple<int, int, int64_t>, torch::Tensor> step_tensors;
     for (std::size_t i = 0; i < group.params().size(); ++i) {
       const auto& p = group.params()[i];
-      const auto& g = p.grad();
+      const auto found = low ? low_index.find(p.unsafeGetTensorImpl()) : low_index.end();
+      const bool is_low = found != low_index.end();
+      if (is_low && p.grad().defined())
+        throw std::invalid_argument("fused_adamw_step: parameter " + std::to_string(i) +
+                                    " has a gradient of its own and one among the low-precision gradients");
+      const auto& g = is_low ? low->grads[found->second] : p.grad();
       if (!g.defined()) continue;  // as torch::optim::AdamW::step: no update, no state
-      check_like(p, g, i, "gradient");
+      if (is_low) {
+        const auto& q = low->params[found->second];
+        if (g.sizes() != p.sizes() || q.sizes() != p.sizes() || g.device() != p.device() || q.device() != p.device())
+          throw std::invalid_argument("fused_adamw_step: parameter " + std::to_string(i) + " is " + describe(p) +
+                                      ", its low-precision gradient " + describe(g) + " and parameter " + describe(q));
+      } else {
+        check_like(p, g, i, "gradient");
+      }
       auto it = state.find(p.unsafeGetTensorImpl());
       if (it == state.end()) {  // as torch creates it
         auto st = std::make_unique<torch::optim::AdamWParamState>();
@@ -68,22 +94,53 @@ void fused_adamw_step(torch::optim::AdamW& adamw) {
       check_like(p, st.exp_avg(), i, "exp_avg");
       check_like(p, st.exp_avg_sq(), i, "exp_avg_sq");
       if (o.amsgrad()) check_like(p, st.max_exp_avg_sq(), i, "max_exp_avg_sq");
+      if (is_low && o.amsgrad())
+        throw std::invalid_argument("fused_adamw_step: amsgrad with low-precision gradients (parameter " +
+                                    std::to_string(i) + ")");
       st.step(st.step() + 1);  // the caller increments, the kernel reads (torch's _fused_adam)
       auto& step = step_tensors[{int(p.device().type()), int(p.device().index()), st.step()}];
       if (!step.defined()) step = torch::full({}, double(st.step()), torch::TensorOptions(torch::kFloat32).device(p.device()));
-      auto& l = lists[key_of(p)];
+      auto& l = is_low ? from_low : lists[key_of(p)];
       l.params.push_back(p);
       l.grads.push_back(g);
       l.exp_avgs.push_back(st.exp_avg());
       l.exp_avg_sqs.push_back(st.exp_avg_sq());
       if (o.amsgrad()) l.max_exp_avg_sqs.push_back(st.max_exp_avg_sq());
       l.steps.push_back(step);
+      if (is_low) low_params.push_back(low->params[found->second]);
     }
     const auto [beta1, beta2] = o.betas();
     for (auto& [key, l] : lists)
       at::_fused_adamw_(l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, l.max_exp_avg_sqs, l.steps, o.lr(), beta1, beta2,
                         o.weight_decay(), o.eps(), o.amsgrad(), /*maximize=*/false);
+    if (!from_low.params.empty())
+      kernels::adamw_step_low_precision(from_low.params, from_low.exp_avgs, from_low.exp_avg_sqs, from_low.grads,
+                                        low_params, low->scale, from_low.steps,
+                                        kernels::AdamWHyper{o.lr(), beta1, beta2, o.weight_decay(), o.eps()});
   }
+}
+
+std::pair<torch::Tensor, torch::Tensor> grad_norm_and_coefficient(const std::vector<torch::Tensor>& all, double max_norm) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> grads;
+  for (const auto& g : all)
+    if (g.defined()) grads.push_back(g);
+  if (grads.empty()) return {torch::zeros({}, torch::kFloat32), torch::ones({}, torch::kFloat32)};
+  // Per-tensor norms in fp32, one launch per group, back in the gradients' order (the order in
+  // which torch's clip_grad_norm_ stacks them).
+  std::map<GroupKey, std::vector<std::size_t>> groups;
+  for (std::size_t i = 0; i < grads.size(); ++i) groups[key_of(grads[i])].push_back(i);
+  std::vector<torch::Tensor> norms(grads.size());
+  for (const auto& [key, idx] : groups) {
+    std::vector<torch::Tensor> members;
+    for (auto i : idx) members.push_back(grads[i]);
+    auto n = at::_foreach_norm(members, 2, torch::kFloat32);
+    for (std::size_t k = 0; k < idx.size(); ++k) norms[idx[k]] = n[k].to(grads.front().device());
+  }
+  auto total = norms.size() == 1 ? norms[0] : torch::stack(norms).norm(2);
+  // torch's coefficient, as torch computes it (fp32 on the device).
+  auto coef = torch::clamp(max_norm / (total + 1e-6), std::nullopt, 1.0);
+  return {total, coef};
 }
 
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm) {
@@ -92,28 +149,14 @@ double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm)
   for (const auto& p : params)
     if (p.grad().defined()) grads.push_back(p.grad());
   if (grads.empty()) return 0.0;
-  // Per-tensor norms, one launch per group, back in the parameters' order (the order in which
-  // torch's clip_grad_norm_ stacks them).
-  std::map<GroupKey, std::vector<std::size_t>> groups;
-  for (std::size_t i = 0; i < grads.size(); ++i) groups[key_of(grads[i])].push_back(i);
-  std::vector<torch::Tensor> norms(grads.size());
-  for (const auto& [key, idx] : groups) {
-    std::vector<torch::Tensor> members;
-    for (auto i : idx) members.push_back(grads[i]);
-    auto n = at::_foreach_norm(members, 2);
-    for (std::size_t k = 0; k < idx.size(); ++k) norms[idx[k]] = n[k].to(grads.front().device());
-  }
-  auto total = norms.size() == 1 ? norms[0] : torch::stack(norms).norm(2);
-  // torch's coefficient, as torch computes it (fp32 on the device).
-  auto coef = torch::clamp(max_norm / (total + 1e-6), std::nullopt, 1.0);
+  const auto [total, coef] = grad_norm_and_coefficient(grads, max_norm);
   auto host = torch::stack({total.to(coef.scalar_type()), coef}).to(torch::kCPU, torch::kFloat64);
   const double total_norm = host[0].item<double>(), clip = host[1].item<double>();
-  if (clip < 1.0)  // also 0 for an infinite norm, as torch multiplies; NaN compares false
-    for (const auto& [key, idx] : groups) {
-      std::vector<torch::Tensor> members;
-      for (auto i : idx) members.push_back(grads[i]);
-      at::_foreach_mul_(members, coef.to(members.front().device()));
-    }
+  if (clip < 1.0) {  // also 0 for an infinite norm, as torch multiplies; NaN compares false
+    std::map<GroupKey, std::vector<torch::Tensor>> groups;
+    for (const auto& g : grads) groups[key_of(g)].push_back(g);
+    for (auto& [key, members] : groups) at::_foreach_mul_(members, coef.to(members.front().device()));
+  }
   return total_norm;
 }
 

@@ -10,9 +10,20 @@
 // (torch::save / torch::load of it) are unchanged and either step can follow the other.
 #include <torch/torch.h>
 
+#include <utility>
 #include <vector>
 
 namespace kiln::trainer {
+
+/// Gradients an AdamW step takes from 16-bit parameters instead of their fp32 masters' .grad():
+/// masters[i] (a parameter of the optimizer, fp32, without a gradient of its own) steps on
+/// float(grads[i]) * scale and its rounded value is written into params[i], in one pass
+/// (kernels::adamw_step_low_precision: no fp32 gradient, no separate copy-out). Each grads[i]
+/// may be undefined (no gradient: no step, as for a master without one).
+struct LowPrecisionGradients {
+  std::vector<torch::Tensor> masters, grads, params;
+  torch::Tensor scale;  ///< [] fp32 on the masters' device: the clip coefficient (1: none)
+};
 
 /// One AdamW step over the parameters of `adamw` (every param group, at its options: lr,
 /// betas, eps, weight_decay, amsgrad) that have a gradient; the others are skipped as
@@ -26,11 +37,22 @@ namespace kiln::trainer {
 /// Throws std::invalid_argument naming the parameter (index in its group) when its gradient
 /// or its state (e.g. from a checkpoint) differs from it in shape, dtype or device, or a
 /// gradient is sparse.
-void fused_adamw_step(torch::optim::AdamW& adamw);
+/// With `low`: its masters step from its 16-bit gradients as LowPrecisionGradients says, at the
+/// same state, options and step counts, in one kernels::adamw_step_low_precision call per param
+/// group; a master that also has a .grad() of its own is refused (std::invalid_argument).
+void fused_adamw_step(torch::optim::AdamW& adamw, const LowPrecisionGradients* low = nullptr);
+
+/// The global L2 norm of `grads` (undefined ones skipped; any mix of dtypes and devices: each
+/// tensor's norm in fp32 by at::_foreach_norm, one launch per (device, dtype) group, so a bf16
+/// gradient's norm equals its fp32 copy's) and the clip coefficient min(1, max_norm / (norm +
+/// 1e-6)), both [] fp32 on the first gradient's device, not read (no synchronisation). No
+/// gradient: a norm of 0 and a coefficient of 1 on the CPU.
+std::pair<torch::Tensor, torch::Tensor> grad_norm_and_coefficient(const std::vector<torch::Tensor>& grads,
+                                                                  double max_norm);
 
 /// Clips the gradients of `params` (those without one are ignored) to a global L2 norm of at
 /// most `max_norm`, as torch::nn::utils::clip_grad_norm_(params, max_norm) does: total = the
-/// L2 norm of the per-tensor norms (at::_foreach_norm, fp32), coefficient min(1, max_norm /
+/// L2 norm of the per-tensor norms (grad_norm_and_coefficient), coefficient min(1, max_norm /
 /// (total + 1e-6)) computed on the device in fp32; the gradients are multiplied by it in
 /// at::_foreach_mul_ launches only when it is below 1 (at 1 the product is the gradient).
 /// Returns the total norm (0 when no parameter has a gradient; NaN or inf when a gradient is

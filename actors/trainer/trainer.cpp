@@ -286,6 +286,22 @@ double Trainer::reduce_and_clip_gradients(double max_norm) {
     for (auto& part : parts_) part.optimizer->scale_gradients(coefficient);
     return norm.item<double>();
   }
+  if (steps_from_low_precision()) {
+    // The norm of the 16-bit gradients as they are (fp32 norms, equal to their fp32 copies');
+    // the coefficient is applied inside the AdamW kernel, the fp32 parameters' own gradients
+    // are scaled here.
+    std::vector<torch::Tensor> grads, own;
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      grads.push_back(params_[i].grad());
+      if (params_[i].grad().defined() && params_[i].scalar_type() == torch::kFloat32) own.push_back(params_[i].grad());
+    }
+    auto [total, coef] = grad_norm_and_coefficient(grads, max_norm);
+    const auto host = torch::stack({total, coef}).to(torch::kCPU, torch::kFloat64);
+    const double norm = host[0].item<double>(), clip = host[1].item<double>();
+    if (clip < 1.0 && !own.empty()) at::_foreach_mul_(own, coef.to(own.front().device()));
+    clip_coefficient_ = coef.to(params_.front().device());
+    return norm;
+  }
   std::vector<torch::Tensor> to, from;  // bf16 gradients -> fp32 master gradients, one launch
   for (auto i : low_precision_)
     if (params_[i].grad().defined()) {
@@ -295,6 +311,10 @@ double Trainer::reduce_and_clip_gradients(double max_norm) {
     }
   copy_tensors(to, from);
   return clip_grad_norm(masters_, max_norm);
+}
+
+bool Trainer::steps_from_low_precision() const {
+  return !dp_ && !low_precision_.empty() && params_[low_precision_.front()].is_cuda();
 }
 
 StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
@@ -406,6 +426,18 @@ void Trainer::apply_update(double lr) {
       if (!part.unit) part.optimizer->finish_gather_parameters();
   } else {
     for (auto& g : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
+    if (steps_from_low_precision()) {
+      LowPrecisionGradients low;
+      for (auto i : low_precision_) {
+        low.masters.push_back(masters_[i]);
+        low.grads.push_back(params_[i].grad());
+        low.params.push_back(params_[i]);
+      }
+      low.scale = clip_coefficient_;
+      fused_adamw_step(*optimizer_, &low);
+      ++version_;
+      return;
+    }
     fused_adamw_step(*optimizer_);
     std::vector<torch::Tensor> to, from;  // round to the policy's dtype, one launch
     for (auto i : low_precision_) {

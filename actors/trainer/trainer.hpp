@@ -159,6 +159,10 @@ class Trainer {
   ExpertParallel ep_;
   std::vector<torch::Tensor> params_, masters_;  ///< same order; masters_[i] is params_[i] when fp32
   std::vector<std::size_t> low_precision_;       ///< indices with a separate fp32 master
+  /// One rank on CUDA with fp32 masters: the masters step on the 16-bit gradients and write the
+  /// 16-bit parameters in one pass (kernels::adamw_step_low_precision), no fp32 gradient made.
+  bool steps_from_low_precision() const;
+  torch::Tensor clip_coefficient_;  ///< [] fp32: the last reduce_and_clip_gradients' (that path)
   int64_t version_ = 0;
   // The whole model's flat index (optimizer_state_parts): where params_[i] (this rank's slice
   // of it, with expert parallel) starts; N. Expert parallel: params_ indices of the dense and

@@ -2,12 +2,14 @@
 // parameters and gradients, at::_fused_adamw_ with torch::optim::AdamW's state equals
 // torch::optim::AdamW::step, and the multi-tensor clipping equals
 // torch::nn::utils::clip_grad_norm_, to fp32 rounding over several steps; the trainer built on
-// them (bf16 policy, fp32 masters) steps as torch's AdamW would on its gradients; and
+// them (bf16 policy, fp32 masters) steps as torch's AdamW would on its gradients (on CUDA through
+// kernels::adamw_step_low_precision, from the bf16 gradients); and
 // checkpoints written while the trainer ran torch's step still load and continue.
 #include <doctest/doctest.h>
 
 #include <algorithm>
 
+#include "../test_util.hpp"
 #include "actors/trainer/checkpoint.hpp"
 #include "actors/trainer/fused_adamw.hpp"
 #include "trainer_fixture.hpp"
@@ -121,12 +123,16 @@ TEST_CASE("fused AdamW refuses state of another shape, naming the parameter") {
   CHECK(st.step() == 1);  // refused before anything changed
 }
 
-TEST_CASE("a bf16 policy's trainer step (fp32 masters, fused AdamW) equals torch's AdamW on the same gradients") {
+namespace {
+// A bf16 policy of `config` on `device`, trained 4 steps, against torch::optim::AdamW and
+// clip_grad_norm_ on fp32 copies of the same start and the policy's bf16 gradients of each step.
+void check_bf16_trainer_against_torch(const model::glm4_moe_lite::Glm4MoeLiteConfig& config, const torch::Device& device) {
   worst = 0;
   for (double clip : {0.05, 0.0}) {  // clipping active on every step; off
     CAPTURE(clip);
     torch::manual_seed(4);
-    auto m = std::make_shared<model::glm4_moe_lite::Glm4MoeLiteModel>(test::tiny_config());
+    auto m = std::make_shared<model::glm4_moe_lite::Glm4MoeLiteModel>(config);
+    m->to(device);
     m->to_dtype(torch::kBFloat16);
     TrainerConfig c;
     c.lr = 1e-2;
@@ -161,6 +167,17 @@ TEST_CASE("a bf16 policy's trainer step (fp32 masters, fused AdamW) equals torch
     }
   }
   MESSAGE("largest relative error " << worst);
+}
+}  // namespace
+
+TEST_CASE("a bf16 policy's trainer step (fp32 masters, fused AdamW) equals torch's AdamW on the same gradients") {
+  check_bf16_trainer_against_torch(test::tiny_config(), torch::kCPU);
+}
+
+TEST_CASE("CUDA bf16: the trainer's step (AdamW from the bf16 gradients in one kernel) equals torch's AdamW") {
+  if (test::skip_without_gpu()) return;
+  // The debug model (the CUDA attention kernels' head widths; the tiny one's are not).
+  check_bf16_trainer_against_torch(model::glm4_moe_lite::flavors::debug(), torch::kCUDA);
 }
 
 TEST_CASE("a checkpoint written while the trainer ran torch::optim::AdamW loads, and the next step equals that trainer's") {
