@@ -44,14 +44,14 @@ void set_lr(torch::optim::AdamW& adamw, double lr) {
 // `got`'s state for `got_p` equals `want`'s for `want_p`: both absent, or the same step count
 // and moments within kTolerance.
 void check_state(torch::optim::AdamW& got, const torch::Tensor& got_p, torch::optim::AdamW& want,
-                 const torch::Tensor& want_p, bool amsgrad) {
+                 const torch::Tensor& want_p, bool amsgrad, double exp_avg_sq_tolerance = kTolerance) {
   const auto* g = state_of(got, got_p);
   const auto* w = state_of(want, want_p);
   REQUIRE((g == nullptr) == (w == nullptr));
   if (!w) return;
   CHECK(g->step() == w->step());
   CHECK(relative_error(g->exp_avg(), w->exp_avg()) <= kTolerance);
-  CHECK(relative_error(g->exp_avg_sq(), w->exp_avg_sq()) <= kTolerance);
+  CHECK(relative_error(g->exp_avg_sq(), w->exp_avg_sq()) <= exp_avg_sq_tolerance);
   if (amsgrad) CHECK(relative_error(g->max_exp_avg_sq(), w->max_exp_avg_sq()) <= kTolerance);
 }
 
@@ -128,6 +128,13 @@ namespace {
 // clip_grad_norm_ on fp32 copies of the same start and the policy's bf16 gradients of each step.
 void check_bf16_trainer_against_torch(const model::glm4_moe_lite::Glm4MoeLiteConfig& config, const torch::Device& device) {
   worst = 0;
+  // On CUDA the trainer steps as LibTorch's fused CUDA AdamW does (kernels/adamw.hpp; bit for bit,
+  // tests/kernels/test_adamw.cpp), whose second moment is fma(beta2, v, fma(-beta2, g^2, g^2)) with
+  // beta2 in fp32: (1 - float(0.999)) is 1.287e-5 relative above 0.001, torch::optim::AdamW's
+  // factor, so exp_avg_sq differs by that much and the masters by ~1e-6 (H100, 2026-12-05: at most
+  // 1.306e-5 and 1.02e-6). On the CPU the fused kernel keeps the factor in double.
+  const bool cuda = device.is_cuda();
+  const double master_tolerance = cuda ? 3e-6 : kTolerance, exp_avg_sq_tolerance = cuda ? 2e-5 : kTolerance;
   for (double clip : {0.05, 0.0}) {  // clipping active on every step; off
     CAPTURE(clip);
     torch::manual_seed(4);
@@ -159,8 +166,8 @@ void check_bf16_trainer_against_torch(const model::glm4_moe_lite::Glm4MoeLiteCon
       want.step();
       for (std::size_t i = 0; i < params.size(); ++i) {
         CAPTURE(i);
-        CHECK(relative_error(t.master_parameters()[i], masters[i]) <= kTolerance);
-        check_state(t.optimizer(), t.master_parameters()[i], want, masters[i], false);
+        CHECK(relative_error(t.master_parameters()[i], masters[i]) <= master_tolerance);
+        check_state(t.optimizer(), t.master_parameters()[i], want, masters[i], false, exp_avg_sq_tolerance);
         // The policy holds its masters rounded to bf16.
         CHECK(torch::equal(params[i], t.master_parameters()[i].to(torch::kBFloat16)));
       }
