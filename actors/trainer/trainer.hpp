@@ -106,9 +106,12 @@ class Trainer {
   torch::optim::AdamW& optimizer() { return sharded_ ? sharded_->optimizer() : *optimizer_; }
   /// The tensors AdamW updates: the policy's parameters when they are fp32; fp32 copies of
   /// them (master weights, Micikevicius et al. 2018, arXiv:1710.03740) when the policy holds
-  /// bf16/fp16 parameters. Gradients are accumulated in the policy's dtype, copied to the
-  /// masters in fp32 (one at::_foreach_copy_), clipped (clip_grad_norm) and applied there
-  /// (fused_adamw_step); the policy then gets the rounded masters (one at::_foreach_copy_).
+  /// bf16/fp16 parameters. Gradients are accumulated in the policy's dtype. One rank on CUDA:
+  /// their norm is taken as they are and kernels::adamw_step_low_precision steps the masters from
+  /// them, scaled by the clip coefficient, writing the rounded masters into the policy in the same
+  /// pass (the masters get no .grad()). Otherwise they are copied to the masters in fp32 (one
+  /// at::_foreach_copy_), clipped (clip_grad_norm) and applied there (fused_adamw_step); the
+  /// policy then gets the rounded masters (one at::_foreach_copy_).
   /// With a data-parallel group: this rank's fp32 master pieces (ShardedAdamW::masters()).
   const std::vector<torch::Tensor>& master_parameters() const { return sharded_ ? sharded_->masters() : masters_; }
   bool uses_master_weights() const { return !low_precision_.empty(); }
@@ -126,7 +129,9 @@ class Trainer {
   /// The whole model's gradient of the last step ([optimizer_numel()] fp32 on the CPU, the flat
   /// index below; after clipping when it clipped): every rank's shards summed over the
   /// data-parallel group (collective; each element is held by one rank), or the one-rank
-  /// masters' gradients. Zeros where no rank had a gradient. For tests and diagnostics.
+  /// masters' gradients (on CUDA, where the masters step from the 16-bit gradients: those
+  /// widened and multiplied by the step's clip coefficient, the values the composite's master
+  /// gradients held). Zeros where no rank had a gradient. For tests and diagnostics.
   torch::Tensor whole_gradient();
   /// The expert-parallel groups (both nullptr without expert parallel).
   const ExpertParallel& expert_parallel() const { return ep_; }

@@ -119,6 +119,16 @@ torch::Tensor Trainer::whole_gradient() {
   auto device = dp_ ? dp_->device() : params_.empty() ? torch::Device(torch::kCPU) : params_.front().device();
   auto out = torch::zeros({global_numel_}, torch::TensorOptions(torch::kFloat32).device(device));
   torch::NoGradGuard no_grad;
+  if (steps_from_low_precision()) {  // the masters have no .grad(): the 16-bit ones, as the kernel read them
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      const auto& g = params_[i].grad();
+      if (!g.defined()) continue;
+      auto wide = g.to(torch::kFloat32).reshape({-1});
+      if (params_[i].scalar_type() != torch::kFloat32 && clip_coefficient_.defined()) wide.mul_(clip_coefficient_);
+      out.narrow(0, global_offset_[i], params_[i].numel()).copy_(wide);
+    }
+    return out.to(torch::kCPU);
+  }
   for (auto& g : global_pieces())
     for (const auto& p : g.pieces)
       if (p.master.grad().defined()) out.narrow(0, p.offset, p.master.numel()).copy_(p.master.grad().reshape({-1}));

@@ -162,6 +162,12 @@ void check_bf16_trainer_against_torch(const model::glm4_moe_lite::Glm4MoeLiteCon
       const double norm = torch::nn::utils::clip_grad_norm_(masters, clip > 0 ? clip : 1e30);
       CHECK(metrics.grad_norm == doctest::Approx(norm).epsilon(kTolerance));
       if (clip > 0) CHECK(norm > clip);
+      {  // the trainer's whole (clipped) gradient is torch's clipped one
+        std::vector<torch::Tensor> flat;
+        for (const auto& w : masters)
+          flat.push_back(w.grad().defined() ? w.grad().reshape({-1}).cpu() : torch::zeros({w.numel()}));
+        CHECK(relative_error(t.whole_gradient(), torch::cat(flat)) <= kTolerance);
+      }
       set_lr(want, metrics.lr);
       want.step();
       for (std::size_t i = 0; i < params.size(); ++i) {
