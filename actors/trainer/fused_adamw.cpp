@@ -56,14 +56,19 @@ void fused_adamw_step(torch::optim::AdamW& adamw, const LowPrecisionGradients* l
                                   std::to_string(low->params.size()) + " parameters");
     for (std::size_t k = 0; k < low->masters.size(); ++k) low_index[low->masters[k].unsafeGetTensorImpl()] = k;
   }
+  if (low && !low->masters.empty() &&
+      !(low->scale.defined() && low->scale.numel() == 1 && low->scale.scalar_type() == torch::kFloat32))
+    throw std::invalid_argument("fused_adamw_step: the low-precision gradients' scale must be one fp32 element");
+  // First every parameter with a gradient and its state are checked, in every group, so that a
+  // refusal changes nothing (no state created, no step counted); then the steps run.
+  struct Item {
+    torch::Tensor p, g, q;                 // parameter (the master), gradient, low-precision parameter (or none)
+    torch::optim::AdamWParamState* state;  // null: created below
+  };
+  std::vector<std::vector<Item>> checked;
   for (auto& group : adamw.param_groups()) {
     const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
-    std::map<GroupKey, AdamWLists> lists;
-    AdamWLists from_low;  // masters stepping on `low`'s gradients (params: their masters)
-    std::vector<torch::Tensor> low_params;
-    // The step counts as fp32 scalars on each device, one tensor per distinct count (usually
-    // one: every parameter stepped as often); the kernel only reads them.
-    std::map<std::tuple<int, int, int64_t>, torch::Tensor> step_tensors;
+    auto& items = checked.emplace_back();
     for (std::size_t i = 0; i < group.params().size(); ++i) {
       const auto& p = group.params()[i];
       const auto found = low ? low_index.find(p.unsafeGetTensorImpl()) : low_index.end();
@@ -73,41 +78,60 @@ void fused_adamw_step(torch::optim::AdamW& adamw, const LowPrecisionGradients* l
                                     " has a gradient of its own and one among the low-precision gradients");
       const auto& g = is_low ? low->grads[found->second] : p.grad();
       if (!g.defined()) continue;  // as torch::optim::AdamW::step: no update, no state
+      torch::Tensor q;
       if (is_low) {
-        const auto& q = low->params[found->second];
-        if (g.sizes() != p.sizes() || q.sizes() != p.sizes() || g.device() != p.device() || q.device() != p.device())
+        q = low->params[found->second];
+        if (o.amsgrad())
+          throw std::invalid_argument("fused_adamw_step: amsgrad with low-precision gradients (parameter " +
+                                      std::to_string(i) + ")");
+        const auto t = g.scalar_type();
+        if (g.sizes() != p.sizes() || q.sizes() != p.sizes() || g.device() != p.device() || q.device() != p.device() ||
+            p.scalar_type() != torch::kFloat32 || (t != torch::kBFloat16 && t != torch::kHalf) || q.scalar_type() != t)
           throw std::invalid_argument("fused_adamw_step: parameter " + std::to_string(i) + " is " + describe(p) +
-                                      ", its low-precision gradient " + describe(g) + " and parameter " + describe(q));
+                                      ", its low-precision gradient " + describe(g) + " and parameter " + describe(q) +
+                                      " (want an fp32 master, a bf16 or fp16 gradient and parameter of its shape)");
       } else {
         check_like(p, g, i, "gradient");
       }
-      auto it = state.find(p.unsafeGetTensorImpl());
-      if (it == state.end()) {  // as torch creates it
-        auto st = std::make_unique<torch::optim::AdamWParamState>();
-        st->step(0);
-        st->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Preserve));
-        st->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
-        if (o.amsgrad()) st->max_exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
-        it = state.emplace(p.unsafeGetTensorImpl(), std::move(st)).first;
+      torch::optim::AdamWParamState* st = nullptr;
+      if (auto it = state.find(p.unsafeGetTensorImpl()); it != state.end()) {
+        st = static_cast<torch::optim::AdamWParamState*>(it->second.get());
+        check_like(p, st->exp_avg(), i, "exp_avg");
+        check_like(p, st->exp_avg_sq(), i, "exp_avg_sq");
+        if (o.amsgrad()) check_like(p, st->max_exp_avg_sq(), i, "max_exp_avg_sq");
       }
-      auto& st = static_cast<torch::optim::AdamWParamState&>(*it->second);
-      check_like(p, st.exp_avg(), i, "exp_avg");
-      check_like(p, st.exp_avg_sq(), i, "exp_avg_sq");
-      if (o.amsgrad()) check_like(p, st.max_exp_avg_sq(), i, "max_exp_avg_sq");
-      if (is_low && o.amsgrad())
-        throw std::invalid_argument("fused_adamw_step: amsgrad with low-precision gradients (parameter " +
-                                    std::to_string(i) + ")");
-      st.step(st.step() + 1);  // the caller increments, the kernel reads (torch's _fused_adam)
-      auto& step = step_tensors[{int(p.device().type()), int(p.device().index()), st.step()}];
-      if (!step.defined()) step = torch::full({}, double(st.step()), torch::TensorOptions(torch::kFloat32).device(p.device()));
-      auto& l = is_low ? from_low : lists[key_of(p)];
+      items.push_back(Item{p, g, q, st});
+    }
+  }
+  for (std::size_t k = 0; k < checked.size(); ++k) {
+    const auto& o = static_cast<const torch::optim::AdamWOptions&>(adamw.param_groups()[k].options());
+    std::map<GroupKey, AdamWLists> lists;
+    AdamWLists from_low;  // masters stepping on `low`'s gradients (params: their masters)
+    std::vector<torch::Tensor> low_params;
+    // The step counts as fp32 scalars on each device, one tensor per distinct count (usually
+    // one: every parameter stepped as often); the kernel only reads them.
+    std::map<std::tuple<int, int, int64_t>, torch::Tensor> step_tensors;
+    for (auto& [p, g, q, st] : checked[k]) {
+      if (!st) {  // as torch creates it
+        auto fresh = std::make_unique<torch::optim::AdamWParamState>();
+        fresh->step(0);
+        fresh->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+        fresh->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+        if (o.amsgrad()) fresh->max_exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+        st = fresh.get();
+        state.emplace(p.unsafeGetTensorImpl(), std::move(fresh));
+      }
+      st->step(st->step() + 1);  // the caller increments, the kernel reads (torch's _fused_adam)
+      auto& step = step_tensors[{int(p.device().type()), int(p.device().index()), st->step()}];
+      if (!step.defined()) step = torch::full({}, double(st->step()), torch::TensorOptions(torch::kFloat32).device(p.device()));
+      auto& l = q.defined() ? from_low : lists[key_of(p)];
       l.params.push_back(p);
       l.grads.push_back(g);
-      l.exp_avgs.push_back(st.exp_avg());
-      l.exp_avg_sqs.push_back(st.exp_avg_sq());
-      if (o.amsgrad()) l.max_exp_avg_sqs.push_back(st.max_exp_avg_sq());
+      l.exp_avgs.push_back(st->exp_avg());
+      l.exp_avg_sqs.push_back(st->exp_avg_sq());
+      if (o.amsgrad()) l.max_exp_avg_sqs.push_back(st->max_exp_avg_sq());
       l.steps.push_back(step);
-      if (is_low) low_params.push_back(low->params[found->second]);
+      if (q.defined()) low_params.push_back(q);
     }
     const auto [beta1, beta2] = o.betas();
     for (auto& [key, l] : lists)

@@ -36,10 +36,13 @@ struct LowPrecisionGradients {
 /// (relative error ~1e-7 per step; tests/trainer/test_fused_adamw.cpp).
 /// Throws std::invalid_argument naming the parameter (index in its group) when its gradient
 /// or its state (e.g. from a checkpoint) differs from it in shape, dtype or device, or a
-/// gradient is sparse.
+/// gradient is sparse; every parameter is checked before any is stepped, so a refusal changes
+/// no parameter, state or step count.
 /// With `low`: its masters step from its 16-bit gradients as LowPrecisionGradients says, at the
 /// same state, options and step counts, in one kernels::adamw_step_low_precision call per param
-/// group; a master that also has a .grad() of its own is refused (std::invalid_argument).
+/// group. Also refused (std::invalid_argument): a master that has a .grad() of its own, one of
+/// another shape, device or dtype than its fp32 master / 16-bit gradient and parameter, amsgrad,
+/// a scale that is not one fp32 element, lists of different lengths.
 void fused_adamw_step(torch::optim::AdamW& adamw, const LowPrecisionGradients* low = nullptr);
 
 /// The global L2 norm of `grads` (undefined ones skipped; any mix of dtypes and devices: each

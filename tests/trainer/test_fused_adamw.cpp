@@ -123,6 +123,70 @@ TEST_CASE("fused AdamW refuses state of another shape, naming the parameter") {
   CHECK(st.step() == 1);  // refused before anything changed
 }
 
+TEST_CASE("fused AdamW from low-precision gradients equals the composite (fp32 copies, clip, fused AdamW, copy-out)") {
+  torch::manual_seed(9);
+  const std::vector<std::vector<int64_t>> shapes{{7, 5}, {13}, {1}, {300}};
+  std::vector<torch::Tensor> got_m, want_m, params_low, params_want;
+  for (const auto& sh : shapes) {
+    auto t = torch::randn(sh);
+    got_m.push_back(t.clone().requires_grad_(true));
+    want_m.push_back(t.clone().requires_grad_(true));
+    params_low.push_back(t.to(torch::kBFloat16));
+    params_want.push_back(t.to(torch::kBFloat16));
+  }
+  const auto options = torch::optim::AdamWOptions(1e-2).betas({0.9, 0.95}).weight_decay(0.1);
+  torch::optim::AdamW got(got_m, options), want(want_m, options);
+  for (int step = 0; step < 4; ++step) {
+    CAPTURE(step);
+    const double scale = step % 2 ? 10.0 : 0.01;  // clipped on odd steps
+    std::vector<torch::Tensor> grads;
+    for (std::size_t i = 0; i < shapes.size(); ++i) {
+      const bool has = !(i == 2 && step == 1);  // parameter 2 without a gradient once
+      grads.push_back(has ? (torch::randn(shapes[i]) * scale).to(torch::kBFloat16) : torch::Tensor());
+      want_m[i].mutable_grad() = has ? grads[i].to(torch::kFloat32) : torch::Tensor();
+    }
+    const double want_norm = clip_grad_norm(want_m, 1.0);
+    fused_adamw_step(want);
+    copy_tensors(params_want, want_m);
+    auto [norm, coef] = grad_norm_and_coefficient(grads, 1.0);
+    CHECK(norm.item<double>() == want_norm);  // the bf16 gradients' fp32 norm is their fp32 copies'
+    const LowPrecisionGradients low{got_m, grads, params_low, coef};
+    fused_adamw_step(got, &low);
+    for (std::size_t i = 0; i < shapes.size(); ++i) {
+      CAPTURE(i);
+      CHECK(torch::equal(got_m[i], want_m[i]));  // the same ops on the same values (CPU: the reference)
+      CHECK(torch::equal(params_low[i], params_want[i]));
+      CHECK(state_of(got, got_m[i])->step() == state_of(want, want_m[i])->step());
+      CHECK(torch::equal(state_of(got, got_m[i])->exp_avg_sq(), state_of(want, want_m[i])->exp_avg_sq()));
+    }
+  }
+  // Refused before anything changes: a master with its own gradient, a 16-bit parameter of the
+  // wrong dtype, amsgrad, a scale of two elements.
+  const auto grads = std::vector<torch::Tensor>(shapes.size(), torch::Tensor());
+  auto bad = [&](LowPrecisionGradients low, const char* what) {
+    CAPTURE(what);
+    const auto steps_before = state_of(got, got_m[0])->step();
+    const auto master_before = got_m[0].detach().clone();
+    CHECK_THROWS_AS(fused_adamw_step(got, &low), std::invalid_argument);
+    CHECK(state_of(got, got_m[0])->step() == steps_before);
+    CHECK(torch::equal(got_m[0], master_before));
+  };
+  std::vector<torch::Tensor> g16;
+  for (const auto& sh : shapes) g16.push_back(torch::ones(sh, torch::kBFloat16));
+  got_m[3].mutable_grad() = torch::ones({300});
+  bad(LowPrecisionGradients{got_m, g16, params_low, torch::ones({})}, "master with a gradient of its own");
+  got_m[3].mutable_grad() = torch::Tensor();
+  auto wrong = params_low;
+  wrong[3] = wrong[3].to(torch::kHalf);
+  bad(LowPrecisionGradients{got_m, g16, wrong, torch::ones({})}, "fp16 parameter for a bf16 gradient");
+  bad(LowPrecisionGradients{got_m, g16, params_low, torch::ones({2})}, "scale of two elements");
+  torch::optim::AdamW ams(got_m, torch::optim::AdamWOptions(1e-2).amsgrad(true));
+  const LowPrecisionGradients low{got_m, g16, params_low, torch::ones({})};
+  CHECK_THROWS_WITH_AS(fused_adamw_step(ams, &low), "fused_adamw_step: amsgrad with low-precision gradients (parameter 0)",
+                       std::invalid_argument);
+  CHECK(ams.state().empty());
+}
+
 namespace {
 // A bf16 policy of `config` on `device`, trained 4 steps, against torch::optim::AdamW and
 // clip_grad_norm_ on fp32 copies of the same start and the policy's bf16 gradients of each step.
