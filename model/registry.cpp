@@ -3,8 +3,10 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <stdexcept>
 
 #include "model/config_json.hpp"
@@ -15,6 +17,48 @@
 namespace kiln::model {
 
 namespace fs = std::filesystem;
+
+int64_t host_memory_available_bytes() {
+  int64_t available = -1;
+  {
+    std::ifstream meminfo("/proc/meminfo");
+    std::string key;
+    int64_t kib = 0;
+    std::string unit;
+    while (meminfo >> key >> kib >> unit)
+      if (key == "MemAvailable:") {
+        available = kib * 1024;
+        break;
+      }
+  }
+  // A cgroup v2 limit: what the kernel kills at, less what the group holds already.
+  std::ifstream max_file("/sys/fs/cgroup/memory.max"), current_file("/sys/fs/cgroup/memory.current");
+  std::string max_text;
+  int64_t current = 0;
+  if (max_file >> max_text && max_text != "max" && current_file >> current) {
+    try {
+      const int64_t headroom = std::max<int64_t>(0, std::stoll(max_text) - current);
+      available = available < 0 ? headroom : std::min(available, headroom);
+    } catch (const std::exception&) {
+    }
+  }
+  return available;
+}
+
+void check_fits_host_memory(int64_t parameters, int64_t available_bytes, const std::string& what) {
+  if (available_bytes < 0) return;
+  const double need = 4.0 * double(parameters);
+  if (need <= double(available_bytes)) return;
+  char text[256];
+  std::snprintf(text, sizeof text, "%.3g billion parameters take %.1f GB in fp32, but this machine has %.1f GB",
+                double(parameters) / 1e9, need / 1e9, double(available_bytes) / 1e9);
+  throw std::invalid_argument(
+      what + ": " + text +
+      " of memory available (MemAvailable, or a cgroup limit's headroom): the model is built in fp32 on the host "
+      "before it is cast and moved, so the build would be killed for lack of memory. Use a smaller flavor or a "
+      "cropped checkpoint (kiln model crop), expert-parallel ranks reading an HF checkpoint (each builds its "
+      "share of the experts), or a machine with more memory");
+}
 
 Registry Registry::with_builtins() {
   Registry r;
@@ -30,6 +74,12 @@ Registry Registry::with_builtins() {
   glm.from_hf_dir_experts = [](const std::string& dir, ExpertSlice experts) -> std::shared_ptr<CausalLM> {
     return glm4_moe_lite::from_hf_dir(dir, experts);
   };
+  glm.parameter_count = [](const std::string& flavor, const std::string& dir, ExpertSlice experts) {
+    const auto c = dir.empty() ? glm4_moe_lite::flavors::by_name(flavor)
+                               : glm4_moe_lite::Glm4MoeLiteConfig::from_hf_json(config_json::read_config_json(dir),
+                                                                                (fs::path(dir) / "config.json").string());
+    return glm4_moe_lite::parameter_count(c, experts);
+  };
   r.add_builtin(std::move(glm));
   ModelPackage glm5;
   glm5.name = "glm5_next";
@@ -41,6 +91,12 @@ Registry Registry::with_builtins() {
     return std::make_shared<glm5_next::Glm5NextModelImpl>(glm5_next::flavors::by_name(flavor), /*random_init=*/true);
   };
   glm5.from_hf_dir = [](const std::string& dir) -> std::shared_ptr<CausalLM> { return glm5_next::from_hf_dir(dir); };
+  glm5.parameter_count = [](const std::string& flavor, const std::string& dir, ExpertSlice) {
+    const auto c = dir.empty() ? glm5_next::flavors::by_name(flavor)
+                               : glm5_next::Glm5NextConfig::from_hf_json(config_json::read_config_json(dir),
+                                                                         dir + "/config.json");
+    return glm5_next::parameter_count(c);
+  };
   r.add_builtin(std::move(glm5));
   return r;
 }
@@ -105,9 +161,25 @@ std::shared_ptr<CausalLM> Registry::build(const ModelSpec& spec, ExpertSlice exp
                                 " (is this a CUDA build of LibTorch on a GPU machine?)");
   const torch::Device device(spec.device);  // throws on a malformed device string
   const auto& package = find(spec.package);
-  auto m = experts.ranks > 1 && !spec.checkpoint.empty() && package.from_hf_dir_experts
-               ? package.from_hf_dir_experts(spec.checkpoint, experts)
-               : build(spec.package, spec.flavor, spec.checkpoint);
+  const bool sliced = experts.ranks > 1 && !spec.checkpoint.empty() && package.from_hf_dir_experts;
+  if (package.parameter_count) {
+    int64_t parameters = -1;
+    try {
+      parameters = package.parameter_count(spec.flavor, spec.checkpoint, sliced ? experts : ExpertSlice{});
+    } catch (const std::exception&) {
+      // An unknown flavor or an unreadable config: the build below names it.
+    }
+    if (parameters >= 0)
+      check_fits_host_memory(parameters, host_memory_available_bytes(),
+                             "model package " + spec.package +
+                                 (spec.checkpoint.empty() ? ", flavor '" + spec.flavor + "'"
+                                                          : ", checkpoint '" + spec.checkpoint + "'") +
+                                 (sliced ? " (expert-parallel rank " + std::to_string(experts.rank) + " of " +
+                                               std::to_string(experts.ranks) + "'s share)"
+                                         : ""));
+  }
+  auto m = sliced ? package.from_hf_dir_experts(spec.checkpoint, experts)
+                  : build(spec.package, spec.flavor, spec.checkpoint);
   // Cast on the host, then move: moving first would hold the fp32 model on the device (4
   // bytes a parameter: 120 GB for GLM-4.7-Flash, more than a GPU that already holds a trainer
   // rank has free). The cast goes parameter by parameter, so the host holds one copy at a time.

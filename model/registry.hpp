@@ -30,7 +30,25 @@ struct ModelPackage {
   /// experts: an expert-parallel rank's share, so that no rank holds the whole model. Null: the
   /// package loads the whole model and set_expert_parallel slices it.
   std::function<std::shared_ptr<CausalLM>(const std::string& dir, ExpertSlice experts)> from_hf_dir_experts;
+  /// Optional: the parameters a model of `flavor` (checkpoint_dir empty) or of checkpoint_dir's
+  /// config.json holds, with `experts`' share of the routed experts, from the config alone (nothing
+  /// built or read). With it Registry::build(spec) refuses a model whose fp32 build on the host
+  /// would not fit the memory available (check_fits_host_memory) instead of being killed by the
+  /// kernel's out-of-memory killer part way; null: no such check.
+  std::function<int64_t(const std::string& flavor, const std::string& checkpoint_dir, ExpertSlice experts)>
+      parameter_count;
 };
+
+/// Bytes of host memory a new allocation can take now: /proc/meminfo's MemAvailable, lowered to
+/// the headroom of a cgroup v2 memory limit (memory.max - memory.current) when one is set; -1 when
+/// neither can be read.
+int64_t host_memory_available_bytes();
+
+/// Refuses (std::invalid_argument) building `parameters` parameters in fp32 on the host (4 bytes
+/// each: packages build there in fp32, then cast and move) when that exceeds `available_bytes`;
+/// `available_bytes` < 0 (unknown) checks nothing. The message names `what` (e.g. "model package
+/// glm4_moe_lite, flavor 'glm47_flash'"), both sizes in GB and what to do instead.
+void check_fits_host_memory(int64_t parameters, int64_t available_bytes, const std::string& what);
 
 class Registry {
  public:
@@ -60,7 +78,9 @@ class Registry {
   /// are built and read when the package has from_hf_dir_experts (model.expert_slice() says
   /// what was built; otherwise the whole model, for set_expert_parallel to slice). Throws
   /// std::invalid_argument naming the field for a dtype other than fp32/bf16 or a CUDA device
-  /// that is not visible, and what build() throws.
+  /// that is not visible, or, before building, a model whose package counts more parameters than
+  /// the host's available memory holds in fp32 (ModelPackage::parameter_count); and what build()
+  /// throws.
   std::shared_ptr<CausalLM> build(const ModelSpec& spec, ExpertSlice experts = {}) const;
 
   /// The package called `name`: user packages first, then built-ins. Throws

@@ -18,6 +18,8 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 class RMSNormImpl : public torch::nn::Module, public BatchInvariantSwitch {
  public:
   RMSNormImpl(int64_t dim, double eps);
+  /// Parameters the constructor registers (the weight [dim]).
+  static int64_t parameter_count(int64_t dim) { return dim; }
   torch::Tensor forward(const torch::Tensor& x);
   torch::Tensor weight;  ///< [D]
 
@@ -69,6 +71,8 @@ torch::Tensor unsplit_linear(const torch::Tensor& x, const torch::Tensor& w);
 class SwiGLUImpl : public torch::nn::Module, public BatchInvariantSwitch {
  public:
   SwiGLUImpl(int64_t dim, int64_t intermediate, std::optional<double> swiglu_limit = std::nullopt);
+  /// Parameters the constructor registers (gate, up [intermediate, dim], down [dim, intermediate]).
+  static int64_t parameter_count(int64_t dim, int64_t intermediate) { return 3 * dim * intermediate; }
   torch::Tensor forward(const torch::Tensor& x);
   torch::nn::Linear gate{nullptr}, up{nullptr}, down{nullptr};  ///< [F, D], [F, D], [D, F]
 

@@ -39,6 +39,14 @@ MLAImpl::MLAImpl(const MLAOptions& opt) : o_(opt) {
   o = register_module("o", linear(c.num_heads * c.v_head_dim, c.hidden));
 }
 
+int64_t MLAImpl::parameter_count(const MLAOptions& c) {
+  const int64_t qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
+  const int64_t q = c.q_lora_rank ? c.hidden * *c.q_lora_rank + *c.q_lora_rank + *c.q_lora_rank * c.num_heads * qk
+                                  : c.hidden * c.num_heads * qk;
+  return q + c.hidden * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank +
+         c.kv_lora_rank * c.num_heads * (c.qk_nope_head_dim + c.v_head_dim) + c.num_heads * c.v_head_dim * c.hidden;
+}
+
 torch::Tensor MLAImpl::project(torch::nn::Linear& l, const torch::Tensor& x) {
   return batch_invariant_ ? invariant_linear(x, l->weight) : unsplit_linear(x, l->weight);
 }

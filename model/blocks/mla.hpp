@@ -98,6 +98,8 @@ class CachedLayout {
 class MLAImpl : public torch::nn::Module, public BatchInvariantSwitch {
  public:
   explicit MLAImpl(const MLAOptions& opt);
+  /// Parameters the constructor registers for `opt` (the projections and the two norms).
+  static int64_t parameter_count(const MLAOptions& opt);
   /// x: [T, D], positions: [T] int64, cu_seqlens: [B+1] int64 -> [T, D]. max_seqlen: the
   /// longest document, or 0 to read it off cu_seqlens. position_bound: every position lies in
   /// [0, position_bound) (0: in [0, max_seqlen), each document numbered from 0); on CUDA the

@@ -1,5 +1,6 @@
 #include "model/blocks/moe.hpp"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -179,6 +180,13 @@ MoEImpl::MoEImpl(const RouterOptions& o, int64_t expert_intermediate, int64_t n_
       "experts", GroupedExperts(o.num_experts / slice.ranks, o.hidden, expert_intermediate, swiglu_limit));
   if (n_shared_experts > 0)
     shared = register_module("shared", SwiGLU(o.hidden, expert_intermediate * n_shared_experts, swiglu_limit));
+}
+
+int64_t MoEImpl::parameter_count(const RouterOptions& o, int64_t expert_intermediate, int64_t n_shared_experts,
+                                 ExpertSlice slice) {
+  const int64_t experts = o.num_experts / std::max<int64_t>(1, slice.ranks);
+  return o.num_experts * o.hidden + experts * 3 * expert_intermediate * o.hidden +
+         (n_shared_experts > 0 ? SwiGLUImpl::parameter_count(o.hidden, expert_intermediate * n_shared_experts) : 0);
 }
 
 torch::Tensor MoEImpl::forward(const torch::Tensor& x, const std::optional<torch::Tensor>& replay_ids_TK,

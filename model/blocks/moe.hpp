@@ -120,6 +120,10 @@ class MoEImpl : public torch::nn::Module, public BatchInvariantSwitch {
   /// `swiglu_limit`: clamp routed and shared experts (kernels::swiglu).
   MoEImpl(const RouterOptions& o, int64_t expert_intermediate, int64_t n_shared_experts, ExpertSlice slice = {},
           std::optional<double> swiglu_limit = std::nullopt);
+  /// Parameters the constructor registers: the router's weight [E, D], this slice's experts
+  /// (gate/up [E/ranks, 2F, D], down [E/ranks, D, F]) and the shared experts' SwiGLU.
+  static int64_t parameter_count(const RouterOptions& o, int64_t expert_intermediate, int64_t n_shared_experts,
+                                 ExpertSlice slice = {});
   /// x: [T, D] -> [T, D]; *expert_ids_out gets the [T, K] choice (or the replayed ids; ids
   /// are global, in [0, E), with or without expert parallel). With expert parallel: collective
   /// over the ep group in forward and backward (moe_ep.hpp), whatever T is.

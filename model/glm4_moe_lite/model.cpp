@@ -29,6 +29,26 @@ DecoderLayerImpl::DecoderLayerImpl(const Glm4MoeLiteConfig& c, int64_t index, Ex
   }
 }
 
+int64_t DecoderLayerImpl::parameter_count(const Glm4MoeLiteConfig& c, int64_t index, ExpertSlice experts) {
+  const auto& a = c.attention;
+  int64_t n = 2 * RMSNormImpl::parameter_count(c.hidden_size) +
+              MLAImpl::parameter_count(MLAOptions{c.hidden_size, a.num_heads, a.q_lora_rank, a.kv_lora_rank,
+                                                  a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.rope_theta,
+                                                  a.rope_interleave, a.softmax_scale()});
+  const auto& m = c.moe;
+  return n + (c.moe_layers.at(index)
+                  ? MoEImpl::parameter_count(RouterOptions{c.hidden_size, m.num_experts, m.top_k, m.n_group,
+                                                           m.topk_group, m.norm_topk_prob, m.routed_scaling_factor},
+                                             m.expert_intermediate_size, m.n_shared_experts, experts)
+                  : SwiGLUImpl::parameter_count(c.hidden_size, c.intermediate_size));
+}
+
+int64_t parameter_count(const Glm4MoeLiteConfig& c, ExpertSlice experts) {
+  int64_t n = 2 * c.vocab_size * c.hidden_size + RMSNormImpl::parameter_count(c.hidden_size);  // embed, lm_head, norm
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) n += DecoderLayerImpl::parameter_count(c, i, experts);
+  return n;
+}
+
 torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& positions,
                                         const torch::Tensor& cu_seqlens, int64_t max_seqlen,
                                         int64_t position_bound, const std::optional<torch::Tensor>& replay,

@@ -18,6 +18,8 @@ class DecoderLayerImpl : public torch::nn::Module {
  public:
   /// `experts`: the routed experts a MoE layer holds (MoEImpl).
   DecoderLayerImpl(const Glm4MoeLiteConfig& c, int64_t index, ExpertSlice experts = {});
+  /// Parameters the constructor registers for layer `index` of `c` (`experts`' share of the routed experts).
+  static int64_t parameter_count(const Glm4MoeLiteConfig& c, int64_t index, ExpertSlice experts = {});
   /// x: [T, D] -> [T, D]. cu_seqlens [B+1] (any device, int32/int64), max_seqlen its longest
   /// document (0: read off cu_seqlens), position_bound above every position (MLAImpl::forward).
   /// For MoE layers, replay/expert_ids_out as in MoEImpl::forward.
@@ -125,5 +127,10 @@ class Glm4MoeLiteModel : public CausalLM {
 /// read from the memory-mapped files). Throws std::invalid_argument (config, slice) or
 /// checkpoint::CheckpointError (weights).
 std::shared_ptr<Glm4MoeLiteModel> from_hf_dir(const std::string& dir, ExpertSlice experts = {});
+
+/// Parameters of a Glm4MoeLiteModel of config `c` holding `experts`' share of the routed experts
+/// (buffers not counted), from the config alone: what building one will allocate, 4 bytes a
+/// parameter in fp32 (model::Registry's memory check).
+int64_t parameter_count(const Glm4MoeLiteConfig& c, ExpertSlice experts = {});
 
 }  // namespace kiln::model::glm4_moe_lite

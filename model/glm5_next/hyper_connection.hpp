@@ -32,6 +32,11 @@ class HyperConnectionImpl : public torch::nn::Module {
   /// rms_norm_eps: the epsilon of the streams' unweighted RMS normalisation (transformers uses
   /// the model's rms_norm_eps there, and hc.eps only for the Sinkhorn floor and `pre`).
   HyperConnectionImpl(int64_t hidden, const HyperConnectionConfig& c, double rms_norm_eps);
+  /// Parameters the constructor registers (fn [(2 + S) S, S hidden], base [(2 + S) S], scale [3]).
+  static int64_t parameter_count(int64_t hidden, const HyperConnectionConfig& c) {
+    const int64_t S = c.streams;
+    return (2 + S) * S * S * hidden + (2 + S) * S + 3;
+  }
   /// streams: [T, S, D] -> the site's weights and collapsed input. The mixing logits are
   /// computed in fp32 (the streams flattened and RMS-normalised without weight, times fn^T).
   HcWeights forward(const torch::Tensor& streams);

@@ -75,6 +75,12 @@ class KimiDeltaAttentionImpl : public torch::nn::Module {
  public:
   /// rms_norm_eps: the output norm's epsilon (transformers passes the model's rms_norm_eps).
   KimiDeltaAttentionImpl(int64_t hidden, const KdaConfig& c, double rms_norm_eps, int64_t chunk_size = 64);
+  /// Parameters the constructor registers: q/k/v projections and their depthwise convolutions,
+  /// the forget-gate and output-gate low-rank pairs, dt_bias, A_log, b_proj, o_norm, o_proj.
+  static int64_t parameter_count(int64_t hidden, const KdaConfig& c) {
+    const int64_t H = c.num_heads, K = c.head_dim, HK = H * K, W = c.conv_kernel;
+    return 3 * hidden * HK + 3 * HK * W + 2 * (hidden * K + K * HK) + HK + H + hidden * H + K + HK * hidden;
+  }
   /// Packed forward (training): x [T, D], cu_seqlens [B+1] int64 -> [T, D], chunked form.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cu_seqlens);
   /// As forward, and the state each document ends in (its conv window and recurrent state),

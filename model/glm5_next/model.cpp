@@ -30,6 +30,26 @@ DecoderLayerImpl::DecoderLayerImpl(const Glm5NextConfig& c, int64_t layer) {
   }
 }
 
+int64_t DecoderLayerImpl::parameter_count(const Glm5NextConfig& c, int64_t layer) {
+  const auto i = std::size_t(layer);
+  const int64_t D = c.hidden_size;
+  int64_t n = 2 * HyperConnectionImpl::parameter_count(D, c.hc) + 2 * RMSNormImpl::parameter_count(D);
+  n += c.layer_types[i] == LayerType::linear_attention
+           ? KimiDeltaAttentionImpl::parameter_count(D, c.kda)
+           : SparseAttentionImpl::parameter_count(D, c.attention, c.indexer, c.indexer_types[i] == IndexerType::full);
+  const RouterOptions ro{D, c.moe.num_experts, c.moe.top_k, c.moe.n_group, c.moe.topk_group, c.moe.norm_topk_prob,
+                         c.moe.routed_scaling_factor};
+  n += c.moe_layers[i] ? MoEImpl::parameter_count(ro, c.moe.expert_intermediate_size, c.moe.n_shared_experts)
+                       : SwiGLUImpl::parameter_count(D, c.intermediate_size);
+  return n;
+}
+
+int64_t parameter_count(const Glm5NextConfig& c) {
+  int64_t n = 2 * c.vocab_size * c.hidden_size + RMSNormImpl::parameter_count(c.hidden_size);  // embed, lm_head, norm
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) n += DecoderLayerImpl::parameter_count(c, i);
+  return n + c.num_nextn_predict_layers * MtpLayerImpl::parameter_count(c);
+}
+
 torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& streams, const torch::Tensor& cu_seqlens, torch::Tensor& topk,
                                         const std::optional<torch::Tensor>& replay_ids, torch::Tensor* expert_ids) {
   auto w = attn_hc(streams);

@@ -34,6 +34,8 @@ namespace kiln::model::glm5_next {
 class DecoderLayerImpl : public torch::nn::Module {
  public:
   DecoderLayerImpl(const Glm5NextConfig& c, int64_t layer);
+  /// Parameters the constructor registers for layer `layer` of `c`.
+  static int64_t parameter_count(const Glm5NextConfig& c, int64_t layer);
   /// streams: [T, S, D] -> [T, S, D]. topk: in, the selection this sparse layer uses instead
   /// of running its indexer (a shared layer's from the layer before; a replayed one), or
   /// undefined; out, this layer's selection if it is a sparse layer. replay_ids: [T, K] experts
@@ -136,5 +138,10 @@ class Glm5NextModelImpl : public CausalLM {
   Glm5NextConfig c_;
 };
 TORCH_MODULE(Glm5NextModel);
+
+/// Parameters of a Glm5NextModelImpl of config `c` (the main layers, embedding, head and MTP
+/// layers; buffers not counted), from the config alone: what building one will allocate, 4 bytes
+/// a parameter in fp32 (model::Registry's memory check).
+int64_t parameter_count(const Glm5NextConfig& c);
 
 }  // namespace kiln::model::glm5_next

@@ -24,6 +24,8 @@ class MtpLayerImpl : public torch::nn::Module {
   /// Dimensions from the text config (its attention, indexer and MoE); fp32 on CPU, parameters
   /// as the modules make them.
   explicit MtpLayerImpl(const Glm5NextConfig& c);
+  /// Parameters the constructor registers.
+  static int64_t parameter_count(const Glm5NextConfig& c);
   /// One depth: embedded [T, D] (embeddings of tokens t+d), previous [T, D] (h^{d-1}: the main
   /// model's normed hidden for d = 1, this layer's output at depth d-1 after), cu_seqlens [B+1]
   /// int64 of these rows' documents -> h^d [T, D] (before head_norm). Attention stays inside

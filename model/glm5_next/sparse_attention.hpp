@@ -25,6 +25,12 @@ namespace kiln::model::glm5_next {
 class KPoolIndexerImpl : public torch::nn::Module {
  public:
   KPoolIndexerImpl(int64_t hidden, int64_t q_lora_rank, const IndexerConfig& c);
+  /// Parameters the constructor registers (wq_b, wk, k_norm's weight and bias, weights_proj,
+  /// compress_ape, compress_gate).
+  static int64_t parameter_count(int64_t hidden, int64_t q_lora_rank, const IndexerConfig& c) {
+    return q_lora_rank * c.n_heads * c.head_dim + hidden * c.head_dim + 2 * c.head_dim + hidden * c.n_heads +
+           c.kpool * c.head_dim + c.head_dim * hidden;
+  }
   /// x: [T, D] the layer's normed input, q_resid: [T, Q] the attention's normed compressed
   /// query, cu_seqlens: [B+1] int64 -> [T, W] int64: for each query, positions within its own
   /// document (0-based) it may attend to, -1 for none; pools in descending score, then the
@@ -65,6 +71,14 @@ class SparseAttentionImpl : public torch::nn::Module {
   /// with_indexer: false for a `shared` layer (it uses the previous layer's selection).
   SparseAttentionImpl(int64_t hidden, const AttentionConfig& a, const IndexerConfig& ic, double rms_norm_eps,
                       bool with_indexer);
+  /// Parameters the constructor registers (the MLA-style projections and norms, and the
+  /// indexer's when with_indexer).
+  static int64_t parameter_count(int64_t hidden, const AttentionConfig& a, const IndexerConfig& ic, bool with_indexer) {
+    const int64_t H = a.num_heads, N = a.qk_nope_head_dim, V = a.v_head_dim;
+    return hidden * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * H * N + hidden * a.kv_lora_rank + a.kv_lora_rank +
+           a.kv_lora_rank * H * (N + V) + H * V * hidden +
+           (with_indexer ? KPoolIndexerImpl::parameter_count(hidden, a.q_lora_rank, ic) : 0);
+  }
   /// x: [T, D], cu_seqlens: [B+1] int64; given_topk: [T, W] a selection to use instead of
   /// the indexer's (the previous full layer's on a shared layer, where it is required; a
   /// replayed one on a full layer). Throws std::invalid_argument for a shared layer without a

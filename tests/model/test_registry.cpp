@@ -8,7 +8,10 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "model/glm4_moe_lite/model.hpp"
+#include "model/glm5_next/model.hpp"
 #include "model/registry.hpp"
+#include "tests/test_util.hpp"
 
 using namespace kiln::model;
 
@@ -54,6 +57,82 @@ TEST_CASE("built-in glm5_next builds its flavors and reads an HF directory the w
   ForwardOptions replay;
   replay.replay_topk_indices = out.topk_indices;
   CHECK_THROWS_WITH_AS(glm4->forward(batch, replay), doctest::Contains("glm4_moe_lite has no sparse-attention layers"),
+                       std::invalid_argument);
+}
+
+namespace {
+int64_t numel_of(torch::nn::Module& m) {
+  int64_t n = 0;
+  for (const auto& p : m.parameters()) n += p.numel();
+  return n;
+}
+}  // namespace
+
+TEST_CASE("the built-in packages count their models' parameters from the config alone, as built") {
+  namespace g4 = glm4_moe_lite;
+  namespace g5 = glm5_next;
+  auto r = Registry::with_builtins();
+  // glm4_moe_lite: the debug flavor and variants of each branch (no q LoRA, no shared experts,
+  // all layers dense), whole and as an expert-parallel share.
+  std::vector<g4::Glm4MoeLiteConfig> configs{g4::flavors::debug()};
+  configs.push_back(configs[0]);
+  configs.back().attention.q_lora_rank.reset();
+  configs.push_back(configs[0]);
+  configs.back().moe.n_shared_experts = 0;
+  configs.push_back(configs[0]);
+  configs.back().moe_layers.assign(configs.back().moe_layers.size(), false);
+  for (std::size_t k = 0; k < configs.size(); ++k)
+    for (const ExpertSlice slice : {ExpertSlice{}, ExpertSlice{1, 2}}) {
+      CAPTURE(k);
+      CAPTURE(slice.ranks);
+      g4::Glm4MoeLiteModel m(configs[k], slice, /*random_init=*/false);
+      CHECK(g4::parameter_count(configs[k], slice) == numel_of(m));
+    }
+  CHECK(r.find("glm4_moe_lite").parameter_count("debug", "", {}) == g4::parameter_count(g4::flavors::debug()));
+  const auto tiny4 = std::string(KILN_FIXTURES_DIR) + "/glm4_moe_lite_tiny";
+  CHECK(r.find("glm4_moe_lite").parameter_count("", tiny4, {}) == numel_of(*r.build("glm4_moe_lite", "", tiny4)));
+  // GLM-4.7-Flash: "30B-A3B".
+  const auto flash = g4::parameter_count(g4::flavors::by_name("glm47_flash"));
+  MESSAGE("glm47_flash: " << flash << " parameters");
+  CHECK(flash > 29e9);
+  CHECK(flash < 32e9);
+  // glm5_next: the debug flavor (KDA and sparse layers, full and shared indexers, dense and MoE
+  // layers) with and without an MTP layer, and with every layer sparse.
+  std::vector<g5::Glm5NextConfig> c5{g5::flavors::debug()};
+  c5.push_back(c5[0]);
+  c5.back().num_nextn_predict_layers = 1;
+  c5.push_back(c5[0]);
+  c5.back().layer_types.assign(c5.back().layer_types.size(), g5::LayerType::sparse_attention);
+  for (std::size_t k = 0; k < c5.size(); ++k) {
+    CAPTURE(k);
+    g5::Glm5NextModelImpl m(c5[k]);
+    CHECK(g5::parameter_count(c5[k]) == numel_of(m));
+  }
+  const auto tiny5 = std::string(KILN_FIXTURES_DIR) + "/glm5_next_tiny";
+  CHECK(r.find("glm5_next").parameter_count("", tiny5, {}) == numel_of(*r.build("glm5_next", "", tiny5)));
+}
+
+TEST_CASE("a model whose fp32 build exceeds the host's available memory is refused before it is built") {
+  CHECK_NOTHROW(check_fits_host_memory(int64_t(3e9), int64_t(12.5e9), "small"));
+  CHECK_NOTHROW(check_fits_host_memory(int64_t(30e9), -1, "unknown memory"));  // nothing to compare with
+  CHECK_THROWS_WITH_AS(check_fits_host_memory(int64_t(30e9), int64_t(22e9), "model package p, flavor 'f'"),
+                       doctest::Contains("model package p, flavor 'f': 30 billion parameters take 120.0 GB in fp32, "
+                                         "but this machine has 22.0 GB of memory available"),
+                       std::invalid_argument);
+}
+
+TEST_CASE("GLM-4.7-Flash in full on a host without the memory for its fp32 build is refused by Registry::build") {
+  const int64_t available = host_memory_available_bytes();
+  MESSAGE("host memory available: " << double(available) / 1e9 << " GB");
+  // GLM-4.7-Flash in full (~30e9 parameters, 120 GB in fp32) through Registry::build, as `kiln
+  // run --set model.flavor=glm47_flash` asks for it: refused by name, not killed part way.
+  const double need = 4.0 * double(glm4_moe_lite::parameter_count(glm4_moe_lite::flavors::by_name("glm47_flash")));
+  if (kiln::test::skip_unless(available >= 0 && double(available) < need,
+                              "this machine has the memory to build GLM-4.7-Flash in fp32 (or reports none)"))
+    return;
+  auto r = Registry::with_builtins();
+  CHECK_THROWS_WITH_AS(r.build(ModelSpec{"glm4_moe_lite", "glm47_flash", "", "cpu", "bf16"}),
+                       doctest::Contains("model package glm4_moe_lite, flavor 'glm47_flash': 29.9 billion parameters take 119.8 GB in fp32"),
                        std::invalid_argument);
 }
 
