@@ -19,18 +19,18 @@ namespace kiln::model {
 namespace fs = std::filesystem;
 
 int64_t host_memory_available_bytes() {
-  int64_t available = -1;
+  int64_t available = -1, swap_free = 0;
   {
     std::ifstream meminfo("/proc/meminfo");
     std::string key;
     int64_t kib = 0;
     std::string unit;
-    while (meminfo >> key >> kib >> unit)
-      if (key == "MemAvailable:") {
-        available = kib * 1024;
-        break;
-      }
+    while (meminfo >> key >> kib >> unit) {
+      if (key == "MemAvailable:") available = kib * 1024;
+      if (key == "SwapFree:") swap_free = kib * 1024;
+    }
   }
+  if (available >= 0) available += swap_free;  // slow, but the build would not be killed
   // A cgroup v2 limit: what the kernel kills at, less what the group holds already.
   std::ifstream max_file("/sys/fs/cgroup/memory.max"), current_file("/sys/fs/cgroup/memory.current");
   std::string max_text;
@@ -54,7 +54,7 @@ void check_fits_host_memory(int64_t parameters, int64_t available_bytes, const s
                 double(parameters) / 1e9, need / 1e9, double(available_bytes) / 1e9);
   throw std::invalid_argument(
       what + ": " + text +
-      " of memory available (MemAvailable, or a cgroup limit's headroom): the model is built in fp32 on the host "
+      " of memory available (MemAvailable + SwapFree, or a cgroup limit's headroom): the model is built in fp32 on the host "
       "before it is cast and moved, so the build would be killed for lack of memory. Use a smaller flavor or a "
       "cropped checkpoint (kiln model crop), expert-parallel ranks reading an HF checkpoint (each builds its "
       "share of the experts), or a machine with more memory");

@@ -39,9 +39,9 @@ struct ModelPackage {
       parameter_count;
 };
 
-/// Bytes of host memory a new allocation can take now: /proc/meminfo's MemAvailable, lowered to
-/// the headroom of a cgroup v2 memory limit (memory.max - memory.current) when one is set; -1 when
-/// neither can be read.
+/// Bytes of host memory a new allocation can take now: /proc/meminfo's MemAvailable plus SwapFree,
+/// lowered to the headroom of a cgroup v2 memory limit (memory.max - memory.current) when one is
+/// set; -1 when neither can be read.
 int64_t host_memory_available_bytes();
 
 /// Refuses (std::invalid_argument) building `parameters` parameters in fp32 on the host (4 bytes
