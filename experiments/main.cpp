@@ -475,6 +475,20 @@ int main(int argc, char** argv) {
     return app.exit(e) == 0 ? 0 : 2;
   }
   for (const auto& c : commands)
-    if (c.app->parsed()) return c.run();
+    if (c.app->parsed()) {
+      // What a command does not catch itself (a benchmark's model refused, say): named, with the
+      // exit code of kiln's other refusals for bad input (2), else 1; never std::terminate.
+      std::string name = c.app->get_name();
+      for (auto* p = c.app->get_parent(); p && p->get_parent(); p = p->get_parent()) name = p->get_name() + " " + name;
+      try {
+        return c.run();
+      } catch (const std::invalid_argument& e) {
+        std::fprintf(stderr, "kiln %s: %s\n", name.c_str(), e.what());
+        return 2;
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "kiln %s: error: %s\n", name.c_str(), e.what());
+        return 1;
+      }
+    }
   return 0;
 }

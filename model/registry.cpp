@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <stdexcept>
 
 #include "model/config_json.hpp"
@@ -22,42 +23,64 @@ int64_t host_memory_available_bytes() {
   int64_t available = -1, swap_free = 0;
   {
     std::ifstream meminfo("/proc/meminfo");
-    std::string key;
-    int64_t kib = 0;
-    std::string unit;
-    while (meminfo >> key >> kib >> unit) {
+    for (std::string line; std::getline(meminfo, line);) {  // "Key:   N kB" (some lines have no unit)
+      std::istringstream fields(line);
+      std::string key;
+      int64_t kib = 0;
+      if (!(fields >> key >> kib)) continue;
       if (key == "MemAvailable:") available = kib * 1024;
       if (key == "SwapFree:") swap_free = kib * 1024;
     }
   }
   if (available >= 0) available += swap_free;  // slow, but the build would not be killed
-  // A cgroup v2 limit: what the kernel kills at, less what the group holds already.
-  std::ifstream max_file("/sys/fs/cgroup/memory.max"), current_file("/sys/fs/cgroup/memory.current");
-  std::string max_text;
-  int64_t current = 0;
-  if (max_file >> max_text && max_text != "max" && current_file >> current) {
+  // A cgroup limit: what the kernel kills at, less what the group holds already (v2, else v1).
+  auto read_int = [](const char* path, int64_t& out) {
+    std::ifstream f(path);
+    std::string text;
+    if (!(f >> text) || text == "max") return false;
     try {
-      const int64_t headroom = std::max<int64_t>(0, std::stoll(max_text) - current);
-      available = available < 0 ? headroom : std::min(available, headroom);
+      out = std::stoll(text);
+      return true;
     } catch (const std::exception&) {
+      return false;
+    }
+  };
+  int64_t limit = 0, used = 0;
+  if ((read_int("/sys/fs/cgroup/memory.max", limit) && read_int("/sys/fs/cgroup/memory.current", used)) ||
+      (read_int("/sys/fs/cgroup/memory/memory.limit_in_bytes", limit) &&
+       read_int("/sys/fs/cgroup/memory/memory.usage_in_bytes", used))) {
+    if (limit < (int64_t(1) << 60)) {  // v1 writes "no limit" as a page-rounded 2^63
+      const int64_t headroom = std::max<int64_t>(0, limit - used);
+      available = available < 0 ? headroom : std::min(available, headroom);
     }
   }
   return available;
 }
 
-void check_fits_host_memory(int64_t parameters, int64_t available_bytes, const std::string& what) {
-  if (available_bytes < 0) return;
-  const double need = 4.0 * double(parameters);
+namespace {
+// 3 significant figures with a scaled unit: "29.9 billion", "126 million"; "120 GB", "406 kB".
+std::string scaled(double v, const char* const units[4], double step) {
+  int k = 0;
+  while (k < 3 && v >= step) v /= step, ++k;
+  char text[64];
+  std::snprintf(text, sizeof text, "%.3g%s", v, units[k]);
+  return text;
+}
+}  // namespace
+
+void check_fits_host_memory(int64_t parameters, double bytes_per_parameter, int64_t available_bytes,
+                            const std::string& what, const std::string& for_what) {
+  if (available_bytes < 0 || parameters < 0) return;
+  const double need = bytes_per_parameter * double(parameters);
   if (need <= double(available_bytes)) return;
-  char text[256];
-  std::snprintf(text, sizeof text, "%.3g billion parameters take %.1f GB in fp32, but this machine has %.1f GB",
-                double(parameters) / 1e9, need / 1e9, double(available_bytes) / 1e9);
-  throw std::invalid_argument(
-      what + ": " + text +
-      " of memory available (MemAvailable + SwapFree, or a cgroup limit's headroom): the model is built in fp32 on the host "
-      "before it is cast and moved, so the build would be killed for lack of memory. Use a smaller flavor or a "
-      "cropped checkpoint (kiln model crop), expert-parallel ranks reading an HF checkpoint (each builds its "
-      "share of the experts), or a machine with more memory");
+  static const char* const counts[4] = {"", " thousand", " million", " billion"};
+  static const char* const bytes[4] = {" B", " kB", " MB", " GB"};
+  throw std::invalid_argument(what + ": " + scaled(double(parameters), counts, 1000) + " parameters take " +
+                              scaled(need, bytes, 1000) + " " + for_what + ", but this machine has " +
+                              scaled(double(available_bytes), bytes, 1000) +
+                              " of memory available (MemAvailable + SwapFree, or a cgroup limit's headroom), so it "
+                              "would be killed for lack of memory part way. Use a smaller flavor or checkpoint, or "
+                              "a machine with more memory");
 }
 
 Registry Registry::with_builtins() {
@@ -128,9 +151,32 @@ Registry Registry::with_plugins(const std::string& plugin_dir) {
   return r;
 }
 
+int64_t Registry::parameter_count(const std::string& package, const std::string& flavor,
+                                  const std::string& checkpoint_dir, ExpertSlice experts) const {
+  const auto& p = find(package);
+  if (!p.parameter_count) return -1;
+  try {
+    return p.parameter_count(flavor, checkpoint_dir, experts);
+  } catch (const std::exception&) {
+    return -1;  // an unknown flavor or an unreadable config: the build names it
+  }
+}
+
+void Registry::check_build_fits(const std::string& package, const std::string& flavor, const std::string& checkpoint_dir,
+                                ExpertSlice experts) const {
+  check_fits_host_memory(parameter_count(package, flavor, checkpoint_dir, experts), 4.0, host_memory_available_bytes(),
+                         "model package " + package +
+                             (checkpoint_dir.empty() ? ", flavor '" + flavor + "'" : ", checkpoint '" + checkpoint_dir + "'") +
+                             (experts.ranks > 1 ? " (expert-parallel rank " + std::to_string(experts.rank) + " of " +
+                                                      std::to_string(experts.ranks) + "'s share)"
+                                                : ""),
+                         "in fp32 (models are built in fp32 on the host, then cast and moved)");
+}
+
 std::shared_ptr<CausalLM> Registry::build(const std::string& package, const std::string& flavor,
                                           const std::string& checkpoint_dir) const {
   const auto& p = find(package);
+  check_build_fits(package, flavor, checkpoint_dir);
   if (checkpoint_dir.empty()) return p.build_flavor(flavor);
   // Another package's checkpoint: named with the package that reads it, before this package's
   // config reader refuses one of its fields. (An unreadable config.json is the reader's to name.)
@@ -162,24 +208,13 @@ std::shared_ptr<CausalLM> Registry::build(const ModelSpec& spec, ExpertSlice exp
   const torch::Device device(spec.device);  // throws on a malformed device string
   const auto& package = find(spec.package);
   const bool sliced = experts.ranks > 1 && !spec.checkpoint.empty() && package.from_hf_dir_experts;
-  if (package.parameter_count) {
-    int64_t parameters = -1;
-    try {
-      parameters = package.parameter_count(spec.flavor, spec.checkpoint, sliced ? experts : ExpertSlice{});
-    } catch (const std::exception&) {
-      // An unknown flavor or an unreadable config: the build below names it.
-    }
-    if (parameters >= 0)
-      check_fits_host_memory(parameters, host_memory_available_bytes(),
-                             "model package " + spec.package +
-                                 (spec.checkpoint.empty() ? ", flavor '" + spec.flavor + "'"
-                                                          : ", checkpoint '" + spec.checkpoint + "'") +
-                                 (sliced ? " (expert-parallel rank " + std::to_string(experts.rank) + " of " +
-                                               std::to_string(experts.ranks) + "'s share)"
-                                         : ""));
+  std::shared_ptr<CausalLM> m;
+  if (sliced) {
+    check_build_fits(spec.package, spec.flavor, spec.checkpoint, experts);
+    m = package.from_hf_dir_experts(spec.checkpoint, experts);
+  } else {
+    m = build(spec.package, spec.flavor, spec.checkpoint);  // checks the whole model's build
   }
-  auto m = sliced ? package.from_hf_dir_experts(spec.checkpoint, experts)
-                  : build(spec.package, spec.flavor, spec.checkpoint);
   // Cast on the host, then move: moving first would hold the fp32 model on the device (4
   // bytes a parameter: 120 GB for GLM-4.7-Flash, more than a GPU that already holds a trainer
   // rank has free). The cast goes parameter by parameter, so the host holds one copy at a time.

@@ -44,11 +44,13 @@ struct ModelPackage {
 /// set; -1 when neither can be read.
 int64_t host_memory_available_bytes();
 
-/// Refuses (std::invalid_argument) building `parameters` parameters in fp32 on the host (4 bytes
-/// each: packages build there in fp32, then cast and move) when that exceeds `available_bytes`;
-/// `available_bytes` < 0 (unknown) checks nothing. The message names `what` (e.g. "model package
-/// glm4_moe_lite, flavor 'glm47_flash'"), both sizes in GB and what to do instead.
-void check_fits_host_memory(int64_t parameters, int64_t available_bytes, const std::string& what);
+/// Refuses (std::invalid_argument) what needs `bytes_per_parameter` bytes for each of `parameters`
+/// parameters of host memory when that exceeds `available_bytes`; `available_bytes` or
+/// `parameters` < 0 (unknown) checks nothing. The message names `what` (e.g. "model package
+/// glm4_moe_lite, flavor 'glm47_flash'"), the parameters, the bytes `for_what` (e.g. "in fp32"),
+/// the bytes available, and what to do instead.
+void check_fits_host_memory(int64_t parameters, double bytes_per_parameter, int64_t available_bytes,
+                            const std::string& what, const std::string& for_what);
 
 class Registry {
  public:
@@ -70,17 +72,23 @@ class Registry {
   /// load_plugins throws.
   static Registry with_plugins(const std::string& plugin_dir = plugin_dir_from_env());
   /// Package `package` built from the HF checkpoint `checkpoint_dir` if non-empty, else from
-  /// its flavor `flavor`. Throws as find(), build_flavor and from_hf_dir do.
+  /// its flavor `flavor`. Throws as find(), build_flavor and from_hf_dir do, and, before building,
+  /// std::invalid_argument for a model whose package counts more parameters than the host's
+  /// available memory holds in fp32 (ModelPackage::parameter_count, check_fits_host_memory).
   std::shared_ptr<CausalLM> build(const std::string& package, const std::string& flavor,
                                   const std::string& checkpoint_dir) const;
+  /// The parameters package `package`'s model of `flavor` / `checkpoint_dir` would hold with
+  /// `experts`' routed experts (ModelPackage::parameter_count); -1 when the package does not
+  /// count them or the flavor or config cannot be read (the build names that). Throws as find().
+  int64_t parameter_count(const std::string& package, const std::string& flavor, const std::string& checkpoint_dir,
+                          ExpertSlice experts = {}) const;
   /// spec's model (as above), moved to spec.device and cast to spec.dtype. `experts` (an
   /// expert-parallel rank's share, ranks > 1): from an HF checkpoint, only those routed experts
   /// are built and read when the package has from_hf_dir_experts (model.expert_slice() says
   /// what was built; otherwise the whole model, for set_expert_parallel to slice). Throws
   /// std::invalid_argument naming the field for a dtype other than fp32/bf16 or a CUDA device
-  /// that is not visible, or, before building, a model whose package counts more parameters than
-  /// the host's available memory holds in fp32 (ModelPackage::parameter_count); and what build()
-  /// throws.
+  /// that is not visible, and what build() throws (an expert-parallel share read from a
+  /// checkpoint is checked as that share).
   std::shared_ptr<CausalLM> build(const ModelSpec& spec, ExpertSlice experts = {}) const;
 
   /// The package called `name`: user packages first, then built-ins. Throws
@@ -96,6 +104,9 @@ class Registry {
     std::string origin;
   };
   std::map<std::string, Entry> user_, builtin_;
+  /// check_fits_host_memory for building that model (4 bytes a parameter).
+  void check_build_fits(const std::string& package, const std::string& flavor, const std::string& checkpoint_dir,
+                        ExpertSlice experts = {}) const;
   std::string plugin_dir_;      // last directory searched for plugins
   std::string loading_origin_;  // plugin being loaded, for add()
 };

@@ -7,9 +7,40 @@
 
 namespace kiln::controller {
 
+namespace {
+// Before anything is built, on the CPU with one trainer rank: the host memory this process will
+// hold for the run, per parameter: the trainer's 16 bytes (weights, gradients and AdamW's two fp32
+// moments; in bf16 also the fp32 masters: 2 + 2 + 4 + 8) when it is here, and a copy in the
+// model's dtype for an in-process engine and reference. Refused by name when it exceeds what is
+// available, instead of being killed part way (each build then checks itself again).
+void check_run_fits_host(const Config& c, const model::Registry& registry) {
+  const auto& p = c.placement;
+  if (c.model.device != "cpu" || c.parallel.dp * c.parallel.ep > 1) return;
+  const double copy = c.model.dtype == "bf16" ? 2 : 4;
+  double per_parameter = 0;
+  std::string parts;
+  auto add = [&](double bytes, const std::string& what) {
+    per_parameter += bytes;
+    parts += (parts.empty() ? "" : ", ") + what;
+  };
+  if (p.trainer != "process") add(16, "the trainer's weights, gradients and AdamW state (16 B)");
+  if (c.rollout.backend != "http" && p.mode != "colocated" && p.mode != "multi_process")
+    add(copy, "the engine's copy (" + std::to_string(int(copy)) + " B)");
+  if (p.reference != "process") add(copy, "the reference's copy (" + std::to_string(int(copy)) + " B)");
+  if (per_parameter == 0) return;
+  model::check_fits_host_memory(
+      registry.parameter_count(c.model.package, c.model.flavor, c.model.checkpoint), per_parameter,
+      model::host_memory_available_bytes(),
+      "model package " + c.model.package +
+          (c.model.checkpoint.empty() ? ", flavor '" + c.model.flavor + "'" : ", checkpoint '" + c.model.checkpoint + "'"),
+      "in this process for the run on the CPU (" + parts + " a parameter)");
+}
+}  // namespace
+
 Actors place_actors(const Config& c, const NodeSite& site, parallel::ProcessGroups* ranks) {
   const auto& p = c.placement;
   auto registry = model::Registry::with_plugins();
+  check_run_fits_host(c, registry);
   Actors a;
   torch::manual_seed(uint64_t(c.run.seed));  // the trainer node seeds its policy the same way
   if (c.parallel.dp * c.parallel.ep > 1) {

@@ -113,11 +113,17 @@ TEST_CASE("the built-in packages count their models' parameters from the config 
 }
 
 TEST_CASE("a model whose fp32 build exceeds the host's available memory is refused before it is built") {
-  CHECK_NOTHROW(check_fits_host_memory(int64_t(3e9), int64_t(12.5e9), "small"));
-  CHECK_NOTHROW(check_fits_host_memory(int64_t(30e9), -1, "unknown memory"));  // nothing to compare with
-  CHECK_THROWS_WITH_AS(check_fits_host_memory(int64_t(30e9), int64_t(22e9), "model package p, flavor 'f'"),
-                       doctest::Contains("model package p, flavor 'f': 30 billion parameters take 120.0 GB in fp32, "
-                                         "but this machine has 22.0 GB of memory available"),
+  CHECK_NOTHROW(check_fits_host_memory(int64_t(3e9), 4, int64_t(12.5e9), "small", "in fp32"));
+  CHECK_NOTHROW(check_fits_host_memory(int64_t(30e9), 4, -1, "unknown memory", "in fp32"));  // nothing to compare with
+  CHECK_NOTHROW(check_fits_host_memory(-1, 4, 1000, "unknown count", "in fp32"));
+  CHECK_THROWS_WITH_AS(check_fits_host_memory(int64_t(30e9), 4, int64_t(22e9), "model package p, flavor 'f'", "in fp32"),
+                       doctest::Contains("model package p, flavor 'f': 30 billion parameters take 120 GB in fp32, "
+                                         "but this machine has 22 GB of memory available"),
+                       std::invalid_argument);
+  // Small numbers in their own units (not "0.0 GB").
+  CHECK_THROWS_WITH_AS(check_fits_host_memory(126000, 20, 406000, "m", "for the run"),
+                       doctest::Contains("m: 126 thousand parameters take 2.52 MB for the run, but this machine has "
+                                         "406 kB"),
                        std::invalid_argument);
 }
 
@@ -132,7 +138,7 @@ TEST_CASE("GLM-4.7-Flash in full on a host without the memory for its fp32 build
     return;
   auto r = Registry::with_builtins();
   CHECK_THROWS_WITH_AS(r.build(ModelSpec{"glm4_moe_lite", "glm47_flash", "", "cpu", "bf16"}),
-                       doctest::Contains("model package glm4_moe_lite, flavor 'glm47_flash': 29.9 billion parameters take 119.8 GB in fp32"),
+                       doctest::Contains("model package glm4_moe_lite, flavor 'glm47_flash': 29.9 billion parameters take 120 GB in fp32"),
                        std::invalid_argument);
 }
 
