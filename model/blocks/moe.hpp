@@ -11,6 +11,7 @@
 #include <optional>
 
 #include "model/blocks/basic.hpp"
+#include "model/moe_config.hpp"
 
 namespace kiln::parallel {
 class Group;
@@ -30,6 +31,11 @@ struct RouterOptions {
   bool norm_topk_prob = true;
   double routed_scaling_factor = 1.0;
 };
+
+/// The router options of a model's routed experts (MoEConfig: both GLM families' fields).
+inline RouterOptions router_options(int64_t hidden, const MoEConfig& m) {
+  return RouterOptions{hidden, m.num_experts, m.top_k, m.n_group, m.topk_group, m.norm_topk_prob, m.routed_scaling_factor};
+}
 
 struct RouteResult {
   torch::Tensor expert_ids;  ///< [T, K] int64, by descending biased score

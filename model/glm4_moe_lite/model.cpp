@@ -12,34 +12,33 @@
 
 namespace kiln::model::glm4_moe_lite {
 
-DecoderLayerImpl::DecoderLayerImpl(const Glm4MoeLiteConfig& c, int64_t index, ExpertSlice experts) {
+namespace {
+MLAOptions mla_options(const Glm4MoeLiteConfig& c) {
   const auto& a = c.attention;
+  return MLAOptions{c.hidden_size,      a.num_heads,        a.q_lora_rank, a.kv_lora_rank,   a.qk_nope_head_dim,
+                    a.qk_rope_head_dim, a.v_head_dim,       a.rope_theta,  a.rope_interleave, a.softmax_scale()};
+}
+}  // namespace
+
+DecoderLayerImpl::DecoderLayerImpl(const Glm4MoeLiteConfig& c, int64_t index, ExpertSlice experts) {
   attn_norm = register_module("attn_norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
-  attn = register_module("attn", MLA(MLAOptions{c.hidden_size, a.num_heads, a.q_lora_rank, a.kv_lora_rank,
-                                                a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.rope_theta,
-                                                a.rope_interleave, a.softmax_scale()}));
+  attn = register_module("attn", MLA(mla_options(c)));
   mlp_norm = register_module("mlp_norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
   if (c.moe_layers.at(index)) {
     const auto& m = c.moe;
-    moe = register_module("moe", MoE(RouterOptions{c.hidden_size, m.num_experts, m.top_k, m.n_group, m.topk_group,
-                                                    m.norm_topk_prob, m.routed_scaling_factor},
-                                     m.expert_intermediate_size, m.n_shared_experts, experts));
+    moe = register_module("moe", MoE(router_options(c.hidden_size, m), m.expert_intermediate_size, m.n_shared_experts,
+                                     experts));
   } else {
     mlp = register_module("mlp", SwiGLU(c.hidden_size, c.intermediate_size));
   }
 }
 
 int64_t DecoderLayerImpl::parameter_count(const Glm4MoeLiteConfig& c, int64_t index, ExpertSlice experts) {
-  const auto& a = c.attention;
-  int64_t n = 2 * RMSNormImpl::parameter_count(c.hidden_size) +
-              MLAImpl::parameter_count(MLAOptions{c.hidden_size, a.num_heads, a.q_lora_rank, a.kv_lora_rank,
-                                                  a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.rope_theta,
-                                                  a.rope_interleave, a.softmax_scale()});
+  const int64_t n = 2 * RMSNormImpl::parameter_count(c.hidden_size) + MLAImpl::parameter_count(mla_options(c));
   const auto& m = c.moe;
   return n + (c.moe_layers.at(index)
-                  ? MoEImpl::parameter_count(RouterOptions{c.hidden_size, m.num_experts, m.top_k, m.n_group,
-                                                           m.topk_group, m.norm_topk_prob, m.routed_scaling_factor},
-                                             m.expert_intermediate_size, m.n_shared_experts, experts)
+                  ? MoEImpl::parameter_count(router_options(c.hidden_size, m), m.expert_intermediate_size,
+                                             m.n_shared_experts, experts)
                   : SwiGLUImpl::parameter_count(c.hidden_size, c.intermediate_size));
 }
 

@@ -22,9 +22,7 @@ DecoderLayerImpl::DecoderLayerImpl(const Glm5NextConfig& c, int64_t layer) {
     attn = register_module("attn", SparseAttention(c.hidden_size, c.attention, c.indexer, c.rms_norm_eps,
                                                    c.indexer_types[i] == IndexerType::full));
   if (c.moe_layers[i]) {
-    RouterOptions ro{c.hidden_size, c.moe.num_experts, c.moe.top_k, c.moe.n_group, c.moe.topk_group,
-                     c.moe.norm_topk_prob, c.moe.routed_scaling_factor};
-    moe = register_module("moe", MoE(ro, c.moe.expert_intermediate_size, c.moe.n_shared_experts, ExpertSlice{}, c.swiglu_limit));
+    moe = register_module("moe", MoE(router_options(c.hidden_size, c.moe), c.moe.expert_intermediate_size, c.moe.n_shared_experts, ExpertSlice{}, c.swiglu_limit));
   } else {
     mlp = register_module("mlp", SwiGLU(c.hidden_size, c.intermediate_size, c.swiglu_limit));
   }
@@ -37,9 +35,7 @@ int64_t DecoderLayerImpl::parameter_count(const Glm5NextConfig& c, int64_t layer
   n += c.layer_types[i] == LayerType::linear_attention
            ? KimiDeltaAttentionImpl::parameter_count(D, c.kda)
            : SparseAttentionImpl::parameter_count(D, c.attention, c.indexer, c.indexer_types[i] == IndexerType::full);
-  const RouterOptions ro{D, c.moe.num_experts, c.moe.top_k, c.moe.n_group, c.moe.topk_group, c.moe.norm_topk_prob,
-                         c.moe.routed_scaling_factor};
-  n += c.moe_layers[i] ? MoEImpl::parameter_count(ro, c.moe.expert_intermediate_size, c.moe.n_shared_experts)
+  n += c.moe_layers[i] ? MoEImpl::parameter_count(router_options(D, c.moe), c.moe.expert_intermediate_size, c.moe.n_shared_experts)
                        : SwiGLUImpl::parameter_count(D, c.intermediate_size);
   return n;
 }

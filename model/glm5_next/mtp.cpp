@@ -10,19 +10,15 @@ MtpLayerImpl::MtpLayerImpl(const Glm5NextConfig& c) {
   attn_norm = register_module("attn_norm", RMSNorm(D, c.rms_norm_eps));
   attn = register_module("attn", SparseAttention(D, c.attention, c.indexer, c.rms_norm_eps, /*with_indexer=*/true));
   mlp_norm = register_module("mlp_norm", RMSNorm(D, c.rms_norm_eps));
-  RouterOptions ro{D, c.moe.num_experts, c.moe.top_k, c.moe.n_group, c.moe.topk_group, c.moe.norm_topk_prob,
-                   c.moe.routed_scaling_factor};
-  moe = register_module("moe", MoE(ro, c.moe.expert_intermediate_size, c.moe.n_shared_experts, ExpertSlice{}, c.swiglu_limit));
+  moe = register_module("moe", MoE(router_options(D, c.moe), c.moe.expert_intermediate_size, c.moe.n_shared_experts, ExpertSlice{}, c.swiglu_limit));
   head_norm = register_module("head_norm", RMSNorm(D, c.rms_norm_eps));
 }
 
 int64_t MtpLayerImpl::parameter_count(const Glm5NextConfig& c) {
   const int64_t D = c.hidden_size;
-  const RouterOptions ro{D, c.moe.num_experts, c.moe.top_k, c.moe.n_group, c.moe.topk_group, c.moe.norm_topk_prob,
-                         c.moe.routed_scaling_factor};
   return 5 * RMSNormImpl::parameter_count(D) + 2 * D * D +
          SparseAttentionImpl::parameter_count(D, c.attention, c.indexer, /*with_indexer=*/true) +
-         MoEImpl::parameter_count(ro, c.moe.expert_intermediate_size, c.moe.n_shared_experts);
+         MoEImpl::parameter_count(router_options(D, c.moe), c.moe.expert_intermediate_size, c.moe.n_shared_experts);
 }
 
 torch::Tensor MtpLayerImpl::forward(const torch::Tensor& embedded, const torch::Tensor& previous,
