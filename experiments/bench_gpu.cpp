@@ -21,6 +21,7 @@
 #include "actors/trainer/fused_adamw.hpp"
 #include "actors/trainer/trainer.hpp"
 #include "actors/weight_sync/device_sync.hpp"
+#include "kernels/adamw.hpp"
 #include "experiments/bench_cuda.hpp"
 #include "experiments/bench_model.hpp"
 #include "experiments/bench_routing.hpp"
@@ -295,11 +296,10 @@ class GpuBench {
     J["trainer_step_microbatch_tokens"] = tc.logprobs.max_tokens_per_microbatch;
     J["trainer_step_peak_memory_gib"] = peak_gib();
     // Issue 14's bound: forward+backward (every row through the head) plus the AdamW state read
-    // and written once at the copy rate (fp32 master and moments read and written, the bf16
-    // gradient read and parameter written: 28 bytes a parameter).
+    // and written once at the copy rate (kernels/adamw.hpp's 28 bytes a parameter).
     int64_t numel = 0;
     for (const auto& p : policy_->parameters()) numel += p.numel();
-    const double state_bytes = 28.0 * double(numel);
+    const double state_bytes = kernels::kAdamWLowPrecisionBytesPerParameter * double(numel);
     J["trainer_step_parameters"] = numel;
     J["trainer_step_bound_s"] = fb_ + state_bytes / (J["copy_read_write_gbs"].get<double>() * 1e9);
     // Where one more step's time goes, the device synchronised at each phase's end.
@@ -323,9 +323,7 @@ class GpuBench {
     std::vector<torch::Tensor> grads;
     for (const auto& p : params) grads.push_back(p.grad());
     const double kiln_s = median_seconds(1, 5, [&] {
-      trainer::LowPrecisionGradients low{masters, grads, params, {}};
-      low.scale = trainer::grad_norm_and_coefficient(grads, 1.0).second;
-      (void)low.scale.item<float>();  // the trainer reads norm and coefficient here
+      const trainer::LowPrecisionGradients low{masters, grads, params, trainer::clip_gradients(grads, 1.0, {}).second};
       trainer::fused_adamw_step(adamw, &low);
     });
     const double composite_s = median_seconds(1, 5, [&] {
@@ -339,7 +337,8 @@ class GpuBench {
     });
     J["optimizer_step_s"] = kiln_s;
     J["optimizer_step_composite_s"] = composite_s;
-    J["optimizer_step_gbs"] = 28.0 * double(J["trainer_step_parameters"].get<int64_t>()) / kiln_s / 1e9;
+    J["optimizer_step_gbs"] =
+        kernels::kAdamWLowPrecisionBytesPerParameter * double(J["trainer_step_parameters"].get<int64_t>()) / kiln_s / 1e9;
   }
 
   // 4. update_weights: device-to-device into the engine's storage vs a plain copy.
@@ -401,7 +400,8 @@ class GpuBench {
                 (long long)J.at("trainer_step_tokens").get<int64_t>());
     const auto& ph = J.at("trainer_step_phases_s");
     std::printf("    bound: forward+backward + AdamW state (%.2f GB) at the copy rate = %.3f s; the step is %.2fx of it\n",
-                28.0 * double(J.at("trainer_step_parameters").get<int64_t>()) / 1e9, d("trainer_step_bound_s"),
+                kernels::kAdamWLowPrecisionBytesPerParameter * double(J.at("trainer_step_parameters").get<int64_t>()) / 1e9,
+                d("trainer_step_bound_s"),
                 d("trainer_step_s") / d("trainer_step_bound_s"));
     std::printf("    phases (device synchronised at each end): forward %.3f s, backward %.3f s, clip %.3f s, optimizer "
                 "%.3f s\n",

@@ -35,6 +35,10 @@
 
 namespace kiln::kernels {
 
+/// Bytes the step moves per parameter element with 16-bit gradients and parameters: master,
+/// exp_avg and exp_avg_sq read and written (fp32), gradient read and parameter written (16-bit).
+inline constexpr double kAdamWLowPrecisionBytesPerParameter = 3 * 2 * 4 + 2 + 2;
+
 /// One step's hyper-parameters, torch.optim.AdamW's names and meaning (used as fp32, as the fused
 /// kernel casts them).
 struct AdamWHyper {

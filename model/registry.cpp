@@ -162,21 +162,26 @@ int64_t Registry::parameter_count(const std::string& package, const std::string&
   }
 }
 
-void Registry::check_build_fits(const std::string& package, const std::string& flavor, const std::string& checkpoint_dir,
-                                ExpertSlice experts) const {
-  check_fits_host_memory(parameter_count(package, flavor, checkpoint_dir, experts), 4.0, host_memory_available_bytes(),
+void Registry::check_fits_host(const std::string& package, const std::string& flavor, const std::string& checkpoint_dir,
+                               double bytes_per_parameter, const std::string& for_what, ExpertSlice experts) const {
+  check_fits_host_memory(parameter_count(package, flavor, checkpoint_dir, experts), bytes_per_parameter,
+                         host_memory_available_bytes(),
                          "model package " + package +
                              (checkpoint_dir.empty() ? ", flavor '" + flavor + "'" : ", checkpoint '" + checkpoint_dir + "'") +
                              (experts.ranks > 1 ? " (expert-parallel rank " + std::to_string(experts.rank) + " of " +
                                                       std::to_string(experts.ranks) + "'s share)"
                                                 : ""),
-                         "in fp32 (models are built in fp32 on the host, then cast and moved)");
+                         for_what);
+}
+
+namespace {
+const char* const kBuildInFp32 = "in fp32 (models are built in fp32 on the host, then cast and moved)";
 }
 
 std::shared_ptr<CausalLM> Registry::build(const std::string& package, const std::string& flavor,
                                           const std::string& checkpoint_dir) const {
   const auto& p = find(package);
-  check_build_fits(package, flavor, checkpoint_dir);
+  check_fits_host(package, flavor, checkpoint_dir, 4.0, kBuildInFp32);
   if (checkpoint_dir.empty()) return p.build_flavor(flavor);
   // Another package's checkpoint: named with the package that reads it, before this package's
   // config reader refuses one of its fields. (An unreadable config.json is the reader's to name.)
@@ -210,7 +215,7 @@ std::shared_ptr<CausalLM> Registry::build(const ModelSpec& spec, ExpertSlice exp
   const bool sliced = experts.ranks > 1 && !spec.checkpoint.empty() && package.from_hf_dir_experts;
   std::shared_ptr<CausalLM> m;
   if (sliced) {
-    check_build_fits(spec.package, spec.flavor, spec.checkpoint, experts);
+    check_fits_host(spec.package, spec.flavor, spec.checkpoint, 4.0, kBuildInFp32, experts);
     m = package.from_hf_dir_experts(spec.checkpoint, experts);
   } else {
     m = build(spec.package, spec.flavor, spec.checkpoint);  // checks the whole model's build

@@ -82,6 +82,12 @@ class Registry {
   /// count them or the flavor or config cannot be read (the build names that). Throws as find().
   int64_t parameter_count(const std::string& package, const std::string& flavor, const std::string& checkpoint_dir,
                           ExpertSlice experts = {}) const;
+  /// check_fits_host_memory for that model (parameter_count) at `bytes_per_parameter` of host
+  /// memory `for_what`, named by package and flavor or checkpoint (and share); nothing when the
+  /// package does not count its parameters. Builds check 4 bytes "in fp32"; the controller checks
+  /// a whole run on the CPU.
+  void check_fits_host(const std::string& package, const std::string& flavor, const std::string& checkpoint_dir,
+                       double bytes_per_parameter, const std::string& for_what, ExpertSlice experts = {}) const;
   /// spec's model (as above), moved to spec.device and cast to spec.dtype. `experts` (an
   /// expert-parallel rank's share, ranks > 1): from an HF checkpoint, only those routed experts
   /// are built and read when the package has from_hf_dir_experts (model.expert_slice() says
@@ -104,9 +110,7 @@ class Registry {
     std::string origin;
   };
   std::map<std::string, Entry> user_, builtin_;
-  /// check_fits_host_memory for building that model (4 bytes a parameter).
-  void check_build_fits(const std::string& package, const std::string& flavor, const std::string& checkpoint_dir,
-                        ExpertSlice experts = {}) const;
+
   std::string plugin_dir_;      // last directory searched for plugins
   std::string loading_origin_;  // plugin being loaded, for add()
 };

@@ -28,12 +28,8 @@ void check_run_fits_host(const Config& c, const model::Registry& registry) {
     add(copy, "the engine's copy (" + std::to_string(int(copy)) + " B)");
   if (p.reference != "process") add(copy, "the reference's copy (" + std::to_string(int(copy)) + " B)");
   if (per_parameter == 0) return;
-  model::check_fits_host_memory(
-      registry.parameter_count(c.model.package, c.model.flavor, c.model.checkpoint), per_parameter,
-      model::host_memory_available_bytes(),
-      "model package " + c.model.package +
-          (c.model.checkpoint.empty() ? ", flavor '" + c.model.flavor + "'" : ", checkpoint '" + c.model.checkpoint + "'"),
-      "in this process for the run on the CPU (" + parts + " a parameter)");
+  registry.check_fits_host(c.model.package, c.model.flavor, c.model.checkpoint, per_parameter,
+                           "in this process for the run on the CPU (" + parts + " a parameter)");
 }
 }  // namespace
 

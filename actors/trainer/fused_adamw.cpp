@@ -167,21 +167,27 @@ std::pair<torch::Tensor, torch::Tensor> grad_norm_and_coefficient(const std::vec
   return {total, coef};
 }
 
-double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm) {
+std::pair<double, torch::Tensor> clip_gradients(const std::vector<torch::Tensor>& grads, double max_norm,
+                                                const std::vector<torch::Tensor>& scale_now) {
   torch::NoGradGuard no_grad;
-  std::vector<torch::Tensor> grads;
-  for (const auto& p : params)
-    if (p.grad().defined()) grads.push_back(p.grad());
-  if (grads.empty()) return 0.0;
   const auto [total, coef] = grad_norm_and_coefficient(grads, max_norm);
   auto host = torch::stack({total.to(coef.scalar_type()), coef}).to(torch::kCPU, torch::kFloat64);
   const double total_norm = host[0].item<double>(), clip = host[1].item<double>();
   if (clip < 1.0) {  // also 0 for an infinite norm, as torch multiplies; NaN compares false
     std::map<GroupKey, std::vector<torch::Tensor>> groups;
-    for (const auto& g : grads) groups[key_of(g)].push_back(g);
+    for (const auto& g : scale_now)
+      if (g.defined()) groups[key_of(g)].push_back(g);
     for (auto& [key, members] : groups) at::_foreach_mul_(members, coef.to(members.front().device()));
   }
-  return total_norm;
+  return {total_norm, coef};
+}
+
+double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm) {
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : params)
+    if (p.grad().defined()) grads.push_back(p.grad());
+  if (grads.empty()) return 0.0;
+  return clip_gradients(grads, max_norm, grads).first;
 }
 
 void copy_tensors(const std::vector<torch::Tensor>& dst, const std::vector<torch::Tensor>& src) {

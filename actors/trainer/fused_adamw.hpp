@@ -64,6 +64,13 @@ std::pair<torch::Tensor, torch::Tensor> grad_norm_and_coefficient(const std::vec
 /// Synchronises with the device once.
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm);
 
+/// The clip of clip_grad_norm over `grads` (undefined ones skipped), where only the gradients in
+/// `scale_now` are multiplied by the coefficient (when below 1): the others take it later (the
+/// one-pass AdamW reads it on the device, LowPrecisionGradients::scale). Returns the norm (read
+/// on the host: one synchronisation) and the coefficient ([] fp32 on the first gradient's device).
+std::pair<double, torch::Tensor> clip_gradients(const std::vector<torch::Tensor>& grads, double max_norm,
+                                                const std::vector<torch::Tensor>& scale_now);
+
 /// dst[i].copy_(src[i]) for every i (same shapes; dtypes may differ: fp32 masters into bf16
 /// parameters round to nearest even, as copy_ does), in one at::_foreach_copy_ launch per
 /// (device, dst dtype, src dtype) group. No autograd: dst may be leaves that require grad.

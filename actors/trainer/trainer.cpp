@@ -291,14 +291,11 @@ double Trainer::reduce_and_clip_gradients(double max_norm) {
     // the coefficient is applied inside the AdamW kernel, the fp32 parameters' own gradients
     // are scaled here.
     std::vector<torch::Tensor> grads, own;
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      grads.push_back(params_[i].grad());
-      if (params_[i].grad().defined() && params_[i].scalar_type() == torch::kFloat32) own.push_back(params_[i].grad());
+    for (const auto& p : params_) {
+      grads.push_back(p.grad());
+      if (p.scalar_type() == torch::kFloat32) own.push_back(p.grad());
     }
-    auto [total, coef] = grad_norm_and_coefficient(grads, max_norm);
-    const auto host = torch::stack({total, coef}).to(torch::kCPU, torch::kFloat64);
-    const double norm = host[0].item<double>(), clip = host[1].item<double>();
-    if (clip < 1.0 && !own.empty()) at::_foreach_mul_(own, coef.to(own.front().device()));
+    auto [norm, coef] = clip_gradients(grads, max_norm, own);
     clip_coefficient_ = coef.to(params_.front().device());
     return norm;
   }

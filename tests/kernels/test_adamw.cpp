@@ -1,7 +1,7 @@
 // adamw_step_low_precision (kernels/adamw.hpp): on CPU a hand-worked first step (decay, moments,
 // bias corrections, the clip scale, the rounding into bf16), the reference against
 // torch::optim::AdamW over several steps, and what it refuses; on a GPU the one-pass kernel
-// against the reference (LibTorch's fused AdamW over widened gradients, then a copy) at sizes
+// (kernels/adamw_cuda.hpp's entry point, reached through the dispatch) against the reference (LibTorch's fused AdamW over widened gradients, then a copy) at sizes
 // around its vector width and chunk, misaligned views, bf16 and fp16, with and without decay and
 // clip scaling, over several steps.
 #include <doctest/doctest.h>
