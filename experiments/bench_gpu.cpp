@@ -381,17 +381,17 @@ class GpuBench {
                 "summed over the MoE layers, %.2f per layer)\n",
                 fb_, double(o_.tokens) / fb_, 100.0 * d("mfu"), d("peak_memory_gib"), d("expert_load_max_over_mean"),
                 d("expert_load_max_over_mean_per_layer"));
-  }
-
-  void print() const {
-    auto d = [&](const char* key) { return J.at(key).get<double>(); };
-    print_training();
-    if (o_.activation_checkpointing)
+    if (J.contains("checkpointed_train_step_s"))
       std::printf("  forward+backward, activation checkpointing (%s) %8.3f s  %9.0f tokens/s  MFU %.1f%%  peak %.1f GiB\n",
                   o_.checkpoint_layers > 0 ? ("first " + std::to_string(o_.checkpoint_layers) + " layers").c_str()
                                            : "every layer",
                   d("checkpointed_train_step_s"), d("checkpointed_train_tokens_per_s"), 100.0 * d("checkpointed_mfu"),
                   d("checkpointed_peak_memory_gib"));
+  }
+
+  void print() const {
+    auto d = [&](const char* key) { return J.at(key).get<double>(); };
+    print_training();
     std::printf("  trainer step (AdamW) %8.3f s  %9.0f tokens/s  peak %.1f GiB  (micro-batches of up to %lld tokens; "
                 "%lld of %lld tokens completions, the head's rows)\n",
                 d("trainer_step_s"), d("trainer_step_tokens_per_s"), d("trainer_step_peak_memory_gib"),
@@ -536,12 +536,12 @@ int run_gpu_bench(const GpuBenchOptions& o) {
     b.trace_one();
     return 0;
   }
+  if (o.activation_checkpointing) b.time_checkpointed();
   if (o.forward_backward_only) {
     b.print_training();
     if (!o.json_path.empty()) std::ofstream(o.json_path) << b.J.dump(2) << "\n";
     return 0;
   }
-  if (o.activation_checkpointing) b.time_checkpointed();
   b.time_breakdown();
   b.rollout_and_gap();
   if (o.true_on_policy) b.true_on_policy();

@@ -262,7 +262,7 @@ void add_bench_gpu(CLI::App& bench, std::vector<Command>& commands) {
                 "Time forward+backward, then run one more inside cudaProfilerStart/Stop (ncu --profile-from-start "
                 "off) and stop");
   cmd->add_flag("--forward-backward-only", go->forward_backward_only,
-                "Stop after timing forward+backward (the limits, tokens/s, MFU, peak memory, expert loads; --json too)");
+                "Stop after timing forward+backward (the limits, tokens/s, MFU, peak memory, expert loads; the checkpointed timing with --activation-checkpointing; --json too)");
   cmd->add_option("--balance-routing", go->balance_routing,
                   "Rounds of the auxiliary-loss-free router-bias update (rate 1e-3) on the pack before timing, "
                   "so that the experts' loads are even as in a trained model (0: the random model's routing)")
