@@ -22,6 +22,7 @@
 #include "experiments/bench_cuda.hpp"
 #include "experiments/bench_model.hpp"
 #include "model/glm4_moe_lite/model.hpp"
+#include "model/registry.hpp"
 #include "parallel/process_group.hpp"
 
 namespace kiln::experiments {
@@ -209,6 +210,12 @@ int run_parallel_bench(const ParallelBenchOptions& o) {
   const int rank = info.rank, world = info.world_size, gpu = info.local_rank;
   const torch::Device dev(torch::kCUDA, int8_t(gpu));
   auto cfg = model::glm4_moe_lite::flavors::glm47_flash_layers(o.layers);
+  // Every rank of this host builds its model in fp32 on the host at the same time.
+  model::check_fits_host_memory(model::glm4_moe_lite::parameter_count(cfg), 4.0 * info.local_world_size,
+                                model::host_memory_available_bytes(),
+                                "kiln bench parallel: glm4_moe_lite with " + std::to_string(o.layers) + " layers",
+                                "in fp32 for the " + std::to_string(info.local_world_size) +
+                                    " ranks that build it on this host at once, one copy each");
   auto build = [&] {
     torch::manual_seed(0);
     auto m = std::make_shared<model::glm4_moe_lite::Glm4MoeLiteModel>(cfg);

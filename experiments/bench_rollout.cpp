@@ -17,6 +17,7 @@
 #include "actors/rollout/engine.hpp"
 #include "kernels/moe_decode.hpp"
 #include "model/glm4_moe_lite/model.hpp"
+#include "model/registry.hpp"
 
 namespace kiln::experiments {
 
@@ -274,6 +275,9 @@ int run_rollout_bench_cuda(const RolloutBenchOptions& o) {
     copy_gbs = 2.0 * double(src.numel()) * 2 / t[t.size() / 2] / 1e9;  // read + write
   }
   const auto cfg = model::glm4_moe_lite::flavors::glm47_flash_layers(o.layers);
+  model::check_fits_host_memory(model::glm4_moe_lite::parameter_count(cfg), 4, model::host_memory_available_bytes(),
+                                "kiln bench rollout: glm4_moe_lite with " + std::to_string(o.layers) + " layers",
+                                "in fp32 (built on the host, then cast and moved)");
   auto model = std::make_shared<model::glm4_moe_lite::Glm4MoeLiteModel>(cfg);
   model->to(dev);
   model->to_dtype(torch::kBFloat16);
@@ -368,7 +372,10 @@ int run_rollout_bench_cpu(const RolloutBenchOptions& o) {
     return 2;
   }
   torch::manual_seed(0);
-  auto model = std::make_shared<model::glm4_moe_lite::Glm4MoeLiteModel>(model::glm4_moe_lite::flavors::by_name(o.flavor));
+  const auto cfg = model::glm4_moe_lite::flavors::by_name(o.flavor);
+  model::check_fits_host_memory(model::glm4_moe_lite::parameter_count(cfg), 4, model::host_memory_available_bytes(),
+                                "kiln bench rollout: glm4_moe_lite/" + o.flavor, "in fp32");
+  auto model = std::make_shared<model::glm4_moe_lite::Glm4MoeLiteModel>(cfg);
   std::printf("kiln bench rollout: glm4_moe_lite/%s, prompt %lld tokens, %lld new tokens per request (no early stop), "
               "CPU %d threads\n",
               o.flavor.c_str(), (long long)o.prompt_tokens, (long long)o.new_tokens, torch::get_num_threads());

@@ -19,10 +19,46 @@ namespace kiln::model {
 
 namespace fs = std::filesystem;
 
-int64_t host_memory_available_bytes() {
+namespace {
+// An integer file of a cgroup ("max": no limit, false).
+bool read_cgroup_int(const fs::path& path, int64_t& out) {
+  std::ifstream f(path);
+  std::string text;
+  if (!(f >> text) || text == "max") return false;
+  try {
+    out = std::stoll(text);
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+// The smallest limit - usage over `root`/`relative` and each directory above it up to `root`
+// (-1: no limit found). v1 writes "no limit" as a page-rounded 2^63.
+int64_t cgroup_headroom(const fs::path& root, const std::string& relative, const char* limit_file,
+                        const char* usage_file) {
+  int64_t least = -1;
+  fs::path dir = (root / fs::path(relative).relative_path()).lexically_normal();
+  const auto top = root.lexically_normal();
+  for (int depth = 0; depth < 64; ++depth) {
+    int64_t limit = 0, used = 0;
+    if (read_cgroup_int(dir / limit_file, limit) && read_cgroup_int(dir / usage_file, used) &&
+        limit < (int64_t(1) << 60)) {
+      const int64_t headroom = std::max<int64_t>(0, limit - used);
+      least = least < 0 ? headroom : std::min(least, headroom);
+    }
+    if (dir == top || !dir.has_parent_path() || dir.parent_path() == dir) break;
+    dir = dir.parent_path();
+    if (dir.native().size() < top.native().size()) break;  // never above the root
+  }
+  return least;
+}
+}  // namespace
+
+int64_t host_memory_available_bytes(const HostMemorySources& sources) {
   int64_t available = -1, swap_free = 0;
   {
-    std::ifstream meminfo("/proc/meminfo");
+    std::ifstream meminfo(sources.meminfo);
     for (std::string line; std::getline(meminfo, line);) {  // "Key:   N kB" (some lines have no unit)
       std::istringstream fields(line);
       std::string key;
@@ -33,27 +69,31 @@ int64_t host_memory_available_bytes() {
     }
   }
   if (available >= 0) available += swap_free;  // slow, but the build would not be killed
-  // A cgroup limit: what the kernel kills at, less what the group holds already (v2, else v1).
-  auto read_int = [](const char* path, int64_t& out) {
-    std::ifstream f(path);
-    std::string text;
-    if (!(f >> text) || text == "max") return false;
-    try {
-      out = std::stoll(text);
-      return true;
-    } catch (const std::exception&) {
-      return false;
-    }
-  };
-  int64_t limit = 0, used = 0;
-  if ((read_int("/sys/fs/cgroup/memory.max", limit) && read_int("/sys/fs/cgroup/memory.current", used)) ||
-      (read_int("/sys/fs/cgroup/memory/memory.limit_in_bytes", limit) &&
-       read_int("/sys/fs/cgroup/memory/memory.usage_in_bytes", used))) {
-    if (limit < (int64_t(1) << 60)) {  // v1 writes "no limit" as a page-rounded 2^63
-      const int64_t headroom = std::max<int64_t>(0, limit - used);
-      available = available < 0 ? headroom : std::min(available, headroom);
+  // This process's cgroups: "0::/a/b" (v2), "4:memory:/a/b" or "4:memory,foo:/a/b" (v1). With a
+  // cgroup namespace both read "/" and the root is the container's own group.
+  std::string v2_path, v1_path;
+  bool v2_seen = false, v1_seen = false;
+  {
+    std::ifstream self(sources.self_cgroup);
+    for (std::string line; std::getline(self, line);) {
+      const auto a = line.find(':'), b = a == std::string::npos ? a : line.find(':', a + 1);
+      if (b == std::string::npos) continue;
+      const auto id = line.substr(0, a), controllers = "," + line.substr(a + 1, b - a - 1) + ",";
+      if (id == "0" && controllers == ",,") v2_path = line.substr(b + 1), v2_seen = true;
+      if (controllers.find(",memory,") != std::string::npos) v1_path = line.substr(b + 1), v1_seen = true;
     }
   }
+  const fs::path root(sources.cgroup_root);
+  std::error_code ec;
+  // v2 where the controllers file is (the root itself, or unified/ on a hybrid host); v1's
+  // memory controller when v2 gives nothing (a hybrid host's unified tree has no memory files).
+  int64_t headroom = -1;
+  for (const auto& v2_root : {root, root / "unified"})
+    if (headroom < 0 && fs::exists(v2_root / "cgroup.controllers", ec))
+      headroom = cgroup_headroom(v2_root, v2_seen ? v2_path : "/", "memory.max", "memory.current");
+  if (headroom < 0)
+    headroom = cgroup_headroom(root / "memory", v1_seen ? v1_path : "/", "memory.limit_in_bytes", "memory.usage_in_bytes");
+  if (headroom >= 0) available = available < 0 ? headroom : std::min(available, headroom);
   return available;
 }
 
@@ -180,8 +220,14 @@ const char* const kBuildInFp32 = "in fp32 (models are built in fp32 on the host,
 
 std::shared_ptr<CausalLM> Registry::build(const std::string& package, const std::string& flavor,
                                           const std::string& checkpoint_dir) const {
-  const auto& p = find(package);
+  (void)find(package);  // an unknown package is named before anything is counted
   check_fits_host(package, flavor, checkpoint_dir, 4.0, kBuildInFp32);
+  return build_unchecked(package, flavor, checkpoint_dir);
+}
+
+std::shared_ptr<CausalLM> Registry::build_unchecked(const std::string& package, const std::string& flavor,
+                                                    const std::string& checkpoint_dir) const {
+  const auto& p = find(package);
   if (checkpoint_dir.empty()) return p.build_flavor(flavor);
   // Another package's checkpoint: named with the package that reads it, before this package's
   // config reader refuses one of its fields. (An unreadable config.json is the reader's to name.)
@@ -204,7 +250,9 @@ std::shared_ptr<CausalLM> Registry::build(const std::string& package, const std:
   return p.from_hf_dir(checkpoint_dir);
 }
 
-std::shared_ptr<CausalLM> Registry::build(const ModelSpec& spec, ExpertSlice experts) const {
+std::shared_ptr<CausalLM> Registry::build(const ModelSpec& spec, ExpertSlice experts, int builders_on_host) const {
+  if (builders_on_host < 1)
+    throw std::invalid_argument("builders_on_host must be >= 1, got " + std::to_string(builders_on_host));
   if (spec.dtype != "fp32" && spec.dtype != "bf16")
     throw std::invalid_argument("dtype must be fp32 or bf16, got '" + spec.dtype + "'");
   if (spec.device != "cpu" && !torch::cuda::is_available())
@@ -214,11 +262,18 @@ std::shared_ptr<CausalLM> Registry::build(const ModelSpec& spec, ExpertSlice exp
   const auto& package = find(spec.package);
   const bool sliced = experts.ranks > 1 && !spec.checkpoint.empty() && package.from_hf_dir_experts;
   std::shared_ptr<CausalLM> m;
+  // The whole model's fp32 build (an expert-parallel share read from a checkpoint: that share),
+  // times the processes of this host building one at the same time.
+  const std::string for_what =
+      builders_on_host == 1 ? std::string(kBuildInFp32)
+                            : std::string(kBuildInFp32) + " for the " + std::to_string(builders_on_host) +
+                                  " trainer ranks that build it on this host at once (LOCAL_WORLD_SIZE), one copy each";
+  check_fits_host(spec.package, spec.flavor, spec.checkpoint, 4.0 * builders_on_host, for_what,
+                  sliced ? experts : ExpertSlice{});
   if (sliced) {
-    check_fits_host(spec.package, spec.flavor, spec.checkpoint, 4.0, kBuildInFp32, experts);
     m = package.from_hf_dir_experts(spec.checkpoint, experts);
   } else {
-    m = build(spec.package, spec.flavor, spec.checkpoint);  // checks the whole model's build
+    m = build_unchecked(spec.package, spec.flavor, spec.checkpoint);
   }
   // Cast on the host, then move: moving first would hold the fp32 model on the device (4
   // bytes a parameter: 120 GB for GLM-4.7-Flash, more than a GPU that already holds a trainer

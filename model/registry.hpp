@@ -39,10 +39,20 @@ struct ModelPackage {
       parameter_count;
 };
 
+/// Where host_memory_available_bytes reads (tests point it at a made-up tree).
+struct HostMemorySources {
+  std::string meminfo = "/proc/meminfo";
+  std::string self_cgroup = "/proc/self/cgroup";  ///< "0::/path" (v2) and "N:...memory...:/path" (v1) lines
+  std::string cgroup_root = "/sys/fs/cgroup";     ///< v2 there (or in unified/), v1's memory controller in memory/
+};
+
 /// Bytes of host memory a new allocation can take now: /proc/meminfo's MemAvailable plus SwapFree,
-/// lowered to the headroom of a cgroup v2 memory limit (memory.max - memory.current) when one is
-/// set; -1 when neither can be read.
-int64_t host_memory_available_bytes();
+/// lowered to the smallest headroom (limit - usage) of the memory limits on this process's cgroup
+/// and every cgroup above it up to the root: cgroup v2 (memory.max - memory.current), else v1's
+/// memory controller (memory.limit_in_bytes - memory.usage_in_bytes; its "no limit", a page-rounded
+/// 2^63, ignored). A cgroup directory the process cannot see (outside its namespace) is skipped.
+/// -1 when nothing can be read.
+int64_t host_memory_available_bytes(const HostMemorySources& sources = {});
 
 /// Refuses (std::invalid_argument) what needs `bytes_per_parameter` bytes for each of `parameters`
 /// parameters of host memory when that exceeds `available_bytes`; `available_bytes` or
@@ -94,8 +104,10 @@ class Registry {
   /// what was built; otherwise the whole model, for set_expert_parallel to slice). Throws
   /// std::invalid_argument naming the field for a dtype other than fp32/bf16 or a CUDA device
   /// that is not visible, and what build() throws (an expert-parallel share read from a
-  /// checkpoint is checked as that share).
-  std::shared_ptr<CausalLM> build(const ModelSpec& spec, ExpertSlice experts = {}) const;
+  /// checkpoint is checked as that share). `builders_on_host` (>= 1): the processes of this host
+  /// that build such a model at the same time (a launch's LOCAL_WORLD_SIZE trainer ranks): the
+  /// memory check asks for that many fp32 builds, since each rank alone would see the whole host.
+  std::shared_ptr<CausalLM> build(const ModelSpec& spec, ExpertSlice experts = {}, int builders_on_host = 1) const;
 
   /// The package called `name`: user packages first, then built-ins. Throws
   /// std::invalid_argument naming both places it looked and what each holds.
@@ -105,6 +117,9 @@ class Registry {
   std::vector<std::string> names() const;
 
  private:
+  // build(package, flavor, checkpoint_dir) without its memory check (its caller made it).
+  std::shared_ptr<CausalLM> build_unchecked(const std::string& package, const std::string& flavor,
+                                            const std::string& checkpoint_dir) const;
   struct Entry {
     ModelPackage package;
     std::string origin;

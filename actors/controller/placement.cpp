@@ -7,29 +7,45 @@
 
 namespace kiln::controller {
 
-namespace {
-// Before anything is built, on the CPU with one trainer rank: the host memory this process will
-// hold for the run, per parameter: the trainer's 16 bytes (weights, gradients and AdamW's two fp32
-// moments; in bf16 also the fp32 masters: 2 + 2 + 4 + 8) when it is here, and a copy in the
-// model's dtype for an in-process engine and reference. Refused by name when it exceeds what is
-// available, instead of being killed part way (each build then checks itself again).
-void check_run_fits_host(const Config& c, const model::Registry& registry) {
+HostBytesPerParameter run_host_bytes_per_parameter(const Config& c) {
+  HostBytesPerParameter out;
   const auto& p = c.placement;
-  if (c.model.device != "cpu" || c.parallel.dp * c.parallel.ep > 1) return;
+  if (c.parallel.dp * c.parallel.ep > 1) return out;
   const double copy = c.model.dtype == "bf16" ? 2 : 4;
-  double per_parameter = 0;
-  std::string parts;
+  const std::string copy_text = std::to_string(int(copy)) + " B";
   auto add = [&](double bytes, const std::string& what) {
-    per_parameter += bytes;
-    parts += (parts.empty() ? "" : ", ") + what;
+    out.bytes += bytes;
+    out.parts += (out.parts.empty() ? "" : ", ") + what;
   };
-  if (p.trainer != "process") add(16, "the trainer's weights, gradients and AdamW state (16 B)");
-  if (c.rollout.backend != "http" && p.mode != "colocated" && p.mode != "multi_process")
-    add(copy, "the engine's copy (" + std::to_string(int(copy)) + " B)");
-  if (p.reference != "process") add(copy, "the reference's copy (" + std::to_string(int(copy)) + " B)");
-  if (per_parameter == 0) return;
-  registry.check_fits_host(c.model.package, c.model.flavor, c.model.checkpoint, per_parameter,
-                           "in this process for the run on the CPU (" + parts + " a parameter)");
+  auto on_cpu = [](const std::string& device) { return device == "cpu"; };
+  if (on_cpu(c.model.device)) add(16, "the trainer's weights, gradients and AdamW state (16 B)");
+  if (c.rollout.backend != "http") {
+    if (p.mode == "multi_process") {
+      int64_t engines = 0;
+      for (int64_t i = 0; i < p.rollout_engines; ++i) engines += on_cpu(p.engine_device(std::size_t(i), c.model.device));
+      if (engines > 0)
+        add(double(engines) * copy, engines == 1 ? "the engine's copy (" + copy_text + ")"
+                                                 : std::to_string(engines) + " engines' copies (" + copy_text + " each)");
+    } else if (p.mode != "colocated" && on_cpu(c.model.device)) {
+      add(copy, "the engine's copy (" + copy_text + ")");
+    }
+  }
+  const auto reference_device =
+      p.reference == "process" && !p.reference_device.empty() ? p.reference_device : c.model.device;
+  if (on_cpu(reference_device)) add(copy, "the reference's copy (" + copy_text + ")");
+  return out;
+}
+
+namespace {
+// Before anything is built: the run as this machine will hold it (run_host_bytes_per_parameter),
+// refused by name when it exceeds what is available, instead of being killed part way (each
+// build then checks itself again).
+void check_run_fits_host(const Config& c, const model::Registry& registry) {
+  const auto need = run_host_bytes_per_parameter(c);
+  if (need.bytes == 0) return;
+  registry.check_fits_host(c.model.package, c.model.flavor, c.model.checkpoint, need.bytes,
+                           "on this machine for the run (the controller's process and the kiln nodes it starts: " +
+                               need.parts + " a parameter)");
 }
 }  // namespace
 

@@ -25,6 +25,21 @@ struct Actors {
   std::unique_ptr<ReferencePolicy> reference;
 };
 
+/// What a run with one trainer rank holds in host memory, per model parameter, in the
+/// controller's process and the `kiln node` processes it starts (nodes run on this machine): the
+/// trainer's 16 bytes (weights, gradients and AdamW's two fp32 moments; in bf16 2 + 2 + 4 for the
+/// fp32 masters + 8) when model.device is the CPU, and one copy in the model's dtype for each
+/// rollout engine (single_process: one; multi_process: rollout_engines, by
+/// placement.rollout_device) and for the reference (placement.reference_device for a node)
+/// whose device is the CPU. Engines of rollout.backend = "http" or placement.mode = "colocated"
+/// hold no copy here. Several trainer ranks: 0 (each rank's build checks its host's share:
+/// model::Registry::build's builders_on_host). `parts` names each term, for the refusal.
+struct HostBytesPerParameter {
+  double bytes = 0;
+  std::string parts;
+};
+HostBytesPerParameter run_host_bytes_per_parameter(const Config& config);
+
 /// Builds the run's actors. The trainer comes first: torch::manual_seed(run.seed), then its
 /// policy (in this process or in its node, the same way), whose initial weights the reference
 /// takes. Throws std::invalid_argument / std::runtime_error naming what failed (a model that

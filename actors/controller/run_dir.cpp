@@ -16,6 +16,7 @@
 #include <set>
 #include <sstream>
 #include <stdexcept>
+#include <vector>
 
 namespace kiln::controller {
 
@@ -124,7 +125,15 @@ std::vector<std::string> changed_settings(const std::string& before_toml, const 
 
 RunLock::RunLock(const fs::path& dir, const std::string& resume_from, bool overwrite) {
   std::error_code ec;
-  if (!fs::exists(dir, ec)) created_ = dir;
+  if (!fs::exists(dir, ec)) {
+    created_ = dir;
+    // The outermost directory this lock makes: removed again too when the run leaves nothing.
+    created_top_ = fs::absolute(dir, ec).lexically_normal();
+    if (!created_top_.has_filename()) created_top_ = created_top_.parent_path();  // "a/b/"
+    while (created_top_.has_parent_path() && created_top_.parent_path() != created_top_ &&
+           !fs::exists(created_top_.parent_path(), ec))
+      created_top_ = created_top_.parent_path();
+  }
   fs::create_directories(dir, ec);
   if (ec) throw std::runtime_error("cannot create the run directory '" + dir.string() + "': " + ec.message());
   const auto lock = dir / ".lock";
@@ -167,14 +176,37 @@ RunLock::RunLock(const fs::path& dir, const std::string& resume_from, bool overw
 
 RunLock::~RunLock() {
   std::error_code ec;
-  if (fd_ >= 0 && !created_.empty()) {  // ours, and nothing but the lock in it: gone again
-    bool only_lock = true;
-    for (const auto& e : fs::directory_iterator(created_, ec)) only_lock = only_lock && e.path().filename() == ".lock";
-    if (!ec && only_lock) fs::remove(created_ / ".lock", ec);  // while the flock is held
-    else created_.clear();
+  // Ours, and nothing in it but the lock and the pids of the nodes the run started (a run refused
+  // at start-up, or whose node failed before step 1): gone again, with the parents it made.
+  auto left_by_start_up = [](const fs::path& name) {
+    const auto text = name.string();
+    // trainer_node.pid, ref_node.pid, rollout_node.pid, rollout_node_<i>.pid (remote_handles.cpp)
+    return text == ".lock" || (text.size() > 4 && text.compare(text.size() - 4, 4, ".pid") == 0 &&
+                               text.find("_node") != std::string::npos);
+  };
+  if (fd_ >= 0 && !created_.empty()) {
+    bool nothing_else = true;
+    std::vector<fs::path> start_up;
+    for (const auto& e : fs::directory_iterator(created_, ec)) {
+      if (left_by_start_up(e.path().filename()) && e.is_regular_file(ec)) start_up.push_back(e.path());
+      else nothing_else = false;
+    }
+    if (!ec && nothing_else) {
+      for (const auto& f : start_up)
+        if (f.filename() != ".lock") fs::remove(f, ec);
+      fs::remove(created_ / ".lock", ec);  // last, while the flock is held
+    } else {
+      created_.clear();
+    }
   }
   if (fd_ >= 0) ::close(fd_);  // releases the flock
-  if (!created_.empty()) fs::remove(created_, ec);  // only if still empty (another run may have begun there)
+  if (created_.empty()) return;
+  // Each only if empty (another run may have begun there since), up to the outermost one made.
+  const auto top = created_top_;
+  for (auto d = fs::absolute(created_, ec).lexically_normal(); !d.empty(); d = d.parent_path()) {
+    if (!d.has_filename()) continue;  // "a/b/" -> "a/b"
+    if (!fs::remove(d, ec) || d == top || d.parent_path() == d) break;
+  }
 }
 
 fs::path checkpoint_dir(const fs::path& run, int64_t step) {

@@ -42,7 +42,9 @@ class RunLock {
   /// (RUN/metrics.jsonl with rows) is accepted when `resume_from` is one of its own
   /// checkpoints, or with `overwrite`; otherwise refused, saying how to resume, choose another
   /// directory, or overwrite. A directory this lock created is removed again on release when
-  /// the run left nothing in it but the lock file (a run refused at start-up, e.g. by its model).
+  /// the run left nothing in it but the lock file and its nodes' pid files (RUN/*_node*.pid: a run
+  /// refused at start-up, e.g. by its model, or whose node failed to start), and so are the
+  /// parent directories it created that are then empty.
   RunLock(const std::filesystem::path& dir, const std::string& resume_from, bool overwrite);
   ~RunLock();
   RunLock(const RunLock&) = delete;
@@ -50,7 +52,8 @@ class RunLock {
 
  private:
   int fd_ = -1;
-  std::filesystem::path created_;  // the directory, when this lock created it
+  std::filesystem::path created_;      // the directory, when this lock created it
+  std::filesystem::path created_top_;  // the outermost directory it created (absolute)
 };
 
 /// The settings that differ between two config.toml texts as kiln writes them ("[section]"

@@ -47,7 +47,8 @@ DataParallelTrainer::DataParallelTrainer(const Config& c, parallel::ProcessGroup
       "trainer.init", [&](const std::string& to) { return make_envelope(init, Kind::request, "controller", to); },
       [&] {
         // As a one-rank run builds its policy (place_actors seeded it); ranks 1.. do the same.
-        local_ = std::make_unique<LocalTrainer>(model::Registry::with_plugins().build(c.model, trainer::expert_slice_of(&groups)), c.trainer_for_run(),
+        local_ = std::make_unique<LocalTrainer>(model::Registry::with_plugins().build(c.model, trainer::expert_slice_of(&groups),
+                                                                                     trainer::ranks_on_this_host(&groups)), c.trainer_for_run(),
                                                 gateway, uint64_t(c.weight_sync.bucket_mib * (1 << 20)), &groups);
         if (reference) local_->hold_reference(c.model);
       },

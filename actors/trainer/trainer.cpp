@@ -149,6 +149,8 @@ model::ExpertSlice expert_slice_of(parallel::ProcessGroups* ranks) {
   return {ep.rank(), ep.size()};
 }
 
+int ranks_on_this_host(parallel::ProcessGroups* ranks) { return ranks ? std::max(1, ranks->launch().local_world_size) : 1; }
+
 namespace {
 // A multi-token-prediction loss needs a policy with an MTP layer.
 void check_mtp(const TrainerConfig& c, model::CausalLM& policy) {

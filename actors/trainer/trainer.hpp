@@ -214,6 +214,9 @@ std::unique_ptr<Trainer> make_trainer(std::shared_ptr<model::CausalLM> policy, T
 /// ranks): what to build its policy with (model::Registry::build), so that a rank loading an
 /// HF checkpoint reads only its own experts.
 model::ExpertSlice expert_slice_of(parallel::ProcessGroups* ranks);
+/// The trainer ranks of `ranks`' launch on this host (LOCAL_WORLD_SIZE; 1 without ranks): how
+/// many build their policy on this host at once (model::Registry::build's builders_on_host).
+int ranks_on_this_host(parallel::ProcessGroups* ranks);
 
 /// Per-completion-token log-probs of `samples` under `model` (no grad), e.g. the reference
 /// policy: result[i] has samples[i].completion.size() values. An expert-parallel model

@@ -117,7 +117,8 @@ Expected<Envelope> TrainerService::handle(const Envelope& request) {
       }
       // As a one-process run builds its policy: the same seed, then the same registry call.
       torch::manual_seed(uint64_t(init->seed));
-      auto policy = model::Registry::with_plugins().build(init->model, expert_slice_of(s_->ranks));
+      auto policy = model::Registry::with_plugins().build(init->model, expert_slice_of(s_->ranks),
+                                                                 ranks_on_this_host(s_->ranks));
       s_->trainer = make_trainer(policy, init->trainer, s_->ranks);
       s_->engine.reset();     // built over the policy replaced here
       s_->reference.reset();  // before any step: the initial weights

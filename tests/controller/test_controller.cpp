@@ -12,6 +12,7 @@
 #include "actors/controller/in_flight.hpp"
 #include "actors/controller/local_handles.hpp"
 #include "actors/controller/metrics.hpp"
+#include "actors/controller/placement.hpp"
 #include "actors/controller/prompts.hpp"
 #include "actors/controller/rollout_stream.hpp"
 #include "actors/controller/run_dir.hpp"
@@ -446,4 +447,83 @@ TEST_CASE("the paths in printed commands are one shell word each") {
   CHECK(shell_word("a*b;c") == "'a*b;c'");
   CHECK(controller::as_argument("--set/config.toml") == "./--set/config.toml");
   CHECK(controller::as_argument("/abs/config.toml") == "/abs/config.toml");
+}
+
+TEST_CASE("run memory: every process the run starts on this machine is counted, by the device each copy lives on") {
+  auto need = [](const std::function<void(Config&)>& edit) {
+    Config c;
+    c.model.device = "cpu";
+    c.model.dtype = "bf16";
+    edit(c);
+    return run_host_bytes_per_parameter(c);
+  };
+  // One process: the trainer (16 B), the in-process engine and reference (2 B each in bf16).
+  auto one = need([](Config&) {});
+  CHECK(one.bytes == 20);
+  CHECK(one.parts == "the trainer's weights, gradients and AdamW state (16 B), the engine's copy (2 B), the reference's copy (2 B)");
+  CHECK(need([](Config& c) { c.model.dtype = "fp32"; }).bytes == 24);
+  // Nodes run on this machine too: a trainer node, three CPU engine nodes, a reference node.
+  auto nodes = need([](Config& c) {
+    c.placement.mode = "multi_process";
+    c.placement.trainer = "process";
+    c.placement.reference = "process";
+    c.placement.rollout_engines = 3;
+  });
+  CHECK(nodes.bytes == 16 + 3 * 2 + 2);
+  CHECK(nodes.parts.find("3 engines' copies (2 B each)") != std::string::npos);
+  // Engines and the reference on GPUs hold no copy here; one engine of two on the CPU does.
+  CHECK(need([](Config& c) {
+          c.placement.mode = "multi_process";
+          c.placement.rollout_engines = 2;
+          c.placement.rollout_device = {"cuda:0", "cpu"};
+          c.placement.reference = "process";
+          c.placement.reference_device = "cuda:1";
+        }).bytes == 16 + 2);
+  // A trainer on the GPU: only the CPU copies count.
+  CHECK(need([](Config& c) {
+          c.model.device = "cuda";
+          c.placement.mode = "multi_process";
+          c.placement.rollout_device = {"cpu"};
+        }).bytes == 2);
+  CHECK(need([](Config& c) { c.model.device = "cuda"; }).bytes == 0);
+  // Colocated engines and HTTP servers hold no copy of their own; a colocated reference does.
+  CHECK(need([](Config& c) { c.placement.mode = "colocated"; }).bytes == 18);
+  CHECK(need([](Config& c) { c.rollout.backend = "http"; c.placement.reference = "colocated"; }).bytes == 18);
+  // Several trainer ranks: each rank's build checks its host's share instead.
+  CHECK(need([](Config& c) { c.parallel.dp = 2; }).bytes == 0);
+}
+
+TEST_CASE("run directory: one a refused run made is removed again with its nodes' pid files and the parents it made") {
+  namespace fs = std::filesystem;
+  const fs::path base = test::scratch_path("run_lock");
+  fs::create_directories(base);
+  {  // refused after its nodes started: .lock and trainer_node.pid are all it left
+    RunLock lock(base / "new/parent/run", "", false);
+    std::ofstream(base / "new/parent/run/trainer_node.pid") << "123\n";
+    std::ofstream(base / "new/parent/run/rollout_node_1.pid") << "124\n";
+  }
+  CHECK_FALSE(fs::exists(base / "new/parent/run/.lock"));
+  CHECK_FALSE(fs::exists(base / "new/parent/run"));
+  CHECK_FALSE(fs::exists(base / "new"));
+  CHECK(fs::exists(base));  // existed before
+  {  // a run that wrote anything else keeps its directory (and its pid files)
+    RunLock lock(base / "kept/run/", "", false);
+    std::ofstream(base / "kept/run/trainer_node.pid") << "123\n";
+    std::ofstream(base / "kept/run/config.toml") << "x\n";
+  }
+  CHECK(fs::exists(base / "kept/run/config.toml"));
+  CHECK(fs::exists(base / "kept/run/trainer_node.pid"));
+  {  // a directory that existed is never removed, nor a parent another file lives in
+    fs::create_directories(base / "existing");
+    RunLock lock(base / "existing/run", "", false);
+  }
+  CHECK(fs::exists(base / "existing"));
+  CHECK_FALSE(fs::exists(base / "existing/run"));
+  {
+    fs::create_directories(base / "shared");
+    RunLock lock(base / "shared/a/run", "", false);
+    std::ofstream(base / "shared/a/other_file") << "not the run's\n";
+  }
+  CHECK(fs::exists(base / "shared/a/other_file"));
+  CHECK_FALSE(fs::exists(base / "shared/a/run"));
 }

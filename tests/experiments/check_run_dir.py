@@ -3,7 +3,8 @@
 resuming or told run.overwrite=true), a refused run changes no file, two runs cannot share a
 directory (the second is refused naming the first's pid; a dead run's lock blocks nothing),
 and Ctrl-C finishes the step, checkpoints and prints the command that continues the run, which
-then trains every step exactly once; a run refused at start-up removes the directory it made;
+then trains every step exactly once; a run refused at start-up (a multi-process one too, after
+its nodes started) removes the directories it made;
 a directory's name with quotes and $(...) is plotted into, nothing run.
 Also: an experiment "file" that is a directory is refused.
 Usage: check_run_dir.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
@@ -109,6 +110,21 @@ checks.append((r.returncode == 2 and "= 1.4757395258967641e+20 sequences" in r.s
 r = run(f"{work}/fresh_refused", "model.flavor=huge")
 checks.append((r.returncode == 2 and not os.path.exists(f"{work}/fresh_refused"),
                f"a run refused by its model leaves no new directory behind ({r.stderr.strip()[-160:]})"))
+
+# 5c. The same for a multi-process run, in directories it had to make: refused by the memory its
+# nodes would hold on this machine before any starts, or by its trainer node after it started
+# (its pid file written): no directory of its own making is left, parents included.
+nodes = ["placement.mode=multi_process", "placement.trainer=process", "placement.reference=process"]
+r = run(f"{work}/made/for/it", *nodes, "model.flavor=glm47_flash")
+checks.append((r.returncode == 2 and "the kiln nodes it starts" in r.stderr and "29.9 billion parameters" in r.stderr
+               and not os.path.exists(f"{work}/made"),
+               f"a multi-process run too big for this machine is refused counting its nodes, no directory left ({r.stderr.strip()[-200:]})"))
+bad = f"{work}/bad_checkpoint"
+os.makedirs(bad)
+open(f"{bad}/config.json", "w").write('{"model_type": "glm4_moe_lite"}')
+r = run(f"{work}/made/for/it", *nodes, f"model.checkpoint={bad}")
+checks.append((r.returncode != 0 and "could not build its policy" in r.stderr and not os.path.exists(f"{work}/made"),
+               f"a run whose trainer node fails at start leaves neither its pid file nor the directories it made ({r.stderr.strip()[-200:]})"))
 
 # 6. An experiment "file" that is a directory.
 r = subprocess.run([kiln, "run", work], capture_output=True, text=True, timeout=60)

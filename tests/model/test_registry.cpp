@@ -127,6 +127,95 @@ TEST_CASE("a model whose fp32 build exceeds the host's available memory is refus
                        std::invalid_argument);
 }
 
+TEST_CASE("host memory: the smallest headroom of every cgroup limit from this process's group up to the root, v2 and v1") {
+  namespace fs = std::filesystem;
+  const auto root = fs::temp_directory_path() / ("kiln_cgroup_" + std::to_string(::getpid()));
+  fs::remove_all(root);
+  auto put = [&](const fs::path& file, const std::string& text) {
+    fs::create_directories(file.parent_path());
+    std::ofstream(file) << text << "\n";
+  };
+  put(root / "meminfo", "MemTotal:       64000000 kB\nMemAvailable:   40000000 kB\nSwapFree:        1000000 kB");
+  const int64_t meminfo = int64_t(41000000) * 1024;
+  HostMemorySources src{(root / "meminfo").string(), (root / "self").string(), (root / "cg").string()};
+
+  SUBCASE("no cgroup files: MemAvailable + SwapFree") {
+    put(root / "self", "0::/");
+    CHECK(host_memory_available_bytes(src) == meminfo);
+  }
+  SUBCASE("v2: a limit two levels above the process's group is the tightest") {
+    put(root / "self", "0::/user.slice/job/step");
+    put(root / "cg/cgroup.controllers", "memory");
+    put(root / "cg/user.slice/memory.max", "max");
+    put(root / "cg/user.slice/memory.current", "100");
+    put(root / "cg/user.slice/job/memory.max", "8000000000");  // 8 GB, 3 GB used: 5 GB left
+    put(root / "cg/user.slice/job/memory.current", "3000000000");
+    put(root / "cg/user.slice/job/step/memory.max", "max");
+    put(root / "cg/user.slice/job/step/memory.current", "2000000000");
+    CHECK(host_memory_available_bytes(src) == int64_t(5000000000));
+    // The process's own limit tighter still (1 GB, 0.5 used), and a limit above the root ignored.
+    put(root / "cg/user.slice/job/step/memory.max", "1000000000");
+    put(root / "cg/user.slice/job/step/memory.current", "500000000");
+    put(root / "memory.max", "1");
+    put(root / "memory.current", "0");
+    CHECK(host_memory_available_bytes(src) == int64_t(500000000));
+    // Over its limit: 0 left, not negative.
+    put(root / "cg/user.slice/job/step/memory.current", "2000000000");
+    CHECK(host_memory_available_bytes(src) == 0);
+  }
+  SUBCASE("v2 in a container (a cgroup namespace: the group reads as /): the root's limit") {
+    put(root / "self", "0::/");
+    put(root / "cg/cgroup.controllers", "memory");
+    put(root / "cg/memory.max", "20000000000");
+    put(root / "cg/memory.current", "1000000000");
+    CHECK(host_memory_available_bytes(src) == int64_t(19000000000));
+  }
+  SUBCASE("v1 (a hybrid host: v2's unified tree has no memory files): the memory controller's nested limits") {
+    put(root / "self", "9:name=systemd:/\n4:memory:/process_api/abc\n0::/");
+    put(root / "cg/unified/cgroup.controllers", "");
+    put(root / "cg/memory/memory.limit_in_bytes", "9223372036854771712");  // v1's "no limit"
+    put(root / "cg/memory/memory.usage_in_bytes", "5000000000");
+    put(root / "cg/memory/process_api/memory.limit_in_bytes", "24000000000");
+    put(root / "cg/memory/process_api/memory.usage_in_bytes", "4000000000");
+    put(root / "cg/memory/process_api/abc/memory.limit_in_bytes", "9223372036854771712");
+    put(root / "cg/memory/process_api/abc/memory.usage_in_bytes", "4000000000");
+    CHECK(host_memory_available_bytes(src) == int64_t(20000000000));
+  }
+  SUBCASE("a group the process cannot see (outside its namespace) is skipped, the levels it can see count") {
+    put(root / "self", "4:cpu,memory:/not/mounted/here");
+    put(root / "cg/memory/memory.limit_in_bytes", "30000000000");
+    put(root / "cg/memory/memory.usage_in_bytes", "1000000000");
+    CHECK(host_memory_available_bytes(src) == int64_t(29000000000));
+  }
+  SUBCASE("nothing readable: -1") {
+    HostMemorySources none{(root / "no_meminfo").string(), (root / "no_self").string(), (root / "no_cg").string()};
+    CHECK(host_memory_available_bytes(none) == -1);
+  }
+  fs::remove_all(root);
+}
+
+TEST_CASE("Registry::build checks one fp32 build for each trainer rank that builds on this host at once") {
+  // A package that claims available / 12 parameters: one fp32 build (4 B each) takes a third of
+  // the memory available now, two at once two thirds, four more than all of it.
+  const int64_t available = host_memory_available_bytes();
+  if (kiln::test::skip_unless(available > 0, "this machine reports no available memory")) return;
+  auto r = Registry::with_builtins();
+  ModelPackage p = r.find("glm4_moe_lite");
+  p.name = "claims_a_third";
+  const int64_t claimed = available / 12;
+  p.parameter_count = [claimed](const std::string&, const std::string&, ExpertSlice) { return claimed; };
+  r.add(p);
+  const ModelSpec spec{"claims_a_third", "debug", "", "cpu", "fp32"};
+  CHECK_NOTHROW(r.build(spec));
+  CHECK_NOTHROW(r.build(spec, {}, 2));
+  CHECK_THROWS_WITH_AS(r.build(spec, {}, 4),
+                       doctest::Contains("for the 4 trainer ranks that build it on this host at once (LOCAL_WORLD_SIZE), "
+                                         "one copy each, but this machine has"),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(r.build(spec, {}, 0), doctest::Contains("builders_on_host must be >= 1, got 0"),
+                       std::invalid_argument);
+}
+
 TEST_CASE("GLM-4.7-Flash in full on a host without the memory for its fp32 build is refused by Registry::build") {
   const int64_t available = host_memory_available_bytes();
   MESSAGE("host memory available: " << double(available) / 1e9 << " GB");
