@@ -202,10 +202,11 @@ RunLock::~RunLock() {
   if (fd_ >= 0) ::close(fd_);  // releases the flock
   if (created_.empty()) return;
   // Each only if empty (another run may have begun there since), up to the outermost one made.
+  // Without a known outermost one (its path could not be made absolute), the directory alone.
   const auto top = created_top_;
   for (auto d = fs::absolute(created_, ec).lexically_normal(); !d.empty(); d = d.parent_path()) {
     if (!d.has_filename()) continue;  // "a/b/" -> "a/b"
-    if (!fs::remove(d, ec) || d == top || d.parent_path() == d) break;
+    if (!fs::remove(d, ec) || top.empty() || d == top || d.parent_path() == d) break;
   }
 }
 
