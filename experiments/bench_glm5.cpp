@@ -27,7 +27,7 @@ int run_glm5_bench(const Glm5BenchOptions& o) {
   // zero), moved, cast as to_dtype keeps it (fp32 where transformers keeps fp32), then every
   // matrix drawn normal(0, 0.02) on the GPU.
   model::check_fits_host_memory(model::glm5_next::parameter_count(cfg), 2, model::host_memory_available_bytes(),
-                                "kiln bench glm5: glm5_next/" + o.flavor, "in bf16 (built on the host, then moved)");
+                                "glm5_next/" + o.flavor, "in bf16 (built on the host, then moved)");
   const messaging::Stopwatch build_clock;
   const auto default_dtype = torch::get_default_dtype();
   torch::set_default_dtype(caffe2::TypeMeta::Make<at::BFloat16>());

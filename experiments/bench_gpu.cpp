@@ -448,7 +448,7 @@ class GpuBench {
  private:
   std::shared_ptr<Model> build_model() const {
     model::check_fits_host_memory(model::glm4_moe_lite::parameter_count(cfg_), 4, model::host_memory_available_bytes(),
-                                  "kiln bench gpu: glm4_moe_lite with " + std::to_string(o_.layers) + " layers",
+                                  "glm4_moe_lite with " + std::to_string(o_.layers) + " layers",
                                   "in fp32 (built on the host, then cast and moved)");
     auto m = std::make_shared<Model>(cfg_);
     m->to(dev_);

@@ -213,7 +213,7 @@ int run_parallel_bench(const ParallelBenchOptions& o) {
   // Every rank of this host builds its model in fp32 on the host at the same time.
   model::check_fits_host_memory(model::glm4_moe_lite::parameter_count(cfg), 4.0 * info.local_world_size,
                                 model::host_memory_available_bytes(),
-                                "kiln bench parallel: glm4_moe_lite with " + std::to_string(o.layers) + " layers",
+                                "glm4_moe_lite with " + std::to_string(o.layers) + " layers",
                                 "in fp32 for the " + std::to_string(info.local_world_size) +
                                     " ranks that build it on this host at once, one copy each");
   auto build = [&] {

@@ -276,7 +276,7 @@ int run_rollout_bench_cuda(const RolloutBenchOptions& o) {
   }
   const auto cfg = model::glm4_moe_lite::flavors::glm47_flash_layers(o.layers);
   model::check_fits_host_memory(model::glm4_moe_lite::parameter_count(cfg), 4, model::host_memory_available_bytes(),
-                                "kiln bench rollout: glm4_moe_lite with " + std::to_string(o.layers) + " layers",
+                                "glm4_moe_lite with " + std::to_string(o.layers) + " layers",
                                 "in fp32 (built on the host, then cast and moved)");
   auto model = std::make_shared<model::glm4_moe_lite::Glm4MoeLiteModel>(cfg);
   model->to(dev);
@@ -374,7 +374,7 @@ int run_rollout_bench_cpu(const RolloutBenchOptions& o) {
   torch::manual_seed(0);
   const auto cfg = model::glm4_moe_lite::flavors::by_name(o.flavor);
   model::check_fits_host_memory(model::glm4_moe_lite::parameter_count(cfg), 4, model::host_memory_available_bytes(),
-                                "kiln bench rollout: glm4_moe_lite/" + o.flavor, "in fp32");
+                                "glm4_moe_lite/" + o.flavor, "in fp32");
   auto model = std::make_shared<model::glm4_moe_lite::Glm4MoeLiteModel>(cfg);
   std::printf("kiln bench rollout: glm4_moe_lite/%s, prompt %lld tokens, %lld new tokens per request (no early stop), "
               "CPU %d threads\n",

@@ -35,15 +35,31 @@ bool read_cgroup_int(const fs::path& path, int64_t& out) {
 
 // The smallest limit - usage over `root`/`relative` and each directory above it up to `root`
 // (-1: no limit found). v1 writes "no limit" as a page-rounded 2^63.
+// A key's value in a cgroup's memory.stat ("inactive_file 123" lines); 0 when absent.
+int64_t cgroup_stat(const fs::path& file, const std::string& key) {
+  std::ifstream f(file);
+  std::string k;
+  int64_t v = 0;
+  while (f >> k >> v)
+    if (k == key) return v;
+  return 0;
+}
+
+// The usage a limit is compared with: what the group holds less its inactive file pages (the
+// page cache the kernel reclaims before it kills: docker's and the kubelet's "working set").
 int64_t cgroup_headroom(const fs::path& root, const std::string& relative, const char* limit_file,
-                        const char* usage_file) {
+                        const char* usage_file, const char* inactive_file_key) {
   int64_t least = -1;
-  fs::path dir = (root / fs::path(relative).relative_path()).lexically_normal();
   const auto top = root.lexically_normal();
+  fs::path dir = (root / fs::path(relative).relative_path()).lexically_normal();
+  // A group outside this namespace's root ("/../job"): only the root is visible.
+  const auto [end, _] = std::mismatch(top.begin(), top.end(), dir.begin(), dir.end());
+  if (end != top.end()) dir = top;
   for (int depth = 0; depth < 64; ++depth) {
     int64_t limit = 0, used = 0;
     if (read_cgroup_int(dir / limit_file, limit) && read_cgroup_int(dir / usage_file, used) &&
         limit < (int64_t(1) << 60)) {
+      used -= std::min(used, std::max<int64_t>(0, cgroup_stat(dir / "memory.stat", inactive_file_key)));
       const int64_t headroom = std::max<int64_t>(0, limit - used);
       least = least < 0 ? headroom : std::min(least, headroom);
     }
@@ -90,20 +106,22 @@ int64_t host_memory_available_bytes(const HostMemorySources& sources) {
   int64_t headroom = -1;
   for (const auto& v2_root : {root, root / "unified"})
     if (headroom < 0 && fs::exists(v2_root / "cgroup.controllers", ec))
-      headroom = cgroup_headroom(v2_root, v2_seen ? v2_path : "/", "memory.max", "memory.current");
+      headroom = cgroup_headroom(v2_root, v2_seen ? v2_path : "/", "memory.max", "memory.current", "inactive_file");
   if (headroom < 0)
-    headroom = cgroup_headroom(root / "memory", v1_seen ? v1_path : "/", "memory.limit_in_bytes", "memory.usage_in_bytes");
+    headroom = cgroup_headroom(root / "memory", v1_seen ? v1_path : "/", "memory.limit_in_bytes", "memory.usage_in_bytes",
+                               "total_inactive_file");
   if (headroom >= 0) available = available < 0 ? headroom : std::min(available, headroom);
   return available;
 }
 
 namespace {
-// 3 significant figures with a scaled unit: "29.9 billion", "126 million"; "120 GB", "406 kB".
-std::string scaled(double v, const char* const units[4], double step) {
+// 3 significant figures with a scaled unit: "29.9 billion", "126 million"; "120 GB", "406 kB",
+// "7.7 TB" (whole numbers past the largest unit).
+std::string scaled(double v, const char* const units[5], double step) {
   int k = 0;
-  while (k < 3 && v >= step) v /= step, ++k;
+  while (k < 4 && v >= step) v /= step, ++k;
   char text[64];
-  std::snprintf(text, sizeof text, "%.3g%s", v, units[k]);
+  std::snprintf(text, sizeof text, v < 1000 ? "%.3g%s" : "%.0f%s", v, units[k]);
   return text;
 }
 }  // namespace
@@ -113,8 +131,8 @@ void check_fits_host_memory(int64_t parameters, double bytes_per_parameter, int6
   if (available_bytes < 0 || parameters < 0) return;
   const double need = bytes_per_parameter * double(parameters);
   if (need <= double(available_bytes)) return;
-  static const char* const counts[4] = {"", " thousand", " million", " billion"};
-  static const char* const bytes[4] = {" B", " kB", " MB", " GB"};
+  static const char* const counts[5] = {"", " thousand", " million", " billion", " trillion"};
+  static const char* const bytes[5] = {" B", " kB", " MB", " GB", " TB"};
   throw std::invalid_argument(what + ": " + scaled(double(parameters), counts, 1000) + " parameters take " +
                               scaled(need, bytes, 1000) + " " + for_what + ", but this machine has " +
                               scaled(double(available_bytes), bytes, 1000) +

@@ -50,8 +50,11 @@ struct HostMemorySources {
 /// lowered to the smallest headroom (limit - usage) of the memory limits on this process's cgroup
 /// and every cgroup above it up to the root: cgroup v2 (memory.max - memory.current), else v1's
 /// memory controller (memory.limit_in_bytes - memory.usage_in_bytes; its "no limit", a page-rounded
-/// 2^63, ignored). A cgroup directory the process cannot see (outside its namespace) is skipped.
-/// -1 when nothing can be read.
+/// 2^63, ignored), the usage less the group's inactive file pages (memory.stat inactive_file /
+/// total_inactive_file: page cache the kernel reclaims first, as docker's and the kubelet's
+/// working set count it). A cgroup directory the process cannot see (outside its namespace) is
+/// skipped; a group above the namespace's root ("/../job") reads the root. -1 when nothing can be
+/// read.
 int64_t host_memory_available_bytes(const HostMemorySources& sources = {});
 
 /// Refuses (std::invalid_argument) what needs `bytes_per_parameter` bytes for each of `parameters`

@@ -25,20 +25,31 @@ struct Actors {
   std::unique_ptr<ReferencePolicy> reference;
 };
 
-/// What a run with one trainer rank holds in host memory, per model parameter, in the
-/// controller's process and the `kiln node` processes it starts (nodes run on this machine): the
-/// trainer's 16 bytes (weights, gradients and AdamW's two fp32 moments; in bf16 2 + 2 + 4 for the
-/// fp32 masters + 8) when model.device is the CPU, and one copy in the model's dtype for each
-/// rollout engine (single_process: one; multi_process: rollout_engines, by
-/// placement.rollout_device) and for the reference (placement.reference_device for a node)
-/// whose device is the CPU. Engines of rollout.backend = "http" or placement.mode = "colocated"
-/// hold no copy here. Several trainer ranks: 0 (each rank's build checks its host's share:
-/// model::Registry::build's builders_on_host). `parts` names each term, for the refusal.
+/// What a run holds in host memory, per parameter of the whole model, in the controller's
+/// process, its trainer ranks on this host and the `kiln node` processes it starts (nodes run on
+/// this machine), counted before anything is built:
+/// - one trainer rank on the CPU: 16 bytes (weights, gradients and AdamW's two fp32 moments; in
+///   bf16 2 + 2 + 4 for the fp32 masters + 8);
+/// - several (parallel.dp x parallel.ep), `trainer_ranks_on_host` of them here on the CPU: each
+///   its weights and gradients in the model's dtype and 1/dp of AdamW's fp32 masters and moments
+///   (12 bytes: trainer::ShardedAdamW), over `rank_parameter_share` of the parameters (an
+///   expert-parallel rank's experts; 1 without expert parallel), and with a colocated reference
+///   a copy of its share;
+/// - one copy in the model's dtype for each rollout engine (single_process: one; multi_process:
+///   rollout_engines, by placement.rollout_device) and for the reference (placement.reference_device
+///   for a node) whose device is the CPU; none for rollout.backend = "http" or placement.mode =
+///   "colocated" engines;
+/// - with algorithm.staleness > 0 and engines that take the weights as tensors (not colocated,
+///   not weight_sync.transport = "collective"), up to 3 host snapshots of the weights (one
+///   loading into the engines, one pending, the next being made), whatever the trainer's device:
+///   CausalLM::hf_state_dict is on the host.
+/// `parts` names each term, for the refusal.
 struct HostBytesPerParameter {
   double bytes = 0;
   std::string parts;
 };
-HostBytesPerParameter run_host_bytes_per_parameter(const Config& config);
+HostBytesPerParameter run_host_bytes_per_parameter(const Config& config, int trainer_ranks_on_host = 1,
+                                                   double rank_parameter_share = 1.0);
 
 /// Builds the run's actors. The trainer comes first: torch::manual_seed(run.seed), then its
 /// policy (in this process or in its node, the same way), whose initial weights the reference

@@ -123,19 +123,75 @@ std::vector<std::string> changed_settings(const std::string& before_toml, const 
   return changed;
 }
 
+namespace {
+// What a run leaves in its directory before its first step: the lock and its nodes' pid files
+// (trainer_node.pid, ref_node.pid, rollout_node.pid, rollout_node_<i>.pid: remote_handles.cpp).
+bool left_by_start_up(const std::string& name) {
+  return name == ".lock" || (name.size() > 4 && name.compare(name.size() - 4, 4, ".pid") == 0 &&
+                             name.find("_node") != std::string::npos);
+}
+
+// For the signal handler below (async-signal-safe: fixed buffers, unlink and rmdir only): the
+// directories a RunLock made, innermost first, and the start-up files that may be in the first.
+constexpr int kMaxCreated = 64, kMaxStartupFiles = 200, kPathBytes = 512;
+char g_created[kMaxCreated][kPathBytes];
+volatile std::sig_atomic_t g_created_count = 0;
+char g_startup_files[kMaxStartupFiles][kPathBytes];
+volatile std::sig_atomic_t g_startup_file_count = 0;
+volatile std::sig_atomic_t g_engines = 1;  // RunSignals': the rollout_node_<i>.pid names
+
+void forget_created_dirs() { g_created_count = 0; }
+
+void remember_created_dirs(const fs::path& dir, const std::vector<fs::path>& parents) {
+  g_created_count = 0;
+  int files = 0;
+  auto put = [](char* out, const fs::path& path) {
+    return path.native().size() < std::size_t(kPathBytes) && std::snprintf(out, kPathBytes, "%s", path.c_str()) > 0;
+  };
+  std::vector<std::string> names = {".lock", "trainer_node.pid", "ref_node.pid", "rollout_node.pid"};
+  for (int i = 1; i < g_engines; ++i) names.push_back("rollout_node_" + std::to_string(i) + ".pid");
+  for (const auto& name : names)
+    for (const char* suffix : {"", ".tmp"})
+      if (files < kMaxStartupFiles && put(g_startup_files[files], dir / (name + suffix))) ++files;
+  g_startup_file_count = files;
+  int n = 0;
+  if (put(g_created[n], dir)) ++n;
+  for (const auto& p : parents) {  // up to the first that does not fit
+    if (n == 0 || n >= kMaxCreated || !put(g_created[n], p)) break;
+    ++n;
+  }
+  g_created_count = n;
+}
+}  // namespace
+
 RunLock::RunLock(const fs::path& dir, const std::string& resume_from, bool overwrite) {
   std::error_code ec;
-  if (!fs::exists(dir, ec)) {
-    created_ = dir;
-    // The outermost directory this lock makes: removed again too when the run leaves nothing.
-    created_top_ = fs::absolute(dir, ec).lexically_normal();
-    if (!created_top_.has_filename()) created_top_ = created_top_.parent_path();  // "a/b/"
-    while (created_top_.has_parent_path() && created_top_.parent_path() != created_top_ &&
-           !fs::exists(created_top_.parent_path(), ec))
-      created_top_ = created_top_.parent_path();
+  // The directories this lock makes: the run directory and the missing ones above it, by the
+  // physical paths the kernel made them at (a symbolic link in the path resolved). A path with a
+  // "." or ".." component is not followed ("x/../run" makes x, and "link/.." is not link's
+  // parent): nothing is removed for it.
+  std::vector<fs::path> missing;  // outermost first; the run directory last
+  bool plain = true;
+  {
+    fs::path prefix;
+    for (const auto& part : fs::absolute(dir, ec)) {
+      if (part.empty()) continue;  // the trailing "" of "a/b/"
+      if (part == "." || part == "..") plain = false;
+      prefix /= part;
+      if (!fs::exists(prefix, ec)) missing.push_back(prefix);
+    }
   }
   fs::create_directories(dir, ec);
   if (ec) throw std::runtime_error("cannot create the run directory '" + dir.string() + "': " + ec.message());
+  if (plain && !missing.empty()) {
+    created_ = fs::canonical(dir, ec);
+    if (ec) created_.clear();
+    for (std::size_t i = missing.size() - 1; !created_.empty() && i-- > 0;) {
+      auto physical = fs::canonical(missing[i], ec);
+      if (ec) break;
+      created_parents_.push_back(std::move(physical));  // innermost first
+    }
+  }
   const auto lock = dir / ".lock";
   fd_ = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd_ < 0) throw std::runtime_error("cannot open '" + lock.string() + "': " + std::strerror(errno));
@@ -172,23 +228,19 @@ RunLock::RunLock(const fs::path& dir, const std::string& resume_from, bool overw
   if (::ftruncate(fd_, 0) != 0 || ::write(fd_, pid.data(), pid.size()) != ssize_t(pid.size())) {
     // the lock holds all the same; the pid only helps whoever is refused
   }
+  if (!created_.empty()) remember_created_dirs(created_, created_parents_);  // a signal before step 1
 }
 
 RunLock::~RunLock() {
+  forget_created_dirs();  // the signal handler's copy: this destructor decides now
   std::error_code ec;
   // Ours, and nothing in it but the lock and the pids of the nodes the run started (a run refused
   // at start-up, or whose node failed before step 1): gone again, with the parents it made.
-  auto left_by_start_up = [](const fs::path& name) {
-    const auto text = name.string();
-    // trainer_node.pid, ref_node.pid, rollout_node.pid, rollout_node_<i>.pid (remote_handles.cpp)
-    return text == ".lock" || (text.size() > 4 && text.compare(text.size() - 4, 4, ".pid") == 0 &&
-                               text.find("_node") != std::string::npos);
-  };
   if (fd_ >= 0 && !created_.empty()) {
     bool nothing_else = true;
     std::vector<fs::path> start_up;
     for (const auto& e : fs::directory_iterator(created_, ec)) {
-      if (left_by_start_up(e.path().filename()) && e.is_regular_file(ec)) start_up.push_back(e.path());
+      if (left_by_start_up(e.path().filename().string()) && e.is_regular_file(ec)) start_up.push_back(e.path());
       else nothing_else = false;
     }
     if (!ec && nothing_else) {
@@ -201,13 +253,10 @@ RunLock::~RunLock() {
   }
   if (fd_ >= 0) ::close(fd_);  // releases the flock
   if (created_.empty()) return;
-  // Each only if empty (another run may have begun there since), up to the outermost one made.
-  // Without a known outermost one (its path could not be made absolute), the directory alone.
-  const auto top = created_top_;
-  for (auto d = fs::absolute(created_, ec).lexically_normal(); !d.empty(); d = d.parent_path()) {
-    if (!d.has_filename()) continue;  // "a/b/" -> "a/b"
-    if (!fs::remove(d, ec) || top.empty() || d == top || d.parent_path() == d) break;
-  }
+  // Each only if empty (another run may have begun there since), innermost first.
+  if (!fs::remove(created_, ec)) return;
+  for (const auto& d : created_parents_)
+    if (!fs::remove(d, ec)) break;
 }
 
 fs::path checkpoint_dir(const fs::path& run, int64_t step) {
@@ -264,6 +313,11 @@ extern "C" void on_stop_signal(int sig) {
     return;
   }
   for (int i = 0; i < g_socket_count; ++i) ::unlink(g_sockets[i]);
+  if (!g_steps_begun && g_created_count > 0) {  // before step 1: the directories this run made go again
+    for (int i = 0; i < g_startup_file_count; ++i) ::unlink(g_startup_files[i]);
+    for (int i = 0; i < g_created_count; ++i)
+      if (::rmdir(g_created[i]) != 0) break;  // one that holds anything else stays, and so do those above
+  }
   const bool any = g_steps_begun && ::access(g_checkpoints, F_OK) == 0;
   [[maybe_unused]] auto n = any ? ::write(2, g_stop_message, std::size_t(g_stop_message_size))
                                 : ::write(2, g_no_checkpoint_message, std::size_t(g_no_checkpoint_message_size));
@@ -282,6 +336,7 @@ RunSignals::RunSignals(const std::string& tag, int64_t engines, const std::files
   g_no_checkpoint_message_size = none < int(sizeof g_no_checkpoint_message) ? none : int(sizeof g_no_checkpoint_message) - 1;
   std::snprintf(g_checkpoints, sizeof g_checkpoints, "%s", (dir / "checkpoints").c_str());
   g_steps_begun = 0;
+  g_engines = std::sig_atomic_t(std::min<int64_t>(std::max<int64_t>(engines, 1), kMaxStartupFiles));
   paths_ = {tag + "-controller", tag + "-rollout", tag + "-ref", tag + "-trainer"};
   for (int64_t i = 1; i < engines; ++i) paths_.push_back(tag + "-rollout-" + std::to_string(i));
   int n = 0;

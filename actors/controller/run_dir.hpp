@@ -44,7 +44,9 @@ class RunLock {
   /// directory, or overwrite. A directory this lock created is removed again on release when
   /// the run left nothing in it but the lock file and its nodes' pid files (RUN/*_node*.pid: a run
   /// refused at start-up, e.g. by its model, or whose node failed to start), and so are the
-  /// parent directories it created that are then empty.
+  /// parent directories it created that are then empty (not for a path with "." or ".."
+  /// components: nothing is removed for those). A stop signal before the first step
+  /// (RunSignals) removes them the same way.
   RunLock(const std::filesystem::path& dir, const std::string& resume_from, bool overwrite);
   ~RunLock();
   RunLock(const RunLock&) = delete;
@@ -52,8 +54,8 @@ class RunLock {
 
  private:
   int fd_ = -1;
-  std::filesystem::path created_;      // the directory, when this lock created it
-  std::filesystem::path created_top_;  // the outermost directory it created (absolute)
+  std::filesystem::path created_;                       // the directory, when this lock made it (physical path)
+  std::vector<std::filesystem::path> created_parents_;  // the directories above it that it made, innermost first
 };
 
 /// The settings that differ between two config.toml texts as kiln writes them ("[section]"

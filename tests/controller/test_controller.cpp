@@ -449,7 +449,7 @@ TEST_CASE("the paths in printed commands are one shell word each") {
   CHECK(controller::as_argument("/abs/config.toml") == "/abs/config.toml");
 }
 
-TEST_CASE("run memory: every process the run starts on this machine is counted, by the device each copy lives on") {
+TEST_CASE("run memory: every process and copy the run holds on this machine is counted, by the device each copy lives on") {
   auto need = [](const std::function<void(Config&)>& edit) {
     Config c;
     c.model.device = "cpu";
@@ -489,8 +489,36 @@ TEST_CASE("run memory: every process the run starts on this machine is counted, 
   // Colocated engines and HTTP servers hold no copy of their own; a colocated reference does.
   CHECK(need([](Config& c) { c.placement.mode = "colocated"; }).bytes == 18);
   CHECK(need([](Config& c) { c.rollout.backend = "http"; c.placement.reference = "colocated"; }).bytes == 18);
-  // Several trainer ranks: each rank's build checks its host's share instead.
-  CHECK(need([](Config& c) { c.parallel.dp = 2; }).bytes == 0);
+  // Asynchronous rollouts: up to 3 host snapshots of the weights, whatever the trainer's device,
+  // unless the engines read the trainer's own (colocated) or take a broadcast (collective).
+  CHECK(need([](Config& c) { c.algorithm.staleness = 2; }).bytes == 20 + 3 * 2);
+  CHECK(need([](Config& c) { c.algorithm.staleness = 1; c.model.device = "cuda"; }).bytes == 3 * 2);
+  CHECK(need([](Config& c) { c.algorithm.staleness = 1; c.placement.mode = "colocated"; }).bytes == 18);
+  CHECK(need([](Config& c) {
+          c.algorithm.staleness = 1;
+          c.model.device = "cuda";
+          c.placement.mode = "multi_process";
+          c.weight_sync.transport = "collective";
+        }).bytes == 0);
+  // Several trainer ranks on this machine: each its weights and gradients and 1/dp of AdamW's
+  // fp32 state, over its share of the parameters (expert parallel); rank 0's engine and reference.
+  Config dp;
+  dp.model.device = "cpu";
+  dp.model.dtype = "bf16";
+  dp.parallel.dp = 2;
+  auto two = run_host_bytes_per_parameter(dp, 2);
+  CHECK(two.bytes == 2 * (2 * 2 + 12.0 / 2) + 2 + 2);
+  CHECK(two.parts.find("2 trainer ranks on this machine, each its weights and gradients (2 x 2 B) and 1/2 of AdamW's "
+                       "fp32 state (12 B)") == 0);
+  CHECK(run_host_bytes_per_parameter(dp, 1).bytes == 2 * 2 + 12.0 / 2 + 2 + 2);  // the other rank on another host
+  dp.parallel.dp = 1;
+  dp.parallel.ep = 2;
+  dp.placement.mode = "colocated";
+  dp.placement.reference = "colocated";
+  auto ep = run_host_bytes_per_parameter(dp, 2, 0.5);
+  CHECK(ep.bytes == doctest::Approx(2 * 0.5 * (2 * 2 + 12.0) + 2 * 0.5 * 2));
+  CHECK(ep.parts.find("over its 50% of the parameters") != std::string::npos);
+  CHECK(ep.parts.find("a colocated reference's copy in each (2 B of its share)") != std::string::npos);
 }
 
 TEST_CASE("run directory: one a refused run made is removed again with its nodes' pid files and the parents it made") {
@@ -526,4 +554,19 @@ TEST_CASE("run directory: one a refused run made is removed again with its nodes
   }
   CHECK(fs::exists(base / "shared/a/other_file"));
   CHECK_FALSE(fs::exists(base / "shared/a/run"));
+  {  // through a symbolic link: the physical directories made go, not their lexical namesakes
+    fs::create_directories(base / "real/deep");
+    fs::create_directories(base / "victim/run");  // the user's, empty
+    fs::create_directory_symlink(base / "real/deep", base / "link");
+    RunLock lock(base / "link/made/run", "", false);
+    CHECK(fs::exists(base / "real/deep/made/run/.lock"));
+  }
+  CHECK_FALSE(fs::exists(base / "real/deep/made"));
+  CHECK(fs::exists(base / "real/deep"));
+  {  // "link/.." is real/, not base/: with "." or ".." in the path nothing is removed
+    RunLock lock(base / "link/../victim/run", "", false);
+    CHECK(fs::exists(base / "real/victim/run/.lock"));
+  }
+  CHECK(fs::exists(base / "victim/run"));  // the user's directory is untouched
+  CHECK(fs::exists(base / "real/victim/run"));
 }

@@ -126,6 +126,19 @@ r = run(f"{work}/made/for/it", *nodes, f"model.checkpoint={bad}")
 checks.append((r.returncode != 0 and "could not build its policy" in r.stderr and not os.path.exists(f"{work}/made"),
                f"a run whose trainer node fails at start leaves neither its pid file nor the directories it made ({r.stderr.strip()[-200:]})"))
 
+# A stop signal while the nodes start (before step 1): the same, the pid files included.
+cmd = [kiln, "run", *quiet, "--set", f"run.output_dir={work}/made/for/it", *sum((["--set", n] for n in nodes), []),
+       "--set", "placement.rollout_engines=2"]
+p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+deadline = time.time() + 120
+while time.time() < deadline and not os.path.exists(f"{work}/made/for/it/trainer_node.pid") and p.poll() is None:
+    time.sleep(0.01)
+p.send_signal(signal.SIGTERM)
+_, err = p.communicate(timeout=120)
+checks.append((p.returncode == -signal.SIGTERM and "no checkpoint was written by this run" in err
+               and not os.path.exists(f"{work}/made"),
+               f"SIGTERM while the nodes start: stopped at once, no directory of its making left ({p.returncode}: {err.strip()[-200:]})"))
+
 # 6. An experiment "file" that is a directory.
 r = subprocess.run([kiln, "run", work], capture_output=True, text=True, timeout=60)
 checks.append((r.returncode == 2 and "is a directory" in r.stderr, f"kiln run DIR is refused ({r.stderr.strip()[-200:]})"))

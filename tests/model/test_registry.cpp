@@ -120,6 +120,11 @@ TEST_CASE("a model whose fp32 build exceeds the host's available memory is refus
                        doctest::Contains("model package p, flavor 'f': 30 billion parameters take 120 GB in fp32, "
                                          "but this machine has 22 GB of memory available"),
                        std::invalid_argument);
+  // Large ones too (not "7.7e+03 GB").
+  CHECK_THROWS_WITH_AS(check_fits_host_memory(int64_t(7.7e11), 10, int64_t(22e9), "m", "in all"),
+                       doctest::Contains("m: 770 billion parameters take 7.7 TB in all"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(check_fits_host_memory(int64_t(3e15), 4, int64_t(22e9), "m", "in all"),
+                       doctest::Contains("m: 3000 trillion parameters take 12000 TB in all"), std::invalid_argument);
   // Small numbers in their own units (not "0.0 GB").
   CHECK_THROWS_WITH_AS(check_fits_host_memory(126000, 20, 406000, "m", "for the run"),
                        doctest::Contains("m: 126 thousand parameters take 2.52 MB for the run, but this machine has "
@@ -186,6 +191,29 @@ TEST_CASE("host memory: the smallest headroom of every cgroup limit from this pr
     put(root / "cg/memory/memory.limit_in_bytes", "30000000000");
     put(root / "cg/memory/memory.usage_in_bytes", "1000000000");
     CHECK(host_memory_available_bytes(src) == int64_t(29000000000));
+  }
+  SUBCASE("the page cache a group holds (inactive file pages) is not counted against its limit") {
+    put(root / "self", "0::/job");
+    put(root / "cg/cgroup.controllers", "memory");
+    put(root / "cg/job/memory.max", "32000000000");
+    put(root / "cg/job/memory.current", "24000000000");  // 20 GB of it a checkpoint just read
+    put(root / "cg/job/memory.stat", "anon 4000000000\nfile 20000000000\ninactive_file 19000000000\nactive_file 1000000000");
+    CHECK(host_memory_available_bytes(src) == int64_t(27000000000));
+    put(root / "self", "4:memory:/job\n0::/");  // v1 names it total_inactive_file
+    fs::remove_all(root / "cg");
+    put(root / "cg/memory/job/memory.limit_in_bytes", "32000000000");
+    put(root / "cg/memory/job/memory.usage_in_bytes", "24000000000");
+    put(root / "cg/memory/job/memory.stat", "cache 20000000000\ninactive_file 1\ntotal_inactive_file 19000000000");
+    CHECK(host_memory_available_bytes(src) == int64_t(27000000000));
+  }
+  SUBCASE("a group above the namespace's root (\"/../job\") reads the root's limit, not none") {
+    put(root / "self", "0::/../job");
+    put(root / "cg/cgroup.controllers", "memory");
+    put(root / "cg/memory.max", "10000000000");
+    put(root / "cg/memory.current", "2000000000");
+    put(root / "memory.max", "1");  // outside the root: never read
+    put(root / "memory.current", "0");
+    CHECK(host_memory_available_bytes(src) == int64_t(8000000000));
   }
   SUBCASE("nothing readable: -1") {
     HostMemorySources none{(root / "no_meminfo").string(), (root / "no_self").string(), (root / "no_cg").string()};
