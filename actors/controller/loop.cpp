@@ -249,14 +249,16 @@ int start(Session& s, const Config& c, const std::string& config_toml, const std
   }
   if (c.run.overwrite && c.run.resume_from.empty()) fs::remove_all(dir / "checkpoints");  // the replaced run's
   if (!c.run.resume_from.empty()) report_changed_settings(c, dir, config_toml);
-  try {  // a write that fails leaves the old config.toml whole
-    replace_file(dir / "config.toml", config_toml);
+  try {  // the engines start from the trainer's current version (initial, or resumed)
+    s.actors.engines->load(engine_weights(s.actors, false), trainer);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kiln run: %s\n", e.what());
     return 1;
   }
-  try {  // the engines start from the trainer's current version (initial, or resumed)
-    s.actors.engines->load(engine_weights(s.actors, false), trainer);
+  // Last before the steps: a start that fails or is stopped before here leaves a directory it
+  // made with nothing of its own (RunLock removes it again).
+  try {  // a write that fails leaves the old config.toml whole
+    replace_file(dir / "config.toml", config_toml);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kiln run: %s\n", e.what());
     return 1;

@@ -29,13 +29,15 @@ HostBytesPerParameter run_host_bytes_per_parameter(const Config& c, int trainer_
   const int64_t ranks = c.parallel.dp * c.parallel.ep;
   if (on_cpu(c.model.device)) {
     if (ranks == 1) {
-      add(16, "the trainer's weights, gradients and AdamW state (16 B)");
+      if (copy == 4) add(16, "the trainer's weights, gradients and AdamW's moments (16 B)");
+      else add(20, "the trainer's bf16 weights and gradients, fp32 masters, their gradients and AdamW's moments (20 B)");
     } else {
-      const double per_rank = 2 * copy + 12.0 / double(c.parallel.dp);
+      const double per_rank = 2 * copy + 4 + 16.0 / double(c.parallel.dp);
       const double share = rank_parameter_share;
       add(double(trainer_ranks_on_host) * share * per_rank,
           std::to_string(trainer_ranks_on_host) + " trainer ranks on this machine, each its weights and gradients (2 x " +
-              copy_text + ") and 1/" + std::to_string(c.parallel.dp) + " of AdamW's fp32 state (12 B)" +
+              copy_text + "), the fp32 gradient it reduces (4 B) and 1/" + std::to_string(c.parallel.dp) +
+              " of the fp32 masters, their gradients and AdamW's moments (16 B)" +
               (share < 1 ? " over its " + number(100 * share) + "% of the parameters" : std::string()));
       if (p.reference == "colocated")
         add(double(trainer_ranks_on_host) * share * copy,
@@ -57,7 +59,8 @@ HostBytesPerParameter run_host_bytes_per_parameter(const Config& c, int trainer_
       p.reference == "process" && !p.reference_device.empty() ? p.reference_device : c.model.device;
   if (on_cpu(reference_device) && !(p.reference == "colocated" && ranks > 1))
     add(copy, "the reference's copy (" + copy_text + ")");
-  if (c.algorithm.staleness > 0 && p.mode != "colocated" && c.weight_sync.transport != "collective")
+  if (c.algorithm.staleness > 0 && p.mode != "colocated" && p.trainer != "process" &&
+      c.weight_sync.transport != "collective")
     add(3 * copy, "up to 3 host snapshots of the weights for rollouts ahead (algorithm.staleness > 0; " + copy_text +
                       " each)");
   return out;

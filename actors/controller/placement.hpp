@@ -28,21 +28,22 @@ struct Actors {
 /// What a run holds in host memory, per parameter of the whole model, in the controller's
 /// process, its trainer ranks on this host and the `kiln node` processes it starts (nodes run on
 /// this machine), counted before anything is built:
-/// - one trainer rank on the CPU: 16 bytes (weights, gradients and AdamW's two fp32 moments; in
-///   bf16 2 + 2 + 4 for the fp32 masters + 8);
+/// - one trainer rank on the CPU: in fp32 16 bytes (weights, gradients, AdamW's two moments); in
+///   bf16 20 (bf16 weights and gradients, fp32 masters and their gradients, the moments);
 /// - several (parallel.dp x parallel.ep), `trainer_ranks_on_host` of them here on the CPU: each
-///   its weights and gradients in the model's dtype and 1/dp of AdamW's fp32 masters and moments
-///   (12 bytes: trainer::ShardedAdamW), over `rank_parameter_share` of the parameters (an
-///   expert-parallel rank's experts; 1 without expert parallel), and with a colocated reference
-///   a copy of its share;
+///   its weights and gradients in the model's dtype, the full fp32 gradient it reduces, and 1/dp
+///   of the fp32 masters, their gradients and the moments (16 bytes: trainer::ShardedAdamW), over
+///   `rank_parameter_share` of the parameters (an expert-parallel rank's experts; 1 without
+///   expert parallel), and with a colocated reference a copy of its share;
 /// - one copy in the model's dtype for each rollout engine (single_process: one; multi_process:
 ///   rollout_engines, by placement.rollout_device) and for the reference (placement.reference_device
 ///   for a node) whose device is the CPU; none for rollout.backend = "http" or placement.mode =
 ///   "colocated" engines;
-/// - with algorithm.staleness > 0 and engines that take the weights as tensors (not colocated,
-///   not weight_sync.transport = "collective"), up to 3 host snapshots of the weights (one
-///   loading into the engines, one pending, the next being made), whatever the trainer's device:
-///   CausalLM::hf_state_dict is on the host.
+/// - with algorithm.staleness > 0 and the controller taking the weights as tensors (not colocated
+///   engines, not a trainer node, which pushes from its live policy, not weight_sync.transport =
+///   "collective"), up to 3 host snapshots of the weights (one loading into the engines, one
+///   pending, the next being made), whatever the trainer's device: CausalLM::hf_state_dict is on
+///   the host.
 /// `parts` names each term, for the refusal.
 struct HostBytesPerParameter {
   double bytes = 0;

@@ -133,7 +133,7 @@ bool left_by_start_up(const std::string& name) {
 
 // For the signal handler below (async-signal-safe: fixed buffers, unlink and rmdir only): the
 // directories a RunLock made, innermost first, and the start-up files that may be in the first.
-constexpr int kMaxCreated = 64, kMaxStartupFiles = 200, kPathBytes = 512;
+constexpr int kMaxCreated = 64, kMaxStartupFiles = 200, kPathBytes = 4096;  // PATH_MAX
 char g_created[kMaxCreated][kPathBytes];
 volatile std::sig_atomic_t g_created_count = 0;
 char g_startup_files[kMaxStartupFiles][kPathBytes];
@@ -148,7 +148,10 @@ void remember_created_dirs(const fs::path& dir, const std::vector<fs::path>& par
   auto put = [](char* out, const fs::path& path) {
     return path.native().size() < std::size_t(kPathBytes) && std::snprintf(out, kPathBytes, "%s", path.c_str()) > 0;
   };
-  std::vector<std::string> names = {".lock", "trainer_node.pid", "ref_node.pid", "rollout_node.pid"};
+  // With the files written between the start's last step and step 1 (config.toml, the metrics
+  // files): in a directory this run made they are its own.
+  std::vector<std::string> names = {".lock",         "trainer_node.pid", "ref_node.pid", "rollout_node.pid",
+                                    "config.toml",   "metrics.jsonl",    "metrics.tsv"};
   for (int i = 1; i < g_engines; ++i) names.push_back("rollout_node_" + std::to_string(i) + ".pid");
   for (const auto& name : names)
     for (const char* suffix : {"", ".tmp"})
@@ -182,7 +185,15 @@ RunLock::RunLock(const fs::path& dir, const std::string& resume_from, bool overw
     }
   }
   fs::create_directories(dir, ec);
-  if (ec) throw std::runtime_error("cannot create the run directory '" + dir.string() + "': " + ec.message());
+  if (ec) {
+    const auto why = ec.message();
+    if (plain)  // the parents it did make, innermost first, each only if empty
+      for (auto m = missing.rbegin(); m != missing.rend(); ++m) {
+        if (!fs::exists(*m, ec)) continue;  // not made (where it failed)
+        if (!fs::remove(*m, ec)) break;
+      }
+    throw std::runtime_error("cannot create the run directory '" + dir.string() + "': " + why);
+  }
   if (plain && !missing.empty()) {
     created_ = fs::canonical(dir, ec);
     if (ec) created_.clear();

@@ -457,11 +457,13 @@ TEST_CASE("run memory: every process and copy the run holds on this machine is c
     edit(c);
     return run_host_bytes_per_parameter(c);
   };
-  // One process: the trainer (16 B), the in-process engine and reference (2 B each in bf16).
+  // One process: the trainer (bf16 20 B: fp32 masters and their gradients too), the in-process
+  // engine and reference (2 B each in bf16).
   auto one = need([](Config&) {});
-  CHECK(one.bytes == 20);
-  CHECK(one.parts == "the trainer's weights, gradients and AdamW state (16 B), the engine's copy (2 B), the reference's copy (2 B)");
-  CHECK(need([](Config& c) { c.model.dtype = "fp32"; }).bytes == 24);
+  CHECK(one.bytes == 24);
+  CHECK(one.parts == "the trainer's bf16 weights and gradients, fp32 masters, their gradients and AdamW's moments "
+                     "(20 B), the engine's copy (2 B), the reference's copy (2 B)");
+  CHECK(need([](Config& c) { c.model.dtype = "fp32"; }).bytes == 16 + 4 + 4);
   // Nodes run on this machine too: a trainer node, three CPU engine nodes, a reference node.
   auto nodes = need([](Config& c) {
     c.placement.mode = "multi_process";
@@ -469,7 +471,7 @@ TEST_CASE("run memory: every process and copy the run holds on this machine is c
     c.placement.reference = "process";
     c.placement.rollout_engines = 3;
   });
-  CHECK(nodes.bytes == 16 + 3 * 2 + 2);
+  CHECK(nodes.bytes == 20 + 3 * 2 + 2);
   CHECK(nodes.parts.find("3 engines' copies (2 B each)") != std::string::npos);
   // Engines and the reference on GPUs hold no copy here; one engine of two on the CPU does.
   CHECK(need([](Config& c) {
@@ -478,7 +480,7 @@ TEST_CASE("run memory: every process and copy the run holds on this machine is c
           c.placement.rollout_device = {"cuda:0", "cpu"};
           c.placement.reference = "process";
           c.placement.reference_device = "cuda:1";
-        }).bytes == 16 + 2);
+        }).bytes == 20 + 2);
   // A trainer on the GPU: only the CPU copies count.
   CHECK(need([](Config& c) {
           c.model.device = "cuda";
@@ -487,36 +489,43 @@ TEST_CASE("run memory: every process and copy the run holds on this machine is c
         }).bytes == 2);
   CHECK(need([](Config& c) { c.model.device = "cuda"; }).bytes == 0);
   // Colocated engines and HTTP servers hold no copy of their own; a colocated reference does.
-  CHECK(need([](Config& c) { c.placement.mode = "colocated"; }).bytes == 18);
-  CHECK(need([](Config& c) { c.rollout.backend = "http"; c.placement.reference = "colocated"; }).bytes == 18);
+  CHECK(need([](Config& c) { c.placement.mode = "colocated"; }).bytes == 22);
+  CHECK(need([](Config& c) { c.rollout.backend = "http"; c.placement.reference = "colocated"; }).bytes == 22);
   // Asynchronous rollouts: up to 3 host snapshots of the weights, whatever the trainer's device,
   // unless the engines read the trainer's own (colocated) or take a broadcast (collective).
-  CHECK(need([](Config& c) { c.algorithm.staleness = 2; }).bytes == 20 + 3 * 2);
+  CHECK(need([](Config& c) { c.algorithm.staleness = 2; }).bytes == 24 + 3 * 2);
   CHECK(need([](Config& c) { c.algorithm.staleness = 1; c.model.device = "cuda"; }).bytes == 3 * 2);
-  CHECK(need([](Config& c) { c.algorithm.staleness = 1; c.placement.mode = "colocated"; }).bytes == 18);
+  CHECK(need([](Config& c) { c.algorithm.staleness = 1; c.placement.mode = "colocated"; }).bytes == 22);
+  CHECK(need([](Config& c) {  // a trainer node pushes from its live policy: no snapshot
+          c.algorithm.staleness = 1;
+          c.placement.mode = "multi_process";
+          c.placement.trainer = "process";
+          c.placement.reference = "process";
+        }).bytes == 20 + 2 + 2);
   CHECK(need([](Config& c) {
           c.algorithm.staleness = 1;
           c.model.device = "cuda";
           c.placement.mode = "multi_process";
           c.weight_sync.transport = "collective";
         }).bytes == 0);
-  // Several trainer ranks on this machine: each its weights and gradients and 1/dp of AdamW's
-  // fp32 state, over its share of the parameters (expert parallel); rank 0's engine and reference.
+  // Several trainer ranks on this machine: each its weights and gradients, the fp32 gradient it
+  // reduces and 1/dp of the fp32 masters, their gradients and the moments, over its share of the
+  // parameters (expert parallel); rank 0's engine and reference.
   Config dp;
   dp.model.device = "cpu";
   dp.model.dtype = "bf16";
   dp.parallel.dp = 2;
   auto two = run_host_bytes_per_parameter(dp, 2);
-  CHECK(two.bytes == 2 * (2 * 2 + 12.0 / 2) + 2 + 2);
-  CHECK(two.parts.find("2 trainer ranks on this machine, each its weights and gradients (2 x 2 B) and 1/2 of AdamW's "
-                       "fp32 state (12 B)") == 0);
-  CHECK(run_host_bytes_per_parameter(dp, 1).bytes == 2 * 2 + 12.0 / 2 + 2 + 2);  // the other rank on another host
+  CHECK(two.bytes == 2 * (2 * 2 + 4 + 16.0 / 2) + 2 + 2);
+  CHECK(two.parts.find("2 trainer ranks on this machine, each its weights and gradients (2 x 2 B), the fp32 gradient "
+                       "it reduces (4 B) and 1/2 of the fp32 masters, their gradients and AdamW's moments (16 B)") == 0);
+  CHECK(run_host_bytes_per_parameter(dp, 1).bytes == 2 * 2 + 4 + 16.0 / 2 + 2 + 2);  // the other rank on another host
   dp.parallel.dp = 1;
   dp.parallel.ep = 2;
   dp.placement.mode = "colocated";
   dp.placement.reference = "colocated";
   auto ep = run_host_bytes_per_parameter(dp, 2, 0.5);
-  CHECK(ep.bytes == doctest::Approx(2 * 0.5 * (2 * 2 + 12.0) + 2 * 0.5 * 2));
+  CHECK(ep.bytes == doctest::Approx(2 * 0.5 * (2 * 2 + 4 + 16.0) + 2 * 0.5 * 2));
   CHECK(ep.parts.find("over its 50% of the parameters") != std::string::npos);
   CHECK(ep.parts.find("a colocated reference's copy in each (2 B of its share)") != std::string::npos);
 }
@@ -569,4 +578,8 @@ TEST_CASE("run directory: one a refused run made is removed again with its nodes
   }
   CHECK(fs::exists(base / "victim/run"));  // the user's directory is untouched
   CHECK(fs::exists(base / "real/victim/run"));
+  // A run directory that cannot be made (a name past NAME_MAX) leaves no parent it made.
+  CHECK_THROWS_WITH_AS(RunLock(base / "p1/p2" / std::string(300, 'c'), "", false),
+                       doctest::Contains("cannot create the run directory"), std::runtime_error);
+  CHECK_FALSE(fs::exists(base / "p1"));
 }
