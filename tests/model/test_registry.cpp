@@ -140,6 +140,15 @@ TEST_CASE("host memory: the smallest headroom of every cgroup limit from this pr
     fs::create_directories(file.parent_path());
     std::ofstream(file) << text << "\n";
   };
+  // A group's limit and usage: cgroup v2's files, or v1's memory controller's.
+  auto v2 = [&](const std::string& group, const std::string& max, const std::string& current) {
+    put(root / "cg" / group / "memory.max", max);
+    put(root / "cg" / group / "memory.current", current);
+  };
+  auto v1 = [&](const std::string& group, const std::string& limit, const std::string& usage) {
+    put(root / "cg/memory" / group / "memory.limit_in_bytes", limit);
+    put(root / "cg/memory" / group / "memory.usage_in_bytes", usage);
+  };
   put(root / "meminfo", "MemTotal:       64000000 kB\nMemAvailable:   40000000 kB\nSwapFree:        1000000 kB");
   const int64_t meminfo = int64_t(41000000) * 1024;
   HostMemorySources src{(root / "meminfo").string(), (root / "self").string(), (root / "cg").string()};
@@ -151,16 +160,12 @@ TEST_CASE("host memory: the smallest headroom of every cgroup limit from this pr
   SUBCASE("v2: a limit two levels above the process's group is the tightest") {
     put(root / "self", "0::/user.slice/job/step");
     put(root / "cg/cgroup.controllers", "memory");
-    put(root / "cg/user.slice/memory.max", "max");
-    put(root / "cg/user.slice/memory.current", "100");
-    put(root / "cg/user.slice/job/memory.max", "8000000000");  // 8 GB, 3 GB used: 5 GB left
-    put(root / "cg/user.slice/job/memory.current", "3000000000");
-    put(root / "cg/user.slice/job/step/memory.max", "max");
-    put(root / "cg/user.slice/job/step/memory.current", "2000000000");
+    v2("user.slice", "max", "100");
+    v2("user.slice/job", "8000000000", "3000000000");  // 8 GB, 3 GB used: 5 GB left
+    v2("user.slice/job/step", "max", "2000000000");
     CHECK(host_memory_available_bytes(src) == int64_t(5000000000));
     // The process's own limit tighter still (1 GB, 0.5 used), and a limit above the root ignored.
-    put(root / "cg/user.slice/job/step/memory.max", "1000000000");
-    put(root / "cg/user.slice/job/step/memory.current", "500000000");
+    v2("user.slice/job/step", "1000000000", "500000000");
     put(root / "memory.max", "1");
     put(root / "memory.current", "0");
     CHECK(host_memory_available_bytes(src) == int64_t(500000000));
@@ -171,46 +176,38 @@ TEST_CASE("host memory: the smallest headroom of every cgroup limit from this pr
   SUBCASE("v2 in a container (a cgroup namespace: the group reads as /): the root's limit") {
     put(root / "self", "0::/");
     put(root / "cg/cgroup.controllers", "memory");
-    put(root / "cg/memory.max", "20000000000");
-    put(root / "cg/memory.current", "1000000000");
+    v2("", "20000000000", "1000000000");
     CHECK(host_memory_available_bytes(src) == int64_t(19000000000));
   }
   SUBCASE("v1 (a hybrid host: v2's unified tree has no memory files): the memory controller's nested limits") {
     put(root / "self", "9:name=systemd:/\n4:memory:/process_api/abc\n0::/");
     put(root / "cg/unified/cgroup.controllers", "");
-    put(root / "cg/memory/memory.limit_in_bytes", "9223372036854771712");  // v1's "no limit"
-    put(root / "cg/memory/memory.usage_in_bytes", "5000000000");
-    put(root / "cg/memory/process_api/memory.limit_in_bytes", "24000000000");
-    put(root / "cg/memory/process_api/memory.usage_in_bytes", "4000000000");
-    put(root / "cg/memory/process_api/abc/memory.limit_in_bytes", "9223372036854771712");
-    put(root / "cg/memory/process_api/abc/memory.usage_in_bytes", "4000000000");
+    v1("", "9223372036854771712", "5000000000");  // v1's "no limit"
+    v1("process_api", "24000000000", "4000000000");
+    v1("process_api/abc", "9223372036854771712", "4000000000");
     CHECK(host_memory_available_bytes(src) == int64_t(20000000000));
   }
   SUBCASE("a group the process cannot see (outside its namespace) is skipped, the levels it can see count") {
     put(root / "self", "4:cpu,memory:/not/mounted/here");
-    put(root / "cg/memory/memory.limit_in_bytes", "30000000000");
-    put(root / "cg/memory/memory.usage_in_bytes", "1000000000");
+    v1("", "30000000000", "1000000000");
     CHECK(host_memory_available_bytes(src) == int64_t(29000000000));
   }
   SUBCASE("the page cache a group holds (inactive file pages) is not counted against its limit") {
     put(root / "self", "0::/job");
     put(root / "cg/cgroup.controllers", "memory");
-    put(root / "cg/job/memory.max", "32000000000");
-    put(root / "cg/job/memory.current", "24000000000");  // 20 GB of it a checkpoint just read
+    v2("job", "32000000000", "24000000000");  // 20 GB of it a checkpoint just read
     put(root / "cg/job/memory.stat", "anon 4000000000\nfile 20000000000\ninactive_file 19000000000\nactive_file 1000000000");
     CHECK(host_memory_available_bytes(src) == int64_t(27000000000));
     put(root / "self", "4:memory:/job\n0::/");  // v1 names it total_inactive_file
     fs::remove_all(root / "cg");
-    put(root / "cg/memory/job/memory.limit_in_bytes", "32000000000");
-    put(root / "cg/memory/job/memory.usage_in_bytes", "24000000000");
+    v1("job", "32000000000", "24000000000");
     put(root / "cg/memory/job/memory.stat", "cache 20000000000\ninactive_file 1\ntotal_inactive_file 19000000000");
     CHECK(host_memory_available_bytes(src) == int64_t(27000000000));
   }
   SUBCASE("a group above the namespace's root (\"/../job\") reads the root's limit, not none") {
     put(root / "self", "0::/../job");
     put(root / "cg/cgroup.controllers", "memory");
-    put(root / "cg/memory.max", "10000000000");
-    put(root / "cg/memory.current", "2000000000");
+    v2("", "10000000000", "2000000000");
     put(root / "memory.max", "1");  // outside the root: never read
     put(root / "memory.current", "0");
     CHECK(host_memory_available_bytes(src) == int64_t(8000000000));
