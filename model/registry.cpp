@@ -33,8 +33,6 @@ bool read_cgroup_int(const fs::path& path, int64_t& out) {
   }
 }
 
-// The smallest limit - usage over `root`/`relative` and each directory above it up to `root`
-// (-1: no limit found). v1 writes "no limit" as a page-rounded 2^63.
 // A key's value in a cgroup's memory.stat ("inactive_file 123" lines); 0 when absent.
 int64_t cgroup_stat(const fs::path& file, const std::string& key) {
   std::ifstream f(file);
@@ -45,12 +43,15 @@ int64_t cgroup_stat(const fs::path& file, const std::string& key) {
   return 0;
 }
 
-// The usage a limit is compared with: what the group holds less its inactive file pages (the
-// page cache the kernel reclaims before it kills: docker's and the kubelet's "working set").
+// The smallest limit - usage over `root`/`relative` and each directory above it up to `root`
+// (-1: no limit found; v1 writes "no limit" as a page-rounded 2^63). The usage a limit is
+// compared with is what the group holds less its inactive file pages (the page cache the kernel
+// reclaims before it kills: docker's and the kubelet's "working set").
 int64_t cgroup_headroom(const fs::path& root, const std::string& relative, const char* limit_file,
                         const char* usage_file, const char* inactive_file_key) {
   int64_t least = -1;
-  const auto top = root.lexically_normal();
+  auto top = root.lexically_normal();
+  if (!top.has_filename() && top.has_relative_path()) top = top.parent_path();  // "/sys/fs/cgroup/"
   fs::path dir = (root / fs::path(relative).relative_path()).lexically_normal();
   // A group outside this namespace's root ("/../job"): only the root is visible.
   const auto [end, _] = std::mismatch(top.begin(), top.end(), dir.begin(), dir.end());

@@ -211,6 +211,12 @@ TEST_CASE("host memory: the smallest headroom of every cgroup limit from this pr
     put(root / "memory.max", "1");  // outside the root: never read
     put(root / "memory.current", "0");
     CHECK(host_memory_available_bytes(src) == int64_t(8000000000));
+    // A root given with a trailing separator reads the same groups.
+    put(root / "self", "0::/job");
+    v2("job", "5000000000", "1000000000");
+    CHECK(host_memory_available_bytes(src) == int64_t(4000000000));
+    src.cgroup_root += "/";
+    CHECK(host_memory_available_bytes(src) == int64_t(4000000000));
   }
   SUBCASE("nothing readable: -1") {
     HostMemorySources none{(root / "no_meminfo").string(), (root / "no_self").string(), (root / "no_cg").string()};
