@@ -239,8 +239,7 @@ const char* const kBuildInFp32 = "in fp32 (models are built in fp32 on the host,
 
 std::shared_ptr<CausalLM> Registry::build(const std::string& package, const std::string& flavor,
                                           const std::string& checkpoint_dir) const {
-  (void)find(package);  // an unknown package is named before anything is counted
-  check_fits_host(package, flavor, checkpoint_dir, 4.0, kBuildInFp32);
+  check_fits_host(package, flavor, checkpoint_dir, 4.0, kBuildInFp32);  // names an unknown package (find)
   return build_unchecked(package, flavor, checkpoint_dir);
 }
 

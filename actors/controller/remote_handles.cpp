@@ -11,6 +11,7 @@
 #include <fstream>
 #include <thread>
 
+#include "actors/controller/run_dir.hpp"
 #include "actors/reference/messages.hpp"
 #include "actors/reference/ref_messages.hpp"
 #include "actors/rollout/generate_messages.hpp"
@@ -95,7 +96,7 @@ void Node::stop() {
 }
 
 RemoteTrainer::RemoteTrainer(const NodeSite& site, const Config& c)
-    : gw_(site.gateway), node_(site, "trainer", "trainer/0", "trainer_node.pid") {
+    : gw_(site.gateway), node_(site, "trainer", "trainer/0", node_pid_file("trainer")) {
   TrainerInit init{c.model, c.run.seed, c.trainer_for_run(), c.weight_sync.bucket_mib};
   Envelope r;
   try {
@@ -198,7 +199,7 @@ void RemoteEngines::start_node(std::size_t i) {
   const auto index = std::to_string(i);
   nodes_[i].reset();  // a lost node's process is stopped (or reaped) first
   nodes_[i] = std::make_unique<Node>(site_, i == 0 ? "rollout" : "rollout-" + index, "rollout/" + index,
-                                     i == 0 ? "rollout_node.pid" : "rollout_node_" + index + ".pid");
+                                     node_pid_file("rollout", int64_t(i)));
   // A restarted node joins at its predecessor's endpoint, which the directory still lists:
   // until its connection is up, requests fail at once (peer_lost); ask again for up to 300 s.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(300);
@@ -315,7 +316,7 @@ void RemoteEngines::load(const PolicyWeights& w, TrainerHandle& trainer) {
 }
 
 RemoteReference::RemoteReference(const NodeSite& site, const Config& c, TrainerHandle& initial)
-    : gw_(site.gateway), routing_replay_(c.trainer.logprobs.routing_replay), node_(site, "ref", "ref/0", "ref_node.pid") {
+    : gw_(site.gateway), routing_replay_(c.trainer.logprobs.routing_replay), node_(site, "ref", "ref/0", node_pid_file("ref")) {
   auto spec = c.model;
   if (!c.placement.reference_device.empty()) spec.device = c.placement.reference_device;
   auto r = gw_.request(make_envelope(RefInit{spec, c.trainer.logprobs}, Kind::request, "controller", node_.actor()),

@@ -123,9 +123,13 @@ std::vector<std::string> changed_settings(const std::string& before_toml, const 
   return changed;
 }
 
+std::string node_pid_file(const std::string& node, int64_t index) {
+  return index == 0 ? node + "_node.pid" : node + "_node_" + std::to_string(index) + ".pid";
+}
+
 namespace {
 // What a run leaves in its directory before its first step: the lock and its nodes' pid files
-// (trainer_node.pid, ref_node.pid, rollout_node.pid, rollout_node_<i>.pid: remote_handles.cpp).
+// (node_pid_file: "*_node.pid", "*_node_<i>.pid").
 bool left_by_start_up(const std::string& name) {
   return name == ".lock" || (name.size() > 4 && name.compare(name.size() - 4, 4, ".pid") == 0 &&
                              name.find("_node") != std::string::npos);
@@ -150,9 +154,9 @@ void remember_created_dirs(const fs::path& dir, const std::vector<fs::path>& par
   };
   // With the files written between the start's last step and step 1 (config.toml, the metrics
   // files): in a directory this run made they are its own.
-  std::vector<std::string> names = {".lock",         "trainer_node.pid", "ref_node.pid", "rollout_node.pid",
-                                    "config.toml",   "metrics.jsonl",    "metrics.tsv"};
-  for (int i = 1; i < g_engines; ++i) names.push_back("rollout_node_" + std::to_string(i) + ".pid");
+  std::vector<std::string> names = {".lock", node_pid_file("trainer"), node_pid_file("ref"), "config.toml",
+                                    "metrics.jsonl", "metrics.tsv"};
+  for (int i = 0; i < g_engines; ++i) names.push_back(node_pid_file("rollout", i));
   for (const auto& name : names)
     for (const char* suffix : {"", ".tmp"})
       if (files < kMaxStartupFiles && put(g_startup_files[files], dir / (name + suffix))) ++files;

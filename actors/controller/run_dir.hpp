@@ -76,6 +76,11 @@ std::filesystem::path checkpoint_dir(const std::filesystem::path& run, int64_t s
 /// ones are incomplete), or an empty path.
 std::filesystem::path newest_checkpoint(const std::filesystem::path& run);
 
+/// The file in the run directory holding the pid of a `kiln node`: "trainer_node.pid",
+/// "ref_node.pid", "rollout_node.pid" for engine 0 and "rollout_node_<i>.pid" for engine i > 0
+/// (`node` "trainer", "ref" or "rollout"; `index` the engine's).
+std::string node_pid_file(const std::string& node, int64_t index = 0);
+
 /// `word` as one shell word, for the commands kiln prints: as is when it holds only
 /// [A-Za-z0-9_./:=@%+,-], else in single quotes (a quote inside as '\'').
 std::string shell_word(const std::string& word);
