@@ -302,6 +302,7 @@ class GpuBench {
     for (const auto& p : policy_->parameters()) numel += p.numel();
     const double state_bytes = kernels::kAdamWLowPrecisionBytesPerParameter * double(numel);
     J["trainer_step_parameters"] = numel;
+    J["trainer_step_adamw_state_bytes"] = state_bytes;
     J["trainer_step_bound_s"] = fb_ + state_bytes / (J["copy_read_write_gbs"].get<double>() * 1e9);
     // Where one more step's time goes, the device synchronised at each phase's end.
     tr.time_phases(true);
@@ -338,8 +339,7 @@ class GpuBench {
     });
     J["optimizer_step_s"] = kiln_s;
     J["optimizer_step_composite_s"] = composite_s;
-    J["optimizer_step_gbs"] =
-        kernels::kAdamWLowPrecisionBytesPerParameter * double(J["trainer_step_parameters"].get<int64_t>()) / kiln_s / 1e9;
+    J["optimizer_step_gbs"] = J["trainer_step_adamw_state_bytes"].get<double>() / kiln_s / 1e9;
   }
 
   // 4. update_weights: device-to-device into the engine's storage vs a plain copy.
@@ -401,7 +401,7 @@ class GpuBench {
                 (long long)J.at("trainer_step_tokens").get<int64_t>());
     const auto& ph = J.at("trainer_step_phases_s");
     std::printf("    bound: forward+backward + AdamW state (%.2f GB) at the copy rate = %.3f s; the step is %.2fx of it\n",
-                kernels::kAdamWLowPrecisionBytesPerParameter * double(J.at("trainer_step_parameters").get<int64_t>()) / 1e9,
+                d("trainer_step_adamw_state_bytes") / 1e9,
                 d("trainer_step_bound_s"),
                 d("trainer_step_s") / d("trainer_step_bound_s"));
     std::printf("    phases (device synchronised at each end): forward %.3f s, backward %.3f s, clip %.3f s, optimizer "
