@@ -120,7 +120,12 @@ struct ServerProcess {
 
 int run_serve_bench(const ServeBenchOptions& o) {
   torch::manual_seed(1);  // as kiln serve --set run.seed=1 builds the same flavor: equal weights
-  auto model = model::Registry::with_plugins().build(model::ModelSpec{"glm4_moe_lite", o.flavor});
+  const auto registry = model::Registry::with_plugins();
+  // Two fp32 copies on this host at once: this process's (the in-process engine) and its kiln
+  // serve child's; refused here before either is built.
+  registry.check_fits_host("glm4_moe_lite", o.flavor, "", 8.0,
+                           "in fp32, twice on this host (the in-process engine's copy and its kiln serve child's)");
+  auto model = registry.build(model::ModelSpec{"glm4_moe_lite", o.flavor});
   const auto eo = controller::Config{}.rollout.engine;  // kiln serve's engine for the default experiment
   auto ids = torch::randint(3, model->vocab_size(), {o.requests, o.prompt_tokens}, torch::kInt64);
   std::vector<rollout::GenerationRequest> requests(std::size_t(o.requests));

@@ -44,9 +44,10 @@ int64_t cgroup_stat(const fs::path& file, const std::string& key) {
 }
 
 // The smallest limit - usage over `root`/`relative` and each directory above it up to `root`
-// (-1: no limit found; v1 writes "no limit" as a page-rounded 2^63). The usage a limit is
-// compared with is what the group holds less its inactive file pages (the page cache the kernel
-// reclaims before it kills: docker's and the kubelet's "working set").
+// (-1: no limit found; v1 writes "no limit" as a page-rounded 2^63). For memory, the usage a
+// limit is compared with is what the group holds less its inactive file pages (the page cache the
+// kernel reclaims before it kills: docker's and the kubelet's "working set"); for swap
+// (`inactive_file_key` null) the usage as it reads.
 int64_t cgroup_headroom(const fs::path& root, const std::string& relative, const char* limit_file,
                         const char* usage_file, const char* inactive_file_key) {
   int64_t least = -1;
@@ -60,7 +61,8 @@ int64_t cgroup_headroom(const fs::path& root, const std::string& relative, const
     int64_t limit = 0, used = 0;
     if (read_cgroup_int(dir / limit_file, limit) && read_cgroup_int(dir / usage_file, used) &&
         limit < (int64_t(1) << 60)) {
-      used -= std::min(used, std::max<int64_t>(0, cgroup_stat(dir / "memory.stat", inactive_file_key)));
+      if (inactive_file_key)
+        used -= std::min(used, std::max<int64_t>(0, cgroup_stat(dir / "memory.stat", inactive_file_key)));
       const int64_t headroom = std::max<int64_t>(0, limit - used);
       least = least < 0 ? headroom : std::min(least, headroom);
     }
@@ -85,7 +87,6 @@ int64_t host_memory_available_bytes(const HostMemorySources& sources) {
       if (key == "SwapFree:") swap_free = kib * 1024;
     }
   }
-  if (available >= 0) available += swap_free;  // slow, but the build would not be killed
   // This process's cgroups: "0::/a/b" (v2), "4:memory:/a/b" or "4:memory,foo:/a/b" (v1). With a
   // cgroup namespace both read "/" and the root is the container's own group.
   std::string v2_path, v1_path;
@@ -104,14 +105,26 @@ int64_t host_memory_available_bytes(const HostMemorySources& sources) {
   std::error_code ec;
   // v2 where the controllers file is (the root itself, or unified/ on a hybrid host); v1's
   // memory controller when v2 gives nothing (a hybrid host's unified tree has no memory files).
-  int64_t headroom = -1;
+  // Swap counts (slow, but the build is not killed) as far as every group up the tree lets the
+  // process swap: v2's memory.swap.max - memory.swap.current, v1's memory+swap limit
+  // (memory.memsw.*, which bounds the memory and the swap together).
+  int64_t headroom = -1, swap_headroom = -1, v1_memsw_headroom = -1;
   for (const auto& v2_root : {root, root / "unified"})
-    if (headroom < 0 && fs::exists(v2_root / "cgroup.controllers", ec))
-      headroom = cgroup_headroom(v2_root, v2_seen ? v2_path : "/", "memory.max", "memory.current", "inactive_file");
-  if (headroom < 0)
-    headroom = cgroup_headroom(root / "memory", v1_seen ? v1_path : "/", "memory.limit_in_bytes", "memory.usage_in_bytes",
+    if (headroom < 0 && fs::exists(v2_root / "cgroup.controllers", ec)) {
+      const auto& group = v2_seen ? v2_path : "/";
+      headroom = cgroup_headroom(v2_root, group, "memory.max", "memory.current", "inactive_file");
+      swap_headroom = cgroup_headroom(v2_root, group, "memory.swap.max", "memory.swap.current", nullptr);
+    }
+  if (headroom < 0) {
+    const auto& group = v1_seen ? v1_path : "/";
+    headroom = cgroup_headroom(root / "memory", group, "memory.limit_in_bytes", "memory.usage_in_bytes",
                                "total_inactive_file");
-  if (headroom >= 0) available = available < 0 ? headroom : std::min(available, headroom);
+    v1_memsw_headroom = cgroup_headroom(root / "memory", group, "memory.memsw.limit_in_bytes",
+                                        "memory.memsw.usage_in_bytes", "total_inactive_file");
+  }
+  if (available >= 0) available += swap_headroom >= 0 ? std::min(swap_free, swap_headroom) : swap_free;
+  for (const int64_t h : {headroom, v1_memsw_headroom})
+    if (h >= 0) available = available < 0 ? h : std::min(available, h);
   return available;
 }
 

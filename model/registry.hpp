@@ -46,15 +46,18 @@ struct HostMemorySources {
   std::string cgroup_root = "/sys/fs/cgroup";     ///< v2 there (or in unified/), v1's memory controller in memory/
 };
 
-/// Bytes of host memory a new allocation can take now: /proc/meminfo's MemAvailable plus SwapFree,
-/// lowered to the smallest headroom (limit - usage) of the memory limits on this process's cgroup
+/// Bytes of host memory a new allocation can take now: /proc/meminfo's MemAvailable plus SwapFree
+/// (SwapFree lowered to the smallest swap headroom of cgroup v2's memory.swap.max - memory.swap.current
+/// up the tree: a group with memory.swap.max 0 lets the process swap nothing), then lowered to the
+/// smallest headroom (limit - usage) of the memory limits on this process's cgroup
 /// and every cgroup above it up to the root: cgroup v2 (memory.max - memory.current), else v1's
 /// memory controller (memory.limit_in_bytes - memory.usage_in_bytes; its "no limit", a page-rounded
 /// 2^63, ignored), the usage less the group's inactive file pages (memory.stat inactive_file /
 /// total_inactive_file: page cache the kernel reclaims first, as docker's and the kubelet's
-/// working set count it). A cgroup directory the process cannot see (outside its namespace) is
-/// skipped; a group above the namespace's root ("/../job") reads the root. -1 when nothing can be
-/// read.
+/// working set count it), and with v1 also to the smallest headroom of its memory+swap limits
+/// (memory.memsw.limit_in_bytes - memory.memsw.usage_in_bytes). A cgroup directory the process
+/// cannot see (outside its namespace) is skipped; a group above the namespace's root ("/../job")
+/// reads the root. -1 when nothing can be read.
 int64_t host_memory_available_bytes(const HostMemorySources& sources = {});
 
 /// Refuses (std::invalid_argument) what needs `bytes_per_parameter` bytes for each of `parameters`

@@ -9,8 +9,9 @@ two of them of at least --min-us is a gap. Each gap is charged to the CPU op tha
 work ending it (the kernel's launch call matched by correlation id, then the innermost and the
 outermost `cpu_op` around that call on its thread). Prints the span, busy and idle time, the
 launches, then the gaps' time summed by launching op (innermost and outermost), largest first,
-and the longest single gaps; with --kernels also the GPU time summed by kernel name (and by the
-outermost cpu_op that launched it), largest first.
+and the longest single gaps; with --kernels also the GPU time summed by kernel name, by the
+outermost cpu_op that launched it, and by the (outermost, innermost) pair of cpu_ops (which
+backward node ran which ATen op), largest first.
 """
 
 import argparse
@@ -47,7 +48,7 @@ def main():
         corr = (e.get("args") or {}).get("correlation")
         if cat in GPU_CATS:
             gpu.append((ts, ts + dur, corr, e.get("name", "?")))
-        elif cat == "cuda_runtime" and corr is not None:
+        elif cat in ("cuda_runtime", "cuda_driver") and corr is not None:  # cuBLASLt launches by the driver API
             launch[corr] = (e.get("tid"), ts)
         elif cat == "cpu_op":
             ops[e.get("tid")].append((ts, ts + dur, e.get("name", "?")))
@@ -97,14 +98,20 @@ def main():
     for g, inner, outer, name in sorted(gaps, reverse=True)[: a.top]:
         print(f"  {g:9.1f} us  before {name[:60]}  (launched in {inner[:50]} / {outer[:40]})")
     if a.kernels:
-        by_name, by_op, count = collections.Counter(), collections.Counter(), collections.Counter()
+        by_name, by_op, by_pair = collections.Counter(), collections.Counter(), collections.Counter()
+        count, pair_count = collections.Counter(), collections.Counter()
         for s, t, corr, name in gpu:
             by_name[name] += t - s
             count[name] += 1
             tid, lts = launch.get(corr, (None, None))
-            by_op[enclosing(tid, lts)[1] if tid is not None else "(launch not traced)"] += t - s
+            inner, outer = enclosing(tid, lts) if tid is not None else ("(launch not traced)",) * 2
+            by_op[outer] += t - s
+            by_pair[(outer, inner)] += t - s
+            pair_count[(outer, inner)] += 1
         ranked("GPU time by kernel (calls)", by_name, lambda k: f"{count[k]:5d}  {k[:110]}")
         ranked("GPU time by the outermost cpu_op that launched it", by_op)
+        ranked("GPU time by outermost / innermost cpu_op (launches)", by_pair,
+               lambda k: f"{pair_count[k]:5d}  {k[0][:60]} / {k[1][:50]}")
 
 
 if __name__ == "__main__":

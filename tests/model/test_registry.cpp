@@ -218,6 +218,26 @@ TEST_CASE("host memory: the smallest headroom of every cgroup limit from this pr
     src.cgroup_root += "/";
     CHECK(host_memory_available_bytes(src) == int64_t(4000000000));
   }
+  SUBCASE("swap counts only as far as every group up the tree lets the process swap") {
+    put(root / "self", "0::/job/step");
+    put(root / "cg/cgroup.controllers", "memory");
+    v2("job", "max", "1000000000");
+    put(root / "cg/job/memory.swap.max", "max");
+    put(root / "cg/job/memory.swap.current", "0");
+    CHECK(host_memory_available_bytes(src) == meminfo);  // no swap limit: MemAvailable + SwapFree
+    put(root / "cg/job/memory.swap.max", "0");  // no swap for the job: MemAvailable only
+    CHECK(host_memory_available_bytes(src) == int64_t(40000000) * 1024);
+    put(root / "cg/job/memory.swap.max", "500000000");  // 500 MB of swap, 100 MB used, below SwapFree
+    put(root / "cg/job/memory.swap.current", "100000000");
+    CHECK(host_memory_available_bytes(src) == int64_t(40000000) * 1024 + 400000000);
+    // v1: the memory+swap limit bounds both; 4 GB of its 28 GB used in memory, 2 GB more in swap.
+    fs::remove_all(root / "cg");
+    put(root / "self", "4:memory:/job\n0::/");
+    v1("job", "28000000000", "4000000000");
+    put(root / "cg/memory/job/memory.memsw.limit_in_bytes", "28000000000");
+    put(root / "cg/memory/job/memory.memsw.usage_in_bytes", "6000000000");
+    CHECK(host_memory_available_bytes(src) == int64_t(22000000000));
+  }
   SUBCASE("nothing readable: -1") {
     HostMemorySources none{(root / "no_meminfo").string(), (root / "no_self").string(), (root / "no_cg").string()};
     CHECK(host_memory_available_bytes(none) == -1);
