@@ -1,0 +1,106 @@
+#include "kernels/lm_head.hpp"
+
+#include <ATen/ATen.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "kernels/alignment.hpp"
+
+#ifdef KILN_LM_HEAD
+#include <ATen/cuda/CUDAContext.h>
+
+#include "kernels/lm_head_cuda.hpp"
+#endif
+
+namespace kiln::kernels {
+
+namespace {
+std::atomic<bool>& fused_switch() {
+  // Off unless asked for: not yet measured on a GPU (docs/gpu.md).
+  static std::atomic<bool> on{[] {
+    const char* env = std::getenv("KILN_LM_HEAD_FUSED");
+    return env && std::strcmp(env, "1") == 0;
+  }()};
+  return on;
+}
+
+#ifdef KILN_LM_HEAD
+// Stream-ordered scratch: the caching allocator hands a freed block to later work on the same
+// stream only, so the tensor can go once the GEMM is queued.
+void* alloc_scratch(size_t bytes, void* ctx) {
+  auto* keep = static_cast<std::pair<std::vector<at::Tensor>, at::Device>*>(ctx);
+  keep->first.push_back(at::empty({int64_t(bytes)}, at::TensorOptions().dtype(at::kByte).device(keep->second)));
+  return keep->first.back().data_ptr();
+}
+#endif
+}  // namespace
+
+void set_lm_head_fused(bool on) { fused_switch() = on; }
+
+bool lm_head_fused_available(const at::Tensor& hidden_ND, const at::Tensor& weight_VD) {
+#ifdef KILN_LM_HEAD
+  return fused_switch() && hidden_ND.is_cuda() && weight_VD.device() == hidden_ND.device() &&
+         hidden_ND.scalar_type() == at::kBFloat16 && weight_VD.scalar_type() == at::kBFloat16 && hidden_ND.dim() == 2 &&
+         weight_VD.dim() == 2 && hidden_ND.size(1) == weight_VD.size(1) && hidden_ND.size(1) % 8 == 0 &&
+         weight_VD.size(0) % 8 == 0 && at::cuda::getDeviceProperties(hidden_ND.device().index())->major == 9;
+#else
+  (void)hidden_ND, (void)weight_VD;
+  return false;
+#endif
+}
+
+std::pair<at::Tensor, at::Tensor> lm_head_logits_lse(const at::Tensor& hidden_ND, const at::Tensor& weight_VD,
+                                                     const at::Tensor& logits_NV) {
+  TORCH_CHECK(hidden_ND.dim() == 2 && weight_VD.dim() == 2 && hidden_ND.size(1) == weight_VD.size(1),
+              "lm_head_logits_lse: hidden [N, D] and weight [V, D] expected, got ", hidden_ND.sizes(), " and ",
+              weight_VD.sizes());
+  TORCH_CHECK(logits_NV.dim() == 2 && logits_NV.size(0) == hidden_ND.size(0) && logits_NV.size(1) == weight_VD.size(0),
+              "lm_head_logits_lse: logits must be [N, V] = [", hidden_ND.size(0), ", ", weight_VD.size(0), "], got ",
+              logits_NV.sizes());
+  TORCH_CHECK(lm_head_fused_available(hidden_ND, weight_VD), "lm_head_logits_lse: no fused kernel for hidden ",
+              hidden_ND.sizes(), " ", hidden_ND.scalar_type(), " on ", hidden_ND.device(), " and weight ",
+              weight_VD.sizes(), " ", weight_VD.scalar_type(), " on ", weight_VD.device(),
+              " (needs a CUDA build with CUTLASS, a Hopper GPU, bf16, D and V multiples of 8, KILN_LM_HEAD_FUSED not 0)");
+  TORCH_CHECK(logits_NV.scalar_type() == at::kBFloat16 && logits_NV.device() == hidden_ND.device() &&
+                  logits_NV.is_contiguous(),
+              "lm_head_logits_lse: logits must be bf16, contiguous, on ", hidden_ND.device(), ", got ",
+              logits_NV.scalar_type(), " on ", logits_NV.device());
+#ifdef KILN_LM_HEAD
+  auto h = aligned_contiguous(hidden_ND), w = aligned_contiguous(weight_VD);
+  TORCH_CHECK(aligned16(logits_NV), "lm_head_logits_lse: logits must start on a 16-byte boundary");
+  const auto fopt = hidden_ND.options().dtype(at::kFloat);
+  auto lse = at::empty({hidden_ND.size(0)}, fopt), kept_lse = at::empty({hidden_ND.size(0)}, fopt);
+  if (hidden_ND.size(0) == 0) return {lse, kept_lse};
+  cuda::LmHeadArgs a;
+  a.hidden = h.data_ptr();
+  a.weight = w.data_ptr();
+  a.logits = logits_NV.data_ptr();
+  a.lse = lse.data_ptr<float>();
+  a.kept_lse = kept_lse.data_ptr<float>();
+  a.N = h.size(0);
+  a.V = w.size(0);
+  a.D = h.size(1);
+  a.sm_count = at::cuda::getDeviceProperties(h.device().index())->multiProcessorCount;
+  a.stream = at::cuda::getCurrentCUDAStream(h.device().index()).stream();
+  std::pair<std::vector<at::Tensor>, at::Device> keep{{}, h.device()};
+  cuda::lm_head_logits_lse(a, &alloc_scratch, &keep);
+  return {lse, kept_lse};
+#else
+  TORCH_CHECK(false, "lm_head_logits_lse: this build has no fused head (needs CUDA and CUTLASS's headers)");
+#endif
+}
+
+std::pair<at::Tensor, at::Tensor> lm_head_logits_lse_ref(const at::Tensor& hidden_ND, const at::Tensor& weight_VD,
+                                                         const at::Tensor& logits_NV) {
+  const auto t = hidden_ND.scalar_type();
+  auto z = hidden_ND.is_cuda() && (t == at::kBFloat16 || t == at::kHalf)
+               ? at::mm(hidden_ND, weight_VD.t(), at::kFloat)
+               : at::mm(hidden_ND.to(at::kFloat), weight_VD.to(at::kFloat).t());  // [N, V] fp32 sums
+  logits_NV.copy_(z);
+  return {at::logsumexp(z, {1}), at::logsumexp(logits_NV.to(at::kFloat), {1})};
+}
+
+}  // namespace kiln::kernels

@@ -1,0 +1,39 @@
+#pragma once
+// The log-prob head's logits and the log-softmax's row statistics in one pass: on Hopper one
+// CUTLASS GEMM (kernels/lm_head_sm90.cu) writes the bf16 logits and reduces each row in its
+// epilogue, so the fp32 logits are never written to memory and read back (what the forward of
+// model::token_logprobs did before: cuBLAS into fp32 [n, V], then kernels/logprobs.cu's pass).
+//   logits[t, v] = bf16(sum_k hidden[t, k] weight[v, k])        (fp32 accumulation)
+//   lse[t]       = log sum_v exp(acc[t, v])                     (the fp32 accumulators)
+//   kept_lse[t]  = log sum_v exp(float(logits[t, v]))          (the bf16 values written)
+// Sums as a log-add-exp reduction in fp32 (any order: associative); within 1e-5 of an fp64
+// reference at GLM-4.7-Flash's head (tests/kernels/test_lm_head.cpp).
+//
+// Legend: N rows (tokens), D hidden, V vocabulary.
+#include <ATen/core/Tensor.h>
+
+#include <utility>
+
+namespace kiln::kernels {
+
+/// Whether lm_head_logits_lse runs the fused GEMM for these inputs: a build with it (CUDA and
+/// CUTLASS's headers), CUDA tensors on a device of compute capability 9.x, bf16, D and V multiples
+/// of 8, and the switch on: set_lm_head_fused, or KILN_LM_HEAD_FUSED=1 in the environment at
+/// start-up. Off by default until it has been measured on a GPU (docs/gpu.md).
+bool lm_head_fused_available(const at::Tensor& hidden_ND, const at::Tensor& weight_VD);
+/// The process-wide switch lm_head_fused_available reads (benchmarks and tests compare both paths).
+void set_lm_head_fused(bool on);
+
+/// hidden_ND [N, D] and weight_VD [V, D] bf16, contiguous, on one CUDA device; logits_NV [N, V]
+/// bf16 contiguous on it, receives the logits. -> (lse [N], kept_lse [N]) fp32. Needs
+/// lm_head_fused_available; throws c10::Error naming the shape, dtype or device that does not
+/// fit, std::runtime_error when CUTLASS refuses the problem or the launch fails.
+std::pair<at::Tensor, at::Tensor> lm_head_logits_lse(const at::Tensor& hidden_ND, const at::Tensor& weight_VD,
+                                                     const at::Tensor& logits_NV);
+/// The LibTorch reference, any device: fp32 logits (on CUDA with 16-bit inputs one GEMM writing
+/// fp32, as model::lm_logits; elsewhere an fp32 GEMM of the inputs), their logsumexp, logits_NV = them rounded to logits_NV's dtype,
+/// and the logsumexp of those.
+std::pair<at::Tensor, at::Tensor> lm_head_logits_lse_ref(const at::Tensor& hidden_ND, const at::Tensor& weight_VD,
+                                                         const at::Tensor& logits_NV);
+
+}  // namespace kiln::kernels

@@ -1,0 +1,31 @@
+#pragma once
+// Host entry of the Hopper log-prob head GEMM (kernels/lm_head_sm90.cu: CUTLASS 3's sm90 GEMM
+// with an epilogue visitor tree, compiled for sm_90a beside the grouped GEMM). Torch-free:
+// kernels/lm_head.cpp checks the tensors and fills LmHeadArgs.
+//
+// Legend: N rows (tokens), D hidden, V vocabulary. bf16 operands, fp32 accumulation.
+#include <cstddef>
+#include <cstdint>
+
+namespace kiln::kernels::cuda {
+
+struct LmHeadArgs {
+  const void* hidden = nullptr;  ///< [N, D] bf16, row-major
+  const void* weight = nullptr;  ///< [V, D] bf16, row-major
+  void* logits = nullptr;        ///< [N, V] bf16, row-major: bf16(hidden @ weight^T)
+  float* lse = nullptr;          ///< [N]: logsumexp over V of the fp32 accumulators
+  float* kept_lse = nullptr;     ///< [N]: logsumexp over V of the bf16 logits written
+  int64_t N = 0, V = 0, D = 0;
+  int sm_count = 0;
+  void* stream = nullptr;  ///< cudaStream_t
+};
+
+/// Device memory for the call's CUTLASS workspace: (bytes, ctx) -> pointer valid until the work
+/// queued on args.stream is done (a stream-ordered allocator).
+using LmHeadAlloc = void* (*)(size_t bytes, void* ctx);
+
+/// Queues the GEMM on args.stream; throws std::runtime_error when CUTLASS refuses the problem
+/// (N, V, D must be >= 1; V and D multiples of 8) or the launch fails.
+void lm_head_logits_lse(const LmHeadArgs& args, LmHeadAlloc alloc, void* alloc_ctx);
+
+}  // namespace kiln::kernels::cuda

@@ -1,0 +1,131 @@
+// The log-prob head's logits and their row statistics in one Hopper GEMM (kernels/lm_head.hpp):
+// CUTLASS 3's sm90 GEMM (TMA loads, warp-specialized cooperative WGMMA, 128x256x64 tiles,
+// cluster 1x2; NVIDIA CUTLASS, examples/49_hopper_gemm_with_collective_builder) whose epilogue
+// visitor tree (CUTLASS's EVT, examples/49 and cutlass/epilogue/fusion) stores bf16(acc) and
+// reduces every row twice with a log-add-exp, a (+) b = max(a, b) + log1p(exp(-|a - b|)):
+//   lse      = (+) over v of acc[t, v]                 (the fp32 accumulators)
+//   kept_lse = (+) over v of float(bf16(acc[t, v]))    (the logits stored)
+// Each CTA reduces its 128 x 256 tile's rows (registers, warp shuffles, shared memory), writes
+// one partial per row and tile to the workspace, and the last CTA of a row block (a tile counter)
+// combines the row's partials in column order (Sm90ColReduction with FinalReduction). log-add-exp
+// is associative and commutative with identity -inf, so every order gives the logsumexp up to
+// fp32 rounding (tests/kernels/test_lm_head.cpp: within 1e-5 of an fp64 reference).
+// No LibTorch here: compile time.
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/lm_head_cuda.hpp"
+
+namespace kiln::kernels::cuda {
+
+namespace {
+using namespace cute;
+
+// log(exp(a) + exp(b)), -inf the identity (two -inf give -inf, not NaN).
+template <class T>
+struct LogAddExp {
+  CUTLASS_HOST_DEVICE T operator()(T a, T b) const {
+    if (a == -std::numeric_limits<T>::infinity()) return b;
+    if (b == -std::numeric_limits<T>::infinity()) return a;
+    const T m = a > b ? a : b, d = a > b ? b - a : a - b;  // d <= 0
+#ifdef __CUDA_ARCH__
+    return m + log1pf(__expf(d));
+#else
+    return m + std::log1p(std::exp(d));
+#endif
+  }
+};
+// Element by element over the fragments the reduction's shuffle and shared-memory stages pass.
+template <class T, int N>
+struct LogAddExp<cutlass::Array<T, N>> {
+  CUTLASS_HOST_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& a,
+                                                      cutlass::Array<T, N> const& b) const {
+    cutlass::Array<T, N> r;
+    LogAddExp<T> f;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < N; ++i) r[i] = f(a[i], b[i]);
+    return r;
+  }
+};
+
+using Element = cutlass::bfloat16_t;
+using LayoutA = cutlass::layout::RowMajor;     // hidden [N, D]
+using LayoutB = cutlass::layout::ColumnMajor;  // weight [V, D] as a D x V matrix
+using LayoutD = cutlass::layout::RowMajor;     // logits [N, V]
+using TileShape = Shape<_128, _256, _64>;
+using ClusterShape = Shape<_1, _2, _1>;
+constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
+namespace ef = cutlass::epilogue::fusion;
+// One fp32 per row (M-major, no N stride), the last CTA of a row block combining the partials.
+using RowLogSumExp = ef::Sm90ColReduction<LogAddExp, LogAddExp, LogAddExp, 0, TileShape, float, float, kRound,
+                                          Stride<_1, _0, int64_t>, 4, /*EnableNullptr=*/false,
+                                          /*FinalReduction=*/true, /*VisitCheckOOB=*/true>;
+using ToBf16 = ef::Sm90Compute<cutlass::epilogue::thread::Identity, Element, float, kRound>;
+// kept_lse (over the bf16 values) <- bf16(acc) <- lse (over acc) <- acc; D stores the bf16 values.
+using Fusion = ef::Sm90EVT<RowLogSumExp, ef::Sm90EVT<ToBf16, ef::Sm90EVT<RowLogSumExp, ef::Sm90AccFetch>>>;
+
+using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+    cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, 8, Element, LayoutD, 8,
+    cutlass::epilogue::TmaWarpSpecializedCooperative, Fusion>::CollectiveOp;
+using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, 8, Element, LayoutB, 8, float, TileShape,
+    ClusterShape,
+    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+    cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
+using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+// A packed row-major [rows, cols] operand's (row, 1, batch) stride (what CUTLASS's
+// tools/util make_cute_packed_stride gives; the bundled headers are include/ only).
+template <class Stride>
+Stride packed(int rows, int cols) {
+  Stride s{};
+  cute::get<0>(s) = cols;
+  cute::get<2>(s) = int64_t(rows) * cols;
+  return s;
+}
+
+void check(cutlass::Status s, const char* what) {
+  if (s != cutlass::Status::kSuccess)
+    throw std::runtime_error(std::string("lm_head_logits_lse: CUTLASS ") + what + " failed: " +
+                             cutlassGetStatusString(s));
+}
+}  // namespace
+
+void lm_head_logits_lse(const LmHeadArgs& a, LmHeadAlloc alloc, void* alloc_ctx) {
+  if (a.N < 1 || a.V < 1 || a.D < 1 || a.V % 8 || a.D % 8 || a.N > (int64_t(1) << 31) - 1 ||
+      a.V > (int64_t(1) << 31) - 1 || a.D > (int64_t(1) << 31) - 1)
+    throw std::runtime_error("lm_head_logits_lse: N " + std::to_string(a.N) + ", V " + std::to_string(a.V) + ", D " +
+                             std::to_string(a.D) + ": each must be in [1, 2^31), V and D multiples of 8");
+  const int M = int(a.N), N = int(a.V), K = int(a.D);
+  const auto sa = packed<typename Kernel::StrideA>(M, K), sb = packed<typename Kernel::StrideB>(N, K);
+  const auto sd = packed<typename Kernel::StrideD>(M, N);
+  const float identity = -std::numeric_limits<float>::infinity();
+  const Stride<_1, _0, int64_t> per_row{_1{}, _0{}, int64_t(M)};
+  typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
+                                {M, N, K, 1},
+                                {static_cast<const Element*>(a.hidden), sa, static_cast<const Element*>(a.weight), sb},
+                                {{}, nullptr, sd, static_cast<Element*>(a.logits), sd}};
+  // Children first, then the node: {{{acc, lse}, to_bf16}, kept_lse}.
+  args.epilogue.thread = {{{{}, {a.lse, identity, per_row}}, {}}, {a.kept_lse, identity, per_row}};
+  args.hw_info.sm_count = a.sm_count;
+  Gemm gemm;
+  check(gemm.can_implement(args), "can_implement");
+  const size_t bytes = Gemm::get_workspace_size(args);
+  void* workspace = bytes ? alloc(bytes, alloc_ctx) : nullptr;
+  auto stream = static_cast<cudaStream_t>(a.stream);
+  check(gemm.initialize(args, workspace, stream), "initialize");  // zeroes the row blocks' tile counters
+  check(gemm.run(stream), "run");
+}
+
+}  // namespace kiln::kernels::cuda

@@ -1,0 +1,88 @@
+// The log-prob head's forward at GLM-4.7-Flash's head (D = 2048, V = 154880) on a Hopper GPU, the
+// two ways kiln can run it, in the same run:
+//   cuBLAS + pass: at::mm into fp32 [T, V] (model::lm_logits), then kernels::logprob_chunk_forward
+//                  reading it once, keeping bf16 logits for the backward (the default path)
+//   fused:         kernels::lm_head_logits_lse (one CUTLASS GEMM writing the bf16 logits and both
+//                  row logsumexps in its epilogue), the targets' logits as fp32 dot products
+// with the GEMM alone (cuBLAS into fp32, into bf16) for scale, and how far the fused results are
+// from the default path's: log-probs, lse (fp32 logits), lse of the kept logits, kept logits that
+// differ. Prints one table per T.
+// Run: build/tests/kernels/kiln_bench_lm_head [T ...]   (default 4096 8192)
+#include <ATen/cuda/CUDAContext.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "kernels/lm_head.hpp"
+#include "kernels/logprobs.hpp"
+#include "kernels/rms_norm.hpp"
+
+namespace {
+template <class F>
+double seconds(F f, int iters = 20) {
+  for (int i = 0; i < 3; ++i) f();
+  torch::cuda::synchronize();
+  auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < iters; ++i) f();
+  torch::cuda::synchronize();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / iters;
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace kiln;
+  kernels::set_lm_head_fused(true);
+  if (!torch::cuda::is_available() || !kernels::built_with_cuda()) {
+    std::printf("bench_lm_head: needs a CUDA build and a GPU\n");
+    return 2;
+  }
+  const int64_t D = 2048, V = 154880;
+  const auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  if (!kernels::lm_head_fused_available(torch::empty({8, D}, bf16), torch::empty({V, D}, bf16))) {
+    std::printf("bench_lm_head: no fused head here (needs a Hopper GPU and a build with CUTLASS)\n");
+    return 2;
+  }
+  std::vector<int64_t> Ts;
+  for (int i = 1; i < argc; ++i) Ts.push_back(std::atoll(argv[i]));
+  if (Ts.empty()) Ts = {4096, 8192};
+  std::printf("bench_lm_head: %s, D %lld, V %lld, bf16\n", at::cuda::getCurrentDeviceProperties()->name, (long long)D,
+              (long long)V);
+  torch::manual_seed(0);
+  // A normed hidden state (|h| ~ 1 per element) and a head whose logits span ~[-15, 15].
+  auto w = torch::randn({V, D}, bf16) * (4.0 / std::sqrt(double(D)));
+  for (int64_t T : Ts) {
+    auto h = torch::randn({T, D}, bf16);
+    auto targets = torch::randint(0, V, {T}, torch::TensorOptions().dtype(torch::kInt64).device(torch::kCUDA));
+    auto kept = torch::empty({T, V}, bf16), kept_fused = torch::empty({T, V}, bf16);
+    auto z32 = torch::empty({T, V}, bf16.dtype(torch::kFloat32));
+    kernels::KeptStats ks;
+    at::Tensor lp, lse, lp_f, lse_f, kept_lse_f;
+    const double t_mm32 = seconds([&] { at::mm_out(z32, h, w.t()); });
+    const double t_mm16 = seconds([&] { at::mm_out(kept, h, w.t()); });
+    const double t_default = seconds([&] {
+      auto z = at::mm(h, w.t(), torch::kFloat32);
+      std::tie(lp, lse, std::ignore, std::ignore) = kernels::logprob_chunk_forward(z, targets, false, kept, &ks);
+    });
+    const double t_fused = seconds([&] {
+      std::tie(lse_f, kept_lse_f) = kernels::lm_head_logits_lse(h, w, kept_fused);
+      auto zt = w.index_select(0, targets).to(torch::kFloat32).mul_(h.to(torch::kFloat32)).sum(1);
+      lp_f = zt - lse_f;
+    });
+    const double flop = 2.0 * double(T) * D * V;
+    std::printf("\nT %lld                                  ms    TFLOP/s\n", (long long)T);
+    auto row = [&](const char* n, double s) { std::printf("  %-34s %8.3f %8.0f\n", n, s * 1e3, flop / s / 1e12); };
+    row("cuBLAS GEMM -> fp32", t_mm32);
+    row("cuBLAS GEMM -> bf16", t_mm16);
+    row("default: cuBLAS fp32 + log-prob pass", t_default);
+    row("fused: GEMM + epilogue lse, dot", t_fused);
+    std::printf("  fused / default: %.3fx the time (%.3f ms saved)\n", t_fused / t_default, (t_default - t_fused) * 1e3);
+    std::printf("  |fused - default|: log-prob max %.2e, lse max %.2e, kept lse max %.2e; kept logits differing %.2e\n",
+                (lp_f - lp).abs().max().item<double>(), (lse_f - lse).abs().max().item<double>(),
+                (kept_lse_f - ks.lse).abs().max().item<double>(),
+                kept_fused.ne(kept).to(torch::kFloat64).mean().item<double>());
+  }
+  return 0;
+}

@@ -1,0 +1,76 @@
+// The log-prob head's GEMM with the row statistics in its epilogue (kernels/lm_head.hpp): against
+// the LibTorch reference (cuBLAS fp32 logits, logsumexp) and an fp64 logsumexp, at a small head
+// with ragged tiles and at GLM-4.7-Flash's; its refusals; the reference on CPU.
+#include <doctest/doctest.h>
+#include <torch/torch.h>
+
+#include <limits>
+
+#include "kernels/lm_head.hpp"
+#include "tests/kernels/kernel_test_util.hpp"
+
+using namespace kiln;
+
+namespace {
+torch::TensorOptions bf16_on(torch::Device d) { return torch::TensorOptions().device(d).dtype(torch::kBFloat16); }
+}  // namespace
+
+TEST_CASE("lm head reference: bf16 logits and the logsumexps of the fp32 and of the rounded logits (CPU)") {
+  torch::manual_seed(21);
+  auto h = torch::randn({5, 16}, bf16_on(torch::kCPU)), w = torch::randn({40, 16}, bf16_on(torch::kCPU));
+  auto logits = torch::empty({5, 40}, bf16_on(torch::kCPU));
+  auto [lse, kept_lse] = kernels::lm_head_logits_lse_ref(h, w, logits);
+  auto z = torch::mm(h.to(torch::kFloat64), w.to(torch::kFloat64).t());
+  CHECK((lse.to(torch::kFloat64) - z.logsumexp(1)).abs().max().item<double>() <= 1e-4);
+  CHECK(torch::equal(logits, z.to(torch::kFloat32).to(torch::kBFloat16)));
+  CHECK((kept_lse.to(torch::kFloat64) - logits.to(torch::kFloat64).logsumexp(1)).abs().max().item<double>() <= 1e-4);
+  CHECK_FALSE(kernels::lm_head_fused_available(h, w));  // CPU tensors: never the fused kernel
+  CHECK_THROWS_WITH_AS(kernels::lm_head_logits_lse(h, w, logits), doctest::Contains("no fused kernel for hidden [5, 16]"),
+                       c10::Error);
+}
+
+TEST_CASE("CUDA: the lm head's fused GEMM writes the reference's logits and both row logsumexps") {
+  if (test::skip_without_cuda_kernels()) return;
+  torch::manual_seed(22);
+  const torch::Device cuda(torch::kCUDA);
+  kernels::set_lm_head_fused(true);
+  const auto probe = torch::empty({8, 8}, bf16_on(cuda));
+  if (test::skip_unless(kernels::lm_head_fused_available(probe, probe),
+                        "needs the fused head: a Hopper GPU and a build with CUTLASS"))
+    return;
+  struct Shape {
+    int64_t N, D, V;
+  };
+  // Ragged tiles on both sides (700 = 5 x 128 + 60 rows, 1000 = 3 x 256 + 232 columns), then
+  // GLM-4.7-Flash's head (V = 154880 = 605 x 256, D = 2048) at 520 rows, and a single row.
+  for (auto [N, D, V] : {Shape{700, 64, 1000}, Shape{520, 2048, 154880}, Shape{1, 8, 8}}) {
+    CAPTURE(N);
+    CAPTURE(V);
+    // |logit| up to ~15, as a trained head's: the exp of each term spans many octaves.
+    auto h = torch::randn({N, D}, bf16_on(cuda)), w = (torch::randn({V, D}, bf16_on(cuda)) * (4.0 / std::sqrt(D)));
+    auto logits = torch::empty({N, V}, bf16_on(cuda)), want = torch::empty({N, V}, bf16_on(cuda));
+    auto [lse, kept_lse] = kernels::lm_head_logits_lse(h, w, logits);
+    auto [rlse, rkept] = kernels::lm_head_logits_lse_ref(h, w, want);
+    auto z = torch::mm(h.to(torch::kFloat64), w.to(torch::kFloat64).t());
+    const double e = (lse.to(torch::kFloat64) - z.logsumexp(1)).abs().max().item<double>();
+    const double ek = (kept_lse.to(torch::kFloat64) - logits.to(torch::kFloat64).logsumexp(1)).abs().max().item<double>();
+    MESSAGE("N " << N << " V " << V << ": |lse - fp64| max " << e << ", kept " << ek);
+    CHECK(e <= 1e-5 * (1 + rlse.abs().max().item<double>()));
+    CHECK(ek <= 1e-5 * (1 + rkept.abs().max().item<double>()));
+    // The same fp32 sums in another order: a bf16 logit may round the other way (one step).
+    const auto differ = logits.ne(want);
+    CHECK(differ.to(torch::kFloat64).mean().item<double>() <= 1e-3);
+    CHECK((logits.to(torch::kFloat32) - want.to(torch::kFloat32)).abs().max().item<double>() <=
+          want.to(torch::kFloat32).abs().max().item<double>() * (1.0 / 128));
+  }
+  // Refused by what does not fit.
+  auto h = torch::randn({4, 16}, bf16_on(cuda)), w = torch::randn({24, 16}, bf16_on(cuda));
+  CHECK_THROWS_WITH_AS(kernels::lm_head_logits_lse(h, w, torch::empty({4, 23}, bf16_on(cuda))),
+                       doctest::Contains("logits must be [N, V] = [4, 24], got [4, 23]"), c10::Error);
+  CHECK_THROWS_WITH_AS(kernels::lm_head_logits_lse(h, w, torch::empty({4, 24}, torch::TensorOptions().device(cuda))),
+                       doctest::Contains("logits must be bf16, contiguous"), c10::Error);
+  CHECK_THROWS_WITH_AS(kernels::lm_head_logits_lse(h, torch::randn({20, 16}, bf16_on(cuda)), torch::empty({4, 20}, bf16_on(cuda))),
+                       doctest::Contains("no fused kernel"), c10::Error);  // V = 20: not a multiple of 8
+  kernels::set_lm_head_fused(false);  // the default
+  CHECK_FALSE(kernels::lm_head_fused_available(h, w));
+}
