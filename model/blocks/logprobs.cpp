@@ -1,6 +1,7 @@
 #include "model/blocks/logprobs.hpp"
 
 #include "kernels/batch_invariant.hpp"
+#include "kernels/lm_head.hpp"
 #include "kernels/logprobs.hpp"
 #include "model/blocks/batch_invariant.hpp"
 
@@ -15,6 +16,13 @@ torch::Tensor chunk_logits(const torch::Tensor& h, const torch::Tensor& w, int64
   return lm_logits(h.narrow(0, s, n), w);
 }
 
+// fp32 logits of each row's target, hidden_nD[t] . weight_VD[targets_n[t]] (any target < 0 reads
+// row 0; the caller masks it): the fused head's epilogue reduces the rows but picks no element.
+torch::Tensor target_logits(const torch::Tensor& hidden_nD, const torch::Tensor& weight_VD, const torch::Tensor& targets_n) {
+  auto rows = weight_VD.index_select(0, targets_n.clamp_min(0)).to(torch::kFloat32);  // [n, D]
+  return rows.mul_(hidden_nD.to(torch::kFloat32)).sum(1);                             // [n]
+}
+
 // Log-probs of targets and, when `with_entropy`, the entropy of each row; the backward
 // recomputes each chunk's logits. dH/dz_v = -p_v (z_v - E_p[z]).
 struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
@@ -27,10 +35,24 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
     auto fopt = hidden.options().dtype(torch::kFloat32);
     auto out = torch::empty({T}, fopt), lse = torch::empty({T}, fopt);
     auto ent = torch::empty({with_entropy ? T : 0}, fopt), mean_z = torch::empty({with_entropy ? T : 0}, fopt);
+    // On Hopper (log-probs without entropy): one GEMM writes each chunk's bf16 logits (into the
+    // kept rows, or a scratch chunk) and both row logsumexps (kernels/lm_head.hpp); the target's
+    // logit is a dot product in fp32.
+    const bool fused = !with_entropy && kernels::lm_head_fused_available(hidden, weight);
+    auto scratch = fused && kept_rows < T ? torch::empty({std::min(chunk, T), weight.size(0)}, hidden.options())
+                                          : torch::Tensor();
     for (int64_t s = 0; s < T; s += chunk) {
       const int64_t n = std::min(chunk, T - s);
       kernels::KeptStats ks;
       const bool keep = s < kept_rows;
+      if (fused) {
+        const auto h = hidden.narrow(0, s, n), t = targets.narrow(0, s, n);
+        auto [l, kept_l] = kernels::lm_head_logits_lse(h, weight, keep ? kept.narrow(0, s, n) : scratch.narrow(0, 0, n));
+        auto lp = target_logits(h, weight, t).sub_(l);
+        out.narrow(0, s, n).copy_(lp.masked_fill_(t < 0, 0.0));
+        lse.narrow(0, s, n).copy_(keep ? kept_l : l);  // the backward differentiates the kept values' softmax
+        continue;
+      }
       auto [lp, l, e, mz] = kernels::logprob_chunk_forward(chunk_logits(hidden, weight, s, n), targets.narrow(0, s, n),
                                                            with_entropy, keep ? kept.narrow(0, s, n) : torch::Tensor(),
                                                            &ks);

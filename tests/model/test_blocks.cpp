@@ -3,6 +3,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kernels/lm_head.hpp"
 #include "kernels/mla_rope.hpp"
 #include "model/blocks/logprobs.hpp"
 #include "model/blocks/moe.hpp"
@@ -226,6 +227,37 @@ TEST_CASE("CUDA bf16: log-probs from kept logits and their gradients from two wh
   // The backward overwrote the kept logits with their gradient: autograd refuses to run it again.
   CHECK_THROWS_WITH_AS(torch::autograd::grad({(lp * head.g).sum()}, {head.hidden, head.weight}),
                        doctest::Contains("modified by an inplace operation"), c10::Error);
+}
+
+TEST_CASE("CUDA bf16: log-probs through the fused head (logits and row logsumexps in one GEMM) stay within fp32 rounding of cuBLAS's, kept, recomputed and without grad") {
+  if (kiln::test::skip_without_gpu()) return;
+  kiln::kernels::set_lm_head_fused(true);
+  const int64_t T = 700, V = 1000;
+  const Bf16LogprobHead head(T, 64, V, /*chunk=*/128, {300}, torch::kCUDA, 5);
+  if (kiln::test::skip_unless(kiln::kernels::lm_head_fused_available(head.hidden, head.weight),
+                              "needs the fused head: a Hopper GPU and a build with CUTLASS")) {
+    kiln::kernels::set_lm_head_fused(false);
+    return;
+  }
+  std::vector<std::tuple<torch::Tensor, torch::Tensor, torch::Tensor>> fused;
+  for (int64_t keep : {T * V * 2, int64_t(300 * V * 2), int64_t(0)}) fused.push_back(head.run(keep));
+  torch::Tensor lp_no_grad;
+  {
+    torch::NoGradGuard no_grad;
+    lp_no_grad = token_logprobs(head.hidden, head.weight, head.targets, head.chunk);
+  }
+  kiln::kernels::set_lm_head_fused(false);
+  auto [lp, gh, gw] = head.run(T * V * 2);
+  for (const auto& [flp, fgh, fgw] : fused) {
+    CHECK(torch::equal(flp, std::get<0>(fused[0])));  // one forward, whatever is kept
+    CHECK((flp - lp).abs().max().item<double>() <= 1e-4);
+    CHECK(flp[300].item<double>() == 0.0);
+    CHECK(kiln::test::rel_error(fgh, gh) <= 1e-2);
+    CHECK(kiln::test::rel_error(fgw, gw) <= 1e-2);
+    CHECK(kiln::test::rel_error(fgh, head.ref_grads[0]) <= 2e-2);
+    CHECK(kiln::test::rel_error(fgw, head.ref_grads[1]) <= 2e-2);
+  }
+  CHECK(torch::equal(lp_no_grad, std::get<0>(fused[0])));
 }
 
 TEST_CASE("CUDA bf16: MLA's forward with the fused rope kernels gives the composite's bits, and gradients within bf16 steps") {
