@@ -2,14 +2,17 @@
 // CUTLASS 3's sm90 GEMM (TMA loads, warp-specialized cooperative WGMMA, 128x256x64 tiles,
 // cluster 1x2; NVIDIA CUTLASS, examples/49_hopper_gemm_with_collective_builder) whose epilogue
 // visitor tree (CUTLASS's EVT, examples/49 and cutlass/epilogue/fusion) stores bf16(acc) and
-// reduces every row twice with a log-add-exp, a (+) b = max(a, b) + log1p(exp(-|a - b|)):
-//   lse      = (+) over v of acc[t, v]                 (the fp32 accumulators)
-//   kept_lse = (+) over v of float(bf16(acc[t, v]))    (the logits stored)
+// reduces every row twice as an online softmax's normalizer (Milakov & Gimelshein 2018): each
+// value x enters as (m, s) = (x, 1), two statistics merge as (max, s_a e^(m_a - max) + s_b e^(m_b - max)),
+// and the result is m + log s:
+//   lse      = logsumexp over v of acc[t, v]                 (the fp32 accumulators)
+//   kept_lse = logsumexp over v of float(bf16(acc[t, v]))    (the logits stored)
 // Each CTA reduces its 128 x 256 tile's rows (registers, warp shuffles, shared memory), writes
 // one partial per row and tile to the workspace, and the last CTA of a row block (a tile counter)
-// combines the row's partials in column order (Sm90ColReduction with FinalReduction). log-add-exp
-// is associative and commutative with identity -inf, so every order gives the logsumexp up to
-// fp32 rounding (tests/kernels/test_lm_head.cpp: within 1e-5 of an fp64 reference).
+// combines the row's partials in column order (Sm90ColReduction with FinalReduction, over
+// (m, s) pairs). The merge is associative and commutative up to rounding, with identity
+// (-inf, 0); s stays in the linear domain, so small terms add as in kernels/logprobs.cu's pass
+// (a running logsumexp in fp32 would drop every term below half a unit of its last place).
 // No LibTorch here: compile time.
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
@@ -26,31 +29,80 @@
 #include "kernels/lm_head_cuda.hpp"
 
 namespace kiln::kernels::cuda {
+// A row's running softmax statistics over the values seen: their max m and sum_v exp(x_v - m) s
+// (s in the linear domain, as an online softmax keeps it: a log-domain running sum would lose
+// every term below half a unit in the last place of the logsumexp). Empty: {-inf, 0}.
+struct alignas(8) MaxSum {
+  float m, s;
+  MaxSum() = default;
+  CUTLASS_HOST_DEVICE MaxSum(float max, float sum) : m(max), s(sum) {}
+  // CUTLASS's default reduction identity is ElementCompute(0); kiln passes its own, {-inf, 0}.
+  CUTLASS_HOST_DEVICE explicit MaxSum(int) : m(-std::numeric_limits<float>::infinity()), s(0.f) {}
+  // Read and written through volatile references by the reduction's cross-CTA stage.
+  CUTLASS_HOST_DEVICE void operator=(const MaxSum& o) volatile { m = o.m, s = o.s; }
+  CUTLASS_HOST_DEVICE MaxSum& operator=(const MaxSum& o) = default;
+};
+}  // namespace kiln::kernels::cuda
+
+namespace cutlass {
+// A value enters a row's statistics as {x, 1}; the statistics leave as their logsumexp m + log s.
+template <FloatRoundStyle Round>
+struct NumericConverter<kiln::kernels::cuda::MaxSum, float, Round> {
+  using result_type = kiln::kernels::cuda::MaxSum;
+  using source_type = float;
+  CUTLASS_HOST_DEVICE static result_type convert(source_type const& x) { return {x, 1.f}; }
+  CUTLASS_HOST_DEVICE result_type operator()(source_type const& x) const { return convert(x); }
+};
+template <FloatRoundStyle Round>
+struct NumericConverter<float, kiln::kernels::cuda::MaxSum, Round> {
+  using result_type = float;
+  using source_type = kiln::kernels::cuda::MaxSum;
+  CUTLASS_HOST_DEVICE static result_type convert(source_type const& x) {
+#ifdef __CUDA_ARCH__
+    return x.m + logf(x.s);
+#else
+    return x.m + std::log(x.s);
+#endif
+  }
+  CUTLASS_HOST_DEVICE result_type operator()(source_type const& x) const { return convert(x); }
+};
+}  // namespace cutlass
+
+namespace kiln::kernels::cuda {
 
 namespace {
 using namespace cute;
 
-// log(exp(a) + exp(b)), -inf the identity (two -inf give -inf, not NaN).
-template <class T>
-struct LogAddExp {
-  CUTLASS_HOST_DEVICE T operator()(T a, T b) const {
-    if (a == -std::numeric_limits<T>::infinity()) return b;
-    if (b == -std::numeric_limits<T>::infinity()) return a;
-    const T m = a > b ? a : b, d = a > b ? b - a : a - b;  // d <= 0
+CUTLASS_HOST_DEVICE float exp_of(float x) {
 #ifdef __CUDA_ARCH__
-    return m + log1pf(__expf(d));
+  return __expf(x);
 #else
-    return m + std::log1p(std::exp(d));
+  return std::exp(x);
 #endif
+}
+
+// Two rows' statistics merged: max, and each sum rescaled to it (Milakov & Gimelshein 2018,
+// "Online normalizer calculation for softmax").
+template <class T>
+struct MergeMaxSum;
+template <>
+struct MergeMaxSum<MaxSum> {
+  CUTLASS_HOST_DEVICE MaxSum operator()(MaxSum a, MaxSum b) const {
+    if (a.m < b.m) {  // b's max is the larger: rescale a's sum (an empty a adds exp(-inf) = 0)
+      const MaxSum t = a;
+      a = b, b = t;
+    }
+    if (b.s == 0.f) return a;  // empty b (also when both are empty: no -inf - -inf)
+    return {a.m, a.s + b.s * exp_of(b.m - a.m)};
   }
 };
 // Element by element over the fragments the reduction's shuffle and shared-memory stages pass.
-template <class T, int N>
-struct LogAddExp<cutlass::Array<T, N>> {
-  CUTLASS_HOST_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& a,
-                                                      cutlass::Array<T, N> const& b) const {
-    cutlass::Array<T, N> r;
-    LogAddExp<T> f;
+template <int N>
+struct MergeMaxSum<cutlass::Array<MaxSum, N>> {
+  CUTLASS_HOST_DEVICE cutlass::Array<MaxSum, N> operator()(cutlass::Array<MaxSum, N> const& a,
+                                                           cutlass::Array<MaxSum, N> const& b) const {
+    cutlass::Array<MaxSum, N> r;
+    MergeMaxSum<MaxSum> f;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < N; ++i) r[i] = f(a[i], b[i]);
     return r;
@@ -66,7 +118,7 @@ using ClusterShape = Shape<_1, _2, _1>;
 constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
 namespace ef = cutlass::epilogue::fusion;
 // One fp32 per row (M-major, no N stride), the last CTA of a row block combining the partials.
-using RowLogSumExp = ef::Sm90ColReduction<LogAddExp, LogAddExp, LogAddExp, 0, TileShape, float, float, kRound,
+using RowLogSumExp = ef::Sm90ColReduction<MergeMaxSum, MergeMaxSum, MergeMaxSum, 0, TileShape, float, MaxSum, kRound,
                                           Stride<_1, _0, int64_t>, 4, /*EnableNullptr=*/false,
                                           /*FinalReduction=*/true, /*VisitCheckOOB=*/true>;
 using ToBf16 = ef::Sm90Compute<cutlass::epilogue::thread::Identity, Element, float, kRound>;
@@ -110,7 +162,7 @@ void lm_head_logits_lse(const LmHeadArgs& a, LmHeadAlloc alloc, void* alloc_ctx)
   const int M = int(a.N), N = int(a.V), K = int(a.D);
   const auto sa = packed<typename Kernel::StrideA>(M, K), sb = packed<typename Kernel::StrideB>(N, K);
   const auto sd = packed<typename Kernel::StrideD>(M, N);
-  const float identity = -std::numeric_limits<float>::infinity();
+  const MaxSum identity{-std::numeric_limits<float>::infinity(), 0.f};
   const Stride<_1, _0, int64_t> per_row{_1{}, _0{}, int64_t(M)};
   typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
                                 {M, N, K, 1},
