@@ -11,19 +11,15 @@
 #include <cstdio>
 #include <vector>
 
+#include "tests/bench/gpu_seconds.hpp"
 #include "kernels/attention.hpp"
 #include "kernels/batch_invariant.hpp"
 #include "kernels/rms_norm.hpp"
 
 namespace {
 template <class F>
-double seconds(F f, int iters = 20) {
-  for (int i = 0; i < 3; ++i) f();
-  torch::cuda::synchronize();
-  auto t0 = std::chrono::steady_clock::now();
-  for (int i = 0; i < iters; ++i) f();
-  torch::cuda::synchronize();
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / iters;
+double seconds(F&& f, int iters = 20) {
+  return kiln::bench::gpu_seconds(f, iters, 3);
 }
 
 void row(const char* what, double flops, double bi, double ref, const char* ref_name) {

@@ -24,6 +24,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "tests/bench/gpu_seconds.hpp"
 #include "kernels/linear_unsplit.hpp"
 #include "kernels/mla_decode.hpp"
 #include "kernels/moe.hpp"
@@ -32,13 +33,8 @@
 
 namespace {
 template <class F>
-double seconds(F f, int iters) {
-  for (int i = 0; i < 3; ++i) f();
-  torch::cuda::synchronize();
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int i = 0; i < iters; ++i) f();
-  torch::cuda::synchronize();
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / iters;
+double seconds(F&& f, int iters) {
+  return kiln::bench::gpu_seconds(f, iters, 3);
 }
 }  // namespace
 

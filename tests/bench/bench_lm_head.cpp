@@ -16,19 +16,15 @@
 #include <cstdlib>
 #include <vector>
 
+#include "tests/bench/gpu_seconds.hpp"
 #include "kernels/lm_head.hpp"
 #include "kernels/logprobs.hpp"
 #include "kernels/rms_norm.hpp"
 
 namespace {
 template <class F>
-double seconds(F f, int iters = 20) {
-  for (int i = 0; i < 3; ++i) f();
-  torch::cuda::synchronize();
-  auto t0 = std::chrono::steady_clock::now();
-  for (int i = 0; i < iters; ++i) f();
-  torch::cuda::synchronize();
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / iters;
+double seconds(F&& f, int iters = 20) {
+  return kiln::bench::gpu_seconds(f, iters, 3);
 }
 }  // namespace
 

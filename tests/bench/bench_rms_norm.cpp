@@ -7,17 +7,13 @@
 #include <chrono>
 #include <cstdio>
 
+#include "tests/bench/gpu_seconds.hpp"
 #include "kernels/rms_norm.hpp"
 
 namespace {
 template <class F>
-double seconds(F f, int iters = 50) {
-  for (int i = 0; i < 5; ++i) f();
-  torch::cuda::synchronize();
-  auto t0 = std::chrono::steady_clock::now();
-  for (int i = 0; i < iters; ++i) f();
-  torch::cuda::synchronize();
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / iters;
+double seconds(F&& f, int iters = 50) {
+  return kiln::bench::gpu_seconds(f, iters, 5);
 }
 }  // namespace
 
