@@ -25,6 +25,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "kernels/lm_head_cuda.hpp"
 
@@ -37,7 +38,10 @@ struct alignas(8) MaxSum {
   MaxSum() = default;
   CUTLASS_HOST_DEVICE MaxSum(float max, float sum) : m(max), s(sum) {}
   // CUTLASS's default reduction identity is ElementCompute(0); kiln passes its own, {-inf, 0}.
-  CUTLASS_HOST_DEVICE explicit MaxSum(int) : m(-std::numeric_limits<float>::infinity()), s(0.f) {}
+  // int only: a bf16 or float reaching it through an implicit conversion would become the empty
+  // value (a value enters by the NumericConverter specializations below, or fails to compile).
+  template <class I, std::enable_if_t<std::is_same_v<I, int>, int> = 0>
+  CUTLASS_HOST_DEVICE explicit MaxSum(I) : m(-std::numeric_limits<float>::infinity()), s(0.f) {}
   // Read and written through volatile references by the reduction's cross-CTA stage.
   CUTLASS_HOST_DEVICE void operator=(const MaxSum& o) volatile { m = o.m, s = o.s; }
   CUTLASS_HOST_DEVICE MaxSum& operator=(const MaxSum& o) = default;
@@ -51,6 +55,14 @@ struct NumericConverter<kiln::kernels::cuda::MaxSum, float, Round> {
   using result_type = kiln::kernels::cuda::MaxSum;
   using source_type = float;
   CUTLASS_HOST_DEVICE static result_type convert(source_type const& x) { return {x, 1.f}; }
+  CUTLASS_HOST_DEVICE result_type operator()(source_type const& x) const { return convert(x); }
+};
+// The outer reduction's input: the bf16 logits the epilogue stores.
+template <FloatRoundStyle Round>
+struct NumericConverter<kiln::kernels::cuda::MaxSum, cutlass::bfloat16_t, Round> {
+  using result_type = kiln::kernels::cuda::MaxSum;
+  using source_type = cutlass::bfloat16_t;
+  CUTLASS_HOST_DEVICE static result_type convert(source_type const& x) { return {float(x), 1.f}; }
   CUTLASS_HOST_DEVICE result_type operator()(source_type const& x) const { return convert(x); }
 };
 template <FloatRoundStyle Round>

@@ -231,33 +231,42 @@ TEST_CASE("CUDA bf16: log-probs from kept logits and their gradients from two wh
 
 TEST_CASE("CUDA bf16: log-probs through the fused head (logits and row logsumexps in one GEMM) stay within fp32 rounding of cuBLAS's, kept, recomputed and without grad") {
   if (kiln::test::skip_without_gpu()) return;
-  kiln::kernels::set_lm_head_fused(true);
+  struct FusedHeadOn {  // on for this case, off again (the default) however it ends
+    explicit FusedHeadOn(bool on) { kiln::kernels::set_lm_head_fused(on); }
+    ~FusedHeadOn() { kiln::kernels::set_lm_head_fused(false); }
+  };
   const int64_t T = 700, V = 1000;
   const Bf16LogprobHead head(T, 64, V, /*chunk=*/128, {300}, torch::kCUDA, 5);
-  if (kiln::test::skip_unless(kiln::kernels::lm_head_fused_available(head.hidden, head.weight),
-                              "needs the fused head: a Hopper GPU and a build with CUTLASS")) {
-    kiln::kernels::set_lm_head_fused(false);
-    return;
-  }
-  std::vector<std::tuple<torch::Tensor, torch::Tensor, torch::Tensor>> fused;
-  for (int64_t keep : {T * V * 2, int64_t(300 * V * 2), int64_t(0)}) fused.push_back(head.run(keep));
-  torch::Tensor lp_no_grad;
   {
-    torch::NoGradGuard no_grad;
-    lp_no_grad = token_logprobs(head.hidden, head.weight, head.targets, head.chunk);
+    const FusedHeadOn on(true);
+    if (kiln::test::skip_unless(kiln::kernels::lm_head_fused_available(head.hidden, head.weight),
+                                "needs the fused head: a Hopper GPU and a build with CUTLASS"))
+      return;
   }
-  kiln::kernels::set_lm_head_fused(false);
-  auto [lp, gh, gw] = head.run(T * V * 2);
-  for (const auto& [flp, fgh, fgw] : fused) {
-    CHECK(torch::equal(flp, std::get<0>(fused[0])));  // one forward, whatever is kept
+  torch::Tensor first;
+  for (int64_t keep : {T * V * 2, int64_t(300 * V * 2), int64_t(0)}) {  // all kept, 256 rows, none
+    CAPTURE(keep);
+    std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> fused;
+    {
+      const FusedHeadOn on(true);
+      fused = head.run(keep);
+    }
+    const auto [lp, gh, gw] = head.run(keep);  // cuBLAS into fp32 and kiln's pass
+    const auto& [flp, fgh, fgw] = fused;
+    if (!first.defined()) first = flp;
+    CHECK(torch::equal(flp, first));  // one forward, whatever is kept
     CHECK((flp - lp).abs().max().item<double>() <= 1e-4);
     CHECK(flp[300].item<double>() == 0.0);
-    CHECK(kiln::test::rel_error(fgh, gh) <= 1e-2);
-    CHECK(kiln::test::rel_error(fgw, gw) <= 1e-2);
+    // The backward is the same code over (almost) the same kept logits and lse: a swapped lse
+    // (the fp32 logits' for the kept values', ~1e-3 apart) would show here.
+    CHECK(kiln::test::rel_error(fgh, gh) <= 2e-3);
+    CHECK(kiln::test::rel_error(fgw, gw) <= 2e-3);
     CHECK(kiln::test::rel_error(fgh, head.ref_grads[0]) <= 2e-2);
     CHECK(kiln::test::rel_error(fgw, head.ref_grads[1]) <= 2e-2);
   }
-  CHECK(torch::equal(lp_no_grad, std::get<0>(fused[0])));
+  const FusedHeadOn on(true);
+  torch::NoGradGuard no_grad;
+  CHECK(torch::equal(token_logprobs(head.hidden, head.weight, head.targets, head.chunk), first));
 }
 
 TEST_CASE("CUDA bf16: MLA's forward with the fused rope kernels gives the composite's bits, and gradients within bf16 steps") {
