@@ -64,7 +64,8 @@ std::pair<at::Tensor, at::Tensor> lm_head_logits_lse(const at::Tensor& hidden_ND
   TORCH_CHECK(lm_head_fused_available(hidden_ND, weight_VD), "lm_head_logits_lse: no fused kernel for hidden ",
               hidden_ND.sizes(), " ", hidden_ND.scalar_type(), " on ", hidden_ND.device(), " and weight ",
               weight_VD.sizes(), " ", weight_VD.scalar_type(), " on ", weight_VD.device(),
-              " (needs a CUDA build with CUTLASS, a Hopper GPU, bf16, D and V multiples of 8, and the switch on: KILN_LM_HEAD_FUSED=1)");
+              " (needs a CUDA build with CUTLASS, a Hopper GPU, bf16, D and V multiples of 8, and the switch on: ",
+              "KILN_LM_HEAD_FUSED=1)");
   TORCH_CHECK(logits_NV.scalar_type() == at::kBFloat16 && logits_NV.device() == hidden_ND.device() &&
                   logits_NV.is_contiguous(),
               "lm_head_logits_lse: logits must be bf16, contiguous, on ", hidden_ND.device(), ", got ",

@@ -32,8 +32,8 @@ void set_lm_head_fused(bool on);
 std::pair<at::Tensor, at::Tensor> lm_head_logits_lse(const at::Tensor& hidden_ND, const at::Tensor& weight_VD,
                                                      const at::Tensor& logits_NV);
 /// The LibTorch reference, any device: fp32 logits (on CUDA with 16-bit inputs one GEMM writing
-/// fp32, as model::lm_logits; elsewhere an fp32 GEMM of the inputs), their logsumexp, logits_NV = them rounded to logits_NV's dtype,
-/// and the logsumexp of those.
+/// fp32, as model::lm_logits; elsewhere an fp32 GEMM of the inputs) and their logsumexp;
+/// logits_NV receives them rounded to its dtype, and the second logsumexp is of those.
 std::pair<at::Tensor, at::Tensor> lm_head_logits_lse_ref(const at::Tensor& hidden_ND, const at::Tensor& weight_VD,
                                                          const at::Tensor& logits_NV);
 

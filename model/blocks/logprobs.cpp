@@ -18,7 +18,8 @@ torch::Tensor chunk_logits(const torch::Tensor& h, const torch::Tensor& w, int64
 
 // fp32 logits of each row's target, hidden_nD[t] . weight_VD[targets_n[t]] (any target < 0 reads
 // row 0; the caller masks it): the fused head's epilogue reduces the rows but picks no element.
-torch::Tensor target_logits(const torch::Tensor& hidden_nD, const torch::Tensor& weight_VD, const torch::Tensor& targets_n) {
+torch::Tensor target_logits(const torch::Tensor& hidden_nD, const torch::Tensor& weight_VD,
+                            const torch::Tensor& targets_n) {
   auto rows = weight_VD.index_select(0, targets_n.clamp_min(0)).to(torch::kFloat32);  // [n, D]
   return rows.mul_(hidden_nD.to(torch::kFloat32)).sum(1);                             // [n]
 }
