@@ -15,6 +15,7 @@
 #include <ATen/cuda/CUDAContext.h>
 
 #include "kernels/grouped_gemm_cuda.hpp"
+#include "kernels/stream_scratch.hpp"
 #endif
 
 // The tiles grouped_linear uses (kernels/CMakeLists.txt passes KILN_GG_TILE_*).
@@ -110,15 +111,6 @@ bool grouped_gemm_compiled(GroupedLayout layout, GroupedTile tile) {
 
 #ifdef KILN_GROUPED_GEMM
 namespace {
-// Stream-ordered scratch for one call: the caching allocator may hand a freed block to later
-// work on the same stream only, so the tensors can go once the work is queued.
-void* alloc_scratch(size_t bytes, void* ctx) {
-  if (bytes == 0) return nullptr;
-  auto* keep = static_cast<std::pair<std::vector<at::Tensor>, at::Device>*>(ctx);
-  keep->first.push_back(at::empty({int64_t(bytes)}, at::TensorOptions().dtype(at::kByte).device(keep->second)));
-  return keep->first.back().data_ptr();
-}
-
 bool hopper(const at::Tensor& t) {
   return t.is_cuda() && at::cuda::getDeviceProperties(t.device().index())->major == 9;
 }
@@ -154,10 +146,10 @@ cuda::GroupedGemmArgs args(cuda::GroupedMode mode, const at::Tensor& offs, const
 
 void run(GroupedLayout layout, std::optional<GroupedTile> tile, cuda::GroupedGemmArgs& p, const at::Tensor& like) {
   const GroupedTile t = tile.value_or(grouped_default_tile(layout));
-  std::pair<std::vector<at::Tensor>, at::Device> keep{{}, like.device()};
+  StreamScratch keep(like.device());
   p.sm_count = at::cuda::getDeviceProperties(like.device().index())->multiProcessorCount;
   p.stream = at::cuda::getCurrentCUDAStream(like.device().index()).stream();
-  TORCH_CHECK(cuda::grouped_gemm_run(layout, t, p, &alloc_scratch, &keep), "grouped GEMM: tile ", grouped_tile_name(t),
+  TORCH_CHECK(cuda::grouped_gemm_run(layout, t, p, &StreamScratch::alloc, &keep), "grouped GEMM: tile ", grouped_tile_name(t),
               " is not compiled for this layout (kernels/CMakeLists.txt, KILN_GROUPED_GEMM_SWEEP)");
 }
 }  // namespace

@@ -5,7 +5,6 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
-#include <vector>
 
 #include "kernels/alignment.hpp"
 
@@ -14,6 +13,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "kernels/lm_head_cuda.hpp"
+#include "kernels/stream_scratch.hpp"
 #endif
 
 namespace kiln::kernels {
@@ -27,16 +27,6 @@ std::atomic<bool>& fused_switch() {
   }()};
   return on;
 }
-
-#ifdef KILN_LM_HEAD
-// Stream-ordered scratch: the caching allocator hands a freed block to later work on the same
-// stream only, so the tensor can go once the GEMM is queued.
-void* alloc_scratch(size_t bytes, void* ctx) {
-  auto* keep = static_cast<std::pair<std::vector<at::Tensor>, at::Device>*>(ctx);
-  keep->first.push_back(at::empty({int64_t(bytes)}, at::TensorOptions().dtype(at::kByte).device(keep->second)));
-  return keep->first.back().data_ptr();
-}
-#endif
 }  // namespace
 
 void set_lm_head_fused(bool on) { fused_switch() = on; }
@@ -88,12 +78,18 @@ std::pair<at::Tensor, at::Tensor> lm_head_logits_lse(const at::Tensor& hidden_ND
   a.D = h.size(1);
   a.sm_count = at::cuda::getDeviceProperties(h.device().index())->multiProcessorCount;
   a.stream = at::cuda::getCurrentCUDAStream(h.device().index()).stream();
-  std::pair<std::vector<at::Tensor>, at::Device> keep{{}, h.device()};
-  cuda::lm_head_logits_lse(a, &alloc_scratch, &keep);
+  StreamScratch keep(h.device());
+  cuda::lm_head_logits_lse(a, &StreamScratch::alloc, &keep);
   return {lse, kept_lse};
 #else
   TORCH_CHECK(false, "lm_head_logits_lse: this build has no fused head (needs CUDA and CUTLASS's headers)");
 #endif
+}
+
+at::Tensor lm_head_target_logits(const at::Tensor& hidden_ND, const at::Tensor& weight_VD,
+                                 const at::Tensor& targets_N) {
+  auto rows = weight_VD.index_select(0, targets_N.clamp_min(0)).to(at::kFloat);  // [N, D]
+  return rows.mul_(hidden_ND.to(at::kFloat)).sum(1);                             // [N]
 }
 
 std::pair<at::Tensor, at::Tensor> lm_head_logits_lse_ref(const at::Tensor& hidden_ND, const at::Tensor& weight_VD,

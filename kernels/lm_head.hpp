@@ -31,6 +31,11 @@ void set_lm_head_fused(bool on);
 /// fit, std::runtime_error when CUTLASS refuses the problem or the launch fails.
 std::pair<at::Tensor, at::Tensor> lm_head_logits_lse(const at::Tensor& hidden_ND, const at::Tensor& weight_VD,
                                                      const at::Tensor& logits_NV);
+/// The logits of each row's target in fp32, hidden_ND[t] . weight_VD[targets_N[t]] (a target < 0
+/// reads row 0; the caller masks it): what the fused GEMM's epilogue, which reduces rows, does not
+/// pick out. targets_N [N] int64 on hidden's device -> [N] fp32.
+at::Tensor lm_head_target_logits(const at::Tensor& hidden_ND, const at::Tensor& weight_VD,
+                                 const at::Tensor& targets_N);
 /// The LibTorch reference, any device: fp32 logits (on CUDA with 16-bit inputs one GEMM writing
 /// fp32, as model::lm_logits; elsewhere an fp32 GEMM of the inputs) and their logsumexp;
 /// logits_NV receives them rounded to its dtype, and the second logsumexp is of those.

@@ -16,14 +16,6 @@ torch::Tensor chunk_logits(const torch::Tensor& h, const torch::Tensor& w, int64
   return lm_logits(h.narrow(0, s, n), w);
 }
 
-// fp32 logits of each row's target, hidden_nD[t] . weight_VD[targets_n[t]] (any target < 0 reads
-// row 0; the caller masks it): the fused head's epilogue reduces the rows but picks no element.
-torch::Tensor target_logits(const torch::Tensor& hidden_nD, const torch::Tensor& weight_VD,
-                            const torch::Tensor& targets_n) {
-  auto rows = weight_VD.index_select(0, targets_n.clamp_min(0)).to(torch::kFloat32);  // [n, D]
-  return rows.mul_(hidden_nD.to(torch::kFloat32)).sum(1);                             // [n]
-}
-
 // Log-probs of targets and, when `with_entropy`, the entropy of each row; the backward
 // recomputes each chunk's logits. dH/dz_v = -p_v (z_v - E_p[z]).
 struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
@@ -49,7 +41,7 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
       if (fused) {
         const auto h = hidden.narrow(0, s, n), t = targets.narrow(0, s, n);
         auto [l, kept_l] = kernels::lm_head_logits_lse(h, weight, keep ? kept.narrow(0, s, n) : scratch.narrow(0, 0, n));
-        auto lp = target_logits(h, weight, t).sub_(l);
+        auto lp = kernels::lm_head_target_logits(h, weight, t).sub_(l);
         out.narrow(0, s, n).copy_(lp.masked_fill_(t < 0, 0.0));
         lse.narrow(0, s, n).copy_(keep ? kept_l : l);  // the backward differentiates the kept values' softmax
         continue;

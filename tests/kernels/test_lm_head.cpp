@@ -1,4 +1,5 @@
-// The log-prob head's GEMM with the row statistics in its epilogue (kernels/lm_head.hpp): against
+// The log-prob head's GEMM with the row statistics in its epilogue (kernels/lm_head.hpp, running
+// kernels/lm_head_sm90.cu through kernels/lm_head_cuda.hpp on a Hopper GPU): against
 // the LibTorch reference (cuBLAS fp32 logits, logsumexp) and an fp64 logsumexp, at a small head
 // with ragged tiles and at GLM-4.7-Flash's; its refusals; the reference on CPU.
 #include <doctest/doctest.h>
@@ -30,6 +31,10 @@ TEST_CASE("lm head reference: bf16 logits and the logsumexps of the fp32 and of 
   CHECK((lse.to(torch::kFloat64) - z.logsumexp(1)).abs().max().item<double>() <= 1e-4);
   CHECK(torch::equal(logits, z.to(torch::kFloat32).to(torch::kBFloat16)));
   CHECK((kept_lse.to(torch::kFloat64) - logits.to(torch::kFloat64).logsumexp(1)).abs().max().item<double>() <= 1e-4);
+  // The targets' logits (a target < 0 reads row 0; the caller masks it).
+  auto targets = torch::tensor({3, -1, 39, 0, 7});
+  auto zt = kernels::lm_head_target_logits(h, w, targets).to(torch::kFloat64);
+  CHECK((zt - z.gather(1, targets.clamp_min(0).unsqueeze(1)).squeeze(1)).abs().max().item<double>() <= 1e-4);
   CHECK_FALSE(kernels::lm_head_fused_available(h, w));  // CPU tensors: never the fused kernel
   CHECK_THROWS_WITH_AS(kernels::lm_head_logits_lse(h, w, logits), doctest::Contains("no fused kernel for hidden [5, 16]"),
                        c10::Error);
