@@ -27,9 +27,21 @@ std::atomic<bool>& fused_switch() {
   }()};
   return on;
 }
+
+std::atomic<LmHeadSchedule>& schedule_switch() {
+  static std::atomic<LmHeadSchedule> s{[] {
+    const char* env = std::getenv("KILN_LM_HEAD_SCHEDULE");
+    if (!env || !*env || std::strcmp(env, "cooperative") == 0) return LmHeadSchedule::cooperative;
+    TORCH_CHECK(std::strcmp(env, "pingpong") == 0, "KILN_LM_HEAD_SCHEDULE=", env, ": expected cooperative or pingpong");
+    return LmHeadSchedule::pingpong;
+  }()};
+  return s;
+}
 }  // namespace
 
 void set_lm_head_fused(bool on) { fused_switch() = on; }
+void set_lm_head_schedule(LmHeadSchedule s) { schedule_switch() = s; }
+LmHeadSchedule lm_head_schedule() { return schedule_switch(); }
 
 bool lm_head_fused_available(const at::Tensor& hidden_ND, const at::Tensor& weight_VD) {
 #ifdef KILN_LM_HEAD
@@ -78,6 +90,7 @@ std::pair<at::Tensor, at::Tensor> lm_head_logits_lse(const at::Tensor& hidden_ND
   a.D = h.size(1);
   a.sm_count = at::cuda::getDeviceProperties(h.device().index())->multiProcessorCount;
   a.stream = at::cuda::getCurrentCUDAStream(h.device().index()).stream();
+  a.pingpong = lm_head_schedule() == LmHeadSchedule::pingpong;
   StreamScratch keep(h.device());
   cuda::lm_head_logits_lse(a, &StreamScratch::alloc, &keep);
   return {lse, kept_lse};

@@ -1,6 +1,6 @@
 #pragma once
 // The log-prob head's logits and the log-softmax's row statistics in one pass: on Hopper one
-// CUTLASS GEMM (kernels/lm_head_sm90.cu) writes the bf16 logits and reduces each row in its
+// CUTLASS GEMM (kernels/lm_head_sm90.cuh) writes the bf16 logits and reduces each row in its
 // epilogue, so the fp32 logits are never written to memory and read back (what the forward of
 // model::token_logprobs did before: cuBLAS into fp32 [n, V], then kernels/logprobs.cu's pass).
 //   logits[t, v] = bf16(sum_k hidden[t, k] weight[v, k])        (fp32 accumulation)
@@ -24,6 +24,14 @@ namespace kiln::kernels {
 bool lm_head_fused_available(const at::Tensor& hidden_ND, const at::Tensor& weight_VD);
 /// The process-wide switch lm_head_fused_available reads (benchmarks and tests compare both paths).
 void set_lm_head_fused(bool on);
+/// The fused GEMM's kernel schedule, process-wide: cooperative (128x256 tiles, the default) or
+/// pingpong (128x128 tiles, one warp group's epilogue under the other's mainloop), as
+/// KILN_LM_HEAD_SCHEDULE=cooperative|pingpong in the environment at start-up. Same results up to
+/// the order the tiles' row statistics merge in (fp32 rounding).
+enum class LmHeadSchedule { cooperative, pingpong };
+void set_lm_head_schedule(LmHeadSchedule s);
+/// Throws c10::Error naming KILN_LM_HEAD_SCHEDULE's value when it is neither.
+LmHeadSchedule lm_head_schedule();
 
 /// hidden_ND [N, D] and weight_VD [V, D] bf16, contiguous, on one CUDA device; logits_NV [N, V]
 /// bf16 contiguous on it, receives the logits. -> (lse [N], kept_lse [N]) fp32. Needs

@@ -1,5 +1,5 @@
 #pragma once
-// Host entry of the Hopper log-prob head GEMM (kernels/lm_head_sm90.cu: CUTLASS 3's sm90 GEMM
+// Host entry of the Hopper log-prob head GEMM (kernels/lm_head_sm90.cuh: CUTLASS 3's sm90 GEMM
 // with an epilogue visitor tree, compiled for sm_90a beside the grouped GEMM). Torch-free:
 // kernels/lm_head.cpp checks the tensors and fills LmHeadArgs.
 //
@@ -18,6 +18,9 @@ struct LmHeadArgs {
   int64_t N = 0, V = 0, D = 0;
   int sm_count = 0;
   void* stream = nullptr;  ///< cudaStream_t
+  /// The kernel schedule: false cooperative (128x256 tiles), true pingpong (128x128 tiles, one
+  /// warp group's epilogue under the other's mainloop); the same results up to the tiles' order.
+  bool pingpong = false;
 };
 
 /// Device memory for the call's CUTLASS workspace: (bytes, ctx) -> pointer valid until the work

@@ -1,195 +1,26 @@
-// The log-prob head's logits and their row statistics in one Hopper GEMM (kernels/lm_head.hpp):
-// CUTLASS 3's sm90 GEMM (TMA loads, warp-specialized cooperative WGMMA, 128x256x64 tiles,
-// cluster 1x2; NVIDIA CUTLASS, examples/49_hopper_gemm_with_collective_builder) whose epilogue
-// visitor tree (CUTLASS's EVT, examples/49 and cutlass/epilogue/fusion) stores bf16(acc) and
-// reduces every row twice as an online softmax's normalizer (Milakov & Gimelshein 2018): each
-// value x enters as (m, s) = (x, 1), two statistics merge as (max, s_a e^(m_a - max) + s_b e^(m_b - max)),
-// and the result is m + log s:
-//   lse      = logsumexp over v of acc[t, v]                 (the fp32 accumulators)
-//   kept_lse = logsumexp over v of float(bf16(acc[t, v]))    (the logits stored)
-// Each CTA reduces its 128 x 256 tile's rows (registers, warp shuffles, shared memory), writes
-// one partial per row and tile to the workspace, and the last CTA of a row block (a tile counter)
-// combines the row's partials in column order (Sm90ColReduction with FinalReduction, over
-// (m, s) pairs). The merge is associative and commutative up to rounding, with identity
-// (-inf, 0); s stays in the linear domain, so small terms add as in kernels/logprobs.cu's pass
-// (a running logsumexp in fp32 would drop every term below half a unit of its last place).
-// No LibTorch here: compile time.
-#include <cute/tensor.hpp>
-#include <cutlass/cutlass.h>
-#include <cutlass/epilogue/collective/collective_builder.hpp>
-#include <cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp>
-#include <cutlass/gemm/collective/collective_builder.hpp>
-#include <cutlass/gemm/device/gemm_universal_adapter.h>
-#include <cutlass/gemm/kernel/gemm_universal.hpp>
-
-#include <limits>
-#include <stdexcept>
-#include <string>
-#include <type_traits>
-
-#include "kernels/lm_head_cuda.hpp"
-
-namespace kiln::kernels::cuda {
-// A row's running softmax statistics over the values seen: their max m and sum_v exp(x_v - m) s
-// (s in the linear domain, as an online softmax keeps it: a log-domain running sum would lose
-// every term below half a unit in the last place of the logsumexp). Empty: {-inf, 0}.
-struct alignas(8) MaxSum {
-  float m, s;
-  MaxSum() = default;
-  CUTLASS_HOST_DEVICE MaxSum(float max, float sum) : m(max), s(sum) {}
-  // CUTLASS's default reduction identity is ElementCompute(0); kiln passes its own, {-inf, 0}.
-  // int only: a bf16 or float reaching it through an implicit conversion would become the empty
-  // value (a value enters by the NumericConverter specializations below, or fails to compile).
-  template <class I, std::enable_if_t<std::is_same_v<I, int>, int> = 0>
-  CUTLASS_HOST_DEVICE explicit MaxSum(I) : m(-std::numeric_limits<float>::infinity()), s(0.f) {}
-  // Read and written through volatile references by the reduction's cross-CTA stage.
-  CUTLASS_HOST_DEVICE void operator=(const MaxSum& o) volatile { m = o.m, s = o.s; }
-  CUTLASS_HOST_DEVICE MaxSum& operator=(const MaxSum& o) = default;
-};
-}  // namespace kiln::kernels::cuda
-
-namespace cutlass {
-// A value enters a row's statistics as {x, 1}; the statistics leave as their logsumexp m + log s.
-template <FloatRoundStyle Round>
-struct NumericConverter<kiln::kernels::cuda::MaxSum, float, Round> {
-  using result_type = kiln::kernels::cuda::MaxSum;
-  using source_type = float;
-  CUTLASS_HOST_DEVICE static result_type convert(source_type const& x) { return {x, 1.f}; }
-  CUTLASS_HOST_DEVICE result_type operator()(source_type const& x) const { return convert(x); }
-};
-// The outer reduction's input: the bf16 logits the epilogue stores.
-template <FloatRoundStyle Round>
-struct NumericConverter<kiln::kernels::cuda::MaxSum, cutlass::bfloat16_t, Round> {
-  using result_type = kiln::kernels::cuda::MaxSum;
-  using source_type = cutlass::bfloat16_t;
-  CUTLASS_HOST_DEVICE static result_type convert(source_type const& x) { return {float(x), 1.f}; }
-  CUTLASS_HOST_DEVICE result_type operator()(source_type const& x) const { return convert(x); }
-};
-template <FloatRoundStyle Round>
-struct NumericConverter<float, kiln::kernels::cuda::MaxSum, Round> {
-  using result_type = float;
-  using source_type = kiln::kernels::cuda::MaxSum;
-  CUTLASS_HOST_DEVICE static result_type convert(source_type const& x) {
-#ifdef __CUDA_ARCH__
-    return x.m + logf(x.s);
-#else
-    return x.m + std::log(x.s);
-#endif
-  }
-  CUTLASS_HOST_DEVICE result_type operator()(source_type const& x) const { return convert(x); }
-};
-}  // namespace cutlass
+// The fused log-prob head's entry (kernels/lm_head_cuda.hpp) and its cooperative schedule: CUTLASS
+// 3's sm90 GEMM with 128x256x64 tiles, both consumer warp groups on one tile, cluster 1x2
+// (the GEMM and its epilogue: kernels/lm_head_sm90.cuh). No LibTorch here: compile time.
+#include "kernels/lm_head_sm90.cuh"
 
 namespace kiln::kernels::cuda {
 
-namespace {
-using namespace cute;
-
-CUTLASS_HOST_DEVICE float exp_of(float x) {
-#ifdef __CUDA_ARCH__
-  return __expf(x);
-#else
-  return std::exp(x);
-#endif
+namespace lm_head_sm90 {
+void run_cooperative(const LmHeadArgs& a, LmHeadAlloc alloc, void* alloc_ctx) {
+  run<Shape<_128, _256, _64>, Shape<_1, _2, _1>, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+      cutlass::epilogue::TmaWarpSpecializedCooperative>(a, alloc, alloc_ctx);
 }
-
-// Two rows' statistics merged: max, and each sum rescaled to it (Milakov & Gimelshein 2018,
-// "Online normalizer calculation for softmax").
-template <class T>
-struct MergeMaxSum;
-template <>
-struct MergeMaxSum<MaxSum> {
-  CUTLASS_HOST_DEVICE MaxSum operator()(MaxSum a, MaxSum b) const {
-    if (a.m < b.m) {  // b's max is the larger: rescale a's sum (an empty a adds exp(-inf) = 0)
-      const MaxSum t = a;
-      a = b, b = t;
-    }
-    if (b.s == 0.f) return a;  // empty b (also when both are empty: no -inf - -inf)
-    return {a.m, a.s + b.s * exp_of(b.m - a.m)};
-  }
-};
-// Element by element over the fragments the reduction's shuffle and shared-memory stages pass.
-template <int N>
-struct MergeMaxSum<cutlass::Array<MaxSum, N>> {
-  CUTLASS_HOST_DEVICE cutlass::Array<MaxSum, N> operator()(cutlass::Array<MaxSum, N> const& a,
-                                                           cutlass::Array<MaxSum, N> const& b) const {
-    cutlass::Array<MaxSum, N> r;
-    MergeMaxSum<MaxSum> f;
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < N; ++i) r[i] = f(a[i], b[i]);
-    return r;
-  }
-};
-
-using Element = cutlass::bfloat16_t;
-using LayoutA = cutlass::layout::RowMajor;     // hidden [N, D]
-using LayoutB = cutlass::layout::ColumnMajor;  // weight [V, D] as a D x V matrix
-using LayoutD = cutlass::layout::RowMajor;     // logits [N, V]
-using TileShape = Shape<_128, _256, _64>;
-using ClusterShape = Shape<_1, _2, _1>;
-constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
-namespace ef = cutlass::epilogue::fusion;
-// One fp32 per row (M-major, no N stride), the last CTA of a row block combining the partials.
-using RowLogSumExp = ef::Sm90ColReduction<MergeMaxSum, MergeMaxSum, MergeMaxSum, 0, TileShape, float, MaxSum, kRound,
-                                          Stride<_1, _0, int64_t>, 4, /*EnableNullptr=*/false,
-                                          /*FinalReduction=*/true, /*VisitCheckOOB=*/true>;
-using ToBf16 = ef::Sm90Compute<cutlass::epilogue::thread::Identity, Element, float, kRound>;
-// kept_lse (over the bf16 values) <- bf16(acc) <- lse (over acc) <- acc; D stores the bf16 values.
-using Fusion = ef::Sm90EVT<RowLogSumExp, ef::Sm90EVT<ToBf16, ef::Sm90EVT<RowLogSumExp, ef::Sm90AccFetch>>>;
-
-using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-    cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, 8, Element, LayoutD, 8,
-    cutlass::epilogue::TmaWarpSpecializedCooperative, Fusion>::CollectiveOp;
-using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, 8, Element, LayoutB, 8, float, TileShape,
-    ClusterShape,
-    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-    cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
-using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
-using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-
-// A packed row-major [rows, cols] operand's (row, 1, batch) stride (what CUTLASS's
-// tools/util make_cute_packed_stride gives; the bundled headers are include/ only).
-template <class Stride>
-Stride packed(int rows, int cols) {
-  Stride s{};
-  cute::get<0>(s) = cols;
-  cute::get<2>(s) = int64_t(rows) * cols;
-  return s;
-}
-
-void check(cutlass::Status s, const char* what) {
-  if (s != cutlass::Status::kSuccess)
-    throw std::runtime_error(std::string("lm_head_logits_lse: CUTLASS ") + what + " failed: " +
-                             cutlassGetStatusString(s));
-}
-}  // namespace
+}  // namespace lm_head_sm90
 
 void lm_head_logits_lse(const LmHeadArgs& a, LmHeadAlloc alloc, void* alloc_ctx) {
   if (a.N < 1 || a.V < 1 || a.D < 1 || a.V % 8 || a.D % 8 || a.N > (int64_t(1) << 31) - 1 ||
       a.V > (int64_t(1) << 31) - 1 || a.D > (int64_t(1) << 31) - 1)
     throw std::runtime_error("lm_head_logits_lse: N " + std::to_string(a.N) + ", V " + std::to_string(a.V) + ", D " +
                              std::to_string(a.D) + ": each must be in [1, 2^31), V and D multiples of 8");
-  const int M = int(a.N), N = int(a.V), K = int(a.D);
-  const auto sa = packed<typename Kernel::StrideA>(M, K), sb = packed<typename Kernel::StrideB>(N, K);
-  const auto sd = packed<typename Kernel::StrideD>(M, N);
-  const MaxSum identity{-std::numeric_limits<float>::infinity(), 0.f};
-  const Stride<_1, _0, int64_t> per_row{_1{}, _0{}, int64_t(M)};
-  typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
-                                {M, N, K, 1},
-                                {static_cast<const Element*>(a.hidden), sa, static_cast<const Element*>(a.weight), sb},
-                                {{}, nullptr, sd, static_cast<Element*>(a.logits), sd}};
-  // Children first, then the node: {{{acc, lse}, to_bf16}, kept_lse}.
-  args.epilogue.thread = {{{{}, {a.lse, identity, per_row}}, {}}, {a.kept_lse, identity, per_row}};
-  args.hw_info.sm_count = a.sm_count;
-  Gemm gemm;
-  check(gemm.can_implement(args), "can_implement");
-  const size_t bytes = Gemm::get_workspace_size(args);
-  void* workspace = bytes ? alloc(bytes, alloc_ctx) : nullptr;
-  auto stream = static_cast<cudaStream_t>(a.stream);
-  check(gemm.initialize(args, workspace, stream), "initialize");  // zeroes the row blocks' tile counters
-  check(gemm.run(stream), "run");
+  if (a.pingpong)
+    lm_head_sm90::run_pingpong(a, alloc, alloc_ctx);
+  else
+    lm_head_sm90::run_cooperative(a, alloc, alloc_ctx);
 }
 
 }  // namespace kiln::kernels::cuda

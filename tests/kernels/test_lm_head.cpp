@@ -1,5 +1,5 @@
 // The log-prob head's GEMM with the row statistics in its epilogue (kernels/lm_head.hpp, running
-// kernels/lm_head_sm90.cu through kernels/lm_head_cuda.hpp on a Hopper GPU): against
+// kernels/lm_head_sm90.cuh's two schedules through kernels/lm_head_cuda.hpp on a Hopper GPU): against
 // the LibTorch reference (cuBLAS fp32 logits, logsumexp) and an fp64 logsumexp, at a small head
 // with ragged tiles and at GLM-4.7-Flash's; its refusals; the reference on CPU.
 #include <doctest/doctest.h>
@@ -49,12 +49,21 @@ TEST_CASE("CUDA: the lm head's fused GEMM writes the reference's logits and both
   if (test::skip_unless(kernels::lm_head_fused_available(probe, probe),
                         "needs the fused head: a Hopper GPU and a build with CUTLASS"))
     return;
-  struct Shape {
+  // Both kernel schedules (cooperative 128x256 tiles, pingpong 128x128); ragged tiles on both
+  // sides (700 = 5 x 128 + 60 rows, 1000 = 3 x 256 + 232 = 7 x 128 + 104 columns), then
+  // GLM-4.7-Flash's head (V = 154880 = 605 x 256, D = 2048) at 520 rows, and a single row.
+  struct Schedule {
+    ~Schedule() { kernels::set_lm_head_schedule(kernels::LmHeadSchedule::cooperative); }  // the default again
+  } restore;
+  struct Case {
+    kernels::LmHeadSchedule schedule;
     int64_t N, D, V;
   };
-  // Ragged tiles on both sides (700 = 5 x 128 + 60 rows, 1000 = 3 x 256 + 232 columns), then
-  // GLM-4.7-Flash's head (V = 154880 = 605 x 256, D = 2048) at 520 rows, and a single row.
-  for (auto [N, D, V] : {Shape{700, 64, 1000}, Shape{520, 2048, 154880}, Shape{1, 8, 8}}) {
+  constexpr auto coop = kernels::LmHeadSchedule::cooperative, pong = kernels::LmHeadSchedule::pingpong;
+  for (auto [schedule, N, D, V] : {Case{coop, 700, 64, 1000}, Case{coop, 520, 2048, 154880}, Case{coop, 1, 8, 8},
+                                   Case{pong, 700, 64, 1000}, Case{pong, 520, 2048, 154880}, Case{pong, 1, 8, 8}}) {
+    kernels::set_lm_head_schedule(schedule);
+    CAPTURE(int(schedule));
     CAPTURE(N);
     CAPTURE(V);
     // |logit| up to ~15, as a trained head's: the exp of each term spans many octaves.
