@@ -23,11 +23,14 @@ struct LmHeadArgs {
   bool pingpong = false;
 };
 
-/// Device memory for the call's CUTLASS workspace: (bytes, ctx) -> pointer valid until the work
-/// queued on args.stream is done (a stream-ordered allocator).
+/// Device memory for the call: CUTLASS's workspace and the tiles' row partials (two buffers of
+/// N rounded up to 128 x ceil(V / tile width) x 8 bytes: ~40 MB each at N 8192, V 154880):
+/// (bytes, ctx) -> pointer valid until the work queued on args.stream is done (a stream-ordered
+/// allocator).
 using LmHeadAlloc = void* (*)(size_t bytes, void* ctx);
 
-/// Queues the GEMM on args.stream; throws std::runtime_error when CUTLASS refuses the problem
+/// Queues the GEMM and the row partials' merge on args.stream; throws std::runtime_error when
+/// CUTLASS refuses the problem
 /// (N, V, D must be >= 1; V and D multiples of 8) or the launch fails.
 void lm_head_logits_lse(const LmHeadArgs& args, LmHeadAlloc alloc, void* alloc_ctx);
 

@@ -13,10 +13,9 @@
 // and the result is m + log s:
 //   lse      = logsumexp over v of acc[t, v]                 (the fp32 accumulators)
 //   kept_lse = logsumexp over v of float(bf16(acc[t, v]))    (the logits stored)
-// Each CTA reduces its tile's rows (registers, warp shuffles, shared memory), writes
-// one partial per row and tile to the workspace, and the last CTA of a row block (a tile counter)
-// combines the row's partials in column order (Sm90ColReduction with FinalReduction, over
-// (m, s) pairs). The merge is associative and commutative up to rounding, with identity
+// Each CTA reduces its tile's rows (registers, warp shuffles, shared memory) and writes one
+// partial per row and tile (Sm90ColReduction over (m, s) pairs, without its FinalReduction); a
+// second kernel merges each row's partials, many rows and tile columns at once. The merge is associative and commutative up to rounding, with identity
 // (-inf, 0); s stays in the linear domain, so small terms add as in kernels/logprobs.cu's pass
 // (a running logsumexp in fp32 would drop every term below half a unit of its last place).
 // No LibTorch here: compile time.
@@ -147,19 +146,31 @@ inline void check(cutlass::Status s, const char* what) {
                              cutlassGetStatusString(s));
 }
 
+// Each tile's row statistics, written by the GEMM's epilogue: pair [n_tiles, m_pad] (row-major:
+// tile column j's partial of row r at j * m_pad + r; m_pad = the rows rounded up to the tile's),
+// for merge_row_partials (kernels/lm_head_sm90.cu) to reduce over the tile columns. CUTLASS's own
+// cross-tile stage (FinalReduction) leaves that to the last CTA of each row block, one thread per
+// row walking all the tile columns' partials one dependent load after the other: at V = 154880
+// ~600 loads per row, at the end of every row block, which the GEMM's tail waits for.
+struct Partials {
+  MaxSum *lse = nullptr, *kept = nullptr;  // over the fp32 accumulators, over the bf16 values
+  int n_tiles = 0;
+  int64_t m_pad = 0;
+};
+
 // The GEMM with the fused epilogue for one tile shape, cluster and kernel schedule (the
 // epilogue's schedule matches it: cooperative with cooperative, pingpong with plain TMA
-// warp-specialized). Queues it on a.stream.
+// warp-specialized). Queues it on a.stream; the partials live in memory from alloc.
 template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
-void run(const LmHeadArgs& a, LmHeadAlloc alloc, void* alloc_ctx) {
+Partials run(const LmHeadArgs& a, LmHeadAlloc alloc, void* alloc_ctx) {
   namespace ef = cutlass::epilogue::fusion;
-  // One fp32 per row (M-major, no N stride), the last CTA of a row block combining the partials.
-  using RowLogSumExp = ef::Sm90ColReduction<MergeMaxSum, MergeMaxSum, MergeMaxSum, 0, TileShape, float, MaxSum, kRound,
-                                            Stride<_1, _0, int64_t>, 4, /*EnableNullptr=*/false,
-                                            /*FinalReduction=*/true, /*VisitCheckOOB=*/true>;
+  // One pair per row and tile (M-major, no N stride), the cross-tile merge left to the caller.
+  using RowMaxSum = ef::Sm90ColReduction<MergeMaxSum, MergeMaxSum, MergeMaxSum, 0, TileShape, float, MaxSum, kRound,
+                                         Stride<_1, _0, int64_t>, 4, /*EnableNullptr=*/false,
+                                         /*FinalReduction=*/false, /*VisitCheckOOB=*/true>;
   using ToBf16 = ef::Sm90Compute<cutlass::epilogue::thread::Identity, Element, float, kRound>;
-  // kept_lse (over the bf16 values) <- bf16(acc) <- lse (over acc) <- acc; D stores the bf16 values.
-  using Fusion = ef::Sm90EVT<RowLogSumExp, ef::Sm90EVT<ToBf16, ef::Sm90EVT<RowLogSumExp, ef::Sm90AccFetch>>>;
+  // kept (over the bf16 values) <- bf16(acc) <- lse (over acc) <- acc; D stores the bf16 values.
+  using Fusion = ef::Sm90EVT<RowMaxSum, ef::Sm90EVT<ToBf16, ef::Sm90EVT<RowMaxSum, ef::Sm90AccFetch>>>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, 8, Element, LayoutD, 8,
@@ -171,8 +182,16 @@ void run(const LmHeadArgs& a, LmHeadAlloc alloc, void* alloc_ctx) {
       KernelSchedule>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  constexpr int kTileM = cute::size<0>(TileShape{}), kTileN = cute::size<1>(TileShape{});
 
   const int M = int(a.N), N = int(a.V), K = int(a.D);
+  Partials p;
+  p.n_tiles = (N + kTileN - 1) / kTileN;
+  p.m_pad = int64_t((M + kTileM - 1) / kTileM) * kTileM;
+  const size_t pair_bytes = size_t(p.n_tiles) * size_t(p.m_pad) * sizeof(MaxSum);
+  p.lse = static_cast<MaxSum*>(alloc(pair_bytes, alloc_ctx));
+  p.kept = static_cast<MaxSum*>(alloc(pair_bytes, alloc_ctx));
+
   const auto sa = packed<typename Kernel::StrideA>(M, K), sb = packed<typename Kernel::StrideB>(N, K);
   const auto sd = packed<typename Kernel::StrideD>(M, N);
   const MaxSum identity{-std::numeric_limits<float>::infinity(), 0.f};
@@ -181,21 +200,22 @@ void run(const LmHeadArgs& a, LmHeadAlloc alloc, void* alloc_ctx) {
                                 {M, N, K, 1},
                                 {static_cast<const Element*>(a.hidden), sa, static_cast<const Element*>(a.weight), sb},
                                 {{}, nullptr, sd, static_cast<Element*>(a.logits), sd}};
-  // Children first, then the node: {{{acc, lse}, to_bf16}, kept_lse}.
-  args.epilogue.thread = {{{{}, {a.lse, identity, per_row}}, {}}, {a.kept_lse, identity, per_row}};
+  // Children first, then the node: {{{acc, lse}, to_bf16}, kept}.
+  args.epilogue.thread = {{{{}, {p.lse, identity, per_row}}, {}}, {p.kept, identity, per_row}};
   args.hw_info.sm_count = a.sm_count;
   Gemm gemm;
   check(gemm.can_implement(args), "can_implement");
   const size_t bytes = Gemm::get_workspace_size(args);
   void* workspace = bytes ? alloc(bytes, alloc_ctx) : nullptr;
   auto stream = static_cast<cudaStream_t>(a.stream);
-  check(gemm.initialize(args, workspace, stream), "initialize");  // zeroes the row blocks' tile counters
+  check(gemm.initialize(args, workspace, stream), "initialize");
   check(gemm.run(stream), "run");
+  return p;
 }
 
 // The two instantiations, one translation unit each (they compile in parallel):
 // kernels/lm_head_sm90.cu and kernels/lm_head_sm90_pingpong.cu.
-void run_cooperative(const LmHeadArgs& a, LmHeadAlloc alloc, void* alloc_ctx);
-void run_pingpong(const LmHeadArgs& a, LmHeadAlloc alloc, void* alloc_ctx);
+Partials run_cooperative(const LmHeadArgs& a, LmHeadAlloc alloc, void* alloc_ctx);
+Partials run_pingpong(const LmHeadArgs& a, LmHeadAlloc alloc, void* alloc_ctx);
 
 }  // namespace kiln::kernels::cuda::lm_head_sm90

@@ -5,8 +5,8 @@
 #include "kernels/lm_head_sm90.cuh"
 
 namespace kiln::kernels::cuda::lm_head_sm90 {
-void run_pingpong(const LmHeadArgs& a, LmHeadAlloc alloc, void* alloc_ctx) {
-  run<Shape<_128, _128, _64>, Shape<_1, _2, _1>, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+Partials run_pingpong(const LmHeadArgs& a, LmHeadAlloc alloc, void* alloc_ctx) {
+  return run<Shape<_128, _128, _64>, Shape<_1, _2, _1>, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
       cutlass::epilogue::TmaWarpSpecialized>(a, alloc, alloc_ctx);
 }
 }  // namespace kiln::kernels::cuda::lm_head_sm90
