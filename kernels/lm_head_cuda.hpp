@@ -24,7 +24,8 @@ struct LmHeadArgs {
 };
 
 /// Device memory for the call: CUTLASS's workspace and the tiles' row partials (two buffers of
-/// N rounded up to 128 x ceil(V / tile width) x 8 bytes: ~40 MB each at N 8192, V 154880):
+/// N rounded up to 128 x ceil(V / tile width) x 8 bytes; at V 154880 and a chunk of 1024 rows
+/// ~5 MB each with the cooperative schedule's 256-wide tiles, ~10 MB with pingpong's 128):
 /// (bytes, ctx) -> pointer valid until the work queued on args.stream is done (a stream-ordered
 /// allocator).
 using LmHeadAlloc = void* (*)(size_t bytes, void* ctx);

@@ -13,11 +13,13 @@ Partials run_cooperative(const LmHeadArgs& a, LmHeadAlloc alloc, void* alloc_ctx
 }
 
 namespace {
-constexpr int kRowsPerBlock = 32, kSlices = 8;  // a warp over 32 rows; 8 warps over the tile columns
+constexpr int kRowsPerBlock = 32, kSlices = 32;  // a warp over 32 rows; 32 warps over the tile columns
 
 // lse[r] = m + log s of row r's partials merged over the tile columns, and the same for kept:
-// block (32 rows) x (8 slices), each thread merging every 8th tile column of its row (coalesced:
-// a warp reads 32 consecutive rows' pairs of one column), then the slices merged in order.
+// block (32 rows) x (32 slices), each thread merging every 32nd tile column of its row (coalesced:
+// a warp reads 32 consecutive rows' pairs of one column; ~19 a thread at V = 154880 and 128x256
+// tiles), then the slices merged in order (a chunk of 1024 rows is only 32 blocks: the slices
+// keep the loads in flight).
 __global__ void merge_row_partials(const MaxSum* __restrict__ lse_p, const MaxSum* __restrict__ kept_p, int n_tiles,
                                    int64_t m_pad, int M, float* __restrict__ lse, float* __restrict__ kept_lse) {
   __shared__ MaxSum part[2][kSlices][kRowsPerBlock];
@@ -51,7 +53,7 @@ void lm_head_logits_lse(const LmHeadArgs& a, LmHeadAlloc alloc, void* alloc_ctx)
   const auto p = a.pingpong ? lm_head_sm90::run_pingpong(a, alloc, alloc_ctx)
                             : lm_head_sm90::run_cooperative(a, alloc, alloc_ctx);
   const int M = int(a.N);
-  const dim3 grid((M + lm_head_sm90::kRowsPerBlock - 1) / lm_head_sm90::kRowsPerBlock),
+  const dim3 grid(unsigned((int64_t(M) + lm_head_sm90::kRowsPerBlock - 1) / lm_head_sm90::kRowsPerBlock)),
       block(lm_head_sm90::kRowsPerBlock, lm_head_sm90::kSlices);
   lm_head_sm90::merge_row_partials<<<grid, block, 0, static_cast<cudaStream_t>(a.stream)>>>(
       p.lse, p.kept, p.n_tiles, p.m_pad, M, a.lse, a.kept_lse);

@@ -47,9 +47,6 @@ struct alignas(8) MaxSum {
   // value (a value enters by the NumericConverter specializations below, or fails to compile).
   template <class I, std::enable_if_t<std::is_same_v<I, int>, int> = 0>
   CUTLASS_HOST_DEVICE explicit MaxSum(I) : m(-std::numeric_limits<float>::infinity()), s(0.f) {}
-  // Read and written through volatile references by the reduction's cross-CTA stage.
-  CUTLASS_HOST_DEVICE void operator=(const MaxSum& o) volatile { m = o.m, s = o.s; }
-  CUTLASS_HOST_DEVICE MaxSum& operator=(const MaxSum& o) = default;
 };
 }  // namespace kiln::kernels::cuda
 
@@ -150,8 +147,9 @@ inline void check(cutlass::Status s, const char* what) {
 // tile column j's partial of row r at j * m_pad + r; m_pad = the rows rounded up to the tile's),
 // for merge_row_partials (kernels/lm_head_sm90.cu) to reduce over the tile columns. CUTLASS's own
 // cross-tile stage (FinalReduction) leaves that to the last CTA of each row block, one thread per
-// row walking all the tile columns' partials one dependent load after the other: at V = 154880
-// ~600 loads per row, at the end of every row block, which the GEMM's tail waits for.
+// row merging all the tile columns' partials serially (at V = 154880 ~600 per row, twice) while
+// that SM takes no other tile: with it, the fused head's first H100 run was slower than cuBLAS
+// plus kiln's pass, the more so with half-width tiles (docs/benchmarks.md).
 struct Partials {
   MaxSum *lse = nullptr, *kept = nullptr;  // over the fp32 accumulators, over the bf16 values
   int n_tiles = 0;
@@ -186,8 +184,8 @@ Partials run(const LmHeadArgs& a, LmHeadAlloc alloc, void* alloc_ctx) {
 
   const int M = int(a.N), N = int(a.V), K = int(a.D);
   Partials p;
-  p.n_tiles = (N + kTileN - 1) / kTileN;
-  p.m_pad = int64_t((M + kTileM - 1) / kTileM) * kTileM;
+  p.n_tiles = int((int64_t(N) + kTileN - 1) / kTileN);
+  p.m_pad = (int64_t(M) + kTileM - 1) / kTileM * kTileM;
   const size_t pair_bytes = size_t(p.n_tiles) * size_t(p.m_pad) * sizeof(MaxSum);
   p.lse = static_cast<MaxSum*>(alloc(pair_bytes, alloc_ctx));
   p.kept = static_cast<MaxSum*>(alloc(pair_bytes, alloc_ctx));
