@@ -39,8 +39,8 @@ std::atomic<LmHeadSchedule>& schedule_switch() {
 }
 }  // namespace
 
-void set_lm_head_fused(bool on) { fused_switch() = on; }
-void set_lm_head_schedule(LmHeadSchedule s) { schedule_switch() = s; }
+bool set_lm_head_fused(bool on) { return fused_switch().exchange(on); }
+LmHeadSchedule set_lm_head_schedule(LmHeadSchedule s) { return schedule_switch().exchange(s); }
 LmHeadSchedule lm_head_schedule() { return schedule_switch(); }
 
 bool lm_head_fused_available(const at::Tensor& hidden_ND, const at::Tensor& weight_VD) {

@@ -23,16 +23,32 @@ namespace kiln::kernels {
 /// start-up. Off by default: its first run on an H100 was slower than cuBLAS plus kiln's pass
 /// (docs/benchmarks.md, "The fused log-prob head on the H100, first run"; docs/gpu.md).
 bool lm_head_fused_available(const at::Tensor& hidden_ND, const at::Tensor& weight_VD);
-/// The process-wide switch lm_head_fused_available reads (benchmarks and tests compare both paths).
-void set_lm_head_fused(bool on);
+/// The process-wide switch lm_head_fused_available reads (benchmarks and tests compare both
+/// paths); returns the setting it replaces.
+bool set_lm_head_fused(bool on);
 /// The fused GEMM's kernel schedule, process-wide: cooperative (128x256 tiles, the default) or
 /// pingpong (128x128 tiles, one warp group's epilogue under the other's mainloop), as
 /// KILN_LM_HEAD_SCHEDULE=cooperative|pingpong in the environment at start-up. Same results up to
 /// the order the tiles' row statistics merge in (fp32 rounding).
 enum class LmHeadSchedule { cooperative, pingpong };
-void set_lm_head_schedule(LmHeadSchedule s);
+/// Returns the schedule it replaces.
+LmHeadSchedule set_lm_head_schedule(LmHeadSchedule s);
 /// Throws c10::Error naming KILN_LM_HEAD_SCHEDULE's value when it is neither.
 LmHeadSchedule lm_head_schedule();
+/// Both settings for one scope (a test case, a benchmark's comparison), the previous ones back
+/// however it ends.
+class LmHeadSettingsScope {
+ public:
+  explicit LmHeadSettingsScope(bool fused, LmHeadSchedule schedule = LmHeadSchedule::cooperative)
+      : fused_(set_lm_head_fused(fused)), schedule_(set_lm_head_schedule(schedule)) {}
+  ~LmHeadSettingsScope() { set_lm_head_fused(fused_), set_lm_head_schedule(schedule_); }
+  LmHeadSettingsScope(const LmHeadSettingsScope&) = delete;
+  LmHeadSettingsScope& operator=(const LmHeadSettingsScope&) = delete;
+
+ private:
+  bool fused_;
+  LmHeadSchedule schedule_;
+};
 
 /// hidden_ND [N, D] and weight_VD [V, D] bf16, contiguous, on one CUDA device; logits_NV [N, V]
 /// bf16 contiguous on it, receives the logits. -> (lse [N], kept_lse [N]) fp32. Needs

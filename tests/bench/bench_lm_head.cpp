@@ -12,7 +12,6 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <torch/torch.h>
 
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>

@@ -1,5 +1,7 @@
 // The log-prob head's GEMM with the row statistics in its epilogue (kernels/lm_head.hpp, running
-// kernels/lm_head_sm90.cuh's two schedules through kernels/lm_head_cuda.hpp on a Hopper GPU): against
+// both schedules of kernels/lm_head_sm90.cuh, kernels/lm_head_sm90.cu with the row merge and
+// kernels/lm_head_sm90_pingpong.cu, through kernels/lm_head_cuda.hpp with scratch from
+// kernels/stream_scratch.hpp, on a Hopper GPU): against
 // the LibTorch reference (cuBLAS fp32 logits, logsumexp) and an fp64 logsumexp, at a small head
 // with ragged tiles and at GLM-4.7-Flash's; its refusals; the reference on CPU.
 #include <doctest/doctest.h>
@@ -15,11 +17,6 @@ using namespace kiln;
 
 namespace {
 torch::TensorOptions bf16_on(torch::Device d) { return torch::TensorOptions().device(d).dtype(torch::kBFloat16); }
-// The fused head switched on for one test case, off again (the default) however it ends.
-struct FusedHeadOn {
-  FusedHeadOn() { kernels::set_lm_head_fused(true); }
-  ~FusedHeadOn() { kernels::set_lm_head_fused(false); }
-};
 }  // namespace
 
 TEST_CASE("lm head reference: bf16 logits and the logsumexps of the fp32 and of the rounded logits (CPU)") {
@@ -44,7 +41,7 @@ TEST_CASE("CUDA: the lm head's fused GEMM writes the reference's logits and both
   if (test::skip_without_cuda_kernels()) return;
   torch::manual_seed(22);
   const torch::Device cuda(torch::kCUDA);
-  std::optional<FusedHeadOn> on(std::in_place);
+  std::optional<kernels::LmHeadSettingsScope> on(std::in_place, true);  // off again however it ends
   const auto probe = torch::empty({8, 8}, bf16_on(cuda));
   if (test::skip_unless(kernels::lm_head_fused_available(probe, probe),
                         "needs the fused head: a Hopper GPU and a build with CUTLASS"))
@@ -52,9 +49,6 @@ TEST_CASE("CUDA: the lm head's fused GEMM writes the reference's logits and both
   // Both kernel schedules (cooperative 128x256 tiles, pingpong 128x128); ragged tiles on both
   // sides (700 = 5 x 128 + 60 rows, 1000 = 3 x 256 + 232 = 7 x 128 + 104 columns), then
   // GLM-4.7-Flash's head (V = 154880 = 605 x 256, D = 2048) at 520 rows, and a single row.
-  struct Schedule {
-    ~Schedule() { kernels::set_lm_head_schedule(kernels::LmHeadSchedule::cooperative); }  // the default again
-  } restore;
   struct Case {
     kernels::LmHeadSchedule schedule;
     int64_t N, D, V;

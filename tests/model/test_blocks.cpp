@@ -231,14 +231,10 @@ TEST_CASE("CUDA bf16: log-probs from kept logits and their gradients from two wh
 
 TEST_CASE("CUDA bf16: log-probs through the fused head (logits and row logsumexps in one GEMM) stay within fp32 rounding of cuBLAS's, kept, recomputed and without grad") {
   if (kiln::test::skip_without_gpu()) return;
-  struct FusedHeadOn {  // on for this case, off again (the default) however it ends
-    explicit FusedHeadOn(bool on) { kiln::kernels::set_lm_head_fused(on); }
-    ~FusedHeadOn() { kiln::kernels::set_lm_head_fused(false); }
-  };
   const int64_t T = 700, V = 1000;
   const Bf16LogprobHead head(T, 64, V, /*chunk=*/128, {300}, torch::kCUDA, 5);
   {
-    const FusedHeadOn on(true);
+    const kiln::kernels::LmHeadSettingsScope on(true);
     if (kiln::test::skip_unless(kiln::kernels::lm_head_fused_available(head.hidden, head.weight),
                                 "needs the fused head: a Hopper GPU and a build with CUTLASS"))
       return;
@@ -248,7 +244,7 @@ TEST_CASE("CUDA bf16: log-probs through the fused head (logits and row logsumexp
     CAPTURE(keep);
     std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> fused;
     {
-      const FusedHeadOn on(true);
+      const kiln::kernels::LmHeadSettingsScope on(true);
       fused = head.run(keep);
     }
     const auto [lp, gh, gw] = head.run(keep);  // cuBLAS into fp32 and kiln's pass
@@ -264,7 +260,7 @@ TEST_CASE("CUDA bf16: log-probs through the fused head (logits and row logsumexp
     CHECK(kiln::test::rel_error(fgh, head.ref_grads[0]) <= 2e-2);
     CHECK(kiln::test::rel_error(fgw, head.ref_grads[1]) <= 2e-2);
   }
-  const FusedHeadOn on(true);
+  const kiln::kernels::LmHeadSettingsScope on(true);
   torch::NoGradGuard no_grad;
   CHECK(torch::equal(token_logprobs(head.hidden, head.weight, head.targets, head.chunk), first));
 }
