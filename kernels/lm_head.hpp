@@ -20,8 +20,9 @@ namespace kiln::kernels {
 /// Whether lm_head_logits_lse runs the fused GEMM for these inputs: a build with it (CUDA and
 /// CUTLASS's headers), CUDA tensors on a device of compute capability 9.x, bf16, D and V multiples
 /// of 8, and the switch on: set_lm_head_fused, or KILN_LM_HEAD_FUSED=1 in the environment at
-/// start-up. Off by default: its first run on an H100 was slower than cuBLAS plus kiln's pass
-/// (docs/benchmarks.md, "The fused log-prob head on the H100, first run"; docs/gpu.md).
+/// start-up. Off by default: on the H100 it is slower than cuBLAS plus kiln's pass (its GEMM with
+/// the reducing epilogue at 428 TFLOP/s against cuBLAS's 722-739; docs/benchmarks.md, "The fused
+/// log-prob head on the H100, second run"; docs/gpu.md).
 bool lm_head_fused_available(const at::Tensor& hidden_ND, const at::Tensor& weight_VD);
 /// The process-wide switch lm_head_fused_available reads (benchmarks and tests compare both
 /// paths); returns the setting it replaces.
