@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
+#include <csignal>
 #include <cstdlib>
 #include <cstdio>
 #include <functional>
@@ -441,6 +442,9 @@ void add_run(CLI::App& app, std::vector<Command>& commands, int argc, char** arg
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A write past a file-size limit (ulimit -f) fails with EFBIG, and the writer names the file and
+  // removes its partial copy, instead of SIGXFSZ ending kiln without a word.
+  std::signal(SIGXFSZ, SIG_IGN);
   kiln::actors::register_diag_actor_kind();      // kiln node --actor diag/N
 #ifdef KILN_WITH_TORCH
   kiln::rollout::register_rollout_actor_kind();  // kiln node --actor rollout/N

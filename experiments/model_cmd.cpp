@@ -14,6 +14,8 @@
 namespace kiln::experiments {
 
 namespace {
+namespace fs = std::filesystem;
+
 model::Registry registry(const std::string& plugin_dir) {
   return model::Registry::with_plugins(plugin_dir.empty() ? model::Registry::plugin_dir_from_env() : plugin_dir);
 }
@@ -25,7 +27,6 @@ void check_output_dir(const std::string& from, const std::string& to) {
   if (!std::filesystem::is_directory(from, ec))  // before --to is made
     throw std::invalid_argument("--from '" + from + "' is not a directory (an HF checkpoint: config.json + "
                                 "safetensors)");
-  namespace fs = std::filesystem;
   if (fs::exists(to) && fs::equivalent(from, to, ec))
     throw std::invalid_argument("--to '" + to + "' is the --from checkpoint itself; write to another directory");
   // Inside the checkpoint read: the output would become part of the source directory.
@@ -67,6 +68,37 @@ void check_output_dir(const std::string& from, const std::string& to) {
                                   "beside the new ones");
   }
 }
+// --to of resave and crop, checked new or empty (check_output_dir): a command that fails leaves
+// it as it found it, the files it wrote removed and the directory too when the command made it
+// (a resave that ran out of disk left its shards behind, and a second try was refused as "not
+// empty").
+class OutputDir {
+ public:
+  explicit OutputDir(const std::string& to) : to_(to) {
+    std::error_code ec;
+    existed_ = fs::exists(to_, ec);
+  }
+  OutputDir(const OutputDir&) = delete;
+  OutputDir& operator=(const OutputDir&) = delete;
+  void keep() { keep_ = true; }
+  ~OutputDir() {
+    if (keep_) return;
+    std::error_code ec;
+    if (!existed_) {
+      fs::remove_all(to_, ec);
+      return;
+    }
+    for (fs::directory_iterator it(to_, ec), end; !ec && it != end; it.increment(ec)) {
+      std::error_code rm;
+      fs::remove_all(it->path(), rm);
+    }
+  }
+
+ private:
+  fs::path to_;
+  bool existed_ = false, keep_ = false;
+};
+
 // A filesystem error as a sentence: what failed, on which path, and why (the library's text is
 // "filesystem error: cannot create directories: Invalid argument []").
 std::string filesystem_failure(const std::filesystem::filesystem_error& e) {
@@ -97,7 +129,9 @@ int run_model_resave(const std::string& package, const std::string& from, const 
     check_output_dir(from, to);
     auto r = registry(plugin_dir);
     auto model = r.build(package, "", from);
+    OutputDir out(to);
     model->save_hf_checkpoint(to, uint64_t(shard_mib) << 20);
+    out.keep();
     std::printf("kiln model resave: %s -> %s (%s)\n", from.c_str(), to.c_str(), package.c_str());
     return 0;
   } catch (const std::filesystem::filesystem_error& e) {
@@ -112,7 +146,9 @@ int run_model_resave(const std::string& package, const std::string& from, const 
 int run_model_crop(const std::string& from, const std::string& to, int64_t layers, int shard_mib) {
   try {
     check_output_dir(from, to);  // made by the crop's write, once every tensor was read and checked
+    OutputDir out(to);
     auto r = model::glm5_next::crop_checkpoint(from, to, layers, uint64_t(shard_mib) << 20);
+    out.keep();
     std::printf("kiln model crop: %s -> %s (%lld layers kept, MTP layers after them; %lld tensors, %lld FP8 weights written as bf16)\n",
                 from.c_str(), to.c_str(), static_cast<long long>(layers), static_cast<long long>(r.tensors_written),
                 static_cast<long long>(r.fp8_dequantised));

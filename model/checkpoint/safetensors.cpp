@@ -188,8 +188,11 @@ void write_safetensors(const std::string& path, const std::vector<Tensor>& tenso
   for (const auto& t : tensors)
     if (!names.insert(t.name).second) throw CheckpointError("writing '" + path + "': duplicate tensor name '" + t.name + "'");
   std::string header = header_json(tensors, metadata);
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) throw CheckpointError("writing '" + path + "': cannot create the file");
+  // Written beside as PATH.partial and renamed over PATH once whole: a write that fails (disk
+  // full, a file-size limit) leaves no truncated file under the final name.
+  const std::string partial = path + ".partial";
+  std::ofstream out(partial, std::ios::binary | std::ios::trunc);
+  if (!out) throw CheckpointError("writing '" + path + "': cannot create '" + partial + "'");
   uint64_t n = header.size();
   char len[8];
   for (int i = 0; i < 8; ++i) len[i] = char((n >> (8 * i)) & 0xff);
@@ -197,7 +200,17 @@ void write_safetensors(const std::string& path, const std::vector<Tensor>& tenso
   out.write(header.data(), std::streamsize(header.size()));
   for (const auto& t : tensors) out.write(reinterpret_cast<const char*>(t.data), std::streamsize(t.nbytes));
   out.close();
-  if (!out) throw CheckpointError("writing '" + path + "': write failed (disk full?)");
+  std::error_code ec;
+  if (!out) {
+    fs::remove(partial, ec);
+    throw CheckpointError("writing '" + path + "': write failed (disk full, or a file-size limit?)");
+  }
+  fs::rename(partial, path, ec);
+  if (ec) {
+    const auto why = ec.message();
+    fs::remove(partial, ec);
+    throw CheckpointError("writing '" + path + "': cannot rename '" + partial + "' over it: " + why);
+  }
 }
 
 Checkpoint Checkpoint::open(const std::string& dir) {

@@ -64,8 +64,9 @@ class SafetensorsFile {
 };
 
 /// Writes `tensors` (named by Tensor::name; names must be unique) to `path` in
-/// safetensors format, data in the given order, 8-byte-aligned header. Throws
-/// CheckpointError on I/O failure or duplicate names.
+/// safetensors format, data in the given order, 8-byte-aligned header: into `path`.partial,
+/// renamed over `path` once whole. Throws CheckpointError on I/O failure (the partial file
+/// removed, `path` as it was) or duplicate names.
 void write_safetensors(const std::string& path, const std::vector<Tensor>& tensors,
                        const std::map<std::string, std::string>& metadata = {{"format", "pt"}});
 

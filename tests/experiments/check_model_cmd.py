@@ -3,7 +3,7 @@
 original's bit for bit; crop cuts the GLM-5.3-Flash fixture to fewer layers, tensors bit for
 bit; bad input is refused with exit code 2.
 Usage: check_model_cmd.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
-import json, os, shutil, struct, subprocess, sys
+import json, os, resource, shutil, struct, subprocess, sys
 
 kiln, work = sys.argv[1], sys.argv[2]
 shutil.rmtree(work, ignore_errors=True)
@@ -105,6 +105,23 @@ checks.append((not os.path.exists(f"{glm5_copy}/sub"), "crop: nothing made insid
 checks.append((not os.path.exists(f"{work}/crop_lite") and not os.path.exists(f"{work}/crop9"), "crop: a refused source makes no --to"))
 checks.append((not os.path.exists(f"{work}/nan5_out") or not os.listdir(f"{work}/nan5_out"),
                "crop: the refused checkpoint wrote nothing"))
+# A write that fails (here a file-size limit, as a full disk would) is named, and leaves --to as it
+# was: removed when the command made it, emptied again when it was an empty directory; logits
+# leaves no --out (each once left a truncated file under its final name).
+def limited(*args, limit=100_000):  # the checkpoint's one 1 MiB shard: ~510 KB; the logits file: ~5 KB
+    return subprocess.run([kiln, "model", *args], capture_output=True, text=True, timeout=300,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+os.makedirs(f"{work}/empty_to")
+for to, what in ((f"{work}/new_to", "a --to it made is removed"), (f"{work}/empty_to", "an empty --to is emptied again")):
+    r = limited("resave", "--from", fixture, "--to", to, "--shard-mib", "1")
+    left = os.listdir(to) if os.path.isdir(to) else None
+    checks.append((r.returncode == 2 and "write failed (disk full, or a file-size limit?)" in r.stderr and
+                   (left is None if to.endswith("new_to") else left == []),
+                   f"resave past a file-size limit: refused by name, {what} ({r.returncode}: {r.stderr.strip()[-160:]}; left {left})"))
+r = limited("logits", "--from", fixture, "--docs", docs, "--out", f"{work}/limited.safetensors", limit=2000)
+checks.append((r.returncode == 2 and "write failed" in r.stderr and
+               not [f for f in os.listdir(work) if f.startswith("limited.safetensors")],
+               f"logits past a file-size limit: refused by name, no file left ({r.returncode}: {r.stderr.strip()[-160:]})"))
 for ok, what in checks:
     print(("ok   " if ok else "FAIL ") + what)
 failed = sum(not ok for ok, _ in checks)
