@@ -311,6 +311,10 @@ void ExperimentConfig::set(const std::string& assignment) {
                                   std::string(e.description()) + ")");
     }
   }
+  // "1\nalgorithm.lr = 5" parses as two keys: the second was dropped without a word.
+  if (v.size() != 1)
+    throw std::invalid_argument("--set '" + key + "': the value holds more than one TOML key-value pair (a line break " +
+                                "starts another: give one value, or quote text that holds a line break)");
   toml::table root{{key.substr(0, dot), toml::table{{key.substr(dot + 1), *v["v"].node()}}}};
   apply_table(*this, root, "--set " + key);
 }

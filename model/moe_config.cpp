@@ -22,7 +22,7 @@ void MoEConfig::validate(const config_json::IntRanges& ranges,
     bad("num_experts_per_tok",
         std::to_string(top_k) + " exceeds the experts in the " + std::to_string(topk_group) + " selected group(s)");
   if (!(std::isfinite(routed_scaling_factor) && routed_scaling_factor > 0))
-    bad("routed_scaling_factor", "must be a finite number > 0, got " + std::to_string(routed_scaling_factor));
+    bad("routed_scaling_factor", "must be a finite number > 0, got " + config_json::show(nlohmann::json(routed_scaling_factor)));
 }
 
 MoEConfig MoEConfig::from_hf_fields(const config_json::FieldReader& r) {

@@ -67,8 +67,8 @@ void Glm4MoeLiteConfig::validate() const {
   if (attention.qk_rope_head_dim % 2)
     bad("qk_rope_head_dim", "must be even (RoPE rotates pairs), got " + std::to_string(attention.qk_rope_head_dim));
   if (!(std::isfinite(attention.rope_theta) && attention.rope_theta > 0))
-    bad("rope_theta", "must be a finite number > 0, got " + std::to_string(attention.rope_theta));
-  if (!(rms_norm_eps > 0 && rms_norm_eps < 1)) bad("rms_norm_eps", "must be in (0, 1), got " + std::to_string(rms_norm_eps));
+    bad("rope_theta", "must be a finite number > 0, got " + config_json::show(nlohmann::json(attention.rope_theta)));
+  if (!(rms_norm_eps > 0 && rms_norm_eps < 1)) bad("rms_norm_eps", "must be in (0, 1), got " + config_json::show(nlohmann::json(rms_norm_eps)));
   if (int64_t(moe_layers.size()) != num_hidden_layers)
     bad("mlp_layer_types", "has " + std::to_string(moe_layers.size()) + " entries for " +
                                std::to_string(num_hidden_layers) + " layers");

@@ -272,12 +272,12 @@ void Glm5NextConfig::validate() const {
   if (pad_token_id) config_json::check_token_ids("pad_token_id", {*pad_token_id}, vocab_size, invalid);
   if (tie_word_embeddings)
     invalid("tie_word_embeddings", "tied embeddings are not supported: kiln builds a separate lm_head (GLM-5.3-Flash unties them)");
-  if (!(rms_norm_eps > 0 && rms_norm_eps < 1)) invalid("rms_norm_eps", "must be in (0, 1), got " + std::to_string(rms_norm_eps));
+  if (!(rms_norm_eps > 0 && rms_norm_eps < 1)) invalid("rms_norm_eps", "must be in (0, 1), got " + config_json::show(nlohmann::json(rms_norm_eps)));
   if (!(std::isfinite(swiglu_limit) && swiglu_limit > 0))
-    invalid("swiglu_limit", "must be a finite number > 0, got " + std::to_string(swiglu_limit));
-  if (!(hc.eps >= 0 && hc.eps < 1)) invalid("hc_eps", "must be in [0, 1), got " + std::to_string(hc.eps));
+    invalid("swiglu_limit", "must be a finite number > 0, got " + config_json::show(nlohmann::json(swiglu_limit)));
+  if (!(hc.eps >= 0 && hc.eps < 1)) invalid("hc_eps", "must be in [0, 1), got " + config_json::show(nlohmann::json(hc.eps)));
   if (kda.lower_bound && !(std::isfinite(*kda.lower_bound) && *kda.lower_bound < 0))
-    invalid("linear_lower_bound", "must be a finite number < 0 (a log-space decay), got " + std::to_string(*kda.lower_bound));
+    invalid("linear_lower_bound", "must be a finite number < 0 (a log-space decay), got " + config_json::show(nlohmann::json(*kda.lower_bound)));
   if (indexer.topk % indexer.kpool)
     invalid("index_topk", std::to_string(indexer.topk) + " is not a multiple of index_kpool " + std::to_string(indexer.kpool));
   const auto L = std::size_t(num_hidden_layers);

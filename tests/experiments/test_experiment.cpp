@@ -101,6 +101,12 @@ TEST_CASE("unknown keys, wrong types and bad values are rejected by name") {
   ExperimentConfig c;
   CHECK_THROWS_WITH_AS(c.set("algorithm.nope=1"), doctest::Contains("'algorithm.nope'"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(c.set("steps=1"), doctest::Contains("section.key"), std::invalid_argument);
+  // A line break in the value started a second key, which was dropped without a word.
+  CHECK_THROWS_WITH_AS(c.set("run.steps=1\nalgorithm.lr=5.0"), doctest::Contains("more than one TOML key-value pair"),
+                       std::invalid_argument);
+  ExperimentConfig text;
+  text.set("task.name=two\nlines");  // bare text with a line break is text
+  CHECK(text.task.name == "two\nlines");
   c.set("algorithm.samples_per_prompt=1");
   CHECK_THROWS_WITH_AS(c.validate(), doctest::Contains("'algorithm.samples_per_prompt'"), std::invalid_argument);
   ExperimentConfig d;
