@@ -37,6 +37,21 @@ void write_config_json(const std::string& dir, const json& j) {
   if (!out) throw std::runtime_error("writing config.json in '" + dir + "' failed");
 }
 
+void check_same_config(const nlohmann::json& in_use, const nlohmann::json& other, const std::string& source) {
+  std::string differ;
+  int n = 0;
+  for (const auto& [key, value] : in_use.items()) {
+    const bool has = other.contains(key);
+    if (has && other[key] == value) continue;
+    if (++n <= 8)
+      differ += std::string(differ.empty() ? "" : ", ") + "'" + key + "' " + (has ? show(other[key]) : "absent") +
+                " (in use: " + show(value) + ")";
+  }
+  if (n > 8) differ += ", and " + std::to_string(n - 8) + " more";
+  if (n > 0)
+    throw std::invalid_argument("config.json (" + source + ") describes another model than the one in use: " + differ);
+}
+
 IntRanges common_int_ranges() {
   return {
       {"vocab_size", {1, 1 << 22}},
@@ -128,7 +143,7 @@ double FieldReader::number(const char* f, std::optional<double> fallback) const 
   }
   if (!j[f].is_number()) bad(f, "must be a number, got " + show(j[f]));
   const double v = j[f].get<double>();
-  if (!std::isfinite(v)) bad(f, "must be a finite number, got " + std::to_string(v));
+  if (!std::isfinite(v)) bad(f, "must be a finite number, got " + show(nlohmann::json(v)));
   return v;
 }
 

@@ -39,6 +39,11 @@ void check_token_ids(const std::string& field, const std::vector<int64_t>& ids, 
 nlohmann::json read_config_json(const std::string& dir);
 /// Writes `j` (indented) to DIR/config.json; throws std::runtime_error naming DIR on failure.
 void write_config_json(const std::string& dir, const nlohmann::json& j);
+/// That `other` (a checkpoint's config as its package writes it: parsed, then to_hf_json) holds
+/// every field of `in_use` (the loaded model's, the same way) with the same value. Throws
+/// std::invalid_argument "config.json (SOURCE) describes another model than the one in use:
+/// 'field' X (in use: Y), ..." naming up to 8 fields that differ.
+void check_same_config(const nlohmann::json& in_use, const nlohmann::json& other, const std::string& source);
 
 /// The range of `field` in `ranges` (asserts that it has one: a missing entry is a bug).
 IntRange range_of(const IntRanges& ranges, const std::string& field);

@@ -3,6 +3,9 @@
 // /destroy_weights_update_group (weight_update_groups.hpp receives; this file checks the
 // requests against the model and writes). Every update is applied whole between two engine
 // steps, after all of it was read and checked, or not at all.
+#include <netdb.h>
+#include <sys/socket.h>
+
 #include <algorithm>
 #include <charconv>
 #include <filesystem>
@@ -99,6 +102,8 @@ void guarded_update(httplib::Response& res, F handle) {
     fail(400, e.what());
   } catch (const std::invalid_argument& e) {
     fail(400, e.what());
+  } catch (const c10::Error& e) {  // LibTorch's (an allocation that failed): without its C++ backtrace
+    fail(500, e.what_without_backtrace());
   } catch (const std::exception& e) {
     fail(500, e.what());
   }
@@ -118,8 +123,13 @@ void update_from_disk(ServeContext& c, const std::string& body, httplib::Respons
     throw ApiError(400, what + ".load_format: kiln reads \"safetensors\" (or \"auto\")");
   const auto version = weight_version(j, what);
   const bool keep_pause = flag(j, "keep_pause", what, false);
-  if (flag(j, "abort_all_requests", what, false)) c.loop.abort_all("aborted by " + what);
   const auto model = c.model;
+  try {  // a config.json of another model (its tensors may still fit): refused before anything changes
+    model->check_hf_config(path);
+  } catch (const std::exception& e) {
+    throw ApiError(400, what + ".model_path: " + e.what());
+  }
+  if (flag(j, "abort_all_requests", what, false)) c.loop.abort_all("aborted by " + what);
   int64_t in_flight = 0;
   try {  // a checkpoint that does not fit is the client's fault: 400, naming the tensor
     in_flight = apply_weights(c, version, keep_pause, [&] { model->load_hf_checkpoint(path); });
@@ -136,6 +146,16 @@ void init_group(ServeContext& c, const std::string& body, httplib::Response& res
   const auto j = parse_object(body, what, {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"});
   parallel::TorchGroupAddress at;
   at.address = text(j, "master_address", what, "");
+  {  // a name or address that resolves to nothing is named now, not after the join's whole timeout
+    addrinfo hints{};
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* found = nullptr;
+    const int rc = at.address.empty() ? EAI_NONAME : ::getaddrinfo(at.address.c_str(), nullptr, &hints, &found);
+    if (found) ::freeaddrinfo(found);
+    if (rc != 0)
+      api::bad(what + ".master_address", "'" + at.address + "' resolves to no address (" +
+                                             (at.address.empty() ? std::string("empty") : ::gai_strerror(rc)) + ")");
+  }
   for (const char* k : {"master_port", "rank_offset", "world_size"})
     if (!j.contains(k) || j[k].is_null()) api::bad(what + "." + k, "is required");
   const int64_t port = api::integer(j["master_port"], what + ".master_port");

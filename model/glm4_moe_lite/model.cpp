@@ -305,6 +305,13 @@ void Glm4MoeLiteModel::save_hf_config(const std::string& dir) {
   }
 }
 
+void Glm4MoeLiteModel::check_hf_config(const std::string& dir) const {
+  const auto path = std::filesystem::path(dir) / "config.json";
+  if (!std::filesystem::exists(path)) return;
+  const auto other = Glm4MoeLiteConfig::from_hf_json(config_json::read_config_json(dir), path.string());
+  config_json::check_same_config(config_.to_hf_json(), other.to_hf_json(), path.string());
+}
+
 std::shared_ptr<Glm4MoeLiteModel> from_hf_dir(const std::string& dir, ExpertSlice experts) {
   auto j = config_json::read_config_json(dir);
   auto path = (std::filesystem::path(dir) / "config.json").string();

@@ -68,6 +68,7 @@ class Glm4MoeLiteModel : public CausalLM {
   std::vector<messaging::Tensor> hf_state_dict() override;
   std::vector<messaging::Tensor> hf_state_dict_local(bool with_dense) override;
   void save_hf_config(const std::string& dir) override;
+  void check_hf_config(const std::string& dir) const override;
   void set_expert_parallel(parallel::Group* ep) override;
   parallel::Group* expert_parallel() const override { return ep_; }
   void serve_expert_parallel() override;

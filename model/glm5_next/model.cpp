@@ -1,11 +1,13 @@
 #include "model/glm5_next/model.hpp"
 
+#include <filesystem>
 #include <memory>
 #include <stdexcept>
 #include <string>
 
 #include "model/blocks/activation_checkpoint.hpp"
 #include "model/checkpoint/safetensors.hpp"
+#include "model/config_json.hpp"
 #include "model/glm5_next/state_dict_adapter.hpp"
 
 namespace kiln::model::glm5_next {
@@ -339,5 +341,12 @@ void Glm5NextModelImpl::load_hf_tensors(const std::vector<messaging::Tensor>& te
 std::vector<messaging::Tensor> Glm5NextModelImpl::hf_state_dict() { return to_hf_state_dict(*this); }
 
 void Glm5NextModelImpl::save_hf_config(const std::string& dir) { glm5_next::save_hf_config(*this, dir); }
+
+void Glm5NextModelImpl::check_hf_config(const std::string& dir) const {
+  const auto path = std::filesystem::path(dir) / "config.json";
+  if (!std::filesystem::exists(path)) return;
+  const auto other = Glm5NextConfig::from_hf_json(config_json::read_config_json(dir), path.string());
+  config_json::check_same_config(c_.to_hf_json(), other.to_hf_json(), path.string());
+}
 
 }  // namespace kiln::model::glm5_next

@@ -92,6 +92,7 @@ class Glm5NextModelImpl : public CausalLM {
   void load_hf_tensors(const std::vector<messaging::Tensor>& tensors) override;
   std::vector<messaging::Tensor> hf_state_dict() override;
   void save_hf_config(const std::string& dir) override;
+  void check_hf_config(const std::string& dir) const override;
   /// A Glm5NextDecodeCache: KDA states in slots, sparse layers' latents and indexer key
   /// entries in pages.
   std::unique_ptr<DecodeCache> make_decode_cache(const DecodeCacheShape& shape,

@@ -204,6 +204,11 @@ with Checks(work) as check:
     s, r = http(url, "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": free_port(),
                                                     "rank_offset": 0, "world_size": 2, "backend": "gloo"})
     check(s == 400 and "rank_offset" in message(r), f"rank_offset 0 (the trainer's) is refused by name ({s}: {message(r)[:160]})")
+    t0 = time.time()  # an address that resolves to nothing: named at once, not after the join's timeout
+    s, r = http(url, "/init_weights_update_group", {"master_address": "256.0.0.1", "master_port": free_port(),
+                                                    "rank_offset": 1, "world_size": 2, "backend": "gloo"})
+    check(s == 400 and "master_address" in message(r) and time.time() - t0 < 30,
+          f"master_address 256.0.0.1 is refused by name at once ({s}, {time.time() - t0:.1f} s: {message(r)[:160]})")
     s, r = http(url, "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": free_port(),
                                                     "rank_offset": 1, "world_size": 2})
     check(s == 400 and "nccl" in message(r) and "gloo" in message(r),
