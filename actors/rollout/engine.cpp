@@ -42,10 +42,12 @@ void check_request(const GenerationRequest& r, int64_t vocab) {
 }
 }  // namespace
 
+int64_t decode_slots(const EngineOptions& o) { return std::min(o.max_batch, o.cache_blocks); }
+
 const char* to_string(FinishReason r) { return r == FinishReason::stop ? "stop" : "length"; }
 
 int64_t cache_bytes(const EngineOptions& o, const model::CausalLM& m, torch::Dtype dtype) {
-  return m.decode_cache_bytes({o.cache_blocks + (o.cuda_graphs ? 1 : 0), o.block_size, o.max_batch}, dtype);
+  return m.decode_cache_bytes({o.cache_blocks + (o.cuda_graphs ? 1 : 0), o.block_size, decode_slots(o)}, dtype);
 }
 
 Engine::Engine(std::shared_ptr<model::CausalLM> model, EngineOptions options)
@@ -53,6 +55,7 @@ Engine::Engine(std::shared_ptr<model::CausalLM> model, EngineOptions options)
   if (o_.cache_blocks < 1 || o_.block_size < 1 || o_.max_batch < 1 || o_.max_prefill_tokens < 1 || o_.step_delay_ms < 0)
     throw std::invalid_argument("engine: cache_blocks, block_size, max_batch and max_prefill_tokens must be >= 1, "
                                 "step_delay_ms >= 0");
+  o_.max_batch = decode_slots(o_);
   if (o_.true_on_policy && (o_.absorbed_decode || o_.cuda_graphs))
     throw std::invalid_argument(std::string("engine: true_on_policy (algorithm.true_on_policy) contradicts rollout.") +
                                 (o_.absorbed_decode ? "absorbed_decode" : "cuda_graphs") +
@@ -130,12 +133,14 @@ void Engine::release(Sequence& s) {
 
 void Engine::check(const GenerationRequest& request) const {
   check_request(request, vocab_size_);
-  const int64_t need = (int64_t(request.prompt.size()) + request.sampling.max_new_tokens + o_.block_size - 1) / o_.block_size;
-  if (need > o_.cache_blocks)
-    throw std::invalid_argument("request " + std::to_string(request.id) + " needs " + std::to_string(need) +
-                                " cache pages (prompt " + std::to_string(request.prompt.size()) + " + max_new_tokens " +
-                                std::to_string(request.sampling.max_new_tokens) + " tokens), the whole cache has " +
-                                std::to_string(o_.cache_blocks) + " of " + std::to_string(o_.block_size) + " tokens");
+  // P + max_new_tokens tokens fit the cache's cache_blocks pages of block_size tokens; compared
+  // without forming the sum, which overflows for a max_new_tokens near 2^63.
+  const int64_t P = int64_t(request.prompt.size()), capacity = o_.cache_blocks * o_.block_size;
+  if (request.sampling.max_new_tokens > capacity - P)
+    throw std::invalid_argument("request " + std::to_string(request.id) + ": prompt " + std::to_string(P) +
+                                " + max_new_tokens " + std::to_string(request.sampling.max_new_tokens) +
+                                " tokens do not fit the whole cache (" + std::to_string(o_.cache_blocks) + " pages of " +
+                                std::to_string(o_.block_size) + " tokens)");
 }
 
 void Engine::submit(GenerationRequest request) {

@@ -34,8 +34,13 @@
 
 namespace kiln::rollout {
 
+/// How many sequences an engine decodes at once: max_batch, but no more than cache_blocks (each
+/// sequence holds a page of its own; a larger max_batch only sized per-sequence buffers past any
+/// use, and rollout.max_batch = 2^63 - 1 ran the host out of memory filling them).
+int64_t decode_slots(const EngineOptions& o);
+
 /// Bytes of an engine's cache for `m` in `dtype` (CausalLM::decode_cache_bytes of cache_blocks
-/// pages of block_size tokens and max_batch slots; one page more with cuda_graphs).
+/// pages of block_size tokens and decode_slots(o) slots; one page more with cuda_graphs).
 int64_t cache_bytes(const EngineOptions& o, const model::CausalLM& m, torch::Dtype dtype);
 
 

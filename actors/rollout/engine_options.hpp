@@ -10,7 +10,7 @@ namespace kiln::rollout {
 struct EngineOptions {
   int64_t cache_blocks = 512;         ///< pages in the cache (the memory bound)
   int64_t block_size = 16;            ///< tokens per page
-  int64_t max_batch = 64;             ///< sequences decoding at once
+  int64_t max_batch = 64;             ///< sequences decoding at once (at most cache_blocks: decode_slots)
   int64_t max_prefill_tokens = 8192;  ///< prompt tokens admitted per step
   int64_t step_delay_ms = 0;          ///< testing: sleep after each step that did work (slow rollouts)
   /// CUDA: decode steps attend in latent space over the cache (CausalLM::set_absorbed_decode)

@@ -288,7 +288,7 @@ NativeGenerate parse_generate(std::string_view body, const ApiLimits& limits) {
     bad("top_logprobs_num", "must be 0 (kiln serve returns the sampled token's log-prob only)");
   for (std::size_t i = 0; i < N; ++i) {
     const int64_t P = int64_t(prompts[i].size());
-    if (P + sp[i].max_new_tokens > limits.context_tokens)
+    if (sp[i].max_new_tokens > limits.context_tokens - P)  // not P + max_new_tokens: it may overflow
       bad(std::string(has_ids ? "input_ids" : "text") + (g.batch ? "[" + std::to_string(i) + "]" : ""),
           "the prompt of " + std::to_string(P) + " tokens with max_new_tokens " + std::to_string(sp[i].max_new_tokens) +
               " exceeds the server's context of " + std::to_string(limits.context_tokens) +

@@ -54,10 +54,14 @@ void post(httplib::Server& svr, const std::string& path, PostHandler handle) {
     const bool chunked = req.get_header_value("Transfer-Encoding").find("chunked") != std::string::npos;
     if (!chunked && req.has_header("Content-Length")) {  // RFC 9110 8.6: 1*DIGIT (httplib reads "-5" as 2^64 - 5)
       const auto length = req.get_header_value("Content-Length");
-      if (length.empty() || length.size() > 19 ||
-          !std::all_of(length.begin(), length.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) {
+      if (length.empty() || !std::all_of(length.begin(), length.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) {
         answer_error(res, 400, path + ": Content-Length " + api::shown(nlohmann::json(length)) +
                                    " is not a byte count (decimal digits)");
+        return;
+      }
+      if (length.size() > 19) {  // digits past int64, past the body limit too
+        answer_error(res, 413, path + ": Content-Length " + api::shown(nlohmann::json(length)) + " is over the " +
+                                   std::to_string(kMaxBodyBytes >> 20) + " MiB a body may have");
         return;
       }
     }
@@ -76,8 +80,9 @@ void post(httplib::Server& svr, const std::string& path, PostHandler handle) {
         return;
       }
       if (!read) {
-        answer_error(res, 400, path + ": the body could not be read (" + std::to_string(body.size()) +
-                                   " bytes arrived; Content-Length " + req.get_header_value("Content-Length") + ")");
+        answer_error(res, 400, path + ": the body could not be read (" + std::to_string(body.size()) + " bytes arrived; " +
+                                   (chunked ? std::string("a chunked body that is malformed or cut short")
+                                            : "Content-Length " + req.get_header_value("Content-Length")) + ")");
         return;
       }
     }
@@ -231,8 +236,12 @@ int serve_http(EngineLoop& loop, std::shared_ptr<model::CausalLM> model, const T
     answer_error(res, 500, "internal error");
   });
   int listening = -1;  // the listening socket, whose backlog is raised below
+  // SO_REUSEADDR only (a restarted server binds past the old one's TIME_WAIT connections).
+  // cpp-httplib's default_socket_options sets SO_REUSEPORT, with which a second server on the
+  // same port listened too and the kernel split the requests between the two.
   svr.set_socket_options([&listening](socket_t sock) {
-    httplib::default_socket_options(sock);
+    int yes = 1;
+    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
     listening = sock;
   });
   const int port = at.port == 0 ? svr.bind_to_any_port(at.host) : svr.bind_to_port(at.host, at.port) ? at.port : -1;

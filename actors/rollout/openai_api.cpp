@@ -58,7 +58,7 @@ void sampling(const json& j, const std::string& what, ServeContext& c, SamplingP
 void check_fits(ServeContext& c, const GenerationRequest& q, const std::string& where) {
   const int64_t P = int64_t(q.prompt.size());
   if (P == 0) bad(where, "is an empty prompt");
-  if (P + q.sampling.max_new_tokens > c.limits.context_tokens)
+  if (q.sampling.max_new_tokens > c.limits.context_tokens - P)  // not P + max_tokens: it may overflow
     bad(where, "the prompt of " + std::to_string(P) + " tokens with max_tokens " + std::to_string(q.sampling.max_new_tokens) +
                    " exceeds the server's context of " + std::to_string(c.limits.context_tokens) + " tokens");
 }
@@ -147,7 +147,10 @@ OpenAiRequest parse_chat(std::string_view body, ServeContext& c) {
     else if (ct.is_array())  // content parts: text only
       for (std::size_t k = 0; k < ct.size(); ++k) {
         const auto part = at + ".content[" + std::to_string(k) + "]";
-        if (!ct[k].is_object() || ct[k].value("type", "") != "text" || !ct[k].contains("text") || !ct[k]["text"].is_string())
+        // (value("type", "") throws a library type_error for a "type" that is not a string)
+        const bool text_part = ct[k].is_object() && ct[k].contains("type") && ct[k]["type"].is_string() &&
+                               ct[k]["type"].get_ref<const std::string&>() == "text";
+        if (!text_part || !ct[k].contains("text") || !ct[k]["text"].is_string())
           bad(part, "must be {\"type\": \"text\", \"text\": ...} (kiln serve reads text only)");
         content += ct[k]["text"].get<std::string>();
       }

@@ -59,6 +59,9 @@ with Checks(work) as check:
     refused(client, "max_tokens 0", "max_tokens", lambda cl: cl.completions.create(model="kiln", prompt="1", max_tokens=0))
     refused(client, "an over-long prompt", "context",
             lambda cl: cl.completions.create(model="kiln", prompt=[1] * 20000, max_tokens=4))
+    # prompt + max_tokens past int64 once passed the check and crashed the server (no cache pages)
+    refused(client, "max_tokens near 2^63", "context",
+            lambda cl: cl.completions.create(model="kiln", prompt=[1, 2, 3], max_tokens=2**63 - 2))
     refused(client, "a token id outside the vocabulary", "prompt[1]",
             lambda cl: cl.completions.create(model="kiln", prompt=[1, 100000], max_tokens=4))
     refused(client, "logprobs 5", "logprobs", lambda cl: cl.completions.create(model="kiln", prompt="1", logprobs=5))
@@ -97,6 +100,10 @@ with Checks(work) as check:
     deep = b"[" * 70000 + b"]" * 70000
     s, r = http(url, "/v1/chat/completions", raw=b'{"model": "kiln", "messages": [{"role": "user", "content": ' + deep + b'}]}')
     check(s == 400 and "content" in str(r), f"a deeply nested content: 400 naming it ({s}: {str(r)[:160]})")
+    for kind in (5, None, ["text"]):  # a library type error (500) once
+        refused(client, f"a content part of type {kind!r}", "messages[0].content[0]",
+                lambda cl: cl.chat.completions.create(
+                    model="kiln", messages=[{"role": "user", "content": [{"type": kind, "text": "x"}]}]))
     refused(client, "a name that is not a string", "messages[0].name",
             lambda cl: cl.chat.completions.create(model="kiln", messages=[{"role": "user", "content": "x", "name": [1]}]))
     refused(client, "stream_options without stream", "stream_options",

@@ -36,6 +36,12 @@ with Checks(work) as check:
     proc, url = check.server(kiln, "server")
     s, _ = http(url, "/health")
     check(s == 200, "/health answers 200")
+    # A second server on the same port is refused (with SO_REUSEPORT both listened and the kernel
+    # split the requests between them).
+    port = url.rsplit(":", 1)[1]
+    second = subprocess.run([kiln, "serve", "--port", port], capture_output=True, text=True, timeout=120)
+    check(second.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in second.stderr,
+          f"a second server on port {port}: exit 2 naming the address ({second.returncode}: {second.stderr[-200:]})")
     s, info = http(url, "/get_model_info")
     check(s == 200 and info["weight_version"] == "0" and info["vocab_size"] > 0 and info["num_moe_layers"] > 0,
           f"/get_model_info: {info}")
@@ -122,6 +128,10 @@ with Checks(work) as check:
     bad(url, "/generate", {"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, field="sampling_params.temperature")
     bad(url, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 0}}, field="max_new_tokens")
     bad(url, "/generate", {"input_ids": [1, 2], "sampling_params": {"top_k": 0}}, field="top_k")
+    # prompt + max_new_tokens past int64 once passed the check and crashed the server (no cache pages)
+    for n in (2**63 - 1, 2**63 - 3):
+        bad(url, "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": n}},
+            field=f"max_new_tokens {n} exceeds the server's context")
     bad(url, "/generate", {"input_ids": [1, 2], "sampling_params": {"n": 2}}, field="sampling_params.n")
     bad(url, "/generate", {"input_ids": [1, 2], "sampling_params": {"min_p": 0.1}}, field="sampling_params.min_p")
     bad(url, "/generate", {"input_ids": [1, V]}, field="input_ids[1]")
@@ -192,8 +202,10 @@ with Checks(work) as check:
               f"POST {path} without a body or Content-Length: 200 at once ({time.time() - t0:.2f} s: {head.splitlines()[:1]})")
     s, r = http(url, "/get_server_info")
     check(s == 200 and r["paused"] is False, "the server is not left paused")
-    # a Content-Length that is not a byte count is a bad request (400), not an oversized one
-    for length in ("-5", "12abc", "+7"):
+    # a Content-Length that is not a byte count is a bad request (400), not an oversized one; one
+    # past int64 is an oversized one (413; it was called "not decimal digits")
+    for length, status, words in (("-5", 400, "is not a byte count"), ("12abc", 400, "is not a byte count"),
+                                  ("+7", 400, "is not a byte count"), ("99999999999999999999", 413, "MiB a body may have")):
         with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=30) as sock:
             sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          f"Content-Length: {length}\r\n\r\n{{}}".encode())
@@ -204,8 +216,8 @@ with Checks(work) as check:
                     break
                 head += part
             head = head.decode(errors="replace")
-        check(head.startswith("HTTP/1.1 400") and "is not a byte count" in head,
-              f"Content-Length {length}: 400 naming it ({head.splitlines()[:1]} {head[-120:]!r})")
+        check(head.startswith(f"HTTP/1.1 {status}") and words in head,
+              f"Content-Length {length}: {status} naming it ({head.splitlines()[:1]} {head[-120:]!r})")
 
     # 2c. the model's end token ends a sample unless ignore_eos (SGLang's default), as a stop
     # token of its own would
@@ -255,7 +267,9 @@ with Checks(work) as check:
           f"its client gone, the sequence is cancelled and every page is free within 10 s ({after})")
     check("disconnected" in open(f"{work}/slow.log").read(), "the server logs the disconnect")
     # the same for a streamed OpenAI completion (server-sent events), gone after its first event
-    body = json.dumps({"model": "kiln", "prompt": [2, 5, 6], "max_tokens": 500, "stream": True}).encode()
+    # (seed 38: the debug model samples 352 tokens before its end token; unseeded it drew the end
+    # token within the first steps now and then, and the request was over before the client left)
+    body = json.dumps({"model": "kiln", "prompt": [2, 5, 6], "max_tokens": 500, "stream": True, "seed": 38}).encode()
     sock = socket.create_connection(("127.0.0.1", port))
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
                  + str(len(body)).encode() + b"\r\n\r\n" + body)
@@ -318,7 +332,21 @@ with Checks(work) as check:
     write_tiny_vocab2048(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), other)
     s, r = http(fresh_url, "/update_weights_from_disk", {"model_path": other})
     msg = r.get("error", {}).get("message", "") if isinstance(r, dict) else str(r)
-    check(s == 400 and ".weight" in msg, f"a checkpoint of another model is refused naming a tensor ({s}: {msg[:200]})")
+    check(s == 400 and "describes another model" in msg and "'vocab_size' 2048" in msg,
+          f"a checkpoint of another model is refused naming its config's field ({s}: {msg[:200]})")
+    # Tensors that fit, a config.json that does not (another norm epsilon): refused by the field;
+    # a config.json the package cannot read: refused by its reason (the file was not read before).
+    eps_dir = f"{work}/other_eps"
+    shutil.copytree(ck, eps_dir)
+    cfg = json.load(open(f"{eps_dir}/config.json"))
+    cfg["rms_norm_eps"] = cfg["rms_norm_eps"] * 10
+    json.dump(cfg, open(f"{eps_dir}/config.json", "w"))
+    bad(fresh_url, "/update_weights_from_disk", {"model_path": eps_dir}, field="'rms_norm_eps'")
+    cfg["rms_norm_eps"], cfg["hidden_act"] = cfg["rms_norm_eps"] / 10, "gelu"
+    json.dump(cfg, open(f"{eps_dir}/config.json", "w"))
+    bad(fresh_url, "/update_weights_from_disk", {"model_path": eps_dir}, field="hidden_act")
+    open(f"{eps_dir}/config.json", "w").write("[1, 2, 3]")
+    bad(fresh_url, "/update_weights_from_disk", {"model_path": eps_dir}, field="config.json")
     _, again = http(fresh_url, "/generate", greedy)
     check(all(close(a, b) for a, b in zip(want, again)), "after the refused update the server serves as before")
     # The checkpoint with its embedding doubled (read first) and a NaN at the end of lm_head.weight

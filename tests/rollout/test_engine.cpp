@@ -3,6 +3,7 @@
 // cancelled requests, and weight updates between decode steps.
 #include <doctest/doctest.h>
 
+#include <limits>
 #include <map>
 
 #include "actors/rollout/engine.hpp"
@@ -175,7 +176,20 @@ TEST_CASE("the cache bound queues requests, and a request that can never fit is 
   CHECK(done.size() == 4);
   CHECK(engine.free_blocks() == 4);
   CHECK_THROWS_WITH_AS(engine.submit(request(9, std::vector<int64_t>(10, 3), 10)),
-                       doctest::Contains("needs 5 cache pages"), std::invalid_argument);
+                       doctest::Contains("prompt 10 + max_new_tokens 10 tokens do not fit the whole cache"),
+                       std::invalid_argument);
+  // A max_new_tokens whose sum with the prompt overflows int64 (it once passed, and the sequence
+  // ran with no pages: a segfault).
+  for (int64_t m : {std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::max() - 2})
+    CHECK_THROWS_WITH_AS(engine.submit(request(12, {3, 4, 5}, m)), doctest::Contains("do not fit the whole cache"),
+                         std::invalid_argument);
+  CHECK(engine.waiting() == 0);
+  // max_batch past the pages: as many sequences decode as there are pages (rollout.max_batch =
+  // 2^63 - 1 once filled host memory with slots before failing on std::bad_alloc).
+  auto huge = cache_of(4);
+  huge.max_batch = std::numeric_limits<int64_t>::max();
+  CHECK(decode_slots(huge) == 4);
+  CHECK(Engine(m, huge).options().max_batch == 4);
   CHECK_THROWS_WITH_AS(engine.submit(request(10, {}, 4)), doctest::Contains("empty prompt"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(engine.submit(request(11, {3, 4000}, 4)), doctest::Contains("outside the vocabulary"),
                        std::invalid_argument);
