@@ -80,13 +80,6 @@ class CausalLM : public torch::nn::Module {
   /// checkpoint::CheckpointError listing missing and unexpected keys, or naming the tensor
   /// whose shape or dtype does not fit.
   virtual void load_hf_checkpoint(const std::string& dir) = 0;
-  /// Checks that DIR/config.json, when DIR holds one, describes this model: parsed by the
-  /// package (every field checked) and compared field by field with this model's
-  /// (config_json::check_same_config). For loads into a model in use (kiln serve's
-  /// /update_weights_from_disk), where a checkpoint whose tensors fit may still be of a model with
-  /// another activation, RoPE or norm epsilon. A DIR without config.json passes (weight-sync
-  /// directories hold the tensors only). Throws std::invalid_argument naming the file and fields.
-  virtual void check_hf_config(const std::string& dir) const = 0;
   /// Writes config.json and HF-named safetensors shards of at most max_shard_bytes.
   virtual void save_hf_checkpoint(const std::string& dir, uint64_t max_shard_bytes) = 0;
   /// Loads HF-named tensors (the full set the model needs, e.g. from weight sync). Throws
@@ -247,6 +240,16 @@ class CausalLM : public torch::nn::Module {
   }
   /// The MTP layers' parameters (a subset of parameters()); empty without MTP layers.
   virtual std::vector<torch::Tensor> mtp_parameters() { return {}; }
+  /// Checks that DIR/config.json, when DIR holds one, describes this model: parsed by the
+  /// package (every field checked) and compared field by field with this model's
+  /// (config_json::check_same_config). For loads into a model in use (kiln serve's
+  /// /update_weights_from_disk), where a checkpoint whose tensors fit may still be of a model with
+  /// another activation, RoPE or norm epsilon. A DIR without config.json passes (weight-sync
+  /// directories hold the tensors only). Throws std::invalid_argument naming the file and fields.
+  /// Default (a package that does not override it: plugins built before it): no check, the
+  /// tensors' names, shapes, dtypes and values are still checked by the load. Last among the
+  /// virtuals, so that a plugin built against the header before it keeps its vtable.
+  virtual void check_hf_config(const std::string& /*dir*/) const {}
 
   /// [T, V] logits in the model's dtype.
   torch::Tensor logits(const ForwardOutput& out);

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <stdexcept>
 
 namespace kiln::model::config_json {
@@ -34,22 +35,48 @@ json read_config_json(const std::string& dir) {
 void write_config_json(const std::string& dir, const json& j) {
   std::ofstream out(std::filesystem::path(dir) / "config.json");
   out << j.dump(2) << "\n";
-  if (!out) throw std::runtime_error("writing config.json in '" + dir + "' failed");
+  out.close();  // checked after the flush: a full disk shows there
+  if (!out) throw std::runtime_error("writing config.json in '" + dir + "' failed (disk full, or a file-size limit?)");
 }
 
-void check_same_config(const nlohmann::json& in_use, const nlohmann::json& other, const std::string& source) {
-  std::string differ;
-  int n = 0;
-  for (const auto& [key, value] : in_use.items()) {
-    const bool has = other.contains(key);
-    if (has && other[key] == value) continue;
-    if (++n <= 8)
-      differ += std::string(differ.empty() ? "" : ", ") + "'" + key + "' " + (has ? show(other[key]) : "absent") +
-                " (in use: " + show(value) + ")";
+namespace {
+// What a checkpoint of the same model may hold otherwise: token ids and the context length (a
+// fine-tune's new end token or longer context; the weights read are the same), how its weights
+// are stored (quantization_config: the tensors and their _scale_inv say that) and a vision tower
+// the text model does not read.
+bool same_model_either_way(const std::string& key) {
+  return key == "bos_token_id" || key == "eos_token_id" || key == "pad_token_id" || key == "max_position_embeddings" ||
+         key == "quantization_config" || key == "vision_config";
+}
+
+void differences(const json& in_use, const json& other, const std::string& at, std::vector<std::string>& out) {
+  if (in_use.is_object() && other.is_object()) {
+    std::set<std::string> keys;
+    for (const auto& [k, v] : in_use.items()) keys.insert(k);
+    for (const auto& [k, v] : other.items()) keys.insert(k);
+    for (const auto& k : keys) {
+      if (same_model_either_way(k)) continue;
+      const auto path = at.empty() ? k : at + "." + k;
+      if (!in_use.contains(k) || !other.contains(k))
+        out.push_back("'" + path + "' " + (other.contains(k) ? show(other[k]) : "absent") + " (in use: " +
+                      (in_use.contains(k) ? show(in_use[k]) : "absent") + ")");
+      else
+        differences(in_use[k], other[k], path, out);
+    }
+  } else if (in_use != other) {
+    out.push_back("'" + at + "' " + show(other) + " (in use: " + show(in_use) + ")");
   }
-  if (n > 8) differ += ", and " + std::to_string(n - 8) + " more";
-  if (n > 0)
-    throw std::invalid_argument("config.json (" + source + ") describes another model than the one in use: " + differ);
+}
+}  // namespace
+
+void check_same_config(const nlohmann::json& in_use, const nlohmann::json& other, const std::string& source) {
+  std::vector<std::string> found;
+  differences(in_use, other, "", found);
+  if (found.empty()) return;
+  std::string differ;
+  for (std::size_t i = 0; i < found.size() && i < 8; ++i) differ += (i ? ", " : "") + found[i];
+  if (found.size() > 8) differ += ", and " + std::to_string(found.size() - 8) + " more";
+  throw std::invalid_argument("config.json (" + source + ") describes another model than the one in use: " + differ);
 }
 
 IntRanges common_int_ranges() {

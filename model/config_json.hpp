@@ -39,10 +39,12 @@ void check_token_ids(const std::string& field, const std::vector<int64_t>& ids, 
 nlohmann::json read_config_json(const std::string& dir);
 /// Writes `j` (indented) to DIR/config.json; throws std::runtime_error naming DIR on failure.
 void write_config_json(const std::string& dir, const nlohmann::json& j);
-/// That `other` (a checkpoint's config as its package writes it: parsed, then to_hf_json) holds
-/// every field of `in_use` (the loaded model's, the same way) with the same value. Throws
-/// std::invalid_argument "config.json (SOURCE) describes another model than the one in use:
-/// 'field' X (in use: Y), ..." naming up to 8 fields that differ.
+/// That `other` (a checkpoint's config as its package writes it: parsed, then to_hf_json) and
+/// `in_use` (the loaded model's, the same way) hold the same fields with the same values, nested
+/// objects field by field, except what checkpoints of one model may hold otherwise: token ids
+/// (bos/eos/pad_token_id), max_position_embeddings, quantization_config and vision_config.
+/// Throws std::invalid_argument "config.json (SOURCE) describes another model than the one in
+/// use: 'text_config.field' X (in use: Y), ..." naming up to 8 fields that differ.
 void check_same_config(const nlohmann::json& in_use, const nlohmann::json& other, const std::string& source);
 
 /// The range of `field` in `ranges` (asserts that it has one: a missing entry is a bug).

@@ -199,7 +199,13 @@ void HttpEngines::load(const PolicyWeights& w, TrainerHandle&) {
   const auto dir = weights_dir_ / ("version_" + std::to_string(w.version));
   fs::create_directories(dir);
   checkpoint::write_checkpoint(dir.string(), w.tensors, uint64_t(4) << 30);
-  if (!config_json_.empty()) std::ofstream(dir / "config.json") << config_json_;
+  if (!config_json_.empty()) {  // the servers check it against their model: a short copy would be refused as not JSON
+    std::ofstream out(dir / "config.json");
+    out << config_json_;
+    out.close();
+    if (!out)
+      throw std::runtime_error("writing '" + (dir / "config.json").string() + "' failed (disk full, or a file-size limit?)");
+  }
   const std::string pause = json{{"mode", "in_place"}}.dump(), none = "{}";
   const std::string update = json{{"model_path", dir.string()}, {"weight_version", std::to_string(w.version)}}.dump();
   for (const auto& s : servers_) {

@@ -146,15 +146,18 @@ void init_group(ServeContext& c, const std::string& body, httplib::Response& res
   const auto j = parse_object(body, what, {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"});
   parallel::TorchGroupAddress at;
   at.address = text(j, "master_address", what, "");
+  if (at.address.empty()) api::bad(what + ".master_address", "is required (the trainer's host)");
   {  // a name or address that resolves to nothing is named now, not after the join's whole timeout
     addrinfo hints{};
     hints.ai_socktype = SOCK_STREAM;
     addrinfo* found = nullptr;
-    const int rc = at.address.empty() ? EAI_NONAME : ::getaddrinfo(at.address.c_str(), nullptr, &hints, &found);
+    const int rc = ::getaddrinfo(at.address.c_str(), nullptr, &hints, &found);
     if (found) ::freeaddrinfo(found);
+    if (rc == EAI_AGAIN)
+      api::bad(what + ".master_address", "'" + at.address + "' cannot be resolved now (" + ::gai_strerror(rc) +
+                                             "): the name service did not answer; try again");
     if (rc != 0)
-      api::bad(what + ".master_address", "'" + at.address + "' resolves to no address (" +
-                                             (at.address.empty() ? std::string("empty") : ::gai_strerror(rc)) + ")");
+      api::bad(what + ".master_address", "'" + at.address + "' resolves to no address (" + ::gai_strerror(rc) + ")");
   }
   for (const char* k : {"master_port", "rank_offset", "world_size"})
     if (!j.contains(k) || j[k].is_null()) api::bad(what + "." + k, "is required");

@@ -299,10 +299,14 @@ std::vector<std::string> Checkpoint::opened_files() const {
 
 void write_checkpoint(const std::string& dir, const std::vector<Tensor>& tensors, uint64_t max_shard_bytes) {
   fs::create_directories(dir);
-  // Shards of an earlier save would sit beside the new ones under other names: remove them.
+  // Shards of an earlier save would sit beside the new ones under other names: remove them, and
+  // the partial shards of a save that was killed (write_safetensors' PATH.partial).
+  const std::string partial = ".safetensors.partial";
   for (const auto& e : fs::directory_iterator(dir)) {
     auto name = e.path().filename().string();
-    if (name == "model.safetensors" || name == "model.safetensors.index.json" ||
+    const bool left_partial = name.rfind("model", 0) == 0 && name.size() > partial.size() &&
+                              name.compare(name.size() - partial.size(), partial.size(), partial) == 0;
+    if (name == "model.safetensors" || name == "model.safetensors.index.json" || left_partial ||
         (name.rfind("model-", 0) == 0 && e.path().extension() == ".safetensors"))
       fs::remove(e.path());
   }
@@ -328,7 +332,8 @@ void write_checkpoint(const std::string& dir, const std::vector<Tensor>& tensors
   }
   std::ofstream out(fs::path(dir) / "model.safetensors.index.json");
   out << index.dump(2) << "\n";
-  if (!out) throw CheckpointError("writing the index in '" + dir + "' failed");
+  out.close();  // checked after the flush: a full disk shows there
+  if (!out) throw CheckpointError("writing the index in '" + dir + "' failed (disk full, or a file-size limit?)");
 }
 
 }  // namespace kiln::checkpoint

@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "model/config_json.hpp"
 #include "model/glm4_moe_lite/config.hpp"
 
 using kiln::model::glm4_moe_lite::Glm4MoeLiteConfig;
@@ -160,6 +161,48 @@ TEST_CASE("config.json: non-finite and out-of-range real numbers are refused by 
   j = fixture_config();
   j["rope_parameters"]["rope_theta"] = 0.0;
   CHECK(parse_error(j).find("field 'rope_theta': must be a finite number > 0") != std::string::npos);
+}
+
+TEST_CASE("config.json: range errors show a number as JSON writes it, not in %f") {
+  auto j = fixture_config();
+  j["routed_scaling_factor"] = -1e300;  // %f printed 301 digits
+  const auto e = parse_error(j);
+  CHECK(e.find("got -1e+300") != std::string::npos);
+  CHECK(e.size() < 200);
+  j = fixture_config();
+  j["rms_norm_eps"] = -1.0;  // %f printed -1.000000
+  CHECK(parse_error(j).find("must be in (0, 1), got -1.0") != std::string::npos);
+}
+
+TEST_CASE("check_same_config names each field two configs differ in, nested and either way, and passes what "
+          "checkpoints of one model may hold otherwise") {
+  namespace cj = kiln::model::config_json;
+  const json in_use = {{"hidden_size", 64}, {"eos_token_id", 1}, {"max_position_embeddings", 128},
+                       {"text_config", {{"rms_norm_eps", 1e-5}, {"pad_token_id", nullptr}}}};
+  auto error = [&](const json& other) {
+    try {
+      cj::check_same_config(in_use, other, "c.json");
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("(the same)");
+  };
+  auto other = in_use;
+  other["eos_token_id"] = json::array({1, 2});  // a fine-tune's end tokens, a longer context
+  other["max_position_embeddings"] = 4096;
+  other["text_config"]["pad_token_id"] = 0;
+  other["quantization_config"] = {{"quant_method", "fp8"}};
+  CHECK(error(other) == "(the same)");
+  other["text_config"]["rms_norm_eps"] = 1e-6;  // nested: named by its path
+  other["rope_scaling"] = {{"type", "yarn"}};   // only in the checkpoint: named too
+  const auto e = error(other);
+  CHECK(e.find("config.json (c.json) describes another model than the one in use") != std::string::npos);
+  CHECK(e.find("'text_config.rms_norm_eps' 1e-06 (in use: 1e-05)") != std::string::npos);
+  CHECK(e.find("'rope_scaling' {") != std::string::npos);
+  CHECK(e.find("(in use: absent)") != std::string::npos);
+  auto fewer = in_use;
+  fewer.erase("hidden_size");  // only in the model in use
+  CHECK(error(fewer).find("'hidden_size' absent (in use: 64)") != std::string::npos);
 }
 
 TEST_CASE("tied embeddings are refused by name, read from config.json or built in code") {
