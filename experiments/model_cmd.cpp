@@ -174,8 +174,9 @@ int run_model_logits(const std::string& package, const std::string& from, const 
     if (std::filesystem::symlink_status(o, ec).type() != std::filesystem::file_type::not_found)
       throw std::invalid_argument("--out '" + out + "' already exists: kiln model logits writes a new file (remove it "
                                   "or choose another path)");
-    if (std::filesystem::symlink_status(out + ".partial", ec).type() != std::filesystem::file_type::not_found)
-      throw std::invalid_argument("--out '" + out + "': '" + out + ".partial' exists, which the write goes through " +
+    if (const auto partial = checkpoint::partial_path(out);
+        std::filesystem::symlink_status(partial, ec).type() != std::filesystem::file_type::not_found)
+      throw std::invalid_argument("--out '" + out + "': '" + partial + "' exists, which the write goes through " +
                                   "(a file of an earlier write that was stopped?): remove it or choose another path");
     auto model = registry(plugin_dir).build(package, "", from);
     for (const auto& d : docs)

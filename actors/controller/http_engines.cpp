@@ -4,9 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
-#include <fstream>
 #include <future>
-#include <sstream>
 #include <thread>
 
 #include <httplib.h>
@@ -14,6 +12,7 @@
 
 #include "actors/rollout/http_api.hpp"
 #include "model/checkpoint/safetensors.hpp"
+#include "model/config_json.hpp"
 
 namespace kiln::controller {
 
@@ -109,12 +108,8 @@ HttpEngines::HttpEngines(const Config& c, const fs::path& run_dir, int64_t vocab
     : group_size_(c.algorithm.samples_per_prompt), vocab_size_(vocab_size), timeout_s_(c.rollout.http_timeout_s),
       retry_s_(c.rollout.http_retry_s),
       weights_dir_(fs::absolute(c.rollout.weights_dir.empty() ? run_dir / "rollout_weights" : fs::path(c.rollout.weights_dir))) {
-  if (!c.model.checkpoint.empty() && fs::exists(fs::path(c.model.checkpoint) / "config.json")) {
-    std::ifstream in(fs::path(c.model.checkpoint) / "config.json");
-    std::stringstream text;
-    text << in.rdbuf();
-    config_json_ = text.str();
-  }
+  if (!c.model.checkpoint.empty() && fs::exists(fs::path(c.model.checkpoint) / "config.json"))
+    config_json_ = model::config_json::read_config_json(c.model.checkpoint);
   for (auto url : c.rollout.urls) {
     while (!url.empty() && url.back() == '/') url.pop_back();
     Server s{url};
@@ -199,13 +194,8 @@ void HttpEngines::load(const PolicyWeights& w, TrainerHandle&) {
   const auto dir = weights_dir_ / ("version_" + std::to_string(w.version));
   fs::create_directories(dir);
   checkpoint::write_checkpoint(dir.string(), w.tensors, uint64_t(4) << 30);
-  if (!config_json_.empty()) {  // the servers check it against their model: a short copy would be refused as not JSON
-    std::ofstream out(dir / "config.json");
-    out << config_json_;
-    out.close();
-    if (!out)
-      throw std::runtime_error("writing '" + (dir / "config.json").string() + "' failed (disk full, or a file-size limit?)");
-  }
+  // The servers check it against their model (a short copy would be refused as not JSON).
+  if (!config_json_.is_null()) model::config_json::write_config_json(dir.string(), config_json_);
   const std::string pause = json{{"mode", "in_place"}}.dump(), none = "{}";
   const std::string update = json{{"model_path", dir.string()}, {"weight_version", std::to_string(w.version)}}.dump();
   for (const auto& s : servers_) {

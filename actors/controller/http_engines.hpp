@@ -23,6 +23,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "actors/controller/config.hpp"
 #include "actors/controller/handles.hpp"
 #include "actors/controller/http_weight_update.hpp"
@@ -55,7 +57,7 @@ class HttpEngines : public RolloutEngines {
   int64_t vocab_size_;
   int64_t timeout_s_, retry_s_;
   std::filesystem::path weights_dir_;
-  std::string config_json_;  ///< model.checkpoint's config.json, copied beside each version ("": none)
+  nlohmann::json config_json_;  ///< model.checkpoint's config.json, written beside each version (null: none)
   std::atomic<int64_t> loaded_version_{-1};  ///< read by the /generate threads
   std::unique_ptr<DistributedWeightUpdate> distributed_;  ///< rollout.weight_update "distributed"
 };

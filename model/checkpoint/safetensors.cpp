@@ -190,7 +190,7 @@ void write_safetensors(const std::string& path, const std::vector<Tensor>& tenso
   std::string header = header_json(tensors, metadata);
   // Written beside as PATH.partial and renamed over PATH once whole: a write that fails (disk
   // full, a file-size limit) leaves no truncated file under the final name.
-  const std::string partial = path + ".partial";
+  const std::string partial = partial_path(path);
   std::ofstream out(partial, std::ios::binary | std::ios::trunc);
   if (!out) throw CheckpointError("writing '" + path + "': cannot create '" + partial + "'");
   uint64_t n = header.size();
@@ -301,7 +301,7 @@ void write_checkpoint(const std::string& dir, const std::vector<Tensor>& tensors
   fs::create_directories(dir);
   // Shards of an earlier save would sit beside the new ones under other names: remove them, and
   // the partial shards of a save that was killed (write_safetensors' PATH.partial).
-  const std::string partial = ".safetensors.partial";
+  const std::string partial = partial_path(".safetensors");
   for (const auto& e : fs::directory_iterator(dir)) {
     auto name = e.path().filename().string();
     const bool left_partial = name.rfind("model", 0) == 0 && name.size() > partial.size() &&

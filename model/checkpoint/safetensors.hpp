@@ -63,8 +63,12 @@ class SafetensorsFile {
   std::map<std::string, std::string> metadata_;
 };
 
+/// Where write_safetensors writes `path` until it is whole: `path` + ".partial".
+inline constexpr const char* kPartialSuffix = ".partial";
+inline std::string partial_path(const std::string& path) { return path + kPartialSuffix; }
+
 /// Writes `tensors` (named by Tensor::name; names must be unique) to `path` in
-/// safetensors format, data in the given order, 8-byte-aligned header: into `path`.partial,
+/// safetensors format, data in the given order, 8-byte-aligned header: into partial_path(path),
 /// renamed over `path` once whole. Throws CheckpointError on I/O failure (the partial file
 /// removed, `path` as it was) or duplicate names.
 void write_safetensors(const std::string& path, const std::vector<Tensor>& tensors,
