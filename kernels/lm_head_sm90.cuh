@@ -2,22 +2,25 @@
 // The log-prob head's logits and their row statistics in one Hopper GEMM (kernels/lm_head.hpp):
 // CUTLASS 3's sm90 GEMM (TMA loads, warp-specialized WGMMA; NVIDIA CUTLASS,
 // examples/49_hopper_gemm_with_collective_builder) in two schedules, one translation unit each:
+//   pingpong    (kernels/lm_head_sm90_pingpong.cu): 128x128x64 tiles, one per consumer warp group,
+//                                                  one group's epilogue under the other's mainloop
+//                                                  (the default: the faster, docs/benchmarks.md);
 //   cooperative (kernels/lm_head_sm90.cu):         128x256x64 tiles, both consumer warp groups on
 //                                                  one tile, the epilogue after the mainloop;
-//   pingpong    (kernels/lm_head_sm90_pingpong.cu): 128x128x64 tiles, one per consumer warp group,
-//                                                  one group's epilogue under the other's mainloop;
-// cluster 1x2 in both. Its epilogue
-// visitor tree (CUTLASS's EVT, examples/49 and cutlass/epilogue/fusion) stores bf16(acc) and
-// reduces every row twice as an online softmax's normalizer (Milakov & Gimelshein 2018): each
-// value x enters as (m, s) = (x, 1), two statistics merge as (max, s_a e^(m_a - max) + s_b e^(m_b - max)),
-// and the result is m + log s:
+// cluster 1x2 in both. The epilogue is one node of CUTLASS's visitor tree (EVT, examples/49 and
+// cutlass/epilogue/fusion), kiln's RowSoftmaxStats below: it stores bf16(acc) and sums every row
+// twice as an online softmax's normalizer (Milakov & Gimelshein 2018) against a per-row reference:
 //   lse      = logsumexp over v of acc[t, v]                 (the fp32 accumulators)
 //   kept_lse = logsumexp over v of float(bf16(acc[t, v]))    (the logits stored)
-// Each CTA reduces its tile's rows (registers, warp shuffles, shared memory) and writes one
-// partial per row and tile (Sm90ColReduction over (m, s) pairs, without its FinalReduction); a
-// second kernel merges each row's partials, many rows and tile columns at once. The merge is associative and commutative up to rounding, with identity
-// (-inf, 0); s stays in the linear domain, so small terms add as in kernels/logprobs.cu's pass
-// (a running logsumexp in fp32 would drop every term below half a unit of its last place).
+// Each CTA reduces its tile's rows (registers, warp shuffles) and writes one (reference, sum)
+// partial per row and tile; a second kernel (merge_row_partials, kernels/lm_head_sm90.cu) merges
+// each row's partials, many rows and tile columns at once. The sums stay in the linear domain, so
+// small terms add as in kernels/logprobs.cu's pass (a running logsumexp in fp32 would drop every
+// term below half a unit of its last place). Why a node of kiln's own: the same GEMM with two of
+// CUTLASS's Sm90ColReduction over (max, sum) pairs ran at 467 TFLOP/s where the plain GEMM runs
+// at 738 (their per-value merge, a compare, swap and exp per statistic, and the per-value
+// out-of-bounds check, ~45 instructions a value); this node, ~13 a value, at 689 (cooperative)
+// and 724 (pingpong; cuBLAS 750) at T 1024 on the H200 (tests/bench/lm_head_variants.cu).
 // No LibTorch here: compile time.
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
@@ -42,45 +45,12 @@ struct alignas(8) MaxSum {
   float m, s;
   MaxSum() = default;
   CUTLASS_HOST_DEVICE MaxSum(float max, float sum) : m(max), s(sum) {}
-  // CUTLASS's default reduction identity is ElementCompute(0); kiln passes its own, {-inf, 0}.
-  // int only: a bf16 or float reaching it through an implicit conversion would become the empty
-  // value (a value enters by the NumericConverter specializations below, or fails to compile).
+  // The empty value, MaxSum(0) (merge_row_partials' start). int only: a bf16 or float reaching
+  // it through an implicit conversion would become the empty value; that fails to compile.
   template <class I, std::enable_if_t<std::is_same_v<I, int>, int> = 0>
   CUTLASS_HOST_DEVICE explicit MaxSum(I) : m(-std::numeric_limits<float>::infinity()), s(0.f) {}
 };
 }  // namespace kiln::kernels::cuda
-
-namespace cutlass {
-// A value enters a row's statistics as {x, 1}; the statistics leave as their logsumexp m + log s.
-template <FloatRoundStyle Round>
-struct NumericConverter<kiln::kernels::cuda::MaxSum, float, Round> {
-  using result_type = kiln::kernels::cuda::MaxSum;
-  using source_type = float;
-  CUTLASS_HOST_DEVICE static result_type convert(source_type const& x) { return {x, 1.f}; }
-  CUTLASS_HOST_DEVICE result_type operator()(source_type const& x) const { return convert(x); }
-};
-// The outer reduction's input: the bf16 logits the epilogue stores.
-template <FloatRoundStyle Round>
-struct NumericConverter<kiln::kernels::cuda::MaxSum, cutlass::bfloat16_t, Round> {
-  using result_type = kiln::kernels::cuda::MaxSum;
-  using source_type = cutlass::bfloat16_t;
-  CUTLASS_HOST_DEVICE static result_type convert(source_type const& x) { return {float(x), 1.f}; }
-  CUTLASS_HOST_DEVICE result_type operator()(source_type const& x) const { return convert(x); }
-};
-template <FloatRoundStyle Round>
-struct NumericConverter<float, kiln::kernels::cuda::MaxSum, Round> {
-  using result_type = float;
-  using source_type = kiln::kernels::cuda::MaxSum;
-  CUTLASS_HOST_DEVICE static result_type convert(source_type const& x) {
-#ifdef __CUDA_ARCH__
-    return x.m + logf(x.s);
-#else
-    return x.m + std::log(x.s);
-#endif
-  }
-  CUTLASS_HOST_DEVICE result_type operator()(source_type const& x) const { return convert(x); }
-};
-}  // namespace cutlass
 
 namespace kiln::kernels::cuda::lm_head_sm90 {
 using namespace cute;
@@ -108,24 +78,238 @@ struct MergeMaxSum<MaxSum> {
     return {a.m, a.s + b.s * exp_of(b.m - a.m)};
   }
 };
-// Element by element over the fragments the reduction's shuffle and shared-memory stages pass.
-template <int N>
-struct MergeMaxSum<cutlass::Array<MaxSum, N>> {
-  CUTLASS_HOST_DEVICE cutlass::Array<MaxSum, N> operator()(cutlass::Array<MaxSum, N> const& a,
-                                                           cutlass::Array<MaxSum, N> const& b) const {
-    cutlass::Array<MaxSum, N> r;
-    MergeMaxSum<MaxSum> f;
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < N; ++i) r[i] = f(a[i], b[i]);
-    return r;
-  }
-};
 
 using Element = cutlass::bfloat16_t;
 using LayoutA = cutlass::layout::RowMajor;     // hidden [N, D]
 using LayoutB = cutlass::layout::ColumnMajor;  // weight [V, D] as a D x V matrix
 using LayoutD = cutlass::layout::RowMajor;     // logits [N, V]
 constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
+
+// 2^x on the special function unit (ex2.approx.ftz: ~2 ulp; a subnormal result flushes to 0).
+CUTLASS_DEVICE float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+
+// Two rows' (reference r in log2 units, sum of 2^(x log2 e - r) over the fp32 values, the same over
+// their bf16 roundings) merged onto the larger reference; an empty side (r = -inf) adds nothing.
+CUTLASS_DEVICE void merge_stats(float& r, float& s, float& k, float r2, float s2, float k2) {
+  if (r2 == -INFINITY) return;
+  if (r == -INFINITY) {
+    r = r2, s = s2, k = k2;
+    return;
+  }
+  const float m = fmaxf(r, r2), a = ex2(r - m), b = ex2(r2 - m);
+  r = m, s = s * a + s2 * b, k = k * a + k2 * b;
+}
+
+// The epilogue's node for the log-prob head (an EVT node over the accumulators, in place of two
+// CUTLASS Sm90ColReductions over MaxSum): it returns bf16(acc) for the D store and keeps, per row
+// slot of each thread, one reference r (log2 units) and two sums,
+//   s = sum_v 2^(acc_v log2 e - r)                   (lse      = r ln 2 + log s)
+//   k = sum_v 2^(acc_v log2 e - r) * e^(bf16(acc_v) - acc_v)   (kept_lse = r ln 2 + log k)
+// Per value: one fma and one ex2 for s; for k the factor e^d, d = bf16(x) - x (exact in fp32,
+// |d| <= 2^-9 |x|), as its Taylor polynomial to d^4 (relative error <= d^5 / 120: 8e-9 at |x| 32,
+// 2.5e-7 at |x| 64) on the FMA units instead of a second ex2. The reference is not the running
+// max: a row's first fragment sets it to that fragment's max, and it moves only when a value lies
+// more than 2^64 above it (checked once per fragment, almost never true after the first), so the
+// common path has no per-value max, swap or select. The sums stay finite (a term is at most 2^64,
+// a tile row at most 256 of them) and lose nothing in relative precision to the reference being
+// below the max. At the tile's end the lanes of a row merge by
+// shuffles (merge_stats) and one lane per row writes the two partials {r ln 2, s} and {r ln 2, k}
+// at [tile column][row] of the buffers [n_tiles, m_pad] for merge_row_partials, as the
+// ColReduction version did. Non-finite values: NaN in gives NaN out (s and k); +inf gives NaN.
+// One warp per row across N (the cooperative and pingpong tilings here); columns past V are
+// skipped (checked per value only in a tile that crosses V), rows past N land in the padding.
+template <class CtaTileShapeMNK>
+struct RowSoftmaxStats {
+  struct SharedStorage {};
+  struct Arguments {
+    MaxSum* lse = nullptr;   // [n_tiles, m_pad]: per tile column, each row's partial over fp32 values
+    MaxSum* kept = nullptr;  // [n_tiles, m_pad]: the same over the bf16 values
+  };
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const& args) {
+    return args.lse != nullptr && args.kept != nullptr;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
+  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
+  CUTLASS_HOST_DEVICE RowSoftmaxStats() {}
+  CUTLASS_HOST_DEVICE RowSoftmaxStats(Params const& params, SharedStorage const&) : params(params) {}
+  Params params;
+
+  template <class... Args>
+  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::detail::ProducerLoadArgs<Args...> const&) {
+    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
+  }
+
+  template <class ArgsTuple>
+  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
+    CUTLASS_DEVICE ConsumerStoreCallbacks(ArgsTuple&& args_tuple, Params const& params)
+        : args_tuple(cute::forward<ArgsTuple>(args_tuple)), params(params) {}
+    ArgsTuple args_tuple;
+    Params const& params;
+
+    template <class ElementAccumulator, class ElementInput, int FragmentSize>
+    CUTLASS_DEVICE cutlass::Array<Element, FragmentSize> visit(cutlass::Array<ElementAccumulator, FragmentSize> const&,
+                                                               int epi_v, int epi_m, int epi_n,
+                                                               cutlass::Array<ElementInput, FragmentSize> const& x) {
+      // (no structured bindings: the lambdas below capture these, which C++17 does not allow)
+      Tensor r_mn = get<0>(args_tuple)(_, _, _, epi_m, epi_n);
+      Tensor s_mn = get<1>(args_tuple)(_, _, _, epi_m, epi_n);
+      Tensor k_mn = get<2>(args_tuple)(_, _, _, epi_m, epi_n);
+      Tensor c_mn = get<3>(args_tuple)(_, _, _, epi_m, epi_n);
+      auto const& residue_tCcCol = get<4>(args_tuple);
+      const bool check_n = get<5>(args_tuple);
+      const auto out = cutlass::NumericArrayConverter<Element, ElementInput, FragmentSize, kRound>{}(x);
+      // The fragment's values against their row slots' references: t = x log2 e - r. When one lies
+      // more than 2^64 above its reference (or the slot is still empty, r = -inf: the first
+      // fragment of each row), the slots' references move up to the fragment's max and their sums
+      // are rescaled, once per fragment; then every value adds 2^t to s and 2^t e^(bf16(x) - x) to
+      // k, without a per-value branch.
+      auto body = [&](auto checked) CUTLASS_LAMBDA_FUNC_INLINE {
+        constexpr bool kChecked = decltype(checked)::value;
+        auto in = [&](int idx) CUTLASS_LAMBDA_FUNC_INLINE {  // a column before V
+          if constexpr (kChecked) return get<1>(c_mn(idx)) < get<1>(residue_tCcCol);
+          else return true;
+        };
+        float t[FragmentSize];
+        bool far = false;
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < FragmentSize; ++i) {
+          const int idx = epi_v * FragmentSize + i;
+          t[i] = in(idx) ? fmaf(float(x[i]), kLog2e, -r_mn(idx)) : -INFINITY;  // 2^-inf = 0: adds nothing
+          far |= t[i] > 64.f;
+        }
+        if (far) {
+          Tensor r_f = filter(r_mn), s_f = filter(s_mn), k_f = filter(k_mn);  // each slot once
+          float r_old[decltype(size(r_f))::value];
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size(r_f); ++j) r_old[j] = r_f(j);
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < FragmentSize; ++i) {
+            const int idx = epi_v * FragmentSize + i;
+            if (in(idx)) r_mn(idx) = fmaxf(r_mn(idx), float(x[i]) * kLog2e);
+          }
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size(r_f); ++j) {
+            const float c = r_old[j] == r_f(j) ? 1.f : ex2(r_old[j] - r_f(j));  // (-inf, -inf): unchanged
+            s_f(j) *= c, k_f(j) *= c;
+          }
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < FragmentSize; ++i) {
+            const int idx = epi_v * FragmentSize + i;
+            t[i] = in(idx) ? fmaf(float(x[i]), kLog2e, -r_mn(idx)) : -INFINITY;
+          }
+        }
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < FragmentSize; ++i) {
+          const int idx = epi_v * FragmentSize + i;
+          const float e = ex2(t[i]);
+          s_mn(idx) += e;
+          const float d = float(out[i]) - float(x[i]);  // exact: bf16(x) and x are within a factor 2
+          const float p = fmaf(d, fmaf(d, fmaf(d, fmaf(d, 1.f / 24.f, 1.f / 6.f), 0.5f), 1.f), 1.f);
+          k_mn(idx) = fmaf(e, p, k_mn(idx));
+        }
+      };
+      if (check_n) body(cute::true_type{});  // a tile that crosses V
+      else body(cute::false_type{});
+      return out;
+    }
+
+    template <class STensor, class SyncFn, class VTensor>
+    CUTLASS_DEVICE void reduce(STensor&&, SyncFn const&, int, int, bool is_last_iteration, VTensor) {
+      if (!is_last_iteration) return;
+      auto& [tCrR, tCrS, tCrK, tCcCol, residue_tCcCol, check_n, cCol, residue_cCol, gL, gK, lane_layout_MN, lane_mn,
+             epi_tile, tiled_copy, thread_idx] = args_tuple;
+      if (!elem_less(cCol(_0{}, _0{}), residue_cCol)) return;  // a CTA wholly past the problem (cluster padding)
+      // The lanes that share a row (along N) merge by shuffles; their lane 0 holds the row's tile partial.
+      Tensor r_f = filter(tCrR), s_f = filter(tCrS), k_f = filter(tCrK);
+      CUTLASS_PRAGMA_UNROLL
+      for (int cols = size<1>(lane_layout_MN) / 2; cols > 0; cols /= 2) {
+        const int delta = lane_layout_MN(_0{}, cols);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(r_f); ++i) {
+          const float r2 = __shfl_down_sync(0xFFFFFFFF, r_f(i), delta);
+          const float s2 = __shfl_down_sync(0xFFFFFFFF, s_f(i), delta);
+          const float k2 = __shfl_down_sync(0xFFFFFFFF, k_f(i), delta);
+          merge_stats(r_f(i), s_f(i), k_f(i), r2, s2, k2);
+        }
+      }
+      if (get<1>(lane_mn) != 0) return;
+      Tensor tCgL = cutlass::epilogue::fusion::sm90_partition_for_epilogue<true>(gL, epi_tile, tiled_copy, thread_idx);
+      Tensor tCgK = cutlass::epilogue::fusion::sm90_partition_for_epilogue<true>(gK, epi_tile, tiled_copy, thread_idx);
+      Tensor r_z = filter_zeros(tCrR), s_z = filter_zeros(tCrS), k_z = filter_zeros(tCrK);
+      Tensor gL_z = filter_zeros(tCgL), gK_z = filter_zeros(tCgK);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(r_z); ++i) {
+        const float m = r_z(i) == -INFINITY ? -INFINITY : r_z(i) * kLn2;
+        gL_z(i) = MaxSum{m, s_z(i)};
+        gK_z(i) = MaxSum{m, k_z(i)};
+      }
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(
+      cutlass::epilogue::fusion::detail::ConsumerStoreArgs<Args...> const& args) {
+    static_assert(ReferenceSrc, "RowSoftmaxStats: written for the epilogue's source-referenced register tensors");
+    Layout ref_layout_MN = right_inverse(args.tiled_copy.get_layoutS_TV())
+                               .with_shape(shape(typename decltype(args.tiled_copy)::Tiler_MN{}));  // tile_mn -> tv
+    // Lanes and warps over the tile's (M, N): which lanes share a row (the shuffles' partners).
+    using W = Int<decltype(args.tiled_copy)::TiledNumThr::value / cutlass::NumThreadsPerWarp>;
+    Layout ref2lane = composition(Layout<Shape<Int<cutlass::NumThreadsPerWarp>, W, _1>, Stride<_1, _0, _0>>{},
+                                  ref_layout_MN);
+    Layout lane_layout_MN = make_layout(filter(get<0>(ref2lane)), filter(get<1>(ref2lane)));
+    auto lane_mn = idx2crd(right_inverse(lane_layout_MN)(cutlass::canonical_lane_idx()), shape(lane_layout_MN));
+    Layout ref2warp = composition(Layout<Shape<Int<cutlass::NumThreadsPerWarp>, W, _1>, Stride<_0, _1, _0>>{},
+                                  ref_layout_MN);
+    static_assert(decltype(size(filter(get<1>(ref2warp))))::value <= 1,
+                  "RowSoftmaxStats: a row's columns must lie in one warp (no cross-warp reduction here)");
+
+    auto [M, N, K, L] = args.problem_shape_mnkl;
+    auto [m, n, k, l] = args.tile_coord_mnkl;
+    // The partial buffers over (M, N): stride 1 along a tile's rows, 0 along its columns, m_pad
+    // from one tile column to the next ([n_tiles, m_pad], m_pad = M rounded up to the tile's rows).
+    Layout tile_layout = make_layout(take<0, 2>(args.tile_shape_mnk), make_stride(_1{}, _0{}));
+    Layout buf_layout = blocked_product(tile_layout, make_layout(ceil_div(make_shape(M, N, L), shape(tile_layout))));
+    Tensor gL = local_tile(make_tensor(make_gmem_ptr(params.lse), buf_layout), take<0, 2>(args.tile_shape_mnk),
+                           make_coord(m, n, _))(_, _, l);  // (CTA_M, CTA_N)
+    Tensor gK = local_tile(make_tensor(make_gmem_ptr(params.kept), buf_layout), take<0, 2>(args.tile_shape_mnk),
+                           make_coord(m, n, _))(_, _, l);
+    Tensor tCgRef = cutlass::epilogue::fusion::sm90_partition_for_epilogue<true>(gL, args.epi_tile, args.tiled_copy,
+                                                                               args.thread_idx);
+    Tensor tCrR = make_tensor_like<float>(tCgRef);  // (CPY,CPY_M,CPY_N,EPI_M,EPI_N), 0-stride along N
+    Tensor tCrS = make_tensor_like<float>(tCgRef);
+    Tensor tCrK = make_tensor_like<float>(tCgRef);
+    fill(tCrR, -INFINITY);
+    fill(tCrS, 0.f);
+    fill(tCrK, 0.f);
+    const bool check_n = get<1>(args.residue_cD) < int(size<1>(args.tile_shape_mnk));
+    auto args_tuple = make_tuple(cute::move(tCrR), cute::move(tCrS), cute::move(tCrK), args.tCcD, args.residue_tCcD,
+                                 check_n, args.cD, args.residue_cD, gL, gK, lane_layout_MN, lane_mn, args.epi_tile,
+                                 args.tiled_copy, args.thread_idx);
+    return ConsumerStoreCallbacks<decltype(args_tuple)>(std::move(args_tuple), params);
+  }
+};
+
 
 // A packed row-major [rows, cols] operand's (row, 1, batch) stride (what CUTLASS's
 // tools/util make_cute_packed_stride gives; the bundled headers are include/ only).
@@ -162,13 +346,8 @@ struct Partials {
 template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
 Partials run(const LmHeadArgs& a, LmHeadAlloc alloc, void* alloc_ctx) {
   namespace ef = cutlass::epilogue::fusion;
-  // One pair per row and tile (M-major, no N stride), the cross-tile merge left to the caller.
-  using RowMaxSum = ef::Sm90ColReduction<MergeMaxSum, MergeMaxSum, MergeMaxSum, 0, TileShape, float, MaxSum, kRound,
-                                         Stride<_1, _0, int64_t>, 4, /*EnableNullptr=*/false,
-                                         /*FinalReduction=*/false, /*VisitCheckOOB=*/true>;
-  using ToBf16 = ef::Sm90Compute<cutlass::epilogue::thread::Identity, Element, float, kRound>;
-  // kept (over the bf16 values) <- bf16(acc) <- lse (over acc) <- acc; D stores the bf16 values.
-  using Fusion = ef::Sm90EVT<RowMaxSum, ef::Sm90EVT<ToBf16, ef::Sm90EVT<RowMaxSum, ef::Sm90AccFetch>>>;
+  // bf16(acc) to D, each row's (reference, sum) partials per tile to the buffers (RowSoftmaxStats).
+  using Fusion = ef::Sm90EVT<RowSoftmaxStats<TileShape>, ef::Sm90AccFetch>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, 8, Element, LayoutD, 8,
@@ -192,14 +371,11 @@ Partials run(const LmHeadArgs& a, LmHeadAlloc alloc, void* alloc_ctx) {
 
   const auto sa = packed<typename Kernel::StrideA>(M, K), sb = packed<typename Kernel::StrideB>(N, K);
   const auto sd = packed<typename Kernel::StrideD>(M, N);
-  const MaxSum identity{-std::numeric_limits<float>::infinity(), 0.f};
-  const Stride<_1, _0, int64_t> per_row{_1{}, _0{}, int64_t(M)};
   typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
                                 {M, N, K, 1},
                                 {static_cast<const Element*>(a.hidden), sa, static_cast<const Element*>(a.weight), sb},
                                 {{}, nullptr, sd, static_cast<Element*>(a.logits), sd}};
-  // Children first, then the node: {{{acc, lse}, to_bf16}, kept}.
-  args.epilogue.thread = {{{{}, {p.lse, identity, per_row}}, {}}, {p.kept, identity, per_row}};
+  args.epilogue.thread = {{}, {p.lse, p.kept}};  // the child (AccFetch), then the node
   args.hw_info.sm_count = a.sm_count;
   Gemm gemm;
   check(gemm.can_implement(args), "can_implement");
