@@ -12,8 +12,8 @@
 // accumulating into an fp32 [V, D] buffer; with every row kept the weight's gradient is rounded
 // once by that GEMM (the bits of the whole-GEMM form).
 // The per-chunk softmax work runs in kernels/logprobs.hpp (fused CUDA kernels for 16-bit CUDA
-// logits, the LibTorch reference otherwise). With kernels::lm_head_fused_available (Hopper, bf16,
-// KILN_LM_HEAD_FUSED=1; off by default) the forward of token_logprobs instead takes each chunk's
+// logits, the LibTorch reference otherwise). With kernels::lm_head_fused_available (Hopper, bf16;
+// on unless KILN_LM_HEAD_FUSED=0) the forward of token_logprobs instead takes each chunk's
 // bf16 logits and row logsumexps from one GEMM (kernels/lm_head.hpp) and the targets' logits as
 // fp32 dot products; the backward is the same.
 // Legend: T tokens, D hidden, V vocabulary.
