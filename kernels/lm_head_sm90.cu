@@ -17,9 +17,9 @@ constexpr int kRowsPerBlock = 32, kSlices = 32;  // a warp over 32 rows; 32 warp
 
 // lse[r] = m + log s of row r's partials merged over the tile columns, and the same for kept:
 // block (32 rows) x (32 slices), each thread merging every 32nd tile column of its row (coalesced:
-// a warp reads 32 consecutive rows' pairs of one column; ~19 a thread at V = 154880 and 128x256
-// tiles), then the slices merged in order (a chunk of 1024 rows is only 32 blocks: the slices
-// keep the loads in flight).
+// a warp reads 32 consecutive rows' pairs of one column; at V = 154880 ~38 a thread with the
+// pingpong schedule's 128-wide tiles, ~19 with the cooperative one's 256), then the slices merged
+// in order (a chunk of 1024 rows is only 32 blocks: the slices keep the loads in flight).
 __global__ void merge_row_partials(const MaxSum* __restrict__ lse_p, const MaxSum* __restrict__ kept_p, int n_tiles,
                                    int64_t m_pad, int M, float* __restrict__ lse, float* __restrict__ kept_lse) {
   __shared__ MaxSum part[2][kSlices][kRowsPerBlock];

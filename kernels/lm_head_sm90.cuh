@@ -30,6 +30,7 @@
 #include <cutlass/gemm/device/gemm_universal_adapter.h>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
+#include <cfloat>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -107,22 +108,26 @@ CUTLASS_DEVICE void merge_stats(float& r, float& s, float& k, float r2, float s2
 
 // The epilogue's node for the log-prob head (an EVT node over the accumulators, in place of two
 // CUTLASS Sm90ColReductions over MaxSum): it returns bf16(acc) for the D store and keeps, per row
-// slot of each thread, one reference r (log2 units) and two sums,
-//   s = sum_v 2^(acc_v log2 e - r)                   (lse      = r ln 2 + log s)
-//   k = sum_v 2^(acc_v log2 e - r) * e^(bf16(acc_v) - acc_v)   (kept_lse = r ln 2 + log k)
+// slot of each thread (the 4 lanes that share a row each keep their own), one reference r (log2
+// units) and two sums,
+//   s = sum_v 2^(acc_v log2 e - r)                              (lse      = r ln 2 + log s)
+//   k = sum_v 2^(acc_v log2 e - r) * e^(bf16(acc_v) - acc_v)     (kept_lse = r ln 2 + log k)
 // Per value: one fma and one ex2 for s; for k the factor e^d, d = bf16(x) - x (exact in fp32,
-// |d| <= 2^-9 |x|), as its Taylor polynomial to d^4 (relative error <= d^5 / 120: 8e-9 at |x| 32,
-// 2.5e-7 at |x| 64) on the FMA units instead of a second ex2. The reference is not the running
-// max: a row's first fragment sets it to that fragment's max, and it moves only when a value lies
-// more than 2^64 above it (checked once per fragment, almost never true after the first), so the
-// common path has no per-value max, swap or select. The sums stay finite (a term is at most 2^64,
-// a tile row at most 256 of them) and lose nothing in relative precision to the reference being
-// below the max. At the tile's end the lanes of a row merge by
-// shuffles (merge_stats) and one lane per row writes the two partials {r ln 2, s} and {r ln 2, k}
-// at [tile column][row] of the buffers [n_tiles, m_pad] for merge_row_partials, as the
-// ColReduction version did. Non-finite values: NaN in gives NaN out (s and k); +inf gives NaN.
-// One warp per row across N (the cooperative and pingpong tilings here); columns past V are
-// skipped (checked per value only in a tile that crosses V), rows past N land in the padding.
+// |d| <= 2^-8 |x|), as its Taylor polynomial to d^4 (relative error <= d^5 / 120: 2.5e-7 at
+// |x| 32, 8e-6 at |x| 64) on the FMA units instead of a second ex2. The reference is not the
+// running max: a slot's first fragment sets it to that fragment's max, and it moves only when a
+// value lies more than 64 (log2 units, ~44 nats) above it, checked once per fragment (almost never
+// true after the first), so the common path has no per-value max, swap or select. The sums stay
+// finite (a term is at most 2^64, a tile row at most 256 of them); the cost of a reference below
+// the max is the rounding of t = x log2 e - r, |t| up to 64: ~1e-6 relative per term against
+// ~1e-7 (measured lse errors 1-2e-6, tests/bench/lm_head_variants.cu). At the tile's end the
+// lanes of a row merge by shuffles (merge_stats) and one lane per row writes the two partials
+// {r ln 2, s} and {r ln 2, k} at [tile column][row] of the buffers [n_tiles, m_pad] for
+// merge_row_partials, as the ColReduction version did. Non-finite values: a NaN makes both sums
+// NaN (also alone in a slot: its reference is then -FLT_MAX, not the empty -inf); +inf makes
+// both NaN; -inf adds 0 to s and makes k NaN. One warp per row across N (the cooperative and
+// pingpong tilings here); columns past V are skipped (checked per value only in a tile that
+// crosses V), rows past N land in the padding.
 template <class CtaTileShapeMNK>
 struct RowSoftmaxStats {
   struct SharedStorage {};
@@ -180,7 +185,7 @@ struct RowSoftmaxStats {
       const bool check_n = get<5>(args_tuple);
       const auto out = cutlass::NumericArrayConverter<Element, ElementInput, FragmentSize, kRound>{}(x);
       // The fragment's values against their row slots' references: t = x log2 e - r. When one lies
-      // more than 2^64 above its reference (or the slot is still empty, r = -inf: the first
+      // more than 64 above its reference (or the slot is still empty, r = -inf: the first
       // fragment of each row), the slots' references move up to the fragment's max and their sums
       // are rescaled, once per fragment; then every value adds 2^t to s and 2^t e^(bf16(x) - x) to
       // k, without a per-value branch.
@@ -196,7 +201,7 @@ struct RowSoftmaxStats {
         for (int i = 0; i < FragmentSize; ++i) {
           const int idx = epi_v * FragmentSize + i;
           t[i] = in(idx) ? fmaf(float(x[i]), kLog2e, -r_mn(idx)) : -INFINITY;  // 2^-inf = 0: adds nothing
-          far |= t[i] > 64.f;
+          far |= !(t[i] <= 64.f);  // also NaN: an empty slot (r = -inf) meeting -inf, or a NaN value
         }
         if (far) {
           Tensor r_f = filter(r_mn), s_f = filter(s_mn), k_f = filter(k_mn);  // each slot once
@@ -206,7 +211,8 @@ struct RowSoftmaxStats {
           CUTLASS_PRAGMA_UNROLL
           for (int i = 0; i < FragmentSize; ++i) {
             const int idx = epi_v * FragmentSize + i;
-            if (in(idx)) r_mn(idx) = fmaxf(r_mn(idx), float(x[i]) * kLog2e);
+            // (-FLT_MAX at least: a slot that has seen values is never the empty -inf)
+            if (in(idx)) r_mn(idx) = fmaxf(r_mn(idx), fmaxf(float(x[i]) * kLog2e, -FLT_MAX));
           }
           CUTLASS_PRAGMA_UNROLL
           for (int j = 0; j < size(r_f); ++j) {

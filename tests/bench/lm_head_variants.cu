@@ -3,9 +3,10 @@
 // each change one thing, beside cuBLAS's GEMM of the same shape, in one process:
 //   cublas16 / cublas32   cuBLAS into bf16 / fp32 (cublasGemmEx, the rate to reach)
 //   kiln                  kiln's entry (kernels::cuda::lm_head_logits_lse: the GEMM, then the
-//                         row partials' merge), cooperative 128x256, cluster 1x2
-//   two                   that GEMM alone: bf16 store + two row reductions (lse over acc, over
-//                         bf16(acc)), out-of-bounds check on
+//                         row partials' merge), its default schedule (pingpong 128x128)
+//   two                   the first fused head's epilogue: bf16 store + two CUTLASS
+//                         Sm90ColReductions over (max, sum) pairs (lse over acc, over bf16(acc)),
+//                         per-value out-of-bounds check on
 //   plain                 the same tiles and cluster, a plain bf16 store (no reduction)
 //   one                   one reduction (lse over acc) + bf16 store
 //   two_nooob             two reductions without the per-element out-of-bounds check (the
@@ -35,6 +36,52 @@
 #include <vector>
 
 #include "kernels/lm_head_sm90.cuh"
+
+// What CUTLASS's Sm90ColReduction over kiln's MaxSum pairs needs (the ColReduction variants; kiln's
+// head itself no longer uses it): a value enters as {x, 1}, a pair leaves as m + log s, and the
+// pair merge element by element over the fragments of the reduction's shuffle stage.
+namespace cutlass {
+template <FloatRoundStyle Round>
+struct NumericConverter<kiln::kernels::cuda::MaxSum, float, Round> {
+  using result_type = kiln::kernels::cuda::MaxSum;
+  using source_type = float;
+  CUTLASS_HOST_DEVICE static result_type convert(source_type const& x) { return {x, 1.f}; }
+  CUTLASS_HOST_DEVICE result_type operator()(source_type const& x) const { return convert(x); }
+};
+template <FloatRoundStyle Round>
+struct NumericConverter<kiln::kernels::cuda::MaxSum, cutlass::bfloat16_t, Round> {
+  using result_type = kiln::kernels::cuda::MaxSum;
+  using source_type = cutlass::bfloat16_t;
+  CUTLASS_HOST_DEVICE static result_type convert(source_type const& x) { return {float(x), 1.f}; }
+  CUTLASS_HOST_DEVICE result_type operator()(source_type const& x) const { return convert(x); }
+};
+template <FloatRoundStyle Round>
+struct NumericConverter<float, kiln::kernels::cuda::MaxSum, Round> {
+  using result_type = float;
+  using source_type = kiln::kernels::cuda::MaxSum;
+  CUTLASS_HOST_DEVICE static result_type convert(source_type const& x) {
+#ifdef __CUDA_ARCH__
+    return x.m + logf(x.s);
+#else
+    return x.m + std::log(x.s);
+#endif
+  }
+  CUTLASS_HOST_DEVICE result_type operator()(source_type const& x) const { return convert(x); }
+};
+}  // namespace cutlass
+namespace kiln::kernels::cuda::lm_head_sm90 {
+template <int N>
+struct MergeMaxSum<cutlass::Array<MaxSum, N>> {
+  CUTLASS_HOST_DEVICE cutlass::Array<MaxSum, N> operator()(cutlass::Array<MaxSum, N> const& a,
+                                                           cutlass::Array<MaxSum, N> const& b) const {
+    cutlass::Array<MaxSum, N> r;
+    MergeMaxSum<MaxSum> f;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < N; ++i) r[i] = f(a[i], b[i]);
+    return r;
+  }
+};
+}  // namespace kiln::kernels::cuda::lm_head_sm90
 
 #define CK(x)                                                                            \
   do {                                                                                   \
@@ -131,6 +178,11 @@ struct Gemm {
     check(gemm.initialize(args, workspace, s), "initialize");
   }
   void run(cudaStream_t s) { check(gemm.run(s), "run"); }
+  void release() {
+    CK(cudaFree(p.lse));
+    CK(cudaFree(p.kept));
+    if (workspace) CK(cudaFree(workspace));
+  }
   // Row r's lse (or, kept, that of the bf16 values) from its tile partials (host).
   double lse_row(int r, bool kept = false) const {
     std::vector<MaxSum> col(size_t(p.n_tiles));
@@ -214,7 +266,8 @@ int main(int argc, char** argv) {
   cublasSetStream(blas, s);
   Element* w;
   CK(cudaMalloc(&w, size_t(V) * D * 2));
-  // |h| ~ U(-1.7, 1.7) (unit variance), w ~ U(-a, a) with logits spanning about [-15, 15].
+  // h ~ U(-1.7, 1.7) (unit variance), w ~ U(-0.25, 0.25): logits of standard deviation ~6.5
+  // (|logit| up to ~30 over V).
   fill<<<1024, 256>>>(reinterpret_cast<__nv_bfloat16*>(w), int64_t(V) * D, 7u, 0.25f);
   for (int T : Ts) {
     Element *h, *out, *ref16;
@@ -264,6 +317,7 @@ int main(int argc, char** argv) {
     } else if (is_cublas32) {
       ms = ms_per_call([&] { blas_gemm(ref32, CUDA_R_32F); }, s);
     } else if (is_kiln) {
+#ifdef KILN_VARIANT_KILN
       Pool pool;
       pool.cap = size_t(512) << 20;  // the partials: 2 x 605 x 8192 x 8 bytes at T 8192, and the workspace
       CK(cudaMalloc(&pool.base, pool.cap));
@@ -273,6 +327,7 @@ int main(int argc, char** argv) {
       LmHeadArgs a;
       a.hidden = h, a.weight = w, a.logits = out, a.lse = lse, a.kept_lse = kept_lse;
       a.N = T, a.V = V, a.D = D, a.sm_count = prop.multiProcessorCount, a.stream = s;
+      a.pingpong = true;  // kiln's default schedule
       ms = ms_per_call([&] { pool.used = 0, lm_head_logits_lse(a, &Pool::take, &pool); }, s);
       std::vector<float> got(T), got_kept(T);
       CK(cudaMemcpy(got.data(), lse, T * 4, cudaMemcpyDeviceToHost));
@@ -282,6 +337,10 @@ int main(int argc, char** argv) {
         lse_err = std::max(lse_err, std::fabs(got[rows[i]] - want[i]));
         kept_err = std::max(kept_err, std::fabs(got_kept[rows[i]] - want_kept[i]));
       }
+      CK(cudaFree(pool.base));
+      CK(cudaFree(lse));
+      CK(cudaFree(kept_lse));
+#endif
     } else {
 #ifdef KILN_VARIANT_GEMM
       using G = KILN_CAT(KILN_V_, KILN_VARIANT);
@@ -298,6 +357,8 @@ int main(int argc, char** argv) {
         for (size_t i = 0; i < rows.size(); ++i)
           kept_err = std::max(kept_err, std::fabs(g->lse_row(rows[i], true) - want_kept[i]));
       }
+      g->release();
+      delete g;
 #endif
     }
     CK(cudaStreamSynchronize(s));
@@ -323,6 +384,7 @@ int main(int argc, char** argv) {
       CK(cudaMemcpy(b16.data(), ref16 + row * V, size_t(V) * 2, cudaMemcpyDeviceToHost));
       for (size_t i = 0; i < a16.size(); ++i, ++checked) {
         const float x = bf16_to_float(a16[i]), y = bf16_to_float(b16[i]);
+        if (x == y) continue;
         if (!(std::fabs(x - y) <= std::ldexp(1.f, std::ilogb(std::max(std::fabs(x), std::fabs(y))) - 7))) ++differ;
       }
     }

@@ -16,13 +16,14 @@ case "$mode" in
 build)
   inc=${3:-$("${KILN_PYTHON:-$HOME/.cache/kiln/venv/bin/python}" -c "import importlib.util as u, os; s = u.find_spec('cutlass_library'); print(os.path.join(list(s.submodule_search_locations)[0], 'source', 'include'))")}
   mkdir -p "$dir"
-  flags=(-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DNDEBUG
-         -Xcudafe=--diag_suppress=177 -I. -isystem "$inc" -lcublas)
   jobs=${JOBS:-$(nproc)}
   {
     for v in "${gemms[@]}"; do echo "$v -DKILN_VARIANT_GEMM"; done
-    echo "cublas16"; echo "cublas32"; echo "kiln kernels/lm_head_sm90.cu kernels/lm_head_sm90_pingpong.cu"
-  } | xargs -P "$jobs" -L 1 bash -c 'v=$0; nvcc '"${flags[*]}"' -DKILN_VARIANT=$v "$@" tests/bench/lm_head_variants.cu -o '"$dir"'/$v && echo "built $v"'
+    echo "cublas16"; echo "cublas32"; echo "kiln -DKILN_VARIANT_KILN kernels/lm_head_sm90.cu kernels/lm_head_sm90_pingpong.cu"
+  } | KILN_DIR="$dir" KILN_INC="$inc" xargs -P "$jobs" -L 1 bash -c 'v=$0; nvcc -std=c++17 -O3 \
+        -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DNDEBUG -Xcudafe=--diag_suppress=177 \
+        -I. -isystem "$KILN_INC" -DKILN_VARIANT="$v" "$@" tests/bench/lm_head_variants.cu -lcublas \
+        -o "$KILN_DIR/$v" && echo "built $v"'
   ;;
 run)
   shift 2

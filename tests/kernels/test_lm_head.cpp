@@ -62,13 +62,19 @@ TEST_CASE("CUDA: the lm head's fused GEMM writes the reference's logits and both
     CAPTURE(V);
     // |logit| up to ~15, as a trained head's: the exp of each term spans many octaves.
     auto h = torch::randn({N, D}, bf16_on(cuda)), w = (torch::randn({V, D}, bf16_on(cuda)) * (4.0 / std::sqrt(D)));
+    // One row's logit at a late column ~60 above the rest (86 log2 units): the epilogue's per-row
+    // references, set by a row's first values, must move up (the rescale path).
+    const int64_t r0 = N / 2, v0 = V - 3;
+    w[v0].copy_(h[r0].to(torch::kFloat32).mul(60.0 / h[r0].to(torch::kFloat32).square().sum().item<double>()));
     auto logits = torch::empty({N, V}, bf16_on(cuda)), want = torch::empty({N, V}, bf16_on(cuda));
     auto [lse, kept_lse] = kernels::lm_head_logits_lse(h, w, logits);
     auto [rlse, rkept] = kernels::lm_head_logits_lse_ref(h, w, want);
     auto z = torch::mm(h.to(torch::kFloat64), w.to(torch::kFloat64).t());
     const double e = (lse.to(torch::kFloat64) - z.logsumexp(1)).abs().max().item<double>();
     const double ek = (kept_lse.to(torch::kFloat64) - logits.to(torch::kFloat64).logsumexp(1)).abs().max().item<double>();
-    MESSAGE("N " << N << " V " << V << ": |lse - fp64| max " << e << ", kept " << ek);
+    MESSAGE("N " << N << " V " << V << ": |lse - fp64| max " << e << ", kept " << ek << " (spiked row's lse "
+                  << lse[r0].item<double>() << ")");
+    CHECK(lse[r0].item<double>() > 55);
     CHECK(e <= 1e-5 * (1 + rlse.abs().max().item<double>()));
     CHECK(ek <= 1e-5 * (1 + rkept.abs().max().item<double>()));
     // The same fp32 sums in another order: a bf16 logit may round the other way, by one bf16
@@ -93,6 +99,7 @@ TEST_CASE("CUDA: the lm head's fused GEMM writes the reference's logits and both
   auto w20 = torch::randn({20, 16}, bf16_on(cuda));  // V = 20: not a multiple of 8
   CHECK_THROWS_WITH_AS(kernels::lm_head_logits_lse(h, w20, torch::empty({4, 20}, bf16_on(cuda))),
                        doctest::Contains("no fused kernel"), c10::Error);
-  on.reset();  // the default: off
+  on.reset();
+  const kernels::LmHeadSettingsScope off(false);  // switched off (KILN_LM_HEAD_FUSED=0): not taken
   CHECK_FALSE(kernels::lm_head_fused_available(h, w));
 }

@@ -247,7 +247,12 @@ TEST_CASE("CUDA bf16: log-probs through the fused head (logits and row logsumexp
       const kiln::kernels::LmHeadSettingsScope on(true);
       fused = head.run(keep);
     }
-    const auto [lp, gh, gw] = head.run(keep);  // cuBLAS into fp32 and kiln's pass
+    std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> plain;
+    {
+      const kiln::kernels::LmHeadSettingsScope off(false);  // cuBLAS into fp32 and kiln's pass
+      plain = head.run(keep);
+    }
+    const auto& [lp, gh, gw] = plain;
     const auto& [flp, fgh, fgw] = fused;
     if (!first.defined()) first = flp;
     CHECK(torch::equal(flp, first));  // one forward, whatever is kept
