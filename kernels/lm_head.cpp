@@ -34,10 +34,10 @@ std::atomic<bool>& fused_switch() {
 std::atomic<LmHeadSchedule>& schedule_switch() {
   static std::atomic<LmHeadSchedule> s{[] {
     const char* env = std::getenv("KILN_LM_HEAD_SCHEDULE");
-    if (!env || !*env || std::strcmp(env, "pingpong") == 0) return LmHeadSchedule::pingpong;
-    TORCH_CHECK(std::strcmp(env, "cooperative") == 0, "KILN_LM_HEAD_SCHEDULE=", env,
-                ": expected pingpong or cooperative");
-    return LmHeadSchedule::cooperative;
+    if (!env || !*env || std::strcmp(env, "cooperative") == 0) return LmHeadSchedule::cooperative;
+    TORCH_CHECK(std::strcmp(env, "pingpong") == 0, "KILN_LM_HEAD_SCHEDULE=", env,
+                ": expected cooperative or pingpong");
+    return LmHeadSchedule::pingpong;
   }()};
   return s;
 }

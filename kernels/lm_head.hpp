@@ -28,11 +28,12 @@ bool lm_head_fused_available(const at::Tensor& hidden_ND, const at::Tensor& weig
 /// The process-wide switch lm_head_fused_available reads (benchmarks and tests compare both
 /// paths); returns the setting it replaces.
 bool set_lm_head_fused(bool on);
-/// The fused GEMM's kernel schedule, process-wide: pingpong (128x128 tiles, one warp group's
-/// epilogue under the other's mainloop; the default, the faster: 724 against 689 TFLOP/s at T 1024
-/// on the H200, docs/benchmarks.md) or cooperative (128x256 tiles), as
-/// KILN_LM_HEAD_SCHEDULE=pingpong|cooperative in the environment at start-up. Same results up to
-/// the order the tiles' row statistics merge in (fp32 rounding).
+/// The fused GEMM's kernel schedule, process-wide: cooperative (128x256 tiles, the default) or
+/// pingpong (128x128 tiles, one warp group's epilogue under the other's mainloop), as
+/// KILN_LM_HEAD_SCHEDULE=cooperative|pingpong in the environment at start-up. Which is faster
+/// depends on the GPU (docs/benchmarks.md): the H100's 8k training step runs 0.7 ms faster with
+/// cooperative; on the H200 the GEMM alone ran faster with pingpong (724 against 689 TFLOP/s at
+/// T 1024). Same results up to the order the tiles' row statistics merge in (fp32 rounding).
 enum class LmHeadSchedule { cooperative, pingpong };
 /// Returns the schedule it replaces.
 LmHeadSchedule set_lm_head_schedule(LmHeadSchedule s);
@@ -42,7 +43,7 @@ LmHeadSchedule lm_head_schedule();
 /// however it ends.
 class LmHeadSettingsScope {
  public:
-  explicit LmHeadSettingsScope(bool fused, LmHeadSchedule schedule = LmHeadSchedule::pingpong)
+  explicit LmHeadSettingsScope(bool fused, LmHeadSchedule schedule = LmHeadSchedule::cooperative)
       : fused_(set_lm_head_fused(fused)), schedule_(set_lm_head_schedule(schedule)) {}
   ~LmHeadSettingsScope() { set_lm_head_fused(fused_), set_lm_head_schedule(schedule_); }
   LmHeadSettingsScope(const LmHeadSettingsScope&) = delete;

@@ -2,11 +2,12 @@
 // The log-prob head's logits and their row statistics in one Hopper GEMM (kernels/lm_head.hpp):
 // CUTLASS 3's sm90 GEMM (TMA loads, warp-specialized WGMMA; NVIDIA CUTLASS,
 // examples/49_hopper_gemm_with_collective_builder) in two schedules, one translation unit each:
+//   cooperative (kernels/lm_head_sm90.cu):         128x256x64 tiles, both consumer warp groups on
+//                                                  one tile, the epilogue after the mainloop (the
+//                                                  default: the faster in the H100's training step);
 //   pingpong    (kernels/lm_head_sm90_pingpong.cu): 128x128x64 tiles, one per consumer warp group,
 //                                                  one group's epilogue under the other's mainloop
-//                                                  (the default: the faster, docs/benchmarks.md);
-//   cooperative (kernels/lm_head_sm90.cu):         128x256x64 tiles, both consumer warp groups on
-//                                                  one tile, the epilogue after the mainloop;
+//                                                  (the faster GEMM alone on the H200);
 // cluster 1x2 in both. The epilogue is one node of CUTLASS's visitor tree (EVT, examples/49 and
 // cutlass/epilogue/fusion), kiln's RowSoftmaxStats below: it stores bf16(acc) and sums every row
 // twice as an online softmax's normalizer (Milakov & Gimelshein 2018) against a per-row reference:
