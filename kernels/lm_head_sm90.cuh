@@ -196,12 +196,15 @@ struct RowSoftmaxStats {
           if constexpr (kChecked) return get<1>(c_mn(idx)) < get<1>(residue_tCcCol);
           else return true;
         };
+        auto t_of = [&](int i) CUTLASS_LAMBDA_FUNC_INLINE {  // a column past V: -inf (2^-inf = 0 adds nothing)
+          const int idx = epi_v * FragmentSize + i;
+          return in(idx) ? fmaf(float(x[i]), kLog2e, -r_mn(idx)) : -INFINITY;
+        };
         float t[FragmentSize];
         bool far = false;
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < FragmentSize; ++i) {
-          const int idx = epi_v * FragmentSize + i;
-          t[i] = in(idx) ? fmaf(float(x[i]), kLog2e, -r_mn(idx)) : -INFINITY;  // 2^-inf = 0: adds nothing
+          t[i] = t_of(i);
           far |= !(t[i] <= 64.f);  // also NaN: an empty slot (r = -inf) meeting -inf, or a NaN value
         }
         if (far) {
@@ -221,10 +224,7 @@ struct RowSoftmaxStats {
             s_f(j) *= c, k_f(j) *= c;
           }
           CUTLASS_PRAGMA_UNROLL
-          for (int i = 0; i < FragmentSize; ++i) {
-            const int idx = epi_v * FragmentSize + i;
-            t[i] = in(idx) ? fmaf(float(x[i]), kLog2e, -r_mn(idx)) : -INFINITY;
-          }
+          for (int i = 0; i < FragmentSize; ++i) t[i] = t_of(i);
         }
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < FragmentSize; ++i) {
@@ -244,8 +244,8 @@ struct RowSoftmaxStats {
     template <class STensor, class SyncFn, class VTensor>
     CUTLASS_DEVICE void reduce(STensor&&, SyncFn const&, int, int, bool is_last_iteration, VTensor) {
       if (!is_last_iteration) return;
-      auto& [tCrR, tCrS, tCrK, tCcCol, residue_tCcCol, check_n, cCol, residue_cCol, gL, gK, lane_layout_MN, lane_mn,
-             epi_tile, tiled_copy, thread_idx] = args_tuple;
+      auto& [tCrR, tCrS, tCrK, tCcCol, residue_tCcCol, check_n, cCol, residue_cCol, tCgL, tCgK, lane_layout_MN,
+             lane_mn] = args_tuple;
       if (!elem_less(cCol(_0{}, _0{}), residue_cCol)) return;  // a CTA wholly past the problem (cluster padding)
       // The lanes that share a row (along N) merge by shuffles; their lane 0 holds the row's tile partial.
       Tensor r_f = filter(tCrR), s_f = filter(tCrS), k_f = filter(tCrK);
@@ -261,8 +261,6 @@ struct RowSoftmaxStats {
         }
       }
       if (get<1>(lane_mn) != 0) return;
-      Tensor tCgL = cutlass::epilogue::fusion::sm90_partition_for_epilogue<true>(gL, epi_tile, tiled_copy, thread_idx);
-      Tensor tCgK = cutlass::epilogue::fusion::sm90_partition_for_epilogue<true>(gK, epi_tile, tiled_copy, thread_idx);
       Tensor r_z = filter_zeros(tCrR), s_z = filter_zeros(tCrS), k_z = filter_zeros(tCrK);
       Tensor gL_z = filter_zeros(tCgL), gK_z = filter_zeros(tCgK);
       CUTLASS_PRAGMA_UNROLL
@@ -301,18 +299,20 @@ struct RowSoftmaxStats {
                            make_coord(m, n, _))(_, _, l);  // (CTA_M, CTA_N)
     Tensor gK = local_tile(make_tensor(make_gmem_ptr(params.kept), buf_layout), take<0, 2>(args.tile_shape_mnk),
                            make_coord(m, n, _))(_, _, l);
-    Tensor tCgRef = cutlass::epilogue::fusion::sm90_partition_for_epilogue<true>(gL, args.epi_tile, args.tiled_copy,
-                                                                               args.thread_idx);
-    Tensor tCrR = make_tensor_like<float>(tCgRef);  // (CPY,CPY_M,CPY_N,EPI_M,EPI_N), 0-stride along N
-    Tensor tCrS = make_tensor_like<float>(tCgRef);
-    Tensor tCrK = make_tensor_like<float>(tCgRef);
+    // This thread's view of them (CPY,CPY_M,CPY_N,EPI_M,EPI_N), and its sums shaped alike (0-stride along N).
+    Tensor tCgL = cutlass::epilogue::fusion::sm90_partition_for_epilogue<true>(gL, args.epi_tile, args.tiled_copy,
+                                                                             args.thread_idx);
+    Tensor tCgK = cutlass::epilogue::fusion::sm90_partition_for_epilogue<true>(gK, args.epi_tile, args.tiled_copy,
+                                                                             args.thread_idx);
+    Tensor tCrR = make_tensor_like<float>(tCgL);
+    Tensor tCrS = make_tensor_like<float>(tCgL);
+    Tensor tCrK = make_tensor_like<float>(tCgL);
     fill(tCrR, -INFINITY);
     fill(tCrS, 0.f);
     fill(tCrK, 0.f);
     const bool check_n = get<1>(args.residue_cD) < int(size<1>(args.tile_shape_mnk));
     auto args_tuple = make_tuple(cute::move(tCrR), cute::move(tCrS), cute::move(tCrK), args.tCcD, args.residue_tCcD,
-                                 check_n, args.cD, args.residue_cD, gL, gK, lane_layout_MN, lane_mn, args.epi_tile,
-                                 args.tiled_copy, args.thread_idx);
+                                 check_n, args.cD, args.residue_cD, tCgL, tCgK, lane_layout_MN, lane_mn);
     return ConsumerStoreCallbacks<decltype(args_tuple)>(std::move(args_tuple), params);
   }
 };
@@ -347,6 +347,25 @@ struct Partials {
   int64_t m_pad = 0;
 };
 
+// The CUTLASS types of the head's GEMM (bf16 A [M, K] row-major, B [N, K] as K x N, D [M, N]
+// bf16 row-major, fp32 accumulation, no C) for one tile, cluster, pair of schedules, epilogue
+// fusion and epilogue subtile; the mainloop takes the shared memory the epilogue leaves.
+// (tests/bench/lm_head_variants.cu instantiates it with other fusions.)
+template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule, class Fusion,
+          class EpilogueTile = cutlass::epilogue::collective::EpilogueTileAuto>
+struct GemmTypes {
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape, EpilogueTile, float, float, void,
+      LayoutD, 8, Element, LayoutD, 8, EpilogueSchedule, Fusion>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, 8, Element, LayoutB, 8, float, TileShape,
+      ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+
 // The GEMM with the fused epilogue for one tile shape, cluster and kernel schedule (the
 // epilogue's schedule matches it: cooperative with cooperative, pingpong with plain TMA
 // warp-specialized). Queues it on a.stream; the partials live in memory from alloc.
@@ -355,17 +374,9 @@ Partials run(const LmHeadArgs& a, LmHeadAlloc alloc, void* alloc_ctx) {
   namespace ef = cutlass::epilogue::fusion;
   // bf16(acc) to D, each row's (reference, sum) partials per tile to the buffers (RowSoftmaxStats).
   using Fusion = ef::Sm90EVT<RowSoftmaxStats<TileShape>, ef::Sm90AccFetch>;
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, 8, Element, LayoutD, 8,
-      EpilogueSchedule, Fusion>::CollectiveOp;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, 8, Element, LayoutB, 8, float, TileShape,
-      ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      KernelSchedule>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using Types = GemmTypes<TileShape, ClusterShape, KernelSchedule, EpilogueSchedule, Fusion>;
+  using Kernel = typename Types::Kernel;
+  using Gemm = typename Types::Gemm;
   constexpr int kTileM = cute::size<0>(TileShape{}), kTileN = cute::size<1>(TileShape{});
 
   const int M = int(a.N), N = int(a.V), K = int(a.D);

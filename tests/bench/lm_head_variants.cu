@@ -132,15 +132,9 @@ struct Gemm {
           std::conditional_t<F == Fuse::two,
                              ef::Sm90EVT<RowMaxSum, ef::Sm90EVT<ToBf16, ef::Sm90EVT<RowMaxSum, ef::Sm90AccFetch>>>,
                              ef::Sm90EVT<RowSoftmaxStats<Tile>, ef::Sm90AccFetch>>>>;
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster, EpiTile, float, float, void, LayoutD, 8,
-      Element, LayoutD, 8, ES, Fusion>::CollectiveOp;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, 8, Element, LayoutB, 8, float, Tile, Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      KS>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
-  using Adapter = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using Types = GemmTypes<Tile, Cluster, KS, ES, Fusion, EpiTile>;  // kiln's head's types, this fusion
+  using Kernel = typename Types::Kernel;
+  using Adapter = typename Types::Gemm;
   static constexpr int kTileM = cute::size<0>(Tile{}), kTileN = cute::size<1>(Tile{});
   static constexpr bool kReduces = F != Fuse::plain;
   static constexpr bool kKept = F == Fuse::two || F == Fuse::stats;
