@@ -3,6 +3,7 @@
 // package's config parser uses (no LibTorch). Errors are std::invalid_argument
 // "config.json (SOURCE): field 'x': why".
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <optional>
@@ -46,6 +47,16 @@ void write_config_json(const std::string& dir, const nlohmann::json& j);
 /// Throws std::invalid_argument "config.json (SOURCE) describes another model than the one in
 /// use: 'text_config.field' X (in use: Y), ..." naming up to 8 fields that differ.
 void check_same_config(const nlohmann::json& in_use, const nlohmann::json& other, const std::string& source);
+/// A package's CausalLM::check_hf_config: when DIR holds a config.json, it parsed by the
+/// package's Config (from_hf_json: every field checked) and compared with `in_use`'s
+/// (check_same_config over both to_hf_json forms); a DIR without one passes.
+template <class Config>
+void check_dir_config(const Config& in_use, const std::string& dir) {
+  const auto path = std::filesystem::path(dir) / "config.json";
+  if (!std::filesystem::exists(path)) return;
+  const auto other = Config::from_hf_json(read_config_json(dir), path.string());
+  check_same_config(in_use.to_hf_json(), other.to_hf_json(), path.string());
+}
 
 /// The range of `field` in `ranges` (asserts that it has one: a missing entry is a bug).
 IntRange range_of(const IntRanges& ranges, const std::string& field);

@@ -306,10 +306,7 @@ void Glm4MoeLiteModel::save_hf_config(const std::string& dir) {
 }
 
 void Glm4MoeLiteModel::check_hf_config(const std::string& dir) const {
-  const auto path = std::filesystem::path(dir) / "config.json";
-  if (!std::filesystem::exists(path)) return;
-  const auto other = Glm4MoeLiteConfig::from_hf_json(config_json::read_config_json(dir), path.string());
-  config_json::check_same_config(config_.to_hf_json(), other.to_hf_json(), path.string());
+  config_json::check_dir_config(config_, dir);
 }
 
 std::shared_ptr<Glm4MoeLiteModel> from_hf_dir(const std::string& dir, ExpertSlice experts) {

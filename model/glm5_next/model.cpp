@@ -1,6 +1,5 @@
 #include "model/glm5_next/model.hpp"
 
-#include <filesystem>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -343,10 +342,7 @@ std::vector<messaging::Tensor> Glm5NextModelImpl::hf_state_dict() { return to_hf
 void Glm5NextModelImpl::save_hf_config(const std::string& dir) { glm5_next::save_hf_config(*this, dir); }
 
 void Glm5NextModelImpl::check_hf_config(const std::string& dir) const {
-  const auto path = std::filesystem::path(dir) / "config.json";
-  if (!std::filesystem::exists(path)) return;
-  const auto other = Glm5NextConfig::from_hf_json(config_json::read_config_json(dir), path.string());
-  config_json::check_same_config(c_.to_hf_json(), other.to_hf_json(), path.string());
+  config_json::check_dir_config(c_, dir);
 }
 
 }  // namespace kiln::model::glm5_next
