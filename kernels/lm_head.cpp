@@ -8,11 +8,13 @@
 
 #include "kernels/alignment.hpp"
 
-#ifdef KILN_LM_HEAD
+#ifdef KILN_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "kernels/lm_head_cuda.hpp"
+#endif
+#ifdef KILN_LM_HEAD
 #include "kernels/stream_scratch.hpp"
 #endif
 
@@ -103,10 +105,52 @@ std::pair<at::Tensor, at::Tensor> lm_head_logits_lse(const at::Tensor& hidden_ND
 #endif
 }
 
-at::Tensor lm_head_target_logits(const at::Tensor& hidden_ND, const at::Tensor& weight_VD,
-                                 const at::Tensor& targets_N) {
-  auto rows = weight_VD.index_select(0, targets_N.clamp_min(0)).to(at::kFloat);  // [N, D]
-  return rows.mul_(hidden_ND.to(at::kFloat)).sum(1);                             // [N]
+at::Tensor lm_head_target_logprobs_ref(const at::Tensor& hidden_ND, const at::Tensor& weight_VD,
+                                       const at::Tensor& targets_N, const at::Tensor& lse_N) {
+  const int64_t V = weight_VD.size(0);
+  const auto valid = targets_N.ge(0).logical_and_(targets_N.lt(V));                 // [N]
+  auto rows = weight_VD.index_select(0, targets_N.clamp(0, V - 1)).to(at::kFloat);  // [N, D]
+  auto lp = rows.mul_(hidden_ND.to(at::kFloat)).sum(1).sub_(lse_N.to(at::kFloat));   // [N]
+  return lp.masked_fill_(valid.logical_not(), 0.0);
+}
+
+at::Tensor lm_head_target_logprobs(const at::Tensor& hidden_ND, const at::Tensor& weight_VD,
+                                   const at::Tensor& targets_N, const at::Tensor& lse_N) {
+  TORCH_CHECK(hidden_ND.dim() == 2 && weight_VD.dim() == 2 && hidden_ND.size(1) == weight_VD.size(1) &&
+                  weight_VD.size(0) > 0 && hidden_ND.scalar_type() == weight_VD.scalar_type(),
+              "lm_head_target_logprobs: hidden [N, D] and weight [V, D] (V > 0) of one dtype expected, got ",
+              hidden_ND.sizes(), " ", hidden_ND.scalar_type(), " and ", weight_VD.sizes(), " ",
+              weight_VD.scalar_type());
+  const int64_t N = hidden_ND.size(0);
+  TORCH_CHECK(targets_N.dim() == 1 && targets_N.size(0) == N && targets_N.scalar_type() == at::kLong &&
+                  lse_N.dim() == 1 && lse_N.size(0) == N && lse_N.scalar_type() == at::kFloat,
+              "lm_head_target_logprobs: targets [", N, "] int64 and lse [", N, "] fp32 expected, got ",
+              targets_N.sizes(), " ", targets_N.scalar_type(), " and ", lse_N.sizes(), " ", lse_N.scalar_type());
+  TORCH_CHECK(weight_VD.device() == hidden_ND.device() && targets_N.device() == hidden_ND.device() &&
+                  lse_N.device() == hidden_ND.device(),
+              "lm_head_target_logprobs: every tensor on ", hidden_ND.device(), ", got weight on ", weight_VD.device(),
+              ", targets on ", targets_N.device(), ", lse on ", lse_N.device());
+#ifdef KILN_CUDA
+  if (hidden_ND.is_cuda() && hidden_ND.scalar_type() == at::kBFloat16 && hidden_ND.size(1) % 8 == 0) {
+    const c10::cuda::CUDAGuard device(hidden_ND.device());
+    auto h = aligned_contiguous(hidden_ND), w = aligned_contiguous(weight_VD);
+    auto t = targets_N.contiguous(), l = lse_N.contiguous();
+    auto out = at::empty({N}, lse_N.options());
+    cuda::LmHeadTargetArgs a;
+    a.hidden = h.data_ptr();
+    a.weight = w.data_ptr();
+    a.targets = t.data_ptr<int64_t>();
+    a.lse = l.data_ptr<float>();
+    a.out = out.data_ptr<float>();
+    a.N = N;
+    a.D = h.size(1);
+    a.V = w.size(0);
+    a.stream = at::cuda::getCurrentCUDAStream(h.device().index()).stream();
+    cuda::lm_head_target_logprobs(a);
+    return out;
+  }
+#endif
+  return lm_head_target_logprobs_ref(hidden_ND, weight_VD, targets_N, lse_N);
 }
 
 std::pair<at::Tensor, at::Tensor> lm_head_logits_lse_ref(const at::Tensor& hidden_ND, const at::Tensor& weight_VD,

@@ -60,11 +60,18 @@ class LmHeadSettingsScope {
 /// fit, std::runtime_error when CUTLASS refuses the problem or the launch fails.
 std::pair<at::Tensor, at::Tensor> lm_head_logits_lse(const at::Tensor& hidden_ND, const at::Tensor& weight_VD,
                                                      const at::Tensor& logits_NV);
-/// The logits of each row's target in fp32, hidden_ND[t] . weight_VD[targets_N[t]] (a target < 0
-/// reads row 0; the caller masks it): what the fused GEMM's epilogue, which reduces rows, does not
-/// pick out. targets_N [N] int64 on hidden's device -> [N] fp32.
-at::Tensor lm_head_target_logits(const at::Tensor& hidden_ND, const at::Tensor& weight_VD,
-                                 const at::Tensor& targets_N);
+/// Each row's log-prob of its target from the fused GEMM's lse: hidden_ND[t] . weight_VD[targets_N[t]]
+/// (fp32 products and sums) - lse_N[t], and 0 where targets_N[t] is outside [0, V) (the default
+/// path's rule, kernels/logprobs.hpp): what the GEMM's epilogue, which reduces rows, does not pick
+/// out. hidden_ND [N, D] and weight_VD [V, D] of one dtype, targets_N [N] int64 and lse_N [N] fp32
+/// on their device -> [N] fp32. On CUDA with bf16 and D a multiple of 8: one kernel, a warp per
+/// row (kernels/lm_head_targets.cu); elsewhere lm_head_target_logprobs_ref. Throws c10::Error
+/// naming a shape, dtype or device that does not fit.
+at::Tensor lm_head_target_logprobs(const at::Tensor& hidden_ND, const at::Tensor& weight_VD,
+                                   const at::Tensor& targets_N, const at::Tensor& lse_N);
+/// The LibTorch composite, any device: the target rows gathered, both sides in fp32, product, sum.
+at::Tensor lm_head_target_logprobs_ref(const at::Tensor& hidden_ND, const at::Tensor& weight_VD,
+                                       const at::Tensor& targets_N, const at::Tensor& lse_N);
 /// The LibTorch reference, any device: fp32 logits (on CUDA with 16-bit inputs one GEMM writing
 /// fp32, as model::lm_logits; elsewhere an fp32 GEMM of the inputs) and their logsumexp;
 /// logits_NV receives them rounded to its dtype, and the second logsumexp is of those.

@@ -35,4 +35,19 @@ using LmHeadAlloc = void* (*)(size_t bytes, void* ctx);
 /// (N, V, D must be >= 1; V and D multiples of 8) or the launch fails.
 void lm_head_logits_lse(const LmHeadArgs& args, LmHeadAlloc alloc, void* alloc_ctx);
 
+/// The target log-probs beside it (kernels/lm_head_targets.cu, any CUDA GPU: no CUTLASS).
+struct LmHeadTargetArgs {
+  const void* hidden = nullptr;     ///< [N, D] bf16, row-major, from a 16-byte boundary
+  const void* weight = nullptr;     ///< [V, D] bf16, row-major, from a 16-byte boundary
+  const int64_t* targets = nullptr; ///< [N]
+  const float* lse = nullptr;       ///< [N]: the rows' logsumexps
+  float* out = nullptr;             ///< [N]: hidden[t] . weight[targets[t]] - lse[t] (fp32), 0 where
+                                    ///< targets[t] is outside [0, V)
+  int64_t N = 0, D = 0, V = 0;
+  void* stream = nullptr;  ///< cudaStream_t
+};
+/// Queues it on args.stream (nothing for N = 0); throws std::runtime_error when D is not a
+/// positive multiple of 8 or the launch fails.
+void lm_head_target_logprobs(const LmHeadTargetArgs& args);
+
 }  // namespace kiln::kernels::cuda

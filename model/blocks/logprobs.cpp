@@ -30,7 +30,7 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
     auto ent = torch::empty({with_entropy ? T : 0}, fopt), mean_z = torch::empty({with_entropy ? T : 0}, fopt);
     // On Hopper (log-probs without entropy): one GEMM writes each chunk's bf16 logits (into the
     // kept rows, or a scratch chunk) and both row logsumexps (kernels/lm_head.hpp); the target's
-    // logit is a dot product in fp32.
+    // log-prob is a dot product in fp32 minus the lse, one kernel.
     const bool fused = !with_entropy && kernels::lm_head_fused_available(hidden, weight);
     auto scratch = fused && kept_rows < T ? torch::empty({std::min(chunk, T), weight.size(0)}, hidden.options())
                                           : torch::Tensor();
@@ -41,8 +41,7 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
       if (fused) {
         const auto h = hidden.narrow(0, s, n), t = targets.narrow(0, s, n);
         auto [l, kept_l] = kernels::lm_head_logits_lse(h, weight, keep ? kept.narrow(0, s, n) : scratch.narrow(0, 0, n));
-        auto lp = kernels::lm_head_target_logits(h, weight, t).sub_(l);
-        out.narrow(0, s, n).copy_(lp.masked_fill_(t < 0, 0.0));
+        out.narrow(0, s, n).copy_(kernels::lm_head_target_logprobs(h, weight, t, l));
         lse.narrow(0, s, n).copy_(keep ? kept_l : l);  // the backward differentiates the kept values' softmax
         continue;
       }

@@ -3,7 +3,7 @@
 //   cuBLAS + pass: at::mm into fp32 [T, V] (model::lm_logits), then kernels::logprob_chunk_forward
 //                  reading it once, keeping bf16 logits for the backward (the default path)
 //   fused:         kernels::lm_head_logits_lse (one CUTLASS GEMM writing the bf16 logits and both
-//                  row logsumexps in its epilogue), the targets' logits as fp32 dot products; in
+//                  row logsumexps in its epilogue), the targets' log-probs by a dot-product kernel; in
 //                  both kernel schedules (cooperative 128x256 tiles, pingpong 128x128)
 // with the GEMM alone (cuBLAS into fp32, into bf16) for scale, and how far the fused results are
 // from the default path's: log-probs, lse (fp32 logits), lse of the kept logits, kept logits that
@@ -63,13 +63,15 @@ int main(int argc, char** argv) {
     });
     auto fused = [&] {
       std::tie(lse_f, kept_lse_f) = kernels::lm_head_logits_lse(h, w, kept_fused);
-      lp_f = kernels::lm_head_target_logits(h, w, targets) - lse_f;
+      lp_f = kernels::lm_head_target_logprobs(h, w, targets, lse_f);
     };
     kernels::set_lm_head_schedule(kernels::LmHeadSchedule::pingpong);
     const double t_pingpong = seconds(fused);
     const auto lse_pingpong = lse_f.clone();
     kernels::set_lm_head_schedule(kernels::LmHeadSchedule::cooperative);
     const double t_fused = seconds(fused);
+    const double t_targets = seconds([&] { (void)kernels::lm_head_target_logprobs(h, w, targets, lse_f); });
+    const double t_targets_ref = seconds([&] { (void)kernels::lm_head_target_logprobs_ref(h, w, targets, lse_f); });
     const double flop = 2.0 * double(T) * D * V;
     std::printf("\nT %lld                                  ms    TFLOP/s\n", (long long)T);
     auto row = [&](const char* n, double s) { std::printf("  %-34s %8.3f %8.0f\n", n, s * 1e3, flop / s / 1e12); };
@@ -80,6 +82,8 @@ int main(int argc, char** argv) {
     row("fused (pingpong 128x128) + dot", t_pingpong);
     std::printf("  fused / default: cooperative %.3fx the time (%.3f ms saved), pingpong %.3fx (%.3f ms saved)\n",
                 t_fused / t_default, (t_default - t_fused) * 1e3, t_pingpong / t_default, (t_default - t_pingpong) * 1e3);
+    std::printf("  target log-probs: kernel %.3f ms, LibTorch composite %.3f ms\n", t_targets * 1e3,
+                t_targets_ref * 1e3);
     std::printf("  |lse pingpong - cooperative| max %.2e\n", (lse_pingpong - lse_f).abs().max().item<double>());
     std::printf("  |fused - default|: log-prob max %.2e, lse max %.2e, kept lse max %.2e; kept logits differing %.2e\n",
                 (lp_f - lp).abs().max().item<double>(), (lse_f - lse).abs().max().item<double>(),

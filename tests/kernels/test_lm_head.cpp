@@ -28,10 +28,16 @@ TEST_CASE("lm head reference: bf16 logits and the logsumexps of the fp32 and of 
   CHECK((lse.to(torch::kFloat64) - z.logsumexp(1)).abs().max().item<double>() <= 1e-4);
   CHECK(torch::equal(logits, z.to(torch::kFloat32).to(torch::kBFloat16)));
   CHECK((kept_lse.to(torch::kFloat64) - logits.to(torch::kFloat64).logsumexp(1)).abs().max().item<double>() <= 1e-4);
-  // The targets' logits (a target < 0 reads row 0; the caller masks it).
-  auto targets = torch::tensor({3, -1, 39, 0, 7});
-  auto zt = kernels::lm_head_target_logits(h, w, targets).to(torch::kFloat64);
-  CHECK((zt - z.gather(1, targets.clamp_min(0).unsqueeze(1)).squeeze(1)).abs().max().item<double>() <= 1e-4);
+  // The targets' log-probs: the target's logit minus the lse, 0 for a target outside [0, V).
+  auto targets = torch::tensor({3, -1, 39, 40, 7});
+  auto lp = kernels::lm_head_target_logprobs(h, w, targets, lse).to(torch::kFloat64);
+  auto want = z.gather(1, targets.clamp(0, 39).unsqueeze(1)).squeeze(1) - lse.to(torch::kFloat64);
+  const auto valid = torch::tensor({true, false, true, false, true});
+  CHECK((lp - want).masked_fill(valid.logical_not(), 0).abs().max().item<double>() <= 1e-4);
+  CHECK(lp[1].item<double>() == 0);
+  CHECK(lp[3].item<double>() == 0);
+  CHECK_THROWS_WITH_AS(kernels::lm_head_target_logprobs(h, w, targets.narrow(0, 0, 4), lse),
+                       doctest::Contains("targets [5] int64 and lse [5] fp32 expected, got [4]"), c10::Error);
   CHECK_FALSE(kernels::lm_head_fused_available(h, w));  // CPU tensors: never the fused kernel
   CHECK_THROWS_WITH_AS(kernels::lm_head_logits_lse(h, w, logits), doctest::Contains("no fused kernel for hidden [5, 16]"),
                        c10::Error);
@@ -83,6 +89,22 @@ TEST_CASE("CUDA: the lm head's fused GEMM writes the reference's logits and both
     const auto step = want32.abs().clamp_min(1e-30) * (1.0 / 128);
     CHECK((got32 - want32).abs().le(step).all().item<bool>());
     CHECK(logits.ne(want).to(torch::kFloat64).mean().item<double>() <= 1e-2);
+    // The targets' log-probs (kernels/lm_head_targets.cu) against fp64, a target of -1 and one of
+    // V among them (0 there), and against the LibTorch composite.
+    auto targets = torch::randint(0, V, {N}, torch::TensorOptions().dtype(torch::kInt64).device(cuda));
+    targets[0] = -1;
+    if (N > 2) targets[N - 1] = V;
+    targets[r0] = v0;  // the spiked logit
+    auto lp = kernels::lm_head_target_logprobs(h, w, targets, lse);
+    const auto valid = targets.ge(0).logical_and(targets.lt(V));
+    auto lp64 = (z.gather(1, targets.clamp(0, V - 1).unsqueeze(1)).squeeze(1) - lse.to(torch::kFloat64))
+                    .masked_fill(valid.logical_not(), 0);
+    const double elp = (lp.to(torch::kFloat64) - lp64).abs().max().item<double>();
+    MESSAGE("target log-probs: |kernel - fp64| max " << elp);
+    CHECK(elp <= 1e-5 * (1 + z.abs().max().item<double>()));
+    CHECK(lp.masked_select(valid.logical_not()).eq(0).all().item<bool>());
+    CHECK((lp - kernels::lm_head_target_logprobs_ref(h, w, targets, lse)).abs().max().item<double>() <=
+          1e-5 * (1 + z.abs().max().item<double>()));
     // Run again: the same bits (fresh partial buffers, merged in the same order).
     auto logits2 = torch::empty_like(logits);
     auto [lse2, kept_lse2] = kernels::lm_head_logits_lse(h, w, logits2);
