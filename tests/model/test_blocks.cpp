@@ -37,6 +37,41 @@ TEST_CASE("router: the correction bias chooses in fp32, the unbiased scores weig
   }
 }
 
+TEST_CASE("CUDA bf16: the router's logits are the fp32 GEMM's bits, its backward bf16 GEMMs within bf16 rounding of the fp32 one") {
+  if (kiln::test::skip_without_gpu()) return;
+  torch::manual_seed(31);
+  const int64_t T = 300, D = 256, E = 64;
+  const RouterOptions o{D, E, 4, 1, 1, true, 2.5};
+  TopKRouter router(o);
+  router->to(torch::kCUDA, torch::kBFloat16);
+  {
+    torch::NoGradGuard no_grad;
+    router->weight.copy_(torch::randn({E, D}) * 0.05);
+  }
+  auto x = torch::randn({T, D}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16)).requires_grad_();
+  const auto g = torch::randn({T, 4}, torch::TensorOptions().device(torch::kCUDA));
+  auto r = router(x);
+  (r.weights * g).sum().backward();
+  // The same route through the fp32 path (x and the weight cast to fp32 outside the router).
+  TopKRouter ref(o);
+  ref->to(torch::kCUDA);
+  {
+    torch::NoGradGuard no_grad;
+    ref->weight.copy_(router->weight.to(torch::kFloat32));
+  }
+  auto x32 = x.detach().to(torch::kFloat32).requires_grad_();
+  auto r32 = ref(x32);
+  (r32.weights * g).sum().backward();
+  CHECK(torch::equal(r.expert_ids, r32.expert_ids));
+  CHECK(torch::equal(r.weights, r32.weights));  // the forward's bits: the same fp32 GEMM
+  CHECK((x.grad().scalar_type() == torch::kBFloat16));
+  const double ex = kiln::test::rel_error(x.grad().to(torch::kFloat32), x32.grad());
+  const double ew = kiln::test::rel_error(router->weight.grad().to(torch::kFloat32), ref->weight.grad());
+  MESSAGE("router backward in bf16 against fp32: x grad " << ex << ", weight grad " << ew << " relative");
+  CHECK(ex <= 1e-2);
+  CHECK(ew <= 1e-2);
+}
+
 TEST_CASE("router: group-limited selection keeps experts of the best group only") {
   // 4 experts in 2 groups, keep 1 group: group {0,1} scores 0.9+0.1, group {2,3} 0.6+0.6.
   auto scores = torch::tensor({{0.9f, 0.1f, 0.6f, 0.6f}});
