@@ -71,6 +71,9 @@ class CausalLM : public torch::nn::Module {
   virtual torch::Tensor lm_head_weight() = 0;  ///< [V, D]
   virtual int64_t num_moe_layers() const = 0;
   virtual int64_t experts_per_token() const = 0;
+  /// E: routed experts of each MoE layer (the whole model's, with expert parallel too); a
+  /// routing-replay id lies in [0, E).
+  virtual int64_t num_experts() const = 0;
   /// Ls: sparse-attention layers (an indexer chooses their keys: ForwardOutput::topk_indices);
   /// 0 for a model without them (the default).
   virtual int64_t num_sparse_layers() const { return 0; }

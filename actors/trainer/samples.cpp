@@ -53,7 +53,9 @@ torch::Tensor per_token(const std::vector<Sample>& samples, const std::vector<st
   return torch::tensor(v, torch::kFloat32);
 }
 
-void check_samples(const std::vector<Sample>& samples, int64_t vocab, bool need_ref) {
+void check_samples(const std::vector<Sample>& samples, const model::CausalLM& policy, bool need_ref,
+                   bool routing_replay) {
+  const int64_t vocab = policy.vocab_size();
   if (samples.empty()) throw std::invalid_argument("train_step: no samples");
   const bool given_old = !samples.front().old_logprobs.empty();
   for (std::size_t i = 0; i < samples.size(); ++i) {
@@ -83,6 +85,22 @@ void check_samples(const std::vector<Sample>& samples, int64_t vocab, bool need_
           ": old_logprobs must be given for every completion token of every sample, or for none");
     if (given_old) check(s.old_logprobs, "old log-probs", "");
     if (!std::isfinite(s.advantage)) bad("has a non-finite advantage: " + number(s.advantage));
+    if (routing_replay && s.routed_experts.defined()) {
+      const auto& r = s.routed_experts;
+      const int64_t rows = int64_t(s.prompt.size() + n) - 1;
+      const int64_t L = policy.num_moe_layers(), K = policy.experts_per_token(), E = policy.num_experts();
+      if (r.dim() != 3 || r.size(0) != rows || r.size(1) != L || r.size(2) != K)
+        bad("has routed experts of shape " + c10::str(r.sizes()) + ", not [" + std::to_string(rows) + ", " +
+            std::to_string(L) + ", " + std::to_string(K) +
+            "] (prompt + completion - 1 rows; the policy's MoE layers and experts per token)");
+      if (r.numel() > 0) {
+        const auto [lo, hi] = torch::aminmax(r.to(torch::kCPU, torch::kInt64));
+        const int64_t least = lo.item<int64_t>(), most = hi.item<int64_t>();
+        if (least < 0 || most >= E)
+          bad("has routed expert id " + std::to_string(least < 0 ? least : most) + " outside [0, " +
+              std::to_string(E) + ") (the policy's experts)");
+      }
+    }
   }
 }
 

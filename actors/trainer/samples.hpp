@@ -69,11 +69,16 @@ torch::Tensor per_token(const std::vector<Sample>& samples, const std::vector<st
 
 /// Refuses, by sample index (std::invalid_argument "train_step: sample I ..."), what a step
 /// cannot train on or would be poisoned by: no samples, an empty prompt or completion, a token
-/// id outside [0, vocab), per-token vectors of the wrong length or with a NaN/inf (reference
-/// log-probs only when `need_ref`), old log-probs on some samples only, a non-finite advantage.
-/// A NaN or inf would reach every parameter through the update, and every later update
-/// through AdamW's moments.
-void check_samples(const std::vector<Sample>& samples, int64_t vocab, bool need_ref);
+/// id outside [0, policy.vocab_size()), per-token vectors of the wrong length or with a NaN/inf
+/// (reference log-probs only when `need_ref`), old log-probs on some samples only, a non-finite
+/// advantage; with `routing_replay` (the step replays them), routed experts not [P + n - 1, L, K]
+/// of the policy's MoE layers and experts per token, or holding an id outside [0,
+/// policy.num_experts()). A NaN or inf would reach every parameter through the update, and
+/// every later update through AdamW's moments; a bad expert id would otherwise stop the step
+/// inside the model's forward, naming no sample, and rows of another count turn replay off for
+/// the whole micro-batch (pack).
+void check_samples(const std::vector<Sample>& samples, const model::CausalLM& policy, bool need_ref,
+                   bool routing_replay);
 
 /// Why a step with this loss and gradient norm must not be applied ("loss is nan", ...), or ""
 /// when both are finite.

@@ -320,7 +320,7 @@ StepMetrics Trainer::train_step(const std::vector<Sample>& samples) {
   auto t0 = std::chrono::steady_clock::now();
   const bool want_ref = c_.loss.kl_coef != 0;
   if (dp_) check_same_batch(*dp_, samples);  // before any rank may throw alone
-  check_samples(samples, policy_->vocab_size(), want_ref);
+  check_samples(samples, *policy_, want_ref, c_.logprobs.routing_replay);
   std::vector<std::size_t> mine(samples.size());
   std::iota(mine.begin(), mine.end(), std::size_t{0});
   if (dp_) mine = split_samples(samples, dp_->size())[std::size_t(dp_->rank())];
@@ -453,7 +453,7 @@ StepMetrics Trainer::step(std::vector<Sample> samples) {
   if (c_.recompute_old_logprobs && dp_) {  // each rank its share, then every value everywhere
     const messaging::Stopwatch t;
     check_same_batch(*dp_, samples);  // before any rank may throw alone, as in train_step
-    check_samples(samples, policy_->vocab_size(), c_.loss.kl_coef != 0);
+    check_samples(samples, *policy_, c_.loss.kl_coef != 0, c_.logprobs.routing_replay);
     const auto mine = split_samples(samples, dp_->size())[std::size_t(dp_->rank())];
     std::vector<Sample> share;
     for (auto i : mine) share.push_back(samples[i]);
@@ -472,6 +472,7 @@ StepMetrics Trainer::step(std::vector<Sample> samples) {
     for (std::size_t i = 0; i < samples.size(); ++i) samples[i].old_logprobs.assign(v + offset[i], v + offset[i + 1]);
     log_probs_time = t.seconds();
   } else if (c_.recompute_old_logprobs) {  // pi_old in its own pass (verl/slime "log_probs")
+    check_samples(samples, *policy_, c_.loss.kl_coef != 0, c_.logprobs.routing_replay);  // before that forward
     const messaging::Stopwatch t;
     auto old = completion_logprobs(*policy_, samples, c_.logprobs);
     for (std::size_t i = 0; i < samples.size(); ++i) samples[i].old_logprobs = std::move(old[i]);

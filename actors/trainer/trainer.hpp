@@ -76,7 +76,8 @@ class Trainer {
   /// Throws std::invalid_argument, before anything changes, naming the sample: no samples, an
   /// empty prompt or completion, a token id outside the vocabulary, log-prob counts that do not
   /// match the completion (ref_logprobs needed when kl_coef != 0), a non-finite advantage or
-  /// log-prob. A step whose loss or gradient norm comes out non-finite anyway is skipped
+  /// log-prob, and with routing replay routed experts of another [P + n - 1, L, K] or an expert id
+  /// outside the policy's [0, E) (check_samples). A step whose loss or gradient norm comes out non-finite anyway is skipped
   /// (StepMetrics::skipped_nonfinite), not applied.
   /// With a data-parallel group: collective; the metrics are the whole batch's, equal on every
   /// rank; every rank refuses the same batch, and all skip a non-finite step together. Throws

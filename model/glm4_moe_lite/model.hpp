@@ -56,6 +56,7 @@ class Glm4MoeLiteModel : public CausalLM {
   torch::Tensor lm_head_weight() override { return lm_head->weight; }
   int64_t num_moe_layers() const override { return config_.num_moe_layers(); }
   int64_t experts_per_token() const override { return config_.moe.top_k; }
+  int64_t num_experts() const override { return config_.moe.num_experts; }
   void load_hf_checkpoint(const std::string& dir) override;
   /// With expert parallel: collective over the ep group, as hf_state_dict.
   void save_hf_checkpoint(const std::string& dir, uint64_t max_shard_bytes) override;

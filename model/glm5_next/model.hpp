@@ -84,6 +84,7 @@ class Glm5NextModelImpl : public CausalLM {
   torch::Tensor lm_head_weight() override { return lm_head->weight; }
   int64_t num_moe_layers() const override { return c_.num_moe_layers(); }
   int64_t experts_per_token() const override { return c_.moe.top_k; }
+  int64_t num_experts() const override { return c_.moe.num_experts; }
   int64_t num_sparse_layers() const override;
   /// W: positions one sparse layer selects per query (index_topk, + index_kpool - 1 with the tail).
   int64_t topk_width() const override;

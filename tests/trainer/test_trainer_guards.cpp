@@ -70,11 +70,38 @@ TEST_CASE("samples that would poison the step, or that it cannot train on, are r
   auto outside = good;
   outside.completion = {7, 96};
   check_refused(t, {outside}, "sample 0 has token id 96 outside the vocabulary [0, 96)");
+  // Routed experts (routing replay) of another model's shape, or an id past the experts: named
+  // here, not inside the forward ("replay_routed_experts must lie in [0, E)", no sample).
+  const int64_t L = m->num_moe_layers(), K = m->experts_per_token(), E = m->num_experts();
+  auto replayed = good;
+  replayed.routed_experts = torch::zeros({5, L, K}, torch::kInt64);  // P + n - 1 rows
+  replayed.routed_experts[3][L - 1][K - 1] = E;
+  check_refused(t, {good, replayed},
+                "sample 1 has routed expert id " + std::to_string(E) + " outside [0, " + std::to_string(E) + ")");
+  replayed.routed_experts[3][L - 1][K - 1] = -1;
+  check_refused(t, {replayed}, "sample 0 has routed expert id -1 outside [0, " + std::to_string(E) + ")");
+  const auto want = "], not [5, " + std::to_string(L) + ", " + std::to_string(K) + "]";
+  replayed.routed_experts = torch::zeros({5, L, K + 1}, torch::kInt64);
+  check_refused(t, {replayed}, "sample 0 has routed experts of shape [5, " + std::to_string(L) + ", " +
+                                   std::to_string(K + 1) + want);
+  replayed.routed_experts = torch::zeros({4, L, K}, torch::kInt64);  // one row short: replay would be dropped
+  check_refused(t, {replayed}, "sample 0 has routed experts of shape [4, " + std::to_string(L) + ", " +
+                                   std::to_string(K) + want);
+  replayed.routed_experts = torch::zeros({5, L, K}, torch::kInt64);
+  t.train_step({replayed});  // in range: trained (every token on expert 0)
   auto no_prompt = good;
   no_prompt.prompt.clear();
   check_refused(t, {no_prompt}, "sample 0 has an empty prompt");
   check_refused(t, {}, "train_step: no samples");
-  CHECK(t.version() == 1);
+  CHECK(t.version() == 2);
+  // Without routing replay the routed experts are not read, so not refused either.
+  TrainerConfig off = c;
+  off.logprobs.routing_replay = false;
+  auto m2 = debug_model(3);
+  Trainer no_replay(m2, off);
+  replayed.routed_experts = torch::full({5, L, K + 1}, E, torch::kInt64);
+  no_replay.train_step({replayed});
+  CHECK(no_replay.version() == 1);
 }
 
 TEST_CASE("a 1-token prompt with no response is refused by name, not by a raw 'start out of range'") {
