@@ -131,7 +131,8 @@ at::Tensor lm_head_target_logprobs(const at::Tensor& hidden_ND, const at::Tensor
               "lm_head_target_logprobs: every tensor on ", hidden_ND.device(), ", got weight on ", weight_VD.device(),
               ", targets on ", targets_N.device(), ", lse on ", lse_N.device());
 #ifdef KILN_CUDA
-  if (hidden_ND.is_cuda() && hidden_ND.scalar_type() == at::kBFloat16 && hidden_ND.size(1) % 8 == 0) {
+  if (hidden_ND.is_cuda() && hidden_ND.scalar_type() == at::kBFloat16 && hidden_ND.size(1) > 0 &&
+      hidden_ND.size(1) % 8 == 0) {
     const c10::cuda::CUDAGuard device(hidden_ND.device());
     auto h = aligned_contiguous(hidden_ND), w = aligned_contiguous(weight_VD);
     auto t = targets_N.contiguous(), l = lse_N.contiguous();

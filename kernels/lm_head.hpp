@@ -61,9 +61,9 @@ class LmHeadSettingsScope {
 std::pair<at::Tensor, at::Tensor> lm_head_logits_lse(const at::Tensor& hidden_ND, const at::Tensor& weight_VD,
                                                      const at::Tensor& logits_NV);
 /// Each row's log-prob of its target from the fused GEMM's lse: hidden_ND[t] . weight_VD[targets_N[t]]
-/// (fp32 products and sums) - lse_N[t], and 0 where targets_N[t] is outside [0, V) (the default
-/// path's rule, kernels/logprobs.hpp): what the GEMM's epilogue, which reduces rows, does not pick
-/// out. hidden_ND [N, D] and weight_VD [V, D] of one dtype, targets_N [N] int64 and lse_N [N] fp32
+/// (fp32 products and sums) - lse_N[t], and 0 where targets_N[t] is outside [0, V) (as
+/// kernels/logprobs.cu's forward; a target < 0 marks a row without one): what the GEMM's
+/// epilogue, which reduces rows, does not pick out. hidden_ND [N, D] and weight_VD [V, D] of one dtype, targets_N [N] int64 and lse_N [N] fp32
 /// on their device -> [N] fp32. On CUDA with bf16 and D a multiple of 8: one kernel, a warp per
 /// row (kernels/lm_head_targets.cu); elsewhere lm_head_target_logprobs_ref. Throws c10::Error
 /// naming a shape, dtype or device that does not fit.

@@ -1,7 +1,8 @@
 #pragma once
-// Host entry of the Hopper log-prob head GEMM (kernels/lm_head_sm90.cuh: CUTLASS 3's sm90 GEMM
-// with an epilogue visitor tree, compiled for sm_90a beside the grouped GEMM). Torch-free:
-// kernels/lm_head.cpp checks the tensors and fills LmHeadArgs.
+// Host entries of the fused log-prob head: the Hopper GEMM (kernels/lm_head_sm90.cuh: CUTLASS 3's
+// sm90 GEMM with an epilogue visitor tree, compiled for sm_90a beside the grouped GEMM) and the
+// targets' log-probs (kernels/lm_head_targets.cu, any CUDA GPU). Torch-free: kernels/lm_head.cpp
+// checks the tensors and fills LmHeadArgs / LmHeadTargetArgs.
 //
 // Legend: N rows (tokens), D hidden, V vocabulary. bf16 operands, fp32 accumulation.
 #include <cstddef>

@@ -14,8 +14,8 @@
 // The per-chunk softmax work runs in kernels/logprobs.hpp (fused CUDA kernels for 16-bit CUDA
 // logits, the LibTorch reference otherwise). With kernels::lm_head_fused_available (Hopper, bf16;
 // on unless KILN_LM_HEAD_FUSED=0) the forward of token_logprobs instead takes each chunk's
-// bf16 logits and row logsumexps from one GEMM (kernels/lm_head.hpp) and the targets' logits as
-// fp32 dot products; the backward is the same.
+// bf16 logits and row logsumexps from one GEMM (kernels/lm_head.hpp) and the targets' log-probs
+// from one kernel (fp32 dot products minus the lse); the backward is the same.
 // Legend: T tokens, D hidden, V vocabulary.
 #include <torch/torch.h>
 

@@ -42,11 +42,11 @@ RouteResult route_from_scores(const torch::Tensor& scores_TE, const torch::Tenso
 }
 
 namespace {
-// The router's logits [T, E] in fp32 from a 16-bit x [T, D] on CUDA. Forward: the fp32 GEMM
-// without split-K of x and w cast to fp32 (unsplit_linear's: the same bits in a decode step
-// and in the trainer's micro-batch). Backward: the gradient rounded to x's dtype, then two
-// tensor-core GEMMs with fp32 accumulation, dx = g w and dw = g^T x, written in x's and w's
-// dtypes (mixed precision as torchtitan's bf16 router; the fp32 backward ran both on the CUDA
+// The router's logits [T, E] in fp32 from a bf16 x [T, D] and weight [E, D] on CUDA. Forward: the
+// fp32 GEMM without split-K of x and w cast to fp32 (unsplit_linear's: the same bits in a decode
+// step and in the trainer's micro-batch). Backward: the gradient rounded to bf16, then two
+// tensor-core GEMMs with fp32 accumulation, dx = g w and dw = g^T x, written in bf16 (mixed
+// precision as torchtitan's bf16 router; the fp32 backward ran both on the CUDA
 // cores, ~0.13 ms a layer at 8192 tokens, and passed dx through an fp32 [T, D] and its cast).
 // x is saved as it is, not its fp32 copy.
 struct RouterLogits : public torch::autograd::Function<RouterLogits> {
@@ -61,15 +61,16 @@ struct RouterLogits : public torch::autograd::Function<RouterLogits> {
     const auto &x = saved[0], &w = saved[1];
     if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor()};
     const auto g = grads[0].to(x.scalar_type());  // [T, E]
-    return {ctx->needs_input_grad(0) ? g.mm(w.to(x.scalar_type())) : torch::Tensor(),
-            ctx->needs_input_grad(1) ? g.t().mm(x).to(w.scalar_type()) : torch::Tensor()};
+    return {ctx->needs_input_grad(0) ? g.mm(w) : torch::Tensor(), ctx->needs_input_grad(1) ? g.t().mm(x) : torch::Tensor()};
   }
 };
 
 torch::Tensor router_logits(const torch::Tensor& x, const torch::Tensor& weight) {
-  const bool half = x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kHalf;
-  if (half && x.is_cuda() && x.dim() == 2 && x.size(1) == weight.size(1) &&
-      kernels::linear_unsplit_uses_cublaslt(x, weight))  // (16-byte rows in x's dtype: in fp32 too)
+  // bf16 only (fp16's range would flush the per-token-normalised gradients, ~1e-6 and below), the
+  // weight in it too (its gradient is computed in that dtype).
+  if (x.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16 && x.is_cuda() &&
+      x.dim() == 2 && x.size(1) == weight.size(1) &&
+      kernels::linear_unsplit_uses_cublaslt(x, weight))  // (16-byte rows in bf16: in fp32 too)
     return RouterLogits::apply(x, weight);
   return unsplit_linear(x.to(torch::kFloat32), weight.to(torch::kFloat32));  // [T, E] fp32
 }

@@ -3,7 +3,8 @@
 // kernels/lm_head_sm90_pingpong.cu, through kernels/lm_head_cuda.hpp with scratch from
 // kernels/stream_scratch.hpp, on a Hopper GPU): against
 // the LibTorch reference (cuBLAS fp32 logits, logsumexp) and an fp64 logsumexp, at a small head
-// with ragged tiles and at GLM-4.7-Flash's; its refusals; the reference on CPU.
+// with ragged tiles and at GLM-4.7-Flash's; its refusals; the reference on CPU. The targets'
+// log-probs (kernels/lm_head_targets.cu, any CUDA GPU) against fp64 and their composite.
 #include <doctest/doctest.h>
 #include <torch/torch.h>
 
@@ -89,22 +90,6 @@ TEST_CASE("CUDA: the lm head's fused GEMM writes the reference's logits and both
     const auto step = want32.abs().clamp_min(1e-30) * (1.0 / 128);
     CHECK((got32 - want32).abs().le(step).all().item<bool>());
     CHECK(logits.ne(want).to(torch::kFloat64).mean().item<double>() <= 1e-2);
-    // The targets' log-probs (kernels/lm_head_targets.cu) against fp64, a target of -1 and one of
-    // V among them (0 there), and against the LibTorch composite.
-    auto targets = torch::randint(0, V, {N}, torch::TensorOptions().dtype(torch::kInt64).device(cuda));
-    targets[0] = -1;
-    if (N > 2) targets[N - 1] = V;
-    targets[r0] = v0;  // the spiked logit
-    auto lp = kernels::lm_head_target_logprobs(h, w, targets, lse);
-    const auto valid = targets.ge(0).logical_and(targets.lt(V));
-    auto lp64 = (z.gather(1, targets.clamp(0, V - 1).unsqueeze(1)).squeeze(1) - lse.to(torch::kFloat64))
-                    .masked_fill(valid.logical_not(), 0);
-    const double elp = (lp.to(torch::kFloat64) - lp64).abs().max().item<double>();
-    MESSAGE("target log-probs: |kernel - fp64| max " << elp);
-    CHECK(elp <= 1e-5 * (1 + z.abs().max().item<double>()));
-    CHECK(lp.masked_select(valid.logical_not()).eq(0).all().item<bool>());
-    CHECK((lp - kernels::lm_head_target_logprobs_ref(h, w, targets, lse)).abs().max().item<double>() <=
-          1e-5 * (1 + z.abs().max().item<double>()));
     // Run again: the same bits (fresh partial buffers, merged in the same order).
     auto logits2 = torch::empty_like(logits);
     auto [lse2, kept_lse2] = kernels::lm_head_logits_lse(h, w, logits2);
@@ -124,4 +109,40 @@ TEST_CASE("CUDA: the lm head's fused GEMM writes the reference's logits and both
   on.reset();
   const kernels::LmHeadSettingsScope off(false);  // switched off (KILN_LM_HEAD_FUSED=0): not taken
   CHECK_FALSE(kernels::lm_head_fused_available(h, w));
+}
+
+TEST_CASE("CUDA: the targets' log-probs (kernels/lm_head_targets.cu, any CUDA GPU) against fp64 and the composite, from aligned and unaligned rows") {
+  if (test::skip_without_cuda_kernels()) return;
+  torch::manual_seed(23);
+  const torch::Device cuda(torch::kCUDA);
+  struct Case {
+    int64_t N, D, V;
+  };
+  for (auto [N, D, V] : {Case{700, 64, 1000}, Case{520, 2048, 154880}, Case{1, 8, 8}}) {
+    CAPTURE(N);
+    CAPTURE(V);
+    auto h = torch::randn({N, D}, bf16_on(cuda)), w = torch::randn({V, D}, bf16_on(cuda)) * (4.0 / std::sqrt(D));
+    auto logits = torch::empty({N, V}, bf16_on(cuda));
+    const auto lse = kernels::lm_head_logits_lse_ref(h, w, logits).first;  // [N] fp32
+    // A target of -1 and one of V among them: 0 there.
+    auto targets = torch::randint(0, V, {N}, torch::TensorOptions().dtype(torch::kInt64).device(cuda));
+    targets[0] = -1;
+    if (N > 2) targets[N - 1] = V;
+    const auto valid = targets.ge(0).logical_and(targets.lt(V));
+    const auto z = torch::mm(h.to(torch::kFloat64), w.to(torch::kFloat64).t());
+    const auto want = (z.gather(1, targets.clamp(0, V - 1).unsqueeze(1)).squeeze(1) - lse.to(torch::kFloat64))
+                          .masked_fill(valid.logical_not(), 0);
+    const double tol = 1e-5 * (1 + z.abs().max().item<double>());
+    const auto lp = kernels::lm_head_target_logprobs(h, w, targets, lse);
+    const double e = (lp.to(torch::kFloat64) - want).abs().max().item<double>();
+    MESSAGE("target log-probs: |kernel - fp64| max " << e);
+    CHECK(e <= tol);
+    CHECK(lp.masked_select(valid.logical_not()).eq(0).all().item<bool>());
+    CHECK((lp - kernels::lm_head_target_logprobs_ref(h, w, targets, lse)).abs().max().item<double>() <= tol);
+    // Rows that do not start on a 16-byte boundary: copied to aligned memory first, the same bits.
+    auto buf = torch::empty({N * D + 1}, bf16_on(cuda));
+    auto unaligned = buf.narrow(0, 1, N * D).view({N, D});
+    unaligned.copy_(h);
+    CHECK(torch::equal(kernels::lm_head_target_logprobs(unaligned, w, targets, lse), lp));
+  }
 }
