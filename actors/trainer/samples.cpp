@@ -85,21 +85,30 @@ void check_samples(const std::vector<Sample>& samples, const model::CausalLM& po
           ": old_logprobs must be given for every completion token of every sample, or for none");
     if (given_old) check(s.old_logprobs, "old log-probs", "");
     if (!std::isfinite(s.advantage)) bad("has a non-finite advantage: " + number(s.advantage));
-    if (routing_replay && s.routed_experts.defined()) {
-      const auto& r = s.routed_experts;
-      const int64_t rows = int64_t(s.prompt.size() + n) - 1;
-      const int64_t L = policy.num_moe_layers(), K = policy.experts_per_token(), E = policy.num_experts();
-      if (r.dim() != 3 || r.size(0) != rows || r.size(1) != L || r.size(2) != K)
-        bad("has routed experts of shape " + c10::str(r.sizes()) + ", not [" + std::to_string(rows) + ", " +
-            std::to_string(L) + ", " + std::to_string(K) +
-            "] (prompt + completion - 1 rows; the policy's MoE layers and experts per token)");
-      if (r.numel() > 0) {
-        const auto [lo, hi] = torch::aminmax(r.to(torch::kCPU, torch::kInt64));
-        const int64_t least = lo.item<int64_t>(), most = hi.item<int64_t>();
-        if (least < 0 || most >= E)
-          bad("has routed expert id " + std::to_string(least < 0 ? least : most) + " outside [0, " +
-              std::to_string(E) + ") (the policy's experts)");
-      }
+  }
+  if (routing_replay) check_routed_experts(samples, policy, "train_step");
+}
+
+void check_routed_experts(const std::vector<Sample>& samples, const model::CausalLM& policy, const std::string& what) {
+  const int64_t L = policy.num_moe_layers(), K = policy.experts_per_token(), E = policy.num_experts();
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    const auto& s = samples[i];
+    if (!s.routed_experts.defined()) continue;
+    auto bad = [&](const std::string& why) {
+      throw std::invalid_argument(what + ": sample " + std::to_string(i) + " " + why);
+    };
+    const auto& r = s.routed_experts;
+    const int64_t rows = int64_t(s.prompt.size() + s.completion.size()) - 1;
+    if (r.dim() != 3 || r.size(0) != rows || r.size(1) != L || r.size(2) != K)
+      bad("has routed experts of shape " + c10::str(r.sizes()) + ", not [" + std::to_string(rows) + ", " +
+          std::to_string(L) + ", " + std::to_string(K) +
+          "] (prompt + completion - 1 rows; the policy's MoE layers and experts per token)");
+    if (r.numel() > 0) {
+      const auto [lo, hi] = torch::aminmax(r.to(torch::kCPU, torch::kInt64));
+      const int64_t least = lo.item<int64_t>(), most = hi.item<int64_t>();
+      if (least < 0 || most >= E)
+        bad("has routed expert id " + std::to_string(least < 0 ? least : most) + " outside [0, " +
+            std::to_string(E) + ") (the policy's experts)");
     }
   }
 }

@@ -79,6 +79,10 @@ torch::Tensor per_token(const std::vector<Sample>& samples, const std::vector<st
 /// the whole micro-batch (pack).
 void check_samples(const std::vector<Sample>& samples, const model::CausalLM& policy, bool need_ref,
                    bool routing_replay);
+/// The routed-expert part of check_samples, for any pass that replays them (the reference's and
+/// the old log-probs' too): std::invalid_argument "`what`: sample I has routed experts of
+/// shape ..." or "... routed expert id X outside [0, E)".
+void check_routed_experts(const std::vector<Sample>& samples, const model::CausalLM& policy, const std::string& what);
 
 /// Why a step with this loss and gradient norm must not be applied ("loss is nan", ...), or ""
 /// when both are finite.

@@ -487,6 +487,7 @@ std::vector<std::vector<float>> completion_logprobs(model::CausalLM& model, cons
                                                     int64_t max_tokens_per_microbatch, bool routing_replay,
                                                     double temperature) {
   torch::NoGradGuard no_grad;
+  if (routing_replay) check_routed_experts(samples, model, "log-probs");  // named here, not in the forward
   std::vector<std::vector<float>> out(samples.size());
   auto plan = plan_micro_batches(samples, max_tokens_per_microbatch);
   plan.resize(micro_batch_count(model.expert_parallel(), plan.size()));  // expert parallel: padded to the ep group's most

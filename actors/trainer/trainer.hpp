@@ -222,7 +222,10 @@ int ranks_on_this_host(parallel::ProcessGroups* ranks);
 /// Per-completion-token log-probs of `samples` under `model` (no grad), e.g. the reference
 /// policy: result[i] has samples[i].completion.size() values. An expert-parallel model
 /// (model.expert_parallel()): collective over its ep group, every rank running as many
-/// forward passes as the rank with the most micro-batches (samples may be empty).
+/// forward passes as the rank with the most micro-batches (samples may be empty). With
+/// `routing_replay`, routed experts of another shape or with an id outside [0, E) are refused
+/// by sample before any forward (check_routed_experts: std::invalid_argument "log-probs: sample
+/// I ...").
 std::vector<std::vector<float>> completion_logprobs(model::CausalLM& model, const std::vector<Sample>& samples,
                                                     int64_t max_tokens_per_microbatch, bool routing_replay,
                                                     double temperature = 1.0);

@@ -94,6 +94,14 @@ TEST_CASE("samples that would poison the step, or that it cannot train on, are r
   check_refused(t, {no_prompt}, "sample 0 has an empty prompt");
   check_refused(t, {}, "train_step: no samples");
   CHECK(t.version() == 2);
+  // A log-prob pass that replays them (the reference's, the old log-probs') refuses them too,
+  // by sample, before its forward.
+  replayed.routed_experts = torch::zeros({5, L, K}, torch::kInt64);
+  replayed.routed_experts[0][0][0] = E;
+  const auto refused = "log-probs: sample 1 has routed expert id " + std::to_string(E);
+  CHECK_THROWS_WITH_AS(completion_logprobs(*m, {good, replayed}, 4096, true, 1.0), doctest::Contains(refused.c_str()),
+                       std::invalid_argument);
+  CHECK(completion_logprobs(*m, {good, replayed}, 4096, false, 1.0).size() == 2);  // not replayed: not read
   // Without routing replay the routed experts are not read, so not refused either.
   TrainerConfig off = c;
   off.logprobs.routing_replay = false;
