@@ -94,18 +94,24 @@ SwiGLUImpl::SwiGLUImpl(int64_t dim, int64_t intermediate, std::optional<double> 
 }
 
 namespace {
-// Forward by kernels::linear_unsplit, backward by mm (the gradients need no fixed order).
+// Forward by kernels::linear_unsplit (with `fp32`, of x and w cast to fp32), backward by mm in
+// x's dtype (the gradients need no fixed order; with `fp32` the fp32 gradient is rounded to it
+// first, and x is saved as it is, not its fp32 copy).
 struct UnsplitLinear : public torch::autograd::Function<UnsplitLinear> {
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x_MK, const torch::Tensor& w_NK) {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x_MK, const torch::Tensor& w_NK,
+                               bool fp32) {
     ctx->save_for_backward({x_MK, w_NK});
-    return kernels::linear_unsplit(x_MK, w_NK);
+    return fp32 ? kernels::linear_unsplit(x_MK.to(torch::kFloat32), w_NK.to(torch::kFloat32))
+                : kernels::linear_unsplit(x_MK, w_NK);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto& x = saved[0];
     const auto& w = saved[1];
-    const auto g = grads[0].contiguous();  // [M, N]
-    return {ctx->needs_input_grad(0) ? g.mm(w) : torch::Tensor(), ctx->needs_input_grad(1) ? g.t().mm(x) : torch::Tensor()};
+    if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    const auto g = grads[0].to(x.scalar_type()).contiguous();  // [M, N]
+    return {ctx->needs_input_grad(0) ? g.mm(w) : torch::Tensor(), ctx->needs_input_grad(1) ? g.t().mm(x) : torch::Tensor(),
+            torch::Tensor()};
   }
 };
 }  // namespace
@@ -120,7 +126,17 @@ torch::Tensor unsplit_linear(const torch::Tensor& x, const torch::Tensor& w) {
   if (!kernels::linear_unsplit_uses_cublaslt(x2, w)) return torch::linear(x, w);
   auto out_shape = x.sizes().vec();
   out_shape.back() = w.size(0);
-  return UnsplitLinear::apply(x2, w).view(out_shape);
+  return UnsplitLinear::apply(x2, w, false).view(out_shape);
+}
+
+torch::Tensor unsplit_linear_fp32(const torch::Tensor& x, const torch::Tensor& w) {
+  // bf16 only (fp16's range would flush small gradients such as the router's per-token-normalised
+  // ones, ~1e-6 and below), w in it too (its gradient is computed in that dtype); 16-byte rows in
+  // bf16 are 16-byte rows in fp32 too.
+  if (x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16 && x.is_cuda() && x.dim() == 2 &&
+      x.size(1) == w.size(1) && kernels::linear_unsplit_uses_cublaslt(x, w))
+    return UnsplitLinear::apply(x, w, true);
+  return unsplit_linear(x.to(torch::kFloat32), w.to(torch::kFloat32));
 }
 
 torch::Tensor SwiGLUImpl::forward(const torch::Tensor& x) {

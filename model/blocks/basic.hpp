@@ -63,6 +63,12 @@ torch::Tensor apply_rope_cached(const torch::Tensor& x, const torch::Tensor& pos
 /// choice does not): MLA's projections, the SwiGLU MLPs and the MoE router's fp32 logits use it
 /// in the default mode.
 torch::Tensor unsplit_linear(const torch::Tensor& x, const torch::Tensor& w);
+/// unsplit_linear in fp32 (x and w cast to fp32: the fp32 GEMM's bits) -> [..., N] fp32. For a
+/// bf16 x [M, K] and w on CUDA its backward runs in bf16 (the gradient rounded to bf16, two
+/// tensor-core GEMMs with fp32 accumulation, as torchtitan's bf16 router; x saved in bf16), not
+/// on the CUDA cores in fp32 through an fp32 copy of x; otherwise unsplit_linear of the fp32
+/// casts. The MoE router's logits.
+torch::Tensor unsplit_linear_fp32(const torch::Tensor& x, const torch::Tensor& w);
 
 /// SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x)). x: [T, D] -> [T, D].
 /// swiglu_limit: transformers' clamped form (GLM-5.3-Flash's Glm5NextTextMLP; kernels::swiglu).

@@ -4,7 +4,6 @@
 #include <stdexcept>
 #include <string>
 
-#include "kernels/linear_unsplit.hpp"
 #include "kernels/moe.hpp"
 #include "kernels/moe_dispatch.hpp"
 #include "model/blocks/moe_ep.hpp"
@@ -41,41 +40,6 @@ RouteResult route_from_scores(const torch::Tensor& scores_TE, const torch::Tenso
   return RouteResult{ids, w * o.routed_scaling_factor};
 }
 
-namespace {
-// The router's logits [T, E] in fp32 from a bf16 x [T, D] and weight [E, D] on CUDA. Forward: the
-// fp32 GEMM without split-K of x and w cast to fp32 (unsplit_linear's: the same bits in a decode
-// step and in the trainer's micro-batch). Backward: the gradient rounded to bf16, then two
-// tensor-core GEMMs with fp32 accumulation, dx = g w and dw = g^T x, written in bf16 (mixed
-// precision as torchtitan's bf16 router; the fp32 backward ran both on the CUDA
-// cores, ~0.13 ms a layer at 8192 tokens, and passed dx through an fp32 [T, D] and its cast).
-// x is saved as it is, not its fp32 copy.
-struct RouterLogits : public torch::autograd::Function<RouterLogits> {
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x_TD,
-                               const torch::Tensor& w_ED) {
-    ctx->save_for_backward({x_TD, w_ED});
-    return kernels::linear_unsplit(x_TD.to(torch::kFloat32), w_ED.to(torch::kFloat32));
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto &x = saved[0], &w = saved[1];
-    if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor()};
-    const auto g = grads[0].to(x.scalar_type());  // [T, E]
-    return {ctx->needs_input_grad(0) ? g.mm(w) : torch::Tensor(), ctx->needs_input_grad(1) ? g.t().mm(x) : torch::Tensor()};
-  }
-};
-
-torch::Tensor router_logits(const torch::Tensor& x, const torch::Tensor& weight) {
-  // bf16 only (fp16's range would flush the per-token-normalised gradients, ~1e-6 and below), the
-  // weight in it too (its gradient is computed in that dtype).
-  if (x.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16 && x.is_cuda() &&
-      x.dim() == 2 && x.size(1) == weight.size(1) &&
-      kernels::linear_unsplit_uses_cublaslt(x, weight))  // (16-byte rows in bf16: in fp32 too)
-    return RouterLogits::apply(x, weight);
-  return unsplit_linear(x.to(torch::kFloat32), weight.to(torch::kFloat32));  // [T, E] fp32
-}
-}  // namespace
-
 TopKRouterImpl::TopKRouterImpl(const RouterOptions& o) : o_(o) {
   weight = register_parameter("weight", torch::zeros({o.num_experts, o.hidden}));
   e_score_correction_bias = register_buffer("e_score_correction_bias", torch::zeros({o.num_experts}));
@@ -89,7 +53,7 @@ RouteResult TopKRouterImpl::forward(const torch::Tensor& x, const std::optional<
   }
   // fp32 without split-K (cuBLAS splits this [E x D] GEMM at every row count): a token's
   // routing weights are the same bits in a decode step and in the trainer's micro-batch.
-  auto logits = router_logits(x, weight);  // [T, E] fp32
+  auto logits = unsplit_linear_fp32(x, weight);  // [T, E] fp32 (its backward in bf16 for a bf16 model)
   if (!given_ids_TK && o_.n_group == 1 && logits.is_cuda()) {
     // Fused sigmoid + bias + top-k (kernels/moe.hpp) picks the experts. Inference: the weights
     // from the same kernel; training: from the differentiable scores below.
