@@ -211,7 +211,7 @@ void report_changed_settings(const Config& c, const fs::path& dir, const std::st
   std::string list;
   for (const auto& x : changed) list += "\n  " + x;
   std::fprintf(stderr, "kiln run: resuming with %zu setting(s) other than %s's (config.toml is rewritten with the new "
-                       "ones):%s\n", changed.size(), before.c_str(), list.c_str());
+                       "ones when the first step is logged):%s\n", changed.size(), before.c_str(), list.c_str());
 }
 
 // Locks the run directory, places the actors, resumes, and brings the engines to the
@@ -219,7 +219,7 @@ void report_changed_settings(const Config& c, const fs::path& dir, const std::st
 int start(Session& s, const Config& c, const std::string& config_toml, const std::string& tag,
           parallel::ProcessGroups* ranks) {
   const fs::path dir(c.run.output_dir);
-  try {  // nothing in the run directory changes before the run is known to start
+  try {  // nothing in the run directory changes here but RUN/.lock and the nodes' pid files (commit_run_dir)
     check_memory(c.algorithm);
     check_run_dir(dir, c.run.resume_from, c.run.overwrite, c.model.checkpoint);
     s.lock = std::make_unique<RunLock>(dir, c.run.resume_from, c.run.overwrite);
@@ -247,7 +247,6 @@ int start(Session& s, const Config& c, const std::string& config_toml, const std
       return 2;
     }
   }
-  if (c.run.overwrite && c.run.resume_from.empty()) fs::remove_all(dir / "checkpoints");  // the replaced run's
   if (!c.run.resume_from.empty()) report_changed_settings(c, dir, config_toml);
   try {  // the engines start from the trainer's current version (initial, or resumed)
     s.actors.engines->load(engine_weights(s.actors, false), trainer);
@@ -255,15 +254,21 @@ int start(Session& s, const Config& c, const std::string& config_toml, const std
     std::fprintf(stderr, "kiln run: %s\n", e.what());
     return 1;
   }
-  // Last before the steps: a start that fails or is stopped before here leaves a directory it
-  // made with nothing of its own (RunLock removes it again).
-  try {  // a write that fails leaves the old config.toml whole
-    replace_file(dir / "config.toml", config_toml);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "kiln run: %s\n", e.what());
-    return 1;
-  }
   return 0;
+}
+
+// The run directory made this run's, once its first step has a row to log (commit_run_dir):
+// before that, a start or a first step that fails leaves config.toml, the metrics rows and
+// TensorBoard events of the steps a resume trains again, and the checkpoints an overwrite
+// replaces, as they were; a directory the run made holds nothing of its own (RunLock removes
+// it). In order, the files a failure can least afford to lose last: config.toml (written beside
+// itself and renamed: a failed write leaves the old one whole), the metrics files (open() drops
+// the rows and events a resume trains again, truncates them otherwise), then the replaced run's
+// checkpoints (run.overwrite).
+void commit_run_dir(const Config& c, const fs::path& dir, const std::string& config_toml, MetricsLog& log) {
+  replace_file(dir / "config.toml", config_toml);
+  log.open();
+  if (c.run.overwrite && c.run.resume_from.empty()) fs::remove_all(dir / "checkpoints");
 }
 }  // namespace
 
@@ -286,7 +291,7 @@ int run(const Config& c, const std::string& config_toml, parallel::ProcessGroups
   std::optional<MetricsLog> metrics;
   try {
     metrics.emplace(dir, first_step);
-  } catch (const std::exception& e) {  // e.g. a directory named metrics.jsonl: nothing trained yet
+  } catch (const std::exception& e) {  // e.g. a directory named metrics.jsonl: nothing trained or written yet
     std::fprintf(stderr, "kiln run: %s\n", e.what());
     return 1;
   }
@@ -296,6 +301,14 @@ int run(const Config& c, const std::string& config_toml, parallel::ProcessGroups
   int64_t nonfinite_in_a_row = 0;
   LastCheckpoint last_checkpoint;
   if (!c.run.resume_from.empty()) last_checkpoint = {first_step - 1, fs::path(c.run.resume_from)};
+  // After the policy was lost: where to continue from. Before the first row a run started over
+  // another (run.overwrite) has not replaced it, and its checkpoints are not this run's.
+  const auto lost_hint = [&] {
+    if (!log.is_open() && c.run.resume_from.empty())
+      return std::string("kiln run: no step of this run was logged: start again") +
+             (c.run.overwrite ? " (the run directory still holds the run it was to replace)" : "") + "\n";
+    return continue_hint(dir, last_checkpoint.dir);
+  };
   RolloutStream rollouts(
       [&](int64_t step, const std::function<void()>& between_steps) {
         const Stopwatch t;
@@ -321,7 +334,7 @@ int run(const Config& c, const std::string& config_toml, parallel::ProcessGroups
     } catch (const PolicyLost& e) {  // colocated engines or reference: a trainer rank is gone, and with it
       // the policy's state since the last checkpoint (a save would wait out the collective timeout)
       std::fprintf(stderr, "kiln run: step %lld: %s\n%s", (long long)step, e.what(),
-                   continue_hint(dir, last_checkpoint.dir).c_str());
+                   lost_hint().c_str());
       return 1;
     } catch (const std::exception& e) {
       return stop_with_checkpoint(trainer, dir, step, e.what(), step - 1, rng_consumed, rollouts, last_checkpoint);
@@ -346,7 +359,7 @@ int run(const Config& c, const std::string& config_toml, parallel::ProcessGroups
         row.train = trainer.train(std::move(groups.samples));
       } catch (const PolicyLost& e) {  // its state since the last checkpoint went with it
         std::fprintf(stderr, "kiln run: step %lld: %s\n%s", (long long)step, e.what(),
-                   continue_hint(dir, last_checkpoint.dir).c_str());
+                   lost_hint().c_str());
         return 1;
       } catch (const std::exception& e) {
         return stop_with_checkpoint(trainer, dir, step, e.what(), step - 1, rng_consumed, rollouts, last_checkpoint);
@@ -366,6 +379,13 @@ int run(const Config& c, const std::string& config_toml, parallel::ProcessGroups
     row.rollout_time = batch.rollout_time;
     row.policy_version = trainer.version();
     row.elapsed_s = run_clock.seconds();
+    if (!log.is_open()) {  // the first row: the run directory becomes this run's
+      try {
+        commit_run_dir(c, dir, config_toml, log);
+      } catch (const std::exception& e) {  // the step is not logged: nothing of it is kept
+        return stop_with_checkpoint(trainer, dir, step, e.what(), step - 1, rng_consumed, rollouts, last_checkpoint);
+      }
+    }
     try {
       log.write(row);
     } catch (const std::exception& e) {  // the step is trained; its row could not be written

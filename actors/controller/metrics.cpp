@@ -47,13 +47,35 @@ namespace {
 void check_written(const std::ofstream& out, const std::filesystem::path& file) {
   if (!out) throw std::runtime_error("writing '" + file.string() + "' failed (disk full, or a file-size limit?)");
 }
+
+// Whether `file` could be opened for writing, without opening it: an existing one must be a
+// writable file (not a directory; a link is followed: /dev/full is one), a missing one needs a
+// writable directory to be made in.
+bool writable_file(const std::filesystem::path& file) {
+  std::error_code ec;
+  const auto st = std::filesystem::status(file, ec);
+  if (std::filesystem::exists(st)) return !std::filesystem::is_directory(st) && ::access(file.c_str(), W_OK) == 0;
+  return ::access(file.parent_path().c_str(), W_OK) == 0;
+}
 }  // namespace
 
-MetricsLog::MetricsLog(const std::filesystem::path& dir, int64_t first_step)
-    : dir_(dir), events_(dir / "tensorboard", first_step) {
+MetricsLog::MetricsLog(const std::filesystem::path& dir, int64_t first_step) : dir_(dir), first_step_(first_step) {
+  for (const auto* name : {"metrics.jsonl", "metrics.tsv"})
+    if (!writable_file(dir / name)) throw std::runtime_error("cannot open '" + (dir / name).string() + "' for writing");
+  std::error_code ec;
+  const auto events = dir / "tensorboard";
+  const auto st = std::filesystem::status(events, ec);
+  if (std::filesystem::exists(st) ? !std::filesystem::is_directory(st) || ::access(events.c_str(), W_OK) != 0
+                                  : ::access(dir.c_str(), W_OK) != 0)
+    throw std::runtime_error("cannot open '" + events.string() + "' for writing (TensorBoard's event files)");
+}
+
+void MetricsLog::open() {
+  if (is_open()) return;
+  const auto first_step = first_step_;
   if (first_step > 1) {
     int64_t cut = 0;
-    const int64_t dropped = drop_rows_from(dir, first_step, &cut);
+    const int64_t dropped = drop_rows_from(dir_, first_step, &cut);
     if (dropped - cut > 0)
       std::fprintf(stderr,
                    "kiln run: dropped %lld metric rows of steps after the checkpoint (those steps are trained again now)\n",
@@ -65,18 +87,20 @@ MetricsLog::MetricsLog(const std::filesystem::path& dir, int64_t first_step)
                    (long long)cut);
   }
   const auto mode = first_step > 1 ? std::ios::app : std::ios::trunc;
-  jsonl_.open(dir / "metrics.jsonl", mode);
-  if (!jsonl_.is_open()) throw std::runtime_error("cannot open '" + (dir / "metrics.jsonl").string() + "' for writing");
-  tsv_.open(dir / "metrics.tsv", mode);
-  if (!tsv_.is_open()) throw std::runtime_error("cannot open '" + (dir / "metrics.tsv").string() + "' for writing");
+  jsonl_.open(dir_ / "metrics.jsonl", mode);
+  if (!jsonl_.is_open()) throw std::runtime_error("cannot open '" + (dir_ / "metrics.jsonl").string() + "' for writing");
+  tsv_.open(dir_ / "metrics.tsv", mode);
+  if (!tsv_.is_open()) throw std::runtime_error("cannot open '" + (dir_ / "metrics.tsv").string() + "' for writing");
   // A comment line naming the columns, at the top of a new file (gnuplot skips it; a run resumed
   // into the same directory keeps the first one, one resumed into a new directory writes it).
   tsv_.seekp(0, std::ios::end);
   if (tsv_.tellp() == 0) tsv_ << "# step\treward_mean\tkl\n" << std::flush;
-  check_written(tsv_, dir / "metrics.tsv");
+  check_written(tsv_, dir_ / "metrics.tsv");
+  events_.emplace(dir_ / "tensorboard", first_step);  // last: is_open() says all three are
 }
 
 void MetricsLog::write(const StepRow& row) {
+  open();
   const auto& m = row.train;
   nlohmann::json j;
   j["step"] = row.step;
@@ -115,7 +139,7 @@ void MetricsLog::write(const StepRow& row) {
   j["elapsed_s"] = row.elapsed_s;
   jsonl_ << j.dump() << "\n" << std::flush;
   check_written(jsonl_, dir_ / "metrics.jsonl");
-  events_.write(j, std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
+  events_->write(j, std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
   tsv_ << row.step << "\t" << row.reward_mean << "\t" << row.kl << "\n" << std::flush;
   check_written(tsv_, dir_ / "metrics.tsv");
 }

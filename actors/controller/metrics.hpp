@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -37,14 +38,22 @@ void summarize(StepRow& row, const std::vector<float>& rewards, const std::vecto
 
 class MetricsLog {
  public:
+  /// Checks, changing nothing, that RUN/metrics.{jsonl,tsv} and RUN/tensorboard can be written:
+  /// throws std::runtime_error "cannot open 'FILE' for writing" for a path there that is of
+  /// another kind (a directory named metrics.jsonl, a file named tensorboard) or not writable.
+  /// The files are changed only by open() (the first step's row): a run that fails before it
+  /// leaves the rows and events of the run it continues or replaces as they were.
+  MetricsLog(const std::filesystem::path& dir, int64_t first_step);
   /// Opens RUN/metrics.{jsonl,tsv}: appended to when `first_step` > 1 (a resume), after
   /// dropping rows of steps >= first_step (steps a resume trains again); else truncated. Starts
   /// a new TensorBoard event file in RUN/tensorboard (the events of steps >= first_step
-  /// dropped from the earlier ones: tensorboard::EventWriter).
-  MetricsLog(const std::filesystem::path& dir, int64_t first_step);
+  /// dropped from the earlier ones: tensorboard::EventWriter). Throws std::runtime_error naming
+  /// the file that cannot be opened or rewritten. Once; write() calls it if nothing did.
+  void open();
+  bool is_open() const { return events_.has_value(); }
   /// One row in metrics.jsonl and metrics.tsv, and its numbers as one TensorBoard event. Throws
-  /// std::runtime_error naming the file when a write fails (disk full, a file-size limit); the
-  /// constructor throws when a file cannot be opened (e.g. a directory of that name).
+  /// std::runtime_error naming the file when a write fails (disk full, a file-size limit) or
+  /// it cannot be opened.
   void write(const StepRow& row);
   /// "step 3/100  reward 0.125 ±0.331  kl ..." on stderr.
   static void print_progress(const StepRow& row, int64_t steps, int64_t prompts_per_step);
@@ -58,8 +67,9 @@ class MetricsLog {
 
  private:
   std::filesystem::path dir_;
+  int64_t first_step_;
   std::ofstream jsonl_, tsv_;
-  tensorboard::EventWriter events_;
+  std::optional<tensorboard::EventWriter> events_;  // set by open()
 };
 
 }  // namespace kiln::controller

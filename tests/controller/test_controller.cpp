@@ -167,6 +167,50 @@ TEST_CASE("metrics: a file that cannot be opened or written stops the run by nam
   CHECK_THROWS_WITH_AS(log.write(row), doctest::Contains(failed.c_str()), std::runtime_error);
 }
 
+TEST_CASE("metrics: a resume's log changes nothing in the run directory before its first row, then drops the rows it trains again") {
+  namespace fs = std::filesystem;
+  const fs::path dir = test::scratch_path("metrics-deferred");
+  fs::create_directories(dir);
+  {
+    std::ofstream j(dir / "metrics.jsonl"), t(dir / "metrics.tsv");
+    t << "# step\treward_mean\tkl\n";
+    for (int s = 1; s <= 4; ++s) {
+      j << "{\"step\": " << s << "}\n";
+      t << s << "\t0.5\t0\n";
+    }
+  }
+  const auto read = [](const fs::path& f) {
+    std::ifstream in(f);
+    return std::string((std::istreambuf_iterator<char>(in)), {});
+  };
+  const auto jsonl = read(dir / "metrics.jsonl"), tsv = read(dir / "metrics.tsv");
+  {
+    MetricsLog log(dir, 3);  // a resume from step 2's checkpoint whose step 3 then fails
+    CHECK_FALSE(log.is_open());
+  }
+  CHECK(read(dir / "metrics.jsonl") == jsonl);
+  CHECK(read(dir / "metrics.tsv") == tsv);
+  CHECK_FALSE(fs::exists(dir / "tensorboard"));
+  {
+    MetricsLog log(dir, 3);
+    StepRow row;
+    row.step = 3;
+    log.write(row);
+    CHECK(log.is_open());
+  }
+  std::ifstream j(dir / "metrics.jsonl");
+  std::vector<int64_t> steps;
+  for (std::string l; std::getline(j, l);) steps.push_back(nlohmann::json::parse(l).at("step").get<int64_t>());
+  CHECK(steps == std::vector<int64_t>{1, 2, 3});
+  CHECK(fs::is_directory(dir / "tensorboard"));
+  // A file where the event files' directory goes: refused before anything is written.
+  const fs::path other = test::scratch_path("metrics-tensorboard-file");
+  fs::create_directories(other);
+  std::ofstream(other / "tensorboard") << "x";
+  CHECK_THROWS_WITH_AS(MetricsLog(other, 1), doctest::Contains("tensorboard"), std::runtime_error);
+  CHECK_FALSE(fs::exists(other / "metrics.jsonl"));
+}
+
 TEST_CASE("prompts: seeds per run step and request with the same draws after restore and rewards by the verifier") {
   Config c;
   c.algorithm.prompts_per_step = 4;
