@@ -34,12 +34,19 @@ struct PolicyLost : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+/// The policy's routing: routing replay's routed experts are [T, layers, per_token] ids in
+/// [0, experts) (T: prompt + completion - 1 rows); all 0 for a policy without MoE layers.
+struct RoutingShape {
+  int64_t layers = 0, per_token = 0, experts = 0;
+};
+
 /// The policy being trained: its optimizer steps, its weights for the engines, checkpoints.
 class TrainerHandle {
  public:
   virtual ~TrainerHandle() = default;
   virtual int64_t version() const = 0;     ///< optimizer steps taken
   virtual int64_t vocab_size() const = 0;
+  virtual RoutingShape routing_shape() const = 0;
   /// One optimizer step on GRPO samples (prompt, completion, advantage, behaviour and
   /// reference log-probs, routed experts). Throws PolicyLost, or std::runtime_error for a
   /// refused batch (the policy unchanged).

@@ -104,7 +104,7 @@ rollout::Completion completion_of(const json& item, const rollout::GenerationReq
 }
 }  // namespace
 
-HttpEngines::HttpEngines(const Config& c, const fs::path& run_dir, int64_t vocab_size)
+HttpEngines::HttpEngines(const Config& c, const fs::path& run_dir, int64_t vocab_size, RoutingShape routing)
     : group_size_(c.algorithm.samples_per_prompt), vocab_size_(vocab_size), timeout_s_(c.rollout.http_timeout_s),
       retry_s_(c.rollout.http_retry_s),
       weights_dir_(fs::absolute(c.rollout.weights_dir.empty() ? run_dir / "rollout_weights" : fs::path(c.rollout.weights_dir))) {
@@ -120,6 +120,11 @@ HttpEngines::HttpEngines(const Config& c, const fs::path& run_dir, int64_t vocab
     if (info.contains("num_moe_layers") && info.contains("experts_per_token")) {
       s.moe_layers = info["num_moe_layers"].get<int64_t>();
       s.experts_per_token = info["experts_per_token"].get<int64_t>();
+      if (s.moe_layers != routing.layers || (s.moe_layers > 0 && s.experts_per_token != routing.per_token))
+        throw std::runtime_error("rollout server " + url + ": its model routes " + std::to_string(s.experts_per_token) +
+                                 " experts per token in " + std::to_string(s.moe_layers) +
+                                 " MoE layers, the policy's " + std::to_string(routing.per_token) + " in " +
+                                 std::to_string(routing.layers) + " (another model?)");
     }
     if (info.contains("num_sparse_layers") && info.contains("topk_width")) {
       s.sparse_layers = info["num_sparse_layers"].get<int64_t>();

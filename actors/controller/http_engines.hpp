@@ -33,10 +33,12 @@ namespace kiln::controller {
 
 class HttpEngines : public RolloutEngines {
  public:
-  /// Asks each server's /get_model_info (retrying as above); `vocab_size`: the policy's, which a
-  /// server that reports one must have. With rollout.weight_update "distributed", forms the
-  /// weight-update group with every server. Throws std::runtime_error naming the URL.
-  HttpEngines(const Config& config, const std::filesystem::path& run_dir, int64_t vocab_size);
+  /// Asks each server's /get_model_info (retrying as above); `vocab_size` and `routing`: the
+  /// policy's, which a server that reports them must have (its num_moe_layers and
+  /// experts_per_token: the routed experts it returns are replayed by the policy). With
+  /// rollout.weight_update "distributed", forms the weight-update group with every server. Throws
+  /// std::runtime_error naming the URL and both values.
+  HttpEngines(const Config& config, const std::filesystem::path& run_dir, int64_t vocab_size, RoutingShape routing);
   std::vector<rollout::Completion> generate(std::vector<rollout::GenerationRequest> requests,
                                             const std::function<void()>& between_steps) override;
   void load(const PolicyWeights& w, TrainerHandle& trainer) override;

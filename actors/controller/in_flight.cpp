@@ -42,16 +42,27 @@ void put_ids(const torch::Tensor& t, std::vector<int64_t>& shape, std::vector<in
   values.assign(e.data_ptr<int32_t>(), e.data_ptr<int32_t>() + e.numel());
 }
 
-// The reverse, int64; undefined for an empty shape. Throws `bad(what ...)` when the values do
-// not fill a 3-dimensional shape.
+// The reverse, int64; undefined for an empty shape with no values. Throws `bad(what ...)`
+// naming the shape when it is not 3 dimensions >= 0, when the values do not fill it, or for
+// values without a shape (they would be dropped unseen).
 template <class Bad>
 torch::Tensor get_ids(const std::vector<int64_t>& shape, const std::vector<int32_t>& values, const std::string& what,
                       Bad bad) {
-  if (shape.empty()) return {};
+  if (shape.empty()) {
+    if (!values.empty()) throw bad(what + ": " + std::to_string(values.size()) + " ids without a shape");
+    return {};
+  }
+  const auto named = c10::str(c10::IntArrayRef(shape));
+  bool negative = false;
   int64_t numel = 1;
-  for (auto d : shape) numel = d < 0 ? -1 : numel * d;
-  if (shape.size() != 3 || numel != int64_t(values.size()))
-    throw bad(what + " of " + std::to_string(values.size()) + " ids do not fill their shape");
+  for (auto d : shape) {
+    negative = negative || d < 0;
+    numel = negative || (d > 0 && numel > int64_t(values.size()) / d) ? -1 : numel * d;  // (no overflow)
+  }
+  if (shape.size() != 3 || negative)
+    throw bad(what + ": the shape " + named + " is not 3 sizes >= 0");
+  if (numel != int64_t(values.size()))
+    throw bad(what + ": " + std::to_string(values.size()) + " ids do not fill the shape " + named);
   return torch::tensor(values).to(torch::kInt64).reshape(shape);
 }
 struct BatchRecord {

@@ -24,6 +24,9 @@ class LocalTrainer : public TrainerHandle {
                messaging::Gateway& gateway, uint64_t bucket_bytes, parallel::ProcessGroups* ranks = nullptr);
   int64_t version() const override { return trainer_->version(); }
   int64_t vocab_size() const override { return policy_->vocab_size(); }
+  RoutingShape routing_shape() const override {
+    return {policy_->num_moe_layers(), policy_->experts_per_token(), policy_->num_experts()};
+  }
   trainer::StepMetrics train(std::vector<trainer::Sample> samples) override;
   PolicyWeights weights(bool copy) override;
   void send(const PolicyWeights& w, const std::vector<std::string>& targets) override;

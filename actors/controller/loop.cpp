@@ -16,6 +16,7 @@
 #include "actors/controller/rollout_stream.hpp"
 #include "actors/controller/run_dir.hpp"
 #include "actors/controller/staleness.hpp"
+#include "actors/trainer/samples.hpp"
 #include "messaging/stopwatch.hpp"
 
 namespace kiln::controller {
@@ -117,6 +118,7 @@ int64_t resume(const Config& c, TrainerHandle& trainer, Prompts& prompts, std::v
   const auto in_flight_file = (ck / trainer::kInFlightRolloutsFile).string();
   if (!state.in_flight_rollouts.empty()) in_flight = decode_in_flight(state.in_flight_rollouts, state.step, in_flight_file);
   while (!in_flight.empty() && in_flight.back().step > c.run.steps) in_flight.pop_back();
+  const auto routing = trainer.routing_shape();
   for (const auto& b : in_flight) {  // what the trainer and the staleness bound would trip on later
     const auto group = c.algorithm.samples_per_prompt;
     if (int64_t(b.completions.size()) != int64_t(b.problems.size()) * group)
@@ -137,6 +139,13 @@ int64_t resume(const Config& c, TrainerHandle& trainer, Prompts& prompts, std::v
         if (v < 0 || v > state.policy_version)
           throw std::invalid_argument(where + ": policy version " + std::to_string(v) + " outside [0, " +
                                       std::to_string(state.policy_version) + "] (the checkpoint's)");
+      if (x.routed_experts.defined()) {  // as the log-prob passes and the train step would replay them
+        const auto rows = int64_t(x.prompt.size() + x.tokens.size()) - 1;
+        if (auto why = trainer::routed_experts_fault(x.routed_experts, rows, routing.layers, routing.per_token,
+                                                     routing.experts);
+            !why.empty())
+          throw std::invalid_argument(where + " " + why);
+      }
     }
   }
   try {

@@ -103,7 +103,7 @@ Actors place_actors(const Config& c, const NodeSite& site, parallel::ProcessGrou
     a.trainer = std::make_unique<LocalTrainer>(registry.build(c.model), c.trainer_for_run(), site.gateway,
                                                uint64_t(c.weight_sync.bucket_mib * (1 << 20)));
   if (c.rollout.backend == "http")
-    a.engines = std::make_unique<HttpEngines>(c, site.dir, a.trainer->vocab_size());
+    a.engines = std::make_unique<HttpEngines>(c, site.dir, a.trainer->vocab_size(), a.trainer->routing_shape());
   else if (p.mode == "colocated")
     a.engines = std::make_unique<ColocatedEngines>(*a.trainer, c.engine_for_run(), c.algorithm.samples_per_prompt);
   else if (p.mode == "multi_process")

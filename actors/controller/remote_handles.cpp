@@ -108,6 +108,7 @@ RemoteTrainer::RemoteTrainer(const NodeSite& site, const Config& c)
   if (!ready) throw std::runtime_error(std::string("trainer node: ") + ready.error().what());
   version_ = ready->policy_version;
   vocab_size_ = ready->vocab_size;
+  routing_ = {ready->moe_layers, ready->experts_per_token, ready->num_experts};
 }
 
 Envelope RemoteTrainer::call(Envelope request, std::chrono::seconds timeout) {

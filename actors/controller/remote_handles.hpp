@@ -56,6 +56,7 @@ class RemoteTrainer : public TrainerHandle {
   RemoteTrainer(const NodeSite& site, const Config& config);
   int64_t version() const override { return version_; }
   int64_t vocab_size() const override { return vocab_size_; }
+  RoutingShape routing_shape() const override { return routing_; }
   trainer::StepMetrics train(std::vector<trainer::Sample> samples) override;
   PolicyWeights weights(bool) override { return {version_.load(), {}}; }  ///< the node streams them
   void send(const PolicyWeights& w, const std::vector<std::string>& targets) override;
@@ -68,6 +69,7 @@ class RemoteTrainer : public TrainerHandle {
   Node node_;
   std::atomic<int64_t> version_{0};
   int64_t vocab_size_ = 0;
+  RoutingShape routing_;
 };
 
 /// placement.rollout_engines engines, each in a node (rollout/0..N-1); each request's prompt

@@ -38,6 +38,7 @@ class DataParallelTrainer : public TrainerHandle {
   DataParallelTrainer(const Config& config, parallel::ProcessGroups& groups, messaging::Gateway& gateway);
   int64_t version() const override { return local_->version(); }
   int64_t vocab_size() const override { return local_->vocab_size(); }
+  RoutingShape routing_shape() const override { return local_->routing_shape(); }
   /// Collective over the ranks. Throws PolicyLost naming the rank(s) lost (a process that died
   /// or stopped answering) or a rank whose step failed where rank 0's did not (the ranks no
   /// longer agree); rank 0's own refusal of the batch as LocalTrainer does (every rank

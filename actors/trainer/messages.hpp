@@ -28,13 +28,16 @@ struct TrainerInit {
   bool reference = false;
   MSGPACK_DEFINE_MAP(model, seed, trainer, bucket_mib, reference);
 };
-/// Answer to trainer.init and trainer.load.
+/// Answer to trainer.init and trainer.load: the policy's version, vocabulary and routing (routing
+/// replay's routed experts are [T, moe_layers, experts_per_token] ids in [0, num_experts); all 0
+/// without MoE layers).
 struct TrainerReady {
   static constexpr std::string_view kType = "trainer.ready";
-  static constexpr uint32_t kVersion = 1;
+  static constexpr uint32_t kVersion = 2;  ///< v2: moe_layers, experts_per_token, num_experts
   int64_t policy_version = 0;
   int64_t vocab_size = 0;
-  MSGPACK_DEFINE_MAP(policy_version, vocab_size);
+  int64_t moe_layers = 0, experts_per_token = 0, num_experts = 0;
+  MSGPACK_DEFINE_MAP(policy_version, vocab_size, moe_layers, experts_per_token, num_experts);
 };
 /// Load a checkpoint written by trainer.save (or by a one-process run) into the policy and
 /// optimizer (answered with TrainerReady: the saved version).

@@ -94,23 +94,26 @@ void check_routed_experts(const std::vector<Sample>& samples, const model::Causa
   for (std::size_t i = 0; i < samples.size(); ++i) {
     const auto& s = samples[i];
     if (!s.routed_experts.defined()) continue;
-    auto bad = [&](const std::string& why) {
-      throw std::invalid_argument(what + ": sample " + std::to_string(i) + " " + why);
-    };
-    const auto& r = s.routed_experts;
     const int64_t rows = int64_t(s.prompt.size() + s.completion.size()) - 1;
-    if (r.dim() != 3 || r.size(0) != rows || r.size(1) != L || r.size(2) != K)
-      bad("has routed experts of shape " + c10::str(r.sizes()) + ", not [" + std::to_string(rows) + ", " +
-          std::to_string(L) + ", " + std::to_string(K) +
-          "] (prompt + completion - 1 rows; the policy's MoE layers and experts per token)");
-    if (r.numel() > 0) {
-      const auto [lo, hi] = torch::aminmax(r.to(torch::kCPU, torch::kInt64));
-      const int64_t least = lo.item<int64_t>(), most = hi.item<int64_t>();
-      if (least < 0 || most >= E)
-        bad("has routed expert id " + std::to_string(least < 0 ? least : most) + " outside [0, " +
-            std::to_string(E) + ") (the policy's experts)");
-    }
+    if (auto why = routed_experts_fault(s.routed_experts, rows, L, K, E); !why.empty())
+      throw std::invalid_argument(what + ": sample " + std::to_string(i) + " " + why);
   }
+}
+
+std::string routed_experts_fault(const torch::Tensor& r, int64_t rows, int64_t layers, int64_t per_token,
+                                 int64_t experts) {
+  if (r.dim() != 3 || r.size(0) != rows || r.size(1) != layers || r.size(2) != per_token)
+    return "has routed experts of shape " + c10::str(r.sizes()) + ", not [" + std::to_string(rows) + ", " +
+           std::to_string(layers) + ", " + std::to_string(per_token) +
+           "] (prompt + completion - 1 rows; the policy's MoE layers and experts per token)";
+  if (r.numel() > 0) {
+    const auto [lo, hi] = torch::aminmax(r.to(torch::kCPU, torch::kInt64));
+    const int64_t least = lo.item<int64_t>(), most = hi.item<int64_t>();
+    if (least < 0 || most >= experts)
+      return "has routed expert id " + std::to_string(least < 0 ? least : most) + " outside [0, " +
+             std::to_string(experts) + ") (the policy's experts)";
+  }
+  return "";
 }
 
 std::string nonfinite_reason(double loss, double grad_norm) {

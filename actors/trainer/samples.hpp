@@ -83,6 +83,13 @@ void check_samples(const std::vector<Sample>& samples, const model::CausalLM& po
 /// the old log-probs' too): std::invalid_argument "`what`: sample I has routed experts of
 /// shape ..." or "... routed expert id X outside [0, E)".
 void check_routed_experts(const std::vector<Sample>& samples, const model::CausalLM& policy, const std::string& what);
+/// Why one sample's routed experts `r` (any dtype and device) do not fit a policy of `layers` MoE
+/// layers, `per_token` experts per token and `experts` experts for `rows` = P + n - 1 rows: "has
+/// routed experts of shape [...], not [rows, L, K] (...)" or "has routed expert id X outside [0,
+/// E) (the policy's experts)"; empty when they fit. The check check_routed_experts makes, for
+/// callers that know the shape but not the policy (the controller, on resume).
+std::string routed_experts_fault(const torch::Tensor& r, int64_t rows, int64_t layers, int64_t per_token,
+                                 int64_t experts);
 
 /// Why a step with this loss and gradient norm must not be applied ("loss is nan", ...), or ""
 /// when both are finite.

@@ -98,6 +98,11 @@ Expected<std::vector<Sample>> to_samples(const Envelope& request, TrainerTrain& 
 
 Expected<Envelope> TrainerService::handle(const Envelope& request) {
   auto reply = [&](const auto& value) { return make_envelope(value, Kind::reply, request.receiver, request.sender); };
+  auto ready = [&] {
+    const auto& p = *s_->policy;
+    return TrainerReady{s_->trainer->version(), p.vocab_size(), p.num_moe_layers(), p.experts_per_token(),
+                        p.num_experts()};
+  };
   // Rank 0 asked this rank to join a gather of `version`: an error when this rank holds another.
   auto other_version = [&](int64_t version, const char* verb) -> std::optional<Error> {
     if (version == s_->trainer->version()) return std::nullopt;
@@ -125,7 +130,7 @@ Expected<Envelope> TrainerService::handle(const Envelope& request) {
       if (init->reference) s_->reference = std::make_unique<FrozenReference>(init->model, *policy, init->trainer.logprobs);
       s_->policy = std::move(policy);
       s_->init = *init;
-      return reply(TrainerReady{s_->trainer->version(), s_->policy->vocab_size()});
+      return reply(ready());
     }
     const bool known = request.type == TrainerLoad::kType || request.type == TrainerTrain::kType ||
                        request.type == TrainerPushWeights::kType || request.type == TrainerSave::kType ||
@@ -139,7 +144,7 @@ Expected<Envelope> TrainerService::handle(const Envelope& request) {
       auto q = payload_as<TrainerLoad>(request);
       if (!q) return q.error();
       load_checkpoint(q->dir, *s_->policy, *s_->trainer);
-      return reply(TrainerReady{s_->trainer->version(), s_->policy->vocab_size()});
+      return reply(ready());
     }
     if (request.type == TrainerTrain::kType) {
       auto q = payload_as<TrainerTrain>(request);

@@ -357,6 +357,20 @@ TEST_CASE("in-flight rollouts: a file whose values no rollout gives is refused b
             c.tokens.clear(), c.logprobs.clear(), c.entropies.clear(), c.policy_versions.clear();
           }),
           "completion 4: no tokens");
+  // The routed experts' shape edited in the bytes (each edit keeps the length): a negative size;
+  // the shape's key renamed, so that the ids come without one (they used to be dropped unseen).
+  auto edited = [&](const std::string& from, const std::string& to) {
+    auto bytes = file_with([](Batch&) {});
+    const auto at = bytes.find(from);
+    REQUIRE(at != std::string::npos);
+    return bytes.replace(at, from.size(), to);
+  };
+  const std::string shape_key = "\xb4routed_experts_shape";  // fixstr(20), then fixarray(3) [4, 2, 3]
+  refused(edited(shape_key + "\x93\x04\x02\x03", shape_key + "\x93\x04\xfe\x03"),
+          "routed experts [P + n - 1, L, K]: the shape [4, -2, 3] is not 3 sizes >= 0");
+  refused(edited(shape_key + "\x93\x04\x02\x03", shape_key + "\x93\x04\x02\x02"),
+          "routed experts [P + n - 1, L, K]: 24 ids do not fill the shape [4, 2, 2]");
+  refused(edited(shape_key, "\xb4routed_experts_other"), "routed experts [P + n - 1, L, K]: 24 ids without a shape");
   // A field of another type (a string where the problem's target, an integer, goes).
   msgpack::sbuffer buf;
   msgpack::packer<msgpack::sbuffer> pk(buf);

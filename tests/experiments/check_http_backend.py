@@ -7,7 +7,8 @@ two servers whose weights are broadcast over a Gloo group (rollout.weight_update
 staleness k = 1 it runs (weights loaded while servers generate) with every token at most one
 version old; killing the server mid-run stops the run with an error naming the server's URL and
 a checkpoint, and resuming from it against a new server finishes the run with every step trained
-once. Usage: check_http_backend.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
+once; a server whose model routes otherwise than the policy (other MoE layers or experts per
+token) is refused at the start. Usage: check_http_backend.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
 import json, os, signal, subprocess, sys, time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -120,4 +121,12 @@ with Checks(work) as check:
         for x, y in zip(metrics(f"{work}/glm5_engine"), metrics(f"{work}/glm5_http")):
             for k in ("reward_mean", "loss", "grad_norm", "train/rollout logprob abs diff"):
                 check(x[k] == y[k], f"glm5_next: step {x['step']} {k}: in-process {x[k]} == http {y[k]}")
+    # A policy of another routing than the server's model (glm4_moe_lite's debug flavor: 2 MoE
+    # layers; glm5_next's: 3, the same vocabulary): refused at the start naming both, not at step
+    # 1 by the trainer's replay check
+    p = subprocess.run([kiln, "run", *quiet, "--set", "run.steps=1", "--set", "rollout.backend=http", "--set", urls(g),
+                        "--set", f"run.output_dir={work}/other_routing"], capture_output=True, text=True, timeout=600)
+    check(p.returncode == 2 and f"rollout server {g}" in p.stderr and "2 experts per token in 3 MoE layers, the policy's 2 in 2"
+          in p.stderr and not os.path.exists(f"{work}/other_routing"),
+          f"a server whose model routes otherwise: refused at the start naming both ({p.returncode}: {p.stderr.strip()[-300:]})")
     stop_server(g_proc)

@@ -5,7 +5,10 @@ directory (the second is refused naming the first's pid; a dead run's lock block
 and Ctrl-C finishes the step, checkpoints and prints the command that continues the run, which
 then trains every step exactly once; a run refused at start-up (a multi-process one too, after
 its nodes started) removes the directories it made;
-a directory's name with quotes and $(...) is plotted into, nothing run.
+a directory's name with quotes and $(...) is plotted into, nothing run; a run whose first step
+fails (a resume whose reference node dies, an overwrite) leaves every file of the run it continues
+or replaces as it was, and rollouts in flight whose routed experts the model cannot replay are
+refused at the start.
 Also: an experiment "file" that is a directory is refused.
 Usage: check_run_dir.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
 import re, json, os, shlex, shutil, signal, subprocess, sys, time
@@ -192,6 +195,102 @@ for what, out, sets, needle in (
     checks.append((r.returncode == 2 and needle in r.stderr, f"run.output_dir {what}: refused naming it ({r.stderr.strip()[-200:]})"))
 checks.append((ck_before is not None and snapshot(ck) == ck_before, "the checkpoint is unchanged by the refused runs"))
 checks.append((not os.path.exists("/metrics.jsonl") and not os.path.exists(f"{work}/no_such_dir"), "nothing made at / or behind the link"))
+
+# 7. A run whose first step fails changes nothing it was to replace. A resume whose reference
+# node dies during the resumed step (exit 1) leaves config.toml, the metrics rows and the TensorBoard
+# events as they were (they used to be rewritten with the failed attempt's settings, the rows
+# past the checkpoint dropped for good); a resume whose restored rollouts hold a routed expert id
+# past the model's E is refused at the start by file, step and completion (it used to fail at its
+# first step); and a run.overwrite=true run over a finished one whose first row cannot be
+# committed (config.toml.tmp a directory with a file in it: the write of config.toml fails)
+# leaves the old run's checkpoints.
+def tree(d):  # every file's bytes, but .lock and the nodes' pids (they name the latest attempt's processes)
+    out = {}
+    for root, _, names in os.walk(d):
+        for n in names:
+            if n != ".lock" and not n.endswith(".pid"):
+                p = os.path.join(root, n)
+                out[os.path.relpath(p, d)] = open(p, "rb").read()
+    return out
+
+
+def bad_routed_experts(path):  # every routed expert id in the file -> 127, the file's size kept
+    data, n, at = bytearray(open(path, "rb").read()), 0, 0
+    key = b"\xaerouted_experts"  # msgpack fixstr(14) "routed_experts", then its array of ids
+    while (at := data.find(key, at)) >= 0:
+        at += len(key)
+        head, count = data[at], 0
+        if 0x90 <= head <= 0x9F:
+            count, at = head - 0x90, at + 1
+        elif head == 0xDC:
+            count, at = int.from_bytes(data[at + 1:at + 3], "big"), at + 3
+        for k in range(count):
+            if data[at + k] >= 0x80:
+                return 0  # not positive fixints: not the layout this expects
+            data[at + k] = 0x7F
+        n += count
+    open(path, "wb").write(bytes(data))
+    return n
+
+
+j = f"{work}/j"
+node = ["placement.mode=multi_process", "placement.reference=process", "placement.trainer=process"]
+r = run(j, *node, "run.steps=6", "run.checkpoint_every=3")
+checks.append((r.returncode == 0, f"run J (nodes, checkpoints at 3 and 6) exits 0 ({r.stderr[-300:]})"))
+if r.returncode == 0:
+    ck3, ck6 = f"{j}/checkpoints/step_000003", f"{j}/checkpoints/step_000006"
+    before = tree(j)
+    # The reference node killed 0.5 s after the resume, inside step 4's rollouts (slowed to 1 s an
+    # engine step), before its reference log-probs (step 4 may train nothing: every group filtered).
+    cmd = [kiln, "run", *quiet, "--set", f"run.output_dir={j}", "--set", "run.steps=8", "--set", "algorithm.lr=0.001",
+           "--set", "rollout.step_delay_ms=1000", "--set", f"run.resume_from={ck3}"]
+    for x in node:
+        cmd += ["--set", x]
+    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    err = ""
+    for line in p.stderr:
+        err += line
+        if "resumed from" in line:
+            time.sleep(0.5)
+            os.kill(int(open(f"{j}/ref_node.pid").read()), signal.SIGKILL)
+            break
+    err += p.stderr.read()
+    p.wait(timeout=600)
+    checks.append((p.returncode == 1 and "step 4:" in err and "ref/0" in err,
+                   f"the resume whose reference node dies in step 4 exits 1 naming it ({p.returncode}: {err.strip()[-300:]})"))
+    after = tree(j)
+    changed = sorted(f for f in before.keys() | after.keys() if before.get(f) != after.get(f))
+    checks.append((changed == [], f"the failed resume changed no file of the run ({changed})"))
+    r = run(j, *node, "run.steps=8", f"run.resume_from={ck6}")
+    checks.append((r.returncode == 0 and rows(j) == list(range(1, 9)) and "resuming with" not in r.stderr,
+                   f"resumed from step 6 it goes on to step 8, every row kept and no setting of the failed attempt "
+                   f"taken ({r.returncode}, {rows(j)}: {r.stderr.strip()[-300:]})"))
+    before = tree(j)
+    os.makedirs(f"{j}/config.toml.tmp/kept")  # not empty: the failed write cannot remove it
+    r = run(j, "run.steps=2", "run.overwrite=true")
+    shutil.rmtree(f"{j}/config.toml.tmp")
+    after = tree(j)
+    changed = sorted(f for f in before.keys() | after.keys() if before.get(f) != after.get(f))
+    checks.append((r.returncode == 1 and "config.toml" in r.stderr and changed == [],
+                   f"run.overwrite=true whose first row cannot be committed leaves the run it was to replace, checkpoints "
+                   f"included ({r.returncode}, changed {changed}: {r.stderr.strip()[-300:]})"))
+
+i = f"{work}/i"
+mp = node + ["algorithm.staleness=1"]
+r = run(i, *mp, "run.steps=6", "run.checkpoint_every=3")
+checks.append((r.returncode == 0, f"run I (nodes, staleness 1, a checkpoint at 3) exits 0 ({r.stderr[-300:]})"))
+if r.returncode == 0:
+    ck3 = f"{i}/checkpoints/step_000003"
+    patched = bad_routed_experts(f"{ck3}/in_flight_rollouts.msgpack")
+    checks.append((patched > 0, f"step 3's rollouts in flight hold routed experts ({patched} ids set to 127)"))
+    before = tree(i)
+    r = run(i, *mp, "run.steps=8", f"run.resume_from={ck3}")
+    after = tree(i)
+    changed = sorted(f for f in before.keys() | after.keys() if before.get(f) != after.get(f))
+    checks.append((r.returncode == 2 and "in_flight_rollouts.msgpack: step 4 completion" in r.stderr and
+                   "routed expert id 127 outside [0, 8)" in r.stderr and changed == [],
+                   f"routed experts past the model's E in the rollouts in flight: refused at the start by file, step and "
+                   f"completion, nothing changed ({r.returncode}, changed {changed}: {r.stderr.strip()[-300:]})"))
 
 for ok, what in checks:
     print(("ok   " if ok else "FAIL ") + what)
