@@ -1,6 +1,7 @@
 #include "actors/controller/http_engines.hpp"
 
 #include "actors/controller/http_client.hpp"
+#include "actors/controller/run_dir.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -107,7 +108,7 @@ rollout::Completion completion_of(const json& item, const rollout::GenerationReq
 HttpEngines::HttpEngines(const Config& c, const fs::path& run_dir, int64_t vocab_size, RoutingShape routing)
     : group_size_(c.algorithm.samples_per_prompt), vocab_size_(vocab_size), timeout_s_(c.rollout.http_timeout_s),
       retry_s_(c.rollout.http_retry_s),
-      weights_dir_(fs::absolute(c.rollout.weights_dir.empty() ? run_dir / "rollout_weights" : fs::path(c.rollout.weights_dir))) {
+      weights_dir_(fs::absolute(c.rollout.weights_dir.empty() ? run_dir / kRolloutWeightsDir : fs::path(c.rollout.weights_dir))) {
   if (!c.model.checkpoint.empty() && fs::exists(fs::path(c.model.checkpoint) / "config.json"))
     config_json_ = model::config_json::read_config_json(c.model.checkpoint);
   for (auto url : c.rollout.urls) {

@@ -54,7 +54,9 @@ int stop_with_checkpoint(TrainerHandle& trainer, const fs::path& dir, int64_t st
     return 1;
   }
   if (trained < 1) {
-    std::fprintf(stderr, "kiln run: no step was trained: nothing to checkpoint; start again with --set run.overwrite=true\n");
+    // (metrics.jsonl is there only when the directory holds an earlier run: this one logged nothing)
+    std::fprintf(stderr, "kiln run: no step was trained: nothing to checkpoint; start again%s\n",
+                 fs::exists(dir / "metrics.jsonl") ? " with --set run.overwrite=true" : "");
     return 1;
   }
   const auto ck = checkpoint_dir(dir, trained);
@@ -108,13 +110,9 @@ int64_t resume(const Config& c, TrainerHandle& trainer, Prompts& prompts, std::v
   auto named = ck.lexically_normal();
   if (!named.has_filename()) named = named.parent_path();
   const auto name = named.filename().string();
-  if (name.size() > 5 && name.rfind("step_", 0) == 0 && name.find_first_not_of("0123456789", 5) == std::string::npos) {
-    const auto first = name.find_first_not_of('0', 5);
-    const auto value = first == std::string::npos ? std::string("0") : name.substr(first);  // no leading zeros
-    if (value.size() > 18 || std::stoll(value) != state.step)
-      throw std::invalid_argument("state.json says step " + std::to_string(state.step) + " but the directory is " + name +
-                                  ": the checkpoint was edited or moved; resume from the directory of its own step");
-  }
+  if (const auto step = checkpoint_name_step(name); step && *step != state.step)  // (-1: too long for a step)
+    throw std::invalid_argument("state.json says step " + std::to_string(state.step) + " but the directory is " + name +
+                                ": the checkpoint was edited or moved; resume from the directory of its own step");
   const auto in_flight_file = (ck / trainer::kInFlightRolloutsFile).string();
   if (!state.in_flight_rollouts.empty()) in_flight = decode_in_flight(state.in_flight_rollouts, state.step, in_flight_file);
   while (!in_flight.empty() && in_flight.back().step > c.run.steps) in_flight.pop_back();
@@ -156,8 +154,11 @@ int64_t resume(const Config& c, TrainerHandle& trainer, Prompts& prompts, std::v
                                                         " rng_after: " + e.what());
   }
   if (!in_flight.empty())
-    std::fprintf(stderr, "kiln run: %zu batches of rollouts in flight restored (steps %lld..%lld)\n", in_flight.size(),
-                 (long long)in_flight.front().step, (long long)in_flight.back().step);
+    std::fprintf(stderr, "kiln run: %s of rollouts in flight restored (%s)\n",
+                 in_flight.size() == 1 ? "1 batch" : (std::to_string(in_flight.size()) + " batches").c_str(),
+                 in_flight.size() == 1 ? ("step " + std::to_string(in_flight.front().step)).c_str()
+                                       : ("steps " + std::to_string(in_flight.front().step) + ".." +
+                                          std::to_string(in_flight.back().step)).c_str());
   if (state.step >= c.run.steps)
     throw std::invalid_argument("it holds steps 1.." + std::to_string(state.step) + " and run.steps is " +
                                 std::to_string(c.run.steps) + ": nothing to train (raise run.steps to go on)");
@@ -273,11 +274,16 @@ int start(Session& s, const Config& c, const std::string& config_toml, const std
 // it). In order, the files a failure can least afford to lose last: config.toml (written beside
 // itself and renamed: a failed write leaves the old one whole), the metrics files (open() drops
 // the rows and events a resume trains again, truncates them otherwise), then the replaced run's
-// checkpoints (run.overwrite).
-void commit_run_dir(const Config& c, const fs::path& dir, const std::string& config_toml, MetricsLog& log) {
+// checkpoints (run.overwrite), or those of the steps a resume trains again set aside
+// (supersede_checkpoints: no advice leads back to them).
+void commit_run_dir(const Config& c, const fs::path& dir, const std::string& config_toml, int64_t first_step,
+                    MetricsLog& log) {
   replace_file(dir / "config.toml", config_toml);
   log.open();
   if (c.run.overwrite && c.run.resume_from.empty()) fs::remove_all(dir / "checkpoints");
+  if (!c.run.resume_from.empty())
+    for (const auto& p : supersede_checkpoints(dir, first_step))
+      std::fprintf(stderr, "kiln run: %s: a checkpoint of a step trained again now, set aside\n", p.c_str());
 }
 }  // namespace
 
@@ -300,9 +306,9 @@ int run(const Config& c, const std::string& config_toml, parallel::ProcessGroups
   std::optional<MetricsLog> metrics;
   try {
     metrics.emplace(dir, first_step);
-  } catch (const std::exception& e) {  // e.g. a directory named metrics.jsonl: nothing trained or written yet
+  } catch (const std::exception& e) {  // e.g. a directory named metrics.jsonl: refused, nothing trained or written
     std::fprintf(stderr, "kiln run: %s\n", e.what());
-    return 1;
+    return 2;
   }
   auto& log = *metrics;
   const Stopwatch run_clock;
@@ -390,7 +396,7 @@ int run(const Config& c, const std::string& config_toml, parallel::ProcessGroups
     row.elapsed_s = run_clock.seconds();
     if (!log.is_open()) {  // the first row: the run directory becomes this run's
       try {
-        commit_run_dir(c, dir, config_toml, log);
+        commit_run_dir(c, dir, config_toml, first_step, log);
       } catch (const std::exception& e) {  // the step is not logged: nothing of it is kept
         return stop_with_checkpoint(trainer, dir, step, e.what(), step - 1, rng_consumed, rollouts, last_checkpoint);
       }

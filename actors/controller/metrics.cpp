@@ -48,26 +48,28 @@ void check_written(const std::ofstream& out, const std::filesystem::path& file) 
   if (!out) throw std::runtime_error("writing '" + file.string() + "' failed (disk full, or a file-size limit?)");
 }
 
-// Whether `file` could be opened for writing, without opening it: an existing one must be a
-// writable file (not a directory; a link is followed: /dev/full is one), a missing one needs a
-// writable directory to be made in.
-bool writable_file(const std::filesystem::path& file) {
+// Whether `path` could be written as a file (`directory` false) or a directory of files, without
+// writing it: an existing one must be of that kind and writable (a link is followed: /dev/full is
+// one), a missing one needs a writable directory to be made in; a symbolic link that leads to
+// nothing is refused (writing through it would make its target, or fail).
+bool writable(const std::filesystem::path& path, bool directory) {
   std::error_code ec;
-  const auto st = std::filesystem::status(file, ec);
-  if (std::filesystem::exists(st)) return !std::filesystem::is_directory(st) && ::access(file.c_str(), W_OK) == 0;
-  return ::access(file.parent_path().c_str(), W_OK) == 0;
+  const auto st = std::filesystem::status(path, ec);
+  if (std::filesystem::exists(st))
+    return std::filesystem::is_directory(st) == directory && ::access(path.c_str(), W_OK) == 0;
+  if (std::filesystem::is_symlink(std::filesystem::symlink_status(path, ec))) return false;
+  return ::access(path.parent_path().c_str(), W_OK) == 0;
 }
 }  // namespace
 
 MetricsLog::MetricsLog(const std::filesystem::path& dir, int64_t first_step) : dir_(dir), first_step_(first_step) {
   for (const auto* name : {"metrics.jsonl", "metrics.tsv"})
-    if (!writable_file(dir / name)) throw std::runtime_error("cannot open '" + (dir / name).string() + "' for writing");
-  std::error_code ec;
-  const auto events = dir / "tensorboard";
-  const auto st = std::filesystem::status(events, ec);
-  if (std::filesystem::exists(st) ? !std::filesystem::is_directory(st) || ::access(events.c_str(), W_OK) != 0
-                                  : ::access(dir.c_str(), W_OK) != 0)
-    throw std::runtime_error("cannot open '" + events.string() + "' for writing (TensorBoard's event files)");
+    if (!writable(dir / name, false))
+      throw std::runtime_error("cannot open '" + (dir / name).string() +
+                               "' for writing (a directory, a link to nothing, or not writable)");
+  if (!writable(dir / "tensorboard", true))
+    throw std::runtime_error("cannot open '" + (dir / "tensorboard").string() +
+                             "' for TensorBoard's event files (not a directory, a link to nothing, or not writable)");
 }
 
 void MetricsLog::open() {

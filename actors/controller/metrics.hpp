@@ -39,8 +39,9 @@ void summarize(StepRow& row, const std::vector<float>& rewards, const std::vecto
 class MetricsLog {
  public:
   /// Checks, changing nothing, that RUN/metrics.{jsonl,tsv} and RUN/tensorboard can be written:
-  /// throws std::runtime_error "cannot open 'FILE' for writing" for a path there that is of
-  /// another kind (a directory named metrics.jsonl, a file named tensorboard) or not writable.
+  /// throws std::runtime_error "cannot open 'FILE' ..." for a path there that is of another kind
+  /// (a directory named metrics.jsonl, a file named tensorboard), a symbolic link that leads to
+  /// nothing, or not writable.
   /// The files are changed only by open() (the first step's row): a run that fails before it
   /// leaves the rows and events of the run it continues or replaces as they were.
   MetricsLog(const std::filesystem::path& dir, int64_t first_step);

@@ -91,6 +91,9 @@ void check_run_dir(const fs::path& dir, const std::string& resume_from, bool ove
   if (fs::exists(dir / "checkpoints", ec) && !fs::is_directory(dir / "checkpoints", ec))
     throw std::invalid_argument(where + ": '" + (dir / "checkpoints").string() +
                                 "' is not a directory, so no checkpoint could be written there");
+  if (fs::exists(dir / "config.toml", ec) && !fs::is_regular_file(dir / "config.toml", ec))
+    throw std::invalid_argument(where + ": '" + (dir / "config.toml").string() +
+                                "' is not a file, so the run's settings could not be written there");
   if (overwrite && resume_from.empty() && !model_checkpoint.empty() && lies_within(model_checkpoint, dir / "checkpoints"))
     throw std::invalid_argument("model.checkpoint '" + model_checkpoint + "' lies in '" + (dir / "checkpoints").string() +
                                 "', which run.overwrite deletes: copy it elsewhere first, or choose another "
@@ -249,18 +252,21 @@ RunLock::RunLock(const fs::path& dir, const std::string& resume_from, bool overw
 RunLock::~RunLock() {
   forget_created_dirs();  // the signal handler's copy: this destructor decides now
   std::error_code ec;
-  // Ours, and nothing in it but the lock and the pids of the nodes the run started (a run refused
-  // at start-up, or whose node failed before step 1): gone again, with the parents it made.
+  // Ours, and nothing in it but the lock, the pids of the nodes the run started and the weights
+  // written for HTTP rollout servers (a run refused at start-up, or that failed before its first
+  // step was logged): gone again, with the parents it made.
   if (fd_ >= 0 && !created_.empty()) {
     bool nothing_else = true;
     std::vector<fs::path> start_up;
     for (const auto& e : fs::directory_iterator(created_, ec)) {
-      if (left_by_start_up(e.path().filename().string()) && e.is_regular_file(ec)) start_up.push_back(e.path());
+      const auto name = e.path().filename().string();
+      if (left_by_start_up(name) && e.is_regular_file(ec)) start_up.push_back(e.path());
+      else if (name == kRolloutWeightsDir && !e.is_symlink(ec) && e.is_directory(ec)) start_up.push_back(e.path());
       else nothing_else = false;
     }
     if (!ec && nothing_else) {
       for (const auto& f : start_up)
-        if (f.filename() != ".lock") fs::remove(f, ec);
+        if (f.filename() != ".lock") fs::remove_all(f, ec);
       fs::remove(created_ / ".lock", ec);  // last, while the flock is held
     } else {
       created_.clear();
@@ -281,6 +287,32 @@ fs::path checkpoint_dir(const fs::path& run, int64_t step) {
 }
 
 fs::path newest_checkpoint(const fs::path& run) { return trainer::newest_checkpoint_in(run / "checkpoints"); }
+
+std::optional<int64_t> checkpoint_name_step(const std::string& name) {
+  if (name.size() <= 5 || name.rfind("step_", 0) != 0 || name.find_first_not_of("0123456789", 5) != std::string::npos)
+    return std::nullopt;
+  const auto first = name.find_first_not_of('0', 5);
+  const auto digits = first == std::string::npos ? std::string("0") : name.substr(first);  // no leading zeros
+  return digits.size() > 18 ? -1 : std::stoll(digits);
+}
+
+std::vector<fs::path> supersede_checkpoints(const fs::path& run, int64_t first_step) {
+  std::vector<fs::path> found, moved;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(run / "checkpoints", ec)) {
+    const auto step = checkpoint_name_step(e.path().filename().string());
+    if (step && *step >= first_step && e.is_directory(ec)) found.push_back(e.path());
+  }
+  std::sort(found.begin(), found.end());
+  for (const auto& ck : found) {
+    auto to = fs::path(ck.string() + ".superseded");
+    for (int i = 2; fs::exists(fs::symlink_status(to, ec)); ++i) to = fs::path(ck.string() + ".superseded." + std::to_string(i));
+    fs::rename(ck, to, ec);
+    if (ec) throw std::runtime_error("cannot set aside the checkpoint '" + ck.string() + "' of a step the resume trains again: " + ec.message());
+    moved.push_back(to);
+  }
+  return moved;
+}
 
 std::string shell_word(const std::string& word) {
   const bool plain = !word.empty() && word.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -303,7 +335,8 @@ std::string continue_hint(const fs::path& run, const fs::path& last_checkpoint) 
   if (newest.empty())
     return "kiln run: this run has no checkpoint (none due yet, run.checkpoint_every = 0, or its save was refused "
            "above): start again with --set run.overwrite=true\n";
-  return "kiln run: the steps after it are lost; continue with --set run.resume_from=" + shell_word(newest.string()) + "\n";
+  return "kiln run: continue with --set run.resume_from=" + shell_word(newest.string()) +
+         " (the steps trained after that checkpoint are lost)\n";
 }
 
 namespace {

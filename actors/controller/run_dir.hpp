@@ -4,6 +4,7 @@
 #include <csignal>
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -28,7 +29,7 @@ std::string dangling_link(const std::filesystem::path& path);
 /// directory inside a kiln checkpoint (one of its ancestors, or itself, holds state.json and
 /// config.json) or a
 /// run's checkpoints/ directory; a dangling symbolic link; RUN/checkpoints that is not a
-/// directory; and with `overwrite` (not resuming), a `model_checkpoint` inside RUN/checkpoints,
+/// directory, RUN/config.toml that is not a file; and with `overwrite` (not resuming), a `model_checkpoint` inside RUN/checkpoints,
 /// which the overwrite would delete.
 void check_run_dir(const std::filesystem::path& dir, const std::string& resume_from, bool overwrite,
                    const std::string& model_checkpoint);
@@ -42,8 +43,9 @@ class RunLock {
   /// (RUN/metrics.jsonl with rows) is accepted when `resume_from` is one of its own
   /// checkpoints, or with `overwrite`; otherwise refused, saying how to resume, choose another
   /// directory, or overwrite. A directory this lock created is removed again on release when
-  /// the run left nothing in it but the lock file and its nodes' pid files (RUN/*_node*.pid: a run
-  /// refused at start-up, e.g. by its model, or whose node failed to start), and so are the
+  /// the run left nothing in it but the lock file, its nodes' pid files (RUN/*_node*.pid) and
+  /// RUN/rollout_weights (a run refused at start-up, e.g. by its model, or that failed before its
+  /// first step was logged), and so are the
   /// parent directories it created that are then empty (not for a path with "." or ".."
   /// components: nothing is removed for those). A stop signal before the first step
   /// (RunSignals) removes them the same way.
@@ -75,6 +77,21 @@ std::filesystem::path checkpoint_dir(const std::filesystem::path& run, int64_t s
 /// The newest complete checkpoint of a run (a step_N directory with its state.json; ".partial"
 /// ones are incomplete), or an empty path.
 std::filesystem::path newest_checkpoint(const std::filesystem::path& run);
+
+/// The step in a checkpoint directory's name as kiln names them ("step_" then digits only:
+/// "step_000006" -> 6); -1 when the digits do not fit an int64; nullopt for any other name.
+std::optional<int64_t> checkpoint_name_step(const std::string& name);
+
+/// At a resume's first logged step: RUN/checkpoints/step_N for N >= first_step (steps the resume
+/// trains again, their metrics rows dropped) renamed to step_N.superseded (".superseded.2", ...
+/// when taken), so that no advice and no newest_checkpoint() leads back to a run the rows no
+/// longer describe; their files stay. Returns the new paths. Throws std::runtime_error naming the
+/// checkpoint when a rename fails.
+std::vector<std::filesystem::path> supersede_checkpoints(const std::filesystem::path& run, int64_t first_step);
+
+/// RUN/rollout_weights: where rollout.backend "http" writes each version for the servers (unless
+/// rollout.weights_dir says elsewhere).
+inline constexpr const char* kRolloutWeightsDir = "rollout_weights";
 
 /// The file in the run directory holding the pid of a `kiln node`: "trainer_node.pid",
 /// "ref_node.pid", "rollout_node.pid" for engine 0 and "rollout_node_<i>.pid" for engine i > 0

@@ -167,7 +167,8 @@ except subprocess.TimeoutExpired:
 took = time.time() - killed_at if killed_at else -1
 logged = len(open(f"{out}/metrics.jsonl").read().splitlines()) if os.path.exists(f"{out}/metrics.jsonl") else 0
 # exit 2: lost before the run started (the node's model not built yet); exit 1: in step 1
-advice = p.returncode == 2 or (p.returncode == 1 and "start again with --set run.overwrite=true" in err)
+# (a directory that held no run before says "start again"; one over an earlier run adds run.overwrite)
+advice = p.returncode == 2 or (p.returncode == 1 and "start again" in err)
 checks.append((killed_at is not None and 0 <= took < 30 and logged == 0 and "reference node" in err and advice,
                f"reference node killed at start: exit {p.returncode} {took:.1f} s after the kill, {logged} steps logged, "
                f"naming it, with advice ({err.strip()[-300:]})"))

@@ -4,8 +4,9 @@ run B resumes from A's step-4 checkpoint; steps 5-8 must give the same metrics (
 from the restored RNG, weights, optimizer state). Also: the checkpoint is HF layout; and
 recompute_old_logprobs (a separate pi_old pass, timed as log_probs_time) trains step 1 alike;
 a resume with nothing left to train, from a checkpoint without optimizer.pt, or from one moved
-under another step's name, is refused; a resume in place re-saves checkpoints that exist; a step whose
-update overflows writes no checkpoint, and the advice names the last good one.
+under another step's name, is refused; a resume in place sets aside the checkpoints of the
+steps it trains again and saves them anew; a step whose update overflows writes no checkpoint,
+and the advice names the last good one.
 Usage: check_resume.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
 import json, os, shutil, subprocess, sys
 
@@ -42,8 +43,10 @@ moved_long = subprocess.run([kiln, "run", *common, "--set", f"run.output_dir={wo
 shutil.copytree(ck, f"{work}/moved/best")
 named = subprocess.run([kiln, "run", *common, "--set", "run.steps=5", "--set", f"run.output_dir={work}/f", "--set",
                         f"run.resume_from={work}/moved/best"], capture_output=True, text=True, timeout=600)
-# Resuming run A in place re-saves step_000008, which exists: that replaced directory used to
-# crash the run (std::filesystem::remove_all bound to libtorch's copy: exit 139).
+# Resuming run A in place trains step 8 again: its first row sets the old step_000008 aside
+# (step_000008.superseded), then step 8 is saved anew. (Before the set-aside the save replaced
+# the existing directory, which crashed the run once: std::filesystem::remove_all bound to
+# libtorch's copy, exit 139; the replace is tested in tests/trainer/test_checkpoint.cpp.)
 again = subprocess.run([kiln, "run", *common, "--set", f"run.output_dir={work}/a", "--set", "run.checkpoint_every=4",
                         "--set", f"run.resume_from={ck}"], capture_output=True, text=True, timeout=600)
 rec = subprocess.run([kiln, "run", *common, "--set", f"run.output_dir={work}/r",
@@ -75,7 +78,10 @@ if a.returncode == 0 and b.returncode == 0:
 checks.append((bad.returncode == 2 and "cannot resume" in bad.stderr, f"a missing checkpoint is a clear error ({bad.stderr.strip()[-200:]})"))
 checks.append((done.returncode == 2 and "nothing to train" in done.stderr,
                f"resuming step 4 with run.steps = 4 is refused ({done.stderr.strip()[-200:]})"))
-checks.append((again.returncode == 0, f"resuming run A in place re-saves an existing checkpoint (exit {again.returncode}: {again.stderr[-300:]})"))
+checks.append((again.returncode == 0 and os.path.exists(f"{work}/a/checkpoints/step_000008/state.json")
+               and os.path.exists(f"{work}/a/checkpoints/step_000008.superseded/state.json"),
+               f"resuming run A in place sets its step-8 checkpoint aside and saves step 8 again (exit {again.returncode}: "
+               f"{again.stderr[-300:]})"))
 if a.returncode == 0:
     steps = [json.loads(l)["step"] for l in open(f"{work}/a/metrics.jsonl")]
     checks.append((steps == list(range(1, 9)), f"run A's metrics hold steps 1-8 once each after the refused and the in-place resume ({steps})"))
@@ -102,7 +108,9 @@ over = subprocess.run([kiln, "run", *common, "--set", "run.steps=10", "--set", "
                        "--set", f"run.output_dir={work}/overflow", "--set", f"run.resume_from={work}/overflow/checkpoints/step_000008",
                        "--set", "algorithm.lr=1e300"], capture_output=True, text=True, timeout=600)
 checks.append((over.returncode == 1 and "not saved" in over.stderr
-               and sorted(os.listdir(f"{work}/overflow/checkpoints")) == ["step_000004", "step_000008"],
+               # (step_000008.superseded: run A's own, set aside when it was resumed in place above)
+               and sorted(d for d in os.listdir(f"{work}/overflow/checkpoints") if ".superseded" not in d)
+               == ["step_000004", "step_000008"],
                f"an overflowing update writes no checkpoint of the NaN policy ({over.returncode}: {over.stderr.strip()[-300:]})"))
 checks.append((f"run.resume_from={work}/overflow/checkpoints/step_000008" in over.stderr, "the advice names the last good checkpoint"))
 again = subprocess.run([kiln, "run", *common, "--set", "run.steps=10", "--set", f"run.output_dir={work}/overflow",

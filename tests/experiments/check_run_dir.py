@@ -7,8 +7,8 @@ then trains every step exactly once; a run refused at start-up (a multi-process 
 its nodes started) removes the directories it made;
 a directory's name with quotes and $(...) is plotted into, nothing run; a run whose first step
 fails (a resume whose reference node dies, an overwrite) leaves every file of the run it continues
-or replaces as it was, and rollouts in flight whose routed experts the model cannot replay are
-refused at the start.
+or replaces as it was, rollouts in flight whose routed experts the model cannot replay are
+refused at the start, and a resume sets aside the checkpoints of the steps it trains again.
 Also: an experiment "file" that is a directory is refused.
 Usage: check_run_dir.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
 import re, json, os, shlex, shutil, signal, subprocess, sys, time
@@ -274,6 +274,29 @@ if r.returncode == 0:
     checks.append((r.returncode == 1 and "config.toml" in r.stderr and changed == [],
                    f"run.overwrite=true whose first row cannot be committed leaves the run it was to replace, checkpoints "
                    f"included ({r.returncode}, changed {changed}: {r.stderr.strip()[-300:]})"))
+
+# A resume from an earlier checkpoint than the newest trains those steps again: the newer
+# checkpoints are set aside at its first row (step_N.superseded), so that the advice of a later
+# refusal does not lead back to them (resuming step 6 of the run that was replaced left step 6
+# without a row).
+k = f"{work}/k"
+r = run(k, "run.steps=6", "run.checkpoint_every=3")
+if r.returncode == 0:
+    r = run(k, "run.steps=5", "run.checkpoint_every=3", f"run.resume_from={k}/checkpoints/step_000003")
+    checks.append((r.returncode == 0 and rows(k) == [1, 2, 3, 4, 5] and "step_000006.superseded" in r.stderr and
+                   sorted(os.listdir(f"{k}/checkpoints")) == ["step_000003", "step_000006.superseded"],
+                   f"resumed from step 3, the run's step-6 checkpoint is set aside ({r.returncode}, {rows(k)}, "
+                   f"{sorted(os.listdir(f'{k}/checkpoints'))}: {r.stderr.strip()[-300:]})"))
+    r = run(k, "run.steps=8")
+    advised = re.search(r"run\.resume_from=(\S+)", r.stderr)
+    checks.append((advised is not None and advised.group(1).endswith("step_000003"),
+                   f"a later refusal advises step 3, not the set-aside step 6 ({r.stderr.strip()[-300:]})"))
+    if advised:
+        r = run(k, "run.steps=8", f"run.resume_from={advised.group(1)}")
+        checks.append((r.returncode == 0 and rows(k) == list(range(1, 9)),
+                       f"followed, every step has its row once ({r.returncode}, {rows(k)}: {r.stderr.strip()[-200:]})"))
+else:
+    checks.append((False, f"run K exits 0 ({r.stderr[-300:]})"))
 
 i = f"{work}/i"
 mp = node + ["algorithm.staleness=1"]

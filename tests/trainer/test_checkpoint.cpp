@@ -99,6 +99,15 @@ TEST_CASE("a checkpoint write that fails (disk full, a file-size limit) throws n
   Trainer loaded(fresh, TrainerConfig{});
   CHECK(load_checkpoint(dir, *fresh, loaded).step == 1);
   for (const auto& d : differences(before, snapshot(loaded))) FAIL_CHECK("the older checkpoint differs: " << d);
+  // Saved again over it, with nothing failing: the directory is replaced whole (this once crashed
+  // the run: std::filesystem::remove_all bound to LibTorch's copy).
+  t.train_step(samples);
+  save_checkpoint(dir, *m, t, CheckpointState{2, t.version(), "rng"});
+  CHECK_FALSE(std::filesystem::exists(partial));
+  auto again = debug_model(98);
+  Trainer reloaded(again, TrainerConfig{});
+  CHECK(load_checkpoint(dir, *again, reloaded).step == 2);
+  for (const auto& d : differences(snapshot(t), snapshot(reloaded))) FAIL_CHECK("the replaced checkpoint differs: " << d);
 }
 
 TEST_CASE("a state.json with a field missing or of another type is refused naming the field and the value") {
