@@ -126,6 +126,11 @@ HttpEngines::HttpEngines(const Config& c, const fs::path& run_dir, int64_t vocab
                                  " experts per token in " + std::to_string(s.moe_layers) +
                                  " MoE layers, the policy's " + std::to_string(routing.per_token) + " in " +
                                  std::to_string(routing.layers) + " (another model?)");
+      // (kiln serve reports its experts; SGLang does not, and a server of another E is then
+      // refused when the first weights reach it)
+      if (s.moe_layers > 0 && info.contains("num_experts") && info["num_experts"].get<int64_t>() != routing.experts)
+        throw std::runtime_error("rollout server " + url + ": its model has " + info["num_experts"].dump() +
+                                 " routed experts, the policy's " + std::to_string(routing.experts) + " (another model?)");
     }
     if (info.contains("num_sparse_layers") && info.contains("topk_width")) {
       s.sparse_layers = info["num_sparse_layers"].get<int64_t>();

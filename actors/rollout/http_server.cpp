@@ -152,6 +152,7 @@ void register_routes(httplib::Server& svr, ServeContext& c) {
               {"vocab_size", c.limits.vocab_size},
               {"num_moe_layers", c.model->num_moe_layers()},
               {"experts_per_token", c.model->experts_per_token()},
+              {"num_experts", c.model->num_experts()},
               {"num_sparse_layers", c.model->num_sparse_layers()},
               {"topk_width", c.model->topk_width()},
               {"context_tokens", c.limits.context_tokens}});

@@ -5,7 +5,7 @@
 //                                   routed experts, meta_info.weight_version
 //   GET  /health, /health_generate  200 while serving
 //   GET  /get_model_info            model_path, weight_version, and kiln's vocab_size,
-//                                   num_moe_layers, experts_per_token, context_tokens
+//                                   num_moe_layers, experts_per_token, num_experts, context_tokens
 //   GET  /get_server_info           the engine's state: running, waiting, free cache pages
 //   GET  /get_weight_version        {"weight_version": "V"}
 //   POST /pause_generation          {"mode": "abort" | "retract" | "in_place"}

@@ -7,8 +7,8 @@ two servers whose weights are broadcast over a Gloo group (rollout.weight_update
 staleness k = 1 it runs (weights loaded while servers generate) with every token at most one
 version old; killing the server mid-run stops the run with an error naming the server's URL and
 a checkpoint, and resuming from it against a new server finishes the run with every step trained
-once; a server whose model routes otherwise than the policy (other MoE layers or experts per
-token) is refused at the start. Usage: check_http_backend.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
+once; a server whose model routes otherwise than the policy (other MoE layers, experts per
+token or experts) is refused at the start. Usage: check_http_backend.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
 import json, os, signal, subprocess, sys, time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -20,6 +20,45 @@ quiet = ["--set", "logging.plot=false", "--set", "logging.progress=false"]
 
 def metrics(d):
     return [json.loads(l) for l in open(f"{d}/metrics.jsonl")]
+
+
+def widen_experts(src, dst, experts):
+    """The HF checkpoint in src (glm4_moe_lite, one safetensors file) with its routed experts
+    repeated up to `experts` (the router's rows and correction bias too), into dst."""
+    shard = [f for f in os.listdir(src) if f.endswith(".safetensors")]
+    assert len(shard) == 1, shard
+    raw = open(f"{src}/{shard[0]}", "rb").read()
+    n = int.from_bytes(raw[:8], "little")
+    header, data = json.loads(raw[8:8 + n]), raw[8 + n:]
+    config = json.load(open(f"{src}/config.json"))
+    old = config["n_routed_experts"]
+    tensors = {}  # name -> (dtype, shape, bytes)
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        b, e = t["data_offsets"]
+        tensors[name] = (t["dtype"], t["shape"], data[b:e])
+    for name, (dtype, shape, blob) in list(tensors.items()):
+        if ".mlp.experts." in name:
+            head, rest = name.split(".mlp.experts.")
+            e, proj = rest.split(".", 1)
+            for extra in range(old, experts):
+                if int(e) == extra % old:
+                    tensors[f"{head}.mlp.experts.{extra}.{proj}"] = (dtype, shape, blob)
+        elif name.endswith(".mlp.gate.weight") or name.endswith(".mlp.gate.e_score_correction_bias"):
+            reps = experts // old
+            tensors[name] = (dtype, [shape[0] * reps, *shape[1:]], blob * reps)
+    out, at = {}, 0
+    for name in sorted(tensors):
+        dtype, shape, blob = tensors[name]
+        out[name] = {"dtype": dtype, "shape": shape, "data_offsets": [at, at + len(blob)]}
+        at += len(blob)
+    text = json.dumps(out).encode()
+    os.makedirs(dst, exist_ok=True)
+    with open(f"{dst}/model.safetensors", "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text + b"".join(tensors[k][2] for k in sorted(tensors)))
+    config["n_routed_experts"] = experts
+    json.dump(config, open(f"{dst}/config.json", "w"), indent=1)
 
 
 def urls(*us):
@@ -130,3 +169,19 @@ with Checks(work) as check:
           in p.stderr and not os.path.exists(f"{work}/other_routing"),
           f"a server whose model routes otherwise: refused at the start naming both ({p.returncode}: {p.stderr.strip()[-300:]})")
     stop_server(g_proc)
+
+    # 6. A server whose model has other experts (the debug flavor's checkpoint widened to 16 experts:
+    # the same layers, experts per token and vocabulary) is refused at the start naming both counts
+    # (it used to be refused only when the first weights reached it)
+    one = f"{work}/one_step_e8"
+    p = subprocess.run([kiln, "run", *quiet, "--set", "run.steps=1", "--set", "run.checkpoint_every=1",
+                        "--set", f"run.output_dir={one}"], capture_output=True, text=True, timeout=600)
+    check(p.returncode == 0, f"a one-step run for the 8-expert checkpoint exits 0 ({p.stderr[-200:]})")
+    if p.returncode == 0:
+        widen_experts(f"{one}/checkpoints/step_000001", f"{work}/e16", 16)
+        e_proc, e16 = check.server(kiln, "server_e16", ["--set", f"model.checkpoint={work}/e16"])
+        p = subprocess.run([kiln, "run", *quiet, "--set", "run.steps=1", "--set", "rollout.backend=http", "--set", urls(e16),
+                            "--set", f"run.output_dir={work}/other_experts"], capture_output=True, text=True, timeout=600)
+        check(p.returncode == 2 and f"rollout server {e16}: its model has 16 routed experts, the policy's 8" in p.stderr,
+              f"a server whose model has 16 experts: refused at the start naming both ({p.returncode}: {p.stderr.strip()[-300:]})")
+        stop_server(e_proc)

@@ -43,8 +43,8 @@ with Checks(work) as check:
     check(second.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in second.stderr,
           f"a second server on port {port}: exit 2 naming the address ({second.returncode}: {second.stderr[-200:]})")
     s, info = http(url, "/get_model_info")
-    check(s == 200 and info["weight_version"] == "0" and info["vocab_size"] > 0 and info["num_moe_layers"] > 0,
-          f"/get_model_info: {info}")
+    check(s == 200 and info["weight_version"] == "0" and info["vocab_size"] > 0 and info["num_moe_layers"] > 0
+          and info.get("num_experts") == 8, f"/get_model_info (the debug flavor's 8 experts): {info}")
     L, K, V = info["num_moe_layers"], info["experts_per_token"], info["vocab_size"]
     # What cpp-httplib answers itself (no route) has the handlers' JSON error body too.
     for method_body, path in ((None, "/generate"), (None, "/no_such_route"), ({"x": 1}, "/no_such_route")):
