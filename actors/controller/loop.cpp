@@ -271,19 +271,19 @@ int start(Session& s, const Config& c, const std::string& config_toml, const std
 // before that, a start or a first step that fails leaves config.toml, the metrics rows and
 // TensorBoard events of the steps a resume trains again, and the checkpoints an overwrite
 // replaces, as they were; a directory the run made holds nothing of its own (RunLock removes
-// it). In order, the files a failure can least afford to lose last: config.toml (written beside
-// itself and renamed: a failed write leaves the old one whole), the metrics files (open() drops
-// the rows and events a resume trains again, truncates them otherwise), then the replaced run's
-// checkpoints (run.overwrite), or those of the steps a resume trains again set aside
-// (supersede_checkpoints: no advice leads back to them).
+// it). In order, what a failure can least afford to lose last: a resume's checkpoints of the
+// steps it trains again set aside (supersede_checkpoints: renamed, no advice leads back to them),
+// config.toml (written beside itself and renamed: a failed write leaves the old one whole), the
+// metrics files (open() drops the rows and events a resume trains again, truncates them
+// otherwise), then the replaced run's checkpoints (run.overwrite).
 void commit_run_dir(const Config& c, const fs::path& dir, const std::string& config_toml, int64_t first_step,
                     MetricsLog& log) {
-  replace_file(dir / "config.toml", config_toml);
-  log.open();
-  if (c.run.overwrite && c.run.resume_from.empty()) fs::remove_all(dir / "checkpoints");
   if (!c.run.resume_from.empty())
     for (const auto& p : supersede_checkpoints(dir, first_step))
       std::fprintf(stderr, "kiln run: %s: a checkpoint of a step trained again now, set aside\n", p.c_str());
+  replace_file(dir / "config.toml", config_toml);
+  log.open();
+  if (c.run.overwrite && c.run.resume_from.empty()) fs::remove_all(dir / "checkpoints");
 }
 }  // namespace
 
