@@ -42,6 +42,14 @@ std::string save_failure(const fs::path& ck, fs::file_time_type since, const std
   return "cannot save a checkpoint: " + error;
 }
 
+// " with --set run.overwrite=true" when a run that logged nothing stops over an earlier run:
+// metrics.jsonl is there only then (this run writes it at its first logged step), else "".
+std::string overwrite_advice(const fs::path& dir) {
+  return fs::exists(dir / "metrics.jsonl")
+             ? " with --set run.overwrite=true (the run directory still holds the run it was to replace)"
+             : "";
+}
+
 // After a failure at `step`: checkpoint steps 1..trained (with the prompt RNG after them)
 // where the policy lives, say how to continue, exit code 1.
 int stop_with_checkpoint(TrainerHandle& trainer, const fs::path& dir, int64_t step, const std::string& what,
@@ -54,9 +62,8 @@ int stop_with_checkpoint(TrainerHandle& trainer, const fs::path& dir, int64_t st
     return 1;
   }
   if (trained < 1) {
-    // (metrics.jsonl is there only when the directory holds an earlier run: this one logged nothing)
     std::fprintf(stderr, "kiln run: no step was trained: nothing to checkpoint; start again%s\n",
-                 fs::exists(dir / "metrics.jsonl") ? " with --set run.overwrite=true" : "");
+                 overwrite_advice(dir).c_str());
     return 1;
   }
   const auto ck = checkpoint_dir(dir, trained);
@@ -320,8 +327,7 @@ int run(const Config& c, const std::string& config_toml, parallel::ProcessGroups
   // another (run.overwrite) has not replaced it, and its checkpoints are not this run's.
   const auto lost_hint = [&] {
     if (!log.is_open() && c.run.resume_from.empty())
-      return std::string("kiln run: no step of this run was logged: start again") +
-             (c.run.overwrite ? " (the run directory still holds the run it was to replace)" : "") + "\n";
+      return "kiln run: no step of this run was logged: start again" + overwrite_advice(dir) + "\n";
     return continue_hint(dir, last_checkpoint.dir);
   };
   RolloutStream rollouts(

@@ -57,7 +57,7 @@ bool writable(const std::filesystem::path& path, bool directory) {
   const auto st = std::filesystem::status(path, ec);
   if (std::filesystem::exists(st))
     return std::filesystem::is_directory(st) == directory && ::access(path.c_str(), W_OK) == 0;
-  if (std::filesystem::is_symlink(std::filesystem::symlink_status(path, ec))) return false;
+  if (!dangling_link(path).empty()) return false;
   return ::access(path.parent_path().c_str(), W_OK) == 0;
 }
 }  // namespace
