@@ -61,34 +61,40 @@ bool lm_head_fused_available(const at::Tensor& hidden_ND, const at::Tensor& weig
 #endif
 }
 
-std::pair<at::Tensor, at::Tensor> lm_head_logits_lse(const at::Tensor& hidden_ND, const at::Tensor& weight_VD,
-                                                     const at::Tensor& logits_NV) {
+std::pair<at::Tensor, at::Tensor> lm_head_probs_lse(const at::Tensor& hidden_ND, const at::Tensor& weight_VD,
+                                                    const at::Tensor& reference_N, const at::Tensor& probs_NV) {
   TORCH_CHECK(hidden_ND.dim() == 2 && weight_VD.dim() == 2 && hidden_ND.size(1) == weight_VD.size(1),
-              "lm_head_logits_lse: hidden [N, D] and weight [V, D] expected, got ", hidden_ND.sizes(), " and ",
+              "lm_head_probs_lse: hidden [N, D] and weight [V, D] expected, got ", hidden_ND.sizes(), " and ",
               weight_VD.sizes());
-  TORCH_CHECK(logits_NV.dim() == 2 && logits_NV.size(0) == hidden_ND.size(0) && logits_NV.size(1) == weight_VD.size(0),
-              "lm_head_logits_lse: logits must be [N, V] = [", hidden_ND.size(0), ", ", weight_VD.size(0), "], got ",
-              logits_NV.sizes());
-  TORCH_CHECK(lm_head_fused_available(hidden_ND, weight_VD), "lm_head_logits_lse: no fused kernel for hidden ",
+  TORCH_CHECK(probs_NV.dim() == 2 && probs_NV.size(0) == hidden_ND.size(0) && probs_NV.size(1) == weight_VD.size(0),
+              "lm_head_probs_lse: probs must be [N, V] = [", hidden_ND.size(0), ", ", weight_VD.size(0), "], got ",
+              probs_NV.sizes());
+  TORCH_CHECK(reference_N.dim() == 1 && reference_N.size(0) == hidden_ND.size(0) &&
+                  reference_N.scalar_type() == at::kFloat && reference_N.device() == hidden_ND.device(),
+              "lm_head_probs_lse: reference must be [", hidden_ND.size(0), "] fp32 on ", hidden_ND.device(), ", got ",
+              reference_N.sizes(), " ", reference_N.scalar_type(), " on ", reference_N.device());
+  TORCH_CHECK(lm_head_fused_available(hidden_ND, weight_VD), "lm_head_probs_lse: no fused kernel for hidden ",
               hidden_ND.sizes(), " ", hidden_ND.scalar_type(), " on ", hidden_ND.device(), " and weight ",
               weight_VD.sizes(), " ", weight_VD.scalar_type(), " on ", weight_VD.device(),
               " (needs a CUDA build with CUTLASS, a Hopper GPU, bf16, D and V multiples of 8, and the switch on: ",
               "KILN_LM_HEAD_FUSED unset or 1)");
-  TORCH_CHECK(logits_NV.scalar_type() == at::kBFloat16 && logits_NV.device() == hidden_ND.device() &&
-                  logits_NV.is_contiguous(),
-              "lm_head_logits_lse: logits must be bf16, contiguous, on ", hidden_ND.device(), ", got ",
-              logits_NV.scalar_type(), " on ", logits_NV.device());
+  TORCH_CHECK(probs_NV.scalar_type() == at::kBFloat16 && probs_NV.device() == hidden_ND.device() &&
+                  probs_NV.is_contiguous(),
+              "lm_head_probs_lse: probs must be bf16, contiguous, on ", hidden_ND.device(), ", got ",
+              probs_NV.scalar_type(), " on ", probs_NV.device());
 #ifdef KILN_LM_HEAD
   const c10::cuda::CUDAGuard device(hidden_ND.device());  // CUTLASS launches on the current device
   auto h = aligned_contiguous(hidden_ND), w = aligned_contiguous(weight_VD);
-  TORCH_CHECK(aligned16(logits_NV), "lm_head_logits_lse: logits must start on a 16-byte boundary");
+  TORCH_CHECK(aligned16(probs_NV), "lm_head_probs_lse: probs must start on a 16-byte boundary");
   const auto fopt = hidden_ND.options().dtype(at::kFloat);
   auto lse = at::empty({hidden_ND.size(0)}, fopt), kept_lse = at::empty({hidden_ND.size(0)}, fopt);
   if (hidden_ND.size(0) == 0) return {lse, kept_lse};
+  auto c = reference_N.contiguous();
   cuda::LmHeadArgs a;
   a.hidden = h.data_ptr();
   a.weight = w.data_ptr();
-  a.logits = logits_NV.data_ptr();
+  a.reference = c.data_ptr<float>();
+  a.probs = probs_NV.data_ptr();
   a.lse = lse.data_ptr<float>();
   a.kept_lse = kept_lse.data_ptr<float>();
   a.N = h.size(0);
@@ -98,11 +104,50 @@ std::pair<at::Tensor, at::Tensor> lm_head_logits_lse(const at::Tensor& hidden_ND
   a.stream = at::cuda::getCurrentCUDAStream(h.device().index()).stream();
   a.pingpong = lm_head_schedule() == LmHeadSchedule::pingpong;
   StreamScratch keep(h.device());
-  cuda::lm_head_logits_lse(a, &StreamScratch::alloc, &keep);
+  cuda::lm_head_probs_lse(a, &StreamScratch::alloc, &keep);
   return {lse, kept_lse};
 #else
-  TORCH_CHECK(false, "lm_head_logits_lse: this build has no fused head (needs CUDA and CUTLASS's headers)");
+  TORCH_CHECK(false, "lm_head_probs_lse: this build has no fused head (needs CUDA and CUTLASS's headers)");
 #endif
+}
+
+std::optional<std::pair<at::Tensor, at::Tensor>> lm_head_probs_backward(
+    const at::Tensor& probs_NV, const at::Tensor& hidden_ND, const at::Tensor& weight_VD, const at::Tensor& targets_N,
+    const at::Tensor& reference_N, const at::Tensor& lse_N, const at::Tensor& kept_lse_N, const at::Tensor& g_N,
+    at::ScalarType weight_grad_dtype) {
+  const int64_t N = hidden_ND.size(0), V = weight_VD.size(0);
+  TORCH_CHECK(hidden_ND.dim() == 2 && weight_VD.dim() == 2 && hidden_ND.size(1) == weight_VD.size(1) &&
+                  probs_NV.dim() == 2 && probs_NV.size(0) == N && probs_NV.size(1) == V,
+              "lm_head_probs_backward: probs [N, V], hidden [N, D] and weight [V, D] expected, got ", probs_NV.sizes(),
+              ", ", hidden_ND.sizes(), " and ", weight_VD.sizes());
+  for (const auto* t : {&targets_N, &reference_N, &lse_N, &kept_lse_N, &g_N})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == N, "lm_head_probs_backward: targets, reference, lse, kept_lse and g ",
+                "must be [", N, "], got ", t->sizes());
+  const auto valid = targets_N.ge(0).logical_and_(targets_N.lt(V));  // [N]
+  const auto live = valid.logical_and(g_N.ne(0));                    // rows with a gradient
+  // A row whose values reached the GEMM's clamp (or are not finite) is the caller's to recompute.
+  if (live.logical_and(lse_N.sub(reference_N).le(kProbsMaxLseAboveReference).logical_not()).any().item<bool>())
+    return std::nullopt;
+  const auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat); };
+  const auto t = targets_N.clamp(0, V - 1).unsqueeze(1);                             // [N, 1]
+  const auto sum = f32(kept_lse_N).sub(f32(reference_N)).exp_();                     // S [N]
+  const auto at_target = probs_NV.gather(1, t).squeeze(1).to(at::kFloat);            // [N]
+  probs_NV.scatter_(1, t, at::where(valid, at_target - sum, at_target).to(probs_NV.scalar_type()).unsqueeze(1));
+  const auto a = at::where(live, f32(g_N).neg().mul_(f32(reference_N).sub(f32(kept_lse_N)).exp_()),
+                           at::zeros({N}, g_N.options().dtype(at::kFloat)))
+                     .unsqueeze(1);  // [N, 1]
+  const bool tensor_cores = hidden_ND.is_cuda() && hidden_ND.scalar_type() != at::kFloat;
+  auto grad_h = at::empty_like(hidden_ND);
+  auto scaled_h = at::empty_like(hidden_ND);
+  at::mul_out(scaled_h, hidden_ND, a);  // fp32 products, rounded once to hidden's dtype
+  if (tensor_cores) {
+    at::mul_out(grad_h, at::mm(probs_NV, weight_VD, at::kFloat), a);
+    auto grad_w = weight_grad_dtype == probs_NV.scalar_type() ? at::mm(probs_NV.t(), scaled_h)
+                                                              : at::mm(probs_NV.t(), scaled_h, weight_grad_dtype);
+    return std::make_pair(grad_h, grad_w);
+  }
+  at::mul_out(grad_h, at::mm(f32(probs_NV), f32(weight_VD)), a);
+  return std::make_pair(grad_h, at::mm(f32(probs_NV).t(), f32(scaled_h)).to(weight_grad_dtype));
 }
 
 at::Tensor lm_head_target_logprobs_ref(const at::Tensor& hidden_ND, const at::Tensor& weight_VD,
@@ -154,14 +199,15 @@ at::Tensor lm_head_target_logprobs(const at::Tensor& hidden_ND, const at::Tensor
   return lm_head_target_logprobs_ref(hidden_ND, weight_VD, targets_N, lse_N);
 }
 
-std::pair<at::Tensor, at::Tensor> lm_head_logits_lse_ref(const at::Tensor& hidden_ND, const at::Tensor& weight_VD,
-                                                         const at::Tensor& logits_NV) {
+std::pair<at::Tensor, at::Tensor> lm_head_probs_lse_ref(const at::Tensor& hidden_ND, const at::Tensor& weight_VD,
+                                                        const at::Tensor& reference_N, const at::Tensor& probs_NV) {
   const auto t = hidden_ND.scalar_type();
   auto z = hidden_ND.is_cuda() && (t == at::kBFloat16 || t == at::kHalf)
                ? at::mm(hidden_ND, weight_VD.t(), at::kFloat)
                : at::mm(hidden_ND.to(at::kFloat), weight_VD.to(at::kFloat).t());  // [N, V] fp32 sums
-  logits_NV.copy_(z);
-  return {at::logsumexp(z, {1}), at::logsumexp(logits_NV.to(at::kFloat), {1})};
+  const auto c = reference_N.to(at::kFloat).unsqueeze(1);                            // [N, 1]
+  probs_NV.copy_(z.sub(c).exp_().clamp_max_(18446744073709551616.0));               // 2^64, as the kernel
+  return {at::logsumexp(z, {1}), probs_NV.to(at::kFloat).sum(1).log_().add_(c.squeeze(1))};
 }
 
 }  // namespace kiln::kernels

@@ -13,9 +13,10 @@ namespace kiln::kernels::cuda {
 struct LmHeadArgs {
   const void* hidden = nullptr;  ///< [N, D] bf16, row-major
   const void* weight = nullptr;  ///< [V, D] bf16, row-major
-  void* logits = nullptr;        ///< [N, V] bf16, row-major: bf16(hidden @ weight^T)
+  const float* reference = nullptr;  ///< [N] fp32: each row's reference c (nats)
+  void* probs = nullptr;         ///< [N, V] bf16, row-major: bf16(min(exp(acc - c), 2^64)), acc = hidden @ weight^T
   float* lse = nullptr;          ///< [N]: logsumexp over V of the fp32 accumulators
-  float* kept_lse = nullptr;     ///< [N]: logsumexp over V of the bf16 logits written
+  float* kept_lse = nullptr;     ///< [N]: c + log sum_v probs[t, v] (fp32 sums of the values written)
   int64_t N = 0, V = 0, D = 0;
   int sm_count = 0;
   void* stream = nullptr;  ///< cudaStream_t
@@ -24,8 +25,8 @@ struct LmHeadArgs {
   bool pingpong = false;
 };
 
-/// Device memory for the call: CUTLASS's workspace and the tiles' row partials (two buffers of
-/// N rounded up to 128 x ceil(V / tile width) x 8 bytes; at V 154880 and a chunk of 1024 rows
+/// Device memory for the call: CUTLASS's workspace, the references padded to N rounded up to 128
+/// rows, and the tiles' row partials (two buffers of N rounded up to 128 x ceil(V / tile width) x 8 bytes; at V 154880 and a chunk of 1024 rows
 /// ~5 MB each with the cooperative schedule's 256-wide tiles, ~10 MB with pingpong's 128):
 /// (bytes, ctx) -> pointer valid until the work queued on args.stream is done (a stream-ordered
 /// allocator).
@@ -34,7 +35,7 @@ using LmHeadAlloc = void* (*)(size_t bytes, void* ctx);
 /// Queues the GEMM and the row partials' merge on args.stream; throws std::runtime_error when
 /// CUTLASS refuses the problem
 /// (N, V, D must be >= 1; V and D multiples of 8) or the launch fails.
-void lm_head_logits_lse(const LmHeadArgs& args, LmHeadAlloc alloc, void* alloc_ctx);
+void lm_head_probs_lse(const LmHeadArgs& args, LmHeadAlloc alloc, void* alloc_ctx);
 
 /// The target log-probs beside it (kernels/lm_head_targets.cu, any CUDA GPU: no CUTLASS).
 struct LmHeadTargetArgs {

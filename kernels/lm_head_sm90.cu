@@ -15,7 +15,8 @@ Partials run_cooperative(const LmHeadArgs& a, LmHeadAlloc alloc, void* alloc_ctx
 namespace {
 constexpr int kRowsPerBlock = 32, kSlices = 32;  // a warp over 32 rows; 32 warps over the tile columns
 
-// lse[r] = m + log s of row r's partials merged over the tile columns, and the same for kept:
+// lse[r] = m + log s of row r's partials merged over the tile columns, and the same for kept (whose
+// partials all have the row's reference as m: a plain sum):
 // block (32 rows) x (32 slices), each thread merging every 32nd tile column of its row (coalesced:
 // a warp reads 32 consecutive rows' pairs of one column; at V = 154880 ~38 a thread with the
 // pingpong schedule's 128-wide tiles, ~19 with the cooperative one's 256), then the slices merged
@@ -45,10 +46,10 @@ __global__ void merge_row_partials(const MaxSum* __restrict__ lse_p, const MaxSu
 }  // namespace
 }  // namespace lm_head_sm90
 
-void lm_head_logits_lse(const LmHeadArgs& a, LmHeadAlloc alloc, void* alloc_ctx) {
+void lm_head_probs_lse(const LmHeadArgs& a, LmHeadAlloc alloc, void* alloc_ctx) {
   if (a.N < 1 || a.V < 1 || a.D < 1 || a.V % 8 || a.D % 8 || a.N > (int64_t(1) << 31) - 1 ||
       a.V > (int64_t(1) << 31) - 1 || a.D > (int64_t(1) << 31) - 1)
-    throw std::runtime_error("lm_head_logits_lse: N " + std::to_string(a.N) + ", V " + std::to_string(a.V) + ", D " +
+    throw std::runtime_error("lm_head_probs_lse: N " + std::to_string(a.N) + ", V " + std::to_string(a.V) + ", D " +
                              std::to_string(a.D) + ": each must be in [1, 2^31), V and D multiples of 8");
   const auto p = a.pingpong ? lm_head_sm90::run_pingpong(a, alloc, alloc_ctx)
                             : lm_head_sm90::run_cooperative(a, alloc, alloc_ctx);
@@ -58,7 +59,7 @@ void lm_head_logits_lse(const LmHeadArgs& a, LmHeadAlloc alloc, void* alloc_ctx)
   lm_head_sm90::merge_row_partials<<<grid, block, 0, static_cast<cudaStream_t>(a.stream)>>>(
       p.lse, p.kept, p.n_tiles, p.m_pad, M, a.lse, a.kept_lse);
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess)
-    throw std::runtime_error(std::string("lm_head_logits_lse: row merge launch failed: ") + cudaGetErrorString(e));
+    throw std::runtime_error(std::string("lm_head_probs_lse: row merge launch failed: ") + cudaGetErrorString(e));
 }
 
 }  // namespace kiln::kernels::cuda

@@ -1,5 +1,5 @@
 #pragma once
-// The log-prob head's logits and their row statistics in one Hopper GEMM (kernels/lm_head.hpp):
+// The log-prob head's probabilities and their row statistics in one Hopper GEMM (kernels/lm_head.hpp):
 // CUTLASS 3's sm90 GEMM (TMA loads, warp-specialized WGMMA; NVIDIA CUTLASS,
 // examples/49_hopper_gemm_with_collective_builder) in two schedules, one translation unit each:
 //   cooperative (kernels/lm_head_sm90.cu):         128x256x64 tiles, both consumer warp groups on
@@ -9,10 +9,11 @@
 //                                                  one group's epilogue under the other's mainloop
 //                                                  (the faster GEMM alone on the H200);
 // cluster 1x2 in both. The epilogue is one node of CUTLASS's visitor tree (EVT, examples/49 and
-// cutlass/epilogue/fusion), kiln's RowSoftmaxStats below: it stores bf16(acc) and sums every row
-// twice as an online softmax's normalizer (Milakov & Gimelshein 2018) against a per-row reference:
-//   lse      = logsumexp over v of acc[t, v]                 (the fp32 accumulators)
-//   kept_lse = logsumexp over v of float(bf16(acc[t, v]))    (the logits stored)
+// cutlass/epilogue/fusion), kiln's RowSoftmaxStats below: against a reference c[t] per row given
+// by the caller it stores probs = bf16(min(exp(acc - c[t]), 2^64)) and sums every row twice:
+//   lse      = logsumexp over v of acc[t, v]                 (the fp32 accumulators, as an online
+//              softmax's normalizer against a reference of its own: Milakov & Gimelshein 2018)
+//   kept_lse = c[t] + log sum_v float(probs[t, v])           (the values stored)
 // Each CTA reduces its tile's rows (registers, warp shuffles) and writes one (reference, sum)
 // partial per row and tile; a second kernel (merge_row_partials, kernels/lm_head_sm90.cu) merges
 // each row's partials, many rows and tile columns at once. The sums stay in the linear domain, so
@@ -22,6 +23,9 @@
 // at 738 (their per-value merge, a compare, swap and exp per statistic, and the per-value
 // out-of-bounds check, ~45 instructions a value); this node, ~13 a value, at 689 (cooperative)
 // and 724 (pingpong; cuBLAS 750) at T 1024 on the H200 (tests/bench/lm_head_variants.cu).
+// Why probabilities and not logits: the backward's dz = g (onehot - probs exp(c - kept_lse)) is
+// then probs scaled by row, which the backward's two GEMMs take as they are (kernels/lm_head.hpp,
+// lm_head_probs_backward), with no pass over [N, V] between them.
 // No LibTorch here: compile time.
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
@@ -84,7 +88,7 @@ struct MergeMaxSum<MaxSum> {
 using Element = cutlass::bfloat16_t;
 using LayoutA = cutlass::layout::RowMajor;     // hidden [N, D]
 using LayoutB = cutlass::layout::ColumnMajor;  // weight [V, D] as a D x V matrix
-using LayoutD = cutlass::layout::RowMajor;     // logits [N, V]
+using LayoutD = cutlass::layout::RowMajor;     // probs [N, V]
 constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
 
 // 2^x on the special function unit (ex2.approx.ftz: ~2 ulp; a subnormal result flushes to 0).
@@ -95,46 +99,52 @@ CUTLASS_DEVICE float ex2(float x) {
 }
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 
-// Two rows' (reference r in log2 units, sum of 2^(x log2 e - r) over the fp32 values, the same over
-// their bf16 roundings) merged onto the larger reference; an empty side (r = -inf) adds nothing.
-CUTLASS_DEVICE void merge_stats(float& r, float& s, float& k, float r2, float s2, float k2) {
+// Two rows' (reference r in log2 units, sum of 2^(x log2 e - r) over the fp32 values) merged onto
+// the larger reference; an empty side (r = -inf) adds nothing.
+CUTLASS_DEVICE void merge_stats(float& r, float& s, float r2, float s2) {
   if (r2 == -INFINITY) return;
   if (r == -INFINITY) {
-    r = r2, s = s2, k = k2;
+    r = r2, s = s2;
     return;
   }
-  const float m = fmaxf(r, r2), a = ex2(r - m), b = ex2(r2 - m);
-  r = m, s = s * a + s2 * b, k = k * a + k2 * b;
+  const float m = fmaxf(r, r2);
+  s = s * ex2(r - m) + s2 * ex2(r2 - m), r = m;
 }
 
+// The largest probability stored (2^64, e^44.4): a row whose values lie further above its
+// reference is clamped there, which the caller sees as lse - c > 44 (kernels/lm_head.hpp).
+constexpr float kProbMax = 18446744073709551616.f;
+
 // The epilogue's node for the log-prob head (an EVT node over the accumulators, in place of two
-// CUTLASS Sm90ColReductions over MaxSum): it returns bf16(acc) for the D store and keeps, per row
-// slot of each thread (the 4 lanes that share a row each keep their own), one reference r (log2
-// units) and two sums,
-//   s = sum_v 2^(acc_v log2 e - r)                              (lse      = r ln 2 + log s)
-//   k = sum_v 2^(acc_v log2 e - r) * e^(bf16(acc_v) - acc_v)     (kept_lse = r ln 2 + log k)
-// Per value: one fma and one ex2 for s; for k the factor e^d, d = bf16(x) - x (exact in fp32,
-// |d| <= 2^-8 |x|), as its Taylor polynomial to d^4 (relative error <= d^5 / 120: 2.5e-7 at
-// |x| 32, 8e-6 at |x| 64) on the FMA units instead of a second ex2. The reference is not the
+// CUTLASS Sm90ColReductions over MaxSum): per row slot of each thread (the 4 lanes that share a
+// row each keep their own) it holds the caller's reference q (nats), a reference r of its own
+// (log2 units) with f = 2^(r - q log2 e), and two sums,
+//   s = sum_v 2^(acc_v log2 e - r)               (lse      = r ln 2 + log s)
+//   k = sum_v float(probs_v),  probs_v = bf16(min(2^(acc_v log2 e - r) f, 2^64))
+//                                                 (kept_lse = q + log k)
+// Per value: one fma and one ex2 for s, then a product, a min, the rounding to bf16 and an add
+// for probs and k (no second ex2: 2^(x log2 e - q log2 e) = 2^(x log2 e - r) f). r is not the
 // running max: a slot's first fragment sets it to that fragment's max, and it moves only when a
 // value lies more than 64 (log2 units, ~44 nats) above it, checked once per fragment (almost never
-// true after the first), so the common path has no per-value max, swap or select. The sums stay
-// finite (a term is at most 2^64, a tile row at most 256 of them); the cost of a reference below
-// the max is the rounding of t = x log2 e - r, |t| up to 64: ~1e-6 relative per term against
-// ~1e-7 (measured lse errors 1-2e-6, tests/bench/lm_head_variants.cu). At the tile's end the
-// lanes of a row merge by shuffles (merge_stats) and one lane per row writes the two partials
-// {r ln 2, s} and {r ln 2, k} at [tile column][row] of the buffers [n_tiles, m_pad] for
-// merge_row_partials, as the ColReduction version did. Non-finite values: a NaN makes both sums
-// NaN (also alone in a slot: its reference is then -FLT_MAX, not the empty -inf); +inf makes
-// both NaN; -inf adds 0 to s and makes k NaN. One warp per row across N (the cooperative and
-// pingpong tilings here); columns past V are skipped (checked per value only in a tile that
-// crosses V), rows past N land in the padding.
+// true after the first), so the common path has no per-value max, swap or select; s is rescaled
+// and f recomputed when it moves, k never (it is against q throughout). The sums stay finite (a
+// term of s is at most 2^64, of k at most 2^64); the cost of a reference below the max is the
+// rounding of t = x log2 e - r, |t| up to 64: ~1e-6 relative per term against ~1e-7 (measured lse
+// errors 1-2e-6, tests/bench/lm_head_variants.cu). At the tile's end the lanes of a row merge by
+// shuffles (merge_stats; k by a plain sum) and one lane per row writes the two partials
+// {r ln 2, s} and {q, k} at [tile column][row] of the buffers [n_tiles, m_pad] for
+// merge_row_partials, as the ColReduction version did. Non-finite values: a NaN makes s NaN (also
+// alone in a slot: its reference is then -FLT_MAX, not the empty -inf), and its probability 2^64;
+// +inf makes s NaN. One warp per row across N (the cooperative and pingpong tilings here);
+// columns past V are skipped (checked per value only in a tile that crosses V), rows past N land
+// in the padding (their references read from the padded copy run() makes).
 template <class CtaTileShapeMNK>
 struct RowSoftmaxStats {
   struct SharedStorage {};
   struct Arguments {
-    MaxSum* lse = nullptr;   // [n_tiles, m_pad]: per tile column, each row's partial over fp32 values
-    MaxSum* kept = nullptr;  // [n_tiles, m_pad]: the same over the bf16 values
+    MaxSum* lse = nullptr;            // [n_tiles, m_pad]: per tile column, each row's partial over fp32 values
+    MaxSum* kept = nullptr;           // [n_tiles, m_pad]: the sums of the probabilities stored, against q
+    const float* reference = nullptr; // [m_pad]: each row's reference q (nats), rows past N included
   };
   using Params = Arguments;
 
@@ -144,7 +154,7 @@ struct RowSoftmaxStats {
   }
   template <class ProblemShape>
   static bool can_implement(ProblemShape const&, Arguments const& args) {
-    return args.lse != nullptr && args.kept != nullptr;
+    return args.lse != nullptr && args.kept != nullptr && args.reference != nullptr;
   }
   template <class ProblemShape>
   static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
@@ -184,12 +194,15 @@ struct RowSoftmaxStats {
       Tensor c_mn = get<3>(args_tuple)(_, _, _, epi_m, epi_n);
       auto const& residue_tCcCol = get<4>(args_tuple);
       const bool check_n = get<5>(args_tuple);
-      const auto out = cutlass::NumericArrayConverter<Element, ElementInput, FragmentSize, kRound>{}(x);
+      Tensor q_mn = get<12>(args_tuple)(_, _, _, epi_m, epi_n);
+      Tensor f_mn = get<13>(args_tuple)(_, _, _, epi_m, epi_n);
+      cutlass::Array<Element, FragmentSize> out;
+      const cutlass::NumericConverter<Element, float, kRound> to_bf16;
       // The fragment's values against their row slots' references: t = x log2 e - r. When one lies
       // more than 64 above its reference (or the slot is still empty, r = -inf: the first
-      // fragment of each row), the slots' references move up to the fragment's max and their sums
-      // are rescaled, once per fragment; then every value adds 2^t to s and 2^t e^(bf16(x) - x) to
-      // k, without a per-value branch.
+      // fragment of each row), the slots' references move up to the fragment's max, their sums
+      // are rescaled and their factors f recomputed, once per fragment; then every value adds 2^t
+      // to s and stores min(2^t f, 2^64), adding it as stored to k, without a per-value branch.
       auto body = [&](auto checked) CUTLASS_LAMBDA_FUNC_INLINE {
         constexpr bool kChecked = decltype(checked)::value;
         auto in = [&](int idx) CUTLASS_LAMBDA_FUNC_INLINE {  // a column before V
@@ -208,7 +221,7 @@ struct RowSoftmaxStats {
           far |= !(t[i] <= 64.f);  // also NaN: an empty slot (r = -inf) meeting -inf, or a NaN value
         }
         if (far) {
-          Tensor r_f = filter(r_mn), s_f = filter(s_mn), k_f = filter(k_mn);  // each slot once
+          Tensor r_f = filter(r_mn), s_f = filter(s_mn), q_f = filter(q_mn), f_f = filter(f_mn);  // each slot once
           float r_old[decltype(size(r_f))::value];
           CUTLASS_PRAGMA_UNROLL
           for (int j = 0; j < size(r_f); ++j) r_old[j] = r_f(j);
@@ -220,8 +233,9 @@ struct RowSoftmaxStats {
           }
           CUTLASS_PRAGMA_UNROLL
           for (int j = 0; j < size(r_f); ++j) {
-            const float c = r_old[j] == r_f(j) ? 1.f : ex2(r_old[j] - r_f(j));  // (-inf, -inf): unchanged
-            s_f(j) *= c, k_f(j) *= c;
+            if (r_old[j] == r_f(j)) continue;  // (-inf, -inf): unchanged
+            s_f(j) *= ex2(r_old[j] - r_f(j));
+            f_f(j) = ex2(r_f(j) - q_f(j) * kLog2e);  // 0 below 2^-126, +inf above 2^128 (then clamped)
           }
           CUTLASS_PRAGMA_UNROLL
           for (int i = 0; i < FragmentSize; ++i) t[i] = t_of(i);
@@ -231,9 +245,8 @@ struct RowSoftmaxStats {
           const int idx = epi_v * FragmentSize + i;
           const float e = ex2(t[i]);
           s_mn(idx) += e;
-          const float d = float(out[i]) - float(x[i]);  // exact: bf16(x) and x are within a factor 2
-          const float p = fmaf(d, fmaf(d, fmaf(d, fmaf(d, 1.f / 24.f, 1.f / 6.f), 0.5f), 1.f), 1.f);
-          k_mn(idx) = fmaf(e, p, k_mn(idx));
+          out[i] = to_bf16(fminf(e * f_mn(idx), kProbMax));  // (0 * inf = NaN: fminf takes 2^64)
+          k_mn(idx) += float(out[i]);
         }
       };
       if (check_n) body(cute::true_type{});  // a tile that crosses V
@@ -245,7 +258,7 @@ struct RowSoftmaxStats {
     CUTLASS_DEVICE void reduce(STensor&&, SyncFn const&, int, int, bool is_last_iteration, VTensor) {
       if (!is_last_iteration) return;
       auto& [tCrR, tCrS, tCrK, tCcCol, residue_tCcCol, check_n, cCol, residue_cCol, tCgL, tCgK, lane_layout_MN,
-             lane_mn] = args_tuple;
+             lane_mn, tCrQ, tCrF] = args_tuple;
       if (!elem_less(cCol(_0{}, _0{}), residue_cCol)) return;  // a CTA wholly past the problem (cluster padding)
       // The lanes that share a row (along N) merge by shuffles; their lane 0 holds the row's tile partial.
       Tensor r_f = filter(tCrR), s_f = filter(tCrS), k_f = filter(tCrK);
@@ -256,18 +269,17 @@ struct RowSoftmaxStats {
         for (int i = 0; i < size(r_f); ++i) {
           const float r2 = __shfl_down_sync(0xFFFFFFFF, r_f(i), delta);
           const float s2 = __shfl_down_sync(0xFFFFFFFF, s_f(i), delta);
-          const float k2 = __shfl_down_sync(0xFFFFFFFF, k_f(i), delta);
-          merge_stats(r_f(i), s_f(i), k_f(i), r2, s2, k2);
+          k_f(i) += __shfl_down_sync(0xFFFFFFFF, k_f(i), delta);  // against the row's q on every lane
+          merge_stats(r_f(i), s_f(i), r2, s2);
         }
       }
       if (get<1>(lane_mn) != 0) return;
-      Tensor r_z = filter_zeros(tCrR), s_z = filter_zeros(tCrS), k_z = filter_zeros(tCrK);
+      Tensor r_z = filter_zeros(tCrR), s_z = filter_zeros(tCrS), k_z = filter_zeros(tCrK), q_z = filter_zeros(tCrQ);
       Tensor gL_z = filter_zeros(tCgL), gK_z = filter_zeros(tCgK);
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(r_z); ++i) {
-        const float m = r_z(i) == -INFINITY ? -INFINITY : r_z(i) * kLn2;
-        gL_z(i) = MaxSum{m, s_z(i)};
-        gK_z(i) = MaxSum{m, k_z(i)};
+        gL_z(i) = MaxSum{r_z(i) == -INFINITY ? -INFINITY : r_z(i) * kLn2, s_z(i)};
+        gK_z(i) = MaxSum{q_z(i), k_z(i)};
       }
     }
   };
@@ -304,15 +316,29 @@ struct RowSoftmaxStats {
                                                                              args.thread_idx);
     Tensor tCgK = cutlass::epilogue::fusion::sm90_partition_for_epilogue<true>(gK, args.epi_tile, args.tiled_copy,
                                                                              args.thread_idx);
+    // The rows' references: [m_pad] with stride 1 along a tile's rows and 0 along its columns and
+    // from one tile column to the next; read once into registers shaped as the sums.
+    Layout ref_layout = blocked_product(
+        tile_layout, make_layout(ceil_div(make_shape(M, N, L), shape(tile_layout)), make_stride(_1{}, _0{}, _0{})));
+    Tensor gQ = local_tile(make_tensor(make_gmem_ptr(params.reference), ref_layout), take<0, 2>(args.tile_shape_mnk),
+                           make_coord(m, n, _))(_, _, l);
+    Tensor tCgQ = cutlass::epilogue::fusion::sm90_partition_for_epilogue<true>(gQ, args.epi_tile, args.tiled_copy,
+                                                                             args.thread_idx);
     Tensor tCrR = make_tensor_like<float>(tCgL);
     Tensor tCrS = make_tensor_like<float>(tCgL);
     Tensor tCrK = make_tensor_like<float>(tCgL);
+    Tensor tCrQ = make_tensor_like<float>(tCgL);
+    Tensor tCrF = make_tensor_like<float>(tCgL);
     fill(tCrR, -INFINITY);
     fill(tCrS, 0.f);
     fill(tCrK, 0.f);
+    fill(tCrF, 0.f);  // (set with the slot's first reference)
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(tCrQ); ++i) tCrQ(i) = tCgQ(i);  // the same coordinates: one load per slot, repeated
     const bool check_n = get<1>(args.residue_cD) < int(size<1>(args.tile_shape_mnk));
     auto args_tuple = make_tuple(cute::move(tCrR), cute::move(tCrS), cute::move(tCrK), args.tCcD, args.residue_tCcD,
-                                 check_n, args.cD, args.residue_cD, tCgL, tCgK, lane_layout_MN, lane_mn);
+                                 check_n, args.cD, args.residue_cD, tCgL, tCgK, lane_layout_MN, lane_mn,
+                                 cute::move(tCrQ), cute::move(tCrF));
     return ConsumerStoreCallbacks<decltype(args_tuple)>(std::move(args_tuple), params);
   }
 };
@@ -330,7 +356,7 @@ Stride packed(int rows, int cols) {
 
 inline void check(cutlass::Status s, const char* what) {
   if (s != cutlass::Status::kSuccess)
-    throw std::runtime_error(std::string("lm_head_logits_lse: CUTLASS ") + what + " failed: " +
+    throw std::runtime_error(std::string("lm_head_probs_lse: CUTLASS ") + what + " failed: " +
                              cutlassGetStatusString(s));
 }
 
@@ -372,7 +398,7 @@ struct GemmTypes {
 template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
 Partials run(const LmHeadArgs& a, LmHeadAlloc alloc, void* alloc_ctx) {
   namespace ef = cutlass::epilogue::fusion;
-  // bf16(acc) to D, each row's (reference, sum) partials per tile to the buffers (RowSoftmaxStats).
+  // The probabilities to D, each row's (reference, sum) partials per tile to the buffers (RowSoftmaxStats).
   using Fusion = ef::Sm90EVT<RowSoftmaxStats<TileShape>, ef::Sm90AccFetch>;
   using Types = GemmTypes<TileShape, ClusterShape, KernelSchedule, EpilogueSchedule, Fusion>;
   using Kernel = typename Types::Kernel;
@@ -386,20 +412,28 @@ Partials run(const LmHeadArgs& a, LmHeadAlloc alloc, void* alloc_ctx) {
   const size_t pair_bytes = size_t(p.n_tiles) * size_t(p.m_pad) * sizeof(MaxSum);
   p.lse = static_cast<MaxSum*>(alloc(pair_bytes, alloc_ctx));
   p.kept = static_cast<MaxSum*>(alloc(pair_bytes, alloc_ctx));
+  // The references of rows past N too (the epilogue reads every row of a tile): a padded copy.
+  auto stream = static_cast<cudaStream_t>(a.stream);
+  auto* reference = static_cast<float*>(alloc(size_t(p.m_pad) * sizeof(float), alloc_ctx));
+  if (cudaMemcpyAsync(reference, a.reference, size_t(M) * sizeof(float), cudaMemcpyDeviceToDevice, stream) !=
+          cudaSuccess ||
+      (p.m_pad > M &&
+       cudaMemsetAsync(reference + M, 0, size_t(p.m_pad - M) * sizeof(float), stream) != cudaSuccess))
+    throw std::runtime_error(std::string("lm_head_probs_lse: copying the references failed: ") +
+                             cudaGetErrorString(cudaGetLastError()));
 
   const auto sa = packed<typename Kernel::StrideA>(M, K), sb = packed<typename Kernel::StrideB>(N, K);
   const auto sd = packed<typename Kernel::StrideD>(M, N);
   typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
                                 {M, N, K, 1},
                                 {static_cast<const Element*>(a.hidden), sa, static_cast<const Element*>(a.weight), sb},
-                                {{}, nullptr, sd, static_cast<Element*>(a.logits), sd}};
-  args.epilogue.thread = {{}, {p.lse, p.kept}};  // the child (AccFetch), then the node
+                                {{}, nullptr, sd, static_cast<Element*>(a.probs), sd}};
+  args.epilogue.thread = {{}, {p.lse, p.kept, reference}};  // the child (AccFetch), then the node
   args.hw_info.sm_count = a.sm_count;
   Gemm gemm;
   check(gemm.can_implement(args), "can_implement");
   const size_t bytes = Gemm::get_workspace_size(args);
   void* workspace = bytes ? alloc(bytes, alloc_ctx) : nullptr;
-  auto stream = static_cast<cudaStream_t>(a.stream);
   check(gemm.initialize(args, workspace, stream), "initialize");
   check(gemm.run(stream), "run");
   return p;

@@ -28,21 +28,29 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
     auto fopt = hidden.options().dtype(torch::kFloat32);
     auto out = torch::empty({T}, fopt), lse = torch::empty({T}, fopt);
     auto ent = torch::empty({with_entropy ? T : 0}, fopt), mean_z = torch::empty({with_entropy ? T : 0}, fopt);
-    // On Hopper (log-probs without entropy): one GEMM writes each chunk's bf16 logits (into the
-    // kept rows, or a scratch chunk) and both row logsumexps (kernels/lm_head.hpp); the target's
-    // log-prob is a dot product in fp32 minus the lse, one kernel.
+    // On Hopper (log-probs without entropy): one GEMM writes each chunk's bf16 probabilities
+    // against a per-row reference (into the kept rows, or a scratch chunk) and both row sums
+    // (kernels/lm_head.hpp); the reference is the target's logit, a dot product in fp32 (one
+    // kernel), + kProbsReferenceMargin, and the target's log-prob that logit minus the lse.
     const bool fused = !with_entropy && kernels::lm_head_fused_available(hidden, weight);
     auto scratch = fused && kept_rows < T ? torch::empty({std::min(chunk, T), weight.size(0)}, hidden.options())
                                           : torch::Tensor();
+    auto reference = torch::empty({fused ? T : 0}, fopt), kept_lse = torch::empty({fused ? T : 0}, fopt);
+    auto no_lse = fused ? torch::zeros({std::min(chunk, T)}, fopt) : torch::Tensor();
     for (int64_t s = 0; s < T; s += chunk) {
       const int64_t n = std::min(chunk, T - s);
       kernels::KeptStats ks;
       const bool keep = s < kept_rows;
       if (fused) {
         const auto h = hidden.narrow(0, s, n), t = targets.narrow(0, s, n);
-        auto [l, kept_l] = kernels::lm_head_logits_lse(h, weight, keep ? kept.narrow(0, s, n) : scratch.narrow(0, 0, n));
-        out.narrow(0, s, n).copy_(kernels::lm_head_target_logprobs(h, weight, t, l));
-        lse.narrow(0, s, n).copy_(keep ? kept_l : l);  // the backward differentiates the kept values' softmax
+        const auto z = kernels::lm_head_target_logprobs(h, weight, t, no_lse.narrow(0, 0, n));  // 0 without a target
+        auto c = reference.narrow(0, s, n);
+        torch::add_out(c, z, kernels::kProbsReferenceMargin);
+        auto [l, kept_l] = kernels::lm_head_probs_lse(h, weight, c, keep ? kept.narrow(0, s, n) : scratch.narrow(0, 0, n));
+        const auto valid = t.ge(0).logical_and_(t.lt(weight.size(0)));
+        out.narrow(0, s, n).copy_(torch::where(valid, z - l, torch::zeros_like(l)));
+        lse.narrow(0, s, n).copy_(l);
+        kept_lse.narrow(0, s, n).copy_(kept_l);
         continue;
       }
       auto [lp, l, e, mz] = kernels::logprob_chunk_forward(chunk_logits(hidden, weight, s, n), targets.narrow(0, s, n),
@@ -59,7 +67,8 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
         mean_z.narrow(0, s, n).copy_(mz);
       }
     }
-    ctx->save_for_backward({hidden, weight, targets, lse, mean_z, kept});
+    ctx->save_for_backward({hidden, weight, targets, lse, mean_z, kept, reference, kept_lse});
+    ctx->saved_data["probs"] = fused;  // kept holds probabilities (lm_head_probs_lse), not logits
     ctx->saved_data["chunk"] = chunk;
     ctx->saved_data["with_entropy"] = with_entropy;
     return {out, ent};
@@ -68,17 +77,37 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
     const auto &hidden = saved[0], &weight = saved[1], &targets = saved[2], &lse = saved[3], &mean_z = saved[4],
-               &kept = saved[5];
+               &kept = saved[5], &reference = saved[6], &kept_lse = saved[7];
+    const bool probs = ctx->saved_data["probs"].toBool();
     const int64_t chunk = ctx->saved_data["chunk"].toInt(), T = hidden.size(0);
     const bool entropy_grad = ctx->saved_data["with_entropy"].toBool() && grads[1].defined();
     auto g_lp = grads[0].defined() ? grads[0].to(torch::kFloat32) * (targets >= 0).to(torch::kFloat32)
                                    : torch::zeros({T}, hidden.options().dtype(torch::kFloat32));
     auto g_ent = entropy_grad ? grads[1].to(torch::kFloat32) : torch::Tensor();
     const bool tensor_cores = hidden.is_cuda() && hidden.scalar_type() != torch::kFloat32;
-    const int64_t K = kept.defined() ? kept.size(0) : 0;  // rows whose logits were kept
+    const int64_t K = kept.defined() ? kept.size(0) : 0;  // rows whose logits (or probabilities) were kept
     auto grad_h = torch::empty_like(hidden);
     torch::Tensor grad_w;  // fp32 [V, D], rounded to the weight's dtype once at the end
-    if (K > 0 && tensor_cores) {
+    int64_t recompute_from = tensor_cores ? K : 0;  // the rows before it are done from what was kept
+    if (K > 0 && probs) {
+      // Both GEMMs straight from the kept probabilities, scaled by row (kernels/lm_head.hpp); a
+      // row with a gradient whose values reached the GEMM's clamp sends every row to the
+      // recomputation below (nothing changed).
+      auto r = kernels::lm_head_probs_backward(kept, hidden.narrow(0, 0, K), weight, targets.narrow(0, 0, K),
+                                               reference.narrow(0, 0, K), lse.narrow(0, 0, K),
+                                               kept_lse.narrow(0, 0, K), g_lp.narrow(0, 0, K),
+                                               K == T ? weight.scalar_type() : torch::kFloat32);
+      torch::autograd::impl::bump_version(kept);  // (a second backward through this node fails)
+      if (r && K == T)
+        return {r->first, r->second, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+      if (r) {
+        grad_h.narrow(0, 0, K).copy_(r->first);
+        grad_w = r->second;
+      } else {
+        grad_w = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32));
+        recompute_from = 0;
+      }
+    } else if (K > 0 && tensor_cores) {
       // dz replaces the kept logits in place (they are read for nothing else; a second backward
       // through this node fails autograd's saved-version check), then two GEMMs over all K rows:
       // the hidden gradient [K, V] x [V, D] and the weight gradient [V, K] x [K, D], fp32
@@ -96,9 +125,9 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
     } else {
       grad_w = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32));
     }
-    for (int64_t s = tensor_cores ? K : 0; s < T; s += chunk) {
+    for (int64_t s = recompute_from; s < T; s += chunk) {
       const int64_t n = std::min(chunk, T - s);
-      auto z = s < K ? kept.narrow(0, s, n) : chunk_logits(hidden, weight, s, n);  // kept or recomputed
+      auto z = s < K && !probs ? kept.narrow(0, s, n) : chunk_logits(hidden, weight, s, n);  // kept or recomputed
       auto dz = kernels::logprob_chunk_backward(z, targets.narrow(0, s, n),
                                                 lse.narrow(0, s, n), g_lp.narrow(0, s, n),
                                                 entropy_grad ? g_ent.narrow(0, s, n) : torch::Tensor(),

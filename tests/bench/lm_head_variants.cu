@@ -2,7 +2,7 @@
 // CUTLASS 3 sm90 GEMM at GLM-4.7-Flash's head (D 2048, V 154880, bf16, T rows) in variants that
 // each change one thing, beside cuBLAS's GEMM of the same shape, in one process:
 //   cublas16 / cublas32   cuBLAS into bf16 / fp32 (cublasGemmEx, the rate to reach)
-//   kiln                  kiln's entry (kernels::cuda::lm_head_logits_lse: the GEMM, then the
+//   kiln                  kiln's entry (kernels::cuda::lm_head_probs_lse: the GEMM, then the
 //                         row partials' merge), pingpong 128x128
 //   two                   the first fused head's epilogue: bf16 store + two CUTLASS
 //                         Sm90ColReductions over (max, sum) pairs (lse over acc, over bf16(acc)),
@@ -16,9 +16,12 @@
 //   plain_c21             a plain store in cluster 2x1
 //   plain_pong            pingpong 128x128, cluster 1x2, a plain store
 //   stats / stats_pong / stats_c21   kiln's own epilogue node (lm_head_sm90::RowSoftmaxStats: one
-//                         ex2 per value, the kept sum by a polynomial, a reference moved only
-//                         when a value is far above it) in place of the two ColReductions:
-//                         cooperative 128x256 cluster 1x2, pingpong 128x128, cooperative cluster 2x1
+//                         ex2 per value, a reference moved only when a value is far above it,
+//                         the probabilities against a reference of 0 stored and summed) in place
+//                         of the two ColReductions: cooperative 128x256 cluster 1x2, pingpong
+//                         128x128, cooperative cluster 2x1 (since it stores exp(logit), its
+//                         "differing" count is not against the logits, and its kept lse is
+//                         checked against the fp32 one)
 // Each variant is its own executable (-DKILN_VARIANT=name; CUTLASS's instantiations compile in
 // parallel): tests/bench/lm_head_variants.sh builds and runs them on a Hopper GPU. Each prints,
 // per T: ms per call (CUDA events over 20 calls after 3), TFLOP/s (2 T V D / time), the bf16
@@ -138,10 +141,12 @@ struct Gemm {
   static constexpr int kTileM = cute::size<0>(Tile{}), kTileN = cute::size<1>(Tile{});
   static constexpr bool kReduces = F != Fuse::plain;
   static constexpr bool kKept = F == Fuse::two || F == Fuse::stats;
+  static constexpr bool kStats = F == Fuse::stats;  // stores probabilities, not logits
 
   Adapter gemm;
   Partials p;
   void* workspace = nullptr;
+  float* reference = nullptr;  // (kiln's node: each row's reference)
 
   void setup(const Element* h, const Element* w, Element* out, int M, int sms, cudaStream_t s) {
     p.n_tiles = (V + kTileN - 1) / kTileN;
@@ -162,8 +167,10 @@ struct Gemm {
       args.epilogue.thread = {{{}, {p.lse, identity, per_row}}, {}};
     } else if constexpr (F == Fuse::two) {
       args.epilogue.thread = {{{{}, {p.lse, identity, per_row}}, {}}, {p.kept, identity, per_row}};
-    } else {
-      args.epilogue.thread = {{}, {p.lse, p.kept}};
+    } else {  // kiln's node: probabilities against a reference of 0 (exp(logit), logits within ~[-15, 15])
+      CK(cudaMalloc(&reference, size_t(p.m_pad) * sizeof(float)));
+      CK(cudaMemset(reference, 0, size_t(p.m_pad) * sizeof(float)));
+      args.epilogue.thread = {{}, {p.lse, p.kept, reference}};
     }
     args.hw_info.sm_count = sms;
     check(gemm.can_implement(args), "can_implement");
@@ -175,6 +182,7 @@ struct Gemm {
   void release() {
     CK(cudaFree(p.lse));
     CK(cudaFree(p.kept));
+    if (reference) CK(cudaFree(reference));
     if (workspace) CK(cudaFree(workspace));
   }
   // Row r's lse (or, kept, that of the bf16 values) from its tile partials (host).
@@ -315,22 +323,25 @@ int main(int argc, char** argv) {
       Pool pool;
       pool.cap = size_t(512) << 20;  // the partials: 2 x 605 x 8192 x 8 bytes at T 8192, and the workspace
       CK(cudaMalloc(&pool.base, pool.cap));
-      float *lse, *kept_lse;
+      float *lse, *kept_lse, *reference;
       CK(cudaMalloc(&lse, T * 4));
       CK(cudaMalloc(&kept_lse, T * 4));
+      CK(cudaMalloc(&reference, T * 4));
+      CK(cudaMemset(reference, 0, T * 4));  // probabilities against 0: exp(logit), the logits here within ~[-15, 15]
       LmHeadArgs a;
-      a.hidden = h, a.weight = w, a.logits = out, a.lse = lse, a.kept_lse = kept_lse;
+      a.hidden = h, a.weight = w, a.reference = reference, a.probs = out, a.lse = lse, a.kept_lse = kept_lse;
       a.N = T, a.V = V, a.D = D, a.sm_count = prop.multiProcessorCount, a.stream = s;
       a.pingpong = true;  // the faster schedule of the GEMM alone here
-      ms = ms_per_call([&] { pool.used = 0, lm_head_logits_lse(a, &Pool::take, &pool); }, s);
+      ms = ms_per_call([&] { pool.used = 0, lm_head_probs_lse(a, &Pool::take, &pool); }, s);
       std::vector<float> got(T), got_kept(T);
       CK(cudaMemcpy(got.data(), lse, T * 4, cudaMemcpyDeviceToHost));
       CK(cudaMemcpy(got_kept.data(), kept_lse, T * 4, cudaMemcpyDeviceToHost));
       reduces = true, lse_err = 0, kept_err = 0;
       for (size_t i = 0; i < rows.size(); ++i) {
         lse_err = std::max(lse_err, std::fabs(got[rows[i]] - want[i]));
-        kept_err = std::max(kept_err, std::fabs(got_kept[rows[i]] - want_kept[i]));
+        kept_err = std::max(kept_err, std::fabs(got_kept[rows[i]] - want[i]));  // the stored exp(logit)s' sum
       }
+      CK(cudaFree(reference));
       CK(cudaFree(pool.base));
       CK(cudaFree(lse));
       CK(cudaFree(kept_lse));
@@ -349,7 +360,7 @@ int main(int argc, char** argv) {
       if constexpr (G::kKept) {
         kept_err = 0;
         for (size_t i = 0; i < rows.size(); ++i)
-          kept_err = std::max(kept_err, std::fabs(g->lse_row(rows[i], true) - want_kept[i]));
+          kept_err = std::max(kept_err, std::fabs(g->lse_row(rows[i], true) - (G::kStats ? want[i] : want_kept[i])));
       }
       g->release();
       delete g;

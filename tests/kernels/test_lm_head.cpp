@@ -3,13 +3,18 @@
 // kernels/lm_head_sm90_pingpong.cu, through kernels/lm_head_cuda.hpp with scratch from
 // kernels/stream_scratch.hpp, on a Hopper GPU): against
 // the LibTorch reference (cuBLAS fp32 logits, logsumexp) and an fp64 logsumexp, at a small head
-// with ragged tiles and at GLM-4.7-Flash's; its refusals; the reference on CPU. The targets'
-// log-probs (kernels/lm_head_targets.cu, any CUDA GPU) against fp64 and their composite.
+// with ragged tiles and at GLM-4.7-Flash's; its refusals; the reference on CPU. The backward from
+// the kept probabilities (lm_head_probs_backward) against fp64 autograd on CPU, and its refusal of
+// a clamped row. The targets' log-probs (kernels/lm_head_targets.cu, any CUDA GPU) against fp64
+// and their composite.
 #include <doctest/doctest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <limits>
 #include <optional>
+#include <tuple>
+#include <vector>
 
 #include "kernels/lm_head.hpp"
 #include "tests/kernels/kernel_test_util.hpp"
@@ -20,31 +25,101 @@ namespace {
 torch::TensorOptions bf16_on(torch::Device d) { return torch::TensorOptions().device(d).dtype(torch::kBFloat16); }
 }  // namespace
 
-TEST_CASE("lm head reference: bf16 logits and the logsumexps of the fp32 and of the rounded logits (CPU)") {
+TEST_CASE("lm head reference: bf16 probabilities against each row's reference, the fp32 logits' logsumexp and the stored values' (CPU)") {
   torch::manual_seed(21);
   auto h = torch::randn({5, 16}, bf16_on(torch::kCPU)), w = torch::randn({40, 16}, bf16_on(torch::kCPU));
-  auto logits = torch::empty({5, 40}, bf16_on(torch::kCPU));
-  auto [lse, kept_lse] = kernels::lm_head_logits_lse_ref(h, w, logits);
+  auto probs = torch::empty({5, 40}, bf16_on(torch::kCPU));
+  auto reference = torch::tensor({0.f, 3.f, -2.f, 10.f, -60.f});  // the last row's values all past 2^64
+  auto [lse, kept_lse] = kernels::lm_head_probs_lse_ref(h, w, reference, probs);
   auto z = torch::mm(h.to(torch::kFloat64), w.to(torch::kFloat64).t());
   CHECK((lse.to(torch::kFloat64) - z.logsumexp(1)).abs().max().item<double>() <= 1e-4);
-  CHECK(torch::equal(logits, z.to(torch::kFloat32).to(torch::kBFloat16)));
-  CHECK((kept_lse.to(torch::kFloat64) - logits.to(torch::kFloat64).logsumexp(1)).abs().max().item<double>() <= 1e-4);
+  const auto want = (z - reference.to(torch::kFloat64).unsqueeze(1)).exp().clamp_max(std::pow(2.0, 64));
+  CHECK(torch::equal(probs, want.to(torch::kFloat32).to(torch::kBFloat16)));
+  CHECK(probs[4].to(torch::kFloat64).eq(std::pow(2.0, 64)).all().item<bool>());
+  const auto sum = probs.to(torch::kFloat64).sum(1).log() + reference.to(torch::kFloat64);
+  CHECK((kept_lse.to(torch::kFloat64) - sum).abs().max().item<double>() <= 1e-4);
   // The targets' log-probs: the target's logit minus the lse, 0 for a target outside [0, V).
   auto targets = torch::tensor({3, -1, 39, 40, 7});
   auto lp = kernels::lm_head_target_logprobs(h, w, targets, lse).to(torch::kFloat64);
-  auto want = z.gather(1, targets.clamp(0, 39).unsqueeze(1)).squeeze(1) - lse.to(torch::kFloat64);
+  auto want_lp = z.gather(1, targets.clamp(0, 39).unsqueeze(1)).squeeze(1) - lse.to(torch::kFloat64);
   const auto valid = torch::tensor({true, false, true, false, true});
-  CHECK((lp - want).masked_fill(valid.logical_not(), 0).abs().max().item<double>() <= 1e-4);
+  CHECK((lp - want_lp).masked_fill(valid.logical_not(), 0).abs().max().item<double>() <= 1e-4);
   CHECK(lp[1].item<double>() == 0);
   CHECK(lp[3].item<double>() == 0);
   CHECK_THROWS_WITH_AS(kernels::lm_head_target_logprobs(h, w, targets.narrow(0, 0, 4), lse),
                        doctest::Contains("targets [5] int64 and lse [5] fp32 expected, got [4]"), c10::Error);
   CHECK_FALSE(kernels::lm_head_fused_available(h, w));  // CPU tensors: never the fused kernel
-  CHECK_THROWS_WITH_AS(kernels::lm_head_logits_lse(h, w, logits), doctest::Contains("no fused kernel for hidden [5, 16]"),
-                       c10::Error);
+  CHECK_THROWS_WITH_AS(kernels::lm_head_probs_lse(h, w, reference, probs),
+                       doctest::Contains("no fused kernel for hidden [5, 16]"), c10::Error);
+  CHECK_THROWS_WITH_AS(kernels::lm_head_probs_lse(h, w, reference.narrow(0, 0, 4), probs),
+                       doctest::Contains("reference must be [5] fp32"), c10::Error);
 }
 
-TEST_CASE("CUDA: the lm head's fused GEMM writes the reference's logits and both row logsumexps") {
+namespace {
+// log p = log_softmax(h w^T)[target] in fp64 with its gradients against g (0 for a target
+// outside [0, V)).
+std::vector<torch::Tensor> fp64_logprob_grads(const torch::Tensor& h, const torch::Tensor& w,
+                                              const torch::Tensor& targets, const torch::Tensor& g) {
+  const int64_t V = w.size(0);
+  auto hd = h.to(torch::kFloat64).requires_grad_(), wd = w.to(torch::kFloat64).requires_grad_();
+  const auto valid = targets.ge(0).logical_and(targets.lt(V));
+  auto lp = torch::log_softmax(hd.mm(wd.t()), 1).gather(1, targets.clamp(0, V - 1).unsqueeze(1)).squeeze(1) * valid;
+  return torch::autograd::grad({(lp * g.to(torch::kFloat64)).sum()}, {hd, wd});
+}
+}  // namespace
+
+TEST_CASE("lm head backward from the kept probabilities: row-scaled GEMMs give log_softmax's gradients, and a clamped row is left to the caller (CPU)") {
+  torch::manual_seed(24);
+  const int64_t N = 9, D = 16, V = 50;
+  auto h = (torch::randn({N, D}) * 0.7).to(torch::kBFloat16), w = (torch::randn({V, D}) * 0.7).to(torch::kBFloat16);
+  // Rows without a target (-1, V), one with g = 0, the rest with targets and gradients.
+  auto targets = torch::randint(0, V, {N}, torch::kInt64);
+  targets[1] = -1;
+  targets[4] = V;
+  auto g = torch::randn({N});
+  g[6] = 0;
+  auto run = [&](const torch::Tensor& tg, const torch::Tensor& gg, torch::ScalarType wdt) {
+    auto probs = torch::empty({N, V}, torch::kBFloat16);
+    const auto zt = kernels::lm_head_target_logprobs(h, w, tg, torch::zeros({N}));  // the training head's reference
+    const auto c = zt + kernels::kProbsReferenceMargin;
+    auto [lse, kept_lse] = kernels::lm_head_probs_lse_ref(h, w, c, probs);
+    auto before = probs.clone();
+    auto r = kernels::lm_head_probs_backward(probs, h, w, tg, c, lse, kept_lse, gg, wdt);
+    return std::make_tuple(r, probs, before);
+  };
+  for (auto wdt : {torch::kBFloat16, torch::kFloat32}) {
+    CAPTURE(wdt);
+    auto [r, probs, before] = run(targets, g, wdt);
+    REQUIRE(r.has_value());
+    const auto want = fp64_logprob_grads(h, w, targets, g);
+    CHECK((r->first.scalar_type() == torch::kBFloat16));
+    CHECK((r->second.scalar_type() == wdt));
+    CHECK(kiln::test::rel_error(r->first.to(torch::kFloat64), want[0]) <= 1e-2);
+    CHECK(kiln::test::rel_error(r->second.to(torch::kFloat64), want[1]) <= 1e-2);
+    // Rows without a gradient contribute nothing; the probabilities changed only at the targets.
+    CHECK(r->first[1].eq(0).all().item<bool>());
+    CHECK(r->first[4].eq(0).all().item<bool>());
+    CHECK(r->first[6].eq(0).all().item<bool>());
+    const auto changed = probs.ne(before);
+    CHECK(changed.sum().item<int64_t>() <= N - 2);
+    CHECK(changed.logical_and(torch::arange(V).unsqueeze(0).ne(targets.unsqueeze(1))).any().item<bool>() == false);
+  }
+  // A row with a gradient whose target is ~70 below the others (log-prob < -56): its values
+  // pass 2^64 against the target's reference, so nothing is computed and nothing changed.
+  auto wl = w.clone();
+  wl[targets[0].item<int64_t>()].copy_((h[0].to(torch::kFloat32) * (-70.0 / h[0].to(torch::kFloat32).square().sum())));
+  std::swap(w, wl);
+  auto [r, probs, before] = run(targets, g, torch::kFloat32);
+  CHECK_FALSE(r.has_value());
+  CHECK(torch::equal(probs, before));
+  // Without a gradient on that row, the rest is computed.
+  auto g0 = g.clone();
+  g0[0] = 0;
+  CHECK(std::get<0>(run(targets, g0, torch::kFloat32)).has_value());
+  std::swap(w, wl);
+}
+
+TEST_CASE("CUDA: the lm head's fused GEMM writes the reference's probabilities and both row sums") {
   if (test::skip_without_cuda_kernels()) return;
   torch::manual_seed(22);
   const torch::Device cuda(torch::kCUDA);
@@ -69,42 +144,50 @@ TEST_CASE("CUDA: the lm head's fused GEMM writes the reference's logits and both
     CAPTURE(V);
     // |logit| up to ~15, as a trained head's: the exp of each term spans many octaves.
     auto h = torch::randn({N, D}, bf16_on(cuda)), w = (torch::randn({V, D}, bf16_on(cuda)) * (4.0 / std::sqrt(D)));
-    // One row's logit at a late column ~60 above the rest (86 log2 units): the epilogue's per-row
-    // references, set by a row's first values, must move up (the rescale path).
+    // One row's logit at a late column ~70 above the rest (101 log2 units): the epilogue's per-row
+    // references, set by a row's first values, must move up (the rescale path), and that row's
+    // probabilities against the training head's reference reach the clamp (2^64).
     const int64_t r0 = N / 2, v0 = V - 3;
-    w[v0].copy_(h[r0].to(torch::kFloat32).mul(60.0 / h[r0].to(torch::kFloat32).square().sum().item<double>()));
-    auto logits = torch::empty({N, V}, bf16_on(cuda)), want = torch::empty({N, V}, bf16_on(cuda));
-    auto [lse, kept_lse] = kernels::lm_head_logits_lse(h, w, logits);
-    auto [rlse, rkept] = kernels::lm_head_logits_lse_ref(h, w, want);
+    w[v0].copy_(h[r0].to(torch::kFloat32).mul(70.0 / h[r0].to(torch::kFloat32).square().sum().item<double>()));
+    auto targets = torch::randint(0, V, {N}, torch::TensorOptions().dtype(torch::kInt64).device(cuda));
+    if (V > 8) targets[r0] = 0;
     auto z = torch::mm(h.to(torch::kFloat64), w.to(torch::kFloat64).t());
+    const auto reference = (z.gather(1, targets.unsqueeze(1)).squeeze(1) + kernels::kProbsReferenceMargin).to(torch::kFloat32);
+    auto probs = torch::empty({N, V}, bf16_on(cuda)), want = torch::empty({N, V}, bf16_on(cuda));
+    auto [lse, kept_lse] = kernels::lm_head_probs_lse(h, w, reference, probs);
+    auto [rlse, rkept] = kernels::lm_head_probs_lse_ref(h, w, reference, want);
     const double e = (lse.to(torch::kFloat64) - z.logsumexp(1)).abs().max().item<double>();
-    const double ek = (kept_lse.to(torch::kFloat64) - logits.to(torch::kFloat64).logsumexp(1)).abs().max().item<double>();
+    const auto stored = probs.to(torch::kFloat64);
+    const auto stored_lse = stored.sum(1).log() + reference.to(torch::kFloat64);
+    const double ek = (kept_lse.to(torch::kFloat64) - stored_lse).abs().max().item<double>();
     MESSAGE("N " << N << " V " << V << ": |lse - fp64| max " << e << ", kept " << ek << " (spiked row's lse "
                   << lse[r0].item<double>() << ")");
-    CHECK(lse[r0].item<double>() > 55);
+    CHECK(lse[r0].item<double>() > 65);
     CHECK(e <= 1e-5 * (1 + rlse.abs().max().item<double>()));
-    CHECK(ek <= 1e-5 * (1 + rkept.abs().max().item<double>()));
-    // The same fp32 sums in another order: a bf16 logit may round the other way, by one bf16
-    // step at its own size (2^-7 of its magnitude at most), and only now and then.
-    const auto got32 = logits.to(torch::kFloat32), want32 = want.to(torch::kFloat32);
-    const auto step = want32.abs().clamp_min(1e-30) * (1.0 / 128);
-    CHECK((got32 - want32).abs().le(step).all().item<bool>());
-    CHECK(logits.ne(want).to(torch::kFloat64).mean().item<double>() <= 1e-2);
+    CHECK(ek <= 1e-5 * (1 + stored_lse.abs().max().item<double>()));
+    // Each probability within one bf16 step (2^-7 of its size) of exp(z - c) in fp64, clamped at 2^64.
+    const auto exact = (z - reference.to(torch::kFloat64).unsqueeze(1)).exp().clamp_max(std::pow(2.0, 64));
+    CHECK((stored - exact).abs().le(exact * (1.0 / 128) + 1e-37).all().item<bool>());
+    if (V > 8) CHECK(stored[r0][v0].item<double>() == std::pow(2.0, 64));
+    CHECK(probs.ne(want).to(torch::kFloat64).mean().item<double>() <= 1e-2);  // rounding the other way, now and then
     // Run again: the same bits (fresh partial buffers, merged in the same order).
-    auto logits2 = torch::empty_like(logits);
-    auto [lse2, kept_lse2] = kernels::lm_head_logits_lse(h, w, logits2);
+    auto probs2 = torch::empty_like(probs);
+    auto [lse2, kept_lse2] = kernels::lm_head_probs_lse(h, w, reference, probs2);
     CHECK(torch::equal(lse2, lse));
     CHECK(torch::equal(kept_lse2, kept_lse));
-    CHECK(torch::equal(logits2, logits));
+    CHECK(torch::equal(probs2, probs));
   }
   // Refused by what does not fit.
   auto h = torch::randn({4, 16}, bf16_on(cuda)), w = torch::randn({24, 16}, bf16_on(cuda));
-  CHECK_THROWS_WITH_AS(kernels::lm_head_logits_lse(h, w, torch::empty({4, 23}, bf16_on(cuda))),
-                       doctest::Contains("logits must be [N, V] = [4, 24], got [4, 23]"), c10::Error);
-  CHECK_THROWS_WITH_AS(kernels::lm_head_logits_lse(h, w, torch::empty({4, 24}, torch::TensorOptions().device(cuda))),
-                       doctest::Contains("logits must be bf16, contiguous"), c10::Error);
+  const auto c = torch::zeros({4}, torch::TensorOptions().device(cuda));
+  CHECK_THROWS_WITH_AS(kernels::lm_head_probs_lse(h, w, c, torch::empty({4, 23}, bf16_on(cuda))),
+                       doctest::Contains("probs must be [N, V] = [4, 24], got [4, 23]"), c10::Error);
+  CHECK_THROWS_WITH_AS(kernels::lm_head_probs_lse(h, w, c, torch::empty({4, 24}, torch::TensorOptions().device(cuda))),
+                       doctest::Contains("probs must be bf16, contiguous"), c10::Error);
+  CHECK_THROWS_WITH_AS(kernels::lm_head_probs_lse(h, w, c.cpu(), torch::empty({4, 24}, bf16_on(cuda))),
+                       doctest::Contains("reference must be [4] fp32 on cuda"), c10::Error);
   auto w20 = torch::randn({20, 16}, bf16_on(cuda));  // V = 20: not a multiple of 8
-  CHECK_THROWS_WITH_AS(kernels::lm_head_logits_lse(h, w20, torch::empty({4, 20}, bf16_on(cuda))),
+  CHECK_THROWS_WITH_AS(kernels::lm_head_probs_lse(h, w20, c, torch::empty({4, 20}, bf16_on(cuda))),
                        doctest::Contains("no fused kernel"), c10::Error);
   on.reset();
   const kernels::LmHeadSettingsScope off(false);  // switched off (KILN_LM_HEAD_FUSED=0): not taken
@@ -122,8 +205,9 @@ TEST_CASE("CUDA: the targets' log-probs (kernels/lm_head_targets.cu, any CUDA GP
     CAPTURE(N);
     CAPTURE(V);
     auto h = torch::randn({N, D}, bf16_on(cuda)), w = torch::randn({V, D}, bf16_on(cuda)) * (4.0 / std::sqrt(D));
-    auto logits = torch::empty({N, V}, bf16_on(cuda));
-    const auto lse = kernels::lm_head_logits_lse_ref(h, w, logits).first;  // [N] fp32
+    auto probs = torch::empty({N, V}, bf16_on(cuda));
+    const auto lse = kernels::lm_head_probs_lse_ref(h, w, torch::zeros({N}, torch::TensorOptions().device(cuda)), probs)
+                         .first;  // [N] fp32
     // A target of -1 and one of V among them: 0 there.
     auto targets = torch::randint(0, V, {N}, torch::TensorOptions().dtype(torch::kInt64).device(cuda));
     targets[0] = -1;
