@@ -118,7 +118,7 @@ constexpr float kProbMax = 18446744073709551616.f;
 // The epilogue's node for the log-prob head (an EVT node over the accumulators, in place of two
 // CUTLASS Sm90ColReductions over MaxSum): per row slot of each thread (the 4 lanes that share a
 // row each keep their own) it holds the caller's reference q (nats), a reference r of its own
-// (log2 units) with f = 2^(r - q log2 e), and two sums,
+// (log2 units, never below q log2 e - 64) with f = 2^(r - q log2 e), and two sums,
 //   s = sum_v 2^(acc_v log2 e - r)               (lse      = r ln 2 + log s)
 //   k = sum_v float(probs_v),  probs_v = bf16(min(2^(acc_v log2 e - r) f, 2^64))
 //                                                 (kept_lse = q + log k)
@@ -234,8 +234,11 @@ struct RowSoftmaxStats {
           CUTLASS_PRAGMA_UNROLL
           for (int j = 0; j < size(r_f); ++j) {
             if (r_old[j] == r_f(j)) continue;  // (-inf, -inf): unchanged
+            // Not below q - 64 (log2 units): f stays >= 2^-64, so a slot whose first values lie far
+            // below the reference does not zero the later ones (+inf above 2^128: then clamped).
+            r_f(j) = fmaxf(r_f(j), fmaf(q_f(j), kLog2e, -64.f));
             s_f(j) *= ex2(r_old[j] - r_f(j));
-            f_f(j) = ex2(r_f(j) - q_f(j) * kLog2e);  // 0 below 2^-126, +inf above 2^128 (then clamped)
+            f_f(j) = ex2(r_f(j) - q_f(j) * kLog2e);
           }
           CUTLASS_PRAGMA_UNROLL
           for (int i = 0; i < FragmentSize; ++i) t[i] = t_of(i);

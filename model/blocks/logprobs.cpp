@@ -23,7 +23,8 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
                                const torch::Tensor& targets, int64_t chunk, bool with_entropy, int64_t kept_rows) {
     const int64_t T = hidden.size(0);
     // The logits of the first kept_rows tokens (whole chunks, or all T) in the model's (16-bit)
-    // dtype, for the backward to reuse; the other chunks' are recomputed there.
+    // dtype, or on the fused head their probabilities, for the backward to reuse; the other
+    // chunks' are recomputed there.
     auto kept = kept_rows > 0 ? torch::empty({kept_rows, weight.size(0)}, hidden.options()) : torch::Tensor();
     auto fopt = hidden.options().dtype(torch::kFloat32);
     auto out = torch::empty({T}, fopt), lse = torch::empty({T}, fopt);
@@ -128,11 +129,13 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
     for (int64_t s = recompute_from; s < T; s += chunk) {
       const int64_t n = std::min(chunk, T - s);
       auto z = s < K && !probs ? kept.narrow(0, s, n) : chunk_logits(hidden, weight, s, n);  // kept or recomputed
+      // (Kept probabilities recomputed: dz goes over them, no second [n, V] buffer.)
       auto dz = kernels::logprob_chunk_backward(z, targets.narrow(0, s, n),
                                                 lse.narrow(0, s, n), g_lp.narrow(0, s, n),
                                                 entropy_grad ? g_ent.narrow(0, s, n) : torch::Tensor(),
                                                 entropy_grad ? mean_z.narrow(0, s, n) : torch::Tensor(),
-                                                hidden.scalar_type());  // [n, V] in the model's dtype
+                                                hidden.scalar_type(),
+                                                s < K && probs ? kept.narrow(0, s, n) : torch::Tensor());  // [n, V]
       auto h = hidden.narrow(0, s, n);
       auto rows = grad_h.narrow(0, s, n);
       torch::mm_out(rows, dz, weight);  // [n, D]

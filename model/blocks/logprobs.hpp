@@ -13,9 +13,13 @@
 // once by that GEMM (the bits of the whole-GEMM form).
 // The per-chunk softmax work runs in kernels/logprobs.hpp (fused CUDA kernels for 16-bit CUDA
 // logits, the LibTorch reference otherwise). With kernels::lm_head_fused_available (Hopper, bf16;
-// on unless KILN_LM_HEAD_FUSED=0) the forward of token_logprobs instead takes each chunk's
-// bf16 logits and row logsumexps from one GEMM (kernels/lm_head.hpp) and the targets' log-probs
-// from one kernel (fp32 dot products minus the lse); the backward is the same.
+// on unless KILN_LM_HEAD_FUSED=0) the forward of token_logprobs instead takes each chunk's bf16
+// probabilities against a per-row reference (the target's logit, one fp32 dot product, + 16) and
+// its row sums from one GEMM (kernels/lm_head.hpp), the log-prob as that logit minus the lse;
+// what is kept is then those probabilities, and the backward runs its two GEMMs straight from
+// them, scaled by row (kernels::lm_head_probs_backward), with no pass over [n, V] between. A row
+// with a gradient and a target log-prob below about -56 (its values past the GEMM's clamp) sends
+// the call to the recomputation (cuBLAS's fp32 logits and the pass, dz over the kept buffer).
 // Legend: T tokens, D hidden, V vocabulary.
 #include <torch/torch.h>
 

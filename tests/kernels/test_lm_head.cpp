@@ -194,6 +194,43 @@ TEST_CASE("CUDA: the lm head's fused GEMM writes the reference's probabilities a
   CHECK_FALSE(kernels::lm_head_fused_available(h, w));
 }
 
+TEST_CASE("CUDA: the backward from the fused GEMM's probabilities gives log_softmax's gradients without a recomputation") {
+  if (test::skip_without_cuda_kernels()) return;
+  torch::manual_seed(25);
+  const torch::Device cuda(torch::kCUDA);
+  const kernels::LmHeadSettingsScope on(true);
+  const auto probe = torch::empty({8, 8}, bf16_on(cuda));
+  if (test::skip_unless(kernels::lm_head_fused_available(probe, probe),
+                        "needs the fused head: a Hopper GPU and a build with CUTLASS"))
+    return;
+  for (auto schedule : {kernels::LmHeadSchedule::cooperative, kernels::LmHeadSchedule::pingpong}) {
+    kernels::set_lm_head_schedule(schedule);
+    CAPTURE(int(schedule));
+    const int64_t N = 700, D = 64, V = 1000;
+    auto h = torch::randn({N, D}, bf16_on(cuda)), w = torch::randn({V, D}, bf16_on(cuda)) * (4.0 / std::sqrt(D));
+    auto targets = torch::randint(0, V, {N}, torch::TensorOptions().dtype(torch::kInt64).device(cuda));
+    targets[3] = -1;
+    auto g = torch::randn({N}, torch::TensorOptions().device(cuda));
+    const auto opts = torch::TensorOptions().device(cuda);
+    const auto c = kernels::lm_head_target_logprobs(h, w, targets, torch::zeros({N}, opts)) + kernels::kProbsReferenceMargin;
+    auto probs = torch::empty({N, V}, bf16_on(cuda));
+    auto [lse, kept_lse] = kernels::lm_head_probs_lse(h, w, c, probs);
+    for (auto wdt : {torch::kBFloat16, torch::kFloat32}) {
+      CAPTURE(wdt);
+      auto p = probs.clone();
+      auto r = kernels::lm_head_probs_backward(p, h, w, targets, c, lse, kept_lse, g, wdt);
+      REQUIRE(r.has_value());  // no row near the clamp: the fast path itself
+      const auto want = fp64_logprob_grads(h, w, targets, g);
+      const double eh = kiln::test::rel_error(r->first, want[0]), ew = kiln::test::rel_error(r->second, want[1]);
+      MESSAGE("|grad - fp64| / |fp64|: hidden " << eh << ", weight " << ew);
+      CHECK(eh <= 1e-2);
+      CHECK(ew <= 1e-2);
+      CHECK(r->first[3].eq(0).all().item<bool>());
+    }
+  }
+  kernels::set_lm_head_schedule(kernels::LmHeadSchedule::cooperative);
+}
+
 TEST_CASE("CUDA: the targets' log-probs (kernels/lm_head_targets.cu, any CUDA GPU) against fp64 and the composite, from aligned and unaligned rows") {
   if (test::skip_without_cuda_kernels()) return;
   torch::manual_seed(23);

@@ -330,10 +330,10 @@ TEST_CASE("CUDA bf16: a fused-head row whose target lies ~70 below its other log
   auto ref = torch::log_softmax(hr.mm(wr.t()), -1).gather(1, targets.unsqueeze(1)).squeeze(1);
   const auto ref_grads = torch::autograd::grad({(ref * g).sum()}, {hr, wr});
   CHECK(ref[7].item<double>() < -60);
-  auto run = [&](bool fused) {
+  auto run = [&](bool fused, int64_t keep_bytes) {
     const kiln::kernels::LmHeadSettingsScope s(fused);
     auto h = hidden.clone().requires_grad_(), w = weight.clone().requires_grad_();
-    auto lp = token_logprobs(h, w, targets, /*chunk=*/128);
+    auto lp = token_logprobs(h, w, targets, /*chunk=*/128, keep_bytes);
     auto grads = torch::autograd::grad({(lp * g).sum()}, {h, w});
     return std::make_tuple(lp, grads[0], grads[1]);
   };
@@ -343,15 +343,18 @@ TEST_CASE("CUDA bf16: a fused-head row whose target lies ~70 below its other log
                                 "needs the fused head: a Hopper GPU and a build with CUTLASS"))
       return;
   }
-  auto [flp, fgh, fgw] = run(true);
-  auto [lp, gh, gw] = run(false);
-  CHECK((flp - ref).abs().max().item<double>() <= 1e-3 * (1 + ref.abs().max().item<double>()));
-  CHECK((flp - lp).abs().max().item<double>() <= 1e-4);
-  CHECK(kiln::test::rel_error(fgh, ref_grads[0]) <= 2e-2);
-  CHECK(kiln::test::rel_error(fgw, ref_grads[1]) <= 2e-2);
-  CHECK(kiln::test::rel_error(fgh[7], ref_grads[0][7]) <= 2e-2);  // the recomputed row itself
-  CHECK(kiln::test::rel_error(fgh, gh) <= 1e-2);
-  CHECK(kiln::test::rel_error(fgw, gw) <= 1e-2);
+  for (int64_t keep : {kKeepLogitsMaxBytes, int64_t(256 * V * 2)}) {  // all kept; 256 rows kept, 44 recomputed
+    CAPTURE(keep);
+    auto [flp, fgh, fgw] = run(true, keep);
+    auto [lp, gh, gw] = run(false, keep);
+    CHECK((flp - ref).abs().max().item<double>() <= 1e-3 * (1 + ref.abs().max().item<double>()));
+    CHECK((flp - lp).abs().max().item<double>() <= 1e-4);
+    CHECK(kiln::test::rel_error(fgh, ref_grads[0]) <= 2e-2);
+    CHECK(kiln::test::rel_error(fgw, ref_grads[1]) <= 2e-2);
+    CHECK(kiln::test::rel_error(fgh[7], ref_grads[0][7]) <= 2e-2);  // the recomputed row itself
+    CHECK(kiln::test::rel_error(fgh, gh) <= 1e-2);
+    CHECK(kiln::test::rel_error(fgw, gw) <= 1e-2);
+  }
 }
 
 TEST_CASE("CUDA bf16: MLA's forward with the fused rope kernels gives the composite's bits, and gradients within bf16 steps") {
