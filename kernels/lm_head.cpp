@@ -111,10 +111,11 @@ std::pair<at::Tensor, at::Tensor> lm_head_probs_lse(const at::Tensor& hidden_ND,
 #endif
 }
 
-std::optional<std::pair<at::Tensor, at::Tensor>> lm_head_probs_backward(
-    const at::Tensor& probs_NV, const at::Tensor& hidden_ND, const at::Tensor& weight_VD, const at::Tensor& targets_N,
-    const at::Tensor& reference_N, const at::Tensor& lse_N, const at::Tensor& kept_lse_N, const at::Tensor& g_N,
-    at::ScalarType weight_grad_dtype) {
+std::pair<at::Tensor, at::Tensor> lm_head_probs_backward(const at::Tensor& probs_NV, const at::Tensor& hidden_ND,
+                                                         const at::Tensor& weight_VD, const at::Tensor& targets_N,
+                                                         const at::Tensor& reference_N, const at::Tensor& lse_N,
+                                                         const at::Tensor& kept_lse_N, const at::Tensor& g_N,
+                                                         at::ScalarType weight_grad_dtype) {
   const int64_t N = hidden_ND.size(0), V = weight_VD.size(0);
   TORCH_CHECK(hidden_ND.dim() == 2 && weight_VD.dim() == 2 && hidden_ND.size(1) == weight_VD.size(1) &&
                   probs_NV.dim() == 2 && probs_NV.size(0) == N && probs_NV.size(1) == V,
@@ -123,31 +124,58 @@ std::optional<std::pair<at::Tensor, at::Tensor>> lm_head_probs_backward(
   for (const auto* t : {&targets_N, &reference_N, &lse_N, &kept_lse_N, &g_N})
     TORCH_CHECK(t->dim() == 1 && t->size(0) == N, "lm_head_probs_backward: targets, reference, lse, kept_lse and g ",
                 "must be [", N, "], got ", t->sizes());
+  const auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat); };
   const auto valid = targets_N.ge(0).logical_and_(targets_N.lt(V));  // [N]
   const auto live = valid.logical_and(g_N.ne(0));                    // rows with a gradient
-  // A row whose values reached the GEMM's clamp (or are not finite) is the caller's to recompute.
-  if (live.logical_and(lse_N.sub(reference_N).le(kProbsMaxLseAboveReference).logical_not()).any().item<bool>())
-    return std::nullopt;
-  const auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat); };
+  // Rows whose values may have reached the GEMM's clamp (or are not finite): recomputed below,
+  // none of their kept probabilities read (a = 0). One device-to-host read: how many.
+  const auto far = live.logical_and(f32(lse_N).sub(f32(reference_N)).le(kProbsMaxLseAboveReference).logical_not());
+  const auto far_rows = far.nonzero().squeeze(1);  // [F] int64
+  const bool any_far = far_rows.numel() > 0;
   const auto t = targets_N.clamp(0, V - 1).unsqueeze(1);                             // [N, 1]
   const auto sum = f32(kept_lse_N).sub(f32(reference_N)).exp_();                     // S [N]
   const auto at_target = probs_NV.gather(1, t).squeeze(1).to(at::kFloat);            // [N]
   probs_NV.scatter_(1, t, at::where(valid, at_target - sum, at_target).to(probs_NV.scalar_type()).unsqueeze(1));
-  const auto a = at::where(live, f32(g_N).neg().mul_(f32(reference_N).sub(f32(kept_lse_N)).exp_()),
+  const auto a = at::where(live.logical_and(far.logical_not()),
+                           f32(g_N).neg().mul_(f32(reference_N).sub(f32(kept_lse_N)).exp_()),
                            at::zeros({N}, g_N.options().dtype(at::kFloat)))
                      .unsqueeze(1);  // [N, 1]
   const bool tensor_cores = hidden_ND.is_cuda() && hidden_ND.scalar_type() != at::kFloat;
+  // The weight's gradient in fp32 while the far rows are still to be added.
+  const auto wdt = any_far ? at::kFloat : weight_grad_dtype;
   auto grad_h = at::empty_like(hidden_ND);
   auto scaled_h = at::empty_like(hidden_ND);
   at::mul_out(scaled_h, hidden_ND, a);  // fp32 products, rounded once to hidden's dtype
+  at::Tensor grad_w;
   if (tensor_cores) {
     at::mul_out(grad_h, at::mm(probs_NV, weight_VD, at::kFloat), a);
-    auto grad_w = weight_grad_dtype == probs_NV.scalar_type() ? at::mm(probs_NV.t(), scaled_h)
-                                                              : at::mm(probs_NV.t(), scaled_h, weight_grad_dtype);
-    return std::make_pair(grad_h, grad_w);
+    grad_w = wdt == probs_NV.scalar_type() ? at::mm(probs_NV.t(), scaled_h) : at::mm(probs_NV.t(), scaled_h, wdt);
+  } else {
+    at::mul_out(grad_h, at::mm(f32(probs_NV), f32(weight_VD)), a);
+    grad_w = at::mm(f32(probs_NV).t(), f32(scaled_h)).to(wdt);
   }
-  at::mul_out(grad_h, at::mm(f32(probs_NV), f32(weight_VD)), a);
-  return std::make_pair(grad_h, at::mm(f32(probs_NV).t(), f32(scaled_h)).to(weight_grad_dtype));
+  if (!any_far) return {grad_h, grad_w};
+  // The far rows as the default path does them (kernels/logprobs.hpp's formula): fp32 logits
+  // recomputed (as model::lm_logits), dz = g (onehot - exp(z - lse)) in hidden's dtype, then
+  // their hidden rows (0 so far) and their share of the weight's gradient; kFarRowsChunk at a time.
+  constexpr int64_t kFarRowsChunk = 256;
+  for (int64_t s = 0; s < far_rows.size(0); s += kFarRowsChunk) {
+    const auto rows = far_rows.narrow(0, s, std::min(kFarRowsChunk, far_rows.size(0) - s));
+    const auto h = hidden_ND.index_select(0, rows);                                     // [F, D]
+    auto z = tensor_cores ? at::mm(h, weight_VD.t(), at::kFloat) : at::mm(f32(h), f32(weight_VD).t());  // [F, V]
+    const auto g = f32(g_N.index_select(0, rows)).unsqueeze(1);                         // [F, 1]
+    auto dz = z.sub_(f32(lse_N.index_select(0, rows)).unsqueeze(1)).exp_().mul_(g.neg());
+    dz.scatter_add_(1, t.index_select(0, rows), g);                                     // + g at the target
+    const auto dz16 = dz.to(hidden_ND.scalar_type());
+    if (tensor_cores) {
+      grad_h.index_copy_(0, rows, at::mm(dz16, weight_VD, at::kFloat).to(grad_h.scalar_type()));
+      grad_w = at::addmm(grad_w, dz16.t(), h, at::kFloat);
+    } else {
+      grad_h.index_copy_(0, rows, at::mm(f32(dz16), f32(weight_VD)).to(grad_h.scalar_type()));
+      grad_w.addmm_(f32(dz16).t(), f32(h));
+    }
+  }
+  return {grad_h, grad_w.to(weight_grad_dtype)};
 }
 
 at::Tensor lm_head_target_logprobs_ref(const at::Tensor& hidden_ND, const at::Tensor& weight_VD,

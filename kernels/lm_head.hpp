@@ -19,7 +19,6 @@
 // Legend: N rows (tokens), D hidden, V vocabulary.
 #include <ATen/core/Tensor.h>
 
-#include <optional>
 #include <utility>
 
 namespace kiln::kernels {
@@ -70,8 +69,8 @@ std::pair<at::Tensor, at::Tensor> lm_head_probs_lse(const at::Tensor& hidden_ND,
 /// The training head's reference: c = target logit + kProbsReferenceMargin (nats).
 constexpr double kProbsReferenceMargin = 16;
 /// The largest lse - c for which lm_head_probs_backward reads a row's probabilities (2^64, where
-/// the GEMM clamps them, is e^44.4): a row past it (a target's log-prob below about -56) is left
-/// to the caller's recomputation.
+/// the GEMM clamps them, is e^44.4): a row past it (a target's log-prob below about -56) is
+/// recomputed on its own.
 constexpr double kProbsMaxLseAboveReference = 40;
 /// The backward of logp[t] = acc[t, target[t]] - lse[t] (the log-prob head, kernels/logprobs.hpp's
 /// formula) from lm_head_probs_lse's outputs, for the rows of probs_NV:
@@ -81,14 +80,18 @@ constexpr double kProbsMaxLseAboveReference = 40;
 ///   grad_hidden = a * (probs @ weight)      [N, D] in hidden's dtype (fp32 GEMM output, scaled once)
 ///   grad_weight = probs^T @ (a * hidden)    [V, D] in weight_grad_dtype
 /// so neither GEMM waits on a pass over [N, V]. g_N [N] fp32 is dL/dlogp; a row whose target lies
-/// outside [0, V) or whose g is 0 gets no gradient. Returns nullopt, changing nothing, when a row
-/// with a gradient has lse - c above kProbsMaxLseAboveReference or not finite (its probabilities
-/// may be clamped): the caller recomputes (one device-to-host read decides). Any device (LibTorch
-/// ops; on CUDA with 16-bit inputs the GEMMs accumulate in fp32). Throws c10::Error on shapes.
-std::optional<std::pair<at::Tensor, at::Tensor>> lm_head_probs_backward(
-    const at::Tensor& probs_NV, const at::Tensor& hidden_ND, const at::Tensor& weight_VD, const at::Tensor& targets_N,
-    const at::Tensor& reference_N, const at::Tensor& lse_N, const at::Tensor& kept_lse_N, const at::Tensor& g_N,
-    at::ScalarType weight_grad_dtype);
+/// outside [0, V) or whose g is 0 gets no gradient. A row with a gradient whose lse - c is above
+/// kProbsMaxLseAboveReference or not finite (its probabilities may be clamped) takes a = 0 there
+/// and is done as the default path does it: its fp32 logits recomputed (256 such rows at a time),
+/// dz = g (onehot - exp(z - lse)) in hidden's dtype, its hidden row and its share of the weight's
+/// gradient from that (one device-to-host read, how many such rows, decides). Any device
+/// (LibTorch ops; on CUDA with 16-bit inputs the GEMMs accumulate in fp32). Throws c10::Error on
+/// shapes.
+std::pair<at::Tensor, at::Tensor> lm_head_probs_backward(const at::Tensor& probs_NV, const at::Tensor& hidden_ND,
+                                                         const at::Tensor& weight_VD, const at::Tensor& targets_N,
+                                                         const at::Tensor& reference_N, const at::Tensor& lse_N,
+                                                         const at::Tensor& kept_lse_N, const at::Tensor& g_N,
+                                                         at::ScalarType weight_grad_dtype);
 /// Each row's log-prob of its target from the fused GEMM's lse: hidden_ND[t] . weight_VD[targets_N[t]]
 /// (fp32 products and sums) - lse_N[t], and 0 where targets_N[t] is outside [0, V) (as
 /// kernels/logprobs.cu's forward; a target < 0 marks a row without one): what the GEMM's

@@ -89,25 +89,17 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
     const int64_t K = kept.defined() ? kept.size(0) : 0;  // rows whose logits (or probabilities) were kept
     auto grad_h = torch::empty_like(hidden);
     torch::Tensor grad_w;  // fp32 [V, D], rounded to the weight's dtype once at the end
-    int64_t recompute_from = tensor_cores ? K : 0;  // the rows before it are done from what was kept
     if (K > 0 && probs) {
-      // Both GEMMs straight from the kept probabilities, scaled by row (kernels/lm_head.hpp); a
-      // row with a gradient whose values reached the GEMM's clamp sends every row to the
-      // recomputation below (nothing changed).
-      auto r = kernels::lm_head_probs_backward(kept, hidden.narrow(0, 0, K), weight, targets.narrow(0, 0, K),
-                                               reference.narrow(0, 0, K), lse.narrow(0, 0, K),
-                                               kept_lse.narrow(0, 0, K), g_lp.narrow(0, 0, K),
-                                               K == T ? weight.scalar_type() : torch::kFloat32);
+      // Both GEMMs straight from the kept probabilities, scaled by row (kernels/lm_head.hpp; a
+      // row whose values reached the GEMM's clamp recomputed there on its own).
+      auto [gh, gw] = kernels::lm_head_probs_backward(kept, hidden.narrow(0, 0, K), weight, targets.narrow(0, 0, K),
+                                                      reference.narrow(0, 0, K), lse.narrow(0, 0, K),
+                                                      kept_lse.narrow(0, 0, K), g_lp.narrow(0, 0, K),
+                                                      K == T ? weight.scalar_type() : torch::kFloat32);
       torch::autograd::impl::bump_version(kept);  // (a second backward through this node fails)
-      if (r && K == T)
-        return {r->first, r->second, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
-      if (r) {
-        grad_h.narrow(0, 0, K).copy_(r->first);
-        grad_w = r->second;
-      } else {
-        grad_w = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32));
-        recompute_from = 0;
-      }
+      if (K == T) return {gh, gw, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+      grad_h.narrow(0, 0, K).copy_(gh);
+      grad_w = gw;
     } else if (K > 0 && tensor_cores) {
       // dz replaces the kept logits in place (they are read for nothing else; a second backward
       // through this node fails autograd's saved-version check), then two GEMMs over all K rows:
@@ -126,16 +118,14 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
     } else {
       grad_w = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32));
     }
-    for (int64_t s = recompute_from; s < T; s += chunk) {
+    for (int64_t s = tensor_cores ? K : 0; s < T; s += chunk) {
       const int64_t n = std::min(chunk, T - s);
-      auto z = s < K && !probs ? kept.narrow(0, s, n) : chunk_logits(hidden, weight, s, n);  // kept or recomputed
-      // (Kept probabilities recomputed: dz goes over them, no second [n, V] buffer.)
+      auto z = s < K ? kept.narrow(0, s, n) : chunk_logits(hidden, weight, s, n);  // kept or recomputed
       auto dz = kernels::logprob_chunk_backward(z, targets.narrow(0, s, n),
                                                 lse.narrow(0, s, n), g_lp.narrow(0, s, n),
                                                 entropy_grad ? g_ent.narrow(0, s, n) : torch::Tensor(),
                                                 entropy_grad ? mean_z.narrow(0, s, n) : torch::Tensor(),
-                                                hidden.scalar_type(),
-                                                s < K && probs ? kept.narrow(0, s, n) : torch::Tensor());  // [n, V]
+                                                hidden.scalar_type());  // [n, V] in the model's dtype
       auto h = hidden.narrow(0, s, n);
       auto rows = grad_h.narrow(0, s, n);
       torch::mm_out(rows, dz, weight);  // [n, D]

@@ -18,8 +18,8 @@
 // its row sums from one GEMM (kernels/lm_head.hpp), the log-prob as that logit minus the lse;
 // what is kept is then those probabilities, and the backward runs its two GEMMs straight from
 // them, scaled by row (kernels::lm_head_probs_backward), with no pass over [n, V] between. A row
-// with a gradient and a target log-prob below about -56 (its values past the GEMM's clamp) sends
-// the call to the recomputation (cuBLAS's fp32 logits and the pass, dz over the kept buffer).
+// with a gradient and a target log-prob below about -56 (its values past the GEMM's clamp) is
+// recomputed there on its own (its fp32 logits, the default path's dz).
 // Legend: T tokens, D hidden, V vocabulary.
 #include <torch/torch.h>
 

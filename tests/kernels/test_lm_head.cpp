@@ -68,7 +68,7 @@ std::vector<torch::Tensor> fp64_logprob_grads(const torch::Tensor& h, const torc
 }
 }  // namespace
 
-TEST_CASE("lm head backward from the kept probabilities: row-scaled GEMMs give log_softmax's gradients, and a clamped row is left to the caller (CPU)") {
+TEST_CASE("lm head backward from the kept probabilities: row-scaled GEMMs give log_softmax's gradients, a clamped row recomputed on its own (CPU)") {
   torch::manual_seed(24);
   const int64_t N = 9, D = 16, V = 50;
   auto h = (torch::randn({N, D}) * 0.7).to(torch::kBFloat16), w = (torch::randn({V, D}) * 0.7).to(torch::kBFloat16);
@@ -85,38 +85,47 @@ TEST_CASE("lm head backward from the kept probabilities: row-scaled GEMMs give l
     auto [lse, kept_lse] = kernels::lm_head_probs_lse_ref(h, w, c, probs);
     auto before = probs.clone();
     auto r = kernels::lm_head_probs_backward(probs, h, w, tg, c, lse, kept_lse, gg, wdt);
-    return std::make_tuple(r, probs, before);
+    return std::make_tuple(r, probs, before, (lse - c).to(torch::kFloat64));
   };
   for (auto wdt : {torch::kBFloat16, torch::kFloat32}) {
     CAPTURE(wdt);
-    auto [r, probs, before] = run(targets, g, wdt);
-    REQUIRE(r.has_value());
+    auto [r, probs, before, above] = run(targets, g, wdt);
+    CHECK(above.max().item<double>() <= kernels::kProbsMaxLseAboveReference);  // every row from its probabilities
     const auto want = fp64_logprob_grads(h, w, targets, g);
-    CHECK((r->first.scalar_type() == torch::kBFloat16));
-    CHECK((r->second.scalar_type() == wdt));
-    CHECK(kiln::test::rel_error(r->first.to(torch::kFloat64), want[0]) <= 1e-2);
-    CHECK(kiln::test::rel_error(r->second.to(torch::kFloat64), want[1]) <= 1e-2);
+    CHECK((r.first.scalar_type() == torch::kBFloat16));
+    CHECK((r.second.scalar_type() == wdt));
+    CHECK(kiln::test::rel_error(r.first.to(torch::kFloat64), want[0]) <= 1e-2);
+    CHECK(kiln::test::rel_error(r.second.to(torch::kFloat64), want[1]) <= 1e-2);
     // Rows without a gradient contribute nothing; the probabilities changed only at the targets.
-    CHECK(r->first[1].eq(0).all().item<bool>());
-    CHECK(r->first[4].eq(0).all().item<bool>());
-    CHECK(r->first[6].eq(0).all().item<bool>());
+    CHECK(r.first[1].eq(0).all().item<bool>());
+    CHECK(r.first[4].eq(0).all().item<bool>());
+    CHECK(r.first[6].eq(0).all().item<bool>());
     const auto changed = probs.ne(before);
     CHECK(changed.sum().item<int64_t>() <= N - 2);
     CHECK(changed.logical_and(torch::arange(V).unsqueeze(0).ne(targets.unsqueeze(1))).any().item<bool>() == false);
   }
   // A row with a gradient whose target is ~70 below the others (log-prob < -56): its values
-  // pass 2^64 against the target's reference, so nothing is computed and nothing changed.
+  // pass 2^64 against the target's reference (clamped there), so its kept probabilities are not
+  // read; it is recomputed from its fp32 logits, and every row's gradients are still fp64's.
   auto wl = w.clone();
   wl[targets[0].item<int64_t>()].copy_((h[0].to(torch::kFloat32) * (-70.0 / h[0].to(torch::kFloat32).square().sum())));
   std::swap(w, wl);
-  auto [r, probs, before] = run(targets, g, torch::kFloat32);
-  CHECK_FALSE(r.has_value());
-  CHECK(torch::equal(probs, before));
-  // Without a gradient on that row, the rest is computed.
-  auto g0 = g.clone();
-  g0[0] = 0;
-  CHECK(std::get<0>(run(targets, g0, torch::kFloat32)).has_value());
+  for (auto wdt : {torch::kBFloat16, torch::kFloat32}) {
+    CAPTURE(wdt);
+    auto [r, probs, before, above] = run(targets, g, wdt);
+    CHECK(above[0].item<double>() > kernels::kProbsMaxLseAboveReference);
+    CHECK(before[0].to(torch::kFloat64).max().item<double>() == std::pow(2.0, 64));
+    const auto want = fp64_logprob_grads(h, w, targets, g);
+    CHECK((r.second.scalar_type() == wdt));
+    CHECK(kiln::test::rel_error(r.first.to(torch::kFloat64), want[0]) <= 1e-2);
+    CHECK(kiln::test::rel_error(r.second.to(torch::kFloat64), want[1]) <= 1e-2);
+    CHECK(kiln::test::rel_error(r.first[0].to(torch::kFloat64), want[0][0]) <= 1e-2);  // the recomputed row
+  }
   std::swap(w, wl);
+  CHECK_THROWS_WITH_AS(kernels::lm_head_probs_backward(torch::zeros({N, V}, torch::kBFloat16), h, w, targets,
+                                                       torch::zeros({N}), torch::zeros({N}), torch::zeros({N - 1}), g,
+                                                       torch::kFloat32),
+                       doctest::Contains("must be [9], got [8]"), c10::Error);
 }
 
 TEST_CASE("CUDA: the lm head's fused GEMM writes the reference's probabilities and both row sums") {
@@ -194,7 +203,7 @@ TEST_CASE("CUDA: the lm head's fused GEMM writes the reference's probabilities a
   CHECK_FALSE(kernels::lm_head_fused_available(h, w));
 }
 
-TEST_CASE("CUDA: the backward from the fused GEMM's probabilities gives log_softmax's gradients without a recomputation") {
+TEST_CASE("CUDA: the backward from the fused GEMM's own probabilities gives log_softmax's gradients") {
   if (test::skip_without_cuda_kernels()) return;
   torch::manual_seed(25);
   const torch::Device cuda(torch::kCUDA);
@@ -218,14 +227,14 @@ TEST_CASE("CUDA: the backward from the fused GEMM's probabilities gives log_soft
     for (auto wdt : {torch::kBFloat16, torch::kFloat32}) {
       CAPTURE(wdt);
       auto p = probs.clone();
+      REQUIRE((lse - c).max().item<double>() <= kernels::kProbsMaxLseAboveReference);  // every row from its probabilities
       auto r = kernels::lm_head_probs_backward(p, h, w, targets, c, lse, kept_lse, g, wdt);
-      REQUIRE(r.has_value());  // no row near the clamp: the fast path itself
       const auto want = fp64_logprob_grads(h, w, targets, g);
-      const double eh = kiln::test::rel_error(r->first, want[0]), ew = kiln::test::rel_error(r->second, want[1]);
+      const double eh = kiln::test::rel_error(r.first, want[0]), ew = kiln::test::rel_error(r.second, want[1]);
       MESSAGE("|grad - fp64| / |fp64|: hidden " << eh << ", weight " << ew);
       CHECK(eh <= 1e-2);
       CHECK(ew <= 1e-2);
-      CHECK(r->first[3].eq(0).all().item<bool>());
+      CHECK(r.first[3].eq(0).all().item<bool>());
     }
   }
   kernels::set_lm_head_schedule(kernels::LmHeadSchedule::cooperative);
