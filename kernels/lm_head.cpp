@@ -129,17 +129,16 @@ std::pair<at::Tensor, at::Tensor> lm_head_probs_backward(const at::Tensor& probs
   const auto live = valid.logical_and(g_N.ne(0));                    // rows with a gradient
   // Rows whose values may have reached the GEMM's clamp (or are not finite): recomputed below,
   // none of their kept probabilities read (a = 0). One device-to-host read: how many.
-  const auto far = live.logical_and(f32(lse_N).sub(f32(reference_N)).le(kProbsMaxLseAboveReference).logical_not());
+  const auto far = live.logical_and(lse_N.sub(reference_N).le(kProbsMaxLseAboveReference).logical_not());
   const auto far_rows = far.nonzero().squeeze(1);  // [F] int64
   const bool any_far = far_rows.numel() > 0;
   const auto t = targets_N.clamp(0, V - 1).unsqueeze(1);                             // [N, 1]
-  const auto sum = f32(kept_lse_N).sub(f32(reference_N)).exp_();                     // S [N]
+  const auto sum = kept_lse_N.sub(reference_N).exp_();                               // S [N]
   const auto at_target = probs_NV.gather(1, t).squeeze(1).to(at::kFloat);            // [N]
   probs_NV.scatter_(1, t, at::where(valid, at_target - sum, at_target).to(probs_NV.scalar_type()).unsqueeze(1));
-  const auto a = at::where(live.logical_and(far.logical_not()),
-                           f32(g_N).neg().mul_(f32(reference_N).sub(f32(kept_lse_N)).exp_()),
+  const auto a = at::where(live.logical_and(far.logical_not()), f32(g_N).neg().div_(sum),
                            at::zeros({N}, g_N.options().dtype(at::kFloat)))
-                     .unsqueeze(1);  // [N, 1]
+                     .unsqueeze(1);  // -g / S, [N, 1]
   const bool tensor_cores = hidden_ND.is_cuda() && hidden_ND.scalar_type() != at::kFloat;
   // The weight's gradient in fp32 while the far rows are still to be added.
   const auto wdt = any_far ? at::kFloat : weight_grad_dtype;
@@ -225,6 +224,11 @@ at::Tensor lm_head_target_logprobs(const at::Tensor& hidden_ND, const at::Tensor
   }
 #endif
   return lm_head_target_logprobs_ref(hidden_ND, weight_VD, targets_N, lse_N);
+}
+
+at::Tensor lm_head_target_logits(const at::Tensor& hidden_ND, const at::Tensor& weight_VD, const at::Tensor& targets_N) {
+  return lm_head_target_logprobs(hidden_ND, weight_VD, targets_N,
+                                 at::zeros({hidden_ND.size(0)}, hidden_ND.options().dtype(at::kFloat)));
 }
 
 std::pair<at::Tensor, at::Tensor> lm_head_probs_lse_ref(const at::Tensor& hidden_ND, const at::Tensor& weight_VD,

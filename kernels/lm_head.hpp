@@ -101,6 +101,10 @@ std::pair<at::Tensor, at::Tensor> lm_head_probs_backward(const at::Tensor& probs
 /// naming a shape, dtype or device that does not fit.
 at::Tensor lm_head_target_logprobs(const at::Tensor& hidden_ND, const at::Tensor& weight_VD,
                                    const at::Tensor& targets_N, const at::Tensor& lse_N);
+/// Each row's target logit, hidden_ND[t] . weight_VD[targets_N[t]] in fp32 (0 where the target is
+/// outside [0, V)): lm_head_target_logprobs with an lse of 0 (the fused head's reference is this
+/// + kProbsReferenceMargin, its log-prob this - lse).
+at::Tensor lm_head_target_logits(const at::Tensor& hidden_ND, const at::Tensor& weight_VD, const at::Tensor& targets_N);
 /// The LibTorch composite, any device: the target rows gathered, both sides in fp32, product, sum.
 at::Tensor lm_head_target_logprobs_ref(const at::Tensor& hidden_ND, const at::Tensor& weight_VD,
                                        const at::Tensor& targets_N, const at::Tensor& lse_N);

@@ -37,14 +37,13 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
     auto scratch = fused && kept_rows < T ? torch::empty({std::min(chunk, T), weight.size(0)}, hidden.options())
                                           : torch::Tensor();
     auto reference = torch::empty({fused ? T : 0}, fopt), kept_lse = torch::empty({fused ? T : 0}, fopt);
-    auto no_lse = fused ? torch::zeros({std::min(chunk, T)}, fopt) : torch::Tensor();
     for (int64_t s = 0; s < T; s += chunk) {
       const int64_t n = std::min(chunk, T - s);
       kernels::KeptStats ks;
       const bool keep = s < kept_rows;
       if (fused) {
         const auto h = hidden.narrow(0, s, n), t = targets.narrow(0, s, n);
-        const auto z = kernels::lm_head_target_logprobs(h, weight, t, no_lse.narrow(0, 0, n));  // 0 without a target
+        const auto z = kernels::lm_head_target_logits(h, weight, t);  // 0 without a target
         auto c = reference.narrow(0, s, n);
         torch::add_out(c, z, kernels::kProbsReferenceMargin);
         auto [l, kept_l] = kernels::lm_head_probs_lse(h, weight, c, keep ? kept.narrow(0, s, n) : scratch.narrow(0, 0, n));

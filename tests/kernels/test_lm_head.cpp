@@ -80,8 +80,7 @@ TEST_CASE("lm head backward from the kept probabilities: row-scaled GEMMs give l
   g[6] = 0;
   auto run = [&](const torch::Tensor& tg, const torch::Tensor& gg, torch::ScalarType wdt) {
     auto probs = torch::empty({N, V}, torch::kBFloat16);
-    const auto zt = kernels::lm_head_target_logprobs(h, w, tg, torch::zeros({N}));  // the training head's reference
-    const auto c = zt + kernels::kProbsReferenceMargin;
+    const auto c = kernels::lm_head_target_logits(h, w, tg) + kernels::kProbsReferenceMargin;  // the training head's
     auto [lse, kept_lse] = kernels::lm_head_probs_lse_ref(h, w, c, probs);
     auto before = probs.clone();
     auto r = kernels::lm_head_probs_backward(probs, h, w, tg, c, lse, kept_lse, gg, wdt);
@@ -220,8 +219,7 @@ TEST_CASE("CUDA: the backward from the fused GEMM's own probabilities gives log_
     auto targets = torch::randint(0, V, {N}, torch::TensorOptions().dtype(torch::kInt64).device(cuda));
     targets[3] = -1;
     auto g = torch::randn({N}, torch::TensorOptions().device(cuda));
-    const auto opts = torch::TensorOptions().device(cuda);
-    const auto c = kernels::lm_head_target_logprobs(h, w, targets, torch::zeros({N}, opts)) + kernels::kProbsReferenceMargin;
+    const auto c = kernels::lm_head_target_logits(h, w, targets) + kernels::kProbsReferenceMargin;
     auto probs = torch::empty({N, V}, bf16_on(cuda));
     auto [lse, kept_lse] = kernels::lm_head_probs_lse(h, w, c, probs);
     for (auto wdt : {torch::kBFloat16, torch::kFloat32}) {
