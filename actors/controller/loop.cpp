@@ -16,6 +16,7 @@
 #include "actors/controller/rollout_stream.hpp"
 #include "actors/controller/run_dir.hpp"
 #include "actors/controller/staleness.hpp"
+#include "actors/trainer/checkpoint.hpp"
 #include "actors/trainer/samples.hpp"
 #include "messaging/stopwatch.hpp"
 
@@ -117,7 +118,7 @@ int64_t resume(const Config& c, TrainerHandle& trainer, Prompts& prompts, std::v
   auto named = ck.lexically_normal();
   if (!named.has_filename()) named = named.parent_path();
   const auto name = named.filename().string();
-  if (const auto step = checkpoint_name_step(name); step && *step != state.step)  // (-1: too long for a step)
+  if (const auto step = trainer::checkpoint_name_step(name); step && *step != state.step)  // (-1: too long for a step)
     throw std::invalid_argument("state.json says step " + std::to_string(state.step) + " but the directory is " + name +
                                 ": the checkpoint was edited or moved; resume from the directory of its own step");
   const auto in_flight_file = (ck / trainer::kInFlightRolloutsFile).string();

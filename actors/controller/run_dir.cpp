@@ -288,19 +288,11 @@ fs::path checkpoint_dir(const fs::path& run, int64_t step) {
 
 fs::path newest_checkpoint(const fs::path& run) { return trainer::newest_checkpoint_in(run / "checkpoints"); }
 
-std::optional<int64_t> checkpoint_name_step(const std::string& name) {
-  if (name.size() <= 5 || name.rfind("step_", 0) != 0 || name.find_first_not_of("0123456789", 5) != std::string::npos)
-    return std::nullopt;
-  const auto first = name.find_first_not_of('0', 5);
-  const auto digits = first == std::string::npos ? std::string("0") : name.substr(first);  // no leading zeros
-  return digits.size() > 18 ? -1 : std::stoll(digits);
-}
-
 std::vector<fs::path> supersede_checkpoints(const fs::path& run, int64_t first_step) {
   std::vector<fs::path> found, moved;
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(run / "checkpoints", ec)) {
-    const auto step = checkpoint_name_step(e.path().filename().string());
+    const auto step = trainer::checkpoint_name_step(e.path().filename().string());
     if (step && *step >= first_step && e.is_directory(ec)) found.push_back(e.path());
   }
   std::sort(found.begin(), found.end());

@@ -78,10 +78,6 @@ std::filesystem::path checkpoint_dir(const std::filesystem::path& run, int64_t s
 /// ones are incomplete), or an empty path.
 std::filesystem::path newest_checkpoint(const std::filesystem::path& run);
 
-/// The step in a checkpoint directory's name as kiln names them ("step_" then digits only:
-/// "step_000006" -> 6); -1 when the digits do not fit an int64; nullopt for any other name.
-std::optional<int64_t> checkpoint_name_step(const std::string& name);
-
 /// At a resume's first logged step: RUN/checkpoints/step_N for N >= first_step (steps the resume
 /// trains again, their metrics rows dropped) renamed to step_N.superseded (".superseded.2", ...
 /// when taken), so that no advice and no newest_checkpoint() leads back to a run the rows no

@@ -345,14 +345,24 @@ void save_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, 
   fs::rename(tmp, dir);
 }
 
+std::optional<int64_t> checkpoint_name_step(const std::string& name) {
+  if (name.size() <= 5 || name.rfind("step_", 0) != 0 || name.find_first_not_of("0123456789", 5) != std::string::npos)
+    return std::nullopt;
+  const auto first = name.find_first_not_of('0', 5);
+  const auto digits = first == std::string::npos ? std::string("0") : name.substr(first);  // no leading zeros
+  return digits.size() > 18 ? -1 : std::stoll(digits);
+}
+
 std::filesystem::path newest_checkpoint_in(const std::filesystem::path& parent) {
   std::filesystem::path newest;
+  int64_t newest_step = -1;
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(parent, ec)) {
-    const auto name = e.path().filename().string();
-    if (name.rfind("step_", 0) == 0 && name.find('.') == std::string::npos &&
-        std::filesystem::exists(e.path() / "state.json", ec) && (newest.empty() || name > newest.filename().string()))
+    const auto step = checkpoint_name_step(e.path().filename().string());
+    if (step && *step > newest_step && std::filesystem::exists(e.path() / "state.json", ec)) {
       newest = e.path();
+      newest_step = *step;
+    }
   }
   return newest;
 }

@@ -23,6 +23,7 @@
 // it resumes from sharded checkpoints only.
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 
 #include "actors/trainer/trainer.hpp"
@@ -66,8 +67,14 @@ void save_checkpoint(const std::filesystem::path& dir, model::CausalLM& policy, 
 /// is a run directory (or its checkpoints/ directory) the message names its newest checkpoint.
 CheckpointState read_checkpoint_state(const std::filesystem::path& dir);
 
+/// The step in a checkpoint directory's name as kiln names them ("step_" then digits only:
+/// "step_000006" -> 6); -1 when the digits do not fit an int64; nullopt for any other name
+/// ("step_6.partial", "step_6.superseded", "latest").
+std::optional<int64_t> checkpoint_name_step(const std::string& name);
+
 /// The newest complete checkpoint directly in PARENT (a step_N directory with its state.json;
-/// step_N.partial ones are incomplete; the largest N by name, zero-padded), or an empty path.
+/// step_N.partial ones are incomplete; the largest N as a number, so step_1000000 is newer
+/// than step_999999 although the names are padded to 6 digits only), or an empty path.
 std::filesystem::path newest_checkpoint_in(const std::filesystem::path& parent);
 
 /// Loads policy weights, optimizer state and master weights from `dir` into `policy` and

@@ -156,6 +156,12 @@ TEST_CASE("a run directory given for a checkpoint is refused naming its newest c
   CHECK_THROWS_WITH_AS(read_checkpoint_state(run / "checkpoints"), doctest::Contains(("the newest here is '" + newest + "'").c_str()),
                        std::invalid_argument);
   CHECK(newest_checkpoint_in(run / "nothing").empty());
+  // Past the 6 digits of padding the names no longer sort as the steps do.
+  for (const char* step : {"step_999999", "step_1000000"}) {
+    fs::create_directories(run / "checkpoints" / step);
+    std::ofstream(run / "checkpoints" / step / "state.json") << R"({"step": 1, "policy_version": 1, "prompt_rng": "x"})";
+  }
+  CHECK(newest_checkpoint_in(run / "checkpoints") == run / "checkpoints" / "step_1000000");
   const fs::path empty = test::scratch_path("checkpoint-empty-dir");
   fs::create_directories(empty);
   try {
@@ -164,4 +170,13 @@ TEST_CASE("a run directory given for a checkpoint is refused naming its newest c
   } catch (const std::invalid_argument& e) {
     CHECK(std::string(e.what()) == "no state.json in '" + empty.string() + "'");
   }
+}
+
+TEST_CASE("checkpoint_name_step reads kiln's step_N names and nothing else") {
+  CHECK(checkpoint_name_step("step_000006") == 6);
+  CHECK(checkpoint_name_step("step_000000") == 0);
+  CHECK(checkpoint_name_step("step_1000000") == 1000000);
+  CHECK(checkpoint_name_step("step_1234567890123456789") == -1);  // does not fit an int64's 18 safe digits
+  for (const char* other : {"step_", "step_6.partial", "step_6.superseded", "step_-1", "latest", "Step_6", "step_6 "})
+    CHECK_MESSAGE(!checkpoint_name_step(other), other);
 }
