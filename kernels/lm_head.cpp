@@ -10,6 +10,7 @@
 
 #ifdef KILN_CUDA
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "kernels/lm_head_cuda.hpp"
@@ -21,6 +22,37 @@
 namespace kiln::kernels {
 
 namespace {
+// A count on the device read by the host later: copied into pinned memory behind an event when
+// made, read() waits for that event only. Between the two the host queues more work, so the
+// GPU does not idle while the host reads (a read right away waits for all queued work, then the
+// GPU waits while the host queues the next small kernels one by one). CPU tensors: read as is.
+class HostCount {
+ public:
+  explicit HostCount(const at::Tensor& count) {
+#ifdef KILN_CUDA
+    if (count.is_cuda()) {
+      host_ = at::empty({}, count.options().device(at::kCPU).pinned_memory(true));
+      host_.copy_(count, /*non_blocking=*/true);
+      event_.record(at::cuda::getCurrentCUDAStream(count.device().index()));
+      return;
+    }
+#endif
+    host_ = count.to(at::kCPU);
+  }
+  int64_t read() {
+#ifdef KILN_CUDA
+    if (event_.isCreated()) event_.synchronize();
+#endif
+    return host_.item<int64_t>();
+  }
+
+ private:
+  at::Tensor host_;
+#ifdef KILN_CUDA
+  at::cuda::CUDAEvent event_{cudaEventDisableTiming};
+#endif
+};
+
 std::atomic<bool>& fused_switch() {
   // On unless turned off: faster than cuBLAS plus kiln's pass in the training step, and 1.7 GiB
   // less at 8192 tokens (docs/benchmarks.md, "The fused head in the training step").
@@ -127,11 +159,11 @@ std::pair<at::Tensor, at::Tensor> lm_head_probs_backward(const at::Tensor& probs
   const auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat); };
   const auto valid = targets_N.ge(0).logical_and_(targets_N.lt(V));  // [N]
   const auto live = valid.logical_and(g_N.ne(0));                    // rows with a gradient
-  // Rows whose values may have reached the GEMM's clamp (or are not finite): recomputed below,
-  // none of their kept probabilities read (a = 0). One device-to-host read: how many.
+  // Rows whose values may have reached the GEMM's clamp (or are not finite): none of their kept
+  // probabilities read (a = 0), recomputed below. How many: counted on the device, copied to the
+  // host behind both GEMMs, read when they are queued.
   const auto far = live.logical_and(lse_N.sub(reference_N).le(kProbsMaxLseAboveReference).logical_not());
-  const auto far_rows = far.nonzero().squeeze(1);  // [F] int64
-  const bool any_far = far_rows.numel() > 0;
+  HostCount far_count(far.sum());
   const auto t = targets_N.clamp(0, V - 1).unsqueeze(1);                             // [N, 1]
   const auto sum = kept_lse_N.sub(reference_N).exp_();                               // S [N]
   const auto at_target = probs_NV.gather(1, t).squeeze(1).to(at::kFloat);            // [N]
@@ -140,23 +172,23 @@ std::pair<at::Tensor, at::Tensor> lm_head_probs_backward(const at::Tensor& probs
                            at::zeros({N}, g_N.options().dtype(at::kFloat)))
                      .unsqueeze(1);  // -g / S, [N, 1]
   const bool tensor_cores = hidden_ND.is_cuda() && hidden_ND.scalar_type() != at::kFloat;
-  // The weight's gradient in fp32 while the far rows are still to be added.
-  const auto wdt = any_far ? at::kFloat : weight_grad_dtype;
   auto grad_h = at::empty_like(hidden_ND);
   auto scaled_h = at::empty_like(hidden_ND);
   at::mul_out(scaled_h, hidden_ND, a);  // fp32 products, rounded once to hidden's dtype
-  at::Tensor grad_w;
-  if (tensor_cores) {
-    at::mul_out(grad_h, at::mm(probs_NV, weight_VD, at::kFloat), a);
-    grad_w = wdt == probs_NV.scalar_type() ? at::mm(probs_NV.t(), scaled_h) : at::mm(probs_NV.t(), scaled_h, wdt);
-  } else {
-    at::mul_out(grad_h, at::mm(f32(probs_NV), f32(weight_VD)), a);
-    grad_w = at::mm(f32(probs_NV).t(), f32(scaled_h)).to(wdt);
-  }
-  if (!any_far) return {grad_h, grad_w};
-  // The far rows as the default path does them (kernels/logprobs.hpp's formula): fp32 logits
-  // recomputed (as model::lm_logits), dz = g (onehot - exp(z - lse)) in hidden's dtype, then
-  // their hidden rows (0 so far) and their share of the weight's gradient; kFarRowsChunk at a time.
+  const auto weight_grad = [&](at::ScalarType dtype) {
+    if (!tensor_cores) return at::mm(f32(probs_NV).t(), f32(scaled_h)).to(dtype);
+    return dtype == probs_NV.scalar_type() ? at::mm(probs_NV.t(), scaled_h) : at::mm(probs_NV.t(), scaled_h, dtype);
+  };
+  if (tensor_cores) at::mul_out(grad_h, at::mm(probs_NV, weight_VD, at::kFloat), a);
+  else at::mul_out(grad_h, at::mm(f32(probs_NV), f32(weight_VD)), a);
+  auto grad_w = weight_grad(weight_grad_dtype);
+  if (far_count.read() == 0) return {grad_h, grad_w};
+  // The far rows (rare: a target's log-prob below about -56) as the default path does them
+  // (kernels/logprobs.hpp's formula): the weight's gradient again, in fp32 while their shares are
+  // added; their fp32 logits recomputed (as model::lm_logits), dz = g (onehot - exp(z - lse)) in
+  // hidden's dtype, then their hidden rows (0 so far) and their shares; kFarRowsChunk at a time.
+  grad_w = weight_grad(at::kFloat);
+  const auto far_rows = far.nonzero().squeeze(1);  // [F] int64
   constexpr int64_t kFarRowsChunk = 256;
   for (int64_t s = 0; s < far_rows.size(0); s += kFarRowsChunk) {
     const auto rows = far_rows.narrow(0, s, std::min(kFarRowsChunk, far_rows.size(0) - s));

@@ -84,7 +84,9 @@ constexpr double kProbsMaxLseAboveReference = 40;
 /// kProbsMaxLseAboveReference or not finite (its probabilities may be clamped) takes a = 0 there
 /// and is done as the default path does it: its fp32 logits recomputed (256 such rows at a time),
 /// dz = g (onehot - exp(z - lse)) in hidden's dtype, its hidden row and its share of the weight's
-/// gradient from that (one device-to-host read, how many such rows, decides). Any device
+/// gradient from that, the weight's gradient then computed again in fp32 (how many such rows is
+/// counted on the device and read by the host once both GEMMs are queued: no wait for the GPU
+/// before them; with none, the common case, nothing else runs). Any device
 /// (LibTorch ops; on CUDA with 16-bit inputs the GEMMs accumulate in fp32). Throws c10::Error on
 /// shapes.
 std::pair<at::Tensor, at::Tensor> lm_head_probs_backward(const at::Tensor& probs_NV, const at::Tensor& hidden_ND,
