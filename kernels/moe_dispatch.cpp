@@ -2,6 +2,8 @@
 
 #include <torch/torch.h>
 
+#include <limits>
+
 #ifdef KILN_CUDA
 #include "kernels/moe_dispatch_cuda.hpp"
 #endif
@@ -37,7 +39,11 @@ void check_combine_grad(const at::Tensor& rows, const at::Tensor& w, const at::T
 DispatchOrder dispatch_order_ref(const at::Tensor& ids_TK, int64_t num_experts) {
   check_ids(ids_TK, num_experts);
   const int64_t K = ids_TK.size(1);
+  // Sorted as int16 when the ids fit (every model here: E <= 32766): a radix sort over 2 bytes
+  // where int64 keys took 8 passes (24 of a 4-layer 8k step's 32 sort passes on an H100), the
+  // same stable order.
   auto flat = ids_TK.reshape({-1});                                                          // [M]
+  if (num_experts < std::numeric_limits<int16_t>::max()) flat = flat.to(at::kShort);
   auto [sorted, order] = flat.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);        // [M] each
   DispatchOrder d;
   d.slot = order;
@@ -45,7 +51,7 @@ DispatchOrder dispatch_order_ref(const at::Tensor& ids_TK, int64_t num_experts) 
   d.row_of_slot = torch::empty_like(order).scatter_(0, order, torch::arange(order.size(0), order.options()));
   // Rows per expert from the sorted ids' boundaries: of static shape [E] and without a host
   // read (bincount on CUDA reads the largest id on the host).
-  auto bounds = torch::searchsorted(sorted, torch::arange(num_experts + 1, flat.options()));  // [E+1]
+  auto bounds = torch::searchsorted(sorted, torch::arange(num_experts + 1, flat.options()));  // [E+1] int64
   d.counts = bounds.narrow(0, 1, num_experts) - bounds.narrow(0, 0, num_experts);
   return d;
 }
