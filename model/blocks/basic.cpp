@@ -114,6 +114,29 @@ struct UnsplitLinear : public torch::autograd::Function<UnsplitLinear> {
             torch::Tensor()};
   }
 };
+
+// unsplit_linear_pair's function: two outputs of one x, x's gradient accumulated in one buffer.
+struct UnsplitLinearPair : public torch::autograd::Function<UnsplitLinearPair> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x_MK,
+                                                const torch::Tensor& w1_NK, const torch::Tensor& w2_NK) {
+    ctx->save_for_backward({x_MK, w1_NK, w2_NK});
+    return {kernels::linear_unsplit(x_MK, w1_NK), kernels::linear_unsplit(x_MK, w2_NK)};
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &x = saved[0], &w1 = saved[1], &w2 = saved[2];
+    const auto g1 = grads[0].defined() ? grads[0].to(x.scalar_type()).contiguous() : torch::Tensor();  // [M, N1]
+    const auto g2 = grads[1].defined() ? grads[1].to(x.scalar_type()).contiguous() : torch::Tensor();  // [M, N2]
+    torch::Tensor dx;
+    if (ctx->needs_input_grad(0)) {
+      if (g1.defined()) dx = g1.mm(w1);
+      if (g2.defined()) dx = dx.defined() ? dx.addmm_(g2, w2) : g2.mm(w2);
+    }
+    return {dx, ctx->needs_input_grad(1) && g1.defined() ? g1.t().mm(x) : torch::Tensor(),
+            ctx->needs_input_grad(2) && g2.defined() ? g2.t().mm(x) : torch::Tensor()};
+  }
+};
 }  // namespace
 
 torch::Tensor unsplit_linear(const torch::Tensor& x, const torch::Tensor& w) {
@@ -129,6 +152,17 @@ torch::Tensor unsplit_linear(const torch::Tensor& x, const torch::Tensor& w) {
   return UnsplitLinear::apply(x2, w, false).view(out_shape);
 }
 
+std::pair<torch::Tensor, torch::Tensor> unsplit_linear_pair(const torch::Tensor& x, const torch::Tensor& w1,
+                                                            const torch::Tensor& w2) {
+  if (x.dim() != 2 || w1.dim() != 2 || w2.dim() != 2 || x.size(1) != w1.size(1) || x.size(1) != w2.size(1))
+    throw std::invalid_argument("unsplit_linear_pair: x must be [M, K] for w1 [N1, K] and w2 [N2, K], got x " +
+                                c10::str(x.sizes()) + ", w1 " + c10::str(w1.sizes()) + ", w2 " + c10::str(w2.sizes()));
+  if (!x.is_cuda() || !kernels::linear_unsplit_uses_cublaslt(x, w1) || !kernels::linear_unsplit_uses_cublaslt(x, w2))
+    return {unsplit_linear(x, w1), unsplit_linear(x, w2)};
+  auto y = UnsplitLinearPair::apply(x, w1, w2);
+  return {y[0], y[1]};
+}
+
 torch::Tensor unsplit_linear_fp32(const torch::Tensor& x, const torch::Tensor& w) {
   // bf16 only (fp16's range would flush small gradients such as the router's per-token-normalised
   // ones, ~1e-6 and below), w in it too (its gradient is computed in that dtype); 16-byte rows in
@@ -140,9 +174,12 @@ torch::Tensor unsplit_linear_fp32(const torch::Tensor& x, const torch::Tensor& w
 }
 
 torch::Tensor SwiGLUImpl::forward(const torch::Tensor& x) {
-  if (!batch_invariant_)
-    return unsplit_linear(kernels::swiglu_pair(unsplit_linear(x, gate->weight), unsplit_linear(x, up->weight), limit_),
-                          down->weight);
+  if (!batch_invariant_) {
+    const auto x2 = x.reshape({-1, x.size(-1)});
+    auto [g, u] = unsplit_linear_pair(x2, gate->weight, up->weight);
+    auto out_shape = x.sizes().vec();
+    return unsplit_linear(kernels::swiglu_pair(g, u, limit_), down->weight).view(out_shape);
+  }
   if (limit_)
     throw std::invalid_argument("SwiGLU: the batch-invariant mode has no clamped SwiGLU (swiglu_limit " +
                                 std::to_string(*limit_) + ")");

@@ -63,6 +63,15 @@ torch::Tensor apply_rope_cached(const torch::Tensor& x, const torch::Tensor& pos
 /// choice does not): MLA's projections, the SwiGLU MLPs and the MoE router's fp32 logits use it
 /// in the default mode.
 torch::Tensor unsplit_linear(const torch::Tensor& x, const torch::Tensor& w);
+/// Two projections of one input, x [M, K] -> (x w1^T [M, N1], x w2^T [M, N2]): the forward
+/// two unsplit_linear GEMMs (the same bits), the backward x's gradient as one GEMM then a second
+/// accumulated into it (g1 w1, then += g2 w2 with beta 1, rounded once more) in place of two
+/// GEMMs and autograd's add of their [M, K] results (gate/up of the SwiGLU MLPs, q_a/kv_a of
+/// MLA: one pass over [M, K] less each). Where unsplit_linear takes at::linear (not CUDA, or
+/// shapes cuBLASLt does not take) two unsplit_linear calls. Throws std::invalid_argument when
+/// x is not [M, K] for w1 and w2's K.
+std::pair<torch::Tensor, torch::Tensor> unsplit_linear_pair(const torch::Tensor& x, const torch::Tensor& w1,
+                                                            const torch::Tensor& w2);
 /// unsplit_linear in fp32 (x and w cast to fp32: the fp32 GEMM's bits) -> [..., N] fp32. For a
 /// bf16 x [M, K] and w on CUDA its backward runs in bf16 (the gradient rounded to bf16, two
 /// tensor-core GEMMs with fp32 accumulation, as torchtitan's bf16 router; x saved in bf16), not

@@ -55,8 +55,13 @@ torch::Tensor MLAImpl::forward(const torch::Tensor& x, const torch::Tensor& posi
                                int64_t max_seqlen, int64_t position_bound) {
   const int64_t T = x.size(0), H = o_.num_heads, N = o_.qk_nope_head_dim, R = o_.qk_rope_head_dim,
                 V = o_.v_head_dim, C = o_.kv_lora_rank;
-  auto qs = (q_a ? project(q_b, q_a_norm(project(q_a, x))) : project(q, x)).view({T, H, N + R});  // [T, H, N+R]
-  auto ckv = project(kv_a, x);                                                                  // [T, C+R]
+  // q_a and kv_a read the same x: one function for both (unsplit_linear_pair: x's gradient
+  // accumulated by the second GEMM, not added after), the same forward bits.
+  torch::Tensor q_low, ckv;  // [T, q_lora_rank], [T, C+R]
+  if (q_a && !batch_invariant_) std::tie(q_low, ckv) = unsplit_linear_pair(x, q_a->weight, kv_a->weight);
+  else ckv = project(kv_a, x);
+  auto qs = (q_a ? project(q_b, q_a_norm(q_low.defined() ? q_low : project(q_a, x))) : project(q, x))
+                .view({T, H, N + R});  // [T, H, N+R]
   // Split, not two narrow views: the backward writes both parts' gradients into one [T, C+R]
   // (a narrow's backward zero-fills a whole [T, C+R] each, then the two are added).
   auto ckv_parts = ckv.split_with_sizes({C, R}, -1);

@@ -117,3 +117,56 @@ TEST_CASE("CUDA: linear_unsplit in a CUDA graph, and unsplit_linear's gradients 
   CHECK(same_bits(xa.grad(), xb.grad()));
   CHECK(torch::allclose(wa.grad().to(torch::kFloat32), wb.grad().to(torch::kFloat32), 1e-2, 1e-2));
 }
+
+TEST_CASE("unsplit_linear_pair: two projections of one x, gradients as two unsplit_linear calls, bad shapes refused") {
+  torch::manual_seed(4);
+  auto x = torch::randn({6, 16}), w1 = torch::randn({24, 16}), w2 = torch::randn({10, 16});
+  auto xa = x.clone().requires_grad_(), w1a = w1.clone().requires_grad_(), w2a = w2.clone().requires_grad_();
+  auto [y1, y2] = model::unsplit_linear_pair(xa, w1a, w2a);
+  CHECK(same_bits(y1, at::linear(x, w1)));
+  CHECK(same_bits(y2, at::linear(x, w2)));
+  (y1.pow(2).sum() + y2.sin().sum()).backward();
+  auto xb = x.clone().requires_grad_(), w1b = w1.clone().requires_grad_(), w2b = w2.clone().requires_grad_();
+  (torch::linear(xb, w1b).pow(2).sum() + torch::linear(xb, w2b).sin().sum()).backward();
+  CHECK(torch::allclose(xa.grad(), xb.grad(), 1e-5, 1e-5));
+  CHECK(torch::allclose(w1a.grad(), w1b.grad(), 1e-5, 1e-5));
+  CHECK(torch::allclose(w2a.grad(), w2b.grad(), 1e-5, 1e-5));
+  CHECK_THROWS_WITH_AS(model::unsplit_linear_pair(torch::randn({4, 16}), w1, torch::randn({10, 15})),
+                       doctest::Contains("x must be [M, K] for w1 [N1, K] and w2 [N2, K], got x [4, 16], w1 [24, 16], w2 [10, 15]"),
+                       std::invalid_argument);
+}
+
+TEST_CASE("CUDA: unsplit_linear_pair's outputs are unsplit_linear's bits, its gradients within one bf16 step of two calls'") {
+  if (skip_without_cuda_kernels()) return;
+  torch::manual_seed(5);
+  const auto opt = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  // MLA's q_a / kv_a at GLM-4.7-Flash's shapes, and one output without a gradient
+  for (const bool both : {true, false}) {
+    CAPTURE(both);
+    auto x = torch::randn({4096, 2048}, opt), w1 = torch::randn({768, 2048}, opt) / 45.0,
+         w2 = torch::randn({576, 2048}, opt) / 45.0;
+    REQUIRE(kernels::linear_unsplit_uses_cublaslt(x, w1));
+    auto g1 = torch::randn({4096, 768}, opt), g2 = torch::randn({4096, 576}, opt);
+    auto xa = x.clone().requires_grad_(), w1a = w1.clone().requires_grad_(), w2a = w2.clone().requires_grad_();
+    auto [y1, y2] = model::unsplit_linear_pair(xa, w1a, w2a);
+    CHECK(same_bits(y1, kernels::linear_unsplit(x, w1)));
+    CHECK(same_bits(y2, kernels::linear_unsplit(x, w2)));
+    ((y1 * g1).sum() + (both ? (y2 * g2).sum() : torch::zeros({}, opt))).backward();
+    auto xb = x.clone().requires_grad_(), w1b = w1.clone().requires_grad_(), w2b = w2.clone().requires_grad_();
+    ((model::unsplit_linear(xb, w1b) * g1).sum() + (both ? (model::unsplit_linear(xb, w2b) * g2).sum() : torch::zeros({}, opt)))
+        .backward();
+    CHECK(same_bits(w1a.grad(), w1b.grad()));  // the same GEMM
+    if (both) CHECK(same_bits(w2a.grad(), w2b.grad()));
+    else CHECK((!w2a.grad().defined() || w2a.grad().abs().max().item<double>() == 0.0));
+    // x's: g1 w1 + g2 w2 rounded once after the second GEMM's fp32 sum, against two roundings and
+    // an add: no further from the fp64 sum, in its largest and its mean difference
+    auto truth = g1.to(torch::kFloat64).mm(w1.to(torch::kFloat64));
+    if (both) truth += g2.to(torch::kFloat64).mm(w2.to(torch::kFloat64));
+    const auto err_pair = (xa.grad().to(torch::kFloat64) - truth).abs(), err_two = (xb.grad().to(torch::kFloat64) - truth).abs();
+    INFO("|x grad - fp64|: pair max " << err_pair.max().item<double>() << " mean " << err_pair.mean().item<double>()
+                                     << ", two calls max " << err_two.max().item<double>() << " mean "
+                                     << err_two.mean().item<double>());
+    CHECK(err_pair.max().item<double>() <= err_two.max().item<double>() * 1.01);
+    CHECK(err_pair.mean().item<double>() <= err_two.mean().item<double>() * 1.01);
+  }
+}
