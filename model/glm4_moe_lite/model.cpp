@@ -5,7 +5,6 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
-#include "kernels/embedding.hpp"
 #include "model/checkpoint/safetensors.hpp"
 #include "model/config_json.hpp"
 #include "parallel/group.hpp"
@@ -136,9 +135,7 @@ ForwardOutput Glm4MoeLiteModel::forward(const PackedBatch& batch, const ForwardO
       throw std::invalid_argument("replay_routed_experts must lie in [0, " + std::to_string(config_.moe.num_experts) + ")");
     replay_all = to_model_device(r, dev, torch::kInt64);
   }
-  // The weight's gradient by kiln's kernel on CUDA (kernels/embedding.hpp: every row written once,
-  // no zero fill of [V, D] first, no int64 sort), the same rows as embed(ids).
-  auto x = kernels::embedding(embed->weight, to_model_device(batch.input_ids, dev, torch::kInt64));  // [T, D]
+  auto x = embed(to_model_device(batch.input_ids, dev));  // [T, D]
   int64_t moe_index = 0, layer_index = 0;
   for (auto& layer : layers) {
     if (layer_hooks_) x = layer_hooks_->before_layer(layer_index, x);

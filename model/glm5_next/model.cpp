@@ -4,7 +4,6 @@
 #include <stdexcept>
 #include <string>
 
-#include "kernels/embedding.hpp"
 #include "model/blocks/activation_checkpoint.hpp"
 #include "model/checkpoint/safetensors.hpp"
 #include "model/config_json.hpp"
@@ -238,8 +237,7 @@ ForwardOutput Glm5NextModelImpl::forward(const PackedBatch& batch, const Forward
   }
   const bool want_experts = o.return_routed_experts || replay_experts.has_value();
   auto cu = batch.cu_seqlens.to(torch::kCPU, torch::kInt64);
-  auto streams = hc_streams_from_embeddings(kernels::embedding(embed->weight, batch.input_ids.to(dev, torch::kInt64)),
-                                            c_.hc.streams);  // [T, S, D] (kernels/embedding.hpp: the backward by kiln's kernel)
+  auto streams = hc_streams_from_embeddings(embed(batch.input_ids.to(dev)), c_.hc.streams);  // [T, S, D]
   torch::Tensor topk;  // the last sparse layer's selection, handed to a shared layer
   std::vector<torch::Tensor> experts, selections;
   int64_t moe_i = 0, sparse_i = 0;
