@@ -160,8 +160,9 @@ std::pair<at::Tensor, at::Tensor> lm_head_probs_backward(const at::Tensor& probs
   const auto valid = targets_N.ge(0).logical_and_(targets_N.lt(V));  // [N]
   const auto live = valid.logical_and(g_N.ne(0));                    // rows with a gradient
   // Rows whose values may have reached the GEMM's clamp (or are not finite): none of their kept
-  // probabilities read (a = 0), recomputed below. How many: counted on the device, copied to the
-  // host behind both GEMMs, read when they are queued.
+  // probabilities read (a = 0), recomputed below. How many: counted on the device and its copy
+  // to pinned host memory queued here, ahead of both GEMMs; the host reads it once they are
+  // queued too, so the GPU has them to run while the host waits.
   const auto far = live.logical_and(lse_N.sub(reference_N).le(kProbsMaxLseAboveReference).logical_not());
   HostCount far_count(far.sum());
   const auto t = targets_N.clamp(0, V - 1).unsqueeze(1);                             // [N, 1]
@@ -184,10 +185,14 @@ std::pair<at::Tensor, at::Tensor> lm_head_probs_backward(const at::Tensor& probs
   auto grad_w = weight_grad(weight_grad_dtype);
   if (far_count.read() == 0) return {grad_h, grad_w};
   // The far rows (rare: a target's log-prob below about -56) as the default path does them
-  // (kernels/logprobs.hpp's formula): the weight's gradient again, in fp32 while their shares are
-  // added; their fp32 logits recomputed (as model::lm_logits), dz = g (onehot - exp(z - lse)) in
-  // hidden's dtype, then their hidden rows (0 so far) and their shares; kFarRowsChunk at a time.
-  grad_w = weight_grad(at::kFloat);
+  // (kernels/logprobs.hpp's formula): the weight's gradient again in fp32 (unless it was already)
+  // while their shares are added; their fp32 logits recomputed (as model::lm_logits), dz = g
+  // (onehot - exp(z - lse)) in hidden's dtype, then their hidden rows (0 so far) and their
+  // shares; kFarRowsChunk at a time.
+  if (grad_w.scalar_type() != at::kFloat) {
+    grad_w = at::Tensor();  // freed before its fp32 form is made
+    grad_w = weight_grad(at::kFloat);
+  }
   const auto far_rows = far.nonzero().squeeze(1);  // [F] int64
   constexpr int64_t kFarRowsChunk = 256;
   for (int64_t s = 0; s < far_rows.size(0); s += kFarRowsChunk) {

@@ -39,9 +39,9 @@ void check_combine_grad(const at::Tensor& rows, const at::Tensor& w, const at::T
 DispatchOrder dispatch_order_ref(const at::Tensor& ids_TK, int64_t num_experts) {
   check_ids(ids_TK, num_experts);
   const int64_t K = ids_TK.size(1);
-  // Sorted as int16 when the ids fit (every model here: E <= 32766): a radix sort over 2 bytes
-  // where int64 keys took 8 passes (24 of a 4-layer 8k step's 32 sort passes on an H100), the
-  // same stable order.
+  // Sorted as int16 when every id in [0, E) fits (E < 32767; every model here): a radix sort over
+  // 2 bytes where int64 keys took 8 passes (24 of a 4-layer 8k step's 32 sort passes on an H100),
+  // the same stable order. Ids are in [0, E) by contract (the router's top-k, replay checked).
   auto flat = ids_TK.reshape({-1});                                                          // [M]
   if (num_experts < std::numeric_limits<int16_t>::max()) flat = flat.to(at::kShort);
   auto [sorted, order] = flat.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);        // [M] each

@@ -358,8 +358,11 @@ std::filesystem::path newest_checkpoint_in(const std::filesystem::path& parent) 
   int64_t newest_step = -1;
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(parent, ec)) {
-    const auto step = checkpoint_name_step(e.path().filename().string());
-    if (step && *step > newest_step && std::filesystem::exists(e.path() / "state.json", ec)) {
+    const auto name = e.path().filename().string();
+    const auto step = checkpoint_name_step(name);
+    // (one step under two names, step_6 and step_000006: the larger name, whatever the listing's order)
+    if (step && (*step > newest_step || (*step == newest_step && name > newest.filename().string())) &&
+        std::filesystem::exists(e.path() / "state.json", ec)) {
       newest = e.path();
       newest_step = *step;
     }

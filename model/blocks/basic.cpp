@@ -120,6 +120,7 @@ struct UnsplitLinearPair : public torch::autograd::Function<UnsplitLinearPair> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x_MK,
                                                 const torch::Tensor& w1_NK, const torch::Tensor& w2_NK) {
     ctx->save_for_backward({x_MK, w1_NK, w2_NK});
+    ctx->set_materialize_grads(false);  // an output without a gradient: no zeros, no GEMMs for it
     return {kernels::linear_unsplit(x_MK, w1_NK), kernels::linear_unsplit(x_MK, w2_NK)};
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -157,8 +158,8 @@ std::pair<torch::Tensor, torch::Tensor> unsplit_linear_pair(const torch::Tensor&
   if (x.dim() != 2 || w1.dim() != 2 || w2.dim() != 2 || x.size(1) != w1.size(1) || x.size(1) != w2.size(1))
     throw std::invalid_argument("unsplit_linear_pair: x must be [M, K] for w1 [N1, K] and w2 [N2, K], got x " +
                                 c10::str(x.sizes()) + ", w1 " + c10::str(w1.sizes()) + ", w2 " + c10::str(w2.sizes()));
-  if (!x.is_cuda() || !kernels::linear_unsplit_uses_cublaslt(x, w1) || !kernels::linear_unsplit_uses_cublaslt(x, w2))
-    return {unsplit_linear(x, w1), unsplit_linear(x, w2)};
+  // kernels::linear_unsplit is at::linear wherever it does not take cuBLASLt: unsplit_linear's
+  // forward bits on every device.
   auto y = UnsplitLinearPair::apply(x, w1, w2);
   return {y[0], y[1]};
 }

@@ -67,9 +67,9 @@ torch::Tensor unsplit_linear(const torch::Tensor& x, const torch::Tensor& w);
 /// two unsplit_linear GEMMs (the same bits), the backward x's gradient as one GEMM then a second
 /// accumulated into it (g1 w1, then += g2 w2 with beta 1, rounded once more) in place of two
 /// GEMMs and autograd's add of their [M, K] results (gate/up of the SwiGLU MLPs, q_a/kv_a of
-/// MLA: one pass over [M, K] less each). Where unsplit_linear takes at::linear (not CUDA, or
-/// shapes cuBLASLt does not take) two unsplit_linear calls. Throws std::invalid_argument when
-/// x is not [M, K] for w1 and w2's K.
+/// MLA: one pass over [M, K] less each); an output without a gradient costs no GEMM. Any
+/// device (at::linear's forward where unsplit_linear takes it). Throws std::invalid_argument
+/// when x is not [M, K] for w1 and w2's K.
 std::pair<torch::Tensor, torch::Tensor> unsplit_linear_pair(const torch::Tensor& x, const torch::Tensor& w1,
                                                             const torch::Tensor& w2);
 /// unsplit_linear in fp32 (x and w cast to fp32: the fp32 GEMM's bits) -> [..., N] fp32. For a

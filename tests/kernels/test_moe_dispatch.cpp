@@ -23,6 +23,12 @@ torch::Tensor random_ids(int64_t T, int64_t K, int64_t E, int64_t spread) {
   (void)E;
   return ids;
 }
+// The stable order by expert as an independent oracle: ids * M + slot, distinct keys, any sort.
+torch::Tensor oracle_slots(const torch::Tensor& ids_TK) {
+  const auto flat = ids_TK.reshape({-1}).to(torch::kCPU);
+  const int64_t M = flat.size(0);
+  return std::get<1>((flat * M + torch::arange(M, flat.options())).sort());
+}
 }  // namespace
 
 TEST_CASE("dispatch_order_ref: rows in expert order, ties in slot order, and its inverse and counts") {
@@ -36,6 +42,22 @@ TEST_CASE("dispatch_order_ref: rows in expert order, ties in slot order, and its
   CHECK_THROWS_WITH_AS(kernels::dispatch_order(ids.to(torch::kInt32), 5), doctest::Contains("[T, K] int64"),
                        c10::Error);
   CHECK_THROWS_WITH_AS(kernels::dispatch_order(ids, 0), doctest::Contains("num_experts 0 < 1"), c10::Error);
+}
+
+TEST_CASE("dispatch_order_ref at a training step's size and at the int16 sort's bound: the stable order by expert") {
+  torch::manual_seed(41);
+  // T 8192, K 4 of 64 experts (the order's int16 keys); 32766 experts, ids up to the largest
+  // (still int16); 40000 experts, ids past int16 (the int64 keys)
+  for (const int64_t E : {int64_t(64), int64_t(32766), int64_t(40000)}) {
+    CAPTURE(E);
+    const int64_t T = E == 64 ? 8192 : 2048, K = 4;
+    auto ids = torch::randint(0, E, {T, K}, torch::kInt64);
+    ids.view({-1}).narrow(0, 0, 3).copy_(torch::tensor({E - 1, int64_t(0), E - 1}, torch::kInt64));
+    const auto d = kernels::dispatch_order_ref(ids, E);
+    CHECK(torch::equal(d.slot, oracle_slots(ids)));
+    CHECK(torch::equal(d.token_index, torch::div(d.slot, K, "floor")));
+    CHECK(torch::equal(d.counts, torch::bincount(ids.view({-1}), {}, E)));
+  }
 }
 
 TEST_CASE("moe_combine_ref sums each token's weighted rows, and names what it refuses") {
@@ -95,6 +117,20 @@ TEST_CASE("CUDA: dispatch_order kernel gives the reference's integers") {
     CHECK(torch::equal(got.token_index, want.token_index));
     CHECK(torch::equal(got.row_of_slot, want.row_of_slot));
     CHECK(torch::equal(got.counts, want.counts));
+  }
+}
+
+TEST_CASE("CUDA: dispatch_order at a training step's size (the sort, not the one-CTA kernel) gives the stable order by expert") {
+  if (skip_without_cuda_kernels()) return;
+  torch::manual_seed(42);
+  for (const int64_t E : {int64_t(64), int64_t(256), int64_t(40000)}) {
+    CAPTURE(E);
+    const int64_t T = 8192, K = 4;
+    auto ids = torch::randint(0, E, {T, K}, torch::kInt64);
+    const auto d = kernels::dispatch_order(ids.to(torch::kCUDA), E);
+    CHECK(torch::equal(d.slot.cpu(), oracle_slots(ids)));
+    CHECK(torch::equal(d.row_of_slot.cpu().index_select(0, d.slot.cpu()), torch::arange(T * K, torch::kInt64)));
+    CHECK(torch::equal(d.counts.cpu(), torch::bincount(ids.view({-1}), {}, E)));
   }
 }
 
