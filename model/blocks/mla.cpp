@@ -57,11 +57,14 @@ torch::Tensor MLAImpl::forward(const torch::Tensor& x, const torch::Tensor& posi
                 V = o_.v_head_dim, C = o_.kv_lora_rank;
   // q_a and kv_a read the same x: one function for both (unsplit_linear_pair: x's gradient
   // accumulated by the second GEMM, not added after), the same forward bits.
-  torch::Tensor q_low, ckv;  // [T, q_lora_rank], [T, C+R]
-  if (q_a && !batch_invariant_) std::tie(q_low, ckv) = unsplit_linear_pair(x, q_a->weight, kv_a->weight);
-  else ckv = project(kv_a, x);
-  auto qs = (q_a ? project(q_b, q_a_norm(q_low.defined() ? q_low : project(q_a, x))) : project(q, x))
-                .view({T, H, N + R});  // [T, H, N+R]
+  torch::Tensor q_low, ckv;  // [T, q_lora_rank] (with q_a), [T, C+R]
+  if (q_a && !batch_invariant_) {
+    std::tie(q_low, ckv) = unsplit_linear_pair(x, q_a->weight, kv_a->weight);
+  } else {
+    if (q_a) q_low = project(q_a, x);
+    ckv = project(kv_a, x);
+  }
+  auto qs = (q_a ? project(q_b, q_a_norm(q_low)) : project(q, x)).view({T, H, N + R});  // [T, H, N+R]
   // Split, not two narrow views: the backward writes both parts' gradients into one [T, C+R]
   // (a narrow's backward zero-fills a whole [T, C+R] each, then the two are added).
   auto ckv_parts = ckv.split_with_sizes({C, R}, -1);

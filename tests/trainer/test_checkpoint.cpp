@@ -145,10 +145,11 @@ TEST_CASE("a run directory given for a checkpoint is refused naming its newest c
   namespace fs = std::filesystem;
   const fs::path run = test::scratch_path("checkpoint-run-dir");
   fs::remove_all(run);
-  for (const char* step : {"step_000002", "step_000010", "step_000012.partial"}) {
+  const auto with_state = [&](const char* step) {
     fs::create_directories(run / "checkpoints" / step);
     std::ofstream(run / "checkpoints" / step / "state.json") << R"({"step": 1, "policy_version": 1, "prompt_rng": "x"})";
-  }
+  };
+  for (const char* step : {"step_000002", "step_000010", "step_000012.partial"}) with_state(step);
   fs::create_directories(run / "checkpoints" / "step_000011");  // no state.json: cut short
   const auto newest = (run / "checkpoints" / "step_000010").string();
   CHECK(newest_checkpoint_in(run / "checkpoints").string() == newest);
@@ -157,10 +158,7 @@ TEST_CASE("a run directory given for a checkpoint is refused naming its newest c
                        std::invalid_argument);
   CHECK(newest_checkpoint_in(run / "nothing").empty());
   // Past the 6 digits of padding the names no longer sort as the steps do.
-  for (const char* step : {"step_999999", "step_1000000"}) {
-    fs::create_directories(run / "checkpoints" / step);
-    std::ofstream(run / "checkpoints" / step / "state.json") << R"({"step": 1, "policy_version": 1, "prompt_rng": "x"})";
-  }
+  for (const char* step : {"step_999999", "step_1000000"}) with_state(step);
   CHECK(newest_checkpoint_in(run / "checkpoints") == run / "checkpoints" / "step_1000000");
   const fs::path empty = test::scratch_path("checkpoint-empty-dir");
   fs::create_directories(empty);
