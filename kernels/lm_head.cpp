@@ -147,8 +147,16 @@ std::pair<at::Tensor, at::Tensor> lm_head_probs_backward(const at::Tensor& probs
                                                          const at::Tensor& weight_VD, const at::Tensor& targets_N,
                                                          const at::Tensor& reference_N, const at::Tensor& lse_N,
                                                          const at::Tensor& kept_lse_N, const at::Tensor& g_N,
-                                                         at::ScalarType weight_grad_dtype) {
+                                                         at::ScalarType weight_grad_dtype,
+                                                         const at::Tensor& grad_weight_into) {
   const int64_t N = hidden_ND.size(0), V = weight_VD.size(0);
+  TORCH_CHECK(!grad_weight_into.defined() ||
+                  (weight_grad_dtype == at::kFloat && grad_weight_into.scalar_type() == at::kFloat &&
+                   grad_weight_into.sizes() == weight_VD.sizes() && grad_weight_into.is_contiguous() &&
+                   grad_weight_into.device() == weight_VD.device()),
+              "lm_head_probs_backward: grad_weight_into must be fp32 ", weight_VD.sizes(),
+              ", contiguous, on the weight's device, with weight_grad_dtype fp32; got ",
+              grad_weight_into.scalar_type(), " ", grad_weight_into.sizes(), " and ", weight_grad_dtype);
   TORCH_CHECK(hidden_ND.dim() == 2 && weight_VD.dim() == 2 && hidden_ND.size(1) == weight_VD.size(1) &&
                   probs_NV.dim() == 2 && probs_NV.size(0) == N && probs_NV.size(1) == V,
               "lm_head_probs_backward: probs [N, V], hidden [N, D] and weight [V, D] expected, got ", probs_NV.sizes(),
@@ -176,7 +184,17 @@ std::pair<at::Tensor, at::Tensor> lm_head_probs_backward(const at::Tensor& probs
   auto grad_h = at::empty_like(hidden_ND);
   auto scaled_h = at::empty_like(hidden_ND);
   at::mul_out(scaled_h, hidden_ND, a);  // fp32 products, rounded once to hidden's dtype
+  // acc += a^T b into an fp32 [V, D] in place (a GEMM with beta = 1 on CUDA: no second [V, D]).
+  const auto add_into = [&](at::Tensor& acc, const at::Tensor& a_t, const at::Tensor& b) {
+    if (tensor_cores) at::addmm_out(acc, acc, a_t, b, at::kFloat);
+    else acc.addmm_(f32(a_t), f32(b));
+  };
   const auto weight_grad = [&](at::ScalarType dtype) {
+    if (grad_weight_into.defined()) {
+      auto acc = grad_weight_into;
+      add_into(acc, probs_NV.t(), scaled_h);
+      return acc;
+    }
     if (!tensor_cores) return at::mm(f32(probs_NV).t(), f32(scaled_h)).to(dtype);
     return dtype == probs_NV.scalar_type() ? at::mm(probs_NV.t(), scaled_h) : at::mm(probs_NV.t(), scaled_h, dtype);
   };
@@ -203,13 +221,9 @@ std::pair<at::Tensor, at::Tensor> lm_head_probs_backward(const at::Tensor& probs
     auto dz = z.sub_(f32(lse_N.index_select(0, rows)).unsqueeze(1)).exp_().mul_(g.neg());
     dz.scatter_add_(1, t.index_select(0, rows), g);                                     // + g at the target
     const auto dz16 = dz.to(hidden_ND.scalar_type());
-    if (tensor_cores) {
-      grad_h.index_copy_(0, rows, at::mm(dz16, weight_VD, at::kFloat).to(grad_h.scalar_type()));
-      grad_w = at::addmm(grad_w, dz16.t(), h, at::kFloat);
-    } else {
-      grad_h.index_copy_(0, rows, at::mm(f32(dz16), f32(weight_VD)).to(grad_h.scalar_type()));
-      grad_w.addmm_(f32(dz16).t(), f32(h));
-    }
+    grad_h.index_copy_(0, rows, (tensor_cores ? at::mm(dz16, weight_VD, at::kFloat) : at::mm(f32(dz16), f32(weight_VD)))
+                                    .to(grad_h.scalar_type()));
+    add_into(grad_w, dz16.t(), h);
   }
   return {grad_h, grad_w.to(weight_grad_dtype)};
 }

@@ -87,13 +87,17 @@ constexpr double kProbsMaxLseAboveReference = 40;
 /// gradient from that, the weight's gradient then computed again in fp32 (how many such rows is
 /// counted on the device and read by the host once both GEMMs are queued: no wait for the GPU
 /// before them; with none, the common case, nothing else runs). Any device
-/// (LibTorch ops; on CUDA with 16-bit inputs the GEMMs accumulate in fp32). Throws c10::Error on
-/// shapes.
+/// (LibTorch ops; on CUDA with 16-bit inputs the GEMMs accumulate in fp32). grad_weight_into
+/// (optional; fp32 [V, D] contiguous on the weight's device, weight_grad_dtype fp32): the weight's
+/// gradient is added into it in place (on CUDA by the GEMM itself, beta = 1) and it is returned
+/// as the second result — a chunked caller's running sum, no second [V, D]. Throws c10::Error on
+/// shapes, and on a grad_weight_into that does not fit.
 std::pair<at::Tensor, at::Tensor> lm_head_probs_backward(const at::Tensor& probs_NV, const at::Tensor& hidden_ND,
                                                          const at::Tensor& weight_VD, const at::Tensor& targets_N,
                                                          const at::Tensor& reference_N, const at::Tensor& lse_N,
                                                          const at::Tensor& kept_lse_N, const at::Tensor& g_N,
-                                                         at::ScalarType weight_grad_dtype);
+                                                         at::ScalarType weight_grad_dtype,
+                                                         const at::Tensor& grad_weight_into = at::Tensor());
 /// Each row's log-prob of its target from the fused GEMM's lse: hidden_ND[t] . weight_VD[targets_N[t]]
 /// (fp32 products and sums) - lse_N[t], and 0 where targets_N[t] is outside [0, V) (as
 /// kernels/logprobs.cu's forward; a target < 0 marks a row without one): what the GEMM's

@@ -1,7 +1,9 @@
 #include "kernels/moe.hpp"
 
+#include "kernels/alignment.hpp"
 #include "kernels/grouped_gemm.hpp"
 #include "kernels/moe_decode.hpp"
+#include "kernels/moe_dispatch.hpp"
 #include "kernels/swiglu.hpp"
 
 #include <torch/torch.h>
@@ -80,6 +82,127 @@ at::Tensor grouped_swiglu(const at::Tensor& x, const at::Tensor& counts, const a
   auto gu = at::_grouped_mm(x.contiguous(), w1.transpose(-2, -1), offs);  // [M, 2F]
   auto act = swiglu_packed(gu, swiglu_limit);  // [M, F]: one kernel each way (kernels/swiglu.hpp)
   return at::_grouped_mm(act.contiguous(), w2.transpose(-2, -1), offs);    // [M, D]
+}
+
+namespace {
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The routed experts' three GEMM forms for a weight w [E, N, K] over rows in expert order, by
+// the path grouped_swiglu takes: forward y = x w[e]^T [M, N], the input's gradient dx = dy w[e]
+// [M, K], the weight's dw[e] = dy_e^T x_e [E, N, K].
+struct ExpertGemms {
+  enum class Path { kiln, aten, per_expert } path;
+  at::Tensor offs;               // [E] int32 end rows, on the device (grouped paths)
+  std::vector<int64_t> counts;   // rows per expert, on the host (per_expert)
+
+  // x: any [., D] operand of the experts (for the path); M rows in expert order.
+  ExpertGemms(const at::Tensor& x, int64_t M, const at::Tensor& counts_E, const at::Tensor& w1, const at::Tensor& w2) {
+    if (!grouped_swiglu_uses_grouped_mm(x, w1)) {
+      path = Path::per_expert;
+      auto c = counts_E.to(at::kCPU).to(at::kLong).contiguous();
+      counts.assign(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+      int64_t sum = 0;
+      for (auto n : counts) sum += n;
+      TORCH_CHECK(sum == M, "routed_experts_combine: counts sum to ", sum, ", not M = ", M);
+      return;
+    }
+    path = grouped_linear_chosen() && grouped_linear_available(x, w1) && w2.scalar_type() == at::kBFloat16 &&
+                   w2.size(2) % 8 == 0
+               ? Path::kiln
+               : Path::aten;
+    offs = counts_E.to(x.device()).cumsum(0).to(at::kInt);
+  }
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& w) const {
+    if (path == Path::kiln) return grouped_mm_ragged_m(aligned_contiguous(x), aligned_contiguous(w).transpose(-2, -1), offs);
+    if (path == Path::aten) return at::_grouped_mm(x.contiguous(), w.transpose(-2, -1), offs);
+    auto y = at::empty({x.size(0), w.size(1)}, x.options());
+    for_each([&](int64_t e, int64_t s, int64_t n) { y.narrow(0, s, n).copy_(at::linear(x.narrow(0, s, n), w[e])); });
+    return y;
+  }
+  at::Tensor input_grad(const at::Tensor& dy, const at::Tensor& w) const {
+    if (path == Path::kiln) return grouped_mm_ragged_m(aligned_contiguous(dy), aligned_contiguous(w), offs);
+    if (path == Path::aten) return at::_grouped_mm(dy.contiguous(), w.contiguous(), offs);
+    auto dx = at::empty({dy.size(0), w.size(2)}, dy.options());
+    for_each([&](int64_t e, int64_t s, int64_t n) { dx.narrow(0, s, n).copy_(dy.narrow(0, s, n).mm(w[e])); });
+    return dx;
+  }
+  at::Tensor weight_grad(const at::Tensor& dy, const at::Tensor& x) const {
+    if (path == Path::kiln) return grouped_mm_ragged_k(aligned_contiguous(dy).t(), aligned_contiguous(x), offs);
+    if (path == Path::aten) return at::_grouped_mm(dy.contiguous().t(), x.contiguous(), offs);
+    auto dw = at::zeros({int64_t(counts.size()), dy.size(1), x.size(1)}, dy.options());
+    for_each([&](int64_t e, int64_t s, int64_t n) { dw[e].copy_(dy.narrow(0, s, n).t().mm(x.narrow(0, s, n))); });
+    return dw;
+  }
+
+ private:
+  template <class Fn>
+  void for_each(Fn fn) const {
+    int64_t s = 0;
+    for (int64_t e = 0; e < int64_t(counts.size()); s += counts[e], ++e)
+      if (counts[e] > 0) fn(e, s, counts[e]);
+  }
+};
+
+// kernels::routed_experts_combine (kernels/moe.hpp): keeps gu [M, 2F] and what the caller holds.
+struct RoutedExpertsCombine : public torch::autograd::Function<RoutedExpertsCombine> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
+                            const at::Tensor& weights, const at::Tensor& token_index, const at::Tensor& slot,
+                            const at::Tensor& row_of_slot, const at::Tensor& counts, std::optional<double> limit) {
+    const ExpertGemms g(x, token_index.size(0), counts, w1, w2);
+    at::Tensor gu, y;
+    {
+      gu = g.forward(x.index_select(0, token_index), w1);  // [M, 2F]; the gathered rows freed here
+      auto rows = g.forward(swiglu_packed(gu, limit), w2);  // [M, D]; the activation freed here
+      y = moe_combine(rows, row_of_slot, weights);          // [T, D]
+    }
+    ctx->save_for_backward({x, w1, w2, weights, token_index, slot, row_of_slot, counts, gu});
+    ctx->saved_data["limit"] = limit ? c10::IValue(*limit) : c10::IValue();
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const auto &x = s[0], &w1 = s[1], &w2 = s[2], &weights = s[3], &token_index = s[4], &slot = s[5],
+               &row_of_slot = s[6], &counts = s[7], &gu = s[8];
+    const auto lim = ctx->saved_data["limit"];
+    const std::optional<double> limit = lim.isNone() ? std::nullopt : std::optional<double>(lim.toDouble());
+    const int64_t T = weights.size(0), K = weights.size(1);
+    const ExpertGemms g(x, token_index.size(0), counts, w1, w2);
+    auto grad_rows = grads[0].to(x.scalar_type()).contiguous().index_select(0, token_index);  // [M, D], unweighted
+    auto h = g.input_grad(grad_rows, w2);                                                      // [M, F]
+    auto r = swiglu_routed_backward(gu, h, weights.reshape({-1}).index_select(0, slot), limit);
+    h = at::Tensor();
+    at::Tensor dx, dw1, dw2, dweights;
+    if (ctx->needs_input_grad(2)) dw2 = g.weight_grad(grad_rows, r.act_w);  // [E, D, F]
+    grad_rows = at::Tensor(), r.act_w = at::Tensor();
+    if (ctx->needs_input_grad(1)) dw1 = g.weight_grad(r.dgu, x.index_select(0, token_index));  // [E, 2F, D]
+    if (ctx->needs_input_grad(0)) {
+      auto dx_rows = g.input_grad(r.dgu, w1);  // [M, D]
+      r.dgu = at::Tensor();
+      // A token's K rows summed in fp32 in k order by the combine kernel with unit weights.
+      dx = x.is_cuda() ? moe_combine(dx_rows, row_of_slot, at::ones({T, K}, weights.options()))
+                       : dx_rows.index_select(0, row_of_slot).view({T, K, x.size(1)}).sum(1);
+    }
+    if (ctx->needs_input_grad(3)) dweights = r.dw_row.index_select(0, row_of_slot).view({T, K});
+    return {dx, dw1, dw2, dweights, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+}  // namespace
+
+at::Tensor routed_experts_combine(const at::Tensor& x, const at::Tensor& token_index, const at::Tensor& slot,
+                                  const at::Tensor& row_of_slot, const at::Tensor& counts, const at::Tensor& w1,
+                                  const at::Tensor& w2, const at::Tensor& weights, std::optional<double> swiglu_limit) {
+  check_experts(x, counts, w1, w2);
+  const int64_t M = token_index.numel();
+  TORCH_CHECK(token_index.dim() == 1 && slot.dim() == 1 && row_of_slot.dim() == 1 && slot.size(0) == M &&
+                  row_of_slot.size(0) == M,
+              "routed_experts_combine: token_index, slot and row_of_slot must be [M], got ", token_index.sizes(), ", ",
+              slot.sizes(), " and ", row_of_slot.sizes());
+  TORCH_CHECK(weights.dim() == 2 && weights.numel() == M && weights.size(0) == x.size(0) &&
+                  weights.scalar_type() == at::kFloat,
+              "routed_experts_combine: weights must be [T, K] fp32 with T = ", x.size(0), " and T*K = M = ", M,
+              ", got ", weights.sizes(), " ", weights.scalar_type());
+  return RoutedExpertsCombine::apply(x, w1, w2, weights, token_index, slot, row_of_slot, counts, swiglu_limit);
 }
 
 at::Tensor router_topk_ref(const at::Tensor& logits, const at::Tensor& bias, int64_t k) {

@@ -15,6 +15,23 @@
 // it runs the decode-step kernels of kernels/moe_decode.hpp instead (no autograd there).
 // swiglu_limit (GLM-5.3-Flash's Glm5NextTextExperts): the activation is swiglu(gate, up, limit).
 //
+// routed_experts_combine (training): the dispatch's gather, grouped_swiglu and moe_combine as
+// one differentiable function,
+//   y[t] = sum_k weights[t, k] * grouped_swiglu(x[token_index], counts, ...)[row_of_slot[t*K + k]]
+// x [T, D]; token_index, slot, row_of_slot [M] int64 and counts [E] (kernels::dispatch_order);
+// weights [T, K] fp32 -> y [T, D] in x's dtype. The forward runs the same kernels as those three
+// steps (the same bits), but keeps only gu [M, 2F] (the gate/up projection) besides what the
+// caller holds (x, the order, the weights): the backward gathers x's rows again, recomputes the
+// activation (swiglu_routed_backward, kernels/swiglu.hpp) and takes the combine weights'
+// gradient from the down projection's input gradient, sum_f h[r, f] act[r, f], which equals
+// sum_d rows[r, d] grad_y[t, d] (h = grad_y[t] W_down[e], rows = act W_down[e]^T) — so the
+// gathered rows [M, D], the activation [M, F] and the experts' output rows [M, D] are not kept
+// (at 32768 tokens, 64 experts top-4, D 2048, F 1536: 1.4 GiB per MoE layer in bf16). The
+// backward's weight gradient of W_down is grad_rows^T (w * act) per expert (the weight applied
+// to the activation, where autograd applied it to grad_y). Grouped GEMMs as grouped_swiglu
+// picks them (kiln's when chosen, else at::_grouped_mm); elsewhere one GEMM per expert with
+// rows (counts read on the host). Differentiable in x, both weights and the combine weights.
+//
 // swiglu: silu(gate) * up; with a limit, transformers' clamped form (Glm5NextTextExperts,
 // Glm5NextTextMLP): gate clamped to <= limit and up to [-limit, limit] first (no gradient
 // through a clamped entry, as torch.clamp). gate, up: same shape, any dtype -> that shape.
@@ -45,6 +62,11 @@ at::Tensor grouped_swiglu_ref(const at::Tensor& x, const at::Tensor& counts, con
                               const at::Tensor& w_down_EDF, std::optional<double> swiglu_limit = std::nullopt);
 /// True when grouped_swiglu takes the grouped-GEMM path for these inputs.
 bool grouped_swiglu_uses_grouped_mm(const at::Tensor& x, const at::Tensor& w_gate_up_EFD);
+
+at::Tensor routed_experts_combine(const at::Tensor& x_TD, const at::Tensor& token_index_M, const at::Tensor& slot_M,
+                                  const at::Tensor& row_of_slot_M, const at::Tensor& counts_E,
+                                  const at::Tensor& w_gate_up_EFD, const at::Tensor& w_down_EDF,
+                                  const at::Tensor& weights_TK, std::optional<double> swiglu_limit = std::nullopt);
 
 at::Tensor router_topk(const at::Tensor& logits_TE, const at::Tensor& bias_E, int64_t k);
 at::Tensor router_topk_ref(const at::Tensor& logits_TE, const at::Tensor& bias_E, int64_t k);

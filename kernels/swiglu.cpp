@@ -101,6 +101,55 @@ at::Tensor swiglu_pair(const at::Tensor& gate, const at::Tensor& up, std::option
   return swiglu(gate, up, limit);
 }
 
+namespace {
+void check_routed(const at::Tensor& gu, const at::Tensor& h, const at::Tensor& w_row) {
+  check(gu);
+  const int64_t M = gu.size(0), F = gu.size(1) / 2;
+  TORCH_CHECK(h.dim() == 2 && h.size(0) == M && h.size(1) == F && h.scalar_type() == gu.scalar_type(),
+              "swiglu_routed_backward: h must be [M, F] = [", M, ", ", F, "] ", gu.scalar_type(), " as gu, got ",
+              h.sizes(), " ", h.scalar_type());
+  TORCH_CHECK(w_row.dim() == 1 && w_row.size(0) == M && w_row.scalar_type() == at::kFloat,
+              "swiglu_routed_backward: w_row must be [M] = [", M, "] fp32, got ", w_row.sizes(), " ",
+              w_row.scalar_type());
+  TORCH_CHECK(h.device() == gu.device() && w_row.device() == gu.device(), "swiglu_routed_backward: gu on ",
+              gu.device(), ", h on ", h.device(), ", w_row on ", w_row.device());
+}
+}  // namespace
+
+SwigluRoutedGrads swiglu_routed_backward_ref(const at::Tensor& gu, const at::Tensor& h, const at::Tensor& w_row,
+                                             std::optional<double> limit) {
+  check_routed(gu, h, w_row);
+  const int64_t F = gu.size(1) / 2;
+  const auto dt = gu.scalar_type();
+  const auto gate = gu.narrow(1, 0, F), up = gu.narrow(1, F, F);
+  const auto gate_c = limit ? gate.clamp_max(*limit) : gate, up_c = limit ? up.clamp(-*limit, *limit) : up;
+  const auto s = at::silu(gate_c);                                // [M, F] in gu's dtype, as the forward
+  const auto act = swiglu(gate, up, limit).to(at::kFloat);        // the forward's rounded act
+  const auto hf = h.to(at::kFloat), w = w_row.unsqueeze(1);
+  const auto dy = hf * w;                                         // fp32, not rounded
+  auto du = (dy * s.to(at::kFloat)).to(dt);
+  const auto ds = (dy * up_c.to(at::kFloat)).to(dt);
+  auto dg = at::silu_backward(ds.to(at::kFloat), gate_c.to(at::kFloat)).to(dt);
+  if (limit) {  // torch.clamp's gradient: through entries inside [min, max] only
+    dg = dg.masked_fill(gate.gt(*limit), 0);
+    du = du.masked_fill(up.abs().gt(*limit), 0);
+  }
+  return {at::cat({dg, du}, 1), (act * w).to(dt), (hf * act).sum(1)};
+}
+
+SwigluRoutedGrads swiglu_routed_backward(const at::Tensor& gu, const at::Tensor& h, const at::Tensor& w_row,
+                                         std::optional<double> limit) {
+  check_routed(gu, h, w_row);
+#ifdef KILN_CUDA
+  if (swiglu_packed_uses_kernel(gu, limit) && h.is_contiguous() && aligned16(h)) {
+    SwigluRoutedGrads g{at::empty_like(gu), at::empty_like(h), at::empty({gu.size(0)}, w_row.options())};
+    cuda::swiglu_routed_backward(gu, h, w_row.contiguous(), g.dgu, g.act_w, g.dw_row);
+    return g;
+  }
+#endif
+  return swiglu_routed_backward_ref(gu, h, w_row, limit);
+}
+
 at::Tensor swiglu_packed(const at::Tensor& gu, std::optional<double> limit) {
   check(gu);
 #ifdef KILN_CUDA

@@ -80,6 +80,48 @@ __global__ void __launch_bounds__(kThreads) bwd(Rows<T> in, const T* __restrict_
   }
 }
 
+// The routed experts' backward with the combine weight folded in (kernels/swiglu.hpp,
+// swiglu_routed_backward): a warp per row, each lane 8 columns at a time; act recomputed and
+// rounded as fwd rounds it, dy = w * h in fp32, d up / d silu / d gate rounded as bwd rounds
+// them, and the row's sum of h * act over the lanes in a fixed shuffle order.
+template <class T>
+__global__ void __launch_bounds__(kThreads) routed_bwd(const T* __restrict__ gu, const T* __restrict__ h,
+                                                       const float* __restrict__ w_row, T* __restrict__ dgu,
+                                                       T* __restrict__ act_w, float* __restrict__ dw_row, int64_t M,
+                                                       int64_t F) {
+  constexpr int kWarps = kThreads / 32;
+  const int lane = threadIdx.x % 32;
+  for (int64_t r = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; r < M; r += int64_t(gridDim.x) * kWarps) {
+    const float w = w_row[r];
+    const T* g_r = gu + r * 2 * F;
+    float dot = 0.f;
+    for (int64_t c = int64_t(lane) * kVec; c < F; c += 32 * kVec) {
+      const Vec<T> g = *reinterpret_cast<const Vec<T>*>(g_r + c);
+      const Vec<T> u = *reinterpret_cast<const Vec<T>*>(g_r + F + c);
+      const Vec<T> hv = *reinterpret_cast<const Vec<T>*>(h + r * F + c);
+      Vec<T> dg, du, aw;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const float x = to_f(g.v[j]), hf = to_f(hv.v[j]);
+        const T s = from_f<T>(silu_f(x));
+        const T a = from_f<T>(to_f(s) * to_f(u.v[j]));  // the forward's act
+        dot += hf * to_f(a);
+        aw.v[j] = from_f<T>(w * to_f(a));
+        const float dyv = w * hf;
+        du.v[j] = from_f<T>(dyv * to_f(s));
+        const T ds = from_f<T>(dyv * to_f(u.v[j]));
+        dg.v[j] = from_f<T>(silu_grad_f(to_f(ds), x));
+      }
+      *reinterpret_cast<Vec<T>*>(dgu + r * 2 * F + c) = dg;
+      *reinterpret_cast<Vec<T>*>(dgu + r * 2 * F + F + c) = du;
+      *reinterpret_cast<Vec<T>*>(act_w + r * F + c) = aw;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+    if (lane == 0) dw_row[r] = dot;
+  }
+}
+
 unsigned blocks_for(int64_t n_vec) {
   const int64_t b = (n_vec + kThreads - 1) / kThreads;
   return unsigned(b < 65535 * 16 ? b : 65535 * 16);  // grid-stride beyond
@@ -138,6 +180,26 @@ void swiglu_packed_backward(const at::Tensor& gu, const at::Tensor& dy, at::Tens
   const int64_t F = gu.size(1) / 2;
   auto dg = dgu.narrow(1, 0, F), du = dgu.narrow(1, F, F);
   backward(gu.narrow(1, 0, F), gu.narrow(1, F, F), dy, dg, du);
+}
+
+void swiglu_routed_backward(const at::Tensor& gu, const at::Tensor& h, const at::Tensor& w_row, at::Tensor& dgu,
+                            at::Tensor& act_w, at::Tensor& dw_row) {
+  const c10::cuda::CUDAGuard guard(gu.device());
+  const int64_t M = gu.size(0), F = gu.size(1) / 2;
+  TORCH_CHECK(F % kVec == 0 && h.size(0) == M && h.size(1) == F && w_row.numel() == M,
+              "swiglu_routed_backward kernel: h ", h.sizes(), " and w_row ", w_row.sizes(), " for gu ", gu.sizes());
+  if (M == 0) return;
+  constexpr int64_t kWarps = kThreads / 32;
+  const int64_t b = (M + kWarps - 1) / kWarps;
+  const unsigned blocks = unsigned(b < 65535 * 16 ? b : 65535 * 16);  // grid-stride beyond
+  auto stream = at::cuda::getCurrentCUDAStream();
+  dispatch(gu.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    routed_bwd<T><<<blocks, kThreads, 0, stream>>>(
+        static_cast<const T*>(gu.data_ptr()), static_cast<const T*>(h.data_ptr()), w_row.data_ptr<float>(),
+        static_cast<T*>(dgu.data_ptr()), static_cast<T*>(act_w.data_ptr()), dw_row.data_ptr<float>(), M, F);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void swiglu_pair_forward(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out) { forward(gate, up, out); }

@@ -35,6 +35,27 @@ bool swiglu_packed_uses_kernel(const at::Tensor& gu_M2F, std::optional<double> s
 /// swiglu_packed's (CUDA bf16/fp16, no limit, F % 8 == 0, last dims contiguous, rows on 16-byte
 /// boundaries), else kernels::swiglu. Throws c10::Error when gate and up differ in shape.
 at::Tensor swiglu_pair(const at::Tensor& gate_MF, const at::Tensor& up_MF, std::optional<double> swiglu_limit = std::nullopt);
+/// The routed experts' SwiGLU backward with the combine weight folded in (kernels::
+/// routed_experts_combine's backward, kernels/moe.hpp): for row r of the packed projection gu
+/// [M, 2F], h [M, F] = dL/d(act) before the row's combine weight w_row [M] fp32 is applied
+/// (the down projection's input gradient of the unweighted output gradient), and
+/// act = swiglu_packed(gu) recomputed (rounded as the forward rounds it):
+///   dgu[r]     = swiglu_packed's backward at gu[r] of dy = w_row[r] * h[r] (fp32, not rounded)
+///   act_w[r]   = w_row[r] * act[r], rounded to gu's dtype     (the down weight's GEMM operand)
+///   dw_row[r]  = sum_f h[r, f] * act[r, f] in fp32             (dL/dw_row[r])
+/// gu, h: one dtype; -> {dgu [M, 2F], act_w [M, F] in gu's dtype, dw_row [M] fp32}. CUDA with
+/// swiglu_packed_uses_kernel(gu, limit), h contiguous and 16-byte aligned: one kernel, a warp
+/// per row (the row sum over f in a fixed order: the same bits every run); elsewhere the
+/// reference (LibTorch ops, the clamped form with a limit: no gradient through a clamped entry,
+/// as torch.clamp). Throws c10::Error naming a shape or dtype that does not fit.
+struct SwigluRoutedGrads {
+  at::Tensor dgu, act_w, dw_row;
+};
+SwigluRoutedGrads swiglu_routed_backward(const at::Tensor& gu_M2F, const at::Tensor& h_MF, const at::Tensor& w_row_M,
+                                         std::optional<double> swiglu_limit = std::nullopt);
+SwigluRoutedGrads swiglu_routed_backward_ref(const at::Tensor& gu_M2F, const at::Tensor& h_MF,
+                                             const at::Tensor& w_row_M, std::optional<double> swiglu_limit = std::nullopt);
+
 /// True when swiglu_pair runs the kernels for these inputs.
 bool swiglu_pair_uses_kernel(const at::Tensor& gate_MF, const at::Tensor& up_MF,
                              std::optional<double> swiglu_limit = std::nullopt);

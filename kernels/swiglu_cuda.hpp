@@ -13,4 +13,8 @@ void swiglu_pair_forward(const at::Tensor& gate, const at::Tensor& up, at::Tenso
 /// gate, up, dy [M, F] as above -> dgate, dup [M, F] contiguous.
 void swiglu_pair_backward(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& dy, at::Tensor& dgate,
                           at::Tensor& dup);
+/// gu [M, 2F], h [M, F] (gu's dtype, contiguous), w_row [M] fp32 -> dgu [M, 2F], act_w [M, F],
+/// dw_row [M] fp32 (kernels::swiglu_routed_backward).
+void swiglu_routed_backward(const at::Tensor& gu, const at::Tensor& h, const at::Tensor& w_row, at::Tensor& dgu,
+                            at::Tensor& act_w, at::Tensor& dw_row);
 }  // namespace kiln::kernels::cuda

@@ -117,6 +117,23 @@ struct ChunkedLogProbs : public torch::autograd::Function<ChunkedLogProbs> {
     } else {
       grad_w = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32));
     }
+    if (probs) {
+      // The chunks not kept, on the fused head: each one's probabilities made again by the same
+      // GEMM (against the forward's references) into one bf16 scratch chunk, then both GEMMs
+      // from them as for the kept rows, the weight's gradient added into grad_w in place — no
+      // fp32 [n, V] logits, no dz, no second [V, D].
+      auto scratch = torch::empty({std::min(chunk, T - K), weight.size(0)}, hidden.options());
+      for (int64_t s = K; s < T; s += chunk) {
+        const int64_t n = std::min(chunk, T - s);
+        const auto h = hidden.narrow(0, s, n), c = reference.narrow(0, s, n), p = scratch.narrow(0, 0, n);
+        auto [l, kept_l] = kernels::lm_head_probs_lse(h, weight, c, p);
+        auto gh = kernels::lm_head_probs_backward(p, h, weight, targets.narrow(0, s, n), c, l, kept_l,
+                                                  g_lp.narrow(0, s, n), torch::kFloat32, grad_w)
+                      .first;
+        grad_h.narrow(0, s, n).copy_(gh);
+      }
+      return {grad_h, grad_w.to(weight.scalar_type()), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    }
     for (int64_t s = tensor_cores ? K : 0; s < T; s += chunk) {
       const int64_t n = std::min(chunk, T - s);
       auto z = s < K ? kept.narrow(0, s, n) : chunk_logits(hidden, weight, s, n);  // kept or recomputed

@@ -19,7 +19,10 @@
 // what is kept is then those probabilities, and the backward runs its two GEMMs straight from
 // them, scaled by row (kernels::lm_head_probs_backward), with no pass over [n, V] between. A row
 // with a gradient and a target log-prob below about -56 (its values past the GEMM's clamp) is
-// recomputed there on its own (its fp32 logits, the default path's dz).
+// recomputed there on its own (its fp32 logits, the default path's dz). A chunk not kept is made
+// again in the backward by the same GEMM into one bf16 [chunk, V] scratch and goes through the
+// same two GEMMs, the weight's gradient added in place into one fp32 [V, D]: what is not kept
+// then costs one GEMM of 2*n*V*D FLOPs and no memory beyond that scratch and sum.
 // Legend: T tokens, D hidden, V vocabulary.
 #include <torch/torch.h>
 

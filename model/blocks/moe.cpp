@@ -117,7 +117,7 @@ struct CombineRows : public torch::autograd::Function<CombineRows> {
 };
 }  // namespace
 
-Dispatched dispatch(const torch::Tensor& x_TD, const RouteResult& r, int64_t num_experts) {
+Dispatched dispatch(const torch::Tensor& x_TD, const RouteResult& r, int64_t num_experts, bool gather_rows) {
   const int64_t K = r.expert_ids.size(1);
   // The order on the device, of static shape and without a host read (capturable in a CUDA
   // graph): one kernel for a decode step's few slots, a stable sort otherwise.
@@ -126,7 +126,7 @@ Dispatched dispatch(const torch::Tensor& x_TD, const RouteResult& r, int64_t num
   d.slot = o.slot;
   d.token_index = o.token_index;                                                 // [T*K]
   d.row_of_slot = o.row_of_slot;
-  d.x = GatherRows::apply(x_TD, d.token_index, d.row_of_slot, K);               // [T*K, D]
+  if (gather_rows) d.x = GatherRows::apply(x_TD, d.token_index, d.row_of_slot, K);  // [T*K, D]
   d.weight_TK = r.weights;                                                       // [T, K]
   d.counts = o.counts;                                                           // [E]
   return d;
@@ -143,6 +143,11 @@ torch::Tensor GroupedExpertsImpl::forward(const torch::Tensor& x, const torch::T
   // Grouped GEMM on CUDA bf16, one GEMM pair per expert elsewhere (kernels/moe.hpp).
   if (batch_invariant_) return invariant_grouped_swiglu(x, counts, w_gate_up_EFD, w_down_EDF, limit_);
   return kernels::grouped_swiglu(x, counts, w_gate_up_EFD, w_down_EDF, limit_);
+}
+
+torch::Tensor GroupedExpertsImpl::forward_and_combine(const torch::Tensor& x_TD, const Dispatched& d) {
+  return kernels::routed_experts_combine(x_TD, d.token_index, d.slot, d.row_of_slot, d.counts, w_gate_up_EFD, w_down_EDF,
+                                         d.weight_TK, limit_);
 }
 
 torch::Tensor combine(const torch::Tensor& rows, const Dispatched& d, int64_t num_tokens, bool batch_invariant) {
@@ -193,8 +198,15 @@ torch::Tensor MoEImpl::forward(const torch::Tensor& x, const std::optional<torch
                                torch::Tensor* expert_ids_out, bool validate_replay) {
   auto r = router(x, replay_ids_TK, validate_replay);
   if (expert_ids_out) *expert_ids_out = r.expert_ids;
-  auto d = dispatch(x, r, router->options().num_experts);
+  // Training on one rank: dispatch, experts and combine as one function that keeps less for
+  // the backward (GroupedExpertsImpl::forward_and_combine); the same forward.
+  const bool combined = !ep_ && !batch_invariant_ && !experts->batch_invariant() && torch::GradMode::is_enabled();
+  auto d = dispatch(x, r, router->options().num_experts, /*gather_rows=*/!combined);
   torch::Tensor rows;  // [T*K, D] expert outputs in d's order
+  if (combined) {
+    auto y = experts->forward_and_combine(x, d);
+    return shared ? y + shared(x) : y;
+  }
   if (ep_) {
     auto rd = dispatch_to_ranks(d, *ep_);
     auto y_local = experts(rd.x, rd.counts);  // [R, D]

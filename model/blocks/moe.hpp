@@ -87,7 +87,9 @@ struct Dispatched {
   torch::Tensor weight_TK;     ///< [T, K] fp32 combine weights in token order (RouteResult::weights)
   torch::Tensor counts;        ///< [E] int64 rows per expert, on x's device
 };
-Dispatched dispatch(const torch::Tensor& x_TD, const RouteResult& r, int64_t num_experts);
+/// gather_rows = false: d.x left undefined (GroupedExpertsImpl::forward_and_combine gathers its
+/// rows itself).
+Dispatched dispatch(const torch::Tensor& x_TD, const RouteResult& r, int64_t num_experts, bool gather_rows = true);
 
 /// Step 3, experts stored grouped: w_gate_up_EFD [E, 2F, D] (gate rows then up rows, as
 /// transformers' gate_up_proj), w_down_EDF [E, D, F]. SwiGLU per expert on its rows, clamped
@@ -99,6 +101,12 @@ class GroupedExpertsImpl : public torch::nn::Module, public BatchInvariantSwitch
                      std::optional<double> swiglu_limit = std::nullopt);
   /// x: [T*K, D] in expert order, counts: [E] int64 rows per expert -> [T*K, D].
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& counts);
+  /// Steps 2 to 4 for training (kernels::routed_experts_combine): x_TD [T, D] in token order and
+  /// d from dispatch (d.x not needed) -> combine(forward(d.x, d.counts), d, T), the same values,
+  /// with the gathered rows, the activation and the experts' output rows recomputed or not
+  /// needed in the backward instead of kept (1.4 GiB per MoE layer at 32768 tokens of
+  /// GLM-4.7-Flash). Not batch-invariant (MoEImpl takes it only outside that mode).
+  torch::Tensor forward_and_combine(const torch::Tensor& x_TD, const Dispatched& d);
   torch::Tensor w_gate_up_EFD, w_down_EDF;
 
  private:
@@ -117,7 +125,8 @@ torch::Tensor combine(const torch::Tensor& rows, const Dispatched& d, int64_t nu
 /// The MoE feed-forward: routed experts plus shared experts (one SwiGLU of width
 /// n_shared * F), as Glm4MoeLiteMoE; with swiglu_limit, routed and shared experts clamp as
 /// Glm5NextTextMoE's do. With set_batch_invariant(true) (its router, experts and shared expert
-/// have their own switches): the combine in slot order.
+/// have their own switches): the combine in slot order. With gradients, on one rank and outside
+/// that mode: steps 2 to 4 by GroupedExpertsImpl::forward_and_combine.
 class MoEImpl : public torch::nn::Module, public BatchInvariantSwitch {
  public:
   /// `slice`: build only those routed experts (grouped tensors [E/ranks, ...]), e.g. to load a

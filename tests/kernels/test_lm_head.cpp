@@ -120,6 +120,29 @@ TEST_CASE("lm head backward from the kept probabilities: row-scaled GEMMs give l
     CHECK(kiln::test::rel_error(r.second.to(torch::kFloat64), want[1]) <= 1e-2);
     CHECK(kiln::test::rel_error(r.first[0].to(torch::kFloat64), want[0][0]) <= 1e-2);  // the recomputed row
   }
+  {
+    // A chunked caller's running sum (grad_weight_into): rows [0, 5) (the recomputed row among
+    // them) then [5, N) added in place into one fp32 [V, D] give the whole batch's fp32 weight
+    // gradient, each call's hidden rows the whole batch's.
+    auto [whole, p0, b0, a0] = run(targets, g, torch::kFloat32);
+    auto acc = torch::zeros({V, D});
+    const auto before_ptr = acc.data_ptr();
+    for (auto [s, n] : {std::pair<int64_t, int64_t>{0, 5}, {5, N - 5}}) {
+      const auto hs = h.narrow(0, s, n), tg = targets.narrow(0, s, n);
+      auto probs = torch::empty({n, V}, torch::kBFloat16);
+      const auto c = kernels::lm_head_target_logits(hs, w, tg) + kernels::kProbsReferenceMargin;
+      auto [lse, kept_lse] = kernels::lm_head_probs_lse_ref(hs, w, c, probs);
+      auto r = kernels::lm_head_probs_backward(probs, hs, w, tg, c, lse, kept_lse, g.narrow(0, s, n), torch::kFloat32,
+                                               acc);
+      CHECK(r.second.data_ptr() == before_ptr);  // the sum itself, not a copy
+      CHECK(torch::allclose(r.first.to(torch::kFloat32), whole.first.narrow(0, s, n).to(torch::kFloat32), 1e-2, 1e-3));
+    }
+    CHECK(kiln::test::rel_error(acc.to(torch::kFloat64), whole.second.to(torch::kFloat64)) <= 1e-6);
+    CHECK_THROWS_WITH_AS(kernels::lm_head_probs_backward(p0, h, w, targets, torch::zeros({N}), torch::zeros({N}),
+                                                         torch::zeros({N}), g, torch::kFloat32,
+                                                         torch::zeros({V, D}, torch::kBFloat16)),
+                         doctest::Contains("grad_weight_into must be fp32 [50, 16]"), c10::Error);
+  }
   std::swap(w, wl);
   CHECK_THROWS_WITH_AS(kernels::lm_head_probs_backward(torch::zeros({N, V}, torch::kBFloat16), h, w, targets,
                                                        torch::zeros({N}), torch::zeros({N}), torch::zeros({N - 1}), g,
