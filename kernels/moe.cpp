@@ -120,6 +120,23 @@ struct ExpertGemms {
     for_each([&](int64_t e, int64_t s, int64_t n) { y.narrow(0, s, n).copy_(at::linear(x.narrow(0, s, n), w[e])); });
     return y;
   }
+  // gu = forward(x, w1) [M, 2F] and rows = forward(swiglu_packed(gu), w2) [M, D]; per expert
+  // as grouped_swiglu_ref runs them (each expert's activation its own tensor): its bits.
+  std::pair<at::Tensor, at::Tensor> forward_swiglu(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
+                                                   std::optional<double> limit) const {
+    if (path != Path::per_expert) {
+      auto gu = forward(x, w1);
+      return {gu, forward(swiglu_packed(gu, limit), w2)};
+    }
+    auto gu = at::empty({x.size(0), w1.size(1)}, x.options()), rows = at::empty({x.size(0), w2.size(1)}, x.options());
+    for_each([&](int64_t e, int64_t s, int64_t n) {
+      auto g = gu.narrow(0, s, n);
+      g.copy_(at::linear(x.narrow(0, s, n), w1[e]));
+      const int64_t F = w2.size(2);
+      rows.narrow(0, s, n).copy_(at::linear(swiglu(g.narrow(1, 0, F), g.narrow(1, F, F), limit), w2[e]));
+    });
+    return {gu, rows};
+  }
   at::Tensor input_grad(const at::Tensor& dy, const at::Tensor& w) const {
     if (path == Path::kiln) return grouped_mm_ragged_m(aligned_contiguous(dy), aligned_contiguous(w), offs);
     if (path == Path::aten) return at::_grouped_mm(dy.contiguous(), w.contiguous(), offs);
@@ -152,9 +169,10 @@ struct RoutedExpertsCombine : public torch::autograd::Function<RoutedExpertsComb
     const ExpertGemms g(x, token_index.size(0), counts, w1, w2);
     at::Tensor gu, y;
     {
-      gu = g.forward(x.index_select(0, token_index), w1);  // [M, 2F]; the gathered rows freed here
-      auto rows = g.forward(swiglu_packed(gu, limit), w2);  // [M, D]; the activation freed here
-      y = moe_combine(rows, row_of_slot, weights);          // [T, D]
+      // gu [M, 2F] kept; the gathered rows, the activation and rows [M, D] freed here
+      auto [gu_, rows] = g.forward_swiglu(x.index_select(0, token_index), w1, w2, limit);
+      gu = gu_;
+      y = moe_combine(rows, row_of_slot, weights);  // [T, D]
     }
     ctx->save_for_backward({x, w1, w2, weights, token_index, slot, row_of_slot, counts, gu});
     ctx->saved_data["limit"] = limit ? c10::IValue(*limit) : c10::IValue();

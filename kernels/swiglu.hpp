@@ -19,6 +19,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <utility>
 
 namespace kiln::kernels {
 
@@ -56,6 +57,13 @@ SwigluRoutedGrads swiglu_routed_backward(const at::Tensor& gu_M2F, const at::Ten
 SwigluRoutedGrads swiglu_routed_backward_ref(const at::Tensor& gu_M2F, const at::Tensor& h_MF,
                                              const at::Tensor& w_row_M, std::optional<double> swiglu_limit = std::nullopt);
 
+/// swiglu_pair's backward as a plain function (no autograd; a caller that recomputes the
+/// activation instead of keeping it): gate, up, dy [M, F] -> {d gate, d up} [M, F] contiguous,
+/// the same kernel and conditions as swiglu_pair's backward, else autograd through
+/// kernels::swiglu (the clamped form with a limit). Throws c10::Error when the shapes differ.
+std::pair<at::Tensor, at::Tensor> swiglu_pair_backward(const at::Tensor& gate_MF, const at::Tensor& up_MF,
+                                                       const at::Tensor& dy_MF,
+                                                       std::optional<double> swiglu_limit = std::nullopt);
 /// True when swiglu_pair runs the kernels for these inputs.
 bool swiglu_pair_uses_kernel(const at::Tensor& gate_MF, const at::Tensor& up_MF,
                              std::optional<double> swiglu_limit = std::nullopt);

@@ -1,11 +1,16 @@
 #include "model/blocks/basic.hpp"
 
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
 #include "kernels/cuda_graph.hpp"
 #include "kernels/linear_unsplit.hpp"
 #include "kernels/moe.hpp"
 #include "kernels/rms_norm.hpp"
 #include "kernels/rope.hpp"
 #include "kernels/swiglu.hpp"
+#include "model/blocks/recompute.hpp"
 
 #include <map>
 #include <mutex>
@@ -138,7 +143,48 @@ struct UnsplitLinearPair : public torch::autograd::Function<UnsplitLinearPair> {
             ctx->needs_input_grad(2) && g2.defined() ? g2.t().mm(x) : torch::Tensor()};
   }
 };
+
+// SwiGLU's activation and down projection for training, keeping gate and up but not the
+// activation [M, F]: the backward recomputes it (swiglu_pair's forward kernel) for the down
+// weight's gradient. The same forward as unsplit_linear(swiglu_pair(gate, up), w_down).
+struct SwigluDown : public torch::autograd::Function<SwigluDown> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& gate,
+                               const torch::Tensor& up, const torch::Tensor& w_down, std::optional<double> limit) {
+    ctx->save_for_backward({gate, up, w_down});
+    ctx->saved_data["limit"] = limit ? c10::IValue(*limit) : c10::IValue();
+    return kernels::linear_unsplit(kernels::swiglu_pair(gate, up, limit), w_down);  // [M, D]
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &gate = saved[0], &up = saved[1], &w = saved[2];
+    const auto lim = ctx->saved_data["limit"];
+    const std::optional<double> limit = lim.isNone() ? std::nullopt : std::optional<double>(lim.toDouble());
+    const auto g = grads[0].to(gate.scalar_type()).contiguous();  // [M, D]
+    torch::Tensor dw;
+    if (ctx->needs_input_grad(2)) dw = g.t().mm(kernels::swiglu_pair(gate, up, limit));  // [D, F]
+    if (!ctx->needs_input_grad(0) && !ctx->needs_input_grad(1)) return {torch::Tensor(), torch::Tensor(), dw, torch::Tensor()};
+    auto [dgate, dup] = kernels::swiglu_pair_backward(gate, up, g.mm(w), limit);
+    return {dgate, dup, dw, torch::Tensor()};
+  }
+};
 }  // namespace
+
+namespace {
+std::atomic<bool>& recompute_switch() {
+  static std::atomic<bool> on{[] {
+    const char* env = std::getenv("KILN_RECOMPUTE_IN_BACKWARD");
+    if (!env || !*env || std::strcmp(env, "1") == 0) return true;
+    TORCH_CHECK(std::strcmp(env, "0") == 0, "KILN_RECOMPUTE_IN_BACKWARD=", env,
+                ": expected 1 (on, the default) or 0 (off)");
+    return false;
+  }()};
+  return on;
+}
+}  // namespace
+
+bool recompute_in_backward() { return recompute_switch(); }
+bool set_recompute_in_backward(bool on) { return recompute_switch().exchange(on); }
 
 torch::Tensor unsplit_linear(const torch::Tensor& x, const torch::Tensor& w) {
   const int64_t K = w.size(1);
@@ -179,6 +225,9 @@ torch::Tensor SwiGLUImpl::forward(const torch::Tensor& x) {
     const auto x2 = x.reshape({-1, x.size(-1)});
     auto [g, u] = unsplit_linear_pair(x2, gate->weight, up->weight);
     auto out_shape = x.sizes().vec();
+    // Training: the activation recomputed in the backward, not kept (SwigluDown).
+    if (torch::GradMode::is_enabled() && recompute_in_backward())
+      return SwigluDown::apply(g, u, down->weight, limit_).view(out_shape);
     return unsplit_linear(kernels::swiglu_pair(g, u, limit_), down->weight).view(out_shape);
   }
   if (limit_)

@@ -7,6 +7,7 @@
 #include "kernels/moe.hpp"
 #include "kernels/moe_dispatch.hpp"
 #include "model/blocks/moe_ep.hpp"
+#include "model/blocks/recompute.hpp"
 
 namespace kiln::model {
 
@@ -200,7 +201,8 @@ torch::Tensor MoEImpl::forward(const torch::Tensor& x, const std::optional<torch
   if (expert_ids_out) *expert_ids_out = r.expert_ids;
   // Training on one rank: dispatch, experts and combine as one function that keeps less for
   // the backward (GroupedExpertsImpl::forward_and_combine); the same forward.
-  const bool combined = !ep_ && !batch_invariant_ && !experts->batch_invariant() && torch::GradMode::is_enabled();
+  const bool combined = !ep_ && !batch_invariant_ && !experts->batch_invariant() && torch::GradMode::is_enabled() &&
+                        recompute_in_backward();
   auto d = dispatch(x, r, router->options().num_experts, /*gather_rows=*/!combined);
   torch::Tensor rows;  // [T*K, D] expert outputs in d's order
   if (combined) {

@@ -125,8 +125,9 @@ torch::Tensor combine(const torch::Tensor& rows, const Dispatched& d, int64_t nu
 /// The MoE feed-forward: routed experts plus shared experts (one SwiGLU of width
 /// n_shared * F), as Glm4MoeLiteMoE; with swiglu_limit, routed and shared experts clamp as
 /// Glm5NextTextMoE's do. With set_batch_invariant(true) (its router, experts and shared expert
-/// have their own switches): the combine in slot order. With gradients, on one rank and outside
-/// that mode: steps 2 to 4 by GroupedExpertsImpl::forward_and_combine.
+/// have their own switches): the combine in slot order. With gradients, on one rank, outside
+/// that mode and with recompute_in_backward() (model/blocks/recompute.hpp): steps 2 to 4 by
+/// GroupedExpertsImpl::forward_and_combine.
 class MoEImpl : public torch::nn::Module, public BatchInvariantSwitch {
  public:
   /// `slice`: build only those routed experts (grouped tensors [E/ranks, ...]), e.g. to load a

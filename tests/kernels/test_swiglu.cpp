@@ -116,3 +116,34 @@ TEST_CASE("CUDA: swiglu_pair kernels equal kernels::swiglu within one 16-bit rou
       CHECK(same >= 0.999);
     }
 }
+
+TEST_CASE("swiglu_pair_backward: autograd's gradients of kernels::swiglu, clamped too, and what it refuses (CPU)") {
+  torch::manual_seed(15);
+  for (std::optional<double> limit : {std::optional<double>(), std::optional<double>(0.6)}) {
+    auto gate = torch::randn({7, 8}).requires_grad_(), up = torch::randn({7, 8}).requires_grad_();
+    auto dy = torch::randn({7, 8});
+    auto want = torch::autograd::grad({kernels::swiglu(gate, up, limit)}, {gate, up}, {dy});
+    auto [dg, du] = kernels::swiglu_pair_backward(gate.detach(), up.detach(), dy, limit);
+    INFO("limit " << (limit ? *limit : 0.0));
+    CHECK(torch::equal(dg, want[0]));
+    CHECK(torch::equal(du, want[1]));
+    if (limit) CHECK(du.eq(0).any().item<bool>());  // clamped entries pass no gradient
+  }
+  CHECK_THROWS_WITH_AS(kernels::swiglu_pair_backward(torch::randn({2, 8}), torch::randn({2, 8}), torch::randn({2, 4})),
+                       doctest::Contains("dy [2, 4] differ"), c10::Error);
+}
+
+TEST_CASE("CUDA: swiglu_pair_backward's kernel gives swiglu_pair's autograd gradients, bit for bit") {
+  if (skip_without_cuda_kernels()) return;
+  torch::manual_seed(16);
+  auto opt = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  for (auto [M, F] : {std::pair<int64_t, int64_t>{37, 64}, {8192, 10240}}) {
+    auto gate = (2 * torch::randn({M, F}, opt)).requires_grad_(), up = (2 * torch::randn({M, F}, opt)).requires_grad_();
+    REQUIRE(kernels::swiglu_pair_uses_kernel(gate, up));
+    auto dy = torch::randn({M, F}, opt);
+    auto want = torch::autograd::grad({kernels::swiglu_pair(gate, up)}, {gate, up}, {dy});
+    auto [dg, du] = kernels::swiglu_pair_backward(gate.detach(), up.detach(), dy);
+    CHECK(torch::equal(dg, want[0]));
+    CHECK(torch::equal(du, want[1]));
+  }
+}

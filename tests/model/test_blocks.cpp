@@ -7,6 +7,7 @@
 #include "kernels/mla_rope.hpp"
 #include "model/blocks/logprobs.hpp"
 #include "model/blocks/moe.hpp"
+#include "model/blocks/recompute.hpp"
 #include "model/glm4_moe_lite/model.hpp"
 #include "tests/test_util.hpp"
 
@@ -542,4 +543,43 @@ TEST_CASE("chunked entropy equals the full-softmax entropy, values and gradients
     CHECK((grads[0] - ref_grads[0]).abs().max().item<double>() <= 1e-4);
     CHECK((grads[1] - ref_grads[1]).abs().max().item<double>() <= 1e-4);
   }
+}
+
+TEST_CASE("recompute in backward: a MoE layer (routed and shared experts) gives the same forward and gradients to rounding with it on and off, in fp32 and bf16") {
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    CAPTURE(dtype);
+    torch::manual_seed(51);
+    RouterOptions ro{16, 6, 2, 1, 1, true, 1.5};
+    MoE moe(ro, 8, 1);
+    for (auto& p : moe->parameters()) {
+      torch::NoGradGuard ng;
+      p.normal_(0, 0.3);
+    }
+    moe->to(dtype);
+    auto x = torch::randn({13, 16}).to(dtype);
+    std::vector<torch::Tensor> out, grads;
+    for (bool on : {true, false}) {
+      const bool before = set_recompute_in_backward(on);
+      auto xi = x.clone().requires_grad_();
+      torch::Tensor ids;
+      auto y = moe(xi, std::nullopt, &ids);
+      set_recompute_in_backward(before);
+      auto dy = torch::ones_like(y).mul_(0.5).add_(torch::arange(y.numel()).view(y.sizes()).remainder(7).to(dtype) * 0.1);
+      std::vector<torch::Tensor> in{xi};
+      for (auto& p : moe->parameters())
+        if (p.requires_grad()) in.push_back(p);
+      auto g = torch::autograd::grad({(y.to(torch::kFloat32) * dy.to(torch::kFloat32)).sum()}, in);
+      out.push_back(y.detach());
+      grads.insert(grads.end(), g.begin(), g.end());
+    }
+    CHECK(torch::equal(out[0], out[1]));  // the same forward, bit for bit
+    const size_t n = grads.size() / 2;
+    const double tol = dtype == torch::kFloat32 ? 1e-5 : 2e-2;
+    for (size_t i = 0; i < n; ++i) {
+      CAPTURE(i);
+      const auto a = grads[i].to(torch::kFloat64), b = grads[n + i].to(torch::kFloat64);
+      CHECK(((a - b).norm() / b.norm().clamp_min(1e-30)).item<double>() <= tol);
+    }
+  }
+  CHECK(recompute_in_backward());  // the default, restored
 }

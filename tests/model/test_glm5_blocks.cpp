@@ -54,6 +54,29 @@ TEST_CASE("swiglu: the clamp at the limit (hand-worked, limit 10)") {
   CHECK(kiln::kernels::swiglu(gate, up)[0].item<double>() == doctest::Approx(20.0 / (1.0 + std::exp(-20.0)) * 20.0));
 }
 
+TEST_CASE("SwiGLU in training (its activation recomputed in the backward): autograd's values and gradients, clamped too") {
+  torch::manual_seed(41);
+  for (std::optional<double> limit : {std::optional<double>(), std::optional<double>(0.3)}) {
+    SwiGLU mlp(16, 24, limit);
+    for (auto* w : {&mlp->gate->weight, &mlp->up->weight, &mlp->down->weight}) {
+      torch::NoGradGuard ng;
+      w->normal_(0, 0.3);
+    }
+    auto x = torch::randn({9, 16}).requires_grad_();
+    auto y = mlp(x);
+    auto ref = torch::nn::functional::linear(
+        kiln::kernels::swiglu(torch::nn::functional::linear(x, mlp->gate->weight),
+                              torch::nn::functional::linear(x, mlp->up->weight), limit),
+        mlp->down->weight);
+    INFO("limit " << (limit ? *limit : 0.0));
+    CHECK(torch::allclose(y, ref, 1e-6, 1e-6));
+    auto dy = torch::randn({9, 16});
+    std::vector<torch::Tensor> in{x, mlp->gate->weight, mlp->up->weight, mlp->down->weight};
+    auto g = torch::autograd::grad({(y * dy).sum()}, in), gr = torch::autograd::grad({(ref * dy).sum()}, in);
+    for (size_t i = 0; i < in.size(); ++i) CHECK(torch::allclose(g[i], gr[i], 1e-5, 1e-6));
+  }
+}
+
 TEST_CASE("swiglu: the clamped dense MLP and MoE (routed and shared experts) match transformers' on the fixture") {
   auto cfg = flavors::debug();
   torch::NoGradGuard ng;

@@ -291,8 +291,11 @@ TEST_CASE("a checkpoint written while the trainer ran torch::optim::AdamW loads,
     // fp32: the fixture's trainer to fp32 rounding. bf16: the step's gradient comes from the bf16
     // model, whose rounding has changed since the fixture was written (the MoE combine sums a
     // token's K expert rows in fp32 and rounds once, where it added them in bf16): within bf16
-    // noise (measured <= 1.5e-3); a moment not loaded from the checkpoint is off by O(1).
-    const double tolerance = dtype == "fp32" ? kTolerance : 1e-2;
+    // noise (measured <= 1.5e-3; 1.27e-2 in one second moment since the routed experts' backward
+    // takes the combine weights' gradient from the down projection's input gradient and
+    // recomputes the activation, kernels::routed_experts_combine); a moment not loaded from the
+    // checkpoint is off by O(1).
+    const double tolerance = dtype == "fp32" ? kTolerance : 2e-2;
     for (std::size_t i = 0; i < n; ++i) {
       CAPTURE(i);
       const auto* st = state_of(t.optimizer(), masters[i]);
