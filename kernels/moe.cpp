@@ -170,7 +170,7 @@ struct RoutedExpertsCombine : public torch::autograd::Function<RoutedExpertsComb
     at::Tensor gu, y;
     {
       // gu [M, 2F] kept; the gathered rows, the activation and rows [M, D] freed here
-      auto [gu_, rows] = g.forward_swiglu(x.index_select(0, token_index), w1, w2, limit);
+      auto [gu_, rows] = g.forward_swiglu(gather_rows(x, token_index), w1, w2, limit);
       gu = gu_;
       y = moe_combine(rows, row_of_slot, weights);  // [T, D]
     }
@@ -186,14 +186,14 @@ struct RoutedExpertsCombine : public torch::autograd::Function<RoutedExpertsComb
     const std::optional<double> limit = lim.isNone() ? std::nullopt : std::optional<double>(lim.toDouble());
     const int64_t T = weights.size(0), K = weights.size(1);
     const ExpertGemms g(x, token_index.size(0), counts, w1, w2);
-    auto grad_rows = grads[0].to(x.scalar_type()).contiguous().index_select(0, token_index);  // [M, D], unweighted
+    auto grad_rows = gather_rows(grads[0].to(x.scalar_type()), token_index);  // [M, D], unweighted
     auto h = g.input_grad(grad_rows, w2);                                                      // [M, F]
     auto r = swiglu_routed_backward(gu, h, weights.reshape({-1}).index_select(0, slot), limit);
     h = at::Tensor();
     at::Tensor dx, dw1, dw2, dweights;
     if (ctx->needs_input_grad(2)) dw2 = g.weight_grad(grad_rows, r.act_w);  // [E, D, F]
     grad_rows = at::Tensor(), r.act_w = at::Tensor();
-    if (ctx->needs_input_grad(1)) dw1 = g.weight_grad(r.dgu, x.index_select(0, token_index));  // [E, 2F, D]
+    if (ctx->needs_input_grad(1)) dw1 = g.weight_grad(r.dgu, gather_rows(x, token_index));  // [E, 2F, D]
     if (ctx->needs_input_grad(0)) {
       auto dx_rows = g.input_grad(r.dgu, w1);  // [M, D]
       r.dgu = at::Tensor();

@@ -91,6 +91,23 @@ at::Tensor moe_combine(const at::Tensor& rows_MD, const at::Tensor& row_of_slot_
   return moe_combine_ref(rows_MD, row_of_slot_M, weights_TK);
 }
 
+at::Tensor gather_rows(const at::Tensor& src, const at::Tensor& index) {
+  TORCH_CHECK(src.dim() == 2 && index.dim() == 1 && index.scalar_type() == at::kLong && index.device() == src.device(),
+              "gather_rows: src [N, D] and index [M] int64 on src's device expected, got ", src.sizes(), " and ",
+              index.sizes(), " ", index.scalar_type(), " on ", index.device());
+#ifdef KILN_CUDA
+  const auto dt = src.scalar_type();
+  if (src.is_cuda() && (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf)) {
+    const int64_t M = index.size(0);
+    auto out = at::empty({M, src.size(1)}, src.options());
+    if (out.numel() > 0)
+      cuda::moe_combine(src.contiguous(), index.contiguous(), at::ones({M, 1}, src.options().dtype(at::kFloat)), out);
+    return out;
+  }
+#endif
+  return src.index_select(0, index);
+}
+
 CombineGrads moe_combine_backward_ref(const at::Tensor& rows_MD, const at::Tensor& row_of_slot_M,
                                       const at::Tensor& weights_TK, const at::Tensor& grad_TD) {
   check_combine(rows_MD, row_of_slot_M, weights_TK);

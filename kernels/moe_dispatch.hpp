@@ -29,6 +29,12 @@
 // thread in d order, then across the CTA in a fixed order: the same bits on every run); else the
 // reference (the autograd formulas of the reference forward: products, index_copy, sum over D),
 // equal to the kernel up to the order of the fp32 sums over D.
+// gather_rows: out[r] = src[index[r]], src [N, D], index [M] int64 with values in [0, N) -> [M, D]
+// in src's dtype: index_select's values (bit for bit). CUDA (bf16, fp16 or fp32): moe_combine's
+// kernel with K = 1 and unit weights (16-byte vectors; 1 * x in fp32 rounds to x) — ATen's
+// index_select moves one element per thread, several times slower at the MoE's [T*K, D] rows;
+// an index outside [0, N) is not checked there (the callers' indices come from dispatch_order).
+// Elsewhere index_select.
 // Throws c10::Error on shapes, dtypes or devices that disagree, naming them.
 #include <ATen/core/Tensor.h>
 
@@ -42,6 +48,8 @@ DispatchOrder dispatch_order_ref(const at::Tensor& ids_TK, int64_t num_experts);
 
 at::Tensor moe_combine(const at::Tensor& rows_MD, const at::Tensor& row_of_slot_M, const at::Tensor& weights_TK);
 at::Tensor moe_combine_ref(const at::Tensor& rows_MD, const at::Tensor& row_of_slot_M, const at::Tensor& weights_TK);
+
+at::Tensor gather_rows(const at::Tensor& src_ND, const at::Tensor& index_M);
 
 struct CombineGrads {
   at::Tensor rows_MD, weights_TK;

@@ -188,3 +188,22 @@ TEST_CASE("CUDA: routed_experts_combine keeps the grouped path's forward bits, g
     CHECK(e_new <= 1.5 * e_old + 1e-4);  // no less accurate than what it replaces
   }
 }
+
+TEST_CASE("gather_rows: index_select's rows, repeated and out of order, and what it refuses") {
+  torch::manual_seed(36);
+  auto src = torch::randn({7, 16});
+  auto index = torch::tensor({3, 0, 6, 3, 3, 1}, torch::kInt64);
+  CHECK(torch::equal(kernels::gather_rows(src, index), src.index_select(0, index)));
+  CHECK(kernels::gather_rows(src, index.narrow(0, 0, 0)).sizes() == torch::IntArrayRef({0, 16}));
+  CHECK_THROWS_WITH_AS(kernels::gather_rows(src, index.to(torch::kInt32)),
+                       doctest::Contains("src [N, D] and index [M] int64"), c10::Error);
+  if (!kiln::test::have_cuda_kernels()) return;
+  for (auto dtype : {torch::kBFloat16, torch::kHalf, torch::kFloat32})
+    for (int64_t D : {2048, 24, 7}) {  // 16-byte vectors, and rows too narrow or unaligned for them
+      CAPTURE(dtype);
+      CAPTURE(D);
+      auto s = torch::randn({4096, D}, torch::TensorOptions().dtype(dtype).device(torch::kCUDA));
+      auto i = torch::randint(0, 4096, {16384}, torch::TensorOptions().dtype(torch::kInt64).device(torch::kCUDA));
+      CHECK(torch::equal(kernels::gather_rows(s, i), s.index_select(0, i)));
+    }
+}
