@@ -30,8 +30,9 @@
 // reference (the autograd formulas of the reference forward: products, index_copy, sum over D),
 // equal to the kernel up to the order of the fp32 sums over D.
 // gather_rows: out[r] = src[index[r]], src [N, D], index [M] int64 with values in [0, N) -> [M, D]
-// in src's dtype: index_select's values (bit for bit). CUDA (bf16, fp16 or fp32): moe_combine's
-// kernel with K = 1 and unit weights (16-byte vectors; 1 * x in fp32 rounds to x) — ATen's
+// in src's dtype: index_select's values (bit for bit except that a -0.0 comes out as +0.0 and a
+// NaN as the canonical NaN on CUDA, where the kernel adds 1 * x to an fp32 0). CUDA (bf16, fp16
+// or fp32): moe_combine's kernel with K = 1 and unit weights (16-byte vectors) — ATen's
 // index_select moves one element per thread, several times slower at the MoE's [T*K, D] rows;
 // an index outside [0, N) is not checked there (the callers' indices come from dispatch_order).
 // Elsewhere index_select.

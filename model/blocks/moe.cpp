@@ -83,7 +83,7 @@ struct GatherRows : public torch::autograd::Function<GatherRows> {
     ctx->save_for_backward({inverse});
     ctx->saved_data["group"] = group;
     ctx->saved_data["rows"] = x.size(0);
-    return kernels::gather_rows(x, index);  // index_select's bits, 16-byte vectors on CUDA
+    return kernels::gather_rows(x, index);  // index_select's values, 16-byte vectors on CUDA
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto inverse = ctx->get_saved_variables()[0];

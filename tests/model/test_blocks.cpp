@@ -546,6 +546,7 @@ TEST_CASE("chunked entropy equals the full-softmax entropy, values and gradients
 }
 
 TEST_CASE("recompute in backward: a MoE layer (routed and shared experts) gives the same forward and gradients to rounding with it on and off, in fp32 and bf16") {
+  const bool initial = recompute_in_backward();  // KILN_RECOMPUTE_IN_BACKWARD's, or on
   for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
     CAPTURE(dtype);
     torch::manual_seed(51);
@@ -581,5 +582,5 @@ TEST_CASE("recompute in backward: a MoE layer (routed and shared experts) gives 
       CHECK(((a - b).norm() / b.norm().clamp_min(1e-30)).item<double>() <= tol);
     }
   }
-  CHECK(recompute_in_backward());  // the default, restored
+  CHECK(recompute_in_backward() == initial);  // restored
 }

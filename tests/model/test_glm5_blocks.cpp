@@ -10,6 +10,7 @@
 #include "glm5_fixture.hpp"
 #include "kernels/moe.hpp"
 #include "model/blocks/moe.hpp"
+#include "model/blocks/recompute.hpp"
 #include "model/fp8_blocks.hpp"
 #include "model/glm5_next/hyper_connection.hpp"
 
@@ -56,6 +57,10 @@ TEST_CASE("swiglu: the clamp at the limit (hand-worked, limit 10)") {
 
 TEST_CASE("SwiGLU in training (its activation recomputed in the backward): autograd's values and gradients, clamped too") {
   torch::manual_seed(41);
+  struct On {  // the recompute on whatever KILN_RECOMPUTE_IN_BACKWARD says, restored after
+    bool before = kiln::model::set_recompute_in_backward(true);
+    ~On() { kiln::model::set_recompute_in_backward(before); }
+  } on;
   for (std::optional<double> limit : {std::optional<double>(), std::optional<double>(0.3)}) {
     SwiGLU mlp(16, 24, limit);
     for (auto* w : {&mlp->gate->weight, &mlp->up->weight, &mlp->down->weight}) {
@@ -64,6 +69,10 @@ TEST_CASE("SwiGLU in training (its activation recomputed in the backward): autog
     }
     auto x = torch::randn({9, 16}).requires_grad_();
     auto y = mlp(x);
+    // the training path's function made it (y is its [T, D] output viewed)
+    const auto edges = y.grad_fn()->next_edges();
+    REQUIRE(!edges.empty());
+    CHECK(edges[0].function->name().find("SwigluDown") != std::string::npos);
     auto ref = torch::nn::functional::linear(
         kiln::kernels::swiglu(torch::nn::functional::linear(x, mlp->gate->weight),
                               torch::nn::functional::linear(x, mlp->up->weight), limit),
