@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include "kernels/alignment.hpp"
+#include "kernels/linear_unsplit.hpp"
 #include "kernels/rope.hpp"
 
 #ifdef KILN_CUDA
@@ -118,6 +119,171 @@ struct MlaRopeKV : public torch::autograd::Function<MlaRopeKV> {
 };
 #endif
 }  // namespace
+
+void mla_rope_q_(at::Tensor& q, int64_t N, const at::Tensor& positions, const at::Tensor& cos_t,
+                 const at::Tensor& sin_t, bool interleaved, bool inverse) {
+  check_q(q, N, positions, cos_t, sin_t);
+  TORCH_CHECK(q.stride(-1) == 1, "mla_rope_q_: q's last dim must be contiguous, got strides ", q.strides());
+  if (q.numel() == 0) return;
+  const int64_t R = q.size(2) - N;
+#ifdef KILN_CUDA
+  if (mla_rope_q_uses_kernel(q, N)) {
+    cuda::mla_rope_q_inplace(q, N, positions.contiguous(), cos_t.contiguous(), sin_t.contiguous(), interleaved, inverse);
+    return;
+  }
+#endif
+  const at::NoGradGuard no_grad;
+  auto part = q.narrow(-1, N, R);
+  if (!inverse) {
+    part.copy_(rope_rotate_ref(part, positions, cos_t, sin_t, interleaved));
+    return;
+  }
+  // The transpose rotation is the rotation by -angle (sin negated), in fp32, rounded once.
+  part.copy_(rope_rotate_ref(part.to(at::kFloat), positions, cos_t.to(at::kFloat), sin_t.to(at::kFloat).neg(),
+                             interleaved));
+}
+
+namespace {
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct ProjectRopeQ : public torch::autograd::Function<ProjectRopeQ> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w, int64_t H, int64_t N,
+                            const at::Tensor& positions, const at::Tensor& cos_t, const at::Tensor& sin_t,
+                            bool interleaved) {
+    ctx->save_for_backward({x, w, positions, cos_t, sin_t});
+    ctx->saved_data["N"] = N;
+    ctx->saved_data["interleaved"] = interleaved;
+    auto q = linear_unsplit(x, w).view({x.size(0), H, w.size(0) / H});  // [M, H, N+R], a fresh tensor
+    mla_rope_q_(q, N, positions, cos_t, sin_t, interleaved);
+    return q;
+  }
+  // grads by reference (CppNode passes its own list): the gradient may be taken over in place.
+  static variable_list backward(AutogradContext* ctx, variable_list& grads) {
+    const auto s = ctx->get_saved_variables();
+    const auto &x = s[0], &w = s[1];
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    at::Tensor dq = std::move(grads[0]);  // [M, H, N+R]
+    // Rotate in place only a gradient nobody else can see: this list held the one reference to
+    // the tensor and to its storage (FlashAttention's dq); anything else is copied first.
+    const bool own = dq.use_count() == 1 && dq.storage().use_count() == 1 && dq.scalar_type() == x.scalar_type() &&
+                     dq.is_contiguous() && !dq.is_conj() && !dq.is_neg();
+    if (!own) dq = dq.to(x.scalar_type()).contiguous().clone();
+    mla_rope_q_(dq, ctx->saved_data["N"].toInt(), s[2], s[3], s[4], ctx->saved_data["interleaved"].toBool(),
+                /*inverse=*/true);
+    const auto g = dq.view({x.size(0), w.size(0)});  // [M, H (N+R)]
+    return {ctx->needs_input_grad(0) ? g.mm(w) : at::Tensor(), ctx->needs_input_grad(1) ? g.t().mm(x) : at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+}  // namespace
+
+at::Tensor mla_project_rope_q(const at::Tensor& x, const at::Tensor& w, int64_t H, int64_t N,
+                              const at::Tensor& positions, const at::Tensor& cos_t, const at::Tensor& sin_t,
+                              bool interleaved) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && H > 0 && w.size(0) % H == 0,
+              "mla_project_rope_q: x [M, K] and w [H (N+R), K] with H = ", H, " expected, got x ", x.sizes(), " and w ",
+              w.sizes());
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() && x.device() == w.device(), "mla_project_rope_q: x (",
+              x.scalar_type(), ", ", x.device(), ") and w (", w.scalar_type(), ", ", w.device(),
+              ") must share dtype and device");
+  const int64_t D = w.size(0) / H;
+  TORCH_CHECK(N >= 0 && N < D && (D - N) % 2 == 0, "mla_project_rope_q: N = ", N, " must leave an even R > 0 of the ",
+              D, " dims a head");
+  check_tables(x, positions, cos_t, sin_t, D - N, "mla_project_rope_q");
+  return ProjectRopeQ::apply(x, w, H, N, positions.contiguous(), cos_t.contiguous(), sin_t.contiguous(), interleaved);
+}
+
+namespace {
+struct ProjectRopeKV : public torch::autograd::Function<ProjectRopeKV> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& latent, const at::Tensor& w,
+                               const at::Tensor& k_pe, int64_t H, int64_t N, const at::Tensor& positions,
+                               const at::Tensor& cos_t, const at::Tensor& sin_t, bool interleaved) {
+    ctx->save_for_backward({latent, w, positions, cos_t, sin_t});
+    const int64_t M = latent.size(0), R = k_pe.size(1);
+    const auto kv = linear_unsplit(latent, w).view({M, H, w.size(0) / H});  // [M, H, N+V]
+    ctx->saved_data["N"] = N;
+    ctx->saved_data["R"] = R;
+    ctx->saved_data["interleaved"] = interleaved;
+    bool kernel = false;
+#ifdef KILN_CUDA
+    kernel = mla_rope_kv_uses_kernel(kv, k_pe, N);
+    if (kernel) {
+      auto k = at::empty({M, H, N + R}, kv.options()), v = at::empty({M, H, kv.size(2) - N}, kv.options());
+      if (M * H > 0) cuda::mla_rope_kv_forward(kv, k_pe, N, positions, cos_t, sin_t, interleaved, k, v);
+      ctx->saved_data["kernel"] = true;
+      return {k, v};
+    }
+#endif
+    ctx->saved_data["kernel"] = kernel;
+    auto [k, v] = mla_rope_kv_ref(kv, k_pe, N, positions, cos_t, sin_t, interleaved);
+    return {k.contiguous(), v};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const auto &latent = s[0], &w = s[1];
+    const int64_t N = ctx->saved_data["N"].toInt(), R = ctx->saved_data["R"].toInt();
+    const bool interleaved = ctx->saved_data["interleaved"].toBool();
+    const auto dtype = latent.scalar_type();
+    auto dk = grads[0].to(dtype).contiguous(), dv = grads[1].to(dtype).contiguous();  // [M, H, N+R], [M, H, V]
+    const int64_t M = dk.size(0), H = dk.size(1), V = dv.size(2), C = latent.size(1);
+    at::Tensor dk_pe;
+#ifdef KILN_CUDA
+    if (ctx->saved_data["kernel"].toBool()) {
+      dk_pe = at::empty({M, R}, dk.options());
+      dk = vector_ready_copy(dk, vec_elems(dk));
+      if (M * H > 0) {
+        at::Tensor no_dkv;
+        cuda::mla_rope_kv_backward(dk, dv, N, s[2], s[3], s[4], interleaved, no_dkv, dk_pe);
+      }
+    }
+#endif
+    if (!dk_pe.defined()) {  // the transpose rotation of the heads' sum, in fp32, rounded once
+      const at::NoGradGuard no_grad;
+      dk_pe = rope_rotate_ref(dk.narrow(-1, N, R).to(at::kFloat).sum(1, /*keepdim=*/true), s[2], s[3].to(at::kFloat),
+                              s[4].to(at::kFloat).neg(), interleaved)
+                  .squeeze(1)
+                  .to(dtype);
+    }
+    const auto dk2 = dk.view({M, H * (N + R)}), dv2 = dv.view({M, H * V});
+    at::Tensor dlatent, dw;
+    if (ctx->needs_input_grad(0)) {
+      const auto w3 = w.view({H, N + V, C});
+      auto wk = at::zeros({H, N + R, C}, w.options());  // the key rows, zeros in the rope slots
+      wk.narrow(1, 0, N).copy_(w3.narrow(1, 0, N));
+      dlatent = dk2.mm(wk.view({H * (N + R), C})).addmm_(dv2, w3.narrow(1, N, V).reshape({H * V, C}));
+    }
+    if (ctx->needs_input_grad(1))
+      dw = at::cat({dk2.t().mm(latent).view({H, N + R, C}).narrow(1, 0, N), dv2.t().mm(latent).view({H, V, C})}, 1)
+               .view({H * (N + V), C});
+    return {dlatent, dw, dk_pe, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+}  // namespace
+
+std::pair<at::Tensor, at::Tensor> mla_project_rope_kv(const at::Tensor& latent, const at::Tensor& w,
+                                                      const at::Tensor& k_pe, int64_t H, int64_t N,
+                                                      const at::Tensor& positions, const at::Tensor& cos_t,
+                                                      const at::Tensor& sin_t, bool interleaved) {
+  TORCH_CHECK(latent.dim() == 2 && w.dim() == 2 && latent.size(1) == w.size(1) && H > 0 && w.size(0) % H == 0,
+              "mla_project_rope_kv: latent [M, C] and w [H (N+V), C] with H = ", H, " expected, got latent ",
+              latent.sizes(), " and w ", w.sizes());
+  TORCH_CHECK(latent.scalar_type() == w.scalar_type() && latent.device() == w.device(), "mla_project_rope_kv: latent (",
+              latent.scalar_type(), ", ", latent.device(), ") and w (", w.scalar_type(), ", ", w.device(),
+              ") must share dtype and device");
+  const int64_t D = w.size(0) / H;
+  TORCH_CHECK(k_pe.dim() == 2 && k_pe.size(0) == latent.size(0) && k_pe.size(1) > 0 && k_pe.size(1) % 2 == 0 &&
+                  N >= 0 && N < D,
+              "mla_project_rope_kv: k_pe [M, R] with an even R > 0 and 0 <= N < N+V = ", D, " expected, got k_pe ",
+              k_pe.sizes(), " and N = ", N);
+  TORCH_CHECK(k_pe.scalar_type() == latent.scalar_type() && k_pe.device() == latent.device(), "mla_project_rope_kv: k_pe (",
+              k_pe.scalar_type(), ", ", k_pe.device(), ") must have latent's dtype and device (", latent.scalar_type(),
+              ", ", latent.device(), ")");
+  check_tables(latent, positions, cos_t, sin_t, k_pe.size(1), "mla_project_rope_kv");
+  auto out = ProjectRopeKV::apply(latent, w, k_pe, H, N, positions.contiguous(), cos_t.contiguous(),
+                                  sin_t.contiguous(), interleaved);
+  return {out[0], out[1]};
+}
 
 at::Tensor mla_rope_q_ref(const at::Tensor& qs, int64_t N, const at::Tensor& positions, const at::Tensor& cos_t,
                           const at::Tensor& sin_t, bool interleaved) {

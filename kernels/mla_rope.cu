@@ -129,6 +129,33 @@ __global__ void __launch_bounds__(kThreads) rope_q_kernel(const T* __restrict__ 
   store(dst, rotate<T, kTranspose>(x, xp, j, r.cos + o, r.sin + o, r));
 }
 
+// q's rope part rotated in place (row t, head h at t*st + h*sh; the rope part from element nv*n):
+// thread x of (blockDim.x) handles one rope vector when the pairs are interleaved (its pairs lie
+// within it), else the pair of vectors j and j + R/2 (each reads both before either is written:
+// no thread reads what another writes).
+template <class T, bool kTranspose>
+__global__ void __launch_bounds__(kThreads) rope_q_inplace_kernel(T* __restrict__ q, int64_t st, int64_t sh,
+                                                                  Rope<T> r, int64_t T_, int nv) {
+  constexpr int n = Vec<T>::n;
+  const int64_t t = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (t >= T_) return;
+  T* rope = q + t * st + int64_t(blockIdx.y) * sh + int64_t(nv) * n;
+  const int64_t o = r.row(t);
+  const int j = int(threadIdx.x) * n;
+  float a[n], b[n];
+  widen(load(rope + j), a);
+  if (r.interleaved) {
+    store(rope + j, rotate<T, kTranspose>(a, a, j, r.cos + o, r.sin + o, r));
+    return;
+  }
+  const int j2 = j + r.R / 2;
+  widen(load(rope + j2), b);
+  const Vec<T> y = rotate<T, kTranspose>(a, b, j, r.cos + o, r.sin + o, r);
+  const Vec<T> y2 = rotate<T, kTranspose>(b, a, j2, r.cos + o, r.sin + o, r);
+  store(rope + j, y);
+  store(rope + j2, y2);
+}
+
 // k [T*H, N+R] and v [T*H, V] contiguous from kv (row t, head h at t*st + h*sh; nope then
 // value) and k_pe (row t at t*pst): nv + rv + vv vectors a (t, h).
 template <class T>
@@ -246,6 +273,26 @@ void mla_rope_q(const at::Tensor& in, int64_t nope_dim, const at::Tensor& positi
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+void mla_rope_q_inplace(at::Tensor& q, int64_t nope_dim, const at::Tensor& positions, const at::Tensor& cos_table,
+                        const at::Tensor& sin_table, bool interleaved, bool inverse) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  dispatch(q.scalar_type(), "mla_rope_q_", [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int n = Vec<T>::n;
+    const int64_t R = q.size(2) - nope_dim;
+    const int H = int(q.size(1)), nv = int(nope_dim / n), bx = int(interleaved ? R / n : R / (2 * n));
+    const auto r = rope_of<T>(positions, cos_table, sin_table, interleaved);
+    const auto g = row_grid(q.size(0), H, bx);
+    auto* p = static_cast<T*>(q.data_ptr());
+    if (inverse)
+      rope_q_inplace_kernel<T, true><<<g.grid, g.block, 0, stream>>>(p, q.stride(0), q.stride(1), r, q.size(0), nv);
+    else
+      rope_q_inplace_kernel<T, false><<<g.grid, g.block, 0, stream>>>(p, q.stride(0), q.stride(1), r, q.size(0), nv);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 void mla_rope_kv_forward(const at::Tensor& kv, const at::Tensor& k_pe, int64_t nope_dim, const at::Tensor& positions,
                          const at::Tensor& cos_table, const at::Tensor& sin_table, bool interleaved, at::Tensor& k,
                          at::Tensor& v) {
@@ -272,13 +319,16 @@ void mla_rope_kv_backward(const at::Tensor& dk, const at::Tensor& dv, int64_t no
   dispatch(dk.scalar_type(), "mla_rope_kv backward", [&](auto tag) {
     using T = decltype(tag);
     constexpr int n = Vec<T>::n;
-    const int H = int(dk.size(1)), nv = int(nope_dim / n), rv = int(dk_pe.size(1) / n), vv = int(dv.size(2) / n);
+    const int H = int(dk.size(1)), nv = int(nope_dim / n), rv = int(dk_pe.size(1) / n);
     const int64_t T_ = dk.size(0), n_pe = T_ * rv;
-    const auto g = row_grid(T_, H, nv + vv);
-    rope_kv_dkv<T><<<g.grid, g.block, 0, stream>>>(static_cast<const T*>(dk.data_ptr()), dk.stride(0), dk.stride(1),
-                                                   static_cast<const T*>(dv.data_ptr()), dv.stride(0), dv.stride(1),
-                                                   static_cast<T*>(dkv.data_ptr()), T_, nv);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (dkv.defined()) {
+      const int vv = int(dv.size(2) / n);
+      const auto g = row_grid(T_, H, nv + vv);
+      rope_kv_dkv<T><<<g.grid, g.block, 0, stream>>>(static_cast<const T*>(dk.data_ptr()), dk.stride(0), dk.stride(1),
+                                                     static_cast<const T*>(dv.data_ptr()), dv.stride(0), dv.stride(1),
+                                                     static_cast<T*>(dkv.data_ptr()), T_, nv);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
     rope_kv_dkpe<T><<<blocks_for(n_pe), kThreads, 0, stream>>>(static_cast<const T*>(dk.data_ptr()), dk.stride(0),
                                                                dk.stride(1), static_cast<T*>(dk_pe.data_ptr()),
                                                                rope_of<T>(positions, cos_table, sin_table, interleaved),

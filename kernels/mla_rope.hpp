@@ -40,6 +40,42 @@ std::pair<at::Tensor, at::Tensor> mla_rope_kv(const at::Tensor& kv, const at::Te
                                               const at::Tensor& positions, const at::Tensor& cos_table,
                                               const at::Tensor& sin_table, bool interleaved);
 
+/// In place, no autograd: q [T, H, N+R] (last dim contiguous) with q[..., N:] rotated as
+/// mla_rope_q rotates it (its bits), or with `inverse` by the transpose rotation (mla_rope_q's
+/// backward: fp32, rounded once). CUDA when mla_rope_q_uses_kernel(q, N) holds: one kernel
+/// reading and writing only the rope part (R of each head's N+R elements); elsewhere the
+/// reference's rotation copied back. Throws c10::Error as mla_rope_q does.
+void mla_rope_q_(at::Tensor& q, int64_t nope_dim, const at::Tensor& positions, const at::Tensor& cos_table,
+                 const at::Tensor& sin_table, bool interleaved, bool inverse = false);
+
+/// MLA's query from its projection in one autograd function: x_MK [M, K], w_NK [H (N+R), K] ->
+/// q [M, H, N+R] = mla_rope_q((x w^T).view(M, H, N+R)), the projection by
+/// kernels::linear_unsplit (its bits) and the rotation in place in the projection's output (no
+/// second [M, H, N+R] written and read). Backward: dq's rope part rotated back in place when
+/// the function holds the only reference to dq (FlashAttention's fresh dq; else a copy), then
+/// dx = dq w, dw = dq^T x in x's dtype. Every device (CPU: at::linear and the references).
+/// Throws c10::Error naming shapes, dtypes or devices that do not fit.
+at::Tensor mla_project_rope_q(const at::Tensor& x_MK, const at::Tensor& w_NK, int64_t heads, int64_t nope_dim,
+                              const at::Tensor& positions, const at::Tensor& cos_table, const at::Tensor& sin_table,
+                              bool interleaved);
+
+/// MLA's key and value from their projection in one autograd function: latent [M, C], w
+/// [H (N+V), C], k_pe [M, R] -> {k [M, H, N+R], v [M, H, V]} = mla_rope_kv((latent w^T).view(M, H,
+/// N+V), k_pe), the projection by kernels::linear_unsplit (the forward's bits are the two ops').
+/// Backward without the [M, H, N+V] gradient mla_rope_kv assembles from dk and dv: the
+/// projection's gradients are GEMMs over dk and dv as they are, dlatent = dk W_k + dv W_v and
+/// dw = [dk^T latent without its rope rows | dv^T latent] per head, where W_k [H (N+R), C] is w's
+/// key rows with zero rows in the rope slots (at GLM-4.7-Flash's widths these GEMMs do 14% more
+/// multiply-adds than over the assembled gradient, against its pass over 3 x [M, H, ~N+V]
+/// values); dk_pe as mla_rope_kv's. dlatent is summed in two GEMMs (rounded between them),
+/// not one: gradients within a rounding step of mla_rope_kv's, not its bits. Every device (CPU:
+/// at::linear and the references). Throws c10::Error naming shapes, dtypes or devices that do
+/// not fit.
+std::pair<at::Tensor, at::Tensor> mla_project_rope_kv(const at::Tensor& latent_MC, const at::Tensor& w_NC,
+                                                      const at::Tensor& k_pe, int64_t heads, int64_t nope_dim,
+                                                      const at::Tensor& positions, const at::Tensor& cos_table,
+                                                      const at::Tensor& sin_table, bool interleaved);
+
 /// LibTorch references (rope_rotate_ref and concatenations), differentiable through autograd.
 at::Tensor mla_rope_q_ref(const at::Tensor& qs, int64_t nope_dim, const at::Tensor& positions,
                           const at::Tensor& cos_table, const at::Tensor& sin_table, bool interleaved);

@@ -150,22 +150,24 @@ SwigluRoutedGrads swiglu_routed_backward(const at::Tensor& gu, const at::Tensor&
   return swiglu_routed_backward_ref(gu, h, w_row, limit);
 }
 
-std::pair<at::Tensor, at::Tensor> swiglu_pair_backward(const at::Tensor& gate, const at::Tensor& up,
-                                                       const at::Tensor& dy, std::optional<double> limit) {
+SwigluPairGrads swiglu_pair_backward(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& dy,
+                                     std::optional<double> limit, bool want_act) {
   TORCH_CHECK(gate.sizes() == up.sizes() && dy.sizes() == gate.sizes(), "swiglu_pair_backward: gate ", gate.sizes(),
               ", up ", up.sizes(), " and dy ", dy.sizes(), " differ");
 #ifdef KILN_CUDA
   if (swiglu_pair_uses_kernel(gate, up, limit)) {
     auto d = aligned_contiguous(dy.to(gate.scalar_type()));  // the kernel's 16-byte loads
     auto dgate = at::empty_like(gate, at::MemoryFormat::Contiguous), dup = at::empty_like(up, at::MemoryFormat::Contiguous);
-    if (d.numel() > 0) cuda::swiglu_pair_backward(gate, up, d, dgate, dup);
-    return {dgate, dup};
+    at::Tensor act = want_act ? at::empty_like(gate, at::MemoryFormat::Contiguous) : at::Tensor();
+    if (d.numel() > 0) cuda::swiglu_pair_backward(gate, up, d, dgate, dup, want_act ? &act : nullptr);
+    return {dgate, dup, act};
   }
 #endif
   const at::AutoGradMode grad(true);
   auto g = gate.detach().requires_grad_(), u = up.detach().requires_grad_();
-  auto d = torch::autograd::grad({swiglu(g, u, limit)}, {g, u}, {dy.to(gate.scalar_type())});
-  return {d[0].contiguous(), d[1].contiguous()};
+  auto act = swiglu(g, u, limit);
+  auto d = torch::autograd::grad({act}, {g, u}, {dy.to(gate.scalar_type())});
+  return {d[0].contiguous(), d[1].contiguous(), want_act ? act.detach().contiguous() : at::Tensor()};
 }
 
 at::Tensor swiglu_packed(const at::Tensor& gu, std::optional<double> limit) {

@@ -56,27 +56,31 @@ __global__ void __launch_bounds__(kThreads) fwd(Rows<T> in, T* __restrict__ out,
   }
 }
 
-template <class T>
+// kAct: also writes the forward's activation (rounded as fwd rounds it) to act_out, for a
+// caller that recomputes it in the backward (swiglu_pair_backward's want_act).
+template <class T, bool kAct>
 __global__ void __launch_bounds__(kThreads) bwd(Rows<T> in, const T* __restrict__ dy, int64_t dys,
                                                 T* __restrict__ dg_out, int64_t dgs, T* __restrict__ du_out,
-                                                int64_t dus, int64_t n_vec, int64_t F) {
+                                                int64_t dus, T* __restrict__ act_out, int64_t n_vec, int64_t F) {
   const int64_t fv = F / kVec;
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n_vec; i += int64_t(gridDim.x) * kThreads) {
     const int64_t r = i / fv, c = (i % fv) * kVec;
     const Vec<T> g = *reinterpret_cast<const Vec<T>*>(in.g + r * in.gs + c);
     const Vec<T> u = *reinterpret_cast<const Vec<T>*>(in.u + r * in.us + c);
     const Vec<T> d = *reinterpret_cast<const Vec<T>*>(dy + r * dys + c);
-    Vec<T> dg, du;
+    Vec<T> dg, du, a;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       const float x = to_f(g.v[j]), dyv = to_f(d.v[j]);
       const T s = from_f<T>(silu_f(x));
+      if (kAct) a.v[j] = from_f<T>(to_f(s) * to_f(u.v[j]));      // the forward's act
       du.v[j] = from_f<T>(dyv * to_f(s));                        // d up = dy * silu(gate)
       const T ds = from_f<T>(dyv * to_f(u.v[j]));                // d silu = dy * up
       dg.v[j] = from_f<T>(silu_grad_f(to_f(ds), x));             // d gate
     }
     *reinterpret_cast<Vec<T>*>(dg_out + r * dgs + c) = dg;
     *reinterpret_cast<Vec<T>*>(du_out + r * dus + c) = du;
+    if (kAct) *reinterpret_cast<Vec<T>*>(act_out + r * F + c) = a;
   }
 }
 
@@ -155,7 +159,9 @@ void forward(const at::Tensor& g, const at::Tensor& u, at::Tensor& out) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void backward(const at::Tensor& g, const at::Tensor& u, const at::Tensor& dy, at::Tensor& dg, at::Tensor& du) {
+// act: undefined, or [M, F] contiguous to receive the forward's activation too.
+void backward(const at::Tensor& g, const at::Tensor& u, const at::Tensor& dy, at::Tensor& dg, at::Tensor& du,
+              at::Tensor* act = nullptr) {
   const c10::cuda::CUDAGuard guard(g.device());
   const int64_t M = g.size(0), F = g.size(1), n_vec = M * F / kVec;
   TORCH_CHECK(F % kVec == 0 && dy.size(0) == M && dy.size(1) == F, "swiglu kernels: dy ", dy.sizes(), " for gate ",
@@ -163,9 +169,11 @@ void backward(const at::Tensor& g, const at::Tensor& u, const at::Tensor& dy, at
   auto stream = at::cuda::getCurrentCUDAStream();
   dispatch(g.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    bwd<T><<<blocks_for(n_vec), kThreads, 0, stream>>>(rows_of<T>(g, u), static_cast<const T*>(dy.data_ptr()),
-                                                       dy.stride(0), static_cast<T*>(dg.data_ptr()), dg.stride(0),
-                                                       static_cast<T*>(du.data_ptr()), du.stride(0), n_vec, F);
+    auto* a = act ? static_cast<T*>(act->data_ptr()) : nullptr;
+    auto* k = act ? &bwd<T, true> : &bwd<T, false>;
+    k<<<blocks_for(n_vec), kThreads, 0, stream>>>(rows_of<T>(g, u), static_cast<const T*>(dy.data_ptr()), dy.stride(0),
+                                                  static_cast<T*>(dg.data_ptr()), dg.stride(0),
+                                                  static_cast<T*>(du.data_ptr()), du.stride(0), a, n_vec, F);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -205,8 +213,8 @@ void swiglu_routed_backward(const at::Tensor& gu, const at::Tensor& h, const at:
 void swiglu_pair_forward(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out) { forward(gate, up, out); }
 
 void swiglu_pair_backward(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& dy, at::Tensor& dgate,
-                          at::Tensor& dup) {
-  backward(gate, up, dy, dgate, dup);
+                          at::Tensor& dup, at::Tensor* act) {
+  backward(gate, up, dy, dgate, dup, act);
 }
 
 }  // namespace kiln::kernels::cuda

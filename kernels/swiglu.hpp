@@ -60,10 +60,15 @@ SwigluRoutedGrads swiglu_routed_backward_ref(const at::Tensor& gu_M2F, const at:
 /// swiglu_pair's backward as a plain function (no autograd; a caller that recomputes the
 /// activation instead of keeping it): gate, up, dy [M, F] -> {d gate, d up} [M, F] contiguous,
 /// the same kernel and conditions as swiglu_pair's backward, else autograd through
-/// kernels::swiglu (the clamped form with a limit). Throws c10::Error when the shapes differ.
-std::pair<at::Tensor, at::Tensor> swiglu_pair_backward(const at::Tensor& gate_MF, const at::Tensor& up_MF,
-                                                       const at::Tensor& dy_MF,
-                                                       std::optional<double> swiglu_limit = std::nullopt);
+/// kernels::swiglu (the clamped form with a limit). With want_act, also act [M, F] contiguous
+/// = swiglu_pair(gate, up, limit)'s value (its bits), written by the same pass on the kernel
+/// path (gate and up read once for both: a down projection's weight gradient needs act).
+/// Throws c10::Error when the shapes differ.
+struct SwigluPairGrads {
+  at::Tensor dgate, dup, act;  ///< act undefined unless asked for
+};
+SwigluPairGrads swiglu_pair_backward(const at::Tensor& gate_MF, const at::Tensor& up_MF, const at::Tensor& dy_MF,
+                                     std::optional<double> swiglu_limit = std::nullopt, bool want_act = false);
 /// True when swiglu_pair runs the kernels for these inputs.
 bool swiglu_pair_uses_kernel(const at::Tensor& gate_MF, const at::Tensor& up_MF,
                              std::optional<double> swiglu_limit = std::nullopt);

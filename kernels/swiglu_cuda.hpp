@@ -10,9 +10,10 @@ void swiglu_packed_backward(const at::Tensor& gu, const at::Tensor& dy, at::Tens
 /// gate, up [M, F] (gate's dtype, contiguous rows, row strides and data on 16-byte boundaries),
 /// F % 8 == 0 -> out [M, F] contiguous.
 void swiglu_pair_forward(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out);
-/// gate, up, dy [M, F] as above -> dgate, dup [M, F] contiguous.
+/// gate, up, dy [M, F] as above -> dgate, dup [M, F] contiguous; act (if given, [M, F]
+/// contiguous): the forward's activation, swiglu_pair_forward's bits, in the same pass.
 void swiglu_pair_backward(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& dy, at::Tensor& dgate,
-                          at::Tensor& dup);
+                          at::Tensor& dup, at::Tensor* act = nullptr);
 /// gu [M, 2F], h [M, F] (gu's dtype, contiguous), w_row [M] fp32 -> dgu [M, 2F], act_w [M, F],
 /// dw_row [M] fp32 (kernels::swiglu_routed_backward).
 void swiglu_routed_backward(const at::Tensor& gu, const at::Tensor& h, const at::Tensor& w_row, at::Tensor& dgu,

@@ -161,11 +161,13 @@ struct SwigluDown : public torch::autograd::Function<SwigluDown> {
     const auto lim = ctx->saved_data["limit"];
     const std::optional<double> limit = lim.isNone() ? std::nullopt : std::optional<double>(lim.toDouble());
     const auto g = grads[0].to(gate.scalar_type()).contiguous();  // [M, D]
-    torch::Tensor dw;
-    if (ctx->needs_input_grad(2)) dw = g.t().mm(kernels::swiglu_pair(gate, up, limit));  // [D, F]
-    if (!ctx->needs_input_grad(0) && !ctx->needs_input_grad(1)) return {torch::Tensor(), torch::Tensor(), dw, torch::Tensor()};
-    auto [dgate, dup] = kernels::swiglu_pair_backward(gate, up, g.mm(w), limit);
-    return {dgate, dup, dw, torch::Tensor()};
+    const bool want_dw = ctx->needs_input_grad(2);
+    if (!ctx->needs_input_grad(0) && !ctx->needs_input_grad(1))
+      return {torch::Tensor(), torch::Tensor(), want_dw ? g.t().mm(kernels::swiglu_pair(gate, up, limit)) : torch::Tensor(),
+              torch::Tensor()};
+    // The activation for the down weight's gradient comes out of the same pass as d gate, d up.
+    auto r = kernels::swiglu_pair_backward(gate, up, g.mm(w), limit, /*want_act=*/want_dw);
+    return {r.dgate, r.dup, want_dw ? g.t().mm(r.act) : torch::Tensor(), torch::Tensor()};  // dw [D, F]
   }
 };
 }  // namespace

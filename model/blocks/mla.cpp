@@ -64,23 +64,33 @@ torch::Tensor MLAImpl::forward(const torch::Tensor& x, const torch::Tensor& posi
     if (q_a) q_low = project(q_a, x);
     ckv = project(kv_a, x);
   }
-  auto qs = (q_a ? project(q_b, q_a_norm(q_low)) : project(q, x)).view({T, H, N + R});  // [T, H, N+R]
+  const auto q_in = q_a ? q_a_norm(q_low) : x;  // [T, q_lora_rank] or [T, hidden]
+  auto& q_proj = q_a ? q_b : q;
   // Split, not two narrow views: the backward writes both parts' gradients into one [T, C+R]
   // (a narrow's backward zero-fills a whole [T, C+R] each, then the two are added).
   auto ckv_parts = ckv.split_with_sizes({C, R}, -1);
   auto latent = kv_a_norm(ckv_parts[0]);                                                        // [T, C]
-  auto kv = project(kv_b, latent).view({T, H, N + V});                                          // [T, H, N+V]
   torch::Tensor qf, k, v;
   const int64_t rope_rows = position_bound > 0 ? position_bound : max_seqlen;
   if (x.is_cuda() && rope_rows > 0) {
-    // The query's and keys' rope and the concatenations in one kernel each way
-    // (kernels/mla_rope.hpp), the cos/sin rows from the table the rollout engine reads: the same
-    // bits as the composite below. Positions lie in [0, rope_rows) (forward's contract).
-    const auto table = rope_table(rope_rows, R, o_.rope_theta, qs.scalar_type(), x.device());
-    qf = kernels::mla_rope_q(qs, N, positions, table.cos, table.sin, o_.rope_interleave);               // [T, H, N+R]
-    std::tie(k, v) = kernels::mla_rope_kv(kv, ckv_parts[1], N, positions, table.cos, table.sin,
-                                          o_.rope_interleave);                                        // [T, H, N+R], [T, H, V]
+    // The query's and keys' rope and the concatenations by kiln's kernels (kernels/mla_rope.hpp),
+    // the cos/sin rows from the table the rollout engine reads: the same forward bits as the
+    // composite below. Positions lie in [0, rope_rows) (forward's contract). Outside the
+    // batch-invariant mode (its own projections) q_b and kv_b run inside the rope's functions:
+    // the query rotated in place in q_b's output, and a backward that reads dk and dv as they are.
+    const auto table = rope_table(rope_rows, R, o_.rope_theta, x.scalar_type(), x.device());
+    qf = batch_invariant_ ? kernels::mla_rope_q(project(q_proj, q_in).view({T, H, N + R}), N, positions, table.cos,
+                                                table.sin, o_.rope_interleave)
+                          : kernels::mla_project_rope_q(q_in, q_proj->weight, H, N, positions, table.cos, table.sin,
+                                                        o_.rope_interleave);  // [T, H, N+R]
+    std::tie(k, v) = batch_invariant_
+                         ? kernels::mla_rope_kv(project(kv_b, latent).view({T, H, N + V}), ckv_parts[1], N, positions,
+                                                table.cos, table.sin, o_.rope_interleave)
+                         : kernels::mla_project_rope_kv(latent, kv_b->weight, ckv_parts[1], H, N, positions, table.cos,
+                                                        table.sin, o_.rope_interleave);  // [T, H, N+R], [T, H, V]
   } else {
+    auto kv = project(kv_b, latent).view({T, H, N + V});  // [T, H, N+V]
+    auto qs = project(q_proj, q_in).view({T, H, N + R});  // [T, H, N+R]
     auto q_rope = apply_rope(qs.narrow(-1, N, R), positions, o_.rope_theta, o_.rope_interleave);
     auto k_rope = apply_rope(ckv_parts[1].unsqueeze(1), positions, o_.rope_theta, o_.rope_interleave);  // [T, 1, R]
     k = torch::cat({kv.narrow(-1, 0, N), k_rope.expand({T, H, R})}, -1);                         // [T, H, N+R]

@@ -2,7 +2,7 @@
 """Where the GPU waits for the host, from a Kineto Chrome trace (`kiln bench gpu --trace FILE`,
 or torch.profiler's export_chrome_trace).
 
-Usage: python3 trace_gaps.py FILE.json [--top N] [--min-us US] [--kernels]
+Usage: python3 trace_gaps.py FILE.json [--top N] [--min-us US] [--kernels] [--timeline MS]
 
 The GPU's work is the union of its kernel, memcpy and memset intervals; an idle interval between
 two of them of at least --min-us is a gap. Each gap is charged to the CPU op that launched the
@@ -11,7 +11,10 @@ outermost `cpu_op` around that call on its thread). Prints the span, busy and id
 launches, then the gaps' time summed by launching op (innermost and outermost), largest first,
 and the longest single gaps; with --kernels also the GPU time summed by kernel name, by the
 outermost cpu_op that launched it, and by the (outermost, innermost) pair of cpu_ops (which
-backward node ran which ATen op), largest first.
+backward node ran which ATen op), largest first. With --timeline MS, the first MS milliseconds
+of the trace (from its first host op or launch), in time order: each launch (host time, its innermost
+cpu_op, what it launched) and each GPU activity (start, duration, gap before it), so the host's
+work between launches at a step's start can be read (with every host op of 10 us or more).
 """
 
 import argparse
@@ -29,9 +32,11 @@ def main():
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--min-us", type=float, default=2.0)
     ap.add_argument("--kernels", action="store_true", help="also GPU time by kernel name and launching op")
+    ap.add_argument("--timeline", type=float, default=0.0, metavar="MS",
+                    help="also the first MS ms of launches and GPU activity, in time order")
     a = ap.parse_args()
-    if a.top < 1 or a.min_us < 0:
-        ap.error(f"--top {a.top} must be >= 1 and --min-us {a.min_us} >= 0")
+    if a.top < 1 or a.min_us < 0 or a.timeline < 0:
+        ap.error(f"--top {a.top} must be >= 1, --min-us {a.min_us} and --timeline {a.timeline} >= 0")
     try:
         with open(a.file) as fh:
             doc = json.load(fh)
@@ -112,6 +117,25 @@ def main():
         ranked("GPU time by the outermost cpu_op that launched it", by_op)
         ranked("GPU time by outermost / innermost cpu_op (launches)", by_pair,
                lambda k: f"{pair_count[k]:5d}  {k[0][:60]} / {k[1][:50]}")
+    if a.timeline > 0:
+        first = launch.get(gpu[0][2], (None, gpu[0][0]))[1]
+        t0 = min([first, gpu[0][0]] + [v[0][0] for v in ops.values() if v])  # the traced region's start
+        rows, end = [], gpu[0][0]
+        for s, t, corr, name in gpu:
+            tid, lts = launch.get(corr, (None, None))
+            if lts is not None and lts - t0 <= a.timeline * 1e3:
+                inner, _ = enclosing(tid, lts)
+                rows.append((lts, f"host launch  in {inner[:45]:45s} -> {name[:50]}"))
+            if s - t0 <= a.timeline * 1e3:
+                rows.append((s, f"gpu  {t - s:8.1f} us  after {max(0.0, s - end):7.1f} us idle  {name[:60]}"))
+            end = max(end, t)
+        for tid, v in ops.items():  # the host's ops of 10 us or more (the work between launches)
+            for s, t, name in v:
+                if 0 <= s - t0 <= a.timeline * 1e3 and t - s >= 10:
+                    rows.append((s, f"host op {t - s:8.1f} us  {name[:80]}"))
+        print(f"\nthe first {a.timeline} ms (us from the trace's first host op):")
+        for ts, text in sorted(rows):
+            print(f"  {ts - t0:9.1f}  {text}")
 
 
 if __name__ == "__main__":

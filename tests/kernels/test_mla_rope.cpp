@@ -181,3 +181,162 @@ TEST_CASE("CUDA: mla_rope_q and mla_rope_kv kernels give the references' bits, a
         CHECK(torch::equal(kv1.grad().narrow(-1, sh.N, sh.V), dv));  // the value's gradient untouched
       }
 }
+
+TEST_CASE("mla_rope_q_ and mla_project_rope_q: mla_rope_q's bits in place, its gradients, a caller's gradient left untouched (CPU)") {
+  torch::manual_seed(24);
+  const int64_t M = 9, K = 12, H = 3, N = 4, R = 6;
+  auto pos = torch::tensor({0, 1, 2, 3, 0, 1, 2, 7, 5}, torch::kInt64);
+  const auto t = model::rope_table(8, R, 10000.0, torch::kFloat32, torch::kCPU);
+  for (bool interleaved : {true, false}) {
+    INFO("interleaved " << interleaved);
+    auto qs = torch::randn({M, H, N + R});
+    auto q = qs.clone();
+    kernels::mla_rope_q_(q, N, pos, t.cos, t.sin, interleaved);
+    CHECK(torch::equal(q, kernels::mla_rope_q(qs, N, pos, t.cos, t.sin, interleaved)));
+    kernels::mla_rope_q_(q, N, pos, t.cos, t.sin, interleaved, /*inverse=*/true);  // R(a)^T R(a) = 1
+    CHECK(rel_max(q, qs) < 1e-6);
+
+    // The fused projection against the composite: the same forward bits, the same gradients.
+    auto x = torch::randn({M, K}), w = torch::randn({H * (N + R), K});
+    auto x1 = x.clone().requires_grad_(), w1 = w.clone().requires_grad_();
+    auto x2 = x.clone().requires_grad_(), w2 = w.clone().requires_grad_();
+    auto q1 = kernels::mla_project_rope_q(x1, w1, H, N, pos, t.cos, t.sin, interleaved);
+    auto q2 = kernels::mla_rope_q(model::unsplit_linear(x2, w2).view({M, H, N + R}), N, pos, t.cos, t.sin, interleaved);
+    CHECK(q1.sizes() == torch::IntArrayRef({M, H, N + R}));
+    CHECK(torch::equal(q1, q2));
+    // A gradient the caller still holds (the copy path): left as it was.
+    auto dq = torch::randn({M, H, N + R});
+    const auto dq_before = dq.clone();
+    torch::autograd::backward({q1, q2}, {dq, dq});
+    CHECK(torch::equal(dq, dq_before));
+    CHECK(rel_max(x1.grad(), x2.grad()) < 1e-5);
+    CHECK(rel_max(w1.grad(), w2.grad()) < 1e-5);
+    // A gradient made for the function alone (the in-place path): the same gradients.
+    auto x3 = x.clone().requires_grad_(), w3 = w.clone().requires_grad_();
+    (kernels::mla_project_rope_q(x3, w3, H, N, pos, t.cos, t.sin, interleaved) * dq).sum().backward();
+    CHECK(rel_max(x3.grad(), x2.grad()) < 1e-5);
+    CHECK(rel_max(w3.grad(), w2.grad()) < 1e-5);
+  }
+  CHECK_THROWS_WITH_AS(kernels::mla_project_rope_q(torch::randn({M, K}), torch::randn({H * (N + R) + 1, K}), H, N, pos,
+                                                   t.cos, t.sin, true),
+                       doctest::Contains("w [H (N+R), K] with H = 3"), c10::Error);
+  CHECK_THROWS_WITH_AS(kernels::mla_project_rope_q(torch::randn({M, K}), torch::randn({H * (N + R), K + 1}), H, N, pos,
+                                                   t.cos, t.sin, true),
+                       doctest::Contains("x [9, 12]"), c10::Error);
+  CHECK_THROWS_WITH_AS(kernels::mla_project_rope_q(torch::randn({M, K}), torch::randn({H * (N + R), K}), H, N + 1, pos,
+                                                   t.cos, t.sin, true),
+                       doctest::Contains("N = 5 must leave an even R > 0"), c10::Error);
+  CHECK_THROWS_WITH_AS(kernels::mla_project_rope_q(torch::randn({M, K}), torch::randn({H * (N + R), K}, torch::kFloat64),
+                                                   H, N, pos, t.cos, t.sin, true),
+                       doctest::Contains("must share dtype and device"), c10::Error);
+}
+
+TEST_CASE("CUDA: mla_project_rope_q gives the composite's bits forward and backward, and rotates FlashAttention-like fresh gradients in place") {
+  if (skip_without_cuda_kernels()) return;
+  torch::manual_seed(25);
+  const torch::Device dev(torch::kCUDA);
+  // GLM-4.7-Flash's query: q_lora_rank 768 -> 20 heads of 192 + 64.
+  const int64_t M = 1500, K = 768, H = 20, N = 192, R = 64;
+  for (auto dtype : {torch::kBFloat16, torch::kFloat32})
+    for (bool interleaved : {true, false}) {
+      INFO("dtype " << dtype << " interleaved " << interleaved);
+      auto opt = torch::TensorOptions().dtype(dtype).device(dev);
+      const auto t = model::rope_table(2048, R, 1e6, dtype, dev);
+      auto pos = torch::randint(0, 2048, {M}, opt.dtype(torch::kInt64));
+      auto x = torch::randn({M, K}, opt), w = torch::randn({H * (N + R), K}, opt) / 32;
+      auto qs = torch::randn({M, H, N + R}, opt);
+      REQUIRE(kernels::mla_rope_q_uses_kernel(qs, N));
+      auto q = qs.clone();
+      kernels::mla_rope_q_(q, N, pos, t.cos, t.sin, interleaved);
+      CHECK(torch::equal(q, kernels::mla_rope_q(qs, N, pos, t.cos, t.sin, interleaved)));
+
+      auto x1 = x.clone().requires_grad_(), w1 = w.clone().requires_grad_();
+      auto x2 = x.clone().requires_grad_(), w2 = w.clone().requires_grad_();
+      auto q1 = kernels::mla_project_rope_q(x1, w1, H, N, pos, t.cos, t.sin, interleaved);
+      auto q2 = kernels::mla_rope_q(model::unsplit_linear(x2, w2).view({M, H, N + R}), N, pos, t.cos, t.sin, interleaved);
+      CHECK(torch::equal(q1, q2));
+      auto c = torch::randn({M, H, N + R}, opt);
+      (q1 * c).sum().backward();  // a fresh gradient: rotated in place
+      (q2 * c).sum().backward();
+      CHECK(torch::equal(x1.grad(), x2.grad()));
+      CHECK(torch::equal(w1.grad(), w2.grad()));
+    }
+}
+
+TEST_CASE("mla_project_rope_kv: mla_rope_kv's keys and values of the projection, its gradients without the assembled one, and what it refuses (CPU)") {
+  torch::manual_seed(26);
+  const int64_t M = 9, C = 10, H = 3, N = 4, R = 6, V = 5;
+  auto pos = torch::tensor({0, 1, 2, 3, 0, 1, 2, 7, 5}, torch::kInt64);
+  const auto t = model::rope_table(8, R, 10000.0, torch::kFloat32, torch::kCPU);
+  for (bool interleaved : {true, false}) {
+    INFO("interleaved " << interleaved);
+    auto lat = torch::randn({M, C}), w = torch::randn({H * (N + V), C}), kpe = torch::randn({M, R});
+    auto l1 = lat.clone().requires_grad_(), w1 = w.clone().requires_grad_(), p1 = kpe.clone().requires_grad_();
+    auto l2 = lat.clone().requires_grad_(), w2 = w.clone().requires_grad_(), p2 = kpe.clone().requires_grad_();
+    auto [k1, v1] = kernels::mla_project_rope_kv(l1, w1, p1, H, N, pos, t.cos, t.sin, interleaved);
+    auto [k2, v2] = kernels::mla_rope_kv(model::unsplit_linear(l2, w2).view({M, H, N + V}), p2, N, pos, t.cos, t.sin,
+                                         interleaved);
+    CHECK(torch::equal(k1, k2));
+    CHECK(torch::equal(v1, v2));
+    auto dk = torch::randn({M, H, N + R}), dv = torch::randn({M, H, V});
+    torch::autograd::backward({k1, v1}, {dk, dv});
+    torch::autograd::backward({k2, v2}, {dk, dv});
+    CHECK(rel_max(l1.grad(), l2.grad()) < 1e-5);
+    CHECK(rel_max(w1.grad(), w2.grad()) < 1e-5);
+    CHECK(rel_max(p1.grad(), p2.grad()) < 1e-5);
+    // A loss of k alone: v's gradient is zeros, the weight's value rows get none.
+    auto l3 = lat.clone().requires_grad_(), w3 = w.clone().requires_grad_();
+    auto kv3 = kernels::mla_project_rope_kv(l3, w3, kpe, H, N, pos, t.cos, t.sin, interleaved);
+    (kv3.first * dk).sum().backward();
+    CHECK(torch::equal(w3.grad().view({H, N + V, C}).narrow(1, N, V), torch::zeros({H, V, C})));
+  }
+  auto lat = torch::randn({M, C});
+  CHECK_THROWS_WITH_AS(kernels::mla_project_rope_kv(lat, torch::randn({H * (N + V) + 1, C}), torch::randn({M, R}), H,
+                                                    N, pos, t.cos, t.sin, true),
+                       doctest::Contains("w [H (N+V), C] with H = 3"), c10::Error);
+  CHECK_THROWS_WITH_AS(kernels::mla_project_rope_kv(lat, torch::randn({H * (N + V), C}), torch::randn({M, R + 1}), H,
+                                                    N, pos, t.cos, t.sin, true),
+                       doctest::Contains("even R > 0"), c10::Error);
+  CHECK_THROWS_WITH_AS(kernels::mla_project_rope_kv(lat, torch::randn({H * (N + V), C}), torch::randn({M, R}), H,
+                                                    N + V, pos, t.cos, t.sin, true),
+                       doctest::Contains("N = 9"), c10::Error);
+  CHECK_THROWS_WITH_AS(kernels::mla_project_rope_kv(lat, torch::randn({H * (N + V), C}),
+                                                    torch::randn({M, R}, torch::kFloat64), H, N, pos, t.cos, t.sin, true),
+                       doctest::Contains("must have latent's dtype"), c10::Error);
+  CHECK_THROWS_WITH_AS(kernels::mla_project_rope_kv(lat, torch::randn({H * (N + V), C}), torch::randn({M, R}), H, N,
+                                                    torch::zeros({4}, torch::kInt64), t.cos, t.sin, true),
+                       doctest::Contains("positions must be [T] int64 with T = 9"), c10::Error);
+}
+
+TEST_CASE("CUDA: mla_project_rope_kv gives the composite's keys and values, and gradients within a rounding step") {
+  if (skip_without_cuda_kernels()) return;
+  torch::manual_seed(27);
+  const torch::Device dev(torch::kCUDA);
+  // GLM-4.7-Flash: kv_lora_rank 512 -> 20 heads of 192 + 256, the rope key 64 wide.
+  const int64_t M = 1500, C = 512, H = 20, N = 192, R = 64, V = 256;
+  for (auto dtype : {torch::kBFloat16, torch::kFloat32})
+    for (bool interleaved : {true, false}) {
+      INFO("dtype " << dtype << " interleaved " << interleaved);
+      auto opt = torch::TensorOptions().dtype(dtype).device(dev);
+      const auto t = model::rope_table(2048, R, 1e6, dtype, dev);
+      auto pos = torch::randint(0, 2048, {M}, opt.dtype(torch::kInt64));
+      auto lat = torch::randn({M, C}, opt), w = torch::randn({H * (N + V), C}, opt) / 16;
+      auto ckv = torch::randn({M, C + R}, opt);  // k_pe as MLA hands it over: the tail of kv_a's output
+      auto leaf = [](const torch::Tensor& x) { return x.detach().clone().requires_grad_(); };
+      auto l1 = leaf(lat), w1 = leaf(w), c1 = leaf(ckv), l2 = leaf(lat), w2 = leaf(w), c2 = leaf(ckv);
+      auto [k1, v1] = kernels::mla_project_rope_kv(l1, w1, c1.narrow(-1, C, R), H, N, pos, t.cos, t.sin, interleaved);
+      auto [k2, v2] = kernels::mla_rope_kv(model::unsplit_linear(l2, w2).view({M, H, N + V}), c2.narrow(-1, C, R), N,
+                                           pos, t.cos, t.sin, interleaved);
+      CHECK(torch::equal(k1, k2));
+      CHECK(torch::equal(v1, v2));
+      auto dk = torch::randn_like(k1), dv = torch::randn_like(v1);
+      torch::autograd::backward({k1, v1}, {dk, dv});
+      torch::autograd::backward({k2, v2}, {dk, dv});
+      const double tol = dtype == torch::kBFloat16 ? 1.0 / 128 : 1e-5;  // dlatent: two GEMMs, one rounding between
+      CHECK(rel_max(l1.grad(), l2.grad()) <= tol);
+      CHECK(rel_max(w1.grad(), w2.grad()) <= tol);
+      CHECK(torch::equal(c1.grad(), c2.grad()));  // the same dk_pe kernel
+      MESSAGE("latent gradient vs the assembled path: " << rel_max(l1.grad(), l2.grad()) << ", weight "
+                                                       << rel_max(w1.grad(), w2.grad()));
+    }
+}

@@ -123,11 +123,16 @@ TEST_CASE("swiglu_pair_backward: autograd's gradients of kernels::swiglu, clampe
     auto gate = torch::randn({7, 8}).requires_grad_(), up = torch::randn({7, 8}).requires_grad_();
     auto dy = torch::randn({7, 8});
     auto want = torch::autograd::grad({kernels::swiglu(gate, up, limit)}, {gate, up}, {dy});
-    auto [dg, du] = kernels::swiglu_pair_backward(gate.detach(), up.detach(), dy, limit);
+    auto [dg, du, act] = kernels::swiglu_pair_backward(gate.detach(), up.detach(), dy, limit);
     INFO("limit " << (limit ? *limit : 0.0));
     CHECK(torch::equal(dg, want[0]));
     CHECK(torch::equal(du, want[1]));
+    CHECK_FALSE(act.defined());  // not asked for
     if (limit) CHECK(du.eq(0).any().item<bool>());  // clamped entries pass no gradient
+    auto with_act = kernels::swiglu_pair_backward(gate.detach(), up.detach(), dy, limit, /*want_act=*/true);
+    CHECK(torch::equal(with_act.dgate, want[0]));
+    CHECK(torch::equal(with_act.dup, want[1]));
+    CHECK(torch::equal(with_act.act, kernels::swiglu(gate.detach(), up.detach(), limit)));
   }
   CHECK_THROWS_WITH_AS(kernels::swiglu_pair_backward(torch::randn({2, 8}), torch::randn({2, 8}), torch::randn({2, 4})),
                        doctest::Contains("dy [2, 4] differ"), c10::Error);
@@ -142,8 +147,14 @@ TEST_CASE("CUDA: swiglu_pair_backward's kernel gives swiglu_pair's autograd grad
     REQUIRE(kernels::swiglu_pair_uses_kernel(gate, up));
     auto dy = torch::randn({M, F}, opt);
     auto want = torch::autograd::grad({kernels::swiglu_pair(gate, up)}, {gate, up}, {dy});
-    auto [dg, du] = kernels::swiglu_pair_backward(gate.detach(), up.detach(), dy);
+    auto [dg, du, no_act] = kernels::swiglu_pair_backward(gate.detach(), up.detach(), dy);
     CHECK(torch::equal(dg, want[0]));
     CHECK(torch::equal(du, want[1]));
+    CHECK_FALSE(no_act.defined());
+    // The activation from the same pass: swiglu_pair's forward bits, the gradients unchanged.
+    auto r = kernels::swiglu_pair_backward(gate.detach(), up.detach(), dy, std::nullopt, /*want_act=*/true);
+    CHECK(torch::equal(r.act, kernels::swiglu_pair(gate.detach(), up.detach())));
+    CHECK(torch::equal(r.dgate, want[0]));
+    CHECK(torch::equal(r.dup, want[1]));
   }
 }
