@@ -1,6 +1,7 @@
 // Fused RMSNorm kernels: one block per row, fp32 accumulation, warp-shuffle reductions.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/sum.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -30,6 +31,12 @@ struct RmsNormParams {  // passed by value
   float* dw;    // backward: fp32 accumulator [D]
   int64_t rows, dim;
   float eps;
+  // The warp kernels' residual forms (null: none). Forward: x + r rounded to T (at::add's
+  // value) is normalised and written to s. Backward: dres added to dx after dx's rounding, and
+  // the sum rounded (autograd's sum of the two gradients).
+  const void* r = nullptr;
+  void* s = nullptr;
+  const void* dres = nullptr;
 };
 
 
@@ -159,6 +166,11 @@ __global__ void __launch_bounds__(kThreads) rms_norm_bwd_warp(RmsNormParams p) {
           const float nn = to_f(xv[j].v[e]) * rstd;
           o.v[e] = from_f<T>(rstd * (to_f(gv[j].v[e]) * to_f(wv[j].v[e]) - nn * mean_dot));
         }
+        if (p.dres) {
+          const NVec<T> d = *reinterpret_cast<const NVec<T>*>(static_cast<const T*>(p.dres) + row * p.dim + int64_t(v) * n);
+#pragma unroll
+          for (int e = 0; e < n; ++e) o.v[e] = from_f<T>(to_f(o.v[e]) + to_f(d.v[e]));
+        }
         *reinterpret_cast<NVec<T>*>(dx + int64_t(v) * n) = o;
       }
     }
@@ -199,6 +211,12 @@ __global__ void __launch_bounds__(kThreads) rms_norm_fwd_warp(RmsNormParams p) {
     const int v = lane + 32 * j;
     if (v < nvec) {
       xv[j] = *reinterpret_cast<const NVec<T>*>(x + int64_t(v) * n);
+      if (p.r) {  // the residual sum, rounded as at::add rounds it, normalised and passed on
+        const NVec<T> rv = *reinterpret_cast<const NVec<T>*>(static_cast<const T*>(p.r) + row * p.dim + int64_t(v) * n);
+#pragma unroll
+        for (int e = 0; e < n; ++e) xv[j].v[e] = from_f<T>(to_f(xv[j].v[e]) + to_f(rv.v[e]));
+        *reinterpret_cast<NVec<T>*>(static_cast<T*>(p.s) + row * p.dim + int64_t(v) * n) = xv[j];
+      }
 #pragma unroll
       for (int e = 0; e < n; ++e) {
         const float f = to_f(xv[j].v[e]);
@@ -259,13 +277,25 @@ void dispatch(at::ScalarType t, F f) {
 }
 }  // namespace
 
-void rms_norm_forward(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& y, at::Tensor& rstd) {
+void rms_norm_forward(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& y, at::Tensor& rstd,
+                      const at::Tensor* r, at::Tensor* s) {
   const c10::cuda::CUDAGuard guard(x.device());  // launch on the tensors' GPU, not the current one
+  if (x.size(0) == 0) return;
+  const bool warp = r ? warp_vectors_per_lane({&x, &w, &y, r, s}, x.size(1)) != 0
+                      : warp_vectors_per_lane({&x, &w, &y}, x.size(1)) != 0;
+  if (r && !warp) {  // the block kernel has no residual form: the sum by at::add, then the norm
+    at::add_out(*s, x, *r);
+    rms_norm_forward(*s, w, eps, y, rstd);
+    return;
+  }
   RmsNormParams p{x.data_ptr(), w.data_ptr(), nullptr, y.data_ptr(), rstd.data_ptr<float>(), nullptr,
                   x.size(0), x.size(1), float(eps)};
-  if (p.rows == 0) return;
+  if (r) {
+    p.r = r->data_ptr();
+    p.s = s->data_ptr();
+  }
   auto stream = at::cuda::getCurrentCUDAStream();
-  if (const int64_t vpl = warp_vectors_per_lane({&x, &w, &y}, p.dim)) {
+  if (const int64_t vpl = warp ? warp_vectors_per_lane({&x, &w, &y}, p.dim) : 0) {
     const int64_t blocks = (p.rows + kThreads / 32 - 1) / (kThreads / 32);
     dispatch(x.scalar_type(), [&](auto tag) {
       with_vpl(vpl, [&](auto vc) {
@@ -282,9 +312,14 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& w, double eps, at::
 }
 
 void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, const at::Tensor& rstd,
-                       at::Tensor& dx, at::Tensor& dw_fp32) {
+                       at::Tensor& dx, at::Tensor& dw_fp32, const at::Tensor* dres) {
   const c10::cuda::CUDAGuard guard(x.device());  // launch on the tensors' GPU, not the current one
   if (x.size(0) == 0) return;
+  if (dres && !warp_vectors_per_lane({&x, &dy, &w, &dx, dres}, x.size(1))) {  // the block kernel, then the sum
+    rms_norm_backward(dy, x, w, rstd, dx, dw_fp32);
+    dx.add_(*dres);
+    return;
+  }
   const size_t smem = size_t(x.size(1)) * sizeof(float);
   TORCH_CHECK(smem <= 48 * 1024, "rms_norm backward: D = ", x.size(1), " over the kernel's limit of 12288");
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
@@ -296,6 +331,7 @@ void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tens
     auto partial = at::empty({blocks, D}, x.options().dtype(at::kFloat));  // [blocks, D]
     RmsNormParams p{x.data_ptr(), w.data_ptr(), dy.data_ptr(), dx.data_ptr(), rstd.data_ptr<float>(),
                     partial.data_ptr<float>(), x.size(0), D, 0.f};
+    if (dres) p.dres = dres->data_ptr();
     dispatch(x.scalar_type(), [&](auto tag) {
       with_vpl(vpl, [&](auto vc) {
         rms_norm_bwd_warp<decltype(tag), decltype(vc)::value><<<unsigned(blocks), kThreads, smem, stream>>>(p);

@@ -3,7 +3,11 @@
 #include <ATen/core/Tensor.h>
 
 namespace kiln::kernels::cuda {
-void rms_norm_forward(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& y, at::Tensor& rstd);
+/// r, s (both or neither; [R, D] like x): y = norm(s) with s = x + r (rounded to x's dtype, as
+/// at::add) written by the same pass.
+void rms_norm_forward(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& y, at::Tensor& rstd,
+                      const at::Tensor* r = nullptr, at::Tensor* s = nullptr);
+/// dres ([R, D] like dy, or null): dx = (the norm's dx, rounded) + dres, rounded (autograd's sum).
 void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, const at::Tensor& rstd,
-                       at::Tensor& dx, at::Tensor& dw_fp32);
+                       at::Tensor& dx, at::Tensor& dw_fp32, const at::Tensor* dres = nullptr);
 }  // namespace kiln::kernels::cuda

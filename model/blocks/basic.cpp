@@ -40,6 +40,25 @@ torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
 }
 
 namespace {
+bool fused_norm(const torch::Tensor& x, const torch::Tensor& w) {
+  return x.is_cuda() && x.scalar_type() == w.scalar_type();  // rms_norm's kernel condition
+}
+}  // namespace
+
+std::pair<torch::Tensor, torch::Tensor> RMSNormImpl::forward_pass(const torch::Tensor& x) {
+  if (batch_invariant_ || !fused_norm(x, weight)) return {x, forward(x)};
+  return kernels::rms_norm_pass(x, weight, eps_);
+}
+
+std::pair<torch::Tensor, torch::Tensor> RMSNormImpl::forward_add(const torch::Tensor& x, const torch::Tensor& r) {
+  if (batch_invariant_ || !fused_norm(x, weight) || r.scalar_type() != x.scalar_type()) {
+    auto h = x + r;
+    return {h, forward(h)};
+  }
+  return kernels::add_rms_norm(x, r, weight, eps_);
+}
+
+namespace {
 // [T, R/2] each, in dtype: apply_rope's angles pos * theta^(-2i/R) (fp32) and their cos, sin.
 std::pair<torch::Tensor, torch::Tensor> rope_cos_sin(const torch::Tensor& positions, int64_t R, double theta,
                                                      torch::Dtype dtype) {

@@ -21,6 +21,14 @@ class RMSNormImpl : public torch::nn::Module, public BatchInvariantSwitch {
   /// Parameters the constructor registers (the weight [dim]).
   static int64_t parameter_count(int64_t dim) { return dim; }
   torch::Tensor forward(const torch::Tensor& x);
+  /// A pre-norm block's norms with the residual stream's additions folded in (x, r [..., D]):
+  /// forward_pass(x) -> {x_on, norm(x)}, x_on to be used in place of x, so that its gradient and
+  /// the norm's are summed by the norm's backward; forward_add(x, r) -> {h = x + r, norm(h)},
+  /// the sum made and its gradients summed by the norm's passes. The values of the unfused ops,
+  /// bit for bit: kernels::rms_norm_pass / add_rms_norm on CUDA, the composite elsewhere and in
+  /// the batch-invariant mode.
+  std::pair<torch::Tensor, torch::Tensor> forward_pass(const torch::Tensor& x);
+  std::pair<torch::Tensor, torch::Tensor> forward_add(const torch::Tensor& x, const torch::Tensor& r);
   torch::Tensor weight;  ///< [D]
 
  private:

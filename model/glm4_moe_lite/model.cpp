@@ -52,8 +52,9 @@ torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const torch::Ten
                                         const torch::Tensor& cu_seqlens, int64_t max_seqlen,
                                         int64_t position_bound, const std::optional<torch::Tensor>& replay,
                                         torch::Tensor* expert_ids_out) {
-  auto h = x + attn(attn_norm(x), positions, cu_seqlens, max_seqlen, position_bound);
-  auto y = mlp_norm(h);
+  // The residual additions and their gradients' sums inside the norms' passes (RMSNorm::forward_pass/add).
+  auto [x_on, y_attn] = attn_norm->forward_pass(x);
+  auto [h, y] = mlp_norm->forward_add(x_on, attn(y_attn, positions, cu_seqlens, max_seqlen, position_bound));
   return h + (moe ? moe(y, replay, expert_ids_out, /*validate_replay=*/false) : mlp(y));  // checked in forward()
 }
 

@@ -60,3 +60,56 @@ TEST_CASE("RMSNorm CUDA kernel equals the reference, values and gradients") {
     }
   }
 }
+
+namespace {
+// The unfused block the fused norms replace: h = x + r, y = norm(h), the pass's y1 = norm(x),
+// with a loss over h and both norms' outputs so that every gradient sum is exercised.
+struct BlockGrads {
+  torch::Tensor h, y, y1, dx, dr, dw;
+};
+BlockGrads run_block(const torch::Tensor& x0, const torch::Tensor& r0, const torch::Tensor& w0, bool fused,
+                     const torch::Tensor& ch, const torch::Tensor& cy, const torch::Tensor& cy1) {
+  auto x = x0.clone().requires_grad_(), r = r0.clone().requires_grad_(), w = w0.clone().requires_grad_();
+  torch::Tensor x_on, y1, h, y;
+  if (fused) {
+    std::tie(x_on, y1) = kernels::rms_norm_pass(x, w, 1e-5);
+    std::tie(h, y) = kernels::add_rms_norm(x_on, r, w, 1e-5);
+  } else {
+    y1 = kernels::rms_norm(x, w, 1e-5);
+    h = x + r;
+    y = kernels::rms_norm(h, w, 1e-5);
+  }
+  ((h * ch).sum() + (y * cy).sum() + (y1 * cy1).sum()).backward();
+  return {h.detach(), y.detach(), y1.detach(), x.grad(), r.grad(), w.grad()};
+}
+}  // namespace
+
+TEST_CASE("add_rms_norm and rms_norm_pass: the unfused block's values and gradients, bit for bit, and what they refuse") {
+  torch::manual_seed(3);
+  std::vector<torch::Device> devices{torch::kCPU};
+  if (!test::skip_without_cuda_kernels()) devices.push_back(torch::kCUDA);
+  for (auto dev : devices)
+    for (auto dtype : {torch::kFloat32, torch::kBFloat16})
+      // 2048: the warp kernels' residual forms; 100: the block kernel, the sums by at::add
+      for (auto [rows, dim] : {std::pair<int64_t, int64_t>{333, 2048}, {8192, 2048}, {37, 100}}) {
+        if (dev.is_cpu() && rows > 1000) continue;
+        CAPTURE(dev);
+        CAPTURE(dtype);
+        CAPTURE(dim);
+        auto opt = torch::TensorOptions().dtype(dtype).device(dev);
+        auto x = torch::randn({rows, dim}, opt), r = torch::randn({rows, dim}, opt);
+        auto w = (1 + 0.3 * torch::randn({dim}, opt.dtype(torch::kFloat32))).to(dtype);
+        auto ch = torch::randn({rows, dim}, opt), cy = torch::randn({rows, dim}, opt), cy1 = torch::randn({rows, dim}, opt);
+        auto a = run_block(x, r, w, true, ch, cy, cy1), b = run_block(x, r, w, false, ch, cy, cy1);
+        CHECK(torch::equal(a.h, b.h));
+        CHECK(torch::equal(a.y, b.y));
+        CHECK(torch::equal(a.y1, b.y1));
+        CHECK(torch::equal(a.dx, b.dx));
+        CHECK(torch::equal(a.dr, b.dr));
+        CHECK(torch::equal(a.dw, b.dw));
+      }
+  CHECK_THROWS_WITH_AS(kernels::add_rms_norm(torch::randn({3, 8}), torch::randn({3, 4}), torch::ones({8}), 1e-5),
+                       doctest::Contains("add_rms_norm: x [3, 8]"), c10::Error);
+  CHECK_THROWS_WITH_AS(kernels::rms_norm_pass(torch::randn({3, 8}), torch::ones({4}), 1e-5),
+                       doctest::Contains("rms_norm: x must be [R, D] and w [D]"), c10::Error);
+}
