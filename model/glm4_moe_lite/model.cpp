@@ -1,5 +1,6 @@
 #include "model/glm4_moe_lite/model.hpp"
 
+#include "kernels/embedding.hpp"
 #include "model/blocks/activation_checkpoint.hpp"
 
 #include <filesystem>
@@ -136,7 +137,8 @@ ForwardOutput Glm4MoeLiteModel::forward(const PackedBatch& batch, const ForwardO
       throw std::invalid_argument("replay_routed_experts must lie in [0, " + std::to_string(config_.moe.num_experts) + ")");
     replay_all = to_model_device(r, dev, torch::kInt64);
   }
-  auto x = embed(to_model_device(batch.input_ids, dev));  // [T, D]
+  // kernels::embedding: the weight's gradient written in one pass (kernels/embedding.hpp).
+  auto x = kernels::embedding(embed->weight, to_model_device(batch.input_ids, dev));  // [T, D]
   int64_t moe_index = 0, layer_index = 0;
   for (auto& layer : layers) {
     if (layer_hooks_) x = layer_hooks_->before_layer(layer_index, x);
