@@ -23,12 +23,13 @@ struct EmbeddingFn : public torch::autograd::Function<EmbeddingFn> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& weight, const at::Tensor& ids) {
     ctx->save_for_backward({ids});
     ctx->saved_data["V"] = weight.size(0);
+    ctx->saved_data["D"] = weight.size(1);
     return at::embedding(weight, ids);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list g) {
     const auto ids = ctx->get_saved_variables()[0].reshape({-1});
-    const auto dy = g[0].reshape({ids.size(0), -1});  // [T, D]
+    const auto dy = g[0].reshape({ids.size(0), ctx->saved_data["D"].toInt()});  // [T, D] (T may be 0)
     return {embedding_backward(dy, ids, ctx->saved_data["V"].toInt()), at::Tensor()};
   }
 };
@@ -43,7 +44,8 @@ bool embedding_backward_uses_kernel(const at::Tensor& dy, const at::Tensor& ids,
 #ifdef KILN_CUDA
   const auto t = dy.scalar_type();
   const int64_t n = t == at::kFloat ? 4 : (t == at::kBFloat16 || t == at::kHalf) ? 8 : 0;
-  return dy.is_cuda() && n > 0 && dy.dim() == 2 && dy.size(1) % n == 0 && dy.is_contiguous() && aligned16(dy) &&
+  return dy.is_cuda() && n > 0 && dy.dim() == 2 && dy.size(1) > 0 && dy.size(1) % n == 0 && dy.is_contiguous() &&
+         aligned16(dy) &&
          ids.numel() < (int64_t(1) << 31) && V < (int64_t(1) << 31);
 #else
   (void)dy;

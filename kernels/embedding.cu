@@ -127,16 +127,15 @@ void embedding_backward(const at::Tensor& dy, const at::Tensor& ids, at::Tensor&
   auto i32 = ids.options().dtype(at::kInt);
   auto key_in = ids.to(at::kInt), key = at::empty({T_}, i32), pos = at::empty({T_}, i32);
   auto pos_in = at::arange(T_, i32);
-  int bits = 1;
-  while (bits < 31 && (int64_t(1) << bits) < V) ++bits;  // the ids' bits: V - 1 < 2^bits
+  // All 32 bits (signed order): an id outside [0, V) sorts where it belongs and matches no row.
   size_t temp_bytes = 0;
   C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, key_in.data_ptr<int32_t>(),
                                                  key.data_ptr<int32_t>(), pos_in.data_ptr<int32_t>(),
-                                                 pos.data_ptr<int32_t>(), T_, 0, bits, stream));
+                                                 pos.data_ptr<int32_t>(), T_, 0, 32, stream));
   auto temp = at::empty({int64_t(temp_bytes) + 1}, ids.options().dtype(at::kByte));
   C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.data_ptr(), temp_bytes, key_in.data_ptr<int32_t>(),
                                                  key.data_ptr<int32_t>(), pos_in.data_ptr<int32_t>(),
-                                                 pos.data_ptr<int32_t>(), T_, 0, bits, stream));
+                                                 pos.data_ptr<int32_t>(), T_, 0, 32, stream));
   const int n_chunks = T_ / kChunk;
   dispatch(dy.scalar_type(), [&](auto tag) {
     using T = decltype(tag);

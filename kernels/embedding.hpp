@@ -12,8 +12,7 @@
 // Why: LibTorch's CUDA backward zero-fills the [V, D] gradient (634 MB at GLM-4.7-Flash's V =
 // 154880, D = 2048, bf16), then sorts the ids, sums segments of rows into fp32 partials and
 // scatters their sums: ~30 launches, 0.56 ms of an 8192-token step on the H100. Here
-// (kernels/embedding.cu): the ids sorted with their positions (cub's stable radix sort over
-// the id's bits), whole 32-entry chunks of one id summed by their own warps, then one kernel
+// (kernels/embedding.cu): the ids sorted with their positions (cub's stable radix sort), whole 32-entry chunks of one id summed by their own warps, then one kernel
 // writing every row of the gradient once: a warp per row finds its tokens in the sorted ids
 // (binary search) and sums their dy rows in position order in fp32 (for a run longer than 64,
 // the rows before and after its whole chunks and the chunks' sums in order: a token repeated
@@ -21,8 +20,9 @@
 // of rows in series), or writes zeros. No atomics: the same bits every run.
 // CUDA: dy bf16, fp16 or fp32, contiguous rows from a 16-byte boundary, D a multiple of 16
 // bytes' elements, V < 2^31; elsewhere (CPU, other layouts) at::embedding_dense_backward.
-// ids must lie in [0, V), as at::embedding's forward requires (an id outside contributes to no
-// row here). Throws c10::Error naming shapes, dtypes or devices that do not fit.
+// ids must lie in [0, V), as at::embedding's forward requires (the kernels: an id outside
+// adds to no row; read on the device, it is not checked there). Throws c10::Error naming
+// shapes, dtypes or devices that do not fit.
 #include <ATen/core/Tensor.h>
 
 namespace kiln::kernels {

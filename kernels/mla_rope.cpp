@@ -1,5 +1,6 @@
 #include "kernels/mla_rope.hpp"
 
+#include <ATen/MemoryOverlap.h>
 #include <torch/torch.h>
 
 #include "kernels/alignment.hpp"
@@ -124,11 +125,13 @@ void mla_rope_q_(at::Tensor& q, int64_t N, const at::Tensor& positions, const at
                  const at::Tensor& sin_t, bool interleaved, bool inverse) {
   check_q(q, N, positions, cos_t, sin_t);
   TORCH_CHECK(q.stride(-1) == 1, "mla_rope_q_: q's last dim must be contiguous, got strides ", q.strides());
+  at::assert_no_internal_overlap(q);  // heads or rows sharing memory would race
   if (q.numel() == 0) return;
   const int64_t R = q.size(2) - N;
 #ifdef KILN_CUDA
   if (mla_rope_q_uses_kernel(q, N)) {
     cuda::mla_rope_q_inplace(q, N, positions.contiguous(), cos_t.contiguous(), sin_t.contiguous(), interleaved, inverse);
+    q.unsafeGetTensorImpl()->bump_version();  // as an in-place op: a node that saved q sees it changed
     return;
   }
 #endif
@@ -167,8 +170,9 @@ struct ProjectRopeQ : public torch::autograd::Function<ProjectRopeQ> {
     // Rotate in place only a gradient nobody else can see: this list held the one reference to
     // the tensor and to its storage (FlashAttention's dq); anything else is copied first.
     const bool own = dq.use_count() == 1 && dq.storage().use_count() == 1 && dq.scalar_type() == x.scalar_type() &&
-                     dq.is_contiguous() && !dq.is_conj() && !dq.is_neg();
-    if (!own) dq = dq.to(x.scalar_type()).contiguous().clone();
+                     dq.is_contiguous() && !dq.requires_grad() && !dq._is_zerotensor() && !dq.is_conj() &&
+                     !dq.is_neg();
+    if (!own) dq = at::empty(dq.sizes(), x.options()).copy_(dq);
     mla_rope_q_(dq, ctx->saved_data["N"].toInt(), s[2], s[3], s[4], ctx->saved_data["interleaved"].toBool(),
                 /*inverse=*/true);
     const auto g = dq.view({x.size(0), w.size(0)});  // [M, H (N+R)]

@@ -52,7 +52,8 @@ void mla_rope_q_(at::Tensor& q, int64_t nope_dim, const at::Tensor& positions, c
 /// q [M, H, N+R] = mla_rope_q((x w^T).view(M, H, N+R)), the projection by
 /// kernels::linear_unsplit (its bits) and the rotation in place in the projection's output (no
 /// second [M, H, N+R] written and read). Backward: dq's rope part rotated back in place when
-/// the function holds the only reference to dq (FlashAttention's fresh dq; else a copy), then
+/// the function holds the only reference to dq and its storage, and dq needs no gradient itself
+/// (FlashAttention's fresh dq; else a copy), then
 /// dx = dq w, dw = dq^T x in x's dtype. Every device (CPU: at::linear and the references).
 /// Throws c10::Error naming shapes, dtypes or devices that do not fit.
 at::Tensor mla_project_rope_q(const at::Tensor& x_MK, const at::Tensor& w_NK, int64_t heads, int64_t nope_dim,

@@ -48,5 +48,11 @@ inline double rel_error(const torch::Tensor& got, const torch::Tensor& want) {
   return ((got.to(torch::kFloat64) - w).norm() / w.norm()).item<double>();
 }
 
+/// Largest error against the largest value: max |got - want| / max |want| (fp64, `got`'s device).
+inline double rel_max(const torch::Tensor& got, const torch::Tensor& want) {
+  auto w = want.to(got.device(), torch::kFloat64);
+  return ((got.to(torch::kFloat64) - w).abs().max() / w.abs().max().clamp_min(1e-30)).item<double>();
+}
+
 }  // namespace kiln::test
 #endif

@@ -11,6 +11,7 @@
 #include "tests/kernels/kernel_test_util.hpp"
 
 using namespace kiln;
+using kiln::test::rel_max;
 using kiln::test::skip_without_cuda_kernels;
 
 namespace {
@@ -29,12 +30,6 @@ torch::Tensor rotate_f64(const torch::Tensor& x, const torch::Tensor& pos, doubl
   }
   x0 = xd.narrow(-1, 0, R / 2), x1 = xd.narrow(-1, R / 2, R / 2);
   return torch::cat({x0 * c - x1 * s, x1 * c + x0 * s}, -1);
-}
-
-// max |a - b| over max |b|: the error against the largest value's scale.
-double rel_max(const torch::Tensor& a, const torch::Tensor& b) {
-  auto bd = b.to(torch::kFloat64);
-  return ((a.to(torch::kFloat64) - bd).abs().max() / bd.abs().max().clamp_min(1e-30)).item<double>();
 }
 }  // namespace
 
@@ -195,6 +190,9 @@ TEST_CASE("mla_rope_q_ and mla_project_rope_q: mla_rope_q's bits in place, its g
     CHECK(torch::equal(q, kernels::mla_rope_q(qs, N, pos, t.cos, t.sin, interleaved)));
     kernels::mla_rope_q_(q, N, pos, t.cos, t.sin, interleaved, /*inverse=*/true);  // R(a)^T R(a) = 1
     CHECK(rel_max(q, qs) < 1e-6);
+    auto shared_heads = torch::randn({M, 1, N + R}).expand({M, H, N + R});  // every head one memory
+    CHECK_THROWS_WITH_AS(kernels::mla_rope_q_(shared_heads, N, pos, t.cos, t.sin, interleaved),
+                         doctest::Contains("single memory location"), c10::Error);
 
     // The fused projection against the composite: the same forward bits, the same gradients.
     auto x = torch::randn({M, K}), w = torch::randn({H * (N + R), K});
@@ -249,6 +247,14 @@ TEST_CASE("CUDA: mla_project_rope_q gives the composite's bits forward and backw
       auto q = qs.clone();
       kernels::mla_rope_q_(q, N, pos, t.cos, t.sin, interleaved);
       CHECK(torch::equal(q, kernels::mla_rope_q(qs, N, pos, t.cos, t.sin, interleaved)));
+      // From a view with padded heads: the padding untouched.
+      auto wide = torch::randn({M, H, N + R + 8}, opt);
+      const auto wide0 = wide.clone();
+      auto view = wide.narrow(-1, 0, N + R);
+      REQUIRE(kernels::mla_rope_q_uses_kernel(view, N));
+      kernels::mla_rope_q_(view, N, pos, t.cos, t.sin, interleaved);
+      CHECK(torch::equal(view, kernels::mla_rope_q(wide0.narrow(-1, 0, N + R), N, pos, t.cos, t.sin, interleaved)));
+      CHECK(torch::equal(wide.narrow(-1, N + R, 8), wide0.narrow(-1, N + R, 8)));
 
       auto x1 = x.clone().requires_grad_(), w1 = w.clone().requires_grad_();
       auto x2 = x.clone().requires_grad_(), w2 = w.clone().requires_grad_();
