@@ -10,6 +10,7 @@
 #include "kernels/rms_norm.hpp"
 #include "kernels/rope.hpp"
 #include "kernels/swiglu.hpp"
+#include "model/blocks/fusions.hpp"
 #include "model/blocks/recompute.hpp"
 
 #include <map>
@@ -46,12 +47,12 @@ bool fused_norm(const torch::Tensor& x, const torch::Tensor& w) {
 }  // namespace
 
 std::pair<torch::Tensor, torch::Tensor> RMSNormImpl::forward_pass(const torch::Tensor& x) {
-  if (batch_invariant_ || !fused_norm(x, weight)) return {x, forward(x)};
+  if (batch_invariant_ || !training_fusions() || !fused_norm(x, weight)) return {x, forward(x)};
   return kernels::rms_norm_pass(x, weight, eps_);
 }
 
 std::pair<torch::Tensor, torch::Tensor> RMSNormImpl::forward_add(const torch::Tensor& x, const torch::Tensor& r) {
-  if (batch_invariant_ || !fused_norm(x, weight) || r.scalar_type() != x.scalar_type()) {
+  if (batch_invariant_ || !training_fusions() || !fused_norm(x, weight) || r.scalar_type() != x.scalar_type()) {
     auto h = x + r;
     return {h, forward(h)};
   }
@@ -184,28 +185,42 @@ struct SwigluDown : public torch::autograd::Function<SwigluDown> {
     if (!ctx->needs_input_grad(0) && !ctx->needs_input_grad(1))
       return {torch::Tensor(), torch::Tensor(), want_dw ? g.t().mm(kernels::swiglu_pair(gate, up, limit)) : torch::Tensor(),
               torch::Tensor()};
-    // The activation for the down weight's gradient comes out of the same pass as d gate, d up.
-    auto r = kernels::swiglu_pair_backward(gate, up, g.mm(w), limit, /*want_act=*/want_dw);
-    return {r.dgate, r.dup, want_dw ? g.t().mm(r.act) : torch::Tensor(), torch::Tensor()};  // dw [D, F]
+    // With the fusions (model/blocks/fusions.hpp) the activation for the down weight's gradient
+    // comes out of the same pass as d gate, d up; else it is recomputed first.
+    const bool fused = want_dw && training_fusions();
+    torch::Tensor dw = want_dw && !fused ? g.t().mm(kernels::swiglu_pair(gate, up, limit)) : torch::Tensor();
+    auto r = kernels::swiglu_pair_backward(gate, up, g.mm(w), limit, /*want_act=*/fused);
+    if (fused) dw = g.t().mm(r.act);
+    return {r.dgate, r.dup, dw, torch::Tensor()};  // dw [D, F]
   }
 };
 }  // namespace
 
 namespace {
+// A process-wide switch read once from `name` in the environment: unset or empty gives
+// `default_on`, "1" on, "0" off, anything else a c10::Error naming it.
+bool env_switch(const char* name, bool default_on) {
+  const char* env = std::getenv(name);
+  if (!env || !*env) return default_on;
+  if (std::strcmp(env, "1") == 0) return true;
+  TORCH_CHECK(std::strcmp(env, "0") == 0, name, "=", env, ": expected 1 (on) or 0 (off); unset: ",
+              default_on ? "on" : "off");
+  return false;
+}
 std::atomic<bool>& recompute_switch() {
-  static std::atomic<bool> on{[] {
-    const char* env = std::getenv("KILN_RECOMPUTE_IN_BACKWARD");
-    if (!env || !*env || std::strcmp(env, "1") == 0) return true;
-    TORCH_CHECK(std::strcmp(env, "0") == 0, "KILN_RECOMPUTE_IN_BACKWARD=", env,
-                ": expected 1 (on, the default) or 0 (off)");
-    return false;
-  }()};
+  static std::atomic<bool> on{env_switch("KILN_RECOMPUTE_IN_BACKWARD", true)};
+  return on;
+}
+std::atomic<bool>& fusions_switch() {
+  static std::atomic<bool> on{env_switch("KILN_TRAINING_FUSIONS", false)};
   return on;
 }
 }  // namespace
 
 bool recompute_in_backward() { return recompute_switch(); }
 bool set_recompute_in_backward(bool on) { return recompute_switch().exchange(on); }
+bool training_fusions() { return fusions_switch(); }
+bool set_training_fusions(bool on) { return fusions_switch().exchange(on); }
 
 torch::Tensor unsplit_linear(const torch::Tensor& x, const torch::Tensor& w) {
   const int64_t K = w.size(1);

@@ -25,8 +25,8 @@ class RMSNormImpl : public torch::nn::Module, public BatchInvariantSwitch {
   /// forward_pass(x) -> {x_on, norm(x)}, x_on to be used in place of x, so that its gradient and
   /// the norm's are summed by the norm's backward; forward_add(x, r) -> {h = x + r, norm(h)},
   /// the sum made and its gradients summed by the norm's passes. The values of the unfused ops,
-  /// bit for bit: kernels::rms_norm_pass / add_rms_norm on CUDA, the composite elsewhere and in
-  /// the batch-invariant mode.
+  /// bit for bit: kernels::rms_norm_pass / add_rms_norm on CUDA with the training fusions
+  /// (model/blocks/fusions.hpp), the composite otherwise and in the batch-invariant mode.
   std::pair<torch::Tensor, torch::Tensor> forward_pass(const torch::Tensor& x);
   std::pair<torch::Tensor, torch::Tensor> forward_add(const torch::Tensor& x, const torch::Tensor& r);
   torch::Tensor weight;  ///< [D]

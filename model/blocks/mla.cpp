@@ -7,6 +7,7 @@
 #include "kernels/batch_invariant.hpp"
 #include "kernels/mla_decode.hpp"
 #include "kernels/mla_rope.hpp"
+#include "model/blocks/fusions.hpp"
 
 namespace kiln::model {
 
@@ -75,15 +76,17 @@ torch::Tensor MLAImpl::forward(const torch::Tensor& x, const torch::Tensor& posi
   if (x.is_cuda() && rope_rows > 0) {
     // The query's and keys' rope and the concatenations by kiln's kernels (kernels/mla_rope.hpp),
     // the cos/sin rows from the table the rollout engine reads: the same forward bits as the
-    // composite below. Positions lie in [0, rope_rows) (forward's contract). Outside the
-    // batch-invariant mode (its own projections) q_b and kv_b run inside the rope's functions:
-    // the query rotated in place in q_b's output, and a backward that reads dk and dv as they are.
+    // composite below. Positions lie in [0, rope_rows) (forward's contract). With the training
+    // fusions, outside the batch-invariant mode (its own projections), q_b and kv_b run inside the
+    // rope's functions: the query rotated in place in q_b's output, and a backward that reads dk
+    // and dv as they are.
     const auto table = rope_table(rope_rows, R, o_.rope_theta, x.scalar_type(), x.device());
-    qf = batch_invariant_ ? kernels::mla_rope_q(project(q_proj, q_in).view({T, H, N + R}), N, positions, table.cos,
+    const bool fused = !batch_invariant_ && training_fusions();  // model/blocks/fusions.hpp
+    qf = !fused ? kernels::mla_rope_q(project(q_proj, q_in).view({T, H, N + R}), N, positions, table.cos,
                                                 table.sin, o_.rope_interleave)
                           : kernels::mla_project_rope_q(q_in, q_proj->weight, H, N, positions, table.cos, table.sin,
                                                         o_.rope_interleave);  // [T, H, N+R]
-    std::tie(k, v) = batch_invariant_
+    std::tie(k, v) = !fused
                          ? kernels::mla_rope_kv(project(kv_b, latent).view({T, H, N + V}), ckv_parts[1], N, positions,
                                                 table.cos, table.sin, o_.rope_interleave)
                          : kernels::mla_project_rope_kv(latent, kv_b->weight, ckv_parts[1], H, N, positions, table.cos,

@@ -2,6 +2,7 @@
 
 #include "kernels/embedding.hpp"
 #include "model/blocks/activation_checkpoint.hpp"
+#include "model/blocks/fusions.hpp"
 
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -137,8 +138,10 @@ ForwardOutput Glm4MoeLiteModel::forward(const PackedBatch& batch, const ForwardO
       throw std::invalid_argument("replay_routed_experts must lie in [0, " + std::to_string(config_.moe.num_experts) + ")");
     replay_all = to_model_device(r, dev, torch::kInt64);
   }
-  // kernels::embedding: the weight's gradient written in one pass (kernels/embedding.hpp).
-  auto x = kernels::embedding(embed->weight, to_model_device(batch.input_ids, dev));  // [T, D]
+  // With the training fusions (model/blocks/fusions.hpp) kernels::embedding: the weight's
+  // gradient written in one pass (kernels/embedding.hpp).
+  const auto ids_dev = to_model_device(batch.input_ids, dev);
+  auto x = training_fusions() ? kernels::embedding(embed->weight, ids_dev) : embed(ids_dev);  // [T, D]
   int64_t moe_index = 0, layer_index = 0;
   for (auto& layer : layers) {
     if (layer_hooks_) x = layer_hooks_->before_layer(layer_index, x);

@@ -5,6 +5,7 @@
 
 #include "kernels/lm_head.hpp"
 #include "kernels/mla_rope.hpp"
+#include "model/blocks/fusions.hpp"
 #include "model/blocks/logprobs.hpp"
 #include "model/blocks/moe.hpp"
 #include "model/blocks/recompute.hpp"
@@ -392,6 +393,17 @@ TEST_CASE("CUDA bf16: MLA's forward with the fused rope kernels gives the compos
   auto [y_fused, g_fused] = run(512, 0);
   auto [y_comp, g_comp] = run(0, 0);
   CHECK(torch::equal(y_fused, y_comp));
+  {  // with the training fusions: q_b and kv_b inside the rope's functions (model/blocks/fusions.hpp)
+    const bool before = set_training_fusions(true);
+    auto [y_proj, g_proj] = run(512, 0);
+    set_training_fusions(before);
+    CHECK(torch::equal(y_proj, y_comp));
+    REQUIRE(g_proj.size() == g_comp.size());
+    for (std::size_t i = 0; i < g_proj.size(); ++i) {
+      INFO("gradient " << i << " with the fusions");
+      CHECK(kiln::test::rel_error(g_proj[i], g_comp[i]) <= 1e-2);
+    }
+  }
   // A continued sequence: positions past its length, the table sized by position_bound.
   positions = positions + 3000;
   CHECK(torch::equal(run(512, 3512).first, run(0, 0).first));

@@ -7,6 +7,7 @@
 #include "experiments/bench_routing.hpp"
 #include "../test_util.hpp"
 #include "fixture.hpp"
+#include "model/blocks/fusions.hpp"
 #include "model/blocks/logprobs.hpp"
 #include "model/glm4_moe_lite/model.hpp"
 
@@ -283,6 +284,44 @@ TEST_CASE("CUDA bf16: logits, log-probs and loss gradients stay within bf16 tole
   CHECK(lp_diff <= 2e-2);
   CHECK(grel <= 8e-2);
   CHECK(garel <= 8e-2);
+}
+
+TEST_CASE("training fusions on and off: the same log-probs bit for bit and the same gradients (CPU fp32 exactly, CUDA bf16 to rounding)") {
+  const bool initial = training_fusions();  // KILN_TRAINING_FUSIONS's, or off
+  std::vector<bool> cuda_too{false};
+  if (test::have_gpu()) cuda_too.push_back(true);
+  else MESSAGE("no CUDA device: the CPU paths only (the embedding's and SwiGLU's switch)");
+  for (bool cuda : cuda_too) {
+    CAPTURE(cuda);
+    auto model = cuda ? cuda_bf16_fixture_model() : load_fixture_model();
+    auto batch = test::fixture_batch();
+    auto targets = next_token_targets(batch.input_ids, batch.cu_seqlens);
+    ForwardOptions opts;
+    opts.replay_routed_experts = test::expected("routed_experts");  // one routing for both runs
+    std::vector<torch::Tensor> lps;
+    std::vector<std::vector<torch::Tensor>> grads;
+    for (bool on : {false, true}) {
+      const bool before = set_training_fusions(on);
+      model->zero_grad();
+      auto lp = model->token_logprobs(model->forward(batch, opts), targets, 5);
+      (-lp.sum() / (targets >= 0).sum()).backward();
+      set_training_fusions(before);
+      lps.push_back(lp.detach().to(torch::kCPU));
+      std::vector<torch::Tensor> g;
+      for (auto& p : model->parameters())
+        g.push_back(p.grad().defined() ? p.grad().to(torch::kCPU, torch::kFloat32) : torch::Tensor());
+      grads.push_back(g);
+    }
+    CHECK(torch::equal(lps[0], lps[1]));
+    for (std::size_t i = 0; i < grads[0].size(); ++i) {
+      CAPTURE(i);
+      REQUIRE(grads[1][i].defined() == grads[0][i].defined());
+      if (!grads[0][i].defined()) continue;
+      if (cuda) CHECK(test::rel_error(grads[1][i], grads[0][i]) <= 1e-2);
+      else CHECK(torch::equal(grads[1][i], grads[0][i]));
+    }
+  }
+  CHECK(training_fusions() == initial);  // restored
 }
 
 // kiln bench gpu --balance-routing's update (experiments/bench_routing.hpp) on the fixture model:

@@ -1,0 +1,20 @@
+#pragma once
+// Whether a CUDA training step takes the fused passes of 2026-12-07 (process-wide, like
+// set_recompute_in_backward): MLA's query rotated in place in q_b's output and kv_b's gradients
+// from dk and dv as they are (kernels::mla_project_rope_q / mla_project_rope_kv), the decoder
+// layer's residual additions and their gradient sums inside its norms' kernels
+// (RMSNorm::forward_pass / forward_add), the dense and shared MLPs' activation for the down
+// weight's gradient from the SwiGLU backward's own pass, and the embedding's weight gradient
+// in one pass (kernels::embedding). The forward's values are the same either way; the gradients
+// agree to rounding (tests/kernels/test_mla_rope.cpp, test_rms_norm.cpp, test_embedding.cpp,
+// test_swiglu.cpp). Off by default: these kernels have run on the CPU references only, not yet
+// on a GPU (docs/benchmarks.md, 2026-12-07); KILN_TRAINING_FUSIONS=1 in the environment at
+// start-up turns them on (another value than 0 or 1: c10::Error naming it, at the first use).
+// On the CPU the model's paths are the composites either way.
+namespace kiln::model {
+
+bool training_fusions();
+/// Returns the setting it replaces.
+bool set_training_fusions(bool on);
+
+}  // namespace kiln::model
