@@ -121,6 +121,15 @@ struct MlaRopeKV : public torch::autograd::Function<MlaRopeKV> {
 #endif
 }  // namespace
 
+namespace {
+// The rotation's transpose (the rotation by -angle: sin negated) of x [T, h, R], in fp32, the
+// references' form of the kernels' backward rotation.
+at::Tensor rotate_transpose_ref(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_t,
+                                const at::Tensor& sin_t, bool interleaved) {
+  return rope_rotate_ref(x.to(at::kFloat), positions, cos_t.to(at::kFloat), sin_t.to(at::kFloat).neg(), interleaved);
+}
+}  // namespace
+
 void mla_rope_q_(at::Tensor& q, int64_t N, const at::Tensor& positions, const at::Tensor& cos_t,
                  const at::Tensor& sin_t, bool interleaved, bool inverse) {
   check_q(q, N, positions, cos_t, sin_t);
@@ -141,9 +150,7 @@ void mla_rope_q_(at::Tensor& q, int64_t N, const at::Tensor& positions, const at
     part.copy_(rope_rotate_ref(part, positions, cos_t, sin_t, interleaved));
     return;
   }
-  // The transpose rotation is the rotation by -angle (sin negated), in fp32, rounded once.
-  part.copy_(rope_rotate_ref(part.to(at::kFloat), positions, cos_t.to(at::kFloat), sin_t.to(at::kFloat).neg(),
-                             interleaved));
+  part.copy_(rotate_transpose_ref(part, positions, cos_t, sin_t, interleaved));  // fp32, rounded once
 }
 
 namespace {
@@ -244,8 +251,8 @@ struct ProjectRopeKV : public torch::autograd::Function<ProjectRopeKV> {
 #endif
     if (!dk_pe.defined()) {  // the transpose rotation of the heads' sum, in fp32, rounded once
       const at::NoGradGuard no_grad;
-      dk_pe = rope_rotate_ref(dk.narrow(-1, N, R).to(at::kFloat).sum(1, /*keepdim=*/true), s[2], s[3].to(at::kFloat),
-                              s[4].to(at::kFloat).neg(), interleaved)
+      dk_pe = rotate_transpose_ref(dk.narrow(-1, N, R).to(at::kFloat).sum(1, /*keepdim=*/true), s[2], s[3], s[4],
+                                   interleaved)
                   .squeeze(1)
                   .to(dtype);
     }
