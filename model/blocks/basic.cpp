@@ -215,12 +215,18 @@ std::atomic<bool>& fusions_switch() {
   static std::atomic<bool> on{env_switch("KILN_TRAINING_FUSIONS", false)};
   return on;
 }
+std::atomic<bool>& overlap_switch() {
+  static std::atomic<bool> on{env_switch("KILN_SHARED_EXPERT_OVERLAP", false)};
+  return on;
+}
 }  // namespace
 
 bool recompute_in_backward() { return recompute_switch(); }
 bool set_recompute_in_backward(bool on) { return recompute_switch().exchange(on); }
 bool training_fusions() { return fusions_switch(); }
 bool set_training_fusions(bool on) { return fusions_switch().exchange(on); }
+bool shared_expert_overlap() { return overlap_switch(); }
+bool set_shared_expert_overlap(bool on) { return overlap_switch().exchange(on); }
 
 torch::Tensor unsplit_linear(const torch::Tensor& x, const torch::Tensor& w) {
   const int64_t K = w.size(1);

@@ -6,6 +6,8 @@
 
 #include "kernels/moe.hpp"
 #include "kernels/moe_dispatch.hpp"
+#include "kernels/side_stream.hpp"
+#include "model/blocks/fusions.hpp"
 #include "model/blocks/moe_ep.hpp"
 #include "model/blocks/recompute.hpp"
 
@@ -197,6 +199,20 @@ int64_t MoEImpl::parameter_count(const RouterOptions& o, int64_t expert_intermed
 
 torch::Tensor MoEImpl::forward(const torch::Tensor& x, const std::optional<torch::Tensor>& replay_ids_TK,
                                torch::Tensor* expert_ids_out, bool validate_replay) {
+  // Training on CUDA with the overlap switch (fusions.hpp): the shared experts on a second
+  // stream beside everything routed (kernels::run_beside), their sum joined on this stream.
+  if (shared && x.is_cuda() && torch::GradMode::is_enabled() && !batch_invariant_ && shared_expert_overlap()) {
+    auto [y, s] = kernels::run_beside(
+        x.device(), [&] { return routed(x, replay_ids_TK, expert_ids_out, validate_replay); }, [&] { return shared(x); },
+        {x});
+    return y + s;
+  }
+  auto y = routed(x, replay_ids_TK, expert_ids_out, validate_replay);
+  return shared ? y + shared(x) : y;
+}
+
+torch::Tensor MoEImpl::routed(const torch::Tensor& x, const std::optional<torch::Tensor>& replay_ids_TK,
+                              torch::Tensor* expert_ids_out, bool validate_replay) {
   auto r = router(x, replay_ids_TK, validate_replay);
   if (expert_ids_out) *expert_ids_out = r.expert_ids;
   // Training on one rank: dispatch, experts and combine as one function that keeps less for
@@ -206,8 +222,7 @@ torch::Tensor MoEImpl::forward(const torch::Tensor& x, const std::optional<torch
   auto d = dispatch(x, r, router->options().num_experts, /*gather_rows=*/!combined);
   torch::Tensor rows;  // [T*K, D] expert outputs in d's order
   if (combined) {
-    auto y = experts->forward_and_combine(x, d);
-    return shared ? y + shared(x) : y;
+    return experts->forward_and_combine(x, d);
   }
   if (ep_) {
     auto rd = dispatch_to_ranks(d, *ep_);
@@ -219,9 +234,7 @@ torch::Tensor MoEImpl::forward(const torch::Tensor& x, const std::optional<torch
   } else {
     rows = experts(d.x, d.counts);
   }
-  auto y = combine(rows, d, x.size(0), batch_invariant_);
-  if (shared) y = y + shared(x);
-  return y;
+  return combine(rows, d, x.size(0), batch_invariant_);
 }
 
 void MoEImpl::serve_expert_parallel() {

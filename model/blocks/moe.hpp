@@ -168,6 +168,9 @@ class MoEImpl : public torch::nn::Module, public BatchInvariantSwitch {
   SwiGLU shared{nullptr};  ///< null when n_shared_experts == 0
 
  private:
+  /// forward() without the shared experts: router, dispatch, routed experts, combine.
+  torch::Tensor routed(const torch::Tensor& x, const std::optional<torch::Tensor>& replay_ids_TK,
+                       torch::Tensor* expert_ids_out, bool validate_replay);
   parallel::Group* ep_ = nullptr;
   ExpertSlice slice_;
 };

@@ -5,6 +5,7 @@
 
 #include "kernels/lm_head.hpp"
 #include "kernels/mla_rope.hpp"
+#include "model/blocks/activation_checkpoint.hpp"
 #include "model/blocks/fusions.hpp"
 #include "model/blocks/logprobs.hpp"
 #include "model/blocks/moe.hpp"
@@ -595,4 +596,47 @@ TEST_CASE("recompute in backward: a MoE layer (routed and shared experts) gives 
     }
   }
   CHECK(recompute_in_backward() == initial);  // restored
+}
+
+TEST_CASE("CUDA bf16: the shared-expert overlap (a second stream) gives a MoE layer's forward and gradients bit for bit, plainly and checkpointed") {
+  if (kiln::test::skip_without_gpu()) return;
+  const bool initial = shared_expert_overlap();  // KILN_SHARED_EXPERT_OVERLAP's, or off
+  torch::manual_seed(52);
+  const int64_t T = 2048, D = 1024, E = 16, K = 4, F = 512;
+  RouterOptions ro{D, E, K, 1, 1, true, 2.5};
+  MoE moe(ro, F, 1);
+  for (auto& p : moe->parameters()) {
+    torch::NoGradGuard ng;
+    p.normal_(0, 0.03);
+  }
+  moe->to(torch::kCUDA, torch::kBFloat16);
+  auto x = torch::randn({T, D}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16));
+  auto dy = torch::randn({T, D}, x.options());
+  auto run = [&](bool overlap, bool checkpoint) {
+    const bool before = set_shared_expert_overlap(overlap);
+    auto xi = x.clone().requires_grad_();
+    torch::Tensor ids;
+    auto f = [&](const torch::Tensor& in) { return moe(in, std::nullopt, &ids); };
+    moe->zero_grad();
+    auto y = checkpoint ? checkpointed(f, xi) : f(xi);
+    // backward(), not autograd::grad: the checkpoint accumulates its parameters' gradients.
+    (y.to(torch::kFloat32) * dy.to(torch::kFloat32)).sum().backward();
+    set_shared_expert_overlap(before);
+    std::vector<torch::Tensor> g{y.detach(), xi.grad()};
+    for (auto& p : moe->parameters())
+      if (p.requires_grad()) g.push_back(p.grad().clone());
+    g.push_back(ids);
+    return g;
+  };
+  for (bool checkpoint : {false, true}) {
+    CAPTURE(checkpoint);
+    const auto plain = run(false, checkpoint), beside = run(true, checkpoint), again = run(true, checkpoint);
+    REQUIRE(plain.size() == beside.size());
+    for (std::size_t i = 0; i < plain.size(); ++i) {
+      CAPTURE(i);  // 0: the output; then x's and the parameters' gradients; last: the expert ids
+      CHECK(torch::equal(beside[i], plain[i]));
+      CHECK(torch::equal(again[i], beside[i]));
+    }
+  }
+  CHECK(shared_expert_overlap() == initial);  // restored
 }
