@@ -26,18 +26,17 @@ std::pair<torch::Tensor, torch::Tensor> run_beside(torch::Device device, const s
     ready.block(other);
     for (const auto& t : side_reads)
       if (t.defined() && t.is_cuda()) t.record_stream(other);
-    torch::Tensor s;
-    {
-      const c10::cuda::CUDAStreamGuard stream_guard(other);
-      s = side();
-    }
     auto join = [&] {
       at::cuda::CUDAEvent done;
       done.record(other);
       done.block(current);
     };
-    torch::Tensor m;
+    torch::Tensor s, m;
     try {
+      {
+        const c10::cuda::CUDAStreamGuard stream_guard(other);
+        s = side();
+      }
       m = main();
     } catch (...) {
       join();

@@ -13,7 +13,7 @@
 using namespace kiln;
 using kiln::test::skip_without_cuda_kernels;
 
-TEST_CASE("run_beside on the CPU: side() first, then main(), both results returned; a throw propagates") {
+TEST_CASE("run_beside on the CPU: side() first, then main(), both results returned, a throw propagates") {
   std::string order;
   auto x = torch::arange(6, torch::kFloat32);
   auto [m, s] = kernels::run_beside(
@@ -25,6 +25,12 @@ TEST_CASE("run_beside on the CPU: side() first, then main(), both results return
                            torch::kCPU, [&]() -> torch::Tensor { throw std::runtime_error("main failed"); },
                            [&] { return x; }, {}),
                        "main failed", std::runtime_error);
+  bool main_ran = false;
+  CHECK_THROWS_WITH_AS(kernels::run_beside(
+                           torch::kCPU, [&] { main_ran = true; return x; },
+                           [&]() -> torch::Tensor { throw std::runtime_error("side failed"); }, {}),
+                       "side failed", std::runtime_error);
+  CHECK_FALSE(main_ran);
 }
 
 TEST_CASE("CUDA: run_beside's two GEMM chains give the sequential chains' bits, its results usable at once, a throwing main still joined") {
