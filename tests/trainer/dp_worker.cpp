@@ -6,7 +6,8 @@
 //   - the metrics are equal on every rank, bit for bit, and equal to the reference's;
 //   - the whole gradient (this rank's shard, all-gathered) equals the reference's;
 //   - every rank's parameters are equal, bit for bit, and equal the reference's;
-// (relative error = ||got - want|| / ||want|| <= 1e-5, fp32). Cases:
+// (relative error = ||got - want|| / ||want|| <= 1e-5, fp32; a later step's gradient within
+// 1e-5 + 20x how far apart the parameters were before it, parameters_apart). Cases:
 //   token_mean     KL (k3) and entropy terms, old log-probs given, no clipping, 3 steps
 //   sequence_mean  pi_old from the forward (ratio 1), TIS weights, no clipping, 3 steps
 //   clip           gradient-norm clipping active on every step (checked), 3 steps
@@ -85,6 +86,14 @@ struct Pair {
 };
 
 bool reduce_bf16 = false;  // the reduce_bf16 case at world > 1: bf16 rounding allowed (and required)
+// How far apart the two trainers' parameters were after the last step (check_parameters). From the
+// second step on both gradients are taken at parameters that differ by the first steps' rounding,
+// so the gradient may differ by that much times the loss's conditioning: the sequence_mean case
+// measured 1.44e-5 at step 2 after 2.17e-6 apart (x6.6; AMD EPYC, 2026-12-07), over 1e-5. The
+// gradient's tolerance is kTolerance + kConditioning * parameters_apart; a lost or doubled rank's
+// share stays ~1e-1.
+double parameters_apart = 0;
+constexpr double kConditioning = 20;
 
 void check_metrics(Pair& p, const StepMetrics& got, const StepMetrics& want_, const std::string& at) {
   auto want = want_;
@@ -106,7 +115,10 @@ void check_gradient(Pair& p, const std::string& at) {
   if (reduce_bf16)
     expect(err > kTolerance && err <= 1e-2,
            at + "gradient relative error " + std::to_string(err) + " of a bf16 reduction, not in (1e-5, 1e-2]");
-  else expect(err <= kTolerance, at + "gradient relative error " + std::to_string(err));
+  else
+    expect(err <= kTolerance + kConditioning * parameters_apart,
+           at + "gradient relative error " + std::to_string(err) + " (parameters " + std::to_string(parameters_apart) +
+               " apart before the step)");
 }
 
 void check_parameters(Pair& p, const std::string& at) {
@@ -118,6 +130,7 @@ void check_parameters(Pair& p, const std::string& at) {
   const double err = relative_error(mine, flat(p.one.policy().parameters(), get));
   if (rank == 0) std::cout << "measured " << at << "parameter relative error " << err << std::endl;
   expect(err <= (reduce_bf16 ? 1e-3 : kTolerance), at + "parameter relative error " + std::to_string(err));
+  parameters_apart = err;
 }
 
 bool fsdp = false;  // the fsdp_ prefix of the case: dp trainers fully sharded
