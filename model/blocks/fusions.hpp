@@ -19,7 +19,9 @@ bool set_training_fusions(bool on);
 
 /// Whether a CUDA training step runs an MoE layer's shared experts on a second stream beside its
 /// router, dispatch, routed experts and combine (kernels::run_beside; MoEImpl::forward), as
-/// Megatron-LM's moe_shared_expert_overlap: the same kernels, so the same values and gradients.
+/// Megatron-LM's moe_shared_expert_overlap. The same kernels run: the same forward and parameter
+/// gradients, bit for bit; the layer's input gradient sums its three parts (shared experts, routed
+/// experts, router) in another order, so it agrees to bf16 rounding.
 /// Off by default until measured on a GPU (docs/benchmarks.md, 2026-12-07);
 /// KILN_SHARED_EXPERT_OVERLAP=1 at start-up turns it on (another value than 0 or 1: c10::Error
 /// naming it, at the first use). Not taken in the batch-invariant mode, without grad, or on CPU.

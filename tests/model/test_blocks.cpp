@@ -598,7 +598,7 @@ TEST_CASE("recompute in backward: a MoE layer (routed and shared experts) gives 
   CHECK(recompute_in_backward() == initial);  // restored
 }
 
-TEST_CASE("CUDA bf16: the shared-expert overlap (a second stream) gives a MoE layer's forward and gradients bit for bit, plainly and checkpointed") {
+TEST_CASE("CUDA bf16: the shared-expert overlap (a second stream) gives a MoE layer's forward and parameter gradients bit for bit, its input gradient to rounding, plainly and checkpointed") {
   if (kiln::test::skip_without_gpu()) return;
   const bool initial = shared_expert_overlap();  // KILN_SHARED_EXPERT_OVERLAP's, or off
   torch::manual_seed(52);
@@ -633,9 +633,13 @@ TEST_CASE("CUDA bf16: the shared-expert overlap (a second stream) gives a MoE la
     const auto plain = run(false, checkpoint), beside = run(true, checkpoint), again = run(true, checkpoint);
     REQUIRE(plain.size() == beside.size());
     for (std::size_t i = 0; i < plain.size(); ++i) {
-      CAPTURE(i);  // 0: the output; then x's and the parameters' gradients; last: the expert ids
-      CHECK(torch::equal(beside[i], plain[i]));
-      CHECK(torch::equal(again[i], beside[i]));
+      CAPTURE(i);  // 0: the output; 1: x's gradient; then the parameters' gradients; last: the expert ids
+      CHECK(torch::equal(again[i], beside[i]));  // the same bits on every run
+      // x's gradient sums three parts (shared experts, routed experts, router) in bf16, in the
+      // backward's order, which follows the forward's: with the overlap the shared experts are
+      // queued first, so their part is added last. Everything else is the same bits.
+      if (i == 1) CHECK(kiln::test::rel_error(beside[i], plain[i]) <= 1e-2);
+      else CHECK(torch::equal(beside[i], plain[i]));
     }
   }
   CHECK(shared_expert_overlap() == initial);  // restored
