@@ -83,7 +83,9 @@ __device__ __forceinline__ Vec<T> rotate(const float* x, const float* xp, int j,
     const float c = to_f(crow[pair]), s = to_f(srow[pair]);
     float out;
     if (kTranspose) {
-      out = first ? x0 * c + x1 * s : x1 * c - x0 * s;
+      // each product and the sum rounded apart (no FMA contraction): the same bits in every kernel
+      // that rotates back, and the reference's (rotate_transpose_ref: ATen's mul, then add)
+      out = first ? __fadd_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)) : __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x0, s));
     } else {
       out = first ? __fsub_rn(rd(__fmul_rn(x0, c)), rd(__fmul_rn(x1, s)))
                   : __fadd_rn(rd(__fmul_rn(x1, c)), rd(__fmul_rn(x0, s)));

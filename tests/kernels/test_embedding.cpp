@@ -60,7 +60,10 @@ TEST_CASE("CUDA: embedding_backward's kernels give at::embedding_dense_backward'
       auto dy = torch::randn({c.ids.size(0), D}, torch::TensorOptions().dtype(dtype).device(dev));
       REQUIRE(kernels::embedding_backward_uses_kernel(dy, c.ids, V));
       auto got = kernels::embedding_backward(dy, c.ids, V);
-      auto want = kernels::embedding_backward_ref(dy, c.ids, V);
+      // LibTorch's backward over dy in fp32, rounded once to dy's dtype: what the kernel computes.
+      // (At 3072 tokens or fewer LibTorch's own bf16 backward rounds its running sum to bf16 after
+      // every 32-token chunk, ~17 roundings in the 517-token row; not the reference here.)
+      auto want = kernels::embedding_backward_ref(dy.to(torch::kFloat32), c.ids, V).to(dtype);
       // fp32 sums in another order, each rounded once: every row within a rounding step of the
       // dtype of its largest value (a row of one token exactly dy's)
       const double tol = dtype == torch::kBFloat16 ? 1.0 / 128 : 1e-5;
@@ -69,7 +72,9 @@ TEST_CASE("CUDA: embedding_backward's kernels give at::embedding_dense_backward'
       CHECK((err / scale).max().item<double>() <= tol);
       auto once = torch::bincount(c.ids, {}, V).eq(1).nonzero().flatten();  // rows of one token
       CHECK(torch::equal(got.index_select(0, once), want.index_select(0, once)));
-      CHECK(torch::equal(got == 0, want == 0));  // rows without tokens zero, the others not
+      auto none = torch::bincount(c.ids, {}, V).eq(0).nonzero().flatten();  // rows without tokens: zero
+      CHECK(none.numel() > 0);
+      CHECK(got.index_select(0, none).eq(0).all().item<bool>());
       CHECK(torch::equal(got, kernels::embedding_backward(dy, c.ids, V)));  // the same bits again
     }
   // Through autograd: the weight's gradient of kernels::embedding.
