@@ -169,7 +169,9 @@ __global__ void __launch_bounds__(kThreads) rms_norm_bwd_warp(RmsNormParams p) {
         if (p.dres) {
           const NVec<T> d = *reinterpret_cast<const NVec<T>*>(static_cast<const T*>(p.dres) + row * p.dim + int64_t(v) * n);
 #pragma unroll
-          for (int e = 0; e < n; ++e) o.v[e] = from_f<T>(to_f(o.v[e]) + to_f(d.v[e]));
+          // __fadd_rn: never contracted with the product above into an FMA (in fp32, where
+          // from_f is no rounding, nvcc did: not the unfused at::add's bits)
+          for (int e = 0; e < n; ++e) o.v[e] = from_f<T>(__fadd_rn(to_f(o.v[e]), to_f(d.v[e])));
         }
         *reinterpret_cast<NVec<T>*>(dx + int64_t(v) * n) = o;
       }

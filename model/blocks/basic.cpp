@@ -212,11 +212,11 @@ std::atomic<bool>& recompute_switch() {
   return on;
 }
 std::atomic<bool>& fusions_switch() {
-  static std::atomic<bool> on{env_switch("KILN_TRAINING_FUSIONS", false)};
+  static std::atomic<bool> on{env_switch("KILN_TRAINING_FUSIONS", true)};
   return on;
 }
 std::atomic<bool>& overlap_switch() {
-  static std::atomic<bool> on{env_switch("KILN_SHARED_EXPERT_OVERLAP", false)};
+  static std::atomic<bool> on{env_switch("KILN_SHARED_EXPERT_OVERLAP", true)};
   return on;
 }
 }  // namespace

@@ -600,7 +600,7 @@ TEST_CASE("recompute in backward: a MoE layer (routed and shared experts) gives 
 
 TEST_CASE("CUDA bf16: the shared-expert overlap (a second stream) gives a MoE layer's forward and parameter gradients bit for bit, its input gradient to rounding, plainly and checkpointed") {
   if (kiln::test::skip_without_gpu()) return;
-  const bool initial = shared_expert_overlap();  // KILN_SHARED_EXPERT_OVERLAP's, or off
+  const bool initial = shared_expert_overlap();  // KILN_SHARED_EXPERT_OVERLAP's, or on
   torch::manual_seed(52);
   const int64_t T = 2048, D = 1024, E = 16, K = 4, F = 512;
   RouterOptions ro{D, E, K, 1, 1, true, 2.5};

@@ -287,7 +287,7 @@ TEST_CASE("CUDA bf16: logits, log-probs and loss gradients stay within bf16 tole
 }
 
 TEST_CASE("training fusions on and off: the same log-probs bit for bit and the same gradients (CPU fp32 exactly, CUDA bf16 to rounding)") {
-  const bool initial = training_fusions();  // KILN_TRAINING_FUSIONS's, or off
+  const bool initial = training_fusions();  // KILN_TRAINING_FUSIONS's, or on
   std::vector<bool> cuda_too{false};
   if (test::have_gpu()) cuda_too.push_back(true);
   else MESSAGE("no CUDA device: the CPU paths only (the embedding's and SwiGLU's switch)");
