@@ -8,7 +8,7 @@
 // in one pass (kernels::embedding). The forward's values are the same either way; the gradients
 // agree to rounding (tests/kernels/test_mla_rope.cpp, test_rms_norm.cpp, test_embedding.cpp,
 // test_swiglu.cpp). On by default since their CUDA cases passed on an H100 and the 8k step ran
-// 1.5% faster with them (docs/benchmarks.md, 2026-12-07); KILN_TRAINING_FUSIONS=0 in the
+// 1.3-1.5% faster with them (docs/benchmarks.md, 2026-12-07); KILN_TRAINING_FUSIONS=0 in the
 // environment at start-up turns them off (another value than 0 or 1: c10::Error naming it, at
 // the first use).
 // On the CPU the model's paths are the composites either way.
@@ -23,7 +23,7 @@ bool set_training_fusions(bool on);
 /// Megatron-LM's moe_shared_expert_overlap. The same kernels run: the same forward and parameter
 /// gradients, bit for bit; the layer's input gradient sums its three parts (shared experts, routed
 /// experts, router) in another order, so it agrees to bf16 rounding.
-/// On by default (the 8k step 0.5-0.9% faster on an H100: docs/benchmarks.md, 2026-12-07);
+/// On by default (the 8k step 0.5-0.7% faster on an H100: docs/benchmarks.md, 2026-12-07);
 /// KILN_SHARED_EXPERT_OVERLAP=0 at start-up turns it off (another value than 0 or 1: c10::Error
 /// naming it, at the first use). Not taken in the batch-invariant mode, without grad, or on CPU.
 bool shared_expert_overlap();
