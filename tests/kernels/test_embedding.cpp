@@ -70,9 +70,10 @@ TEST_CASE("CUDA: embedding_backward's kernels give at::embedding_dense_backward'
       auto err = (got.to(torch::kFloat64) - want.to(torch::kFloat64)).abs().amax(1);
       auto scale = want.to(torch::kFloat64).abs().amax(1).clamp_min(1e-30);
       CHECK((err / scale).max().item<double>() <= tol);
-      auto once = torch::bincount(c.ids, {}, V).eq(1).nonzero().flatten();  // rows of one token
+      const auto count = torch::bincount(c.ids, {}, V);     // tokens a row
+      auto once = count.eq(1).nonzero().flatten();           // rows of one token
       CHECK(torch::equal(got.index_select(0, once), want.index_select(0, once)));
-      auto none = torch::bincount(c.ids, {}, V).eq(0).nonzero().flatten();  // rows without tokens: zero
+      auto none = count.eq(0).nonzero().flatten();  // rows without tokens: zero
       CHECK(none.numel() > 0);
       CHECK(got.index_select(0, none).eq(0).all().item<bool>());
       CHECK(torch::equal(got, kernels::embedding_backward(dy, c.ids, V)));  // the same bits again
