@@ -9,6 +9,7 @@
 #include "kernels/moe.hpp"
 #include "kernels/rms_norm.hpp"
 #include "kernels/rope.hpp"
+#include "kernels/router_logits.hpp"
 #include "kernels/swiglu.hpp"
 #include "model/blocks/fusions.hpp"
 #include "model/blocks/recompute.hpp"
@@ -126,8 +127,11 @@ struct UnsplitLinear : public torch::autograd::Function<UnsplitLinear> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x_MK, const torch::Tensor& w_NK,
                                bool fp32) {
     ctx->save_for_backward({x_MK, w_NK});
-    return fp32 ? kernels::linear_unsplit(x_MK.to(torch::kFloat32), w_NK.to(torch::kFloat32))
-                : kernels::linear_unsplit(x_MK, w_NK);
+    if (!fp32) return kernels::linear_unsplit(x_MK, w_NK);
+    // bf16 operands on CUDA: kernels::router_logits (each output summed over K in order from
+    // the bf16 values, no fp32 copy of x); else cuBLASLt's fp32 GEMM without split-K.
+    if (kernels::router_logits_uses_kernel(x_MK, w_NK)) return kernels::router_logits(x_MK, w_NK);
+    return kernels::linear_unsplit(x_MK.to(torch::kFloat32), w_NK.to(torch::kFloat32));
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();

@@ -80,8 +80,10 @@ torch::Tensor unsplit_linear(const torch::Tensor& x, const torch::Tensor& w);
 /// when x is not [M, K] for w1 and w2's K.
 std::pair<torch::Tensor, torch::Tensor> unsplit_linear_pair(const torch::Tensor& x, const torch::Tensor& w1,
                                                             const torch::Tensor& w2);
-/// unsplit_linear in fp32 (x and w cast to fp32: the fp32 GEMM's bits) -> [..., N] fp32. For a
-/// bf16 x [M, K] and w on CUDA its backward runs in bf16 (the gradient rounded to bf16, two
+/// unsplit_linear in fp32 (x and w cast to fp32: the fp32 GEMM's value) -> [..., N] fp32. For a
+/// bf16 x [M, K] and w on CUDA the forward is kernels::router_logits (each output summed over K
+/// in order from the bf16 values: the same bits at any M; kernels/router_logits.hpp) where its
+/// layout conditions hold, and the backward runs in bf16 (the gradient rounded to bf16, two
 /// tensor-core GEMMs with fp32 accumulation, as torchtitan's bf16 router; x saved in bf16), not
 /// on the CUDA cores in fp32 through an fp32 copy of x; otherwise unsplit_linear of the fp32
 /// casts. The MoE router's logits.

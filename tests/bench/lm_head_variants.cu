@@ -15,6 +15,10 @@
 //   two_c21 / two_c11     two reductions in clusters 2x1 / 1x1 (kiln's: 1x2)
 //   plain_c21             a plain store in cluster 2x1
 //   plain_pong            pingpong 128x128, cluster 1x2, a plain store
+//   plain_pong64 / stats_pong64 / stats_256   a plain store and kiln's node with pingpong 64x256
+//                         tiles (each warp group its own 64 x 256 tile, the cooperative
+//                         schedule's per-warp-group shape, its epilogue under the other's
+//                         mainloop), and kiln's node with cooperative 256x128 tiles
 //   stats / stats_pong / stats_c21   kiln's own epilogue node (lm_head_sm90::RowSoftmaxStats: one
 //                         ex2 per value, a reference moved only when a value is far above it,
 //                         the probabilities against a reference of 0 stored and summed) in place
@@ -205,6 +209,8 @@ using PongE = cutlass::epilogue::TmaWarpSpecialized;
 using Auto = cutlass::epilogue::collective::EpilogueTileAuto;
 using T128x256 = Shape<_128, _256, _64>;
 using T128x128 = Shape<_128, _128, _64>;
+using T64x256 = Shape<_64, _256, _64>;
+using T256x128 = Shape<_256, _128, _64>;
 using C12 = Shape<_1, _2, _1>;
 using C21 = Shape<_2, _1, _1>;
 using C11 = Shape<_1, _1, _1>;
@@ -221,6 +227,9 @@ using C11 = Shape<_1, _1, _1>;
 #define KILN_V_stats Gemm<T128x256, C12, Coop, CoopE, Fuse::stats, true, Auto>
 #define KILN_V_stats_pong Gemm<T128x128, C12, Pong, PongE, Fuse::stats, true, Auto>
 #define KILN_V_stats_c21 Gemm<T128x256, C21, Coop, CoopE, Fuse::stats, true, Auto>
+#define KILN_V_plain_pong64 Gemm<T64x256, C12, Pong, PongE, Fuse::plain, true, Auto>
+#define KILN_V_stats_pong64 Gemm<T64x256, C12, Pong, PongE, Fuse::stats, true, Auto>
+#define KILN_V_stats_256 Gemm<T256x128, C12, Coop, CoopE, Fuse::stats, true, Auto>
 #define KILN_CAT2(a, b) a##b
 #define KILN_CAT(a, b) KILN_CAT2(a, b)
 #define KILN_STR2(a) #a
