@@ -29,10 +29,10 @@ at::Tensor router_logits_ref(const at::Tensor& x_MK, const at::Tensor& w_NK) {
 
 bool router_logits_uses_kernel(const at::Tensor& x_MK, const at::Tensor& w_NK) {
 #ifdef KILN_CUDA
-  constexpr int64_t kMax = int64_t(1) << 31;
+  constexpr int64_t kMax = (int64_t(1) << 31) - 64;  // the kernel's int index sums stay below 2^31
   return x_MK.is_cuda() && x_MK.dim() == 2 && w_NK.dim() == 2 && x_MK.scalar_type() == at::kBFloat16 &&
          w_NK.scalar_type() == at::kBFloat16 && w_NK.device() == x_MK.device() && x_MK.size(1) == w_NK.size(1) &&
-         x_MK.size(1) % 8 == 0 && x_MK.size(0) < kMax && w_NK.size(0) < kMax && x_MK.size(1) < kMax &&
+         x_MK.size(1) % 8 == 0 && x_MK.size(0) < kMax && w_NK.size(0) <= 65535 * 16 && x_MK.size(1) < kMax &&
          (x_MK.size(0) <= 1 || (x_MK.stride(0) % 8 == 0 && x_MK.stride(0) >= x_MK.size(1))) &&
          (x_MK.size(1) <= 1 || x_MK.stride(1) == 1) && aligned16(x_MK) && w_NK.is_contiguous() && aligned16(w_NK);
 #else

@@ -12,8 +12,8 @@ namespace kiln::kernels::cuda {
 /// router_logits_tile_for picks by M: 0 from kRouterLogitsLargeFrom rows, 1 from
 /// kRouterLogitsMediumFrom, else 2. From kiln_bench_router_logits on the H100 at N 64, K 2048
 /// (docs/benchmarks.md): tile 2 fastest to M 1024 (33 us to M 256), tile 1 at 4096 (79 us
-/// against 86), tile 0 at 8192 (86 us against 148).
-constexpr int64_t kRouterLogitsLargeFrom = 6144, kRouterLogitsMediumFrom = 2048;
+/// against 86), tile 0 from 4608 (85 us at any M; tile 1 111 us at 4608-6144, 148 at 8192).
+constexpr int64_t kRouterLogitsLargeFrom = 4097, kRouterLogitsMediumFrom = 2048;
 int router_logits_tile_for(int64_t M, int64_t N);
 /// x [M, K] bf16 (unit column stride, 16-byte aligned rows), w [N, K] bf16 contiguous, K % 8 == 0
 /// -> y [M, N] fp32 contiguous (every element written), on the current stream; tile -1: by M.

@@ -65,8 +65,12 @@ TEST_CASE("router_logits CUDA: each output summed over k in order in fp32, the s
     int64_t M, N, K;
   };
   // GLM-4.7-Flash's router; partial row and column blocks; a K that is not a whole 32-wide slice;
-  // one row (a decode step).
-  for (const auto s : {Shape{300, 64, 2048}, Shape{131, 100, 40}, Shape{1, 64, 2048}, Shape{70, 3, 8}}) {
+  // one row (a decode step). The row counts reach each of the kernel's block shapes
+  // (kernels/router_logits_cuda.hpp: 16 x 16 below 2048 rows, 32 x 32 to 4096, 64 x 64 above),
+  // each with partial blocks.
+  for (const auto s : {Shape{300, 64, 2048}, Shape{131, 100, 40}, Shape{1, 64, 2048}, Shape{70, 3, 8},
+                       Shape{2050, 100, 40}, Shape{2100, 64, 2048}, Shape{2077, 3, 8}, Shape{6200, 100, 40},
+                       Shape{4183, 3, 8}}) {
     CAPTURE(s.M);
     CAPTURE(s.N);
     CAPTURE(s.K);
@@ -78,12 +82,27 @@ TEST_CASE("router_logits CUDA: each output summed over k in order in fp32, the s
     // Within fp32 rounding of the reference GEMM (summed in cuBLAS's order).
     CHECK(torch::allclose(y, kernels::router_logits_ref(x, w), 1e-4, 1e-4));
   }
-  // Rows with a stride (x a view of wider rows) and a row with a NaN (only its own outputs NaN).
-  const auto wide = torch::randn({257, 4096}, cuda);
-  auto x = wide.narrow(1, 1024, 2048);
+  // What the kernel does not take goes to the reference: K not a multiple of 8, rows off a
+  // 16-byte boundary, fp32 operands.
+  {
+    const auto w12 = torch::randn({64, 12}, cuda), x12 = torch::randn({5, 12}, cuda);
+    CHECK_FALSE(kernels::router_logits_uses_kernel(x12, w12));
+    CHECK(torch::equal(kernels::router_logits(x12, w12), kernels::router_logits_ref(x12, w12)));
+    const auto wide = torch::randn({9, 2056}, cuda), w2048 = torch::randn({64, 2048}, cuda);
+    const auto shifted = wide.narrow(1, 1, 2048);  // starts 2 bytes past the row's boundary
+    CHECK_FALSE(kernels::router_logits_uses_kernel(shifted, w2048));
+    CHECK(torch::equal(kernels::router_logits(shifted, w2048), kernels::router_logits_ref(shifted, w2048)));
+    CHECK_FALSE(kernels::router_logits_uses_kernel(shifted.to(torch::kFloat32), w2048.to(torch::kFloat32)));
+  }
+  // Rows with a stride (x a view of wider rows: in the 16 x 16 and the 64 x 64 block shapes) and a
+  // row with a NaN (only its own outputs NaN).
+  const auto wide = torch::randn({6200, 4096}, cuda);
   const auto w = (torch::randn({64, 2048}, cuda) * 0.05).to(torch::kBFloat16);
-  REQUIRE(x.stride(0) == 4096);
-  REQUIRE(kernels::router_logits_uses_kernel(x, w));
+  const auto x_all = wide.narrow(1, 1024, 2048);
+  REQUIRE(x_all.stride(0) == 4096);
+  REQUIRE(kernels::router_logits_uses_kernel(x_all, w));
+  CHECK(same_bits(kernels::router_logits(x_all, w), sequential_fp32(x_all, w)));
+  const auto x = x_all.narrow(0, 0, 257);
   CHECK(same_bits(kernels::router_logits(x, w), sequential_fp32(x, w)));
   const auto x_nan = x.clone();
   x_nan[7][100] = std::nanf("");
@@ -95,6 +114,7 @@ TEST_CASE("router_logits CUDA: each output summed over k in order in fp32, the s
   // counts reach each of the kernel's block shapes: kernels/router_logits_cuda.hpp).
   const auto big = torch::randn({8192, 2048}, cuda);
   const auto y_big = kernels::router_logits(big, w);
+  CHECK(same_bits(y_big, sequential_fp32(big, w)));
   for (const int64_t m : {int64_t(1), int64_t(5), int64_t(77), int64_t(1024), int64_t(4096)}) {
     CAPTURE(m);
     CHECK(same_bits(kernels::router_logits(big.narrow(0, 8192 - m, m), w), y_big.narrow(0, 8192 - m, m)));
