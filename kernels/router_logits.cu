@@ -42,6 +42,35 @@ __device__ __forceinline__ void load_vec(float (&v)[N], const float* p) {
   }
 }
 
+// One operand's B rows of a 32-wide K slice (x's block of rows or w's of columns): brought in as
+// 16-byte vectors of 8 bf16 into registers (load), then widened into shared memory k-major
+// (store: dst[k][row]). K % 8 == 0: a vector lies wholly before K or wholly past it (zeros there,
+// never summed).
+template <int B>
+struct SliceRows {
+  static constexpr int kVec = B * kBK / 8, kPer = (kVec + kThreads - 1) / kThreads;  // vectors per slice, per thread
+  uint4 v[kPer];
+  __device__ __forceinline__ void load(const __nv_bfloat16* base, int64_t ld, int rows, int K, int k0) {
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int t = threadIdx.x + i * kThreads, r = t / (kBK / 8), k = k0 + (t % (kBK / 8)) * 8;
+      v[i] = t < kVec && r < rows && k < K ? *reinterpret_cast<const uint4*>(base + int64_t(r) * ld + k)
+                                           : make_uint4(0, 0, 0, 0);
+    }
+  }
+  __device__ __forceinline__ void store(float (&dst)[kBK][B]) const {
+    float f[8];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int t = threadIdx.x + i * kThreads, r = t / (kBK / 8), k = (t % (kBK / 8)) * 8;
+      if (t >= kVec) break;
+      widen(v[i], f);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) dst[k + j][r] = f[j];
+    }
+  }
+};
+
 // y [M, N] = x [M, K] (row stride ldx) w [N, K]^T, one BM x BN block of y per CTA, a TM x TN block
 // per thread (thread (ty, tx) = (tid / (BN / TN), tid % (BN / TN)): rows m0 + TM ty .., columns
 // n0 + TN tx ..). Each 32-wide K slice of x's and w's rows comes in as 16-byte vectors of 8 bf16
@@ -54,46 +83,19 @@ __global__ void __launch_bounds__(kThreads) router_logits_kernel(const __nv_bflo
                                                                  const __nv_bfloat16* __restrict__ w,
                                                                  float* __restrict__ y, int M, int N, int K) {
   static_assert((BM / TM) * (BN / TN) == kThreads, "one thread per TM x TN block");
-  constexpr int kVecX = BM * kBK / 8, kVecW = BN * kBK / 8;  // 16-byte vectors per slice
-  constexpr int kPerX = (kVecX + kThreads - 1) / kThreads, kPerW = (kVecW + kThreads - 1) / kThreads;
   __shared__ __align__(16) float xs[2][kBK][BM];
   __shared__ __align__(16) float ws[2][kBK][BN];
   const int tid = threadIdx.x, tx = tid % (BN / TN), ty = tid / (BN / TN);
   const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
-  // K % 8 == 0: a vector lies wholly before K or wholly past it (zeros there, never summed).
-  uint4 vx[kPerX], vw[kPerW];
+  SliceRows<BM> sx;
+  SliceRows<BN> sw;
   auto load = [&](int k0) {
-#pragma unroll
-    for (int i = 0; i < kPerX; ++i) {
-      const int v = tid + i * kThreads, r = v / (kBK / 8), k = k0 + (v % (kBK / 8)) * 8;
-      vx[i] = v < kVecX && m0 + r < M && k < K ? *reinterpret_cast<const uint4*>(x + int64_t(m0 + r) * ldx + k)
-                                               : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int i = 0; i < kPerW; ++i) {
-      const int v = tid + i * kThreads, r = v / (kBK / 8), k = k0 + (v % (kBK / 8)) * 8;
-      vw[i] = v < kVecW && n0 + r < N && k < K ? *reinterpret_cast<const uint4*>(w + int64_t(n0 + r) * K + k)
-                                               : make_uint4(0, 0, 0, 0);
-    }
+    sx.load(x + int64_t(m0) * ldx, ldx, M - m0, K, k0);
+    sw.load(w + int64_t(n0) * K, K, N - n0, K, k0);
   };
   auto store = [&](int buf) {
-    float f[8];
-#pragma unroll
-    for (int i = 0; i < kPerX; ++i) {
-      const int v = tid + i * kThreads, r = v / (kBK / 8), k = (v % (kBK / 8)) * 8;
-      if (v >= kVecX) break;
-      widen(vx[i], f);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) xs[buf][k + j][r] = f[j];
-    }
-#pragma unroll
-    for (int i = 0; i < kPerW; ++i) {
-      const int v = tid + i * kThreads, r = v / (kBK / 8), k = (v % (kBK / 8)) * 8;
-      if (v >= kVecW) break;
-      widen(vw[i], f);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) ws[buf][k + j][r] = f[j];
-    }
+    sx.store(xs[buf]);
+    sw.store(ws[buf]);
   };
   float acc[TM][TN];
 #pragma unroll
