@@ -46,6 +46,16 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_ref(const at::Tensor& dy, c
 }
 
 namespace {
+// x as the kernels take it without a copy: itself when its rows (unit column stride) each start on
+// a 16-byte boundary, a row-strided view included (the MLA latent's norm reads the first C columns
+// of the [T, C+R] projection: no copy of them forward or backward); else aligned_contiguous(x).
+at::Tensor aligned_rows(const at::Tensor& x) {
+  if (x.dim() == 2 && x.size(0) > 1 && x.size(1) > 1 && x.stride(1) == 1 && x.stride(0) >= x.size(1) &&
+      (x.stride(0) * int64_t(x.element_size())) % 16 == 0 && aligned16(x))
+    return x;
+  return aligned_contiguous(x);
+}
+
 // rms_norm_forward with an optional residual addend r: -> (y, rstd, h = x + r or undefined).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_impl(const at::Tensor& x, const at::Tensor& w, double eps,
                                                             const at::Tensor* r) {
@@ -58,15 +68,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_impl(const at::Tensor& x,
 #ifdef KILN_CUDA
   // On 16-byte boundaries (a fresh copy when a view starts off one): which kernel runs, and so a
   // row's bits, then depend on D alone (kernels/rms_norm.cu), not on where the row lies.
-  auto xc = aligned_contiguous(x), wc = aligned_contiguous(w);
-  auto y = torch::empty_like(xc);
+  auto xc = aligned_rows(x), wc = aligned_contiguous(w);
+  auto y = torch::empty({x.size(0), x.size(1)}, x.options());
   auto rstd = torch::empty({x.size(0)}, x.options().dtype(at::kFloat));
   if (!r) {
     cuda::rms_norm_forward(xc, wc, eps, y, rstd);
     return {y, rstd, at::Tensor()};
   }
   auto rc = aligned_contiguous(*r);
-  auto h = torch::empty_like(xc);
+  auto h = torch::empty({x.size(0), x.size(1)}, x.options());
   cuda::rms_norm_forward(xc, wc, eps, y, rstd, &rc, &h);
   return {y, rstd, h};
 #else
@@ -83,8 +93,8 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& dy, const at:
     return {dres ? dx + *dres : dx, dw};
   }
 #ifdef KILN_CUDA
-  auto xc = aligned_contiguous(x), wc = aligned_contiguous(w), dyc = aligned_contiguous(dy);
-  auto dx = torch::empty_like(xc);
+  auto xc = aligned_rows(x), wc = aligned_contiguous(w), dyc = aligned_contiguous(dy);
+  auto dx = torch::empty({x.size(0), x.size(1)}, x.options());
   auto dw = torch::empty({w.size(0)}, w.options().dtype(at::kFloat));  // written by the kernel's sum
   if (dres) {
     auto dc = aligned_contiguous(dres->to(x.scalar_type()));

@@ -16,6 +16,7 @@
 
 #include "kernels/dtype.cuh"
 #include "kernels/rms_norm_cuda.hpp"
+#include "kernels/smem_opt_in.cuh"
 
 namespace kiln::kernels::cuda {
 
@@ -37,6 +38,7 @@ struct RmsNormParams {  // passed by value
   const void* r = nullptr;
   void* s = nullptr;
   const void* dres = nullptr;
+  int64_t xs = 0;  // x's row stride in elements (the warp kernels; the block kernels read x contiguous)
 };
 
 
@@ -102,13 +104,18 @@ __global__ void __launch_bounds__(kThreads) rms_norm_bwd(RmsNormParams p) {
   for (int64_t i = threadIdx.x; i < p.dim; i += kThreads) p.dw[blockIdx.x * p.dim + i] = dw_acc[i];
 }
 
-// The backward with a warp per row: each lane holds VPL 16-byte vectors of the row (x, dy and
-// its columns of w in registers, loaded once), so a row is read once, its dot product is a
-// warp reduction (no block barrier per row), and each lane accumulates dw for its own columns
-// in registers over the warp's rows. At the end the block's warps add their dw in warp order
-// (the same sums on every run) and the block writes one partial row, as rms_norm_bwd does.
-// The first kernel read 2-byte elements twice per row and took ~64 us for 8192 x 2048 bf16 on
-// the H200, ~2.5x its bytes at the copy rate.
+// The backward with a warp per row: each lane holds VPL 16-byte vectors of the row (x and dy in
+// registers, loaded once; its columns of w read again from L1), so a row is read once and its
+// dot product is a warp reduction (no block barrier per row). Each warp accumulates dw for its
+// rows in its own slice of shared memory (a lane owns its columns: no atomics), in row order; at
+// the end the block adds its warps' slices in warp order (the same sums on every run) and writes
+// one partial row, as rms_norm_bwd does.
+// History: the first kernel read 2-byte elements twice per row (~64 us for 8192 x 2048 bf16 on
+// the H200, ~2.5x its bytes at the copy rate); the next kept w and dw in registers too (255
+// registers and spills at 8 vectors a lane, one block of 8 warps an SM: 82-90 us for the
+// residual form at 8192 x 2048 on the H100, ~1.5 TB/s). A slice's element e of vector v sits at
+// float4 ((e / 4) * nvec + v), lane e % 4: a warp's 16-byte accesses are consecutive, no bank
+// conflicts.
 template <class T>
 struct alignas(16) NVec {
   static constexpr int n = 16 / sizeof(T);
@@ -116,22 +123,17 @@ struct alignas(16) NVec {
 };
 
 template <class T, int VPL>
-__global__ void __launch_bounds__(kThreads) rms_norm_bwd_warp(RmsNormParams p) {
-  constexpr int n = NVec<T>::n, kWarpsB = kThreads / 32;
-  extern __shared__ float acc[];  // [dim]
+__global__ void __launch_bounds__(kThreads, 2) rms_norm_bwd_warp(RmsNormParams p) {
+  constexpr int n = NVec<T>::n, kWarpsB = kThreads / 32, kQuads = n / 4;
+  extern __shared__ float4 slices[];  // [kWarpsB][kQuads * nvec] float4: each warp's dw
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int nvec = int(p.dim / n);
-  NVec<T> wv[VPL];
-  float dw[VPL][n];
-#pragma unroll
-  for (int j = 0; j < VPL; ++j) {
-    const int v = lane + 32 * j;
-    if (v < nvec) wv[j] = *reinterpret_cast<const NVec<T>*>(static_cast<const T*>(p.w) + int64_t(v) * n);
-#pragma unroll
-    for (int e = 0; e < n; ++e) dw[j][e] = 0.f;
-  }
+  float4* mine = slices + int64_t(warp) * kQuads * nvec;
+  for (int i = lane; i < kQuads * nvec; i += 32) mine[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  __syncwarp();
+  const T* w = static_cast<const T*>(p.w);
   for (int64_t row = int64_t(blockIdx.x) * kWarpsB + warp; row < p.rows; row += int64_t(gridDim.x) * kWarpsB) {
-    const T* x = static_cast<const T*>(p.x) + row * p.dim;
+    const T* x = static_cast<const T*>(p.x) + row * p.xs;
     const T* dy = static_cast<const T*>(p.dy) + row * p.dim;
     T* dx = static_cast<T*>(p.y) + row * p.dim;
     NVec<T> xv[VPL], gv[VPL];
@@ -146,25 +148,47 @@ __global__ void __launch_bounds__(kThreads) rms_norm_bwd_warp(RmsNormParams p) {
     const float rstd = p.rstd[row];
     float dot = 0.f;  // sum(dn * n)
 #pragma unroll
-    for (int j = 0; j < VPL; ++j)
-      if (lane + 32 * j < nvec)
+    for (int j = 0; j < VPL; ++j) {
+      const int v = lane + 32 * j;
+      if (v < nvec) {
+        const NVec<T> wv = *reinterpret_cast<const NVec<T>*>(w + int64_t(v) * n);
 #pragma unroll
-        for (int e = 0; e < n; ++e) {
-          const float nn = to_f(xv[j].v[e]) * rstd, g = to_f(gv[j].v[e]);
-          dot += g * to_f(wv[j].v[e]) * nn;
-          dw[j][e] += g * nn;
+        for (int q = 0; q < kQuads; ++q) {
+          float4 a = mine[q * nvec + v];
+          float* af = reinterpret_cast<float*>(&a);
+#pragma unroll
+          for (int e4 = 0; e4 < 4; ++e4) {
+            const int e = q * 4 + e4;
+            const float nn = to_f(xv[j].v[e]) * rstd, g = to_f(gv[j].v[e]);
+            dot += g * to_f(wv.v[e]) * nn;
+            af[e4] += g * nn;
+          }
+          mine[q * nvec + v] = a;
         }
+      }
+    }
     for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
     const float mean_dot = dot / float(p.dim);
+    // Registers: the row stays packed between the two passes. The empty asm makes the compiler
+    // convert x and dy again below rather than keep fp32 copies of both (2x the registers:
+    // 128 and spills at 8 vectors a lane in bf16, against 114 and none in fp16).
+#pragma unroll
+    for (int j = 0; j < VPL; ++j) {
+      uint32_t* xr = reinterpret_cast<uint32_t*>(&xv[j]);
+      uint32_t* gr = reinterpret_cast<uint32_t*>(&gv[j]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(xr[i]), "+r"(gr[i]));
+    }
 #pragma unroll
     for (int j = 0; j < VPL; ++j) {
       const int v = lane + 32 * j;
       if (v < nvec) {
+        const NVec<T> wv = *reinterpret_cast<const NVec<T>*>(w + int64_t(v) * n);
         NVec<T> o;
 #pragma unroll
         for (int e = 0; e < n; ++e) {
           const float nn = to_f(xv[j].v[e]) * rstd;
-          o.v[e] = from_f<T>(rstd * (to_f(gv[j].v[e]) * to_f(wv[j].v[e]) - nn * mean_dot));
+          o.v[e] = from_f<T>(rstd * (to_f(gv[j].v[e]) * to_f(wv.v[e]) - nn * mean_dot));
         }
         if (p.dres) {
           const NVec<T> d = *reinterpret_cast<const NVec<T>*>(static_cast<const T*>(p.dres) + row * p.dim + int64_t(v) * n);
@@ -177,20 +201,16 @@ __global__ void __launch_bounds__(kThreads) rms_norm_bwd_warp(RmsNormParams p) {
       }
     }
   }
-  for (int64_t i = threadIdx.x; i < p.dim; i += kThreads) acc[i] = 0.f;
   __syncthreads();
-  for (int w = 0; w < kWarpsB; ++w) {  // warp order: the same sums on every run
-    if (warp == w)
-#pragma unroll
-      for (int j = 0; j < VPL; ++j) {
-        const int v = lane + 32 * j;
-        if (v < nvec)
-#pragma unroll
-          for (int e = 0; e < n; ++e) acc[v * n + e] += dw[j][e];
-      }
-    __syncthreads();
+  // The block's partial row: column c = v * n + e summed over the warps in warp order.
+  const float* flat = reinterpret_cast<const float*>(slices);
+  const int per_warp = kQuads * nvec * 4;
+  for (int s = threadIdx.x; s < per_warp; s += kThreads) {
+    const int q = s / 4 / nvec, v = s / 4 % nvec, e = q * 4 + s % 4;
+    float sum = 0.f;
+    for (int k = 0; k < kWarpsB; ++k) sum += flat[k * per_warp + s];
+    p.dw[int64_t(blockIdx.x) * p.dim + v * n + e] = sum;
   }
-  for (int64_t i = threadIdx.x; i < p.dim; i += kThreads) p.dw[blockIdx.x * p.dim + i] = acc[i];
 }
 
 // The forward with a warp per row and the row in registers (16-byte loads, one read of x): the
@@ -204,7 +224,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_fwd_warp(RmsNormParams p) {
   const int nvec = int(p.dim / n);
   const int64_t row = int64_t(blockIdx.x) * kWarpsB + warp;
   if (row >= p.rows) return;
-  const T* x = static_cast<const T*>(p.x) + row * p.dim;
+  const T* x = static_cast<const T*>(p.x) + row * p.xs;
   T* y = static_cast<T*>(p.y) + row * p.dim;
   NVec<T> xv[VPL];
   float ss = 0.f;
@@ -256,6 +276,14 @@ int64_t warp_vectors_per_lane(std::initializer_list<const at::Tensor*> ts, int64
   return vpl >= 1 && vpl <= 8 ? vpl : 0;
 }
 
+// x's row stride for the warp kernels: rows of unit column stride that each start on a 16-byte
+// boundary (x's own start checked by warp_vectors_per_lane), else 0 (the caller copies x).
+int64_t warp_row_stride(const at::Tensor& x) {
+  if (x.size(0) <= 1 || x.is_contiguous()) return x.size(1);
+  if (x.stride(1) != 1 || x.stride(0) < x.size(1) || (x.stride(0) * int64_t(x.element_size())) % 16 != 0) return 0;
+  return x.stride(0);
+}
+
 // Calls f(integral_constant<int, VPL>) with VPL the next size the warp kernels are built for.
 template <class F>
 void with_vpl(int64_t vpl, F f) {
@@ -283,8 +311,13 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& w, double eps, at::
                       const at::Tensor* r, at::Tensor* s) {
   const c10::cuda::CUDAGuard guard(x.device());  // launch on the tensors' GPU, not the current one
   if (x.size(0) == 0) return;
-  const bool warp = r ? warp_vectors_per_lane({&x, &w, &y, r, s}, x.size(1)) != 0
-                      : warp_vectors_per_lane({&x, &w, &y}, x.size(1)) != 0;
+  const int64_t xs = warp_row_stride(x);
+  const bool warp = xs != 0 && (r ? warp_vectors_per_lane({&x, &w, &y, r, s}, x.size(1)) != 0
+                                  : warp_vectors_per_lane({&x, &w, &y}, x.size(1)) != 0);
+  if (!warp && !x.is_contiguous()) {  // strided rows: the warp kernels only
+    rms_norm_forward(x.contiguous(), w, eps, y, rstd, r, s);
+    return;
+  }
   if (r && !warp) {  // the block kernel has no residual form: the sum by at::add, then the norm
     at::add_out(*s, x, *r);
     rms_norm_forward(*s, w, eps, y, rstd);
@@ -292,6 +325,7 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& w, double eps, at::
   }
   RmsNormParams p{x.data_ptr(), w.data_ptr(), nullptr, y.data_ptr(), rstd.data_ptr<float>(), nullptr,
                   x.size(0), x.size(1), float(eps)};
+  p.xs = warp ? xs : x.size(1);
   if (r) {
     p.r = r->data_ptr();
     p.s = s->data_ptr();
@@ -317,36 +351,48 @@ void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tens
                        at::Tensor& dx, at::Tensor& dw_fp32, const at::Tensor* dres) {
   const c10::cuda::CUDAGuard guard(x.device());  // launch on the tensors' GPU, not the current one
   if (x.size(0) == 0) return;
+  const int64_t xs = warp_row_stride(x);
+  if (!x.is_contiguous() && (xs == 0 || !warp_vectors_per_lane({&x, &dy, &w, &dx}, x.size(1)))) {
+    rms_norm_backward(dy, x.contiguous(), w, rstd, dx, dw_fp32, dres);  // strided rows: the warp kernel only
+    return;
+  }
   if (dres && !warp_vectors_per_lane({&x, &dy, &w, &dx, dres}, x.size(1))) {  // the block kernel, then the sum
     rms_norm_backward(dy, x, w, rstd, dx, dw_fp32);
     dx.add_(*dres);
     return;
   }
-  const size_t smem = size_t(x.size(1)) * sizeof(float);
-  TORCH_CHECK(smem <= 48 * 1024, "rms_norm backward: D = ", x.size(1), " over the kernel's limit of 12288");
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   auto stream = at::cuda::getCurrentCUDAStream();
   // The warp-per-row kernel: rows of at most 8 vectors a lane, every tensor on a 16-byte boundary.
   const int64_t D = x.size(1);
   if (const int64_t vpl = warp_vectors_per_lane({&x, &dy, &w, &dx}, D)) {
+    // Each warp's dw slice: D floats (at most 8 KB), 64 KB a block at D 2048 bf16 (opted in).
+    const size_t smem = size_t(kThreads / 32) * size_t(D) * sizeof(float);
     const int64_t blocks = std::min<int64_t>((x.size(0) + kThreads / 32 - 1) / (kThreads / 32), 2 * int64_t(sms));
     auto partial = at::empty({blocks, D}, x.options().dtype(at::kFloat));  // [blocks, D]
     RmsNormParams p{x.data_ptr(), w.data_ptr(), dy.data_ptr(), dx.data_ptr(), rstd.data_ptr<float>(),
                     partial.data_ptr<float>(), x.size(0), D, 0.f};
+    p.xs = xs;
     if (dres) p.dres = dres->data_ptr();
     dispatch(x.scalar_type(), [&](auto tag) {
       with_vpl(vpl, [&](auto vc) {
-        rms_norm_bwd_warp<decltype(tag), decltype(vc)::value><<<unsigned(blocks), kThreads, smem, stream>>>(p);
+        auto* kernel = rms_norm_bwd_warp<decltype(tag), decltype(vc)::value>;
+        static SmemOptIn opt_in;  // one per kernel instance, raised to the largest D seen
+        opt_in.raise(kernel, smem, x.get_device());
+        kernel<<<unsigned(blocks), kThreads, smem, stream>>>(p);
       });
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     at::sum_out(dw_fp32, partial, {0});
     return;
   }
+  const size_t smem = size_t(x.size(1)) * sizeof(float);
+  TORCH_CHECK(smem <= 48 * 1024, "rms_norm backward: D = ", x.size(1), " over the kernel's limit of 12288");
   const int64_t blocks = std::min<int64_t>(x.size(0), 4 * int64_t(sms));
   auto partial = at::empty({blocks, x.size(1)}, x.options().dtype(at::kFloat));  // [blocks, D]
   RmsNormParams p{x.data_ptr(), w.data_ptr(), dy.data_ptr(), dx.data_ptr(), rstd.data_ptr<float>(),
                   partial.data_ptr<float>(), x.size(0), x.size(1), 0.f};
+  p.xs = x.size(1);
   dispatch(x.scalar_type(), [&](auto tag) {
     rms_norm_bwd<decltype(tag)><<<unsigned(blocks), kThreads, smem, stream>>>(p);
   });

@@ -44,5 +44,20 @@ int main() {
   std::printf("forward: %.2fx faster than the composite, %.0f%% of copy bandwidth\n", fwd_ref / fwd,
               100 * (2 * row_bytes / fwd) / (2 * row_bytes / copy));
   std::printf("backward: %.2fx faster than the composite\n", bwd_ref / bwd);
+
+  // The training step's rows (8192 tokens, D 2048): the final norm's backward (the kernel, the
+  // sum of its blocks' dw partials, dw's cast). The decoder layers' residual form (rms_norm_pass,
+  // which also reads the stream's gradient) has no entry outside autograd; a traced step
+  // (`kiln bench gpu --trace`) times it.
+  const int64_t R8 = 8192;
+  auto x8 = x.narrow(0, 0, R8), dy8 = dy.narrow(0, 0, R8), y8 = y.narrow(0, 0, R8);
+  auto rstd8 = rstd.narrow(0, 0, R8);
+  const double bytes8 = double(R8) * D * 2;
+  double copy8 = seconds([&] { y8.copy_(x8); });
+  double bwd8 = seconds([&] { kiln::kernels::rms_norm_backward(dy8, x8, w, rstd8); });
+  std::printf("\nRMSNorm bf16 [%lld, %lld] backward\n", (long long)R8, (long long)D);
+  std::printf("%-28s %10s %12s\n", "", "us", "GB/s");
+  row("device copy (ceiling)", copy8, 2 * bytes8);
+  row("backward kiln kernel", bwd8, 3 * bytes8);
   return 0;
 }

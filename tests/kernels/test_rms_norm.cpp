@@ -61,6 +61,41 @@ TEST_CASE("RMSNorm CUDA kernel equals the reference, values and gradients") {
   }
 }
 
+TEST_CASE("RMSNorm CUDA: x as row-strided columns of a wider matrix gives the contiguous copy's bits, forward and backward") {
+  if (test::skip_without_cuda_kernels()) return;
+  torch::manual_seed(2);
+  // MLA's latent norm: the first 512 of [T, 576] columns. 4100 rows: the warps loop over rows.
+  // [.., 2048 of 2056]: 8 vectors a lane; [.., 64 of 70]: rows off the 16-byte grid, copied.
+  for (auto dtype : {torch::kBFloat16, torch::kFloat32})
+    for (auto [rows, dim, width] : {std::tuple<int64_t, int64_t, int64_t>{4100, 512, 576}, {333, 2048, 2056}, {37, 64, 70}}) {
+      CAPTURE(dtype);
+      CAPTURE(dim);
+      auto wide = torch::randn({rows, width}, torch::kCUDA).to(dtype);
+      auto x = wide.narrow(1, 0, dim);  // [rows, dim], row stride `width`
+      REQUIRE_FALSE(x.is_contiguous());
+      auto xc = x.contiguous();
+      auto w = (1 + 0.3 * torch::randn({dim}, torch::kCUDA)).to(dtype);
+      auto dy = torch::randn({rows, dim}, torch::kCUDA).to(dtype);
+      auto [y, rstd] = kernels::rms_norm_forward(x, w, 1e-6);
+      auto [yc, rstdc] = kernels::rms_norm_forward(xc, w, 1e-6);
+      CHECK(torch::equal(y, yc));
+      CHECK(torch::equal(rstd, rstdc));
+      auto [dx, dw] = kernels::rms_norm_backward(dy, x, w, rstd);
+      auto [dxc, dwc] = kernels::rms_norm_backward(dy, xc, w, rstdc);
+      CHECK(torch::equal(dx, dxc));
+      CHECK(torch::equal(dw, dwc));
+      CHECK(dx.is_contiguous());
+      // and through autograd (the model's path), the residual form's backward included
+      auto xa = wide.clone().requires_grad_(), xb = wide.clone().requires_grad_();
+      auto [on_a, ya] = kernels::rms_norm_pass(xa.narrow(1, 0, dim), w, 1e-6);
+      auto [on_b, yb] = kernels::rms_norm_pass(xb.narrow(1, 0, dim).contiguous(), w, 1e-6);
+      CHECK(torch::equal(ya, yb));
+      ((ya.to(torch::kFloat32) * dy.to(torch::kFloat32)).sum() + on_a.to(torch::kFloat32).sum()).backward();
+      ((yb.to(torch::kFloat32) * dy.to(torch::kFloat32)).sum() + on_b.to(torch::kFloat32).sum()).backward();
+      CHECK(torch::equal(xa.grad(), xb.grad()));
+    }
+}
+
 namespace {
 // The unfused block the fused norms replace: h = x + r, y = norm(h), the pass's y1 = norm(x),
 // with a loss over h and both norms' outputs so that every gradient sum is exercised.
