@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "kernels/alignment.hpp"
+#include "kernels/scale_rows.hpp"
 
 #ifdef KILN_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -178,12 +179,11 @@ std::pair<at::Tensor, at::Tensor> lm_head_probs_backward(const at::Tensor& probs
   const auto at_target = probs_NV.gather(1, t).squeeze(1).to(at::kFloat);            // [N]
   probs_NV.scatter_(1, t, at::where(valid, at_target - sum, at_target).to(probs_NV.scalar_type()).unsqueeze(1));
   const auto a = at::where(live.logical_and(far.logical_not()), f32(g_N).neg().div_(sum),
-                           at::zeros({N}, g_N.options().dtype(at::kFloat)))
-                     .unsqueeze(1);  // -g / S, [N, 1]
+                           at::zeros({N}, g_N.options().dtype(at::kFloat)));  // -g / S, [N]
   const bool tensor_cores = hidden_ND.is_cuda() && hidden_ND.scalar_type() != at::kFloat;
   auto grad_h = at::empty_like(hidden_ND);
   auto scaled_h = at::empty_like(hidden_ND);
-  at::mul_out(scaled_h, hidden_ND, a);  // fp32 products, rounded once to hidden's dtype
+  scale_rows_out(scaled_h, hidden_ND, a);  // fp32 products, rounded once to hidden's dtype
   // acc += a^T b into an fp32 [V, D] in place (a GEMM with beta = 1 on CUDA: no second [V, D]).
   const auto add_into = [&](at::Tensor& acc, const at::Tensor& a_t, const at::Tensor& b) {
     if (tensor_cores) at::addmm_out(acc, acc, a_t, b, at::kFloat);
@@ -198,8 +198,8 @@ std::pair<at::Tensor, at::Tensor> lm_head_probs_backward(const at::Tensor& probs
     if (!tensor_cores) return at::mm(f32(probs_NV).t(), f32(scaled_h)).to(dtype);
     return dtype == probs_NV.scalar_type() ? at::mm(probs_NV.t(), scaled_h) : at::mm(probs_NV.t(), scaled_h, dtype);
   };
-  if (tensor_cores) at::mul_out(grad_h, at::mm(probs_NV, weight_VD, at::kFloat), a);
-  else at::mul_out(grad_h, at::mm(f32(probs_NV), f32(weight_VD)), a);
+  scale_rows_out(grad_h, tensor_cores ? at::mm(probs_NV, weight_VD, at::kFloat) : at::mm(f32(probs_NV), f32(weight_VD)),
+                 a);
   auto grad_w = weight_grad(weight_grad_dtype);
   if (far_count.read() == 0) return {grad_h, grad_w};
   // The far rows (rare: a target's log-prob below about -56) as the default path does them

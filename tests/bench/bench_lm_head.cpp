@@ -8,7 +8,8 @@
 //                  both kernel schedules (cooperative 128x256 tiles, pingpong 128x128)
 // with the GEMM alone (cuBLAS into fp32, into bf16) for scale, and how far the fused results are
 // from the default path's: log-probs, lse (fp32 logits), and the kept probabilities' sum against
-// the fp32 softmax's (1). Prints one table per T.
+// the fp32 softmax's (1); and the backward's row scalings (kernels/scale_rows.hpp) against ATen's
+// mixed-dtype mul. Prints one table per T.
 // Run: build/tests/kernels/kiln_bench_lm_head [T ...]   (default 4096 8192)
 #include <ATen/cuda/CUDAContext.h>
 #include <torch/torch.h>
@@ -21,6 +22,7 @@
 #include "kernels/lm_head.hpp"
 #include "kernels/logprobs.hpp"
 #include "kernels/rms_norm.hpp"
+#include "kernels/scale_rows.hpp"
 
 namespace {
 template <class F>
@@ -92,6 +94,20 @@ int main(int argc, char** argv) {
     std::printf("  |fused - default|: log-prob max %.2e, lse max %.2e; |kept probabilities' lse - lse| max %.2e\n",
                 (lp_f - lp).abs().max().item<double>(), (lse_f - lse).abs().max().item<double>(),
                 (kept_lse_f - lse_f).abs().max().item<double>());
+    // The backward's two row scalings of [T, D] (kernels::lm_head_probs_backward): the hidden rows
+    // (bf16 -> bf16) and the input gradient's fp32 GEMM result (fp32 -> bf16), kernels::scale_rows_out
+    // against ATen's mixed-dtype mul (what ran before) and a device copy of the bf16 rows.
+    auto a = torch::randn({T}, torch::kCUDA), out16 = torch::empty({T, D}, bf16), g32 = torch::randn({T, D}, torch::kCUDA);
+    const double t_s16 = seconds([&] { kernels::scale_rows_out(out16, h, a); });
+    const double t_s16_ref = seconds([&] { kernels::scale_rows_out_ref(out16, h, a); });
+    const double t_s32 = seconds([&] { kernels::scale_rows_out(out16, g32, a); });
+    const double t_s32_ref = seconds([&] { kernels::scale_rows_out_ref(out16, g32, a); });
+    const double t_copy = seconds([&] { out16.copy_(h); });
+    const double b16 = 2.0 * double(T) * D * 2, b32 = double(T) * D * 6;
+    std::printf("  backward row scaling, us (GB/s): bf16 -> bf16 kernel %.1f (%.0f), ATen mul %.1f (%.0f); fp32 -> bf16 "
+                "kernel %.1f (%.0f), ATen mul %.1f (%.0f); bf16 copy %.1f (%.0f)\n",
+                t_s16 * 1e6, b16 / t_s16 / 1e9, t_s16_ref * 1e6, b16 / t_s16_ref / 1e9, t_s32 * 1e6, b32 / t_s32 / 1e9,
+                t_s32_ref * 1e6, b32 / t_s32_ref / 1e9, t_copy * 1e6, b16 / t_copy / 1e9);
   }
   return 0;
 }
