@@ -279,8 +279,10 @@ int64_t warp_vectors_per_lane(std::initializer_list<const at::Tensor*> ts, int64
 // x's row stride for the warp kernels: rows of unit column stride that each start on a 16-byte
 // boundary (x's own start checked by warp_vectors_per_lane), else 0 (the caller copies x).
 int64_t warp_row_stride(const at::Tensor& x) {
-  if (x.size(0) <= 1 || x.is_contiguous()) return x.size(1);
-  if (x.stride(1) != 1 || x.stride(0) < x.size(1) || (x.stride(0) * int64_t(x.element_size())) % 16 != 0) return 0;
+  if (x.is_contiguous()) return x.size(1);
+  if (x.size(1) > 1 && x.stride(1) != 1) return 0;
+  if (x.size(0) <= 1) return x.size(1);
+  if (x.stride(0) < x.size(1) || (x.stride(0) * int64_t(x.element_size())) % 16 != 0) return 0;
   return x.stride(0);
 }
 
@@ -352,11 +354,15 @@ void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tens
   const c10::cuda::CUDAGuard guard(x.device());  // launch on the tensors' GPU, not the current one
   if (x.size(0) == 0) return;
   const int64_t xs = warp_row_stride(x);
-  if (!x.is_contiguous() && (xs == 0 || !warp_vectors_per_lane({&x, &dy, &w, &dx}, x.size(1)))) {
+  // The warp kernel's dw slices: D floats a warp (at most 8 KB), 64 KB a block at D 2048 bf16
+  // (opted in; a GPU that cannot give a block that much takes the block kernel).
+  const size_t warp_smem = size_t(kThreads / 32) * size_t(x.size(1)) * sizeof(float);
+  const bool warp_smem_ok = warp_smem <= at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
+  if (!x.is_contiguous() && (xs == 0 || !warp_smem_ok || !warp_vectors_per_lane({&x, &dy, &w, &dx}, x.size(1)))) {
     rms_norm_backward(dy, x.contiguous(), w, rstd, dx, dw_fp32, dres);  // strided rows: the warp kernel only
     return;
   }
-  if (dres && !warp_vectors_per_lane({&x, &dy, &w, &dx, dres}, x.size(1))) {  // the block kernel, then the sum
+  if (dres && (!warp_smem_ok || !warp_vectors_per_lane({&x, &dy, &w, &dx, dres}, x.size(1)))) {  // block kernel, sum
     rms_norm_backward(dy, x, w, rstd, dx, dw_fp32);
     dx.add_(*dres);
     return;
@@ -365,9 +371,8 @@ void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tens
   auto stream = at::cuda::getCurrentCUDAStream();
   // The warp-per-row kernel: rows of at most 8 vectors a lane, every tensor on a 16-byte boundary.
   const int64_t D = x.size(1);
-  if (const int64_t vpl = warp_vectors_per_lane({&x, &dy, &w, &dx}, D)) {
-    // Each warp's dw slice: D floats (at most 8 KB), 64 KB a block at D 2048 bf16 (opted in).
-    const size_t smem = size_t(kThreads / 32) * size_t(D) * sizeof(float);
+  if (const int64_t vpl = warp_smem_ok ? warp_vectors_per_lane({&x, &dy, &w, &dx}, D) : 0) {
+    const size_t smem = warp_smem;
     const int64_t blocks = std::min<int64_t>((x.size(0) + kThreads / 32 - 1) / (kThreads / 32), 2 * int64_t(sms));
     auto partial = at::empty({blocks, D}, x.options().dtype(at::kFloat));  // [blocks, D]
     RmsNormParams p{x.data_ptr(), w.data_ptr(), dy.data_ptr(), dx.data_ptr(), rstd.data_ptr<float>(),

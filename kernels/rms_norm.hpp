@@ -2,9 +2,11 @@
 // Fused RMSNorm, forward and backward. Math as transformers' Glm4MoeLiteRMSNorm:
 //   rstd = rsqrt(mean(x_fp32^2, -1) + eps)            (fp32)
 //   y    = w * (x_fp32 * rstd).to(x.dtype)
-// x: [R, D] (leading dims flattened; contiguous), w: [D], dtype fp32, bf16 or fp16 (x and w
-// alike). CUDA tensors run kernels/rms_norm.cu (one block per row, fp32 accumulation); other
-// devices the LibTorch reference below. Throws c10::Error on shape or dtype mismatch, and on
+// x: [R, D] (leading dims flattened; any layout: a view whose rows have unit column stride and
+// start on 16-byte boundaries is read in place, others are copied), w: [D], dtype fp32, bf16 or
+// fp16 (x and w alike). CUDA tensors run kernels/rms_norm.cu (a warp per row where a row is at most
+// 8 16-byte vectors a lane, else a block per row; fp32 accumulation); other devices the LibTorch
+// reference below. Outputs are contiguous. Throws c10::Error on shape or dtype mismatch, and on
 // CUDA tensors in a build without CUDA.
 #include <ATen/core/Tensor.h>
 

@@ -1,5 +1,8 @@
 #pragma once
-// Host entry points of kernels/rms_norm.cu (CUDA builds only).
+// Host entry points of kernels/rms_norm.cu (CUDA builds only). x [R, D] may be row-strided (unit
+// column stride; the warp kernels read rows on 16-byte boundaries in place, else x is copied);
+// w, y, rstd, r, s, dy, dx and dres contiguous on 16-byte boundaries (kernels/rms_norm.cpp
+// makes them so).
 #include <ATen/core/Tensor.h>
 
 namespace kiln::kernels::cuda {

@@ -1,5 +1,6 @@
 #include "kernels/scale_rows.hpp"
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/ops/mul.h>
 #include <c10/util/Exception.h>
 
@@ -46,6 +47,8 @@ bool scale_rows_uses_kernel(const at::Tensor& out_ND, const at::Tensor& x_ND, co
 
 void scale_rows_out(at::Tensor& out_ND, const at::Tensor& x_ND, const at::Tensor& a_N) {
   check(out_ND, x_ND, a_N);
+  at::assert_no_partial_overlap(out_ND, x_ND);  // out is x itself, or apart from it (as at::mul_out asks)
+  at::assert_no_overlap(out_ND, a_N);
 #ifdef KILN_CUDA
   if (scale_rows_uses_kernel(out_ND, x_ND, a_N)) {
     if (out_ND.numel() > 0) cuda::scale_rows(out_ND, x_ND, a_N);

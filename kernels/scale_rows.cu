@@ -1,6 +1,7 @@
 // Rows times their fp32 factors (kernels/scale_rows.hpp): a thread per 8 elements of a row (one
 // 16-byte load of bf16/fp16, two of fp32), the factor read once per 8, the products rounded to
-// out's dtype and stored as 16 or 32 bytes; grid-stride over the N * D / 8 groups.
+// out's dtype and stored as 16 or 32 bytes; grid-stride over the N * D / 8 groups. x and out not
+// __restrict__: out may be x itself (each thread reads its 8 elements before writing them).
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -47,8 +48,8 @@ __device__ __forceinline__ void store8(T* p, const Vec8<T>& r) {
 }
 
 template <class TI, class TO>
-__global__ void __launch_bounds__(kThreads) scale_rows_kernel(const TI* __restrict__ x, const float* __restrict__ a,
-                                                              TO* __restrict__ out, int64_t groups,
+__global__ void __launch_bounds__(kThreads) scale_rows_kernel(const TI* x, const float* __restrict__ a, TO* out,
+                                                              int64_t groups,
                                                               int64_t groups_per_row) {
   for (int64_t g = int64_t(blockIdx.x) * kThreads + threadIdx.x; g < groups; g += int64_t(gridDim.x) * kThreads) {
     const float s = a[g / groups_per_row];

@@ -11,15 +11,16 @@
 // casting element-wise kernel: 75 us each at 8192 x 2048 on the H100, about 3x their bytes at the
 // copy rate (docs/benchmarks.md).
 // CUDA kernel: x bf16, fp16 or fp32 and out bf16, fp16 or fp32, both contiguous [N, D] on 16-byte
-// boundaries with D a multiple of 8; a fp32 [N] contiguous; one device. Elsewhere the reference.
-// Throws c10::Error naming the shapes, dtypes or devices that do not fit.
+// boundaries with D a multiple of 8; a fp32 [N] contiguous; one device. Elsewhere the reference
+// (floating dtypes). out may be x itself (in place), not a partial overlap of it, nor overlap a.
+// Throws c10::Error naming the shapes, dtypes or devices that do not fit, and on such overlaps.
 #include <ATen/core/Tensor.h>
 
 namespace kiln::kernels {
 
 /// out [N, D] (written) = x [N, D] * a [N] per row; out's dtype chosen by the caller.
 void scale_rows_out(at::Tensor& out_ND, const at::Tensor& x_ND, const at::Tensor& a_N);
-/// The reference: at::mul_out(out, x, a.unsqueeze(1)), any device and dtype.
+/// The reference: at::mul_out(out, x, a.unsqueeze(1)), any device, floating dtypes.
 void scale_rows_out_ref(at::Tensor& out_ND, const at::Tensor& x_ND, const at::Tensor& a_N);
 /// True when scale_rows_out runs the kernel for these tensors (the CUDA conditions above).
 bool scale_rows_uses_kernel(const at::Tensor& out_ND, const at::Tensor& x_ND, const at::Tensor& a_N);

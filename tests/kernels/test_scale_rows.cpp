@@ -19,6 +19,12 @@ namespace {
 torch::Tensor host_scaled(const torch::Tensor& x, const torch::Tensor& a, torch::ScalarType out) {
   return (x.to(torch::kCPU).to(torch::kFloat32) * a.to(torch::kCPU).unsqueeze(1)).to(out);
 }
+// The two tensors' bit patterns equal wherever `want` is not NaN (a NaN's payload is free).
+bool same_bits(const torch::Tensor& got, const torch::Tensor& want) {
+  const auto bits = want.element_size() == 4 ? torch::kInt32 : torch::kInt16;
+  const auto keep = want.isnan().logical_not();
+  return torch::equal(got.contiguous().view(bits).masked_select(keep), want.contiguous().view(bits).masked_select(keep));
+}
 }  // namespace
 
 TEST_CASE("scale_rows on CPU: the reference's values and what it refuses") {
@@ -34,6 +40,13 @@ TEST_CASE("scale_rows on CPU: the reference's values and what it refuses") {
   CHECK_THROWS_WITH_AS(kernels::scale_rows_out(out32, x, a.to(torch::kFloat64)), doctest::Contains("a must be fp32"),
                        c10::Error);
   CHECK_THROWS_WITH_AS(kernels::scale_rows_out(out32, x, torch::randn({4})), doctest::Contains("and a [4]"), c10::Error);
+  // out a partial overlap of x (a shifted view of one buffer): refused before any write
+  auto buf = torch::randn({6 * 12});
+  auto x5 = buf.narrow(0, 0, 60).view({5, 12}), o5 = buf.narrow(0, 12, 60).view({5, 12});
+  CHECK_THROWS_AS(kernels::scale_rows_out(o5, x5, a), c10::Error);
+  auto in_place = x.clone();
+  kernels::scale_rows_out(in_place, in_place, a);  // out is x: allowed
+  CHECK(torch::equal(in_place, host_scaled(x, a, torch::kFloat32)));
 }
 
 TEST_CASE("scale_rows CUDA: the host's fp32 products rounded once, every dtype pair, and the layouts left to the reference") {
@@ -60,13 +73,13 @@ TEST_CASE("scale_rows CUDA: the host's fp32 products rounded once, every dtype p
         kernels::scale_rows_out(out, x, a);
         const auto want = host_scaled(x, a, to);
         const auto got = out.cpu();
-        // bit for bit, NaNs where the host has them
+        // bit for bit (signed zeros and infinities included), NaNs where the host has them
         CHECK(torch::equal(got.isnan(), want.isnan()));
-        CHECK(torch::equal(torch::nan_to_num(got.to(torch::kFloat32), 7.f), torch::nan_to_num(want.to(torch::kFloat32), 7.f)));
+        CHECK(same_bits(got, want));
         // and ATen's mixed-dtype mul on the GPU, the reference the head ran before
         auto ref = torch::empty_like(out);
         kernels::scale_rows_out_ref(ref, x, a);
-        CHECK(torch::equal(torch::nan_to_num(ref.to(torch::kFloat32), 7.f), torch::nan_to_num(out.to(torch::kFloat32), 7.f)));
+        CHECK(same_bits(ref.cpu(), got));
       }
   // In place (out is x) gives the same values.
   auto x = torch::randn({64, 256}, torch::kCUDA).to(torch::kBFloat16);
