@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "kernels/dtype.cuh"
+#include "kernels/dtype_dispatch.cuh"
 #include "kernels/embedding_cuda.hpp"
 
 namespace kiln::kernels::cuda {
@@ -106,13 +107,6 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(const T* __restrict__ dy
   }
 }
 
-template <class F>
-void dispatch(at::ScalarType t, F f) {
-  if (t == at::kBFloat16) f(__nv_bfloat16{});
-  else if (t == at::kHalf) f(__half{});
-  else if (t == at::kFloat) f(float{});
-  else TORCH_CHECK(false, "embedding_backward: dtype ", t, " not supported (bf16, fp16, fp32)");
-}
 }  // namespace
 
 void embedding_backward(const at::Tensor& dy, const at::Tensor& ids, at::Tensor& dw) {
@@ -137,7 +131,7 @@ void embedding_backward(const at::Tensor& dy, const at::Tensor& ids, at::Tensor&
                                                  key.data_ptr<int32_t>(), pos_in.data_ptr<int32_t>(),
                                                  pos.data_ptr<int32_t>(), T_, 0, 32, stream));
   const int n_chunks = T_ / kChunk;
-  dispatch(dy.scalar_type(), [&](auto tag) {
+  dispatch_floating(dy.scalar_type(), "embedding_backward", [&](auto tag) {
     using T = decltype(tag);
     constexpr int n = Vec<T>::n;
     const unsigned col_blocks = unsigned((D / n + 31) / 32);

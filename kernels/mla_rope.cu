@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "kernels/dtype.cuh"
+#include "kernels/dtype_dispatch.cuh"
 #include "kernels/mla_rope_cuda.hpp"
 
 namespace kiln::kernels::cuda {
@@ -240,14 +241,6 @@ RowGrid row_grid(int64_t T, int64_t H, int vpr) {
   return RowGrid{dim3(unsigned((T + ty - 1) / ty), unsigned(H)), dim3(unsigned(vpr), unsigned(ty))};
 }
 
-template <class F>
-void dispatch(at::ScalarType t, const char* what, F f) {
-  if (t == at::kBFloat16) f(__nv_bfloat16{});
-  else if (t == at::kHalf) f(__half{});
-  else if (t == at::kFloat) f(float{});
-  else TORCH_CHECK(false, what, ": dtype ", t, " not supported (bf16, fp16, fp32)");
-}
-
 template <class T>
 Rope<T> rope_of(const at::Tensor& positions, const at::Tensor& cos_t, const at::Tensor& sin_t, bool interleaved) {
   return Rope<T>{positions.data_ptr<int64_t>(), static_cast<const T*>(cos_t.data_ptr()),
@@ -259,7 +252,7 @@ void mla_rope_q(const at::Tensor& in, int64_t nope_dim, const at::Tensor& positi
                 const at::Tensor& sin_table, bool interleaved, bool inverse, at::Tensor& out) {
   const c10::cuda::CUDAGuard guard(in.device());
   auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch(in.scalar_type(), "mla_rope_q", [&](auto tag) {
+  dispatch_floating(in.scalar_type(), "mla_rope_q", [&](auto tag) {
     using T = decltype(tag);
     constexpr int n = Vec<T>::n;
     const int H = int(in.size(1)), vpr = int(in.size(2) / n), nv = int(nope_dim / n);
@@ -279,7 +272,7 @@ void mla_rope_q_inplace(at::Tensor& q, int64_t nope_dim, const at::Tensor& posit
                         const at::Tensor& sin_table, bool interleaved, bool inverse) {
   const c10::cuda::CUDAGuard guard(q.device());
   auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch(q.scalar_type(), "mla_rope_q_", [&](auto tag) {
+  dispatch_floating(q.scalar_type(), "mla_rope_q_", [&](auto tag) {
     using T = decltype(tag);
     constexpr int n = Vec<T>::n;
     const int64_t R = q.size(2) - nope_dim;
@@ -300,7 +293,7 @@ void mla_rope_kv_forward(const at::Tensor& kv, const at::Tensor& k_pe, int64_t n
                          at::Tensor& v) {
   const c10::cuda::CUDAGuard guard(kv.device());
   auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch(kv.scalar_type(), "mla_rope_kv", [&](auto tag) {
+  dispatch_floating(kv.scalar_type(), "mla_rope_kv", [&](auto tag) {
     using T = decltype(tag);
     constexpr int n = Vec<T>::n;
     const int H = int(kv.size(1)), nv = int(nope_dim / n), rv = int(k_pe.size(1) / n), vv = int(v.size(2) / n);
@@ -318,7 +311,7 @@ void mla_rope_kv_backward(const at::Tensor& dk, const at::Tensor& dv, int64_t no
                           at::Tensor& dk_pe) {
   const c10::cuda::CUDAGuard guard(dk.device());
   auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch(dk.scalar_type(), "mla_rope_kv backward", [&](auto tag) {
+  dispatch_floating(dk.scalar_type(), "mla_rope_kv backward", [&](auto tag) {
     using T = decltype(tag);
     constexpr int n = Vec<T>::n;
     const int H = int(dk.size(1)), nv = int(nope_dim / n), rv = int(dk_pe.size(1) / n);

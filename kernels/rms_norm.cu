@@ -15,6 +15,7 @@
 #include <cuda_fp16.h>
 
 #include "kernels/dtype.cuh"
+#include "kernels/dtype_dispatch.cuh"
 #include "kernels/rms_norm_cuda.hpp"
 #include "kernels/smem_opt_in.cuh"
 
@@ -298,15 +299,6 @@ void with_vpl(int64_t vpl, F f) {
   }
 }
 
-template <class F>
-void dispatch(at::ScalarType t, F f) {
-  switch (t) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(__nv_bfloat16{}); break;
-    case at::kHalf: f(__half{}); break;
-    default: TORCH_CHECK(false, "rms_norm: dtype ", t, " not supported (fp32, bf16, fp16)");
-  }
-}
 }  // namespace
 
 void rms_norm_forward(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& y, at::Tensor& rstd,
@@ -335,7 +327,7 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& w, double eps, at::
   auto stream = at::cuda::getCurrentCUDAStream();
   if (const int64_t vpl = warp ? warp_vectors_per_lane({&x, &w, &y}, p.dim) : 0) {
     const int64_t blocks = (p.rows + kThreads / 32 - 1) / (kThreads / 32);
-    dispatch(x.scalar_type(), [&](auto tag) {
+    dispatch_floating(x.scalar_type(), "rms_norm", [&](auto tag) {
       with_vpl(vpl, [&](auto vc) {
         rms_norm_fwd_warp<decltype(tag), decltype(vc)::value><<<unsigned(blocks), kThreads, 0, stream>>>(p);
       });
@@ -343,7 +335,7 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& w, double eps, at::
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
-  dispatch(x.scalar_type(), [&](auto tag) {
+  dispatch_floating(x.scalar_type(), "rms_norm", [&](auto tag) {
     rms_norm_fwd<decltype(tag)><<<unsigned(p.rows), kThreads, 0, stream>>>(p);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -379,7 +371,7 @@ void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tens
                     partial.data_ptr<float>(), x.size(0), D, 0.f};
     p.xs = xs;
     if (dres) p.dres = dres->data_ptr();
-    dispatch(x.scalar_type(), [&](auto tag) {
+    dispatch_floating(x.scalar_type(), "rms_norm", [&](auto tag) {
       with_vpl(vpl, [&](auto vc) {
         auto* kernel = rms_norm_bwd_warp<decltype(tag), decltype(vc)::value>;
         static SmemOptIn opt_in;  // one per kernel instance, raised to the largest D seen
@@ -398,7 +390,7 @@ void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tens
   RmsNormParams p{x.data_ptr(), w.data_ptr(), dy.data_ptr(), dx.data_ptr(), rstd.data_ptr<float>(),
                   partial.data_ptr<float>(), x.size(0), x.size(1), 0.f};
   p.xs = x.size(1);
-  dispatch(x.scalar_type(), [&](auto tag) {
+  dispatch_floating(x.scalar_type(), "rms_norm", [&](auto tag) {
     rms_norm_bwd<decltype(tag)><<<unsigned(blocks), kThreads, smem, stream>>>(p);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "kernels/dtype.cuh"
+#include "kernels/dtype_dispatch.cuh"
 #include "kernels/scale_rows_cuda.hpp"
 
 namespace kiln::kernels::cuda {
@@ -61,15 +62,6 @@ __global__ void __launch_bounds__(kThreads) scale_rows_kernel(const TI* x, const
   }
 }
 
-template <class F>
-void dispatch(at::ScalarType t, F f) {
-  switch (t) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(__nv_bfloat16{}); break;
-    case at::kHalf: f(__half{}); break;
-    default: TORCH_CHECK(false, "scale_rows: dtype ", t, " not supported by the kernel (fp32, bf16, fp16)");
-  }
-}
 }  // namespace
 
 void scale_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& a) {
@@ -79,8 +71,8 @@ void scale_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& a) {
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t blocks = std::min<int64_t>((groups + kThreads - 1) / kThreads, int64_t(sms) * 16);
   auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch(x.scalar_type(), [&](auto ti) {
-    dispatch(out.scalar_type(), [&](auto to) {
+  dispatch_floating(x.scalar_type(), "scale_rows", [&](auto ti) {
+    dispatch_floating(out.scalar_type(), "scale_rows", [&](auto to) {
       using TI = decltype(ti);
       using TO = decltype(to);
       scale_rows_kernel<TI, TO><<<unsigned(blocks), kThreads, 0, stream>>>(
