@@ -49,12 +49,7 @@ namespace {
 // x as the kernels take it without a copy: itself when its rows (unit column stride) each start on
 // a 16-byte boundary, a row-strided view included (the MLA latent's norm reads the first C columns
 // of the [T, C+R] projection: no copy of them forward or backward); else aligned_contiguous(x).
-at::Tensor aligned_rows(const at::Tensor& x) {
-  if (x.dim() == 2 && x.size(0) > 1 && x.size(1) > 1 && x.stride(1) == 1 && x.stride(0) >= x.size(1) &&
-      (x.stride(0) * int64_t(x.element_size())) % 16 == 0 && aligned16(x))
-    return x;
-  return aligned_contiguous(x);
-}
+at::Tensor aligned_rows(const at::Tensor& x) { return rows_aligned16(x) ? x : aligned_contiguous(x); }
 
 // rms_norm_forward with an optional residual addend r: -> (y, rstd, h = x + r or undefined).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_impl(const at::Tensor& x, const at::Tensor& w, double eps,

@@ -14,6 +14,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "kernels/alignment.hpp"
 #include "kernels/dtype.cuh"
 #include "kernels/dtype_dispatch.cuh"
 #include "kernels/rms_norm_cuda.hpp"
@@ -278,13 +279,11 @@ int64_t warp_vectors_per_lane(std::initializer_list<const at::Tensor*> ts, int64
 }
 
 // x's row stride for the warp kernels: rows of unit column stride that each start on a 16-byte
-// boundary (x's own start checked by warp_vectors_per_lane), else 0 (the caller copies x).
+// boundary (kernels/alignment.hpp), else 0 (the caller copies x). A contiguous x: D (its start is
+// checked by warp_vectors_per_lane, which sends a misaligned one to the block kernel).
 int64_t warp_row_stride(const at::Tensor& x) {
-  if (x.is_contiguous()) return x.size(1);
-  if (x.size(1) > 1 && x.stride(1) != 1) return 0;
-  if (x.size(0) <= 1) return x.size(1);
-  if (x.stride(0) < x.size(1) || (x.stride(0) * int64_t(x.element_size())) % 16 != 0) return 0;
-  return x.stride(0);
+  if (x.is_contiguous() || (x.size(0) <= 1 && rows_aligned16(x))) return x.size(1);
+  return rows_aligned16(x) ? x.stride(0) : 0;
 }
 
 // Calls f(integral_constant<int, VPL>) with VPL the next size the warp kernels are built for.
@@ -349,7 +348,8 @@ void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tens
   // The warp kernel's dw slices: D floats a warp (at most 8 KB), 64 KB a block at D 2048 bf16
   // (opted in; a GPU that cannot give a block that much takes the block kernel).
   const size_t warp_smem = size_t(kThreads / 32) * size_t(x.size(1)) * sizeof(float);
-  const bool warp_smem_ok = warp_smem <= at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  const bool warp_smem_ok = warp_smem <= props->sharedMemPerBlockOptin;
   if (!x.is_contiguous() && (xs == 0 || !warp_smem_ok || !warp_vectors_per_lane({&x, &dy, &w, &dx}, x.size(1)))) {
     rms_norm_backward(dy, x.contiguous(), w, rstd, dx, dw_fp32, dres);  // strided rows: the warp kernel only
     return;
@@ -359,7 +359,7 @@ void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tens
     dx.add_(*dres);
     return;
   }
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int sms = props->multiProcessorCount;
   auto stream = at::cuda::getCurrentCUDAStream();
   // The warp-per-row kernel: rows of at most 8 vectors a lane, every tensor on a 16-byte boundary.
   const int64_t D = x.size(1);

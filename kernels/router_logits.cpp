@@ -33,8 +33,7 @@ bool router_logits_uses_kernel(const at::Tensor& x_MK, const at::Tensor& w_NK) {
   return x_MK.is_cuda() && x_MK.dim() == 2 && w_NK.dim() == 2 && x_MK.scalar_type() == at::kBFloat16 &&
          w_NK.scalar_type() == at::kBFloat16 && w_NK.device() == x_MK.device() && x_MK.size(1) == w_NK.size(1) &&
          x_MK.size(1) % 8 == 0 && x_MK.size(0) < kMax && w_NK.size(0) <= 65535 * 16 && x_MK.size(1) < kMax &&
-         (x_MK.size(0) <= 1 || (x_MK.stride(0) % 8 == 0 && x_MK.stride(0) >= x_MK.size(1))) &&
-         (x_MK.size(1) <= 1 || x_MK.stride(1) == 1) && aligned16(x_MK) && w_NK.is_contiguous() && aligned16(w_NK);
+         rows_aligned16(x_MK) && w_NK.is_contiguous() && aligned16(w_NK);
 #else
   (void)x_MK;
   (void)w_NK;

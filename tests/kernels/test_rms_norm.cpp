@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 #include <torch/torch.h>
 
+#include "kernels/alignment.hpp"
 #include "kernels/rms_norm.hpp"
 #include "model/blocks/basic.hpp"
 #include "tests/kernels/kernel_test_util.hpp"
@@ -59,6 +60,20 @@ TEST_CASE("RMSNorm CUDA kernel equals the reference, values and gradients") {
       CHECK(rel_error(dw, dw_ref) <= (dtype == torch::kFloat32 ? 1e-5 : 1e-2));
     }
   }
+}
+
+TEST_CASE("rows_aligned16 (kernels/alignment.hpp): the row layouts the 16-byte vector kernels read in place (CPU)") {
+  auto wide = torch::zeros({6, 576}, torch::kBFloat16);  // the CPU allocator's blocks start on 64 bytes
+  CHECK(kernels::rows_aligned16(wide));
+  CHECK(kernels::rows_aligned16(wide.narrow(1, 0, 512)));   // rows of 1152 bytes
+  CHECK_FALSE(kernels::rows_aligned16(wide.narrow(1, 1, 512)));  // start 2 bytes in
+  CHECK(kernels::rows_aligned16(wide.narrow(1, 8, 512)));   // 16 bytes in
+  CHECK_FALSE(kernels::rows_aligned16(torch::zeros({6, 70}, torch::kBFloat16)));  // rows of 140 bytes
+  CHECK(kernels::rows_aligned16(torch::zeros({1, 70}, torch::kBFloat16)));        // one row: no stride
+  CHECK_FALSE(kernels::rows_aligned16(wide.t()));                                 // column stride 576
+  CHECK_FALSE(kernels::rows_aligned16(torch::zeros({6, 8, 8}, torch::kBFloat16)));  // not [R, C]
+  CHECK(kernels::rows_aligned16(torch::zeros({6, 4}).narrow(1, 0, 2)));           // fp32 rows of 16 bytes
+  CHECK_FALSE(kernels::rows_aligned16(torch::zeros({8, 4}).as_strided({4, 4}, {2, 1})));  // overlapping rows
 }
 
 TEST_CASE("RMSNorm CUDA: x as row-strided columns of a wider matrix gives the contiguous copy's bits, forward and backward") {
