@@ -93,6 +93,7 @@ class GpuBench {
     batch_ = random_packed_documents(o_.tokens, o_.docs, cfg_.vocab_size);
     targets_ = model::next_token_targets(batch_.input_ids, batch_.cu_seqlens).to(dev_);
     flops_ = 3.0 * glm4_forward_flops(cfg_, o_.docs, o_.tokens / o_.docs);
+    J["batch_on_device"] = o_.batch_on_device;
   }
 
   // Forward + backward of the micro-batch (the comparison with transformers: same tokens, same
@@ -373,6 +374,7 @@ class GpuBench {
                 (long long)o_.docs, o_.keep_logits_gib);
     std::printf("  measured limits: bf16 GEMM %.0f TFLOP/s, D2D copy %.0f GB/s (read+write)\n", d("gemm_bf16_tflops"),
                 d("copy_read_write_gbs"));
+    if (o_.batch_on_device) std::printf("  token ids and positions on the GPU before timing (--batch-on-device)\n");
     if (J.contains("balance_routing_rounds"))
       std::printf("  routing balanced by %d rounds of the router-bias update: expert load max/mean per layer %.2f -> "
                   "%.2f\n",
@@ -458,7 +460,12 @@ class GpuBench {
 
   void forward_backward() {
     policy_->zero_grad();
-    auto out = policy_->forward(batch_);
+    if (o_.batch_on_device && !device_batch_.input_ids.defined()) {  // GpuBenchOptions::batch_on_device
+      device_batch_ = batch_;
+      device_batch_.input_ids = batch_.input_ids.to(dev_);
+      device_batch_.position_ids = batch_.position_ids.to(dev_);
+    }
+    auto out = policy_->forward(o_.batch_on_device ? device_batch_ : batch_);
     auto lp = policy_->token_logprobs(out, targets_, 4096);
     (-lp.sum() / double(o_.tokens - o_.docs)).backward();
   }
@@ -504,6 +511,7 @@ class GpuBench {
   int64_t kept_logits_bytes_ = 0;
   std::shared_ptr<Model> policy_, engine_model_;
   model::PackedBatch batch_;
+  model::PackedBatch device_batch_;  // batch_ with ids and positions on the GPU (--batch-on-device), made on first use
   torch::Tensor targets_;
   double flops_ = 0, fb_ = 0, rollout_s_ = 0;
   rollout::EngineOptions eo_;

@@ -54,6 +54,11 @@ struct GpuBenchOptions {
   /// arXiv:2412.19437 section 2.1.2, at its rate; torchtitan's _update_expert_bias, which
   /// tests/bench/bench_torchtitan_ac.py --balance-routing applies to the peer the same way)
   int balance_routing = 0;
+  /// The pack's token ids and positions put on the GPU once, before anything is timed, as the
+  /// peer's benchmark holds its tokens (tests/bench/bench_torchtitan_ac.py); else each timed
+  /// forward uploads them from the host, as the trainer's steps do (cu_seqlens stays on the host
+  /// either way: PackedBatch's contract)
+  bool batch_on_device = false;
   std::string json_path, config_dir;
   std::string trace_path;  ///< after timing forward+backward, write one more's Kineto trace here and stop
 };

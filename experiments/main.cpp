@@ -268,6 +268,9 @@ void add_bench_gpu(CLI::App& bench, std::vector<Command>& commands) {
                   "Rounds of the auxiliary-loss-free router-bias update (rate 1e-3) on the pack before timing, "
                   "so that the experts' loads are even as in a trained model (0: the random model's routing)")
       ->transform(between(0, 100000));
+  cmd->add_flag("--batch-on-device", go->batch_on_device,
+                "Put the pack's token ids and positions on the GPU before timing, as the peer's benchmark holds its "
+                "tokens (default: each timed forward uploads them from the host, as the trainer's steps do)");
   cmd->add_option("--config-dir", go->config_dir, "Write the benchmarked model's HF config.json here");
   commands.push_back({cmd, [go] { return kiln::experiments::run_gpu_bench(*go); }});
 }
