@@ -46,21 +46,11 @@ namespace {
 constexpr const char* kTileKeys[kGroupedTileCount] = {"coop128x256", "coop128x128", "pong64x128", "pong128x128",
                                                       "pong64x256"};
 
-// KILN_GROUPED_GEMM_TILES: unset, the MoE runs at::_grouped_mm (kiln's kernels measured no
-// faster end to end, docs/benchmarks.md) and grouped_linear stays callable; "cutlass": the MoE
-// runs kiln's kernels with the build's tiles; "FWD,DX,DW" (tile keys above): with those, e.g. to
-// tune on another GPU with a KILN_GROUPED_GEMM_SWEEP build; "aten": grouped_linear unavailable.
-// Read once.
-struct TileChoice {
-  bool aten = false;    // "aten": grouped_linear unavailable
-  bool chosen = false;  // "cutlass" or tiles: the MoE takes grouped_linear
-  std::array<GroupedTile, 3> tiles = {GroupedTile::KILN_GG_TILE_ROWCOL, GroupedTile::KILN_GG_TILE_ROWROW,
-                                      GroupedTile::KILN_GG_TILE_COLROW};
-};
+}  // namespace
 
-TileChoice read_tile_choice() {
-  TileChoice c;
-  const char* env = std::getenv("KILN_GROUPED_GEMM_TILES");
+GroupedTileChoice parse_grouped_tiles(const char* env) {
+  GroupedTileChoice c;
+  c.tiles = {GroupedTile::KILN_GG_TILE_ROWCOL, GroupedTile::KILN_GG_TILE_ROWROW, GroupedTile::KILN_GG_TILE_COLROW};
   if (!env || !*env) return c;
   if (std::string(env) == "aten") {
     c.aten = true;
@@ -74,30 +64,43 @@ TileChoice read_tile_choice() {
   std::string item;
   for (size_t i = 0; i < 3; ++i) {
     TORCH_CHECK(std::getline(in, item, ','), "KILN_GROUPED_GEMM_TILES=\"", env,
-                "\": needs \"aten\", \"cutlass\" or three tiles, forward,input-gradient,weight-gradient, each one of ", keys);
+                "\": needs \"aten\", \"cutlass\" or three tiles, forward,input-gradient,weight-gradient, each one of ", keys,
+                " or aten");
+    if (item == "aten") {
+      c.form_aten[i] = true;
+      continue;
+    }
     auto* k = std::find_if(std::begin(kTileKeys), std::end(kTileKeys), [&](const char* s) { return item == s; });
     TORCH_CHECK(k != std::end(kTileKeys), "KILN_GROUPED_GEMM_TILES=\"", env, "\": unknown tile \"", item,
-                "\"; one of ", keys);
+                "\"; one of ", keys, " or aten");
     c.tiles[i] = GroupedTile(k - std::begin(kTileKeys));
   }
   TORCH_CHECK(!std::getline(in, item, ','), "KILN_GROUPED_GEMM_TILES=\"", env, "\": more than three tiles");
   const char* what[3] = {"forward", "input gradient", "weight gradient"};
   for (size_t i = 0; i < 3; ++i)
-    TORCH_CHECK(grouped_gemm_compiled(GroupedLayout(i), c.tiles[i]), "KILN_GROUPED_GEMM_TILES=\"", env, "\": tile ",
-                kTileKeys[size_t(c.tiles[i])], " (", what[i], ") is not compiled into this build: configure with ",
+    TORCH_CHECK(c.form_aten[i] || grouped_gemm_compiled(GroupedLayout(i), c.tiles[i]), "KILN_GROUPED_GEMM_TILES=\"", env,
+                "\": tile ", kTileKeys[size_t(c.tiles[i])], " (", what[i], ") is not compiled into this build: configure with ",
                 "-DKILN_GROUPED_GEMM_SWEEP=ON for all five, or -DKILN_GG_TILE_* to choose");
   return c;
 }
 
-const TileChoice& tile_choice() {
-  static const TileChoice c = read_tile_choice();
+namespace {
+// The environment's choice, read once.
+const GroupedTileChoice& tile_choice() {
+  static const GroupedTileChoice c = parse_grouped_tiles(std::getenv("KILN_GROUPED_GEMM_TILES"));
   return c;
 }
+
+// A form given as "aten" among KILN_GROUPED_GEMM_TILES's three: grouped_linear runs
+// at::_grouped_mm for it.
+bool form_aten(GroupedLayout layout) { return tile_choice().form_aten[size_t(layout)]; }
 }  // namespace
 
 GroupedTile grouped_default_tile(GroupedLayout layout) { return tile_choice().tiles[size_t(layout)]; }
 
 bool grouped_linear_chosen() { return tile_choice().chosen; }
+
+bool grouped_linear_chosen_for(GroupedLayout layout) { return tile_choice().chosen && !form_aten(layout); }
 
 bool grouped_gemm_compiled(GroupedLayout layout, GroupedTile tile) {
 #ifdef KILN_GROUPED_GEMM
@@ -227,6 +230,7 @@ struct GroupedLinearFn : public torch::autograd::Function<GroupedLinearFn> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
                                const torch::Tensor& offs) {
     ctx->save_for_backward({x, w, offs});
+    if (form_aten(GroupedLayout::kRowCol)) return at::_grouped_mm(x, w.transpose(-2, -1), offs);
     return grouped_mm_ragged_m(x, w.transpose(-2, -1), offs);  // each w[e]^T column-major: [K, N]
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -234,8 +238,10 @@ struct GroupedLinearFn : public torch::autograd::Function<GroupedLinearFn> {
     const auto &x = s[0], &w = s[1], &offs = s[2];
     auto dy = aligned_contiguous(grads[0].to(x.scalar_type()));  // [M, N]
     at::Tensor dx, dw;
-    if (ctx->needs_input_grad(0)) dx = grouped_mm_ragged_m(dy, w, offs);  // w[e] [N, K] row-major
-    if (ctx->needs_input_grad(1)) dw = grouped_mm_ragged_k(dy.t(), x, offs);  // [E, N, K], w's layout
+    if (ctx->needs_input_grad(0))  // w[e] [N, K] row-major
+      dx = form_aten(GroupedLayout::kRowRow) ? at::_grouped_mm(dy, w, offs) : grouped_mm_ragged_m(dy, w, offs);
+    if (ctx->needs_input_grad(1))  // [E, N, K], w's layout
+      dw = form_aten(GroupedLayout::kColRow) ? at::_grouped_mm(dy.t(), x, offs) : grouped_mm_ragged_k(dy.t(), x, offs);
     return {dx, dw, at::Tensor()};
   }
 };

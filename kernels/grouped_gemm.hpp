@@ -22,24 +22,43 @@
 //   Every width and leading dim a multiple of 8 (16-byte TMA rows), pointers 16-byte aligned.
 #include <ATen/core/Tensor.h>
 
+#include <array>
 #include <optional>
 
 #include "kernels/grouped_gemm_tiles.hpp"
 
 namespace kiln::kernels {
 
+/// A KILN_GROUPED_GEMM_TILES value parsed (what grouped_default_tile, grouped_linear_chosen and
+/// grouped_linear_chosen_for read from the environment, once): null or "" -> the MoE on
+/// at::_grouped_mm, the build's tiles for grouped_linear; "aten" -> grouped_linear unavailable;
+/// "cutlass" -> the MoE on kiln's kernels with the build's tiles; "FWD,DX,DW" -> with these, each
+/// a tile key below or "aten" (that form on at::_grouped_mm). Throws c10::Error naming the value
+/// and what is wrong (unknown key, not three, a tile this build did not compile).
+struct GroupedTileChoice {
+  bool aten = false;                     ///< "aten": grouped_linear unavailable
+  bool chosen = false;                   ///< "cutlass" or three forms: the MoE takes grouped_linear
+  std::array<GroupedTile, 3> tiles{};    ///< by GroupedLayout
+  std::array<bool, 3> form_aten{};       ///< by GroupedLayout: that form on at::_grouped_mm
+};
+GroupedTileChoice parse_grouped_tiles(const char* value);
+
 /// The tile grouped_linear uses for each layout: the build's (KILN_GG_TILE_* in
 /// kernels/CMakeLists.txt, chosen by tests/bench/bench_grouped_gemm.cpp on the H200;
 /// docs/benchmarks.md), or KILN_GROUPED_GEMM_TILES="FWD,DX,DW" from the environment, each one of
-/// coop128x256, coop128x128, pong64x128, pong128x128, pong64x256, "cutlass" (the build's), or
-/// "aten" (grouped_linear unavailable); read once; a malformed value, or a tile this
-/// build did not compile for its layout, throws c10::Error naming it.
+/// coop128x256, coop128x128, pong64x128, pong128x128, pong64x256 or aten (that form keeps
+/// at::_grouped_mm, e.g. "aten,aten,pong128x128": kiln's kernel for the weight gradient only),
+/// "cutlass" (the build's), or "aten" (grouped_linear unavailable); read once; a malformed value,
+/// or a tile this build did not compile for its layout, throws c10::Error naming it.
 GroupedTile grouped_default_tile(GroupedLayout layout);
 /// Whether the MoE's experts (grouped_swiglu) take grouped_linear where it is available:
 /// KILN_GROUPED_GEMM_TILES = "cutlass" (the build's tiles) or three tiles. Unset: no, they run
 /// at::_grouped_mm (on the H200 kiln's kernels gave the same step time, and each MoE layer's
 /// forward+backward ~4% slower: docs/benchmarks.md, 2026-12-05).
 bool grouped_linear_chosen();
+/// grouped_linear_chosen() and the layout's form not given as "aten" in KILN_GROUPED_GEMM_TILES:
+/// whether the MoE's GEMMs of that form (kernels::GroupedLayout) run kiln's kernel.
+bool grouped_linear_chosen_for(GroupedLayout layout);
 /// Whether this build has kiln's grouped GEMM for (layout, tile) (CUDA, CUTLASS found).
 bool grouped_gemm_compiled(GroupedLayout layout, GroupedTile tile);
 

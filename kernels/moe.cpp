@@ -114,8 +114,8 @@ struct ExpertGemms {
     offs = counts_E.to(x.device()).cumsum(0).to(at::kInt);
   }
   at::Tensor forward(const at::Tensor& x, const at::Tensor& w) const {
-    if (path == Path::kiln) return grouped_mm_ragged_m(aligned_contiguous(x), aligned_contiguous(w).transpose(-2, -1), offs);
-    if (path == Path::aten) return at::_grouped_mm(x.contiguous(), w.transpose(-2, -1), offs);
+    if (kiln(GroupedLayout::kRowCol)) return grouped_mm_ragged_m(aligned_contiguous(x), aligned_contiguous(w).transpose(-2, -1), offs);
+    if (path != Path::per_expert) return at::_grouped_mm(x.contiguous(), w.transpose(-2, -1), offs);
     auto y = at::empty({x.size(0), w.size(1)}, x.options());
     for_each([&](int64_t e, int64_t s, int64_t n) { y.narrow(0, s, n).copy_(at::linear(x.narrow(0, s, n), w[e])); });
     return y;
@@ -138,21 +138,23 @@ struct ExpertGemms {
     return {gu, rows};
   }
   at::Tensor input_grad(const at::Tensor& dy, const at::Tensor& w) const {
-    if (path == Path::kiln) return grouped_mm_ragged_m(aligned_contiguous(dy), aligned_contiguous(w), offs);
-    if (path == Path::aten) return at::_grouped_mm(dy.contiguous(), w.contiguous(), offs);
+    if (kiln(GroupedLayout::kRowRow)) return grouped_mm_ragged_m(aligned_contiguous(dy), aligned_contiguous(w), offs);
+    if (path != Path::per_expert) return at::_grouped_mm(dy.contiguous(), w.contiguous(), offs);
     auto dx = at::empty({dy.size(0), w.size(2)}, dy.options());
     for_each([&](int64_t e, int64_t s, int64_t n) { dx.narrow(0, s, n).copy_(dy.narrow(0, s, n).mm(w[e])); });
     return dx;
   }
   at::Tensor weight_grad(const at::Tensor& dy, const at::Tensor& x) const {
-    if (path == Path::kiln) return grouped_mm_ragged_k(aligned_contiguous(dy).t(), aligned_contiguous(x), offs);
-    if (path == Path::aten) return at::_grouped_mm(dy.contiguous().t(), x.contiguous(), offs);
+    if (kiln(GroupedLayout::kColRow)) return grouped_mm_ragged_k(aligned_contiguous(dy).t(), aligned_contiguous(x), offs);
+    if (path != Path::per_expert) return at::_grouped_mm(dy.contiguous().t(), x.contiguous(), offs);
     auto dw = at::zeros({int64_t(counts.size()), dy.size(1), x.size(1)}, dy.options());
     for_each([&](int64_t e, int64_t s, int64_t n) { dw[e].copy_(dy.narrow(0, s, n).t().mm(x.narrow(0, s, n))); });
     return dw;
   }
 
  private:
+  // Path::kiln and that form not kept on at::_grouped_mm (KILN_GROUPED_GEMM_TILES, kernels/grouped_gemm.hpp).
+  bool kiln(GroupedLayout form) const { return path == Path::kiln && grouped_linear_chosen_for(form); }
   template <class Fn>
   void for_each(Fn fn) const {
     int64_t s = 0;

@@ -47,6 +47,44 @@ TEST_CASE("grouped GEMM: refusals name the input, CPU tensors are not taken, eve
   }
 }
 
+TEST_CASE("KILN_GROUPED_GEMM_TILES: unset, aten, cutlass, three forms with aten among them, and what it refuses") {
+  using kernels::GroupedLayout;
+  const auto unset = kernels::parse_grouped_tiles(nullptr);
+  CHECK_FALSE(unset.chosen);
+  CHECK_FALSE(unset.aten);
+  CHECK(kernels::parse_grouped_tiles("").tiles == unset.tiles);
+  CHECK(kernels::parse_grouped_tiles("aten").aten);
+  CHECK_FALSE(kernels::parse_grouped_tiles("aten").chosen);
+  const auto cutlass = kernels::parse_grouped_tiles("cutlass");
+  CHECK(cutlass.chosen);
+  CHECK(cutlass.tiles == unset.tiles);  // the build's
+  CHECK(cutlass.form_aten == std::array<bool, 3>{false, false, false});
+  // The weight gradient alone on kiln's kernel (the build's tile for it), the other two forms on
+  // at::_grouped_mm: no tile needs compiling for the aten forms.
+  const auto tile_dw = unset.tiles[size_t(GroupedLayout::kColRow)];
+  const std::string key_dw = tile_dw == kernels::GroupedTile::kPong128x128 ? "pong128x128"
+                             : tile_dw == kernels::GroupedTile::kCoop128x256 ? "coop128x256"
+                             : tile_dw == kernels::GroupedTile::kCoop128x128 ? "coop128x128"
+                             : tile_dw == kernels::GroupedTile::kPong64x128 ? "pong64x128"
+                                                                           : "pong64x256";
+  if (kernels::grouped_gemm_compiled(GroupedLayout::kColRow, tile_dw)) {  // a build with CUTLASS's headers
+    const auto dw_only = kernels::parse_grouped_tiles(("aten,aten," + key_dw).c_str());
+    CHECK(dw_only.chosen);
+    CHECK(dw_only.form_aten == std::array<bool, 3>{true, true, false});
+    CHECK(dw_only.tiles[size_t(GroupedLayout::kColRow)] == tile_dw);
+  } else {
+    CHECK_THROWS_WITH_AS(kernels::parse_grouped_tiles(("aten,aten," + key_dw).c_str()),
+                         doctest::Contains("is not compiled into this build"), c10::Error);
+  }
+  CHECK(kernels::parse_grouped_tiles("aten,aten,aten").form_aten == std::array<bool, 3>{true, true, true});
+  CHECK_THROWS_WITH_AS(kernels::parse_grouped_tiles("aten,bogus,aten"),
+                       doctest::Contains("unknown tile \"bogus\"; one of coop128x256"), c10::Error);
+  CHECK_THROWS_WITH_AS(kernels::parse_grouped_tiles("aten,aten"), doctest::Contains("needs \"aten\", \"cutlass\" or three"),
+                       c10::Error);
+  CHECK_THROWS_WITH_AS(kernels::parse_grouped_tiles("aten,aten,aten,aten"), doctest::Contains("more than three tiles"),
+                       c10::Error);
+}
+
 TEST_CASE("CUDA: grouped GEMM, every compiled tile of every layout equals an fp32 per-expert reference") {
   if (skip_unless(have_grouped_gemm(), "needs kiln's grouped GEMM (a CUTLASS build) and a Hopper GPU")) return;
   torch::manual_seed(21);
