@@ -206,27 +206,44 @@ at::Tensor mla_project_rope_q(const at::Tensor& x, const at::Tensor& w, int64_t 
 }
 
 namespace {
+#ifdef KILN_CUDA
+// mla_rope_kv_uses_kernel for the contiguous [M, H, N+V] projection of latent, decided before
+// the GEMM; the kernel also reads the key part alone ([M, H, N], no value vectors).
+bool project_kv_uses_kernel(const at::Tensor& latent, const at::Tensor& k_pe, int64_t H, int64_t N, int64_t V) {
+  const int64_t n = vec_elems(latent), R = k_pe.size(1);
+  return latent.is_cuda() && n > 0 && N > 0 && V > 0 && N % n == 0 && V % n == 0 && R % (2 * n) == 0 &&
+         (N + V + R) / n <= 256 && H <= 65535 && k_pe.scalar_type() == latent.scalar_type() && vector_ready(k_pe, n);
+}
+#endif
+
 struct ProjectRopeKV : public torch::autograd::Function<ProjectRopeKV> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& latent, const at::Tensor& w,
                                const at::Tensor& k_pe, int64_t H, int64_t N, const at::Tensor& positions,
                                const at::Tensor& cos_t, const at::Tensor& sin_t, bool interleaved) {
     ctx->save_for_backward({latent, w, positions, cos_t, sin_t});
-    const int64_t M = latent.size(0), R = k_pe.size(1);
-    const auto kv = linear_unsplit(latent, w).view({M, H, w.size(0) / H});  // [M, H, N+V]
+    const int64_t M = latent.size(0), R = k_pe.size(1), C = latent.size(1), V = w.size(0) / H - N;
     ctx->saved_data["N"] = N;
     ctx->saved_data["R"] = R;
     ctx->saved_data["interleaved"] = interleaved;
-    bool kernel = false;
 #ifdef KILN_CUDA
-    kernel = mla_rope_kv_uses_kernel(kv, k_pe, N);
-    if (kernel) {
-      auto k = at::empty({M, H, N + R}, kv.options()), v = at::empty({M, H, kv.size(2) - N}, kv.options());
-      if (M * H > 0) cuda::mla_rope_kv_forward(kv, k_pe, N, positions, cos_t, sin_t, interleaved, k, v);
+    if (project_kv_uses_kernel(latent, k_pe, H, N, V)) {
+      // The projection as two GEMMs over w's key rows and its value rows (each copied out of
+      // [H, N+V, C]: 4.5 MB at GLM-4.7-Flash's widths): the first writes each head's no-position
+      // key straight into its slot of k (linear_unsplit_into_groups), the second is v as it is,
+      // and the kernel writes only k's rope slots, where it read and wrote all of [M, H, N+V] and
+      // copied the keys and v. Each output element is the same unsplit sum over C as in the one
+      // GEMM over w, so k and v keep mla_rope_kv's bits.
+      const auto w3 = w.view({H, N + V, C});
+      auto k = at::empty({M, H, N + R}, latent.options());
+      linear_unsplit_into_groups(latent, w3.narrow(1, 0, N), k.narrow(2, 0, N));
+      auto v = linear_unsplit(latent, w3.narrow(1, N, V).reshape({H * V, C})).view({M, H, V});
+      if (M * H > 0) cuda::mla_rope_kv_forward_rope(k_pe, N, positions, cos_t, sin_t, interleaved, k);
       ctx->saved_data["kernel"] = true;
       return {k, v};
     }
 #endif
-    ctx->saved_data["kernel"] = kernel;
+    ctx->saved_data["kernel"] = false;
+    const auto kv = linear_unsplit(latent, w).view({M, H, N + V});  // [M, H, N+V]
     auto [k, v] = mla_rope_kv_ref(kv, k_pe, N, positions, cos_t, sin_t, interleaved);
     return {k.contiguous(), v};
   }
