@@ -67,6 +67,7 @@ struct Descs {
 struct Plan {
   Descs d;
   cublasLtMatmulAlgo_t algo{};
+  bool found = false;  // a grouped call's heuristic may find none: the caller copies in instead
 };
 
 // Rows with unit column stride, a row stride of whole 16-byte units and a 16-byte aligned start
@@ -82,7 +83,9 @@ at::Tensor readable_rows(const at::Tensor& x_MK) {
 // y (row-major [M, N] per group, rows ldy apart, group g at g sy elements) = x w_g^T for the G
 // groups of w [G N, K] (contiguous), each element summed over K without split-K: the one
 // cuBLASLt call of linear_unsplit and linear_unsplit_into_groups, its plan cached per key.
-void run_lt(const at::Tensor& x, const at::Tensor& w, int64_t M, int64_t N, int64_t K, int64_t G, void* y, int64_t ldy,
+// Returns false, having run nothing, when cuBLASLt has no algorithm without split-K for a
+// grouped call (G > 1); for one group that throws.
+bool run_lt(const at::Tensor& x, const at::Tensor& w, int64_t M, int64_t N, int64_t K, int64_t G, void* y, int64_t ldy,
             int64_t sy) {
   const int64_t ldx = M == 1 ? K : x.stride(0);
   const c10::cuda::CUDAGuard guard(x.device());
@@ -144,20 +147,25 @@ void run_lt(const at::Tensor& x, const at::Tensor& w, int64_t M, int64_t N, int6
       check_lt(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.ay, sizeof key.ay), "alignment of y");
       cublasLtMatmulHeuristicResult_t result{};
       int found = 0;
-      check_lt(cublasLtMatmulAlgoGetHeuristic(handle, d.op, d.a, d.b, d.c, d.c, d.pref, 1, &result, &found),
-               "cublasLtMatmulAlgoGetHeuristic");
-      TORCH_CHECK(found > 0, "linear_unsplit: cuBLASLt has no algorithm without split-K for x [", M, ", ", K, "] (row stride ",
-                  ldx, ") and w [", G, " x ", N, ", ", K, "] in ", x.scalar_type(), " (output row stride ", ldy, ")");
+      const auto status = cublasLtMatmulAlgoGetHeuristic(handle, d.op, d.a, d.b, d.c, d.c, d.pref, 1, &result, &found);
+      if (G == 1) {
+        check_lt(status, "cublasLtMatmulAlgoGetHeuristic");
+        TORCH_CHECK(found > 0, "linear_unsplit: cuBLASLt has no algorithm without split-K for x [", M, ", ", K,
+                    "] (row stride ", ldx, ") and w [", N, ", ", K, "] in ", x.scalar_type());
+      }
+      p->found = status == CUBLAS_STATUS_SUCCESS && found > 0;
       p->algo = result.algo;
       slot = std::move(p);
     }
     plan = slot;
   }
+  if (!plan->found) return false;
   const auto& d = plan->d;
   const float alpha = 1.0f, beta = 0.0f;
   check_lt(cublasLtMatmul(handle, d.op, &alpha, w.data_ptr(), d.a, x.data_ptr(), d.b, &beta, y, d.c, y, d.c,
                           &plan->algo, nullptr, 0, at::cuda::getCurrentCUDAStream(x.device().index()).stream()),
            "cublasLtMatmul");
+  return true;
 }
 #endif
 
@@ -194,7 +202,7 @@ at::Tensor linear_unsplit(const at::Tensor& x_MK, const at::Tensor& w_NK) {
   const auto w = w_NK.is_contiguous() && alignment_of(w_NK.data_ptr()) >= 16 ? w_NK : w_NK.clone(at::MemoryFormat::Contiguous);
   const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
   auto y = at::empty({M, N}, x.options());
-  run_lt(x, w, M, N, K, 1, y.data_ptr(), N, 0);
+  (void)run_lt(x, w, M, N, K, 1, y.data_ptr(), N, 0);  // one group: throws where it finds no algorithm
   return y;
 #else
   return at::linear(x_MK, w_NK);
@@ -224,8 +232,7 @@ void linear_unsplit_into_groups(const at::Tensor& x_MK, const at::Tensor& w_GNK,
                        ldy >= (G - 1) * sy + N && ldy % per16 == 0 && alignment_of(out_MGN.data_ptr()) >= 16;
   if (grouped) {
     const auto x = readable_rows(x_MK);
-    run_lt(x, alignment_of(w.data_ptr()) >= 16 ? w : w.clone(), M, N, K, G, out_MGN.data_ptr(), ldy, sy);
-    return;
+    if (run_lt(x, alignment_of(w.data_ptr()) >= 16 ? w : w.clone(), M, N, K, G, out_MGN.data_ptr(), ldy, sy)) return;
   }
 #endif
   out_MGN.copy_(linear_unsplit(x_MK, w2).view({M, G, N}));
