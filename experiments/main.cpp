@@ -32,6 +32,7 @@
 #include "actors/rollout/rollout_service.hpp"
 #include "actors/trainer/trainer_service.hpp"
 #include "experiments/model_cmd.hpp"
+#include "kernels/grouped_gemm_tiles.hpp"
 #include "experiments/ranks.hpp"
 #include "experiments/serve.hpp"
 #endif
@@ -269,8 +270,10 @@ void add_bench_gpu(CLI::App& bench, std::vector<Command>& commands) {
                   "so that the experts' loads are even as in a trained model (0: the random model's routing)")
       ->transform(between(0, 100000));
   cmd->add_flag("--batch-on-device", go->batch_on_device,
-                "Put the pack's token ids and positions on the GPU before timing, as the peer's benchmark holds its "
-                "tokens (default: each timed forward uploads them from the host, as the trainer's steps do)");
+                "Put the pack's token ids and positions on the GPU before the forward+backward timings (also with "
+                "--activation-checkpointing, --trace, --profile), as torchtitan's benchmark "
+                "(tests/bench/bench_torchtitan_ac.py) holds its tokens (default: each timed forward uploads them "
+                "from the host, as the trainer's steps do)");
   cmd->add_option("--config-dir", go->config_dir, "Write the benchmarked model's HF config.json here");
   commands.push_back({cmd, [go] { return kiln::experiments::run_gpu_bench(*go); }});
 }
@@ -488,6 +491,9 @@ int main(int argc, char** argv) {
       std::string name = c.app->get_name();
       for (auto* p = c.app->get_parent(); p && p->get_parent(); p = p->get_parent()) name = p->get_name() + " " + name;
       try {
+#ifdef KILN_WITH_TORCH
+        kiln::kernels::check_grouped_gemm_environment();  // KILN_GROUPED_GEMM_TILES, before any work
+#endif
         return c.run();
       } catch (const std::invalid_argument& e) {
         std::fprintf(stderr, "kiln %s: %s\n", name.c_str(), e.what());

@@ -6,6 +6,7 @@
 #include <array>
 #include <cstdlib>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -72,7 +73,7 @@ GroupedTileChoice parse_grouped_tiles(const char* env) {
     }
     auto* k = std::find_if(std::begin(kTileKeys), std::end(kTileKeys), [&](const char* s) { return item == s; });
     TORCH_CHECK(k != std::end(kTileKeys), "KILN_GROUPED_GEMM_TILES=\"", env, "\": unknown tile \"", item,
-                "\"; one of ", keys, " or aten");
+                "\"; one of ", keys, " or aten (or the whole value \"aten\" or \"cutlass\")");
     c.tiles[i] = GroupedTile(k - std::begin(kTileKeys));
   }
   TORCH_CHECK(!std::getline(in, item, ','), "KILN_GROUPED_GEMM_TILES=\"", env, "\": more than three tiles");
@@ -99,6 +100,14 @@ bool form_aten(GroupedLayout layout) { return tile_choice().form_aten[size_t(lay
 GroupedTile grouped_default_tile(GroupedLayout layout) { return tile_choice().tiles[size_t(layout)]; }
 
 bool grouped_linear_chosen() { return tile_choice().chosen; }
+
+void check_grouped_gemm_environment() {
+  try {
+    (void)tile_choice();
+  } catch (const c10::Error& e) {
+    throw std::invalid_argument(e.what_without_backtrace());
+  }
+}
 
 bool grouped_linear_chosen_for(GroupedLayout layout) { return tile_choice().chosen && !form_aten(layout); }
 

@@ -6,7 +6,8 @@ gpu` refuses a NaN --keep-logits-gib and --activation-checkpointing-layers witho
 --activation-checkpointing or above --layers, before looking for a device. Also kiln's
 command line: an unknown command is named, a number option's word that is no decimal number or
 out of its range is refused naming the range, malformed paths, endpoints and --docs lists are
-refused by name before any model is built, and every refusal exits 2.
+refused by name before any model is built, a malformed KILN_GROUPED_GEMM_TILES is refused before
+any run directory is made, and every refusal exits 2.
 Usage: check_bench_args.py PATH_TO_KILN WORK_DIR. Prints "N passed, M failed"."""
 import os, subprocess, sys
 
@@ -75,6 +76,15 @@ r = subprocess.run([kiln, "model", "logits", "--from", "/nonexistent", "--out", 
                     "--docs", "1,2"], capture_output=True, text=True, timeout=60)
 checks.append((r.returncode == 2 and "--out '/nonexistent-dir/x.safetensors' must be a file's path" in r.stderr,
                f"model logits --out in a missing directory: exit {r.returncode} ({r.stderr.strip()[-160:]})"))
+# KILN_GROUPED_GEMM_TILES is read before any work on every machine (the MoE reads it on a GPU
+# only): a malformed value is refused by name, and no run directory is made.
+for value, needle in [("aten,bogus,aten", 'unknown tile "bogus"'), ("aten,aten", "needs \"aten\", \"cutlass\" or three"),
+                      ("aten,aten,aten,aten", "more than three tiles")]:
+    out_dir = os.path.join(work, "tiles_run")
+    r = subprocess.run([kiln, "run", "--set", "run.steps=1", "--set", f"run.output_dir={out_dir}"], capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "KILN_GROUPED_GEMM_TILES": value})
+    checks.append((r.returncode == 2 and f'KILN_GROUPED_GEMM_TILES="{value}"' in r.stderr and needle in r.stderr and
+                   not os.path.exists(out_dir), f"KILN_GROUPED_GEMM_TILES={value}: exit {r.returncode} ({r.stderr.strip()[-160:]})"))
 failed = [m for ok, m in checks if not ok]
 for ok, m in checks:
     print(("PASS " if ok else "FAIL ") + m)
