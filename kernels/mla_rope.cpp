@@ -65,6 +65,15 @@ bool vector_ready(const at::Tensor& t, int64_t n) {
 
 at::Tensor vector_ready_copy(const at::Tensor& t, int64_t n) { return vector_ready(t, n) ? t : aligned_contiguous(t); }
 
+// The widths mla_rope_kv's forward kernel takes, n elements a 16-byte vector (0: no kernel for the
+// dtype): H heads, N no-position, V value and R rope dims, whole vectors each (R a whole number of
+// vector pairs), a (token, head) row's N+V+R at most 256 vectors (one block's threads:
+// kernels/mla_rope.cu), the heads a grid dimension.
+bool kv_widths_fit(int64_t n, int64_t H, int64_t N, int64_t V, int64_t R) {
+  return n > 0 && N >= 0 && V > 0 && N % n == 0 && V % n == 0 && R % (2 * n) == 0 && (N + V + R) / n <= 256 &&
+         H <= 65535;
+}
+
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
@@ -210,9 +219,9 @@ namespace {
 // mla_rope_kv_uses_kernel for the contiguous [M, H, N+V] projection of latent, decided before
 // the GEMM; the kernel also reads the key part alone ([M, H, N], no value vectors).
 bool project_kv_uses_kernel(const at::Tensor& latent, const at::Tensor& k_pe, int64_t H, int64_t N, int64_t V) {
-  const int64_t n = vec_elems(latent), R = k_pe.size(1);
-  return latent.is_cuda() && n > 0 && N > 0 && V > 0 && N % n == 0 && V % n == 0 && R % (2 * n) == 0 &&
-         (N + V + R) / n <= 256 && H <= 65535 && k_pe.scalar_type() == latent.scalar_type() && vector_ready(k_pe, n);
+  const int64_t n = vec_elems(latent);
+  return latent.is_cuda() && N > 0 && k_pe.dim() == 2 && k_pe.scalar_type() == latent.scalar_type() &&
+         kv_widths_fit(n, H, N, V, k_pe.size(1)) && vector_ready(k_pe, n);
 }
 #endif
 
@@ -347,9 +356,8 @@ bool mla_rope_q_uses_kernel(const at::Tensor& qs, int64_t N) {
 bool mla_rope_kv_uses_kernel(const at::Tensor& kv, const at::Tensor& k_pe, int64_t N) {
 #ifdef KILN_CUDA
   const int64_t n = vec_elems(kv);
-  return kv.is_cuda() && n > 0 && kv.dim() == 3 && k_pe.dim() == 2 && k_pe.scalar_type() == kv.scalar_type() &&
-         N >= 0 && N < kv.size(2) && N % n == 0 && (kv.size(2) - N) % n == 0 && k_pe.size(1) % (2 * n) == 0 &&
-         (kv.size(2) + k_pe.size(1)) / n <= 256 && kv.size(1) <= 65535 && vector_ready(kv, n) && vector_ready(k_pe, n);
+  return kv.is_cuda() && kv.dim() == 3 && k_pe.dim() == 2 && k_pe.scalar_type() == kv.scalar_type() &&
+         kv_widths_fit(n, kv.size(1), N, kv.size(2) - N, k_pe.size(1)) && vector_ready(kv, n) && vector_ready(k_pe, n);
 #else
   (void)kv;
   (void)k_pe;
