@@ -49,6 +49,8 @@ constexpr const char* kTileKeys[kGroupedTileCount] = {"coop128x256", "coop128x12
 
 }  // namespace
 
+const char* grouped_tile_key(GroupedTile t) { return kTileKeys[size_t(t)]; }
+
 GroupedTileChoice parse_grouped_tiles(const char* env) {
   GroupedTileChoice c;
   c.tiles = {GroupedTile::KILN_GG_TILE_ROWCOL, GroupedTile::KILN_GG_TILE_ROWROW, GroupedTile::KILN_GG_TILE_COLROW};

@@ -16,6 +16,8 @@ enum class GroupedLayout { kRowCol, kRowRow, kColRow };
 enum class GroupedTile { kCoop128x256, kCoop128x128, kPong64x128, kPong128x128, kPong64x256 };
 inline constexpr int kGroupedTileCount = 5;
 const char* grouped_tile_name(GroupedTile tile);
+/// The tile's key in KILN_GROUPED_GEMM_TILES ("coop128x256", ...).
+const char* grouped_tile_key(GroupedTile tile);
 /// Reads KILN_GROUPED_GEMM_TILES now (kernels::parse_grouped_tiles, kernels/grouped_gemm.hpp),
 /// which the MoE otherwise reads at its first grouped GEMM on a Hopper GPU: the `kiln` command
 /// calls it before any work, so a malformed value is refused on every machine. Throws

@@ -62,11 +62,7 @@ TEST_CASE("KILN_GROUPED_GEMM_TILES: unset, aten, cutlass, three forms with aten 
   // The weight gradient alone on kiln's kernel (the build's tile for it), the other two forms on
   // at::_grouped_mm: no tile needs compiling for the aten forms.
   const auto tile_dw = unset.tiles[size_t(GroupedLayout::kColRow)];
-  const std::string key_dw = tile_dw == kernels::GroupedTile::kPong128x128 ? "pong128x128"
-                             : tile_dw == kernels::GroupedTile::kCoop128x256 ? "coop128x256"
-                             : tile_dw == kernels::GroupedTile::kCoop128x128 ? "coop128x128"
-                             : tile_dw == kernels::GroupedTile::kPong64x128 ? "pong64x128"
-                                                                           : "pong64x256";
+  const std::string key_dw = kernels::grouped_tile_key(tile_dw);
   if (kernels::grouped_gemm_compiled(GroupedLayout::kColRow, tile_dw)) {  // a build with CUTLASS's headers
     const auto dw_only = kernels::parse_grouped_tiles(("aten,aten," + key_dw).c_str());
     CHECK(dw_only.chosen);
