@@ -94,6 +94,11 @@ class GpuBench {
     targets_ = model::next_token_targets(batch_.input_ids, batch_.cu_seqlens).to(dev_);
     flops_ = 3.0 * glm4_forward_flops(cfg_, o_.docs, o_.tokens / o_.docs);
     J["batch_on_device"] = o_.batch_on_device;
+    if (o_.batch_on_device) {  // GpuBenchOptions::batch_on_device: what forward_backward() reads
+      device_batch_ = batch_;
+      device_batch_.input_ids = batch_.input_ids.to(dev_);
+      device_batch_.position_ids = batch_.position_ids.to(dev_);
+    }
   }
 
   // Forward + backward of the micro-batch (the comparison with transformers: same tokens, same
@@ -460,11 +465,6 @@ class GpuBench {
 
   void forward_backward() {
     policy_->zero_grad();
-    if (o_.batch_on_device && !device_batch_.input_ids.defined()) {  // GpuBenchOptions::batch_on_device
-      device_batch_ = batch_;
-      device_batch_.input_ids = batch_.input_ids.to(dev_);
-      device_batch_.position_ids = batch_.position_ids.to(dev_);
-    }
     auto out = policy_->forward(o_.batch_on_device ? device_batch_ : batch_);
     auto lp = policy_->token_logprobs(out, targets_, 4096);
     (-lp.sum() / double(o_.tokens - o_.docs)).backward();
@@ -511,7 +511,7 @@ class GpuBench {
   int64_t kept_logits_bytes_ = 0;
   std::shared_ptr<Model> policy_, engine_model_;
   model::PackedBatch batch_;
-  model::PackedBatch device_batch_;  // batch_ with ids and positions on the GPU (--batch-on-device), made on first use
+  model::PackedBatch device_batch_;  // batch_ with ids and positions on the GPU (--batch-on-device), made with it
   torch::Tensor targets_;
   double flops_ = 0, fb_ = 0, rollout_s_ = 0;
   rollout::EngineOptions eo_;
