@@ -30,6 +30,18 @@ namespace kiln::kernels {
 /// cuBLASLt's status when it finds no algorithm without split-K or fails to run.
 at::Tensor linear_unsplit(const at::Tensor& x_MK, const at::Tensor& w_NK);
 
+/// out_MGN[m, g, :] = x[m] w[g]^T for the G groups of w_GNK [G, N, K], written into out_MGN [M, G,
+/// N] in place: any layout with a unit last stride; where its group stride and row stride are
+/// 16-byte multiples and its groups do not overlap (group stride >= N, row stride >= (G - 1)
+/// group strides + N), one grouped cuBLASLt call (strided batches, x shared), else (or where
+/// cuBLASLt has no grouped algorithm without split-K) linear_unsplit of the stacked [G N, K]
+/// weight copied in. Each element is the same unsplit sum
+/// over K as linear_unsplit's of the stacked weight: e.g. MLA's keys written straight into the
+/// per-head slots of a wider [M, H, N+R] tensor (kernels/mla_rope.hpp). x_MK as linear_unsplit's;
+/// one dtype and device. Throws c10::Error naming the shapes, dtypes or devices that do not fit,
+/// and cuBLASLt's status as linear_unsplit does.
+void linear_unsplit_into_groups(const at::Tensor& x_MK, const at::Tensor& w_GNK, const at::Tensor& out_MGN);
+
 /// Whether linear_unsplit runs cuBLASLt for these inputs (CUDA build, CUDA bf16/fp16 with K and N
 /// multiples of 8, or fp32 with K and N multiples of 4) rather than at::linear.
 bool linear_unsplit_uses_cublaslt(const at::Tensor& x_MK, const at::Tensor& w_NK);

@@ -237,15 +237,16 @@ struct ProjectRopeKV : public torch::autograd::Function<ProjectRopeKV> {
 #ifdef KILN_CUDA
     if (project_kv_uses_kernel(latent, k_pe, H, N, V)) {
       // The projection as two GEMMs over w's key rows and its value rows (each copied out of
-      // [H, N+V, C]: 4.5 MB at GLM-4.7-Flash's widths): v is the second GEMM's output as it is,
-      // and the kernel reads the keys' [M, H, N] and writes k, where it read all of [M, H, N+V]
-      // and also copied v out. Each output element is the same unsplit sum over C as in the one
-      // GEMM over w (linear_unsplit: no split-K), so k and v keep mla_rope_kv's bits.
+      // [H, N+V, C]: 4.5 MB at GLM-4.7-Flash's widths): the first writes each head's no-position
+      // key straight into its slot of k (linear_unsplit_into_groups), the second is v as it is,
+      // and the kernel writes only k's rope slots, where it read and wrote all of [M, H, N+V] and
+      // copied the keys and v. Each output element is the same unsplit sum over C as in the one
+      // GEMM over w, so k and v keep mla_rope_kv's bits.
       const auto w3 = w.view({H, N + V, C});
-      const auto k_nope = linear_unsplit(latent, w3.narrow(1, 0, N).reshape({H * N, C})).view({M, H, N});
+      auto k = at::empty({M, H, N + R}, latent.options());
+      linear_unsplit_into_groups(latent, w3.narrow(1, 0, N), k.narrow(2, 0, N));
       auto v = linear_unsplit(latent, w3.narrow(1, N, V).reshape({H * V, C})).view({M, H, V});
-      auto k = at::empty({M, H, N + R}, latent.options()), no_v = at::empty({M, H, 0}, latent.options());
-      if (M * H > 0) cuda::mla_rope_kv_forward(k_nope, k_pe, N, positions, cos_t, sin_t, interleaved, k, no_v);
+      if (M * H > 0) cuda::mla_rope_kv_forward_rope(k_pe, N, positions, cos_t, sin_t, interleaved, k);
       ctx->saved_data["kernel"] = true;
       return {k, v};
     }

@@ -160,15 +160,16 @@ __global__ void __launch_bounds__(kThreads) rope_q_inplace_kernel(T* __restrict_
 }
 
 // k [T*H, N+R] and v [T*H, V] contiguous from kv (row t, head h at t*st + h*sh; nope then
-// value) and k_pe (row t at t*pst): nv + rv + vv vectors a (t, h).
+// value) and k_pe (row t at t*pst): nv + rv + vv vectors a (t, h). With skip = nv (kv unread,
+// vv = 0), only k's rope vectors: its no-position part is already in place.
 template <class T>
 __global__ void __launch_bounds__(kThreads) rope_kv_forward(const T* __restrict__ kv, int64_t st, int64_t sh, const T* __restrict__ kpe,
                                 int64_t pst, T* __restrict__ k, T* __restrict__ vout, Rope<T> r, int64_t T_, int nv,
-                                int rv) {
+                                int rv, int skip) {
   constexpr int n = Vec<T>::n;
   const int64_t t = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
   if (t >= T_) return;
-  const int h = blockIdx.y, H = gridDim.y, v = threadIdx.x, vv = int(blockDim.x) - nv - rv;
+  const int h = blockIdx.y, H = gridDim.y, v = int(threadIdx.x) + skip, vv = int(blockDim.x) + skip - nv - rv;
   const int64_t row = t * H + h;
   const T* src = kv + t * st + h * sh;
   if (v < nv) {
@@ -301,7 +302,23 @@ void mla_rope_kv_forward(const at::Tensor& kv, const at::Tensor& k_pe, int64_t n
     rope_kv_forward<T><<<g.grid, g.block, 0, stream>>>(
         static_cast<const T*>(kv.data_ptr()), kv.stride(0), kv.stride(1), static_cast<const T*>(k_pe.data_ptr()),
         k_pe.stride(0), static_cast<T*>(k.data_ptr()), static_cast<T*>(v.data_ptr()),
-        rope_of<T>(positions, cos_table, sin_table, interleaved), kv.size(0), nv, rv);
+        rope_of<T>(positions, cos_table, sin_table, interleaved), kv.size(0), nv, rv, 0);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void mla_rope_kv_forward_rope(const at::Tensor& k_pe, int64_t nope_dim, const at::Tensor& positions,
+                              const at::Tensor& cos_table, const at::Tensor& sin_table, bool interleaved, at::Tensor& k) {
+  const c10::cuda::CUDAGuard guard(k.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  dispatch_floating(k.scalar_type(), "mla_rope_kv", [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int n = Vec<T>::n;
+    const int H = int(k.size(1)), nv = int(nope_dim / n), rv = int(k_pe.size(1) / n);
+    const auto g = row_grid(k.size(0), H, rv);
+    rope_kv_forward<T><<<g.grid, g.block, 0, stream>>>(
+        nullptr, 0, 0, static_cast<const T*>(k_pe.data_ptr()), k_pe.stride(0), static_cast<T*>(k.data_ptr()), nullptr,
+        rope_of<T>(positions, cos_table, sin_table, interleaved), k.size(0), nv, rv, nv);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

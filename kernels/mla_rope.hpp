@@ -64,9 +64,10 @@ at::Tensor mla_project_rope_q(const at::Tensor& x_MK, const at::Tensor& w_NK, in
 /// [H (N+V), C], k_pe [M, R] -> {k [M, H, N+R], v [M, H, V]} = mla_rope_kv((latent w^T).view(M, H,
 /// N+V), k_pe), the projection by kernels::linear_unsplit (the forward's bits are the two ops').
 /// On CUDA with mla_rope_kv's kernel the projection runs as two GEMMs, over w's key rows and its
-/// value rows (each copied out, [H N, C] and [H V, C]): v is the second's output as it is and the
-/// kernel reads the keys' [M, H, N] and writes k, where the one GEMM's [M, H, N+V] output was read
-/// whole and v copied out of it (at 8192 tokens and GLM-4.7-Flash's widths 168 MB less moved a
+/// value rows (each copied out, [H, N, C] and [H V, C]): the first writes each head's keys into
+/// their slots of k (kernels::linear_unsplit_into_groups), the second's output is v as it is,
+/// and a kernel writes k's rope slots, where the one GEMM's [M, H, N+V] output was read whole and
+/// k and v copied out of it (at 8192 tokens and GLM-4.7-Flash's widths ~290 MB less moved a
 /// layer); each element is the same unsplit sum over C, so the bits are the one GEMM's (the CUDA
 /// test checks them equal).
 /// Backward without the [M, H, N+V] gradient mla_rope_kv assembles from dk and dv: the

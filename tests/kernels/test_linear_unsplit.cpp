@@ -118,6 +118,52 @@ TEST_CASE("CUDA: linear_unsplit in a CUDA graph, and unsplit_linear's gradients 
   CHECK(torch::allclose(wa.grad().to(torch::kFloat32), wb.grad().to(torch::kFloat32), 1e-2, 1e-2));
 }
 
+TEST_CASE("linear_unsplit_into_groups on CPU: each group's slot gets linear_unsplit's values, the rest of out is untouched, bad shapes refused") {
+  torch::manual_seed(3);
+  const int64_t M = 7, G = 3, N = 8, K = 16, W = 12;  // each group's N columns in a slot of W
+  auto x = torch::randn({M, K}), w = torch::randn({G, N, K});
+  auto out = torch::full({M, G, W}, 7.0f);
+  kernels::linear_unsplit_into_groups(x, w, out.narrow(2, 0, N));
+  CHECK(same_bits(out.narrow(2, 0, N), kernels::linear_unsplit(x, w.view({G * N, K})).view({M, G, N})));
+  CHECK(torch::all(out.narrow(2, N, W - N) == 7.0f).item<bool>());
+  // A group-strided weight (a narrow of a wider one) is taken as it is.
+  auto wide = torch::randn({G, N + 4, K});
+  kernels::linear_unsplit_into_groups(x, wide.narrow(1, 0, N), out.narrow(2, 0, N));
+  CHECK(same_bits(out.narrow(2, 0, N), kernels::linear_unsplit(x, wide.narrow(1, 0, N).reshape({G * N, K})).view({M, G, N})));
+  CHECK_THROWS_WITH_AS(kernels::linear_unsplit_into_groups(x, w, torch::empty({M, G, N + 1})),
+                       doctest::Contains("w [G, N, K] and out [M, G, N] expected for x [M, K], got x [7, 16], w [3, 8, 16] and out [7, 3, 9]"),
+                       c10::Error);
+  CHECK_THROWS_WITH_AS(kernels::linear_unsplit_into_groups(x, torch::randn({G, N, K + 1}), torch::empty({M, G, N})),
+                       doctest::Contains("with one K"), c10::Error);
+  CHECK_THROWS_WITH_AS(kernels::linear_unsplit_into_groups(x, w, torch::empty({M, G, N}, torch::kFloat64)),
+                       doctest::Contains("out is Double"), c10::Error);
+}
+
+TEST_CASE("CUDA: linear_unsplit_into_groups writes linear_unsplit's bits into strided slots (MLA's keys), in one call or copied in") {
+  if (skip_without_cuda_kernels()) return;
+  torch::manual_seed(4);
+  const torch::Device dev(torch::kCUDA);
+  // GLM-4.7-Flash's key projection: 20 heads of 192 from the 512-wide latent, into [M, 20, 256].
+  const int64_t G = 20, N = 192, K = 512, W = 256;
+  for (auto dtype : {torch::kBFloat16, torch::kFloat32})
+    for (int64_t M : {1, 31, 1500, 8192}) {
+      INFO("dtype " << dtype << " M " << M);
+      auto opt = torch::TensorOptions().dtype(dtype).device(dev);
+      auto x = torch::randn({M, K}, opt), wide = torch::randn({G, N + 256, K}, opt) / 16;
+      const auto w = wide.narrow(1, 0, N);  // the key rows of kv_b's [H, N+V, C]
+      const auto expect = kernels::linear_unsplit(x, w.reshape({G * N, K})).view({M, G, N});
+      auto out = torch::full({M, G, W}, 3.0, opt);
+      kernels::linear_unsplit_into_groups(x, w, out.narrow(2, 0, N));
+      CHECK(same_bits(out.narrow(2, 0, N), expect));
+      CHECK(torch::all(out.narrow(2, N, W - N) == 3.0).item<bool>());
+      // Slots off the 16-byte grid (group stride 193): copied in, the same bits.
+      auto odd = torch::full({M, G, N + 1}, 3.0, opt);
+      kernels::linear_unsplit_into_groups(x, w, odd.narrow(2, 0, N));
+      CHECK(same_bits(odd.narrow(2, 0, N), expect));
+      CHECK(torch::all(odd.narrow(2, N, 1) == 3.0).item<bool>());
+    }
+}
+
 TEST_CASE("unsplit_linear_pair: two projections of one x, linear's values and gradients, frozen and unused parts, bad shapes refused") {
   torch::manual_seed(4);
   const auto x = torch::randn({6, 16}, torch::kFloat64), w1 = torch::randn({24, 16}, torch::kFloat64),
