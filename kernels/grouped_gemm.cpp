@@ -39,15 +39,13 @@ const char* grouped_tile_name(GroupedTile t) {
     case GroupedTile::kPong64x128: return "pingpong 64x128x128, cluster 2x1";
     case GroupedTile::kPong128x128: return "pingpong 128x128x64, cluster 1x1";
     case GroupedTile::kPong64x256: return "pingpong 64x256x64, cluster 1x1";
-    case GroupedTile::kPreCoop128x256: return "cooperative 128x256x64, cluster 2x1, groups' TMA descriptors built before";
-    case GroupedTile::kPrePong128x128: return "pingpong 128x128x64, cluster 1x1, groups' TMA descriptors built before";
   }
   return "?";
 }
 
 namespace {
-constexpr const char* kTileKeys[kGroupedTileCount] = {"coop128x256", "coop128x128",   "pong64x128",    "pong128x128",
-                                                      "pong64x256",  "precoop128x256", "prepong128x128"};
+constexpr const char* kTileKeys[kGroupedTileCount] = {"coop128x256", "coop128x128", "pong64x128", "pong128x128",
+                                                      "pong64x256"};
 
 }  // namespace
 
@@ -85,7 +83,7 @@ GroupedTileChoice parse_grouped_tiles(const char* env) {
   for (size_t i = 0; i < 3; ++i)
     TORCH_CHECK(c.form_aten[i] || grouped_gemm_compiled(GroupedLayout(i), c.tiles[i]), "KILN_GROUPED_GEMM_TILES=\"", env,
                 "\": tile ", kTileKeys[size_t(c.tiles[i])], " (", what[i], ") is not compiled into this build: configure with ",
-                "-DKILN_GROUPED_GEMM_SWEEP=ON for all seven, or -DKILN_GG_TILE_* to choose");
+                "-DKILN_GROUPED_GEMM_SWEEP=ON for all five, or -DKILN_GG_TILE_* to choose");
   return c;
 }
 

@@ -12,12 +12,9 @@ enum class GroupedLayout { kRowCol, kRowRow, kColRow };
 /// CTA tile (M x N x K), cluster and schedule of CUTLASS's sm90 pointer-array kernels
 /// (cooperative: two consumer warp groups on one tile; pingpong: each warp group its own tile,
 /// one's epilogue overlapping the other's main loop). kCoop128x256 is what at::_grouped_mm
-/// runs at the experts' sizes, kPong64x128 its choice for small ones. kPreCoop128x256 and
-/// kPrePong128x128: the same kernels as kCoop128x256 and kPong128x128 with every group's TMA
-/// descriptors written by a kernel before the GEMM, where CUTLASS rewrites and fences one per
-/// operand and SM at each change of group (kernels/grouped_gemm_sm90.cuh, PrebuiltMainloop).
-enum class GroupedTile { kCoop128x256, kCoop128x128, kPong64x128, kPong128x128, kPong64x256, kPreCoop128x256, kPrePong128x128 };
-inline constexpr int kGroupedTileCount = 7;
+/// runs at the experts' sizes, kPong64x128 its choice for small ones.
+enum class GroupedTile { kCoop128x256, kCoop128x128, kPong64x128, kPong128x128, kPong64x256 };
+inline constexpr int kGroupedTileCount = 5;
 const char* grouped_tile_name(GroupedTile tile);
 /// The tile's key in KILN_GROUPED_GEMM_TILES ("coop128x256", ...).
 const char* grouped_tile_key(GroupedTile tile);

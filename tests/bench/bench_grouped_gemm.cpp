@@ -8,7 +8,7 @@
 // with the counts of a random top-4 routing, the largest difference from at::_grouped_mm's
 // output (in units of its bf16 rounding step), then the chosen tiles' whole MoE expert
 // forward+backward (grouped_linear + swiglu_packed, autograd) against the same through
-// at::_grouped_mm. Build with -DKILN_GROUPED_GEMM_SWEEP=ON to time all seven tiles per layout (a plain build has each layout's tile and its prebuilt-descriptor twin).
+// at::_grouped_mm. Build with -DKILN_GROUPED_GEMM_SWEEP=ON to time all five tiles per layout.
 //   kiln_bench_grouped_gemm [--tokens N] [--iters N] [--json FILE]
 #include <ATen/cuda/CUDAContext.h>
 #include <torch/torch.h>
