@@ -288,9 +288,16 @@ ExperimentConfig ExperimentConfig::from_file(const std::string& path) {
 }
 
 void ExperimentConfig::set(const std::string& assignment) {
+  // Spaces and tabs around the key and the value are not theirs, as in a TOML file ("run.steps = 2");
+  // inside quotes they stay.
+  auto trimmed = [](const std::string& s) {
+    const auto b = s.find_first_not_of(" \t"), e = s.find_last_not_of(" \t");
+    return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
+  };
   auto eq = assignment.find('=');
-  if (eq == std::string::npos || eq == 0) throw std::invalid_argument("--set '" + assignment + "': expected section.key=value");
-  std::string key = assignment.substr(0, eq), value = assignment.substr(eq + 1);
+  std::string key = eq == std::string::npos ? std::string() : trimmed(assignment.substr(0, eq));
+  if (key.empty()) throw std::invalid_argument("--set '" + assignment + "': expected section.key=value");
+  std::string value = trimmed(assignment.substr(eq + 1));
   auto dot = key.find('.');
   if (dot == std::string::npos) throw std::invalid_argument("--set '" + assignment + "': key must be section.key");
   toml::table v;

@@ -350,6 +350,25 @@ TEST_CASE("to_toml writes text and numbers that read back exactly: quotes, backs
   CHECK(c.to_toml().find("clip_high = 0.28\n") != std::string::npos);
 }
 
+TEST_CASE("--set takes spaces around the key and the value as a TOML file does, and keeps them inside quotes") {
+  ExperimentConfig c;
+  c.set("run.steps = 2");
+  CHECK(c.run.steps == 2);
+  c.set(" task.name =\tarithmetic ");  // bare text: no leading or trailing space kept
+  CHECK(c.task.name == "arithmetic");
+  c.set("run.name = \" padded \"");
+  CHECK(c.run.name == " padded ");
+  std::string refused = "accepted";
+  try {
+    c.set("run.stepz = 3");
+  } catch (const std::invalid_argument& e) {
+    refused = e.what();
+  }
+  CHECK(refused.find("run.stepz") != std::string::npos);
+  CHECK(refused.find("run.stepz ") == std::string::npos);  // the key named without the space after it
+  CHECK_THROWS_WITH_AS(c.set(" = 3"), doctest::Contains("expected section.key=value"), std::invalid_argument);
+}
+
 TEST_CASE("--set with bare text that is not UTF-8 is refused by key") {
   ExperimentConfig c;
   CHECK_THROWS_WITH_AS(c.set("run.name=caf\xe9"), doctest::Contains("--set 'run.name': the value is not valid TOML, nor text in UTF-8"),
