@@ -288,10 +288,10 @@ ExperimentConfig ExperimentConfig::from_file(const std::string& path) {
 }
 
 void ExperimentConfig::set(const std::string& assignment) {
-  // Spaces and tabs around the key and the value are not theirs, as in a TOML file ("run.steps = 2");
-  // inside quotes they stay.
+  // Spaces, tabs and line ends around the key and the value are not theirs, as in a TOML file
+  // ("run.steps = 2", a script's "\r\n"); inside quotes they stay.
   auto trimmed = [](const std::string& s) {
-    const auto b = s.find_first_not_of(" \t"), e = s.find_last_not_of(" \t");
+    const auto b = s.find_first_not_of(" \t\r\n"), e = s.find_last_not_of(" \t\r\n");
     return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
   };
   auto eq = assignment.find('=');
@@ -311,6 +311,10 @@ void ExperimentConfig::set(const std::string& assignment) {
                                   (c == '[' ? "array" : c == '{' ? "inline table" : "string") + " but does not parse (" +
                                   std::string(e.description()) + ")" +
                                   (c == '[' || c == '{' ? "; to give text that starts so, quote it (\"...\")" : ""));
+    // "abc\nalgorithm.lr = 5" as text would keep the second line in the name and drop the key it sets.
+    if (value.find_first_of("\r\n") != std::string::npos)
+      throw std::invalid_argument("--set '" + key + "': the value is bare text with a line break in it (a TOML value " +
+                                  "is one line): give one line, or quote the text and write the break as \\n");
     try {  // bare text: read as a quoted string, which also refuses bytes that are not UTF-8
       v = toml::parse("v = " + toml_quoted(value));
     } catch (const toml::parse_error& e) {
@@ -321,7 +325,7 @@ void ExperimentConfig::set(const std::string& assignment) {
   // "1\nalgorithm.lr = 5" parses as two keys: the second was dropped without a word.
   if (v.size() != 1)
     throw std::invalid_argument("--set '" + key + "': the value holds more than one TOML key-value pair (a line break " +
-                                "starts another: give one value, or quote text that holds a line break)");
+                                "starts another: give one value; in quoted text write a line break as \\n)");
   toml::table root{{key.substr(0, dot), toml::table{{key.substr(dot + 1), *v["v"].node()}}}};
   apply_table(*this, root, "--set " + key);
 }
