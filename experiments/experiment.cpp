@@ -311,10 +311,6 @@ void ExperimentConfig::set(const std::string& assignment) {
                                   (c == '[' ? "array" : c == '{' ? "inline table" : "string") + " but does not parse (" +
                                   std::string(e.description()) + ")" +
                                   (c == '[' || c == '{' ? "; to give text that starts so, quote it (\"...\")" : ""));
-    // "abc\nalgorithm.lr = 5" as text would keep the second line in the name and drop the key it sets.
-    if (value.find_first_of("\r\n") != std::string::npos)
-      throw std::invalid_argument("--set '" + key + "': the value is bare text with a line break in it (a TOML value " +
-                                  "is one line): give one line, or quote the text and write the break as \\n");
     try {  // bare text: read as a quoted string, which also refuses bytes that are not UTF-8
       v = toml::parse("v = " + toml_quoted(value));
     } catch (const toml::parse_error& e) {
