@@ -1,6 +1,7 @@
 #include "experiments/experiment.hpp"
 #include "actors/shown_value.hpp"
 
+#include <cctype>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
@@ -22,6 +23,26 @@ struct Field {
 
 [[noreturn]] void bad(const std::string& where, const std::string& key, const std::string& why) {
   throw std::invalid_argument(where + ": key '" + key + "' " + why);
+}
+
+// Whether a line opens as a TOML key-value pair with a bare (dotted) key: "algorithm.lr = 5",
+// "run . seed=1". A line without '=' after such a key (a path's, a command's) does not.
+bool looks_like_toml_key(const std::string& line) {
+  auto bare = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-'; };
+  size_t i = 0;
+  auto spaces = [&] { while (i < line.size() && (line[i] == ' ' || line[i] == '\t')) ++i; };
+  for (;;) {
+    spaces();
+    const size_t start = i;
+    while (i < line.size() && bare(line[i])) ++i;
+    if (i == start) return false;
+    spaces();
+    if (i < line.size() && line[i] == '.') {
+      ++i;
+      continue;
+    }
+    return i < line.size() && line[i] == '=';
+  }
 }
 
 // A TOML basic string: quotes, backslashes and control characters escaped, so that to_toml()
@@ -311,6 +332,15 @@ void ExperimentConfig::set(const std::string& assignment) {
                                   (c == '[' ? "array" : c == '{' ? "inline table" : "string") + " but does not parse (" +
                                   std::string(e.description()) + ")" +
                                   (c == '[' || c == '{' ? "; to give text that starts so, quote it (\"...\")" : ""));
+    // Bare text may hold a line break (a path may), but a later line that reads as a TOML key
+    // ("abc<LF>algorithm.lr = 5") is a second key, which would be dropped into the text.
+    for (size_t b = value.find('\n'); b != std::string::npos; b = value.find('\n', b + 1)) {
+      const auto line = trimmed(value.substr(b + 1, value.find('\n', b + 1) - b - 1));
+      if (looks_like_toml_key(line))
+        throw std::invalid_argument("--set '" + key + "': the value's line '" + line +
+                                    "' reads as another key: give one key per --set (in quoted text write a line "
+                                    "break as \\n)");
+    }
     try {  // bare text: read as a quoted string, which also refuses bytes that are not UTF-8
       v = toml::parse("v = " + toml_quoted(value));
     } catch (const toml::parse_error& e) {

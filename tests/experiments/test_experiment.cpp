@@ -104,9 +104,17 @@ TEST_CASE("unknown keys, wrong types and bad values are rejected by name") {
   // A line break in the value started a second key, which was dropped without a word.
   CHECK_THROWS_WITH_AS(c.set("run.steps=1\nalgorithm.lr=5.0"), doctest::Contains("more than one TOML key-value pair"),
                        std::invalid_argument);
+  // Bare text's later line that reads as a key was dropped into the text (the name "abc\nalgorithm.lr = 5").
+  CHECK_THROWS_WITH_AS(c.set("run.name=abc\nalgorithm.lr = 5"), doctest::Contains("'algorithm.lr = 5' reads as another key"),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(c.set("run.name=abc\r\n run . seed=1"), doctest::Contains("reads as another key"),
+                       std::invalid_argument);
+  CHECK(c.run.name != "abc");
   ExperimentConfig text;
   text.set("task.name=two\nlines");  // bare text with a line break is text (a path may hold one)
   CHECK(text.task.name == "two\nlines");
+  text.set("task.name=/tmp/nl\nsystem \"touch x\"\n`a == b`");  // no line opens as key = ...
+  CHECK(text.task.name == "/tmp/nl\nsystem \"touch x\"\n`a == b`");
   text.set("task.name=\"two\\nlines\"");  // quoted, the break written as \n
   CHECK(text.task.name == "two\nlines");
   c.set("algorithm.samples_per_prompt=1");
