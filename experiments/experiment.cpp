@@ -21,8 +21,31 @@ struct Field {
   std::function<std::string()> show;
 };
 
+// Text for an error message: control characters and no-break spaces written as escapes (\n, \r,
+// \t, \u00A0...), so that a key or value holding them neither garbles the message nor hides in it.
+std::string printable(const std::string& text) {
+  std::string out;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    if (c == '\n') out += "\\n";
+    else if (c == '\r') out += "\\r";
+    else if (c == '\t') out += "\\t";
+    else if (c < 0x20 || c == 0x7f) {
+      char esc[8];
+      std::snprintf(esc, sizeof esc, "\\u%04X", c);
+      out += esc;
+    } else if (c == 0xC2 && i + 1 < text.size() && static_cast<unsigned char>(text[i + 1]) == 0xA0) {
+      out += "\\u00A0";
+      ++i;
+    } else {
+      out += text[i];
+    }
+  }
+  return out;
+}
+
 [[noreturn]] void bad(const std::string& where, const std::string& key, const std::string& why) {
-  throw std::invalid_argument(where + ": key '" + key + "' " + why);
+  throw std::invalid_argument(printable(where) + ": key '" + printable(key) + "' " + why);
 }
 
 // Whether a line opens as a TOML key-value pair with a bare (dotted) key: "algorithm.lr = 5",
@@ -317,10 +340,12 @@ void ExperimentConfig::set(const std::string& assignment) {
   };
   auto eq = assignment.find('=');
   std::string key = eq == std::string::npos ? std::string() : trimmed(assignment.substr(0, eq));
-  if (key.empty()) throw std::invalid_argument("--set '" + assignment + "': expected section.key=value");
+  if (key.empty()) throw std::invalid_argument("--set '" + printable(assignment) + "': expected section.key=value");
   std::string value = trimmed(assignment.substr(eq + 1));
   auto dot = key.find('.');
-  if (dot == std::string::npos) throw std::invalid_argument("--set '" + assignment + "': key must be section.key");
+  if (dot == std::string::npos) throw std::invalid_argument("--set '" + printable(assignment) + "': key must be section.key");
+  if (value.empty())  // TOML has no empty value; bare text would have made it "" unasked
+    throw std::invalid_argument("--set '" + printable(key) + "': no value after '=' (for empty text write \"\")");
   toml::table v;
   try {
     v = toml::parse("v = " + value);
@@ -328,7 +353,7 @@ void ExperimentConfig::set(const std::string& assignment) {
     const auto first = value.find_first_not_of(" \t");
     const char c = first == std::string::npos ? ' ' : value[first];
     if (c == '[' || c == '{' || c == '"' || c == '\'')  // a list, table or string cut short, not bare text
-      throw std::invalid_argument("--set '" + key + "': '" + value + "' starts as a TOML " +
+      throw std::invalid_argument("--set '" + printable(key) + "': '" + printable(value) + "' starts as a TOML " +
                                   (c == '[' ? "array" : c == '{' ? "inline table" : "string") + " but does not parse (" +
                                   std::string(e.description()) + ")" +
                                   (c == '[' || c == '{' ? "; to give text that starts so, quote it (\"...\")" : ""));
@@ -337,20 +362,20 @@ void ExperimentConfig::set(const std::string& assignment) {
     for (size_t b = value.find('\n'); b != std::string::npos; b = value.find('\n', b + 1)) {
       const auto line = trimmed(value.substr(b + 1, value.find('\n', b + 1) - b - 1));
       if (looks_like_toml_key(line))
-        throw std::invalid_argument("--set '" + key + "': the value's line '" + line +
+        throw std::invalid_argument("--set '" + printable(key) + "': the value's line '" + printable(line) +
                                     "' reads as another key: give one key per --set (in quoted text write a line "
                                     "break as \\n)");
     }
     try {  // bare text: read as a quoted string, which also refuses bytes that are not UTF-8
       v = toml::parse("v = " + toml_quoted(value));
     } catch (const toml::parse_error& e) {
-      throw std::invalid_argument("--set '" + key + "': the value is not valid TOML, nor text in UTF-8 (" +
+      throw std::invalid_argument("--set '" + printable(key) + "': the value is not valid TOML, nor text in UTF-8 (" +
                                   std::string(e.description()) + ")");
     }
   }
   // "1\nalgorithm.lr = 5" parses as two keys: the second was dropped without a word.
   if (v.size() != 1)
-    throw std::invalid_argument("--set '" + key + "': the value holds more than one TOML key-value pair (a line break " +
+    throw std::invalid_argument("--set '" + printable(key) + "': the value holds more than one TOML key-value pair (a line break " +
                                 "starts another: give one value; in quoted text write a line break as \\n)");
   toml::table root{{key.substr(0, dot), toml::table{{key.substr(dot + 1), *v["v"].node()}}}};
   apply_table(*this, root, "--set " + key);

@@ -110,6 +110,15 @@ TEST_CASE("unknown keys, wrong types and bad values are rejected by name") {
   CHECK_THROWS_WITH_AS(c.set("run.name=abc\r\n run . seed=1"), doctest::Contains("reads as another key"),
                        std::invalid_argument);
   CHECK(c.run.name != "abc");
+  CHECK_THROWS_WITH_AS(c.set("run.name= "), doctest::Contains("no value after '='"), std::invalid_argument);
+  ExperimentConfig empty;
+  empty.set("run.name=\"\"");
+  CHECK(empty.run.name.empty());
+  // A key's control characters and no-break spaces are shown as escapes, not printed raw.
+  CHECK_THROWS_WITH_AS(c.set("algorithm.no\rpe=1"), doctest::Contains("key 'algorithm.no\\rpe' is not an experiment key"),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(c.set("run.steps\xC2\xA0=1"), doctest::Contains("key 'run.steps\\u00A0' is not"),
+                       std::invalid_argument);
   ExperimentConfig text;
   text.set("task.name=two\nlines");  // bare text with a line break is text (a path may hold one)
   CHECK(text.task.name == "two\nlines");
