@@ -340,7 +340,14 @@ void ExperimentConfig::set(const std::string& assignment) {
   };
   auto eq = assignment.find('=');
   std::string key = eq == std::string::npos ? std::string() : trimmed(assignment.substr(0, eq));
-  if (key.empty()) throw std::invalid_argument("--set '" + printable(assignment) + "': expected section.key=value");
+  if (key.empty()) {
+    // "kiln run --set a=1 exp.toml": --set takes every value after it, the file among them.
+    std::error_code ec;
+    const bool file = eq == std::string::npos &&
+                      (assignment.ends_with(".toml") || std::filesystem::is_regular_file(assignment, ec));
+    throw std::invalid_argument("--set '" + printable(assignment) + "': expected section.key=value" +
+                                (file ? " (an experiment file goes before --set: kiln run FILE --set KEY=VALUE)" : ""));
+  }
   std::string value = trimmed(assignment.substr(eq + 1));
   auto dot = key.find('.');
   if (dot == std::string::npos) throw std::invalid_argument("--set '" + printable(assignment) + "': key must be section.key");

@@ -101,6 +101,10 @@ TEST_CASE("unknown keys, wrong types and bad values are rejected by name") {
   ExperimentConfig c;
   CHECK_THROWS_WITH_AS(c.set("algorithm.nope=1"), doctest::Contains("'algorithm.nope'"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(c.set("steps=1"), doctest::Contains("section.key"), std::invalid_argument);
+  // A file after --set is taken as one more override (CLI11 gives --set every value after it).
+  CHECK_THROWS_WITH_AS(c.set("exp.toml"), doctest::Contains("an experiment file goes before --set"),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(c.set("steps"), "--set 'steps': expected section.key=value", std::invalid_argument);
   // A line break in the value started a second key, which was dropped without a word.
   CHECK_THROWS_WITH_AS(c.set("run.steps=1\nalgorithm.lr=5.0"), doctest::Contains("more than one TOML key-value pair"),
                        std::invalid_argument);
