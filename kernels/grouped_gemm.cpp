@@ -39,13 +39,16 @@ const char* grouped_tile_name(GroupedTile t) {
     case GroupedTile::kPong64x128: return "pingpong 64x128x128, cluster 2x1";
     case GroupedTile::kPong128x128: return "pingpong 128x128x64, cluster 1x1";
     case GroupedTile::kPong64x256: return "pingpong 64x256x64, cluster 1x1";
+    case GroupedTile::kCoop256x128N2: return "cooperative 256x128x64, cluster 1x2";
+    case GroupedTile::kPong128x128N2: return "pingpong 128x128x64, cluster 1x2";
+    case GroupedTile::kCoop128x256N2: return "cooperative 128x256x64, cluster 1x2";
   }
   return "?";
 }
 
 namespace {
-constexpr const char* kTileKeys[kGroupedTileCount] = {"coop128x256", "coop128x128", "pong64x128", "pong128x128",
-                                                      "pong64x256"};
+constexpr const char* kTileKeys[kGroupedTileCount] = {"coop128x256", "coop128x128", "pong64x128",   "pong128x128",
+                                                      "pong64x256",  "coop256x128n2", "pong128x128n2", "coop128x256n2"};
 
 }  // namespace
 
@@ -83,7 +86,7 @@ GroupedTileChoice parse_grouped_tiles(const char* env) {
   for (size_t i = 0; i < 3; ++i)
     TORCH_CHECK(c.form_aten[i] || grouped_gemm_compiled(GroupedLayout(i), c.tiles[i]), "KILN_GROUPED_GEMM_TILES=\"", env,
                 "\": tile ", kTileKeys[size_t(c.tiles[i])], " (", what[i], ") is not compiled into this build: configure with ",
-                "-DKILN_GROUPED_GEMM_SWEEP=ON for all five, or -DKILN_GG_TILE_* to choose");
+                "-DKILN_GROUPED_GEMM_SWEEP=ON for every tile, or -DKILN_GG_TILE_* to choose (a list compiles several)");
   return c;
 }
 

@@ -24,11 +24,11 @@ namespace kiln::kernels::cuda::gg {
 
 using namespace cute;
 
-// CTA tile M x N x K, cluster along M, and the schedule (pingpong or cooperative).
-template <int M, int N, int K, int ClusterM, bool Pingpong>
+// CTA tile M x N x K, cluster M x N, and the schedule (pingpong or cooperative).
+template <int M, int N, int K, int ClusterM, bool Pingpong, int ClusterN = 1>
 struct TileDef {
   using Tile = Shape<Int<M>, Int<N>, Int<K>>;
-  using Cluster = Shape<Int<ClusterM>, _1, _1>;
+  using Cluster = Shape<Int<ClusterM>, Int<ClusterN>, _1>;
   using Kernel = std::conditional_t<Pingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                                     cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
   using Epilogue = std::conditional_t<Pingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
@@ -46,6 +46,12 @@ template <>
 struct TileCfg<GroupedTile::kPong128x128> : TileDef<128, 128, 64, 1, true> {};
 template <>
 struct TileCfg<GroupedTile::kPong64x256> : TileDef<64, 256, 64, 1, true> {};
+template <>
+struct TileCfg<GroupedTile::kCoop256x128N2> : TileDef<256, 128, 64, 1, false, 2> {};
+template <>
+struct TileCfg<GroupedTile::kPong128x128N2> : TileDef<128, 128, 64, 1, true, 2> {};
+template <>
+struct TileCfg<GroupedTile::kCoop128x256N2> : TileDef<128, 256, 64, 1, false, 2> {};
 
 template <GroupedLayout L>
 struct LayoutCfg;

@@ -12,9 +12,20 @@ enum class GroupedLayout { kRowCol, kRowRow, kColRow };
 /// CTA tile (M x N x K), cluster and schedule of CUTLASS's sm90 pointer-array kernels
 /// (cooperative: two consumer warp groups on one tile; pingpong: each warp group its own tile,
 /// one's epilogue overlapping the other's main loop). kCoop128x256 is what at::_grouped_mm
-/// runs at the experts' sizes, kPong64x128 its choice for small ones.
-enum class GroupedTile { kCoop128x256, kCoop128x128, kPong64x128, kPong128x128, kPong64x256 };
-inline constexpr int kGroupedTileCount = 5;
+/// runs at the experts' sizes, kPong64x128 its choice for small ones; kCoop256x128N2 the shape
+/// and cluster (1x2: the A tile multicast to two CTAs along N) of cuBLAS's dense kernels at
+/// these widths, kPong128x128N2 and kCoop128x256N2 the cluster 1x2 forms of the others.
+enum class GroupedTile {
+  kCoop128x256,
+  kCoop128x128,
+  kPong64x128,
+  kPong128x128,
+  kPong64x256,
+  kCoop256x128N2,
+  kPong128x128N2,
+  kCoop128x256N2
+};
+inline constexpr int kGroupedTileCount = 8;
 const char* grouped_tile_name(GroupedTile tile);
 /// The tile's key in KILN_GROUPED_GEMM_TILES ("coop128x256", ...).
 const char* grouped_tile_key(GroupedTile tile);

@@ -8,7 +8,8 @@
 // with the counts of a random top-4 routing, the largest difference from at::_grouped_mm's
 // output (in units of its bf16 rounding step), then the chosen tiles' whole MoE expert
 // forward+backward (grouped_linear + swiglu_packed, autograd) against the same through
-// at::_grouped_mm. Build with -DKILN_GROUPED_GEMM_SWEEP=ON to time all five tiles per layout.
+// at::_grouped_mm. Build with -DKILN_GROUPED_GEMM_SWEEP=ON to time every tile of every layout (or
+// -DKILN_GG_TILE_COLROW="kPong128x128;kCoop256x128N2" etc. for some).
 //   kiln_bench_grouped_gemm [--tokens N] [--iters N] [--json FILE]
 #include <ATen/cuda/CUDAContext.h>
 #include <torch/torch.h>
