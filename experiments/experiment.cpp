@@ -21,35 +21,13 @@ struct Field {
   std::function<std::string()> show;
 };
 
-// Text for an error message: control characters and no-break spaces written as escapes (\n, \r,
-// \t, \u00A0...), so that a key or value holding them neither garbles the message nor hides in it.
-std::string printable(const std::string& text) {
-  std::string out;
-  for (size_t i = 0; i < text.size(); ++i) {
-    const auto c = static_cast<unsigned char>(text[i]);
-    if (c == '\n') out += "\\n";
-    else if (c == '\r') out += "\\r";
-    else if (c == '\t') out += "\\t";
-    else if (c < 0x20 || c == 0x7f) {
-      char esc[8];
-      std::snprintf(esc, sizeof esc, "\\u%04X", c);
-      out += esc;
-    } else if (c == 0xC2 && i + 1 < text.size() && static_cast<unsigned char>(text[i + 1]) == 0xA0) {
-      out += "\\u00A0";
-      ++i;
-    } else {
-      out += text[i];
-    }
-  }
-  return out;
-}
-
 [[noreturn]] void bad(const std::string& where, const std::string& key, const std::string& why) {
-  throw std::invalid_argument(printable(where) + ": key '" + printable(key) + "' " + why);
+  throw std::invalid_argument(printable(where) + ": key '" + printable(key) + "' " + printable(why));
 }
 
-// Whether a line opens as a TOML key-value pair with a bare (dotted) key: "algorithm.lr = 5",
-// "run . seed=1". A line without '=' after such a key (a path's, a command's) does not.
+// Whether a line opens as a TOML key-value pair, its key bare, quoted or dotted: "algorithm.lr = 5",
+// "run . seed=1", "\"run\".seed = 1". A line without '=' after such a key (a path's, a command's)
+// does not.
 bool looks_like_toml_key(const std::string& line) {
   auto bare = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-'; };
   size_t i = 0;
@@ -57,7 +35,15 @@ bool looks_like_toml_key(const std::string& line) {
   for (;;) {
     spaces();
     const size_t start = i;
-    while (i < line.size() && bare(line[i])) ++i;
+    if (i < line.size() && (line[i] == '"' || line[i] == '\'')) {  // a quoted part: "run".seed, 'run'.seed
+      const char q = line[i];
+      for (++i; i < line.size() && line[i] != q; ++i)
+        if (q == '"' && line[i] == '\\') ++i;  // an escape in a basic string
+      if (i >= line.size()) return false;
+      ++i;
+    } else {
+      while (i < line.size() && bare(line[i])) ++i;
+    }
     if (i == start) return false;
     spaces();
     if (i < line.size() && line[i] == '.') {
@@ -93,12 +79,18 @@ std::string toml_quoted(const std::string& text) {
 std::string got(const toml::node& n) {
   if (n.is_table()) return "a table";
   if (n.is_array()) return "an array";
-  if (n.is_string()) return toml_quoted(n.as_string()->get());
+  if (n.is_string()) return "\"" + printable(n.as_string()->get()) + "\"";
   std::ostringstream os;
   n.visit([&](const auto& v) {
     if constexpr (!toml::is_table<decltype(v)> && !toml::is_array<decltype(v)>) os << v;
   });
   return os.str();
+}
+
+// A NUL ("\u0000" in TOML) would cut a path, a name or a message short where the text reaches C
+// (a run directory "/tmp/a" made for "/tmp/a\u0000b").
+void no_nul(const std::string& text, const std::string& where, const std::string& key) {
+  if (text.find('\0') != std::string::npos) bad(where, key, "must not hold U+0000 (NUL), got \"" + printable(text) + "\"");
 }
 
 // Text of an integer outside int64 (TOML cannot hold it, so --set reads it as text).
@@ -148,6 +140,7 @@ Field field(const std::string& key, bool& ref) {
 Field field(const std::string& key, std::string& ref) {
   return {[&ref, key](const toml::node& n, const std::string& w) {
             if (!n.is_string()) bad(w, key, "must be a string, got " + got(n));
+            no_nul(n.as_string()->get(), w, key);
             ref = n.as_string()->get();
           },
           [&ref] { return toml_quoted(ref); }};
@@ -157,6 +150,7 @@ Field field(const std::string& key, std::vector<std::string>& ref) {
   return {[&ref, key](const toml::node& n, const std::string& w) {
             if (n.is_string()) {  // one item; "" none (the text form of an empty list in earlier files)
               const auto& one = n.as_string()->get();
+              no_nul(one, w, key);
               ref = one.empty() ? std::vector<std::string>{} : std::vector<std::string>{one};
               return;
             }
@@ -164,6 +158,7 @@ Field field(const std::string& key, std::vector<std::string>& ref) {
             std::vector<std::string> v;
             for (const auto& x : *n.as_array()) {
               if (!x.is_string()) bad(w, key, "must be a string or a list of strings, e.g. \"a\" or [\"a\", \"b\"]");
+              no_nul(x.as_string()->get(), w, key);
               v.push_back(x.as_string()->get());
             }
             ref = std::move(v);
@@ -352,7 +347,7 @@ void ExperimentConfig::set(const std::string& assignment) {
   auto dot = key.find('.');
   if (dot == std::string::npos) throw std::invalid_argument("--set '" + printable(assignment) + "': key must be section.key");
   if (value.empty())  // TOML has no empty value; bare text would have made it "" unasked
-    throw std::invalid_argument("--set '" + printable(key) + "': no value after '=' (for empty text write \"\")");
+    throw std::invalid_argument("--set '" + printable(key) + "': no value after '=' (give one; for empty text write \"\")");
   toml::table v;
   try {
     v = toml::parse("v = " + value);

@@ -9,7 +9,7 @@ namespace kiln::controller {
 namespace {
 
 void need(bool ok, const std::string& key, const std::string& why) {
-  if (!ok) throw std::invalid_argument("experiment: key '" + key + "' " + why);
+  if (!ok) throw std::invalid_argument("experiment: key '" + key + "' " + printable(why));  // a value's \r or ESC shown, not run
 }
 
 // "cuda:N" in torch's own spelling: N without leading zeros and within c10::DeviceIndex

@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "../scratch.hpp"
+#include "actors/shown_value.hpp"
 #include "experiments/experiment.hpp"
 
 using kiln::experiments::ExperimentConfig;
@@ -113,8 +114,26 @@ TEST_CASE("unknown keys, wrong types and bad values are rejected by name") {
                        std::invalid_argument);
   CHECK_THROWS_WITH_AS(c.set("run.name=abc\r\n run . seed=1"), doctest::Contains("reads as another key"),
                        std::invalid_argument);
+  for (const char* quoted_key : {"\"run\".seed = 1", "'run'.seed = 1", "run.\"seed\"=1", "\"a\\\"b\".c = 1"})
+    CHECK_THROWS_WITH_AS(c.set(std::string("run.name=abc\n") + quoted_key), doctest::Contains("reads as another key"),
+                         std::invalid_argument);
+  ExperimentConfig kept;  // no '=' after a quoted part: text
+  kept.set("run.name=abc\n\"quoted\" words");
+  CHECK(kept.run.name == "abc\n\"quoted\" words");
   CHECK(c.run.name != "abc");
   CHECK_THROWS_WITH_AS(c.set("run.name= "), doctest::Contains("no value after '='"), std::invalid_argument);
+  // Values in errors: control characters, C1 controls, no-break spaces and bytes not UTF-8 escaped.
+  CHECK_THROWS_WITH_AS(c.set("run.seed=\xC2\xA0" "5"), "--set run.seed: key 'run.seed' must be an integer, got \"\\u00A05\"",
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(c.set("run.seed=ab\rc\x1b[2J"), doctest::Contains("got \"ab\\rc\\u001B[2J\""), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(c.set("run.na\xC2\x85me=1"), doctest::Contains("key 'run.na\\u0085me'"), std::invalid_argument);
+  CHECK(kiln::printable("caf\xC3\xA9 \xFF\xE0\x80 \xF0\x9F\x99\x82") == "caf\xC3\xA9 \\xFF\\xE0\\x80 \xF0\x9F\x99\x82");
+  // A NUL cuts a path short where it reaches C: refused by key (a run directory was made at the cut).
+  CHECK_THROWS_WITH_AS(c.set("run.output_dir=\"/tmp/a\\u0000b\""),
+                       "--set run.output_dir: key 'run.output_dir' must not hold U+0000 (NUL), got \"/tmp/a\\u0000b\"",
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(c.set("rollout.urls=[\"http://a:1\", \"x\\u0000\"]"), doctest::Contains("must not hold U+0000"),
+                       std::invalid_argument);
   ExperimentConfig empty;
   empty.set("run.name=\"\"");
   CHECK(empty.run.name.empty());
