@@ -1,6 +1,7 @@
 #include "experiments/experiment.hpp"
 #include "actors/shown_value.hpp"
 
+#include <algorithm>
 #include <cctype>
 #include <charconv>
 #include <cmath>
@@ -348,9 +349,17 @@ void ExperimentConfig::set(const std::string& assignment) {
   if (dot == std::string::npos) throw std::invalid_argument("--set '" + printable(assignment) + "': key must be section.key");
   if (value.empty())  // TOML has no empty value; bare text would have made it "" unasked
     throw std::invalid_argument("--set '" + printable(key) + "': no value after '=' (give one; for empty text write \"\")");
+  // Parsed as the line name = value, so that the parser's messages name the key's own last part
+  // (a value "1\n[name]" redefines it), not a stand-in; a name that is no bare TOML key (no
+  // experiment key's is) as v, and refused by name below.
+  const std::string name = key.substr(dot + 1);
+  const bool bare = std::all_of(name.begin(), name.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-';
+  });
+  const std::string slot = bare ? name : "v", line_key = slot + " = ";
   toml::table v;
   try {
-    v = toml::parse("v = " + value);
+    v = toml::parse(line_key + value);
   } catch (const toml::parse_error& e) {
     const auto first = value.find_first_not_of(" \t");
     const char c = first == std::string::npos ? ' ' : value[first];
@@ -369,7 +378,7 @@ void ExperimentConfig::set(const std::string& assignment) {
                                     "break as \\n)");
     }
     try {  // bare text: read as a quoted string, which also refuses bytes that are not UTF-8
-      v = toml::parse("v = " + toml_quoted(value));
+      v = toml::parse(line_key + toml_quoted(value));
     } catch (const toml::parse_error& e) {
       throw std::invalid_argument("--set '" + printable(key) + "': the value is not valid TOML, nor text in UTF-8 (" +
                                   std::string(e.description()) + ")");
@@ -379,7 +388,7 @@ void ExperimentConfig::set(const std::string& assignment) {
   if (v.size() != 1)
     throw std::invalid_argument("--set '" + printable(key) + "': the value holds more than one TOML key-value pair (a line break " +
                                 "starts another: give one value; in quoted text write a line break as \\n)");
-  toml::table root{{key.substr(0, dot), toml::table{{key.substr(dot + 1), *v["v"].node()}}}};
+  toml::table root{{key.substr(0, dot), toml::table{{name, *v[slot].node()}}}};
   apply_table(*this, root, "--set " + key);
 }
 
