@@ -353,7 +353,7 @@ void ExperimentConfig::set(const std::string& assignment) {
   // (a value "1\n[name]" redefines it), not a stand-in; a name that is no bare TOML key (no
   // experiment key's is) as v, and refused by name below.
   const std::string name = key.substr(dot + 1);
-  const bool bare = std::all_of(name.begin(), name.end(), [](char c) {
+  const bool bare = !name.empty() && std::all_of(name.begin(), name.end(), [](char c) {
     return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-';
   });
   const std::string slot = bare ? name : "v", line_key = slot + " = ";

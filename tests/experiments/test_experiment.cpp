@@ -124,6 +124,7 @@ TEST_CASE("unknown keys, wrong types and bad values are rejected by name") {
   CHECK_THROWS_WITH_AS(c.set("run.name= "), doctest::Contains("no value after '='"), std::invalid_argument);
   // The parser's own messages name the key, not a stand-in.
   CHECK_THROWS_WITH_AS(c.set("run.name=\"a\"\n[name]"), doctest::Contains("'name'"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(c.set("run.=1"), doctest::Contains("key 'run.' is not an experiment key"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(c.set("run.\xFFname=1"), doctest::Contains("key 'run.\\xFFname' is not an experiment key"),
                        std::invalid_argument);
   // Values in errors: control characters, C1 controls, no-break spaces and bytes not UTF-8 escaped.
