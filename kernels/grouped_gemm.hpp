@@ -46,7 +46,8 @@ GroupedTileChoice parse_grouped_tiles(const char* value);
 /// The tile grouped_linear uses for each layout: the build's (KILN_GG_TILE_* in
 /// kernels/CMakeLists.txt, chosen by tests/bench/bench_grouped_gemm.cpp on the H200;
 /// docs/benchmarks.md), or KILN_GROUPED_GEMM_TILES="FWD,DX,DW" from the environment, each one of
-/// coop128x256, coop128x128, pong64x128, pong128x128, pong64x256 or aten (that form keeps
+/// coop128x256, coop128x128, pong64x128, pong128x128, pong64x256, coop256x128n2, pong128x128n2,
+/// coop128x256n2 (grouped_tile_key) or aten (that form keeps
 /// at::_grouped_mm, e.g. "aten,aten,pong128x128": kiln's kernel for the weight gradient only),
 /// "cutlass" (the build's), or "aten" (grouped_linear unavailable); read once; a malformed value,
 /// or a tile this build did not compile for its layout, throws c10::Error naming it.
