@@ -26,11 +26,13 @@ struct Field {
   throw std::invalid_argument(printable(where) + ": key '" + printable(key) + "' " + printable(why));
 }
 
+// A character of a bare TOML key: A-Z a-z 0-9 _ -.
+bool bare_key_char(char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-'; }
+
 // Whether a line opens as a TOML key-value pair, its key bare, quoted or dotted: "algorithm.lr = 5",
 // "run . seed=1", "\"run\".seed = 1". A line without '=' after such a key (a path's, a command's)
 // does not.
 bool looks_like_toml_key(const std::string& line) {
-  auto bare = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-'; };
   size_t i = 0;
   auto spaces = [&] { while (i < line.size() && (line[i] == ' ' || line[i] == '\t')) ++i; };
   for (;;) {
@@ -43,7 +45,7 @@ bool looks_like_toml_key(const std::string& line) {
       if (i >= line.size()) return false;
       ++i;
     } else {
-      while (i < line.size() && bare(line[i])) ++i;
+      while (i < line.size() && bare_key_char(line[i])) ++i;
     }
     if (i == start) return false;
     spaces();
@@ -353,9 +355,7 @@ void ExperimentConfig::set(const std::string& assignment) {
   // (a value "1\n[name]" redefines it), not a stand-in; a name that is no bare TOML key (no
   // experiment key's is) as v, and refused by name below.
   const std::string name = key.substr(dot + 1);
-  const bool bare = !name.empty() && std::all_of(name.begin(), name.end(), [](char c) {
-    return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-';
-  });
+  const bool bare = !name.empty() && std::all_of(name.begin(), name.end(), bare_key_char);
   const std::string slot = bare ? name : "v", line_key = slot + " = ";
   toml::table v;
   try {
