@@ -82,7 +82,7 @@ std::string toml_quoted(const std::string& text) {
 std::string got(const toml::node& n) {
   if (n.is_table()) return "a table";
   if (n.is_array()) return "an array";
-  if (n.is_string()) return "\"" + printable(n.as_string()->get()) + "\"";
+  if (n.is_string()) return "\"" + n.as_string()->get() + "\"";  // bad() shows it printable
   std::ostringstream os;
   n.visit([&](const auto& v) {
     if constexpr (!toml::is_table<decltype(v)> && !toml::is_array<decltype(v)>) os << v;
@@ -93,7 +93,7 @@ std::string got(const toml::node& n) {
 // A NUL ("\u0000" in TOML) would cut a path, a name or a message short where the text reaches C
 // (a run directory "/tmp/a" made for "/tmp/a\u0000b").
 void no_nul(const std::string& text, const std::string& where, const std::string& key) {
-  if (text.find('\0') != std::string::npos) bad(where, key, "must not hold U+0000 (NUL), got \"" + printable(text) + "\"");
+  if (text.find('\0') != std::string::npos) bad(where, key, "must not hold U+0000 (NUL), got \"" + text + "\"");
 }
 
 // Text of an integer outside int64 (TOML cannot hold it, so --set reads it as text).
