@@ -283,7 +283,8 @@ int start(Session& s, const Config& c, const std::string& config_toml, const std
 // steps it trains again set aside (supersede_checkpoints: renamed, no advice leads back to them),
 // config.toml (written beside itself and renamed: a failed write leaves the old one whole), the
 // metrics files (open() drops the rows and events a resume trains again, truncates them
-// otherwise), then the replaced run's checkpoints (run.overwrite).
+// otherwise), then the replaced run's checkpoints (run.overwrite: renamed aside, then deleted,
+// discard_replaced_checkpoints).
 void commit_run_dir(const Config& c, const fs::path& dir, const std::string& config_toml, int64_t first_step,
                     MetricsLog& log) {
   if (!c.run.resume_from.empty())
@@ -291,7 +292,8 @@ void commit_run_dir(const Config& c, const fs::path& dir, const std::string& con
       std::fprintf(stderr, "kiln run: %s: a checkpoint of a step trained again now, set aside\n", p.c_str());
   replace_file(dir / "config.toml", config_toml);
   log.open();
-  if (c.run.overwrite && c.run.resume_from.empty()) fs::remove_all(dir / "checkpoints");
+  if (c.run.overwrite && c.run.resume_from.empty())
+    if (const auto left = discard_replaced_checkpoints(dir); !left.empty()) std::fprintf(stderr, "kiln run: %s\n", left.c_str());
 }
 }  // namespace
 

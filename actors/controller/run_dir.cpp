@@ -22,6 +22,14 @@ namespace kiln::controller {
 
 namespace fs = std::filesystem;
 
+namespace {
+// The name of an aside of a replaced run's checkpoints (discard_replaced_checkpoints).
+bool is_replaced_checkpoints(const fs::path& p) {
+  const auto name = p.filename().string();
+  return name == "checkpoints.replaced" || name.rfind("checkpoints.replaced.", 0) == 0;
+}
+}  // namespace
+
 bool lies_within(const fs::path& inner, const fs::path& outer) {
   std::error_code ec;
   const auto i = fs::weakly_canonical(fs::absolute(inner, ec), ec), o = fs::weakly_canonical(fs::absolute(outer, ec), ec);
@@ -94,10 +102,18 @@ void check_run_dir(const fs::path& dir, const std::string& resume_from, bool ove
   if (fs::exists(dir / "config.toml", ec) && !fs::is_regular_file(dir / "config.toml", ec))
     throw std::invalid_argument(where + ": '" + (dir / "config.toml").string() +
                                 "' is not a file, so the run's settings could not be written there");
-  if (overwrite && resume_from.empty() && !model_checkpoint.empty() && lies_within(model_checkpoint, dir / "checkpoints"))
-    throw std::invalid_argument("model.checkpoint '" + model_checkpoint + "' lies in '" + (dir / "checkpoints").string() +
-                                "', which run.overwrite deletes: copy it elsewhere first, or choose another "
-                                "run.output_dir");
+  if (overwrite && resume_from.empty() && !model_checkpoint.empty()) {
+    // What the overwrite deletes (discard_replaced_checkpoints): RUN/checkpoints and the asides
+    // of earlier overwrites killed in their delete.
+    std::vector<fs::path> deleted{dir / "checkpoints"};
+    for (const auto& e : fs::directory_iterator(dir, ec))
+      if (is_replaced_checkpoints(e.path())) deleted.push_back(e.path());
+    for (const auto& d : deleted)
+      if (lies_within(model_checkpoint, d))
+        throw std::invalid_argument("model.checkpoint '" + model_checkpoint + "' lies in '" + d.string() +
+                                    "', which run.overwrite deletes: copy it elsewhere first, or choose another "
+                                    "run.output_dir");
+  }
 }
 
 std::vector<std::string> changed_settings(const std::string& before_toml, const std::string& after_toml,
@@ -304,6 +320,27 @@ std::vector<fs::path> supersede_checkpoints(const fs::path& run, int64_t first_s
     moved.push_back(to);
   }
   return moved;
+}
+
+std::string discard_replaced_checkpoints(const fs::path& run) {
+  std::error_code ec;
+  const fs::path live = run / "checkpoints";
+  if (fs::exists(fs::symlink_status(live, ec))) {
+    auto aside = fs::path(live.string() + ".replaced");
+    for (int i = 2; fs::exists(fs::symlink_status(aside, ec)); ++i) aside = fs::path(live.string() + ".replaced." + std::to_string(i));
+    fs::rename(live, aside, ec);
+    if (ec) throw std::runtime_error("cannot set aside '" + live.string() + "', the checkpoints of the run this one replaces: " + ec.message());
+  }
+  // Every aside, this one's and those of killed runs: "checkpoints.replaced" and ".replaced.N".
+  std::vector<fs::path> asides;
+  for (const auto& e : fs::directory_iterator(run, ec))
+    if (is_replaced_checkpoints(e.path())) asides.push_back(e.path());
+  std::string left;
+  for (const auto& a : asides) {
+    fs::remove_all(a, ec);
+    if (ec) left += (left.empty() ? "" : ", ") + ("'" + a.string() + "' (" + ec.message() + ")");
+  }
+  return left.empty() ? "" : "could not delete the replaced run's checkpoints in " + left + ": delete them by hand";
 }
 
 std::string shell_word(const std::string& word) {

@@ -85,6 +85,16 @@ std::filesystem::path newest_checkpoint(const std::filesystem::path& run);
 /// checkpoint when a rename fails.
 std::vector<std::filesystem::path> supersede_checkpoints(const std::filesystem::path& run, int64_t first_step);
 
+/// At the first logged step of a run over another (run.overwrite, not resuming): the replaced
+/// run's RUN/checkpoints renamed to RUN/checkpoints.replaced (".replaced.2", ... when taken),
+/// then deleted, together with any RUN/checkpoints.replaced* an earlier overwrite left when it
+/// was killed in its delete. A kill in a delete so leaves only such a directory, never a
+/// checkpoint with part of its files under RUN/checkpoints, which newest_checkpoint() and
+/// continue_hint() would offer. Throws std::runtime_error naming RUN/checkpoints when the
+/// rename fails (nothing deleted then). A delete that fails only costs disk: it returns a
+/// warning naming what is left ("" when all went), and the run goes on.
+std::string discard_replaced_checkpoints(const std::filesystem::path& run);
+
 /// RUN/rollout_weights: where rollout.backend "http" writes each version for the servers (unless
 /// rollout.weights_dir says elsewhere).
 inline constexpr const char* kRolloutWeightsDir = "rollout_weights";

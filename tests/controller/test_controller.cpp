@@ -641,3 +641,32 @@ TEST_CASE("run directory: one a refused run made is removed again with its nodes
                        doctest::Contains("cannot create the run directory"), std::runtime_error);
   CHECK_FALSE(fs::exists(base / "p1"));
 }
+
+TEST_CASE("run directory: an overwrite sets the replaced run's checkpoints aside before deleting them, with the asides of overwrites killed mid-delete, and refuses a model inside any of them") {
+  namespace fs = std::filesystem;
+  const fs::path run = test::scratch_path("replaced_checkpoints");
+  fs::create_directories(run / "checkpoints/step_000002");
+  std::ofstream(run / "checkpoints/step_000002/state.json") << "{}\n";
+  // An earlier overwrite killed in its delete: a half-deleted checkpoint, but outside checkpoints/.
+  fs::create_directories(run / "checkpoints.replaced/step_000001");
+  std::ofstream(run / "checkpoints.replaced/step_000001/state.json") << "{}\n";
+  fs::create_directories(run / "checkpoints.replaced.2/step_000001");
+  fs::create_directories(run / "checkpoints.replacedX");  // not an aside's name: the user's, kept
+  CHECK(newest_checkpoint(run) == run / "checkpoints/step_000002");  // asides are never offered
+
+  // Before the run starts: a model inside what the overwrite deletes is refused by its path.
+  for (const char* inside : {"checkpoints/step_000002", "checkpoints.replaced/step_000001", "checkpoints.replaced.2"})
+    CHECK_THROWS_WITH_AS(check_run_dir(run, "", true, (run / inside).string()),
+                         doctest::Contains("which run.overwrite deletes"), std::invalid_argument);
+  CHECK_NOTHROW(check_run_dir(run, "", true, (run / "checkpoints.replacedX").string()));
+  CHECK_NOTHROW(check_run_dir(run, "", false, (run / "checkpoints.replaced").string()));  // no overwrite, nothing deleted
+
+  CHECK(discard_replaced_checkpoints(run).empty());  // checkpoints -> checkpoints.replaced.3, then all three asides deleted
+  CHECK_FALSE(fs::exists(run / "checkpoints"));
+  CHECK_FALSE(fs::exists(run / "checkpoints.replaced"));
+  CHECK_FALSE(fs::exists(run / "checkpoints.replaced.2"));
+  CHECK_FALSE(fs::exists(run / "checkpoints.replaced.3"));
+  CHECK(fs::exists(run / "checkpoints.replacedX"));
+  CHECK(newest_checkpoint(run).empty());
+  CHECK(discard_replaced_checkpoints(run).empty());  // nothing to replace: nothing happens
+}
