@@ -1,6 +1,7 @@
 #include "experiments/bench_gpu.hpp"
 #include "messaging/stopwatch.hpp"
 
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/torch.h>
 
@@ -143,7 +144,7 @@ class GpuBench {
                 (long long)o_.layers, (long long)o_.tokens, (long long)o_.docs, fb_, double(o_.tokens) / fb_);
   }
 
-  // --trace: one more forward+backward under Kineto, as a Chrome trace (with
+  // --trace: --trace-steps more forward+backwards under Kineto, as a Chrome trace (with
   // --activation-checkpointing: the checkpointed step, warmed up once).
   void trace_one() {
     policy_->set_activation_checkpointing(o_.activation_checkpointing, o_.checkpoint_layers);
@@ -155,13 +156,16 @@ class GpuBench {
     torch::cuda::synchronize();
     prof::prepareProfiler(config, activities);
     prof::enableProfiler(config, activities);
-    forward_backward();
-    torch::cuda::synchronize();
+    for (int i = 1; i <= o_.trace_steps; ++i) {  // as median_seconds times a step: the step, then a synchronize
+      RECORD_FUNCTION("kiln bench gpu: step " + std::to_string(i), std::vector<c10::IValue>());
+      forward_backward();
+      torch::cuda::synchronize();
+    }
     prof::disableProfiler()->save(o_.trace_path);
     std::printf("kiln bench gpu --trace: %lld layers, %lld tokens in %lld documents: forward+backward %.4f s "
-                "(median, untraced), %.0f tokens/s; one more%s traced into %s\n",
+                "(median, untraced), %.0f tokens/s; %d more%s traced into %s\n",
                 (long long)o_.layers, (long long)o_.tokens, (long long)o_.docs, fb_, double(o_.tokens) / fb_,
-                o_.activation_checkpointing ? " with activation checkpointing" : "", o_.trace_path.c_str());
+                o_.trace_steps, o_.activation_checkpointing ? " with activation checkpointing" : "", o_.trace_path.c_str());
   }
 
   // The same with activation checkpointing per layer (algorithm.activation_checkpointing): the

@@ -61,6 +61,10 @@ struct GpuBenchOptions {
   bool batch_on_device = false;
   std::string json_path, config_dir;
   std::string trace_path;  ///< after timing forward+backward, write one more's Kineto trace here and stop
+  /// Forward+backwards in the trace (trace_path), each as the timing runs it (the step, then a
+  /// device synchronize) inside a host op "kiln bench gpu: step I" (I from 1): the first carries
+  /// the profiler's start-up, the later ones are the timed loop's steady state.
+  int trace_steps = 1;
 };
 
 int run_gpu_bench(const GpuBenchOptions& options);

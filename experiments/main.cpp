@@ -257,9 +257,15 @@ void add_bench_gpu(CLI::App& bench, std::vector<Command>& commands) {
   cmd->add_flag("--true-on-policy", go->true_on_policy,
                 "Also time training and rollout with batch-invariant kernels (algorithm.true_on_policy) and report "
                 "that mode's train/rollout diff");
-  cmd->add_option("--trace", go->trace_path,
+  auto* trace = cmd->add_option("--trace", go->trace_path,
                   "Time forward+backward, then write one more's Chrome trace (Kineto: CPU ops, CUDA kernels) "
                   "to this file and stop (with --activation-checkpointing: a checkpointed one)");
+  cmd->add_option("--trace-steps", go->trace_steps,
+                  "Forward+backwards in the --trace, each with the device synchronize the timing does, inside a host "
+                  "op \"kiln bench gpu: step I\" (tests/bench/trace_gaps.py reports each: host time before the GPU's "
+                  "first work, GPU span, busy, tail); the first carries the profiler's start-up")
+      ->transform(between(1, 100))
+      ->needs(trace);
   cmd->add_flag("--profile", go->profile,
                 "Time forward+backward, then run one more inside cudaProfilerStart/Stop (ncu --profile-from-start "
                 "off) and stop");

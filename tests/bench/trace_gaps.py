@@ -4,6 +4,11 @@ or torch.profiler's export_chrome_trace).
 
 Usage: python3 trace_gaps.py FILE.json [--top N] [--min-us US] [--kernels] [--timeline MS]
 
+A trace of `kiln bench gpu --trace FILE --trace-steps N` first gets one line per step: the host
+op "kiln bench gpu: step I" (the step and its device synchronize, as the timing runs it) split
+into the host's time before the GPU's first work, the GPU span (busy, idle) and the time after
+the GPU's last work (the synchronize's return).
+
 The GPU's work is the union of its kernel, memcpy and memset intervals; an idle interval between
 two of them of at least --min-us is a gap. Each gap is charged to the CPU op that launched the
 work ending it (the kernel's launch call matched by correlation id, then the innermost and the
@@ -24,6 +29,7 @@ import json
 import sys
 
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+STEP_OP = "kiln bench gpu: step "
 
 
 def main():
@@ -75,6 +81,22 @@ def main():
         outer = min(around, key=lambda o: o[0])
         return inner[2], outer[2]
 
+    # `kiln bench gpu --trace-steps N`: one host op per step, "kiln bench gpu: step I", holding the
+    # step and its device synchronize, as the timing runs it.
+    steps = sorted((o for v in ops.values() for o in v if o[2].startswith(STEP_OP)), key=lambda o: o[0])
+    for s0, s1, name in steps:
+        inside = [(s, t) for s, t, _, _ in gpu if s0 <= s < s1]
+        if not inside:
+            print(f"{name}: {(s1 - s0) / 1e3:.2f} ms on the host, no GPU work in it")
+            continue
+        g_busy, g_end = 0.0, inside[0][0]
+        for s, t in inside:
+            g_busy += max(0.0, t - max(s, g_end))
+            g_end = max(g_end, t)
+        g_span = g_end - inside[0][0]
+        print(f"{name}: {(s1 - s0) / 1e3:.2f} ms = host before the GPU's first work {(inside[0][0] - s0) / 1e3:.2f} ms"
+              f" + GPU span {g_span / 1e3:.2f} ms (busy {g_busy / 1e3:.2f}, idle {(g_span - g_busy) / 1e3:.2f})"
+              f" + after its last work {(s1 - g_end) / 1e3:.2f} ms")
     span = gpu[-1][1] - gpu[0][0]
     busy, idle, end = 0.0, 0.0, gpu[0][0]
     by_inner, by_outer, gaps = collections.Counter(), collections.Counter(), []
