@@ -258,8 +258,15 @@ void add_bench_gpu(CLI::App& bench, std::vector<Command>& commands) {
                 "Also time training and rollout with batch-invariant kernels (algorithm.true_on_policy) and report "
                 "that mode's train/rollout diff");
   auto* trace = cmd->add_option("--trace", go->trace_path,
-                  "Time forward+backward, then write one more's Chrome trace (Kineto: CPU ops, CUDA kernels) "
-                  "to this file and stop (with --activation-checkpointing: a checkpointed one)");
+                                "Time forward+backward, then write one more's Chrome trace (Kineto: CPU ops, CUDA kernels) "
+                                "to this file and stop (with --activation-checkpointing: a checkpointed one)")
+                     ->check(CLI::Validator(
+                         [](std::string& path) {
+                           if (path.empty()) return std::string("give a file name");
+                           if (path[0] == '-') return "give a file name, not the option '" + path + "' (a file named so: ./" + path + ")";
+                           return std::string();
+                         },
+                         "FILE"));
   cmd->add_option("--trace-steps", go->trace_steps,
                   "Forward+backwards in the --trace, each with the device synchronize the timing does, inside a host "
                   "op \"kiln bench gpu: step I\" (tests/bench/trace_gaps.py reports each: host time before the GPU's "
@@ -268,7 +275,8 @@ void add_bench_gpu(CLI::App& bench, std::vector<Command>& commands) {
       ->needs(trace);
   cmd->add_flag("--profile", go->profile,
                 "Time forward+backward, then run one more inside cudaProfilerStart/Stop (ncu --profile-from-start "
-                "off) and stop");
+                "off) and stop")
+      ->excludes(trace);
   cmd->add_flag("--forward-backward-only", go->forward_backward_only,
                 "Stop after timing forward+backward (the limits, tokens/s, MFU, peak memory, expert loads; the checkpointed timing with --activation-checkpointing; --json too)");
   cmd->add_option("--balance-routing", go->balance_routing,

@@ -279,21 +279,33 @@ int start(Session& s, const Config& c, const std::string& config_toml, const std
 // before that, a start or a first step that fails leaves config.toml, the metrics rows and
 // TensorBoard events of the steps a resume trains again, and the checkpoints an overwrite
 // replaces, as they were; a directory the run made holds nothing of its own (RunLock removes
-// it). In order, what a failure can least afford to lose last: a resume's checkpoints of the
-// steps it trains again set aside (supersede_checkpoints: renamed, no advice leads back to them),
-// config.toml (written beside itself and renamed: a failed write leaves the old one whole), the
-// metrics files (open() drops the rows and events a resume trains again, truncates them
-// otherwise), then the replaced run's checkpoints (run.overwrite: renamed aside, then deleted,
-// discard_replaced_checkpoints).
+// it). In order, renames first, what cannot be undone last: a resume's checkpoints of the steps
+// it trains again set aside (supersede_checkpoints: renamed, no advice leads back to them), or an
+// overwrite's (set_aside_checkpoints: renamed, put back if what follows fails); config.toml
+// (written beside itself and renamed: a failed write leaves the old one whole); the metrics
+// files (open() drops the rows and events a resume trains again, truncates them otherwise);
+// then the replaced run's checkpoints deleted (delete_replaced_checkpoints).
 void commit_run_dir(const Config& c, const fs::path& dir, const std::string& config_toml, int64_t first_step,
                     MetricsLog& log) {
+  std::error_code ec;
+  const auto run = fs::weakly_canonical(dir, ec);  // "RUN/checkpoints/..": the asides are found beside the real one
+  const auto& where = ec ? dir : run;
   if (!c.run.resume_from.empty())
-    for (const auto& p : supersede_checkpoints(dir, first_step))
+    for (const auto& p : supersede_checkpoints(where, first_step))
       std::fprintf(stderr, "kiln run: %s: a checkpoint of a step trained again now, set aside\n", p.c_str());
-  replace_file(dir / "config.toml", config_toml);
-  log.open();
-  if (c.run.overwrite && c.run.resume_from.empty())
-    if (const auto left = discard_replaced_checkpoints(dir); !left.empty()) std::fprintf(stderr, "kiln run: %s\n", left.c_str());
+  const bool overwrite = c.run.overwrite && c.run.resume_from.empty();
+  const auto aside = overwrite ? set_aside_checkpoints(where) : fs::path();
+  try {
+    replace_file(where / "config.toml", config_toml);
+    log.open();
+  } catch (...) {
+    if (!aside.empty() && !put_back_checkpoints(where, aside))
+      std::fprintf(stderr, "kiln run: the replaced run's checkpoints stay in '%s' (they could not be renamed back)\n",
+                   aside.c_str());
+    throw;
+  }
+  if (overwrite)
+    for (const auto& line : delete_replaced_checkpoints(where, aside)) std::fprintf(stderr, "kiln run: %s\n", line.c_str());
 }
 }  // namespace
 

@@ -23,10 +23,16 @@ namespace kiln::controller {
 namespace fs = std::filesystem;
 
 namespace {
-// The name of an aside of a replaced run's checkpoints (discard_replaced_checkpoints).
+// An aside of a replaced run's checkpoints (set_aside_checkpoints): "checkpoints.replaced" or
+// "checkpoints.replaced.N", a directory or a symbolic link (not followed).
 bool is_replaced_checkpoints(const fs::path& p) {
   const auto name = p.filename().string();
-  return name == "checkpoints.replaced" || name.rfind("checkpoints.replaced.", 0) == 0;
+  const std::string base = "checkpoints.replaced";
+  const bool named = name == base || (name.size() > base.size() + 1 && name.compare(0, base.size() + 1, base + ".") == 0 &&
+                                      name.find_first_not_of("0123456789", base.size() + 1) == std::string::npos);
+  std::error_code ec;
+  const auto st = fs::symlink_status(p, ec);
+  return named && !ec && (fs::is_directory(st) || fs::is_symlink(st));
 }
 }  // namespace
 
@@ -103,7 +109,7 @@ void check_run_dir(const fs::path& dir, const std::string& resume_from, bool ove
     throw std::invalid_argument(where + ": '" + (dir / "config.toml").string() +
                                 "' is not a file, so the run's settings could not be written there");
   if (overwrite && resume_from.empty() && !model_checkpoint.empty()) {
-    // What the overwrite deletes (discard_replaced_checkpoints): RUN/checkpoints and the asides
+    // What the overwrite deletes (delete_replaced_checkpoints): RUN/checkpoints and the asides
     // of earlier overwrites killed in their delete.
     std::vector<fs::path> deleted{dir / "checkpoints"};
     for (const auto& e : fs::directory_iterator(dir, ec))
@@ -322,25 +328,49 @@ std::vector<fs::path> supersede_checkpoints(const fs::path& run, int64_t first_s
   return moved;
 }
 
-std::string discard_replaced_checkpoints(const fs::path& run) {
+fs::path set_aside_checkpoints(const fs::path& run) {
   std::error_code ec;
   const fs::path live = run / "checkpoints";
-  if (fs::exists(fs::symlink_status(live, ec))) {
-    auto aside = fs::path(live.string() + ".replaced");
-    for (int i = 2; fs::exists(fs::symlink_status(aside, ec)); ++i) aside = fs::path(live.string() + ".replaced." + std::to_string(i));
-    fs::rename(live, aside, ec);
-    if (ec) throw std::runtime_error("cannot set aside '" + live.string() + "', the checkpoints of the run this one replaces: " + ec.message());
+  if (!fs::exists(fs::symlink_status(live, ec))) return {};
+  auto aside = fs::path(live.string() + ".replaced");
+  for (int i = 2; fs::exists(fs::symlink_status(aside, ec)); ++i) aside = fs::path(live.string() + ".replaced." + std::to_string(i));
+  fs::rename(live, aside, ec);
+  if (ec) throw std::runtime_error("cannot set aside '" + live.string() + "', the checkpoints of the run this one replaces: " + ec.message());
+  // An empty one in its place: this run's, and a run directory given through it ("RUN/checkpoints/..") still resolves.
+  fs::create_directory(live, ec);
+  if (ec) {
+    const auto why = ec.message();
+    fs::rename(aside, live, ec);
+    throw std::runtime_error("cannot make '" + live.string() + "' anew after setting the replaced run's checkpoints aside: " + why +
+                             (ec ? " (they stay in '" + aside.string() + "')" : ""));
   }
-  // Every aside, this one's and those of killed runs: "checkpoints.replaced" and ".replaced.N".
+  return aside;
+}
+
+bool put_back_checkpoints(const fs::path& run, const fs::path& aside) {
+  std::error_code ec;
+  fs::remove(run / "checkpoints", ec);  // the empty one set_aside_checkpoints made
+  if (ec) return false;
+  fs::rename(aside, run / "checkpoints", ec);
+  return !ec;
+}
+
+std::vector<std::string> delete_replaced_checkpoints(const fs::path& run, const fs::path& aside) {
+  std::error_code ec;
   std::vector<fs::path> asides;
   for (const auto& e : fs::directory_iterator(run, ec))
     if (is_replaced_checkpoints(e.path())) asides.push_back(e.path());
-  std::string left;
+  std::sort(asides.begin(), asides.end());
+  std::vector<std::string> lines;
   for (const auto& a : asides) {
     fs::remove_all(a, ec);
-    if (ec) left += (left.empty() ? "" : ", ") + ("'" + a.string() + "' (" + ec.message() + ")");
+    if (ec)
+      lines.push_back("could not delete '" + a.string() + "', the checkpoints of a replaced run (" + ec.message() +
+                      "): delete it by hand");
+    else if (a != aside)
+      lines.push_back("deleted '" + a.string() + "', the checkpoints an earlier overwrite left when it was stopped");
   }
-  return left.empty() ? "" : "could not delete the replaced run's checkpoints in " + left + ": delete them by hand";
+  return lines;
 }
 
 std::string shell_word(const std::string& word) {

@@ -85,15 +85,23 @@ std::filesystem::path newest_checkpoint(const std::filesystem::path& run);
 /// checkpoint when a rename fails.
 std::vector<std::filesystem::path> supersede_checkpoints(const std::filesystem::path& run, int64_t first_step);
 
-/// At the first logged step of a run over another (run.overwrite, not resuming): the replaced
-/// run's RUN/checkpoints renamed to RUN/checkpoints.replaced (".replaced.2", ... when taken),
-/// then deleted, together with any RUN/checkpoints.replaced* an earlier overwrite left when it
-/// was killed in its delete. A kill in a delete so leaves only such a directory, never a
-/// checkpoint with part of its files under RUN/checkpoints, which newest_checkpoint() and
-/// continue_hint() would offer. Throws std::runtime_error naming RUN/checkpoints when the
-/// rename fails (nothing deleted then). A delete that fails only costs disk: it returns a
-/// warning naming what is left ("" when all went), and the run goes on.
-std::string discard_replaced_checkpoints(const std::filesystem::path& run);
+/// A run over another (run.overwrite, not resuming), at its first logged step, before anything
+/// else there changes: the replaced run's RUN/checkpoints renamed to RUN/checkpoints.replaced
+/// (".replaced.2", ... when taken), and an empty RUN/checkpoints made in its place. Returns the
+/// aside (empty when there was no RUN/checkpoints). Throws std::runtime_error naming
+/// RUN/checkpoints when the rename or the new directory fails (the old one back in its place). put_back_checkpoints(run, aside) undoes it, for a commit that fails
+/// after it; delete_replaced_checkpoints() then deletes the asides. A kill in that delete so
+/// leaves only an aside, never a checkpoint with part of its files under RUN/checkpoints, which
+/// newest_checkpoint() and continue_hint() would offer.
+std::filesystem::path set_aside_checkpoints(const std::filesystem::path& run);
+/// Renames `aside` back to RUN/checkpoints; false when that fails.
+bool put_back_checkpoints(const std::filesystem::path& run, const std::filesystem::path& aside);
+/// Deletes RUN's asides (set_aside_checkpoints): "checkpoints.replaced" and
+/// "checkpoints.replaced.N" (N digits) that are directories or symbolic links (a link goes, not
+/// what it points to), this run's and those an earlier overwrite left when it was killed in its
+/// delete; a file of such a name is not kiln's and stays. Returns a line for each leftover
+/// deleted and each delete that failed (that only costs disk: the run goes on).
+std::vector<std::string> delete_replaced_checkpoints(const std::filesystem::path& run, const std::filesystem::path& aside);
 
 /// RUN/rollout_weights: where rollout.backend "http" writes each version for the servers (unless
 /// rollout.weights_dir says elsewhere).

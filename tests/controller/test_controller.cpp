@@ -642,7 +642,7 @@ TEST_CASE("run directory: one a refused run made is removed again with its nodes
   CHECK_FALSE(fs::exists(base / "p1"));
 }
 
-TEST_CASE("run directory: an overwrite sets the replaced run's checkpoints aside before deleting them, with the asides of overwrites killed mid-delete, and refuses a model inside any of them") {
+TEST_CASE("run directory: an overwrite sets the replaced run's checkpoints aside first, puts them back on request, deletes them last with the asides of overwrites killed mid-delete, and refuses a model inside any of them") {
   namespace fs = std::filesystem;
   const fs::path run = test::scratch_path("replaced_checkpoints");
   fs::create_directories(run / "checkpoints/step_000002");
@@ -651,22 +651,50 @@ TEST_CASE("run directory: an overwrite sets the replaced run's checkpoints aside
   fs::create_directories(run / "checkpoints.replaced/step_000001");
   std::ofstream(run / "checkpoints.replaced/step_000001/state.json") << "{}\n";
   fs::create_directories(run / "checkpoints.replaced.2/step_000001");
-  fs::create_directories(run / "checkpoints.replacedX");  // not an aside's name: the user's, kept
+  // Not kiln's asides, kept: other names, and a file of an aside's name.
+  fs::create_directories(run / "checkpoints.replacedX");
+  fs::create_directories(run / "checkpoints.replaced.mine");
+  std::ofstream(run / "checkpoints.replaced.7") << "a file\n";
+  // A link among the asides goes, not what it points to.
+  const fs::path outside = test::scratch_path("replaced_checkpoints_outside");
+  fs::create_directories(outside);
+  std::ofstream(outside / "keep.txt") << "the user's\n";
+  fs::create_directory_symlink(outside, run / "checkpoints.replaced.9");
   CHECK(newest_checkpoint(run) == run / "checkpoints/step_000002");  // asides are never offered
 
   // Before the run starts: a model inside what the overwrite deletes is refused by its path.
   for (const char* inside : {"checkpoints/step_000002", "checkpoints.replaced/step_000001", "checkpoints.replaced.2"})
     CHECK_THROWS_WITH_AS(check_run_dir(run, "", true, (run / inside).string()),
                          doctest::Contains("which run.overwrite deletes"), std::invalid_argument);
-  CHECK_NOTHROW(check_run_dir(run, "", true, (run / "checkpoints.replacedX").string()));
+  for (const char* kept : {"checkpoints.replacedX", "checkpoints.replaced.mine"})
+    CHECK_NOTHROW(check_run_dir(run, "", true, (run / kept).string()));
   CHECK_NOTHROW(check_run_dir(run, "", false, (run / "checkpoints.replaced").string()));  // no overwrite, nothing deleted
 
-  CHECK(discard_replaced_checkpoints(run).empty());  // checkpoints -> checkpoints.replaced.3, then all three asides deleted
-  CHECK_FALSE(fs::exists(run / "checkpoints"));
-  CHECK_FALSE(fs::exists(run / "checkpoints.replaced"));
-  CHECK_FALSE(fs::exists(run / "checkpoints.replaced.2"));
-  CHECK_FALSE(fs::exists(run / "checkpoints.replaced.3"));
-  CHECK(fs::exists(run / "checkpoints.replacedX"));
+  // Set aside (checkpoints.replaced and .2 taken: .3), an empty checkpoints/ in its place; put back.
+  auto aside = set_aside_checkpoints(run);
+  CHECK(aside == run / "checkpoints.replaced.3");
+  CHECK(fs::exists(aside / "step_000002/state.json"));
+  CHECK(fs::is_empty(run / "checkpoints"));
   CHECK(newest_checkpoint(run).empty());
-  CHECK(discard_replaced_checkpoints(run).empty());  // nothing to replace: nothing happens
+  CHECK(put_back_checkpoints(run, aside));
+  CHECK(fs::exists(run / "checkpoints/step_000002/state.json"));
+  CHECK_FALSE(fs::exists(aside));
+
+  // Set aside again, then deleted with the leftovers, each leftover named.
+  aside = set_aside_checkpoints(run);
+  const auto lines = delete_replaced_checkpoints(run, aside);
+  REQUIRE(lines.size() == 3);  // checkpoints.replaced, .2 and the link .9; not this run's own aside
+  CHECK(lines[0].find("deleted '" + (run / "checkpoints.replaced").string() + "'") == 0);
+  CHECK(lines[1].find("checkpoints.replaced.2'") != std::string::npos);
+  CHECK(lines[2].find("checkpoints.replaced.9'") != std::string::npos);
+  for (const char* gone : {"checkpoints.replaced", "checkpoints.replaced.2", "checkpoints.replaced.3", "checkpoints.replaced.9"})
+    CHECK_MESSAGE(!fs::exists(fs::symlink_status(run / gone)), gone);
+  for (const char* kept : {"checkpoints.replacedX", "checkpoints.replaced.mine", "checkpoints.replaced.7"})
+    CHECK_MESSAGE(fs::exists(run / kept), kept);
+  CHECK(fs::exists(outside / "keep.txt"));
+  CHECK(fs::is_empty(run / "checkpoints"));
+  CHECK(delete_replaced_checkpoints(run, {}).empty());  // nothing left to delete
+  fs::remove(run / "checkpoints");
+  CHECK(set_aside_checkpoints(run).empty());  // no checkpoints: nothing set aside, nothing made
+  CHECK_FALSE(fs::exists(run / "checkpoints"));
 }
