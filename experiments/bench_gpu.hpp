@@ -19,7 +19,7 @@
 //    and that mode's train/rollout log-prob abs diff (0 expected), beside the default's.
 // With profile: only the forward+backward, then one more between cudaProfilerStart and
 // cudaProfilerStop (for `ncu --profile-from-start off`), and nothing else. With trace_path: only
-// the forward+backward, then one more under LibTorch's Kineto profiler (CPU ops and CUDA
+// the forward+backward, then trace_steps more under LibTorch's Kineto profiler (CPU ops and CUDA
 // kernels), written there as a Chrome trace (tests/bench/trace_gaps.py reads where the GPU
 // waits for the host), and nothing else.
 // Prints a table, and with json_path writes every number as JSON (used by
@@ -60,7 +60,7 @@ struct GpuBenchOptions {
   /// either way: PackedBatch's contract)
   bool batch_on_device = false;
   std::string json_path, config_dir;
-  std::string trace_path;  ///< after timing forward+backward, write one more's Kineto trace here and stop
+  std::string trace_path;  ///< after timing forward+backward, write trace_steps more's Kineto trace here and stop
   /// Forward+backwards in the trace (trace_path), each as the timing runs it (the step, then a
   /// device synchronize) inside a host op "kiln bench gpu: step I" (I from 1): the first carries
   /// the profiler's start-up, the later ones are the timed loop's steady state.

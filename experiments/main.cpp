@@ -258,8 +258,9 @@ void add_bench_gpu(CLI::App& bench, std::vector<Command>& commands) {
                 "Also time training and rollout with batch-invariant kernels (algorithm.true_on_policy) and report "
                 "that mode's train/rollout diff");
   auto* trace = cmd->add_option("--trace", go->trace_path,
-                                "Time forward+backward, then write one more's Chrome trace (Kineto: CPU ops, CUDA kernels) "
-                                "to this file and stop (with --activation-checkpointing: a checkpointed one)")
+                                "Time forward+backward, then write the Chrome trace (Kineto: CPU ops, CUDA kernels) of one "
+                                "more (--trace-steps: N more) to this file and stop (with --activation-checkpointing: "
+                                "checkpointed ones)")
                      ->check(CLI::Validator(
                          [](std::string& path) {
                            if (path.empty()) return std::string("give a file name");
