@@ -34,6 +34,25 @@ bool is_replaced_checkpoints(const fs::path& p) {
   const auto st = fs::symlink_status(p, ec);
   return named && !ec && (fs::is_directory(st) || fs::is_symlink(st));
 }
+
+// RUN's asides (is_replaced_checkpoints), sorted.
+std::vector<fs::path> replaced_checkpoints(const fs::path& run) {
+  std::error_code ec;
+  std::vector<fs::path> asides;
+  for (const auto& e : fs::directory_iterator(run, ec))
+    if (is_replaced_checkpoints(e.path())) asides.push_back(e.path());
+  std::sort(asides.begin(), asides.end());
+  return asides;
+}
+
+// PATH + suffix, or PATH + suffix + ".2", ".3", ...: the first name nothing (not even a
+// dangling link) holds.
+fs::path first_free_name(const fs::path& path, const std::string& suffix) {
+  std::error_code ec;
+  auto to = fs::path(path.string() + suffix);
+  for (int i = 2; fs::exists(fs::symlink_status(to, ec)); ++i) to = fs::path(path.string() + suffix + "." + std::to_string(i));
+  return to;
+}
 }  // namespace
 
 bool lies_within(const fs::path& inner, const fs::path& outer) {
@@ -111,9 +130,8 @@ void check_run_dir(const fs::path& dir, const std::string& resume_from, bool ove
   if (overwrite && resume_from.empty() && !model_checkpoint.empty()) {
     // What the overwrite deletes (delete_replaced_checkpoints): RUN/checkpoints and the asides
     // of earlier overwrites killed in their delete.
-    std::vector<fs::path> deleted{dir / "checkpoints"};
-    for (const auto& e : fs::directory_iterator(dir, ec))
-      if (is_replaced_checkpoints(e.path())) deleted.push_back(e.path());
+    std::vector<fs::path> deleted = replaced_checkpoints(dir);
+    deleted.insert(deleted.begin(), dir / "checkpoints");
     for (const auto& d : deleted)
       if (lies_within(model_checkpoint, d))
         throw std::invalid_argument("model.checkpoint '" + model_checkpoint + "' lies in '" + d.string() +
@@ -319,8 +337,7 @@ std::vector<fs::path> supersede_checkpoints(const fs::path& run, int64_t first_s
   }
   std::sort(found.begin(), found.end());
   for (const auto& ck : found) {
-    auto to = fs::path(ck.string() + ".superseded");
-    for (int i = 2; fs::exists(fs::symlink_status(to, ec)); ++i) to = fs::path(ck.string() + ".superseded." + std::to_string(i));
+    const auto to = first_free_name(ck, ".superseded");
     fs::rename(ck, to, ec);
     if (ec) throw std::runtime_error("cannot set aside the checkpoint '" + ck.string() + "' of a step the resume trains again: " + ec.message());
     moved.push_back(to);
@@ -332,8 +349,7 @@ fs::path set_aside_checkpoints(const fs::path& run) {
   std::error_code ec;
   const fs::path live = run / "checkpoints";
   if (!fs::exists(fs::symlink_status(live, ec))) return {};
-  auto aside = fs::path(live.string() + ".replaced");
-  for (int i = 2; fs::exists(fs::symlink_status(aside, ec)); ++i) aside = fs::path(live.string() + ".replaced." + std::to_string(i));
+  const auto aside = first_free_name(live, ".replaced");
   fs::rename(live, aside, ec);
   if (ec) throw std::runtime_error("cannot set aside '" + live.string() + "', the checkpoints of the run this one replaces: " + ec.message());
   // An empty one in its place: this run's, and a run directory given through it ("RUN/checkpoints/..") still resolves.
@@ -357,12 +373,8 @@ bool put_back_checkpoints(const fs::path& run, const fs::path& aside) {
 
 std::vector<std::string> delete_replaced_checkpoints(const fs::path& run, const fs::path& aside) {
   std::error_code ec;
-  std::vector<fs::path> asides;
-  for (const auto& e : fs::directory_iterator(run, ec))
-    if (is_replaced_checkpoints(e.path())) asides.push_back(e.path());
-  std::sort(asides.begin(), asides.end());
   std::vector<std::string> lines;
-  for (const auto& a : asides) {
+  for (const auto& a : replaced_checkpoints(run)) {
     fs::remove_all(a, ec);
     if (ec)
       lines.push_back("could not delete '" + a.string() + "', the checkpoints of a replaced run (" + ec.message() +
